@@ -1,0 +1,415 @@
+//! AVX2/FMA/F16C kernels, chosen at run time. Each computes every output element with exactly
+//! the operations of its portable twin (same lane sums, same FMA order, same horizontal sum),
+//! so the two agree bit for bit and the tests compare them for equality.
+//!
+//! The quantized matmul is register-tiled: a tile of weight rows × tokens unpacks each weight
+//! block once and reuses it for every token of the tile. Tile sizes change how fast a result is
+//! reached, never the operations that produce it, which keeps logits batch-invariant.
+
+use std::arch::x86_64::*;
+
+use crate::kv::KvData;
+use crate::pool::SharedMut;
+use crate::quant::{Activations, QK, WeightMatrix, WeightType, round_f16};
+
+use super::portable;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum8(x: __m256) -> f32 {
+    let hi = _mm256_extractf128_ps(x, 1);
+    let q = _mm_add_ps(hi, _mm256_castps256_ps128(x));
+    let q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    let q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    _mm_cvtss_f32(q)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_to_f32(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees two readable bytes at `p`.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// A quantized weight block format as the tile kernel sees it.
+trait Format {
+    const BYTES: usize;
+    /// Whether blocks carry a min (Q4_1's `+ m` term).
+    const HAS_MIN: bool;
+    /// The 32 weights of the block at `p`, as bytes ready for `dot`.
+    unsafe fn unpack(p: *const u8) -> __m256i;
+    /// Eight i32 lane sums of weight × activation over four elements each.
+    unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i;
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes at `p`.
+    let tmp = unsafe { _mm_loadu_si128(p.cast()) };
+    let bytes = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+    _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F))
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_unsigned(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_signed(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
+    // maddubs needs an unsigned operand: move w's sign onto a.
+    let aw = _mm256_sign_epi8(w, w);
+    let sa = _mm256_sign_epi8(a, w);
+    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones)
+}
+
+struct Q41;
+struct Q40;
+struct Q80;
+
+impl Format for Q41 {
+    const BYTES: usize = 20;
+    const HAS_MIN: bool = true;
+    #[inline(always)]
+    unsafe fn unpack(p: *const u8) -> __m256i {
+        // SAFETY: a Q4_1 block has 16 quant bytes at offset 4.
+        unsafe { nibbles(p.add(4)) }
+    }
+    #[inline(always)]
+    unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
+        // SAFETY: only called from the tile kernel, which requires AVX2.
+        unsafe { dot_unsigned(w, a, ones) }
+    }
+}
+
+impl Format for Q40 {
+    const BYTES: usize = 18;
+    const HAS_MIN: bool = false;
+    #[inline(always)]
+    unsafe fn unpack(p: *const u8) -> __m256i {
+        // SAFETY: a Q4_0 block has 16 quant bytes at offset 2; AVX2 is enabled by the caller.
+        unsafe { _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)) }
+    }
+    #[inline(always)]
+    unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
+        // SAFETY: only called from the tile kernel, which requires AVX2.
+        unsafe { dot_signed(w, a, ones) }
+    }
+}
+
+impl Format for Q80 {
+    const BYTES: usize = 34;
+    const HAS_MIN: bool = false;
+    #[inline(always)]
+    unsafe fn unpack(p: *const u8) -> __m256i {
+        // SAFETY: a Q8_0 block has 32 quant bytes at offset 2.
+        unsafe { _mm256_loadu_si256(p.add(2).cast()) }
+    }
+    #[inline(always)]
+    unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
+        // SAFETY: only called from the tile kernel, which requires AVX2.
+        unsafe { dot_signed(w, a, ones) }
+    }
+}
+
+/// Loads `T` (≤ 4) consecutive floats into the low lanes of a vector.
+#[inline(always)]
+unsafe fn load_partial<const T: usize>(p: *const f32) -> __m128 {
+    // SAFETY: the caller guarantees `T` readable floats at `p`; AVX2 is enabled by the caller.
+    unsafe {
+        match T {
+            4 => _mm_loadu_ps(p),
+            1 => _mm_set_ss(*p),
+            2 => _mm_set_ps(0.0, 0.0, *p.add(1), *p),
+            _ => _mm_set_ps(0.0, *p.add(2), *p.add(1), *p),
+        }
+    }
+}
+
+/// Computes the `R × T` outputs for weight rows `r0..r0+R` and tokens `t0..t0+T`.
+#[inline(always)]
+unsafe fn tile<F: Format, const R: usize, const T: usize>(
+    w: &WeightMatrix<'_>,
+    r0: usize,
+    acts: &Activations,
+    t0: usize,
+    out: &SharedMut<f32>,
+    ldo: usize,
+    col0: usize,
+) {
+    let nb = acts.cols / QK;
+    let rb = w.row_bytes();
+    debug_assert!(r0 + R <= w.rows && t0 + T <= acts.rows && T <= 4);
+    debug_assert_eq!(rb, nb * F::BYTES);
+    let base = w.data.as_ptr();
+    let aq = acts.qs.as_ptr();
+    let ad = acts.d.as_ptr();
+    let as_ = acts.s.as_ptr();
+    // SAFETY (whole body): every pointer offset below stays inside `w.data` (rows r0..r0+R,
+    // blocks 0..nb of `rb` bytes each) or inside the activation buffers (tokens t0..t0+T,
+    // sized by `Activations::resize`); AVX2/FMA/F16C are enabled by the calling kernel.
+    unsafe {
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let mut summ = [_mm_setzero_ps(); R];
+        for b in 0..nb {
+            let mut wv = [_mm256_setzero_si256(); R];
+            let mut wd = [_mm256_setzero_ps(); R];
+            let mut wm = [_mm_setzero_ps(); R];
+            for r in 0..R {
+                let blk = base.add((r0 + r) * rb + b * F::BYTES);
+                wv[r] = F::unpack(blk);
+                wd[r] = _mm256_set1_ps(f16_to_f32(blk));
+                if F::HAS_MIN {
+                    wm[r] = _mm_set1_ps(f16_to_f32(blk.add(2)));
+                }
+            }
+            for t in 0..T {
+                let a = _mm256_loadu_si256(aq.add((t0 + t) * acts.cols + b * QK).cast());
+                let da = _mm256_broadcast_ss(&*ad.add((t0 + t) * nb + b));
+                for r in 0..R {
+                    let sumi = F::dot(wv[r], a, ones);
+                    let dd = _mm256_mul_ps(wd[r], da);
+                    acc[r][t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[r][t]);
+                }
+            }
+            if F::HAS_MIN {
+                let s = load_partial::<T>(as_.add(b * acts.rows + t0));
+                for r in 0..R {
+                    summ[r] = _mm_fmadd_ps(wm[r], s, summ[r]);
+                }
+            }
+        }
+        for r in 0..R {
+            let mut sm = [0f32; 4];
+            _mm_storeu_ps(sm.as_mut_ptr(), summ[r]);
+            for t in 0..T {
+                let v = hsum8(acc[r][t]) + sm[t];
+                out.write((t0 + t) * ldo + col0 + r0 + r, v);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn matmul_format<F: Format>(
+    w: &WeightMatrix<'_>,
+    acts: &Activations,
+    rows: std::ops::Range<usize>,
+    out: &SharedMut<f32>,
+    ldo: usize,
+    col0: usize,
+) {
+    let n_tok = acts.rows;
+    // SAFETY (whole body): tiles stay within `rows` and `0..n_tok`; AVX2 is enabled by the caller.
+    unsafe {
+        if n_tok < 4 {
+            // Decode-sized batches: more rows per tile for instruction-level parallelism.
+            let mut r = rows.start;
+            while r + 4 <= rows.end {
+                for t in 0..n_tok {
+                    tile::<F, 4, 1>(w, r, acts, t, out, ldo, col0);
+                }
+                r += 4;
+            }
+            while r < rows.end {
+                for t in 0..n_tok {
+                    tile::<F, 1, 1>(w, r, acts, t, out, ldo, col0);
+                }
+                r += 1;
+            }
+            return;
+        }
+        // Token chunks keep the activations a tile streams resident in L1/L2.
+        const TOK_CHUNK: usize = 64;
+        let mut tc = 0;
+        while tc < n_tok {
+            let te = (tc + TOK_CHUNK).min(n_tok);
+            let mut r = rows.start;
+            while r < rows.end {
+                let two = r + 2 <= rows.end;
+                let mut t = tc;
+                while t + 4 <= te {
+                    if two {
+                        tile::<F, 2, 4>(w, r, acts, t, out, ldo, col0);
+                    } else {
+                        tile::<F, 1, 4>(w, r, acts, t, out, ldo, col0);
+                    }
+                    t += 4;
+                }
+                while t < te {
+                    if two {
+                        tile::<F, 2, 1>(w, r, acts, t, out, ldo, col0);
+                    } else {
+                        tile::<F, 1, 1>(w, r, acts, t, out, ldo, col0);
+                    }
+                    t += 1;
+                }
+                r += if two { 2 } else { 1 };
+            }
+            tc = te;
+        }
+    }
+}
+
+/// AVX2 version of `portable::matmul_rows` (float weights fall back to the shared code).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `out` must have room for `acts.rows × ldo`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn matmul_rows(
+    w: &WeightMatrix<'_>,
+    acts: &Activations,
+    rows: std::ops::Range<usize>,
+    out: &SharedMut<f32>,
+    ldo: usize,
+    col0: usize,
+) {
+    debug_assert!(!w.ty.is_quantized() || acts.is_quantized());
+    // SAFETY: features enabled on this function; bounds are the caller's contract.
+    unsafe {
+        match w.ty {
+            WeightType::Q4_1 => matmul_format::<Q41>(w, acts, rows, out, ldo, col0),
+            WeightType::Q4_0 => matmul_format::<Q40>(w, acts, rows, out, ldo, col0),
+            WeightType::Q8_0 => matmul_format::<Q80>(w, acts, rows, out, ldo, col0),
+            WeightType::F32 | WeightType::F16 | WeightType::BF16 => {
+                portable::matmul_rows(w, acts, rows, out, ldo, col0)
+            }
+        }
+    }
+}
+
+/// AVX2 version of `portable::quantize_rows`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; the buffers must be sized for `n_rows × cols`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_rows(
+    x: &[f32],
+    cols: usize,
+    qs: &SharedMut<i8>,
+    d: &SharedMut<f32>,
+    s_tr: &SharedMut<f32>,
+    n_rows: usize,
+    rows: std::ops::Range<usize>,
+) {
+    let nb = cols / QK;
+    assert!(x.len() >= n_rows * cols && rows.end <= n_rows);
+    let sign = _mm256_set1_ps(-0.0);
+    let perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for t in rows {
+        for b in 0..nb {
+            let o = t * cols + b * QK;
+            // SAFETY: `o + 32 <= x.len()` by the assert above; AVX2 enabled on this function.
+            let (v0, v1, v2, v3) = unsafe {
+                let p = x.as_ptr().add(o);
+                (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24)))
+            };
+            let m01 = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
+            let m23 = _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3));
+            let m = _mm256_max_ps(m01, m23);
+            let m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            let amax = _mm_cvtss_f32(m4);
+            let dsc = amax / 127.0;
+            let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let mul = _mm256_set1_ps(id);
+            const RN: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            let i0 = _mm256_cvtps_epi32(_mm256_round_ps::<RN>(_mm256_mul_ps(v0, mul)));
+            let i1 = _mm256_cvtps_epi32(_mm256_round_ps::<RN>(_mm256_mul_ps(v1, mul)));
+            let i2 = _mm256_cvtps_epi32(_mm256_round_ps::<RN>(_mm256_mul_ps(v2, mul)));
+            let i3 = _mm256_cvtps_epi32(_mm256_round_ps::<RN>(_mm256_mul_ps(v3, mul)));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+            let s4 = _mm_add_epi32(_mm256_extracti128_si256(sum, 1), _mm256_castsi256_si128(sum));
+            let s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+            let s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0b01));
+            let isum = _mm_cvtsi128_si32(s4);
+            let p01 = _mm256_packs_epi32(i0, i1);
+            let p23 = _mm256_packs_epi32(i2, i3);
+            let packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p01, p23), perm);
+            // SAFETY: each (t, b) is written by exactly one thread (rows are disjoint per thread)
+            // and the indices are within the buffers sized for `n_rows × cols`.
+            unsafe {
+                _mm256_storeu_si256(qs.slice(o..o + QK).as_mut_ptr().cast(), packed);
+                d.write(t * nb + b, round_f16(dsc));
+                s_tr.write(b * n_rows + t, round_f16(dsc * isum as f32));
+            }
+        }
+    }
+}
+
+/// `q · k` over one head of KV at element offset `off`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn kv_dot(q: &[f32], kv: &KvData, off: usize) -> f32 {
+    let n = q.len();
+    assert!(n % 8 == 0);
+    let mut acc = _mm256_setzero_ps();
+    match kv {
+        KvData::F16(v) => {
+            let k = &v[off..off + n];
+            for i in (0..n).step_by(8) {
+                // SAFETY: `i + 8 <= n` for both slices.
+                unsafe {
+                    let kf = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i).cast()));
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kf, acc);
+                }
+            }
+        }
+        KvData::F32(v) => {
+            let k = &v[off..off + n];
+            for i in (0..n).step_by(8) {
+                // SAFETY: `i + 8 <= n` for both slices.
+                unsafe {
+                    let kf = _mm256_loadu_ps(k.as_ptr().add(i));
+                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kf, acc);
+                }
+            }
+        }
+    }
+    hsum8(acc)
+}
+
+/// `out += p * v` over one head of KV at element offset `off`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn kv_axpy(p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
+    let n = out.len();
+    assert!(n % 8 == 0);
+    let pv = _mm256_set1_ps(p);
+    match kv {
+        KvData::F16(v) => {
+            let x = &v[off..off + n];
+            for i in (0..n).step_by(8) {
+                // SAFETY: `i + 8 <= n` for both slices.
+                unsafe {
+                    let xf = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr().add(i).cast()));
+                    let o = out.as_mut_ptr().add(i);
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(pv, xf, _mm256_loadu_ps(o)));
+                }
+            }
+        }
+        KvData::F32(v) => {
+            let x = &v[off..off + n];
+            for i in (0..n).step_by(8) {
+                // SAFETY: `i + 8 <= n` for both slices.
+                unsafe {
+                    let xf = _mm256_loadu_ps(x.as_ptr().add(i));
+                    let o = out.as_mut_ptr().add(i);
+                    _mm256_storeu_ps(o, _mm256_fmadd_ps(pv, xf, _mm256_loadu_ps(o)));
+                }
+            }
+        }
+    }
+}

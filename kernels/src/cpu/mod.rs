@@ -1,0 +1,415 @@
+//! The CPU backend: picks the best instruction set at run time (AVX2/FMA/F16C on x86-64, the
+//! portable kernels elsewhere) and spreads each operation over a fixed thread pool.
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+pub(crate) mod ops;
+pub mod portable;
+
+use half::slice::HalfFloatSliceExt;
+
+use crate::backend::{Backend, MatmulJob};
+use crate::kv::{AttnQuery, KvBuffer, KvData, KvSlot};
+use crate::pool::{SharedMut, ThreadPool, split};
+use crate::quant::{Activations, QK, WeightMatrix};
+use ops::Isa;
+
+/// Which kernels the CPU backend runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    /// Plain Rust; the reference every other kernel is tested against.
+    Portable,
+    /// AVX2 + FMA + F16C (x86-64).
+    Avx2,
+}
+
+impl Simd {
+    /// The best kernels this CPU supports.
+    pub fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+                && std::arch::is_x86_feature_detected!("f16c")
+            {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Portable
+    }
+
+    pub fn is_supported(self) -> bool {
+        match self {
+            Simd::Portable => true,
+            Simd::Avx2 => Simd::detect() == Simd::Avx2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Portable => "portable",
+            Simd::Avx2 => "avx2",
+        }
+    }
+}
+
+impl std::str::FromStr for Simd {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "portable" => Ok(Simd::Portable),
+            "avx2" => Ok(Simd::Avx2),
+            other => Err(format!("unknown SIMD level {other:?} (expected portable or avx2)")),
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct PortableIsa;
+
+impl Isa for PortableIsa {
+    #[inline(always)]
+    fn kv_dot(self, q: &[f32], kv: &KvData, off: usize) -> f32 {
+        portable::kv_dot(q, kv, off)
+    }
+    #[inline(always)]
+    fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
+        portable::kv_axpy(p, kv, off, out)
+    }
+}
+
+/// Proof that AVX2/FMA/F16C are present: only `CpuBackend::with_simd` makes one, after checking.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Avx2Isa(());
+
+#[cfg(target_arch = "x86_64")]
+impl Isa for Avx2Isa {
+    #[inline(always)]
+    fn kv_dot(self, q: &[f32], kv: &KvData, off: usize) -> f32 {
+        // SAFETY: an `Avx2Isa` exists only when the CPU supports the features.
+        unsafe { avx2::kv_dot(q, kv, off) }
+    }
+    #[inline(always)]
+    fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { avx2::kv_axpy(p, kv, off, out) }
+    }
+}
+
+/// The generic ops compiled with AVX2 enabled, so the compiler vectorises them for it.
+#[cfg(target_arch = "x86_64")]
+mod avx2_ops {
+    use super::*;
+
+    macro_rules! wrap {
+        ($($name:ident ( $($a:ident : $t:ty),* );)*) => {$(
+            /// # Safety
+            /// The CPU must support AVX2, FMA and F16C.
+            #[target_feature(enable = "avx2,fma,f16c")]
+            pub unsafe fn $name($($a: $t),*) { ops::$name($($a),*) }
+        )*};
+    }
+
+    wrap! {
+        rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
+        swiglu(gate: &[f32], up: &[f32], out: &mut [f32]);
+        add_assign(x: &mut [f32], y: &[f32]);
+        rope_rows(x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]);
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn attend(
+        isa: Avx2Isa,
+        geom: &crate::kv::KvGeometry,
+        kv: &KvData,
+        layer: usize,
+        kv_head: usize,
+        query: &AttnQuery<'_>,
+        q: &[f32],
+        out: &mut [f32],
+        scores: &mut Vec<f32>,
+    ) {
+        ops::attend(isa, geom, kv, layer, kv_head, query, q, out, scores)
+    }
+}
+
+/// Runs `$f(args)` with the backend's kernels: the shared body for portable, its AVX2
+/// instantiation when the CPU has it.
+macro_rules! dispatch {
+    ($self:expr, $f:ident ( $($arg:expr),* )) => {
+        match $self.simd {
+            Simd::Portable => ops::$f($($arg),*),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `simd` is `Avx2` only when the CPU supports it (checked in `with_simd`).
+            Simd::Avx2 => unsafe { avx2_ops::$f($($arg),*) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Simd::Avx2 => unreachable!("AVX2 is never selected off x86-64"),
+        }
+    };
+}
+
+/// Element-wise work below this many elements runs on the calling thread: waking the pool
+/// costs more than it saves.
+const PARALLEL_MIN_ELEMS: usize = 1 << 15;
+
+/// Rows of a matmul handed out together (matches the widest row tile).
+const MATMUL_UNIT: usize = 4;
+
+/// Why a CPU backend cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum CpuError {
+    #[error("this CPU does not support the {0} kernels")]
+    Unsupported(&'static str),
+}
+
+/// Computes on the host CPU with `threads` threads.
+#[derive(Debug)]
+pub struct CpuBackend {
+    pool: ThreadPool,
+    simd: Simd,
+}
+
+impl CpuBackend {
+    /// The fastest kernels this CPU supports, on `threads` threads (0 = all cores).
+    pub fn new(threads: usize) -> Self {
+        Self::with_simd(threads, Simd::detect()).expect("detected SIMD level is supported")
+    }
+
+    /// A backend with an explicit kernel choice (tests compare them).
+    pub fn with_simd(threads: usize, simd: Simd) -> Result<Self, CpuError> {
+        if !simd.is_supported() {
+            return Err(CpuError::Unsupported(simd.name()));
+        }
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        } else {
+            threads
+        };
+        Ok(Self { pool: ThreadPool::new(threads), simd })
+    }
+
+    pub fn simd(&self) -> Simd {
+        self.simd
+    }
+
+    /// Runs `f` over row ranges of `rows` rows of `row_elems` elements, in parallel when large.
+    fn rows_par(&self, rows: usize, row_elems: usize, f: impl Fn(std::ops::Range<usize>) + Sync) {
+        if rows * row_elems < PARALLEL_MIN_ELEMS || self.pool.threads() == 1 {
+            f(0..rows);
+        } else {
+            self.pool.for_ranges(rows, f);
+        }
+    }
+
+    fn matmul_rows(&self, w: &WeightMatrix<'_>, x: &Activations, rows: std::ops::Range<usize>, out: &SharedMut<f32>) {
+        match self.simd {
+            Simd::Portable => portable::matmul_rows(w, x, rows, out, w.rows, 0),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 was verified at construction; `out` holds `x.rows × w.rows`.
+            Simd::Avx2 => unsafe { avx2::matmul_rows(w, x, rows, out, w.rows, 0) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Simd::Avx2 => unreachable!("AVX2 is never selected off x86-64"),
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    fn describe(&self) -> String {
+        format!("cpu/{} x{}", self.simd.name(), self.pool.threads())
+    }
+
+    fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    fn quantize(&self, x: &[f32], rows: usize, cols: usize, out: &mut Activations) {
+        assert_eq!(x.len(), rows * cols, "quantize: input is not rows × cols");
+        out.resize(rows, cols);
+        out.f32.copy_from_slice(x);
+        if cols % QK != 0 {
+            return;
+        }
+        let qs = SharedMut::new(&mut out.qs);
+        let d = SharedMut::new(&mut out.d);
+        let s = SharedMut::new(&mut out.s);
+        self.rows_par(rows, cols, |r| match self.simd {
+            Simd::Portable => portable::quantize_rows(x, cols, &qs, &d, &s, rows, r),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 verified at construction; buffers sized by `resize` above.
+            Simd::Avx2 => unsafe { avx2::quantize_rows(x, cols, &qs, &d, &s, rows, r) },
+            #[cfg(not(target_arch = "x86_64"))]
+            Simd::Avx2 => unreachable!("AVX2 is never selected off x86-64"),
+        });
+    }
+
+    fn matmul(&self, x: &Activations, jobs: &mut [MatmulJob<'_, '_>]) {
+        for j in jobs.iter() {
+            assert_eq!(j.weight.cols, x.cols, "matmul: weight has {} columns, input {}", j.weight.cols, x.cols);
+            assert_eq!(j.out.len(), x.rows * j.weight.rows, "matmul: output buffer has the wrong size");
+            assert!(!j.weight.ty.is_quantized() || x.is_quantized(), "matmul: input was not quantized");
+        }
+        if x.rows == 0 {
+            return;
+        }
+        let outs: Vec<(WeightMatrix<'_>, SharedMut<f32>)> =
+            jobs.iter_mut().map(|j| (j.weight, SharedMut::new(j.out))).collect();
+        // Rows of all jobs form one index space, cut into units and split evenly over threads.
+        let units: Vec<usize> = outs.iter().map(|(w, _)| w.rows.div_ceil(MATMUL_UNIT)).collect();
+        let total: usize = units.iter().sum();
+        let threads = self.pool.threads().min(total);
+        let work = |tid: usize| {
+            let mine = split(total, threads, tid);
+            let mut base = 0;
+            for ((w, out), &n) in outs.iter().zip(&units) {
+                let lo = mine.start.max(base);
+                let hi = mine.end.min(base + n);
+                if lo < hi {
+                    let rows = (lo - base) * MATMUL_UNIT..((hi - base) * MATMUL_UNIT).min(w.rows);
+                    self.matmul_rows(w, x, rows, out);
+                }
+                base += n;
+            }
+        };
+        if threads <= 1 {
+            work(0);
+        } else {
+            self.pool.run(|tid| {
+                if tid < threads {
+                    work(tid)
+                }
+            });
+        }
+    }
+
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+        let n = weight.len();
+        assert!(n > 0 && x.len() % n == 0 && out.len() == x.len(), "rms_norm: shape mismatch");
+        let o = SharedMut::new(out);
+        self.rows_par(x.len() / n, n, |r| {
+            let xs = &x[r.start * n..r.end * n];
+            // SAFETY: row ranges from the pool are disjoint.
+            let os = unsafe { o.slice(r.start * n..r.end * n) };
+            dispatch!(self, rms_norm_rows(xs, weight, eps, os))
+        });
+    }
+
+    fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+        let row = heads * head_dim;
+        let half = head_dim / 2;
+        assert!(head_dim % 2 == 0 && x.len() % row == 0, "rope: shape mismatch");
+        let tokens = x.len() / row;
+        assert!(cos.len() >= tokens * half && sin.len() >= tokens * half, "rope: tables too short");
+        let xs = SharedMut::new(x);
+        self.rows_par(tokens, row, |r| {
+            // SAFETY: token ranges are disjoint.
+            let xr = unsafe { xs.slice(r.start * row..r.end * row) };
+            let (c, s) = (&cos[r.start * half..r.end * half], &sin[r.start * half..r.end * half]);
+            dispatch!(self, rope_rows(xr, heads, head_dim, c, s))
+        });
+    }
+
+    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+        assert!(gate.len() == up.len() && up.len() == out.len(), "swiglu: shape mismatch");
+        const CHUNK: usize = 1024;
+        let o = SharedMut::new(out);
+        self.rows_par(gate.len().div_ceil(CHUNK), CHUNK, |r| {
+            let range = r.start * CHUNK..(r.end * CHUNK).min(gate.len());
+            // SAFETY: chunk ranges are disjoint.
+            let os = unsafe { o.slice(range.clone()) };
+            dispatch!(self, swiglu(&gate[range.clone()], &up[range], os))
+        });
+    }
+
+    fn add_assign(&self, x: &mut [f32], y: &[f32]) {
+        assert_eq!(x.len(), y.len(), "add_assign: shape mismatch");
+        dispatch!(self, add_assign(x, y))
+    }
+
+    fn kv_write(&self, kv: &mut KvBuffer, layer: usize, k: &[f32], v: &[f32], slots: &[KvSlot]) {
+        let g = *kv.geometry();
+        let kd = g.kv_dim();
+        assert!(k.len() == slots.len() * kd && v.len() == k.len(), "kv_write: shape mismatch");
+        assert!(layer < g.layers, "kv_write: layer out of range");
+        let n_blocks = kv.n_blocks();
+        for (i, s) in slots.iter().enumerate() {
+            assert!((s.block as usize) < n_blocks && (s.slot as usize) < g.block_size, "kv_write: bad slot {s:?}");
+            for (which, src) in [k, v].into_iter().enumerate() {
+                for h in 0..g.kv_heads {
+                    let off = g.offset(s.block as usize, layer, which, h, s.slot as usize);
+                    let row = &src[i * kd + h * g.head_dim..i * kd + (h + 1) * g.head_dim];
+                    match kv.data_mut() {
+                        KvData::F16(d) => d[off..off + g.head_dim].convert_from_f32_slice(row),
+                        KvData::F32(d) => d[off..off + g.head_dim].copy_from_slice(row),
+                    }
+                }
+            }
+        }
+    }
+
+    fn attention(
+        &self,
+        kv: &KvBuffer,
+        layer: usize,
+        heads: usize,
+        q: &[f32],
+        queries: &[AttnQuery<'_>],
+        out: &mut [f32],
+    ) {
+        let g = kv.geometry();
+        let hd = g.head_dim;
+        assert!(hd % 8 == 0, "attention: head_dim must be a multiple of 8");
+        assert!(heads % g.kv_heads == 0, "attention: heads not a multiple of KV heads");
+        assert!(q.len() == queries.len() * heads * hd && out.len() == q.len(), "attention: shape mismatch");
+        assert!(layer < g.layers, "attention: layer out of range");
+        for query in queries {
+            let need = query.pos / g.block_size + 1;
+            assert!(query.blocks.len() >= need, "attention: block table shorter than position");
+            assert!(query.blocks[..need].iter().all(|&b| (b as usize) < kv.n_blocks()), "attention: block id out of range");
+        }
+        let group = heads / g.kv_heads;
+        let items = queries.len() * g.kv_heads;
+        let o = SharedMut::new(out);
+        let data = kv.data();
+        let run = |tid: usize, stride: usize| {
+            let mut scores = Vec::new();
+            // Strided so that causal prefill (later tokens cost more) balances across threads.
+            for it in (tid..items).step_by(stride) {
+                let (qi, kh) = (it / g.kv_heads, it % g.kv_heads);
+                let base = qi * heads * hd + kh * group * hd;
+                let qs = &q[base..base + group * hd];
+                // SAFETY: each (query, kv head) item owns a disjoint slice of `out`.
+                let os = unsafe { o.slice(base..base + group * hd) };
+                match self.simd {
+                    Simd::Portable => ops::attend(PortableIsa, g, data, layer, kh, &queries[qi], qs, os, &mut scores),
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: AVX2 verified at construction.
+                    Simd::Avx2 => unsafe {
+                        avx2_ops::attend(Avx2Isa(()), g, data, layer, kh, &queries[qi], qs, os, &mut scores)
+                    },
+                    #[cfg(not(target_arch = "x86_64"))]
+                    Simd::Avx2 => unreachable!("AVX2 is never selected off x86-64"),
+                }
+            }
+        };
+        let work: usize = queries.iter().map(|q| q.pos + 1).sum::<usize>() * heads * hd;
+        if work < PARALLEL_MIN_ELEMS || self.pool.threads() == 1 {
+            run(0, 1);
+        } else {
+            let t = self.pool.threads();
+            self.pool.run(|tid| run(tid, t));
+        }
+    }
+
+    fn embed(&self, table: &WeightMatrix<'_>, tokens: &[u32], out: &mut [f32]) {
+        let d = table.cols;
+        assert_eq!(out.len(), tokens.len() * d, "embed: output has the wrong size");
+        for (t, o) in tokens.iter().zip(out.chunks_exact_mut(d)) {
+            assert!((*t as usize) < table.rows, "embed: token {t} out of range");
+            table.dequantize_row(*t as usize, o);
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! pdmesh compute kernels: the `Backend` trait the engine runs the llama forward pass through,
+//! the weight and KV-cache storage formats those kernels read, and the CPU backend (portable
+//! Rust plus AVX2/FMA/F16C chosen at run time, on a low-latency thread pool).
+//!
+//! A CUDA backend is planned behind the same trait; nothing here assumes host memory beyond
+//! the CPU backend itself.
+
+pub mod backend;
+pub mod cpu;
+pub mod kv;
+pub mod pool;
+pub mod quant;
+
+pub use backend::{Backend, MatmulJob};
+pub use cpu::{CpuBackend, Simd};
+pub use kv::{AttnQuery, KvBuffer, KvData, KvDtype, KvGeometry, KvSlot};
+pub use quant::{Activations, WeightMatrix, WeightType};

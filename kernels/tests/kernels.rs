@@ -1,0 +1,312 @@
+//! Every kernel on every backend present, on seeded random data: the SIMD kernels must equal the
+//! portable ones bit for bit, both must agree with a naive f64 reference, and results must not
+//! depend on batch size or thread count.
+
+use half::f16;
+use pdmesh_kernels::{
+    Activations, AttnQuery, Backend, CpuBackend, KvBuffer, KvDtype, KvGeometry, KvSlot, MatmulJob,
+    Simd, WeightMatrix, WeightType,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Every backend this machine can run, with a label; a missing one is reported, not hidden.
+fn backends(threads: usize) -> Vec<CpuBackend> {
+    let mut v = vec![CpuBackend::with_simd(threads, Simd::Portable).unwrap()];
+    if Simd::Avx2.is_supported() {
+        v.push(CpuBackend::with_simd(threads, Simd::Avx2).unwrap());
+    } else {
+        eprintln!("SKIPPED: AVX2 kernels (this CPU lacks AVX2/FMA/F16C); portable only");
+    }
+    v
+}
+
+fn f16_bytes(x: f32) -> [u8; 2] {
+    f16::from_f32(x).to_bits().to_le_bytes()
+}
+
+fn random_weights(rng: &mut ChaCha8Rng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for _ in 0..rows {
+        match ty {
+            WeightType::F32 => {
+                for _ in 0..cols {
+                    out.extend_from_slice(&rng.random_range(-1.0f32..1.0).to_le_bytes());
+                }
+            }
+            WeightType::F16 => {
+                for _ in 0..cols {
+                    out.extend_from_slice(&f16_bytes(rng.random_range(-1.0..1.0)));
+                }
+            }
+            WeightType::BF16 => {
+                for _ in 0..cols {
+                    let b = half::bf16::from_f32(rng.random_range(-1.0..1.0));
+                    out.extend_from_slice(&b.to_bits().to_le_bytes());
+                }
+            }
+            WeightType::Q8_0 => {
+                for _ in 0..cols / 32 {
+                    out.extend_from_slice(&f16_bytes(rng.random_range(0.001..0.05)));
+                    // Include -128, the value that breaks naive sign tricks.
+                    out.extend((0..32).map(|_| rng.random_range(-128i32..=127) as i8 as u8));
+                }
+            }
+            WeightType::Q4_0 => {
+                for _ in 0..cols / 32 {
+                    out.extend_from_slice(&f16_bytes(rng.random_range(0.001..0.1)));
+                    out.extend((0..16).map(|_| rng.random::<u8>()));
+                }
+            }
+            WeightType::Q4_1 => {
+                for _ in 0..cols / 32 {
+                    out.extend_from_slice(&f16_bytes(rng.random_range(0.001..0.1)));
+                    out.extend_from_slice(&f16_bytes(rng.random_range(-0.5..0.5)));
+                    out.extend((0..16).map(|_| rng.random::<u8>()));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn random_vec(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+fn matmul(b: &CpuBackend, w: &WeightMatrix<'_>, x: &[f32], tokens: usize) -> Vec<f32> {
+    let mut acts = Activations::default();
+    b.quantize(x, tokens, w.cols, &mut acts);
+    let mut out = vec![f32::NAN; tokens * w.rows];
+    b.matmul(&acts, &mut [MatmulJob { weight: *w, out: &mut out }]);
+    out
+}
+
+const TYPES: [WeightType; 6] = [
+    WeightType::Q4_1,
+    WeightType::Q4_0,
+    WeightType::Q8_0,
+    WeightType::F32,
+    WeightType::F16,
+    WeightType::BF16,
+];
+
+#[test]
+fn matmul_simd_equals_portable_and_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for ty in TYPES {
+        // Odd row and token counts exercise every tile edge.
+        for (rows, cols, tokens) in [(37, 96, 1), (9, 64, 3), (70, 256, 13), (5, 32, 64)] {
+            let data = random_weights(&mut rng, ty, rows, cols);
+            let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+            let x = random_vec(&mut rng, tokens * cols, 2.0);
+            let results: Vec<Vec<f32>> = backends(2).iter().map(|b| matmul(b, &w, &x, tokens)).collect();
+            for r in &results[1..] {
+                assert_eq!(
+                    r.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    results[0].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{ty} {rows}x{cols} x{tokens}: SIMD differs from portable"
+                );
+            }
+            // Naive reference: dequantized weights against unquantized activations. Int8
+            // activations cost ~1% of each dot's magnitude; allow for that.
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                w.dequantize_row(r, &mut row);
+                for t in 0..tokens {
+                    let xs = &x[t * cols..(t + 1) * cols];
+                    let exact: f64 = row.iter().zip(xs).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                    let mag: f64 = row.iter().zip(xs).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+                    let got = f64::from(results[0][t * rows + r]);
+                    let tol = if ty.is_quantized() { 0.02 * mag + 1e-3 } else { 1e-5 * mag + 1e-5 };
+                    assert!((got - exact).abs() <= tol, "{ty} r{r} t{t}: {got} vs {exact} (tol {tol})");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_is_batch_and_thread_invariant() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for ty in [WeightType::Q4_1, WeightType::Q8_0, WeightType::Q4_0, WeightType::F16] {
+        let (rows, cols, tokens) = (45, 128, 23);
+        let data = random_weights(&mut rng, ty, rows, cols);
+        let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+        let x = random_vec(&mut rng, tokens * cols, 1.0);
+        for threads in [1, 2, 3] {
+            for b in backends(threads) {
+                let full = matmul(&b, &w, &x, tokens);
+                // Each token alone, and in a batch with a few neighbours.
+                for t in 0..tokens {
+                    let one = matmul(&b, &w, &x[t * cols..(t + 1) * cols], 1);
+                    assert_eq!(
+                        one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        full[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{ty} token {t} alone differs from in batch ({})",
+                        b.describe()
+                    );
+                }
+                let part = matmul(&b, &w, &x[5 * cols..10 * cols], 5);
+                assert_eq!(part, full[5 * rows..10 * rows], "{ty} 5-token batch differs");
+            }
+        }
+    }
+}
+
+#[test]
+fn quantize_simd_equals_portable() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (rows, cols) = (17, 576);
+    let mut x = random_vec(&mut rng, rows * cols, 3.0);
+    x[0..32].fill(0.0); // an all-zero block
+    x[40] = 1e-30; // a denormal-scale value
+    let all: Vec<Activations> = backends(2)
+        .iter()
+        .map(|b| {
+            let mut a = Activations::default();
+            b.quantize(&x, rows, cols, &mut a);
+            a
+        })
+        .collect();
+    for a in &all[1..] {
+        assert_eq!(a.qs, all[0].qs);
+        assert_eq!(a.d, all[0].d);
+        assert_eq!(a.s, all[0].s);
+    }
+}
+
+fn attention_setup(
+    rng: &mut ChaCha8Rng,
+    dtype: KvDtype,
+) -> (KvGeometry, Vec<Vec<u32>>, Vec<f32>, Vec<f32>, Vec<KvSlot>) {
+    let g = KvGeometry { layers: 2, kv_heads: 2, head_dim: 16, block_size: 4, dtype };
+    // Two sequences of 11 and 6 tokens with scattered, non-contiguous blocks.
+    let tables = vec![vec![7u32, 2, 9], vec![4u32, 0]];
+    let lens = [11usize, 6];
+    let mut slots = Vec::new();
+    for (tb, &n) in tables.iter().zip(&lens) {
+        for p in 0..n {
+            slots.push(KvSlot { block: tb[p / 4], slot: (p % 4) as u32 });
+        }
+    }
+    let k = random_vec(rng, slots.len() * g.kv_dim(), 1.0);
+    let v = random_vec(rng, slots.len() * g.kv_dim(), 1.0);
+    (g, tables, k, v, slots)
+}
+
+#[test]
+fn attention_matches_reference_on_every_backend() {
+    for dtype in [KvDtype::F16, KvDtype::F32] {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (g, tables, k, v, slots) = attention_setup(&mut rng, dtype);
+        let heads = 6; // group of 3 query heads per KV head
+        let hd = g.head_dim;
+        let queries: Vec<AttnQuery<'_>> = (0..11)
+            .map(|p| AttnQuery { pos: p, blocks: &tables[0] })
+            .chain((0..6).map(|p| AttnQuery { pos: p, blocks: &tables[1] }))
+            .collect();
+        let q = random_vec(&mut rng, queries.len() * heads * hd, 1.0);
+        let mut results = Vec::new();
+        for b in backends(2) {
+            let mut kv = KvBuffer::new(g, 10).unwrap();
+            b.kv_write(&mut kv, 1, &k, &v, &slots);
+            let mut out = vec![0f32; q.len()];
+            b.attention(&kv, 1, heads, &q, &queries, &mut out);
+            results.push((out, kv));
+        }
+        for (r, _) in &results[1..] {
+            assert_eq!(r, &results[0].0, "{dtype}: SIMD attention differs from portable");
+        }
+        // Reference in f64 over the values as stored (rounded to the KV dtype).
+        let (out, kv) = &results[0];
+        let round = |x: f32| if dtype == KvDtype::F16 { f16::from_f32(x).to_f32() } else { x };
+        let base = [0usize, 11];
+        for (qi, query) in queries.iter().enumerate() {
+            let seq = usize::from(qi >= 11);
+            for h in 0..heads {
+                let kh = h / 3;
+                let qv = &q[(qi * heads + h) * hd..(qi * heads + h + 1) * hd];
+                let scores: Vec<f64> = (0..=query.pos)
+                    .map(|j| {
+                        let kr = &k[(base[seq] + j) * g.kv_dim() + kh * hd..][..hd];
+                        qv.iter().zip(kr).map(|(&a, &b)| f64::from(a) * f64::from(round(b))).sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let want: f64 = (0..=query.pos)
+                        .map(|j| e[j] / sum * f64::from(round(v[(base[seq] + j) * g.kv_dim() + kh * hd + d])))
+                        .sum();
+                    let got = f64::from(out[(qi * heads + h) * hd + d]);
+                    assert!((got - want).abs() < 1e-5, "{dtype} q{qi} h{h} d{d}: {got} vs {want}");
+                }
+            }
+        }
+        // The write went where the geometry says.
+        let s = slots[12];
+        let got = kv.get(g.offset(s.block as usize, 1, 1, 1, s.slot as usize) + 3);
+        assert_eq!(got, round(v[12 * g.kv_dim() + hd + 3]));
+    }
+}
+
+#[test]
+fn elementwise_ops_match_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    for b in backends(2) {
+        let (rows, n) = (70, 600); // large enough to run in parallel
+        let x = random_vec(&mut rng, rows * n, 4.0);
+        let w = random_vec(&mut rng, n, 1.0);
+        let mut out = vec![0f32; x.len()];
+        b.rms_norm(&x, &w, 1e-5, &mut out);
+        for r in [0, 33, 69] {
+            let xs = &x[r * n..(r + 1) * n];
+            let ms: f64 = xs.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / n as f64;
+            let sc = 1.0 / (ms + 1e-5).sqrt();
+            for i in [0, 7, 599] {
+                let want = f64::from(xs[i]) * sc * f64::from(w[i]);
+                assert!((f64::from(out[r * n + i]) - want).abs() < 1e-5 * want.abs().max(1.0));
+            }
+        }
+
+        let g = random_vec(&mut rng, 40_000, 20.0);
+        let u = random_vec(&mut rng, 40_000, 2.0);
+        let mut o = vec![0f32; g.len()];
+        b.swiglu(&g, &u, &mut o);
+        for i in (0..g.len()).step_by(997) {
+            let gf = f64::from(g[i]);
+            let want = gf / (1.0 + (-gf).exp()) * f64::from(u[i]);
+            assert!((f64::from(o[i]) - want).abs() < 1e-5 * want.abs().max(1e-3), "{} vs {want}", o[i]);
+        }
+
+        let (heads, hd, tokens) = (3, 8, 2);
+        let mut x = random_vec(&mut rng, tokens * heads * hd, 1.0);
+        let orig = x.clone();
+        let angles: Vec<f32> = (0..tokens * hd / 2).map(|i| i as f32 * 0.3).collect();
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+        b.rope(&mut x, heads, hd, &cos, &sin);
+        let (t, h, i) = (1, 2, 3);
+        let base = (t * heads + h) * hd;
+        let a = angles[t * hd / 2 + i];
+        let (x0, x1) = (orig[base + 2 * i], orig[base + 2 * i + 1]);
+        assert!((x[base + 2 * i] - (x0 * a.cos() - x1 * a.sin())).abs() < 1e-6);
+        assert!((x[base + 2 * i + 1] - (x0 * a.sin() + x1 * a.cos())).abs() < 1e-6);
+    }
+}
+
+#[test]
+fn embed_dequantizes_rows() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let data = random_weights(&mut rng, WeightType::Q8_0, 10, 64);
+    let w = WeightMatrix::new(WeightType::Q8_0, 10, 64, &data).unwrap();
+    let b = CpuBackend::new(1);
+    let mut out = vec![0f32; 2 * 64];
+    b.embed(&w, &[3, 9], &mut out);
+    let mut row = vec![0f32; 64];
+    w.dequantize_row(9, &mut row);
+    assert_eq!(&out[64..], &row[..]);
+}
