@@ -10,15 +10,14 @@ use pdmesh_kernels::{
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// Every backend this machine can run, with a label; a missing one is reported, not hidden.
+/// Every backend this machine can run, portable first; a missing one is reported, not hidden.
 fn backends(threads: usize) -> Vec<CpuBackend> {
-    let mut v = vec![CpuBackend::with_simd(threads, Simd::Portable).unwrap()];
-    if Simd::Avx2.is_supported() {
-        v.push(CpuBackend::with_simd(threads, Simd::Avx2).unwrap());
-    } else {
-        eprintln!("SKIPPED: AVX2 kernels (this CPU lacks AVX2/FMA/F16C); portable only");
+    for s in [Simd::Avx2, Simd::Avx512Vnni] {
+        if !s.is_supported() {
+            eprintln!("SKIPPED: {} kernels (this CPU lacks them)", s.name());
+        }
     }
-    v
+    Simd::available().into_iter().map(|s| CpuBackend::with_simd(threads, s).unwrap()).collect()
 }
 
 fn f16_bytes(x: f32) -> [u8; 2] {

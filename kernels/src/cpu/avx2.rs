@@ -41,6 +41,8 @@ trait Format {
     unsafe fn unpack(p: *const u8) -> __m256i;
     /// Eight i32 lane sums of weight × activation over four elements each.
     unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i;
+    /// The same sums with one AVX512-VNNI instruction (bit-identical: exact integers).
+    unsafe fn dot_vnni(w: __m256i, a: __m256i) -> __m256i;
 }
 
 #[inline]
@@ -56,6 +58,18 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn dot_unsigned(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+fn dot_unsigned_vnni(w: __m256i, a: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+fn dot_signed_vnni(w: __m256i, a: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
 }
 
 #[inline]
@@ -84,6 +98,11 @@ impl Format for Q41 {
         // SAFETY: only called from the tile kernel, which requires AVX2.
         unsafe { dot_unsigned(w, a, ones) }
     }
+    #[inline(always)]
+    unsafe fn dot_vnni(w: __m256i, a: __m256i) -> __m256i {
+        // SAFETY: only called from VNNI kernels, whose callers checked the CPU features.
+        unsafe { dot_unsigned_vnni(w, a) }
+    }
 }
 
 impl Format for Q40 {
@@ -98,6 +117,11 @@ impl Format for Q40 {
     unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
         // SAFETY: only called from the tile kernel, which requires AVX2.
         unsafe { dot_signed(w, a, ones) }
+    }
+    #[inline(always)]
+    unsafe fn dot_vnni(w: __m256i, a: __m256i) -> __m256i {
+        // SAFETY: only called from VNNI kernels, whose callers checked the CPU features.
+        unsafe { dot_signed_vnni(w, a) }
     }
 }
 
@@ -114,25 +138,37 @@ impl Format for Q80 {
         // SAFETY: only called from the tile kernel, which requires AVX2.
         unsafe { dot_signed(w, a, ones) }
     }
+    #[inline(always)]
+    unsafe fn dot_vnni(w: __m256i, a: __m256i) -> __m256i {
+        // SAFETY: only called from VNNI kernels, whose callers checked the CPU features.
+        unsafe { dot_signed_vnni(w, a) }
+    }
 }
 
-/// Loads `T` (≤ 4) consecutive floats into the low lanes of a vector.
+/// Loads `T` (≤ 8) consecutive floats into the low lanes of a vector.
 #[inline(always)]
-unsafe fn load_partial<const T: usize>(p: *const f32) -> __m128 {
+unsafe fn load_partial<const T: usize>(p: *const f32) -> __m256 {
     // SAFETY: the caller guarantees `T` readable floats at `p`; AVX2 is enabled by the caller.
     unsafe {
         match T {
-            4 => _mm_loadu_ps(p),
-            1 => _mm_set_ss(*p),
-            2 => _mm_set_ps(0.0, 0.0, *p.add(1), *p),
-            _ => _mm_set_ps(0.0, *p.add(2), *p.add(1), *p),
+            8 => _mm256_loadu_ps(p),
+            4 => _mm256_zextps128_ps256(_mm_loadu_ps(p)),
+            1 => _mm256_zextps128_ps256(_mm_set_ss(*p)),
+            _ => {
+                let mut tmp = [0f32; 8];
+                std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), T);
+                _mm256_loadu_ps(tmp.as_ptr())
+            }
         }
     }
 }
 
+/// How far ahead (in weight rows) the decode kernel prefetches.
+const PREFETCH_ROWS: usize = 8;
+
 /// Computes the `R × T` outputs for weight rows `r0..r0+R` and tokens `t0..t0+T`.
 #[inline(always)]
-unsafe fn tile<F: Format, const R: usize, const T: usize>(
+unsafe fn tile<F: Format, const VNNI: bool, const R: usize, const T: usize>(
     w: &WeightMatrix<'_>,
     r0: usize,
     acts: &Activations,
@@ -140,10 +176,11 @@ unsafe fn tile<F: Format, const R: usize, const T: usize>(
     out: &SharedMut<f32>,
     ldo: usize,
     col0: usize,
+    prefetch: bool,
 ) {
     let nb = acts.cols / QK;
     let rb = w.row_bytes();
-    debug_assert!(r0 + R <= w.rows && t0 + T <= acts.rows && T <= 4);
+    debug_assert!(r0 + R <= w.rows && t0 + T <= acts.rows && T <= 8);
     debug_assert_eq!(rb, nb * F::BYTES);
     let base = w.data.as_ptr();
     let aq = acts.qs.as_ptr();
@@ -155,24 +192,28 @@ unsafe fn tile<F: Format, const R: usize, const T: usize>(
     unsafe {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); T]; R];
-        let mut summ = [_mm_setzero_ps(); R];
+        let mut summ = [_mm256_setzero_ps(); R];
         for b in 0..nb {
             let mut wv = [_mm256_setzero_si256(); R];
             let mut wd = [_mm256_setzero_ps(); R];
-            let mut wm = [_mm_setzero_ps(); R];
+            let mut wm = [_mm256_setzero_ps(); R];
             for r in 0..R {
                 let blk = base.add((r0 + r) * rb + b * F::BYTES);
+                if prefetch {
+                    // Weights stream from memory once per step: fetch rows ahead while computing.
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH_ROWS * rb).cast());
+                }
                 wv[r] = F::unpack(blk);
                 wd[r] = _mm256_set1_ps(f16_to_f32(blk));
                 if F::HAS_MIN {
-                    wm[r] = _mm_set1_ps(f16_to_f32(blk.add(2)));
+                    wm[r] = _mm256_set1_ps(f16_to_f32(blk.add(2)));
                 }
             }
             for t in 0..T {
                 let a = _mm256_loadu_si256(aq.add((t0 + t) * acts.cols + b * QK).cast());
                 let da = _mm256_broadcast_ss(&*ad.add((t0 + t) * nb + b));
                 for r in 0..R {
-                    let sumi = F::dot(wv[r], a, ones);
+                    let sumi = if VNNI { F::dot_vnni(wv[r], a) } else { F::dot(wv[r], a, ones) };
                     let dd = _mm256_mul_ps(wd[r], da);
                     acc[r][t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[r][t]);
                 }
@@ -180,13 +221,13 @@ unsafe fn tile<F: Format, const R: usize, const T: usize>(
             if F::HAS_MIN {
                 let s = load_partial::<T>(as_.add(b * acts.rows + t0));
                 for r in 0..R {
-                    summ[r] = _mm_fmadd_ps(wm[r], s, summ[r]);
+                    summ[r] = _mm256_fmadd_ps(wm[r], s, summ[r]);
                 }
             }
         }
         for r in 0..R {
-            let mut sm = [0f32; 4];
-            _mm_storeu_ps(sm.as_mut_ptr(), summ[r]);
+            let mut sm = [0f32; 8];
+            _mm256_storeu_ps(sm.as_mut_ptr(), summ[r]);
             for t in 0..T {
                 let v = hsum8(acc[r][t]) + sm[t];
                 out.write((t0 + t) * ldo + col0 + r0 + r, v);
@@ -196,7 +237,7 @@ unsafe fn tile<F: Format, const R: usize, const T: usize>(
 }
 
 #[inline(always)]
-unsafe fn matmul_format<F: Format>(
+unsafe fn matmul_format<F: Format, const VNNI: bool>(
     w: &WeightMatrix<'_>,
     acts: &Activations,
     rows: std::ops::Range<usize>,
@@ -212,13 +253,13 @@ unsafe fn matmul_format<F: Format>(
             let mut r = rows.start;
             while r + 4 <= rows.end {
                 for t in 0..n_tok {
-                    tile::<F, 4, 1>(w, r, acts, t, out, ldo, col0);
+                    tile::<F, VNNI, 4, 1>(w, r, acts, t, out, ldo, col0, t == 0);
                 }
                 r += 4;
             }
             while r < rows.end {
                 for t in 0..n_tok {
-                    tile::<F, 1, 1>(w, r, acts, t, out, ldo, col0);
+                    tile::<F, VNNI, 1, 1>(w, r, acts, t, out, ldo, col0, t == 0);
                 }
                 r += 1;
             }
@@ -226,30 +267,34 @@ unsafe fn matmul_format<F: Format>(
         }
         // Token chunks keep the activations a tile streams resident in L1/L2.
         const TOK_CHUNK: usize = 64;
+        const MR: usize = 3;
+        const MT: usize = 4;
         let mut tc = 0;
         while tc < n_tok {
             let te = (tc + TOK_CHUNK).min(n_tok);
             let mut r = rows.start;
             while r < rows.end {
-                let two = r + 2 <= rows.end;
+                let two = r + MR <= rows.end;
                 let mut t = tc;
-                while t + 4 <= te {
+                while t + MT <= te {
+                    let pf = t == 0;
                     if two {
-                        tile::<F, 2, 4>(w, r, acts, t, out, ldo, col0);
+                        tile::<F, VNNI, MR, MT>(w, r, acts, t, out, ldo, col0, pf);
                     } else {
-                        tile::<F, 1, 4>(w, r, acts, t, out, ldo, col0);
+                        tile::<F, VNNI, 1, MT>(w, r, acts, t, out, ldo, col0, pf);
                     }
-                    t += 4;
+                    t += MT;
                 }
                 while t < te {
+                    let pf = t == 0;
                     if two {
-                        tile::<F, 2, 1>(w, r, acts, t, out, ldo, col0);
+                        tile::<F, VNNI, MR, 1>(w, r, acts, t, out, ldo, col0, pf);
                     } else {
-                        tile::<F, 1, 1>(w, r, acts, t, out, ldo, col0);
+                        tile::<F, VNNI, 1, 1>(w, r, acts, t, out, ldo, col0, pf);
                     }
                     t += 1;
                 }
-                r += if two { 2 } else { 1 };
+                r += if two { MR } else { 1 };
             }
             tc = te;
         }
@@ -273,9 +318,36 @@ pub unsafe fn matmul_rows(
     // SAFETY: features enabled on this function; bounds are the caller's contract.
     unsafe {
         match w.ty {
-            WeightType::Q4_1 => matmul_format::<Q41>(w, acts, rows, out, ldo, col0),
-            WeightType::Q4_0 => matmul_format::<Q40>(w, acts, rows, out, ldo, col0),
-            WeightType::Q8_0 => matmul_format::<Q80>(w, acts, rows, out, ldo, col0),
+            WeightType::Q4_1 => matmul_format::<Q41, false>(w, acts, rows, out, ldo, col0),
+            WeightType::Q4_0 => matmul_format::<Q40, false>(w, acts, rows, out, ldo, col0),
+            WeightType::Q8_0 => matmul_format::<Q80, false>(w, acts, rows, out, ldo, col0),
+            WeightType::F32 | WeightType::F16 | WeightType::BF16 => {
+                portable::matmul_rows(w, acts, rows, out, ldo, col0)
+            }
+        }
+    }
+}
+
+/// `matmul_rows` with the integer dot products done by AVX512-VNNI (256-bit forms).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA, F16C, AVX512-VNNI and AVX512-VL; as `matmul_rows` otherwise.
+#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+pub unsafe fn matmul_rows_vnni(
+    w: &WeightMatrix<'_>,
+    acts: &Activations,
+    rows: std::ops::Range<usize>,
+    out: &SharedMut<f32>,
+    ldo: usize,
+    col0: usize,
+) {
+    debug_assert!(!w.ty.is_quantized() || acts.is_quantized());
+    // SAFETY: features enabled on this function; bounds are the caller's contract.
+    unsafe {
+        match w.ty {
+            WeightType::Q4_1 => matmul_format::<Q41, true>(w, acts, rows, out, ldo, col0),
+            WeightType::Q4_0 => matmul_format::<Q40, true>(w, acts, rows, out, ldo, col0),
+            WeightType::Q8_0 => matmul_format::<Q80, true>(w, acts, rows, out, ldo, col0),
             WeightType::F32 | WeightType::F16 | WeightType::BF16 => {
                 portable::matmul_rows(w, acts, rows, out, ldo, col0)
             }

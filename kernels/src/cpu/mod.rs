@@ -21,6 +21,8 @@ pub enum Simd {
     Portable,
     /// AVX2 + FMA + F16C (x86-64).
     Avx2,
+    /// The AVX2 kernels with AVX512-VNNI integer dot products (x86-64 with AVX-512).
+    Avx512Vnni,
 }
 
 impl Simd {
@@ -32,6 +34,11 @@ impl Simd {
                 && std::arch::is_x86_feature_detected!("fma")
                 && std::arch::is_x86_feature_detected!("f16c")
             {
+                if std::arch::is_x86_feature_detected!("avx512vnni")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                {
+                    return Simd::Avx512Vnni;
+                }
                 return Simd::Avx2;
             }
         }
@@ -39,16 +46,23 @@ impl Simd {
     }
 
     pub fn is_supported(self) -> bool {
-        match self {
-            Simd::Portable => true,
-            Simd::Avx2 => Simd::detect() == Simd::Avx2,
+        match (self, Simd::detect()) {
+            (Simd::Portable, _) => true,
+            (Simd::Avx2, best) => best != Simd::Portable,
+            (Simd::Avx512Vnni, best) => best == Simd::Avx512Vnni,
         }
+    }
+
+    /// Every level this CPU supports, from the reference up.
+    pub fn available() -> Vec<Simd> {
+        [Simd::Portable, Simd::Avx2, Simd::Avx512Vnni].into_iter().filter(|s| s.is_supported()).collect()
     }
 
     pub fn name(self) -> &'static str {
         match self {
             Simd::Portable => "portable",
             Simd::Avx2 => "avx2",
+            Simd::Avx512Vnni => "avx512vnni",
         }
     }
 }
@@ -59,7 +73,8 @@ impl std::str::FromStr for Simd {
         match s {
             "portable" => Ok(Simd::Portable),
             "avx2" => Ok(Simd::Avx2),
-            other => Err(format!("unknown SIMD level {other:?} (expected portable or avx2)")),
+            "avx512vnni" => Ok(Simd::Avx512Vnni),
+            other => Err(format!("unknown SIMD level {other:?} (expected portable, avx2 or avx512vnni)")),
         }
     }
 }
@@ -144,10 +159,10 @@ macro_rules! dispatch {
         match $self.simd {
             Simd::Portable => ops::$f($($arg),*),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `simd` is `Avx2` only when the CPU supports it (checked in `with_simd`).
-            Simd::Avx2 => unsafe { avx2_ops::$f($($arg),*) },
+            // SAFETY: `simd` is an x86 level only when the CPU supports it (checked in `with_simd`).
+            Simd::Avx2 | Simd::Avx512Vnni => unsafe { avx2_ops::$f($($arg),*) },
             #[cfg(not(target_arch = "x86_64"))]
-            Simd::Avx2 => unreachable!("AVX2 is never selected off x86-64"),
+            Simd::Avx2 | Simd::Avx512Vnni => unreachable!("x86 kernels are never selected off x86-64"),
         }
     };
 }
@@ -211,8 +226,11 @@ impl CpuBackend {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 was verified at construction; `out` holds `x.rows × w.rows`.
             Simd::Avx2 => unsafe { avx2::matmul_rows(w, x, rows, out, w.rows, 0) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX512-VNNI was verified at construction; as above.
+            Simd::Avx512Vnni => unsafe { avx2::matmul_rows_vnni(w, x, rows, out, w.rows, 0) },
             #[cfg(not(target_arch = "x86_64"))]
-            Simd::Avx2 => unreachable!("AVX2 is never selected off x86-64"),
+            Simd::Avx2 | Simd::Avx512Vnni => unreachable!("x86 kernels are never selected off x86-64"),
         }
     }
 }
@@ -240,9 +258,9 @@ impl Backend for CpuBackend {
             Simd::Portable => portable::quantize_rows(x, cols, &qs, &d, &s, rows, r),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 verified at construction; buffers sized by `resize` above.
-            Simd::Avx2 => unsafe { avx2::quantize_rows(x, cols, &qs, &d, &s, rows, r) },
+            Simd::Avx2 | Simd::Avx512Vnni => unsafe { avx2::quantize_rows(x, cols, &qs, &d, &s, rows, r) },
             #[cfg(not(target_arch = "x86_64"))]
-            Simd::Avx2 => unreachable!("AVX2 is never selected off x86-64"),
+            Simd::Avx2 | Simd::Avx512Vnni => unreachable!("x86 kernels are never selected off x86-64"),
         });
     }
 
@@ -387,11 +405,11 @@ impl Backend for CpuBackend {
                     Simd::Portable => ops::attend(PortableIsa, g, data, layer, kh, &queries[qi], qs, os, &mut scores),
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX2 verified at construction.
-                    Simd::Avx2 => unsafe {
+                    Simd::Avx2 | Simd::Avx512Vnni => unsafe {
                         avx2_ops::attend(Avx2Isa(()), g, data, layer, kh, &queries[qi], qs, os, &mut scores)
                     },
                     #[cfg(not(target_arch = "x86_64"))]
-                    Simd::Avx2 => unreachable!("AVX2 is never selected off x86-64"),
+                    Simd::Avx2 | Simd::Avx512Vnni => unreachable!("x86 kernels are never selected off x86-64"),
                 }
             }
         };

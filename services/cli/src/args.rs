@@ -1,0 +1,78 @@
+//! Options shared by every command that loads a model.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use pdmesh_engine::{DEFAULT_MODEL_PATH, Engine, EngineConfig, Model};
+use pdmesh_kernels::{KvDtype, Simd};
+
+#[derive(Debug, Clone, Args)]
+pub struct EngineArgs {
+    /// Path to a llama-architecture GGUF model.
+    #[arg(long, env = "PDMESH_MODEL", default_value = DEFAULT_MODEL_PATH)]
+    pub model: PathBuf,
+    /// Compute threads (0 = one per core).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// KV cache element type: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    pub kv_dtype: KvDtype,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Blocks in the KV pool (the ledger line printed at start says what that costs).
+    #[arg(long, default_value_t = 512)]
+    pub kv_blocks: usize,
+    /// Most tokens one engine step processes (prompt chunk size).
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Force a kernel set: portable or avx2 (default: best available).
+    #[arg(long)]
+    pub simd: Option<Simd>,
+}
+
+impl EngineArgs {
+    pub fn config(&self) -> EngineConfig {
+        EngineConfig {
+            threads: self.threads,
+            block_size: self.block_size,
+            kv_dtype: self.kv_dtype,
+            kv_blocks: self.kv_blocks,
+            max_batch_tokens: self.max_batch_tokens,
+            simd: self.simd,
+        }
+    }
+
+    pub fn load_model(&self) -> anyhow::Result<Arc<Model>> {
+        if !self.model.exists() {
+            bail!(
+                "model file {} not found: run `just fetch-model` (or pass --model PATH)",
+                self.model.display()
+            );
+        }
+        let model = Model::load(&self.model).with_context(|| format!("loading {}", self.model.display()))?;
+        Ok(Arc::new(model))
+    }
+
+    /// Loads the model and builds an engine, printing the memory ledger to stderr.
+    pub fn engine(&self) -> anyhow::Result<Engine> {
+        let model = self.load_model()?;
+        let engine = Engine::new(model, self.config())?;
+        let g = engine.kv().geometry();
+        eprintln!(
+            "model: {} ({} layers, {} MB) on {}; KV {}: {} B/token, {} KB/block, {} blocks = {} MB",
+            engine.model().config.name,
+            engine.model().config.layers,
+            engine.model().file_size() / 1_000_000,
+            engine.backend().describe(),
+            g.dtype,
+            g.bytes_per_token(),
+            g.bytes_per_block() / 1024,
+            engine.kv().total_blocks(),
+            engine.kv().buffer().size_bytes() / 1_000_000,
+        );
+        Ok(engine)
+    }
+}

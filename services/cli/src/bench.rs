@@ -1,0 +1,209 @@
+//! `pdmesh bench engine`: prefill and decode throughput of the local engine, and its memory.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::bail;
+use clap::{Args, Subcommand};
+use pdmesh_engine::{Engine, Logits, SeqId, StepItem};
+
+use crate::args::EngineArgs;
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Engine throughput: prefill of one prompt, single-stream decode, batched decode.
+    Engine(EngineBenchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct EngineBenchArgs {
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens generated for the single-stream decode measurement.
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: usize,
+    /// Concurrent sequences for the aggregate decode measurement (comma-separated).
+    #[arg(long, default_value = "1,4,16,32", value_delimiter = ',')]
+    batch_sizes: Vec<usize>,
+    /// Prompt length of each sequence in the batched measurement.
+    #[arg(long, default_value_t = 32)]
+    batch_prompt_tokens: usize,
+    /// Decode steps timed in the batched measurement.
+    #[arg(long, default_value_t = 64)]
+    batch_steps: usize,
+    /// Repetitions of each measurement; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Engine(a) => engine_bench(a),
+    }
+}
+
+/// Real text so the benchmark sees realistic token ids.
+const TEXT: &str = "The history of computing is a story of layers. Each generation of engineers \
+builds on the abstractions of the last: transistors become logic gates, gates become processors, \
+processors run operating systems, and operating systems host the programs people use every day. \
+Serving a language model adds one more layer. A prompt arrives, is split into tokens, and flows \
+through dozens of transformer blocks; every block reads the keys and values of all earlier tokens \
+from a cache that grows with the conversation. 1234567890 — naïve café, 東京, emoji 🚀. ";
+
+fn tokens(engine: &Engine, n: usize) -> anyhow::Result<Vec<u32>> {
+    let one = engine.model().tokenizer.encode(TEXT)?;
+    if one.is_empty() {
+        bail!("benchmark text tokenized to nothing");
+    }
+    Ok(one.iter().copied().cycle().take(n).collect())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Feeds `prompt` to `seq` in budget-sized chunks; returns the argmax after the last token.
+fn prefill(engine: &mut Engine, seq: SeqId, prompt: &[u32]) -> anyhow::Result<u32> {
+    let budget = engine.config().max_batch_tokens;
+    let mut next = 0;
+    for chunk in prompt.chunks(budget) {
+        let l = engine.step(&[StepItem { seq, tokens: chunk, logits: Logits::Last }])?;
+        next = argmax(l.last_of(0).unwrap_or(&[0.0]));
+    }
+    Ok(next)
+}
+
+fn rss_bytes(field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(field))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
+    if a.repeats == 0 || a.prompt_tokens == 0 || a.decode_tokens == 0 || a.batch_steps == 0 {
+        bail!("--repeats, --prompt-tokens, --decode-tokens and --batch-steps must be at least 1");
+    }
+    let mut ea = a.engine.clone();
+    ea.max_batch_tokens = ea.max_batch_tokens.max(a.prompt_tokens);
+    let max_b = a.batch_sizes.iter().copied().max().unwrap_or(1);
+    let need_tokens = (max_b * (a.batch_prompt_tokens + a.batch_steps)).max(a.prompt_tokens + a.decode_tokens + 32);
+    let need_blocks = need_tokens.div_ceil(ea.block_size) + max_b;
+    if ea.kv_blocks < need_blocks {
+        ea.kv_blocks = need_blocks;
+    }
+    let mut engine = ea.engine()?;
+    let rss_loaded = rss_bytes("VmRSS:").unwrap_or(0);
+    let model_bytes = engine.model().file_size();
+    let kv_bytes = engine.kv().buffer().size_bytes();
+
+    // Prefill: one step with the whole prompt, logits for its last token only.
+    let prompt = tokens(&engine, a.prompt_tokens)?;
+    let mut times = Vec::new();
+    for _ in 0..a.repeats {
+        let seq = engine.create_sequence();
+        let t = Instant::now();
+        engine.step(&[StepItem { seq, tokens: &prompt, logits: Logits::Last }])?;
+        times.push(t.elapsed().as_secs_f64());
+        engine.free_sequence(seq)?;
+    }
+    let prefill_tok_s = a.prompt_tokens as f64 / median(times);
+
+    // Single-stream decode after a short prompt.
+    let short = tokens(&engine, 32)?;
+    let mut rates = Vec::new();
+    for _ in 0..a.repeats {
+        let seq = engine.create_sequence();
+        let mut next = prefill(&mut engine, seq, &short)?;
+        let t = Instant::now();
+        for _ in 0..a.decode_tokens {
+            let l = engine.step(&[StepItem { seq, tokens: &[next], logits: Logits::Last }])?;
+            next = argmax(l.last_of(0).unwrap_or(&[0.0]));
+        }
+        rates.push(a.decode_tokens as f64 / t.elapsed().as_secs_f64());
+        engine.free_sequence(seq)?;
+    }
+    let decode_tok_s = median(rates);
+
+    // Aggregate decode with B sequences stepping together.
+    let mut batched = BTreeMap::new();
+    let bp = tokens(&engine, a.batch_prompt_tokens)?;
+    for &b in &a.batch_sizes {
+        if b == 0 {
+            bail!("--batch-sizes entries must be at least 1");
+        }
+        let mut rates = Vec::new();
+        for _ in 0..a.repeats {
+            let seqs: Vec<SeqId> = (0..b).map(|_| engine.create_sequence()).collect();
+            let mut next = Vec::with_capacity(b);
+            for &s in &seqs {
+                next.push([prefill(&mut engine, s, &bp)?]);
+            }
+            let t = Instant::now();
+            for _ in 0..a.batch_steps {
+                let items: Vec<StepItem<'_>> = seqs
+                    .iter()
+                    .zip(&next)
+                    .map(|(&seq, tok)| StepItem { seq, tokens: tok, logits: Logits::Last })
+                    .collect();
+                let l = engine.step(&items)?;
+                let new: Vec<[u32; 1]> = (0..b).map(|i| [argmax(l.last_of(i).unwrap_or(&[0.0]))]).collect();
+                next = new;
+            }
+            rates.push((b * a.batch_steps) as f64 / t.elapsed().as_secs_f64());
+            for s in seqs {
+                engine.free_sequence(s)?;
+            }
+        }
+        batched.insert(b, median(rates));
+    }
+    let peak = rss_bytes("VmHWM:").unwrap_or(0);
+
+    if a.json {
+        let obj = serde_json::json!({
+            "prefill_tok_s": prefill_tok_s,
+            "decode_tok_s": decode_tok_s,
+            "batched_decode_tok_s": batched.iter().map(|(b, v)| (b.to_string(), *v)).collect::<BTreeMap<_, _>>(),
+            "peak_rss_bytes": peak,
+            "rss_after_load_bytes": rss_loaded,
+            "model_file_bytes": model_bytes,
+            "kv_pool_bytes": kv_bytes,
+            "backend": engine.backend().describe(),
+            "prompt_tokens": a.prompt_tokens,
+            "decode_tokens": a.decode_tokens,
+        });
+        println!("{obj}");
+    } else {
+        println!("backend            {}", engine.backend().describe());
+        println!("prefill            {prefill_tok_s:>9.1} tok/s  ({}-token prompt)", a.prompt_tokens);
+        println!("decode             {decode_tok_s:>9.1} tok/s  (1 stream, {} tokens)", a.decode_tokens);
+        for (b, v) in &batched {
+            println!("batched decode x{b:<3}{v:>9.1} tok/s  (aggregate)");
+        }
+        println!(
+            "memory             model file {:.1} MB, KV pool {:.1} MB, RSS after load {:.1} MB, peak RSS {:.1} MB",
+            model_bytes as f64 / 1e6,
+            kv_bytes as f64 / 1e6,
+            rss_loaded as f64 / 1e6,
+            peak as f64 / 1e6
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,316 @@
+//! The paged KV cache: a block pool, one allocator with reference counts (so sequences can share
+//! a prefix's blocks), and per-sequence block tables. Every block is handed out and returned
+//! through `BlockAllocator`, whose free count tests assert to prove nothing leaks.
+
+use std::collections::HashMap;
+
+use pdmesh_kernels::{KvBuffer, KvGeometry, KvSlot};
+
+use crate::error::{Error, Result};
+
+/// Reference-counted allocation of block ids `0..n`. A plain struct: no I/O, no locking.
+#[derive(Debug, Clone)]
+pub struct BlockAllocator {
+    refs: Vec<u32>,
+    free: Vec<u32>,
+}
+
+impl BlockAllocator {
+    pub fn new(n: usize) -> Self {
+        // Lowest ids are handed out first (the stack pops from the end).
+        Self { refs: vec![0; n], free: (0..n as u32).rev().collect() }
+    }
+
+    pub fn total(&self) -> usize {
+        self.refs.len()
+    }
+
+    pub fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn refcount(&self, block: u32) -> u32 {
+        self.refs.get(block as usize).copied().unwrap_or(0)
+    }
+
+    /// A fresh block with one reference, or `None` when the pool is empty.
+    pub fn alloc(&mut self) -> Option<u32> {
+        let b = self.free.pop()?;
+        debug_assert_eq!(self.refs[b as usize], 0);
+        self.refs[b as usize] = 1;
+        Some(b)
+    }
+
+    /// Adds a reference to a live block.
+    pub fn retain(&mut self, block: u32) {
+        let r = &mut self.refs[block as usize];
+        assert!(*r > 0, "retain of free block {block}");
+        *r += 1;
+    }
+
+    /// Drops a reference; returns true when that freed the block.
+    pub fn release(&mut self, block: u32) -> bool {
+        let r = &mut self.refs[block as usize];
+        assert!(*r > 0, "release of free block {block} (double free)");
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(block);
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Identifies a sequence in one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seq#{}", self.0)
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sequence {
+    pub blocks: Vec<u32>,
+    pub len: usize,
+}
+
+/// KV memory plus the bookkeeping of which sequence owns which blocks.
+#[derive(Debug)]
+pub struct KvCache {
+    pub(crate) buffer: KvBuffer,
+    pub(crate) alloc: BlockAllocator,
+    pub(crate) seqs: HashMap<SeqId, Sequence>,
+    next_id: u64,
+}
+
+impl KvCache {
+    pub fn new(geometry: KvGeometry, n_blocks: usize) -> Result<Self> {
+        if n_blocks == 0 || n_blocks > u32::MAX as usize {
+            return Err(Error::KvAlloc(format!("{n_blocks} blocks is out of range")));
+        }
+        let buffer = KvBuffer::new(geometry, n_blocks).map_err(Error::KvAlloc)?;
+        Ok(Self { buffer, alloc: BlockAllocator::new(n_blocks), seqs: HashMap::new(), next_id: 0 })
+    }
+
+    pub fn geometry(&self) -> &KvGeometry {
+        self.buffer.geometry()
+    }
+
+    pub fn buffer(&self) -> &KvBuffer {
+        &self.buffer
+    }
+
+    pub fn allocator(&self) -> &BlockAllocator {
+        &self.alloc
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.alloc.free_count()
+    }
+
+    pub fn total_blocks(&self) -> usize {
+        self.alloc.total()
+    }
+
+    pub fn sequences(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// A new, empty sequence.
+    pub fn create(&mut self) -> SeqId {
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        self.seqs.insert(id, Sequence::default());
+        id
+    }
+
+    fn seq(&self, id: SeqId) -> Result<&Sequence> {
+        self.seqs.get(&id).ok_or_else(|| Error::invalid(format!("unknown sequence {id}")))
+    }
+
+    pub fn len(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seq(id)?.len)
+    }
+
+    pub fn blocks(&self, id: SeqId) -> Result<&[u32]> {
+        Ok(&self.seq(id)?.blocks)
+    }
+
+    /// A new sequence sharing all of `src`'s KV (by reference; a shared partial block is copied
+    /// when either side first writes to it).
+    pub fn fork(&mut self, src: SeqId) -> Result<SeqId> {
+        let s = self.seq(src)?.clone();
+        for &b in &s.blocks {
+            self.alloc.retain(b);
+        }
+        let id = self.create();
+        self.seqs.insert(id, s);
+        Ok(id)
+    }
+
+    /// Drops a sequence and its references to blocks.
+    pub fn free(&mut self, id: SeqId) -> Result<()> {
+        let s = self.seqs.remove(&id).ok_or_else(|| Error::invalid(format!("unknown sequence {id}")))?;
+        for b in s.blocks {
+            self.alloc.release(b);
+        }
+        Ok(())
+    }
+
+    /// Blocks that appending `n` tokens to `id` would take from the pool.
+    pub fn blocks_needed(&self, id: SeqId, n: usize) -> Result<usize> {
+        let s = self.seq(id)?;
+        Ok(self.needed(s, n))
+    }
+
+    fn needed(&self, s: &Sequence, n: usize) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        let bs = self.geometry().block_size;
+        let fresh = (s.len + n).div_ceil(bs).saturating_sub(s.blocks.len());
+        let cow = usize::from(s.len % bs != 0 && s.blocks.last().is_some_and(|&b| self.alloc.refcount(b) > 1));
+        fresh + cow
+    }
+
+    /// Reserves room for `n` more tokens of `id` and returns where each goes. The sequence's
+    /// length advances; the caller must write the KV of those slots.
+    pub fn append(&mut self, id: SeqId, n: usize) -> Result<Vec<KvSlot>> {
+        let s = self.seq(id)?;
+        let needed = self.needed(s, n);
+        if needed > self.alloc.free_count() {
+            return Err(Error::KvExhausted { needed, free: self.alloc.free_count() });
+        }
+        let bs = self.geometry().block_size;
+        let mut s = self.seqs.remove(&id).expect("sequence checked above");
+        if n > 0 && s.len % bs != 0 {
+            let last = *s.blocks.last().expect("a partial block exists");
+            if self.alloc.refcount(last) > 1 {
+                let fresh = self.alloc.alloc().expect("counted in `needed`");
+                self.buffer.copy_block(last as usize, fresh as usize);
+                self.alloc.release(last);
+                *s.blocks.last_mut().expect("non-empty") = fresh;
+            }
+        }
+        let mut slots = Vec::with_capacity(n);
+        for pos in s.len..s.len + n {
+            if pos / bs == s.blocks.len() {
+                s.blocks.push(self.alloc.alloc().expect("counted in `needed`"));
+            }
+            slots.push(KvSlot { block: s.blocks[pos / bs], slot: (pos % bs) as u32 });
+        }
+        s.len += n;
+        self.seqs.insert(id, s);
+        Ok(slots)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdmesh_kernels::KvDtype;
+    use rand::{Rng, SeedableRng};
+
+    fn cache(blocks: usize) -> KvCache {
+        let g = KvGeometry { layers: 1, kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F32 };
+        KvCache::new(g, blocks).unwrap()
+    }
+
+    #[test]
+    fn append_allocates_blocks_lazily() {
+        let mut c = cache(8);
+        let s = c.create();
+        let slots = c.append(s, 5).unwrap();
+        assert_eq!(c.blocks(s).unwrap().len(), 2);
+        assert_eq!(slots[4], KvSlot { block: c.blocks(s).unwrap()[1], slot: 0 });
+        assert_eq!(c.free_blocks(), 6);
+        c.append(s, 3).unwrap();
+        assert_eq!(c.free_blocks(), 6);
+        c.append(s, 1).unwrap();
+        assert_eq!(c.free_blocks(), 5);
+        c.free(s).unwrap();
+        assert_eq!(c.free_blocks(), 8);
+    }
+
+    #[test]
+    fn exhaustion_changes_nothing() {
+        let mut c = cache(2);
+        let s = c.create();
+        c.append(s, 6).unwrap();
+        let e = c.append(s, 3).unwrap_err();
+        assert!(matches!(e, Error::KvExhausted { needed: 1, free: 0 }), "{e}");
+        assert_eq!(c.len(s).unwrap(), 6);
+    }
+
+    #[test]
+    fn fork_shares_then_copies_partial_block_on_write() {
+        let mut c = cache(8);
+        let a = c.create();
+        c.append(a, 6).unwrap(); // blocks: full, partial(2/4)
+        let b = c.fork(a).unwrap();
+        assert_eq!(c.free_blocks(), 6);
+        assert_eq!(c.blocks_needed(b, 1).unwrap(), 1); // copy-on-write of the partial block
+        let slots = c.append(b, 1).unwrap();
+        assert_ne!(slots[0].block, c.blocks(a).unwrap()[1], "wrote into a shared block");
+        assert_eq!(c.blocks(a).unwrap()[0], c.blocks(b).unwrap()[0], "full block not shared");
+        // `a` is now the only owner of its partial block: no copy needed.
+        assert_eq!(c.blocks_needed(a, 1).unwrap(), 0);
+        c.free(a).unwrap();
+        c.free(b).unwrap();
+        assert_eq!(c.free_blocks(), 8);
+    }
+
+    #[test]
+    fn unknown_sequence_is_invalid_request() {
+        let mut c = cache(2);
+        assert!(matches!(c.free(SeqId(42)), Err(Error::InvalidRequest(_))));
+        assert!(matches!(c.append(SeqId(42), 1), Err(Error::InvalidRequest(_))));
+    }
+
+    /// Random add/fork/append/free sequences never leak or double-free a block, and refcounts
+    /// always equal the number of table entries pointing at a block.
+    #[test]
+    fn no_leak_after_random_operations() {
+        for seed in 0..20 {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let mut c = cache(64);
+            let mut live: Vec<SeqId> = Vec::new();
+            for _ in 0..400 {
+                match rng.random_range(0..4) {
+                    0 => live.push(c.create()),
+                    1 if !live.is_empty() => {
+                        let s = live[rng.random_range(0..live.len())];
+                        live.push(c.fork(s).unwrap());
+                    }
+                    2 if !live.is_empty() => {
+                        let s = live[rng.random_range(0..live.len())];
+                        let _ = c.append(s, rng.random_range(1..9));
+                    }
+                    3 if !live.is_empty() => {
+                        let s = live.swap_remove(rng.random_range(0..live.len()));
+                        c.free(s).unwrap();
+                    }
+                    _ => {}
+                }
+                let mut counts = vec![0u32; 64];
+                for s in c.seqs.values() {
+                    for &b in &s.blocks {
+                        counts[b as usize] += 1;
+                    }
+                }
+                for (b, &n) in counts.iter().enumerate() {
+                    assert_eq!(c.alloc.refcount(b as u32), n, "seed {seed}: block {b}");
+                }
+                assert_eq!(c.free_blocks(), counts.iter().filter(|&&n| n == 0).count());
+            }
+            for s in live {
+                c.free(s).unwrap();
+            }
+            assert_eq!(c.free_blocks(), 64, "seed {seed}: leaked blocks");
+        }
+    }
+}

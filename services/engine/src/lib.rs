@@ -1,0 +1,32 @@
+//! The pdmesh engine: loads a llama-architecture model from GGUF (weights stay quantized in a
+//! memory map), tokenizes with the model's own vocabulary and chat template, and runs the
+//! forward pass over a paged KV cache through one batched `step` that mixes prompt chunks and
+//! decode tokens from many sequences. Prefill and decode workers both drive this crate.
+//!
+//! Logits are bit-identical for a sequence whatever else shares its batch and however its prompt
+//! was chunked; the disaggregated mesh relies on that to prove it matches a single engine.
+
+pub mod chat;
+pub mod engine;
+pub mod error;
+pub mod eval;
+pub mod generate;
+pub mod gguf;
+pub mod kv_cache;
+pub mod model;
+pub mod sampler;
+pub mod scheduler;
+pub mod tokenizer;
+
+pub use chat::{ChatTemplate, Message};
+pub use engine::{Engine, EngineConfig, Logits, StepItem, StepLogits};
+pub use error::{Error, ErrorClass, Result};
+pub use generate::{FinishReason, GenerateParams, Generation, generate, generate_batch};
+pub use kv_cache::{BlockAllocator, KvCache, SeqId};
+pub use model::{Model, ModelConfig};
+pub use sampler::{Sampler, SamplingParams};
+pub use scheduler::{Scheduler, Work};
+pub use tokenizer::{StreamDecoder, Tokenizer};
+
+/// Where `just fetch-model` puts the default model, relative to the repository root.
+pub const DEFAULT_MODEL_PATH: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
