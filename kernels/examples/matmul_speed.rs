@@ -15,7 +15,8 @@ fn main() {
     let w = WeightMatrix::new(WeightType::Q4_1, rows, cols, &data).unwrap();
     let be = CpuBackend::new(threads);
     for tokens in [1usize, 4, 16, 64, 512] {
-        let xs: Vec<f32> = (0..tokens * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+        let xs: Vec<f32> =
+            (0..tokens * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
         let mut acts = Activations::default();
         be.quantize(&xs, tokens, cols, &mut acts);
         let mut out = vec![0f32; tokens * rows];
@@ -26,6 +27,10 @@ fn main() {
         }
         let dt = t.elapsed().as_secs_f64();
         let pairs = (rows * tokens * cols / 32 * iters) as f64;
-        println!("T={tokens:<4} {:.2} ns/block-pair  {:.1} GMAC/s", dt / pairs * 1e9, pairs * 32.0 / dt / 1e9);
+        println!(
+            "T={tokens:<4} {:.2} ns/block-pair  {:.1} GMAC/s",
+            dt / pairs * 1e9,
+            pairs * 32.0 / dt / 1e9
+        );
     }
 }

@@ -85,7 +85,14 @@ impl KvGeometry {
 
     /// Element offset of `(block, layer, kv, head, slot)`'s first dim; `kv` is 0 for K, 1 for V.
     #[inline(always)]
-    pub const fn offset(&self, block: usize, layer: usize, kv: usize, head: usize, slot: usize) -> usize {
+    pub const fn offset(
+        &self,
+        block: usize,
+        layer: usize,
+        kv: usize,
+        head: usize,
+        slot: usize,
+    ) -> usize {
         block * self.block_elems()
             + layer * self.layer_elems()
             + ((kv * self.kv_heads + head) * self.block_size + slot) * self.head_dim
@@ -168,8 +175,7 @@ impl KvBuffer {
 
 fn zeroed<T: Clone>(n: usize, zero: T) -> Result<Vec<T>, String> {
     let mut v = Vec::new();
-    v.try_reserve_exact(n)
-        .map_err(|e| format!("cannot allocate {n} KV elements: {e}"))?;
+    v.try_reserve_exact(n).map_err(|e| format!("cannot allocate {n} KV elements: {e}"))?;
     v.resize(n, zero);
     Ok(v)
 }
@@ -199,7 +205,8 @@ mod tests {
 
     #[test]
     fn offsets_tile_a_block_without_overlap() {
-        let g = KvGeometry { layers: 2, kv_heads: 2, head_dim: 4, block_size: 3, dtype: KvDtype::F32 };
+        let g =
+            KvGeometry { layers: 2, kv_heads: 2, head_dim: 4, block_size: 3, dtype: KvDtype::F32 };
         let mut seen = vec![false; 2 * g.block_elems()];
         for b in 0..2 {
             for l in 0..2 {
@@ -221,7 +228,8 @@ mod tests {
 
     #[test]
     fn copy_block_copies_only_that_block() {
-        let g = KvGeometry { layers: 1, kv_heads: 1, head_dim: 2, block_size: 2, dtype: KvDtype::F32 };
+        let g =
+            KvGeometry { layers: 1, kv_heads: 1, head_dim: 2, block_size: 2, dtype: KvDtype::F32 };
         let mut kv = KvBuffer::new(g, 3).unwrap();
         if let KvData::F32(v) = kv.data_mut() {
             for (i, x) in v.iter_mut().enumerate() {

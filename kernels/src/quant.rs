@@ -95,13 +95,18 @@ pub enum LayoutError {
 }
 
 impl<'a> WeightMatrix<'a> {
-    pub fn new(ty: WeightType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, LayoutError> {
+    pub fn new(
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, LayoutError> {
         let row = ty.row_bytes(cols).ok_or(LayoutError::PartialBlock {
             ty,
             cols,
             block: ty.block_elems(),
         })?;
-        let need = row.checked_mul(rows).unwrap_or(usize::MAX);
+        let need = row.saturating_mul(rows);
         if need != data.len() {
             return Err(LayoutError::WrongSize { ty, rows, cols, need, got: data.len() });
         }

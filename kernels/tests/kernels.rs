@@ -99,7 +99,8 @@ fn matmul_simd_equals_portable_and_reference() {
             let data = random_weights(&mut rng, ty, rows, cols);
             let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
             let x = random_vec(&mut rng, tokens * cols, 2.0);
-            let results: Vec<Vec<f32>> = backends(2).iter().map(|b| matmul(b, &w, &x, tokens)).collect();
+            let results: Vec<Vec<f32>> =
+                backends(2).iter().map(|b| matmul(b, &w, &x, tokens)).collect();
             for r in &results[1..] {
                 assert_eq!(
                     r.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -114,11 +115,19 @@ fn matmul_simd_equals_portable_and_reference() {
                 w.dequantize_row(r, &mut row);
                 for t in 0..tokens {
                     let xs = &x[t * cols..(t + 1) * cols];
-                    let exact: f64 = row.iter().zip(xs).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
-                    let mag: f64 = row.iter().zip(xs).map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs()).sum();
+                    let exact: f64 =
+                        row.iter().zip(xs).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                    let mag: f64 = row
+                        .iter()
+                        .zip(xs)
+                        .map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs())
+                        .sum();
                     let got = f64::from(results[0][t * rows + r]);
                     let tol = if ty.is_quantized() { 0.02 * mag + 1e-3 } else { 1e-5 * mag + 1e-5 };
-                    assert!((got - exact).abs() <= tol, "{ty} r{r} t{t}: {got} vs {exact} (tol {tol})");
+                    assert!(
+                        (got - exact).abs() <= tol,
+                        "{ty} r{r} t{t}: {got} vs {exact} (tol {tol})"
+                    );
                 }
             }
         }
@@ -141,7 +150,10 @@ fn matmul_is_batch_and_thread_invariant() {
                     let one = matmul(&b, &w, &x[t * cols..(t + 1) * cols], 1);
                     assert_eq!(
                         one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        full[t * rows..(t + 1) * rows].iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        full[t * rows..(t + 1) * rows]
+                            .iter()
+                            .map(|v| v.to_bits())
+                            .collect::<Vec<_>>(),
                         "{ty} token {t} alone differs from in batch ({})",
                         b.describe()
                     );
@@ -229,7 +241,10 @@ fn attention_matches_reference_on_every_backend() {
                 let scores: Vec<f64> = (0..=query.pos)
                     .map(|j| {
                         let kr = &k[(base[seq] + j) * g.kv_dim() + kh * hd..][..hd];
-                        qv.iter().zip(kr).map(|(&a, &b)| f64::from(a) * f64::from(round(b))).sum::<f64>()
+                        qv.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| f64::from(a) * f64::from(round(b)))
+                            .sum::<f64>()
                             / (hd as f64).sqrt()
                     })
                     .collect();
@@ -238,7 +253,10 @@ fn attention_matches_reference_on_every_backend() {
                 let sum: f64 = e.iter().sum();
                 for d in 0..hd {
                     let want: f64 = (0..=query.pos)
-                        .map(|j| e[j] / sum * f64::from(round(v[(base[seq] + j) * g.kv_dim() + kh * hd + d])))
+                        .map(|j| {
+                            e[j] / sum
+                                * f64::from(round(v[(base[seq] + j) * g.kv_dim() + kh * hd + d]))
+                        })
                         .sum();
                     let got = f64::from(out[(qi * heads + h) * hd + d]);
                     assert!((got - want).abs() < 1e-5, "{dtype} q{qi} h{h} d{d}: {got} vs {want}");
@@ -278,7 +296,11 @@ fn elementwise_ops_match_reference() {
         for i in (0..g.len()).step_by(997) {
             let gf = f64::from(g[i]);
             let want = gf / (1.0 + (-gf).exp()) * f64::from(u[i]);
-            assert!((f64::from(o[i]) - want).abs() < 1e-5 * want.abs().max(1e-3), "{} vs {want}", o[i]);
+            assert!(
+                (f64::from(o[i]) - want).abs() < 1e-5 * want.abs().max(1e-3),
+                "{} vs {want}",
+                o[i]
+            );
         }
 
         let (heads, hd, tokens) = (3, 8, 2);

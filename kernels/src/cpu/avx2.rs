@@ -168,6 +168,7 @@ const PREFETCH_ROWS: usize = 8;
 
 /// Computes the `R × T` outputs for weight rows `r0..r0+R` and tokens `t0..t0+T`.
 #[inline(always)]
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 unsafe fn tile<F: Format, const VNNI: bool, const R: usize, const T: usize>(
     w: &WeightMatrix<'_>,
     r0: usize,
@@ -186,7 +187,7 @@ unsafe fn tile<F: Format, const VNNI: bool, const R: usize, const T: usize>(
     let aq = acts.qs.as_ptr();
     let ad = acts.d.as_ptr();
     let as_ = acts.s.as_ptr();
-    // SAFETY (whole body): every pointer offset below stays inside `w.data` (rows r0..r0+R,
+    // SAFETY: (whole body) every pointer offset below stays inside `w.data` (rows r0..r0+R,
     // blocks 0..nb of `rb` bytes each) or inside the activation buffers (tokens t0..t0+T,
     // sized by `Activations::resize`); AVX2/FMA/F16C are enabled by the calling kernel.
     unsafe {
@@ -246,7 +247,7 @@ unsafe fn matmul_format<F: Format, const VNNI: bool>(
     col0: usize,
 ) {
     let n_tok = acts.rows;
-    // SAFETY (whole body): tiles stay within `rows` and `0..n_tok`; AVX2 is enabled by the caller.
+    // SAFETY: (whole body) tiles stay within `rows` and `0..n_tok`; AVX2 is enabled by the caller.
     unsafe {
         if n_tok < 4 {
             // Decode-sized batches: more rows per tile for instruction-level parallelism.
@@ -379,7 +380,12 @@ pub unsafe fn quantize_rows(
             // SAFETY: `o + 32 <= x.len()` by the assert above; AVX2 enabled on this function.
             let (v0, v1, v2, v3) = unsafe {
                 let p = x.as_ptr().add(o);
-                (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)), _mm256_loadu_ps(p.add(16)), _mm256_loadu_ps(p.add(24)))
+                (
+                    _mm256_loadu_ps(p),
+                    _mm256_loadu_ps(p.add(8)),
+                    _mm256_loadu_ps(p.add(16)),
+                    _mm256_loadu_ps(p.add(24)),
+                )
             };
             let m01 = _mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1));
             let m23 = _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3));

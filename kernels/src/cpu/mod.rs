@@ -55,7 +55,10 @@ impl Simd {
 
     /// Every level this CPU supports, from the reference up.
     pub fn available() -> Vec<Simd> {
-        [Simd::Portable, Simd::Avx2, Simd::Avx512Vnni].into_iter().filter(|s| s.is_supported()).collect()
+        [Simd::Portable, Simd::Avx2, Simd::Avx512Vnni]
+            .into_iter()
+            .filter(|s| s.is_supported())
+            .collect()
     }
 
     pub fn name(self) -> &'static str {
@@ -74,7 +77,9 @@ impl std::str::FromStr for Simd {
             "portable" => Ok(Simd::Portable),
             "avx2" => Ok(Simd::Avx2),
             "avx512vnni" => Ok(Simd::Avx512Vnni),
-            other => Err(format!("unknown SIMD level {other:?} (expected portable, avx2 or avx512vnni)")),
+            other => {
+                Err(format!("unknown SIMD level {other:?} (expected portable, avx2 or avx512vnni)"))
+            }
         }
     }
 }
@@ -220,7 +225,13 @@ impl CpuBackend {
         }
     }
 
-    fn matmul_rows(&self, w: &WeightMatrix<'_>, x: &Activations, rows: std::ops::Range<usize>, out: &SharedMut<f32>) {
+    fn matmul_rows(
+        &self,
+        w: &WeightMatrix<'_>,
+        x: &Activations,
+        rows: std::ops::Range<usize>,
+        out: &SharedMut<f32>,
+    ) {
         match self.simd {
             Simd::Portable => portable::matmul_rows(w, x, rows, out, w.rows, 0),
             #[cfg(target_arch = "x86_64")]
@@ -230,7 +241,9 @@ impl CpuBackend {
             // SAFETY: AVX512-VNNI was verified at construction; as above.
             Simd::Avx512Vnni => unsafe { avx2::matmul_rows_vnni(w, x, rows, out, w.rows, 0) },
             #[cfg(not(target_arch = "x86_64"))]
-            Simd::Avx2 | Simd::Avx512Vnni => unreachable!("x86 kernels are never selected off x86-64"),
+            Simd::Avx2 | Simd::Avx512Vnni => {
+                unreachable!("x86 kernels are never selected off x86-64")
+            }
         }
     }
 }
@@ -258,17 +271,32 @@ impl Backend for CpuBackend {
             Simd::Portable => portable::quantize_rows(x, cols, &qs, &d, &s, rows, r),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 verified at construction; buffers sized by `resize` above.
-            Simd::Avx2 | Simd::Avx512Vnni => unsafe { avx2::quantize_rows(x, cols, &qs, &d, &s, rows, r) },
+            Simd::Avx2 | Simd::Avx512Vnni => unsafe {
+                avx2::quantize_rows(x, cols, &qs, &d, &s, rows, r)
+            },
             #[cfg(not(target_arch = "x86_64"))]
-            Simd::Avx2 | Simd::Avx512Vnni => unreachable!("x86 kernels are never selected off x86-64"),
+            Simd::Avx2 | Simd::Avx512Vnni => {
+                unreachable!("x86 kernels are never selected off x86-64")
+            }
         });
     }
 
     fn matmul(&self, x: &Activations, jobs: &mut [MatmulJob<'_, '_>]) {
         for j in jobs.iter() {
-            assert_eq!(j.weight.cols, x.cols, "matmul: weight has {} columns, input {}", j.weight.cols, x.cols);
-            assert_eq!(j.out.len(), x.rows * j.weight.rows, "matmul: output buffer has the wrong size");
-            assert!(!j.weight.ty.is_quantized() || x.is_quantized(), "matmul: input was not quantized");
+            assert_eq!(
+                j.weight.cols, x.cols,
+                "matmul: weight has {} columns, input {}",
+                j.weight.cols, x.cols
+            );
+            assert_eq!(
+                j.out.len(),
+                x.rows * j.weight.rows,
+                "matmul: output buffer has the wrong size"
+            );
+            assert!(
+                !j.weight.ty.is_quantized() || x.is_quantized(),
+                "matmul: input was not quantized"
+            );
         }
         if x.rows == 0 {
             return;
@@ -354,7 +382,10 @@ impl Backend for CpuBackend {
         assert!(layer < g.layers, "kv_write: layer out of range");
         let n_blocks = kv.n_blocks();
         for (i, s) in slots.iter().enumerate() {
-            assert!((s.block as usize) < n_blocks && (s.slot as usize) < g.block_size, "kv_write: bad slot {s:?}");
+            assert!(
+                (s.block as usize) < n_blocks && (s.slot as usize) < g.block_size,
+                "kv_write: bad slot {s:?}"
+            );
             for (which, src) in [k, v].into_iter().enumerate() {
                 for h in 0..g.kv_heads {
                     let off = g.offset(s.block as usize, layer, which, h, s.slot as usize);
@@ -381,12 +412,18 @@ impl Backend for CpuBackend {
         let hd = g.head_dim;
         assert!(hd % 8 == 0, "attention: head_dim must be a multiple of 8");
         assert!(heads % g.kv_heads == 0, "attention: heads not a multiple of KV heads");
-        assert!(q.len() == queries.len() * heads * hd && out.len() == q.len(), "attention: shape mismatch");
+        assert!(
+            q.len() == queries.len() * heads * hd && out.len() == q.len(),
+            "attention: shape mismatch"
+        );
         assert!(layer < g.layers, "attention: layer out of range");
         for query in queries {
             let need = query.pos / g.block_size + 1;
             assert!(query.blocks.len() >= need, "attention: block table shorter than position");
-            assert!(query.blocks[..need].iter().all(|&b| (b as usize) < kv.n_blocks()), "attention: block id out of range");
+            assert!(
+                query.blocks[..need].iter().all(|&b| (b as usize) < kv.n_blocks()),
+                "attention: block id out of range"
+            );
         }
         let group = heads / g.kv_heads;
         let items = queries.len() * g.kv_heads;
@@ -402,14 +439,36 @@ impl Backend for CpuBackend {
                 // SAFETY: each (query, kv head) item owns a disjoint slice of `out`.
                 let os = unsafe { o.slice(base..base + group * hd) };
                 match self.simd {
-                    Simd::Portable => ops::attend(PortableIsa, g, data, layer, kh, &queries[qi], qs, os, &mut scores),
+                    Simd::Portable => ops::attend(
+                        PortableIsa,
+                        g,
+                        data,
+                        layer,
+                        kh,
+                        &queries[qi],
+                        qs,
+                        os,
+                        &mut scores,
+                    ),
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX2 verified at construction.
                     Simd::Avx2 | Simd::Avx512Vnni => unsafe {
-                        avx2_ops::attend(Avx2Isa(()), g, data, layer, kh, &queries[qi], qs, os, &mut scores)
+                        avx2_ops::attend(
+                            Avx2Isa(()),
+                            g,
+                            data,
+                            layer,
+                            kh,
+                            &queries[qi],
+                            qs,
+                            os,
+                            &mut scores,
+                        )
                     },
                     #[cfg(not(target_arch = "x86_64"))]
-                    Simd::Avx2 | Simd::Avx512Vnni => unreachable!("x86 kernels are never selected off x86-64"),
+                    Simd::Avx2 | Simd::Avx512Vnni => {
+                        unreachable!("x86 kernels are never selected off x86-64")
+                    }
                 }
             }
         };

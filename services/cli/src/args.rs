@@ -52,7 +52,8 @@ impl EngineArgs {
                 self.model.display()
             );
         }
-        let model = Model::load(&self.model).with_context(|| format!("loading {}", self.model.display()))?;
+        let model = Model::load(&self.model)
+            .with_context(|| format!("loading {}", self.model.display()))?;
         Ok(Arc::new(model))
     }
 

@@ -104,7 +104,8 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     let mut ea = a.engine.clone();
     ea.max_batch_tokens = ea.max_batch_tokens.max(a.prompt_tokens);
     let max_b = a.batch_sizes.iter().copied().max().unwrap_or(1);
-    let need_tokens = (max_b * (a.batch_prompt_tokens + a.batch_steps)).max(a.prompt_tokens + a.decode_tokens + 32);
+    let need_tokens = (max_b * (a.batch_prompt_tokens + a.batch_steps))
+        .max(a.prompt_tokens + a.decode_tokens + 32);
     let need_blocks = need_tokens.div_ceil(ea.block_size) + max_b;
     if ea.kv_blocks < need_blocks {
         ea.kv_blocks = need_blocks;
@@ -164,7 +165,8 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
                     .map(|(&seq, tok)| StepItem { seq, tokens: tok, logits: Logits::Last })
                     .collect();
                 let l = engine.step(&items)?;
-                let new: Vec<[u32; 1]> = (0..b).map(|i| [argmax(l.last_of(i).unwrap_or(&[0.0]))]).collect();
+                let new: Vec<[u32; 1]> =
+                    (0..b).map(|i| [argmax(l.last_of(i).unwrap_or(&[0.0]))]).collect();
                 next = new;
             }
             rates.push((b * a.batch_steps) as f64 / t.elapsed().as_secs_f64());
@@ -192,8 +194,14 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         println!("{obj}");
     } else {
         println!("backend            {}", engine.backend().describe());
-        println!("prefill            {prefill_tok_s:>9.1} tok/s  ({}-token prompt)", a.prompt_tokens);
-        println!("decode             {decode_tok_s:>9.1} tok/s  (1 stream, {} tokens)", a.decode_tokens);
+        println!(
+            "prefill            {prefill_tok_s:>9.1} tok/s  ({}-token prompt)",
+            a.prompt_tokens
+        );
+        println!(
+            "decode             {decode_tok_s:>9.1} tok/s  (1 stream, {} tokens)",
+            a.decode_tokens
+        );
         for (b, v) in &batched {
             println!("batched decode x{b:<3}{v:>9.1} tok/s  (aggregate)");
         }

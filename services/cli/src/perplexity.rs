@@ -23,7 +23,8 @@ pub struct PerplexityArgs {
 }
 
 pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
     let mut engine = a.engine.engine()?;
     let mut tokens = engine.model().tokenizer.encode(&text)?;
     if a.max_windows > 0 {

@@ -25,19 +25,19 @@ pub struct RunArgs {
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     temperature: f32,
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
     /// Nucleus sampling mass (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
     /// Drop tokens below min_p × the best token's probability (0 = off).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     min_p: f32,
     /// Penalty for tokens among the last 64 (1 = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     repetition_penalty: f32,
     /// RNG seed; the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
@@ -85,31 +85,43 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization");
     }
-    let params = GenerateParams { sampling, max_tokens: a.max_tokens, stop_tokens: Vec::new(), ignore_eos: a.ignore_eos };
+    let params = GenerateParams {
+        sampling,
+        max_tokens: a.max_tokens,
+        stop_tokens: Vec::new(),
+        ignore_eos: a.ignore_eos,
+    };
     let mut dec = StreamDecoder::new();
     let mut out = std::io::stdout().lock();
     let mut text_out = String::new();
     let mut io_err = None;
     let mut tops: Vec<Vec<(u32, f32)>> = Vec::new();
     let top_n = a.top_logits;
-    let g = generate_observed(&mut engine, &prompt, &params, |logits| {
-        if top_n > 0 {
-            let mut v: Vec<(u32, f32)> = logits.iter().copied().enumerate().map(|(i, l)| (i as u32, l)).collect();
-            v.sort_by(|x, y| y.1.total_cmp(&x.1));
-            v.truncate(top_n);
-            tops.push(v);
-        }
-    }, |tok| {
-        let piece = dec.push(&model.tokenizer, tok);
-        text_out.push_str(&piece);
-        if !a.json {
-            if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-                io_err = Some(e);
-                return false; // stdout closed (e.g. piped into `head`): stop generating
+    let g = generate_observed(
+        &mut engine,
+        &prompt,
+        &params,
+        |logits| {
+            if top_n > 0 {
+                let mut v: Vec<(u32, f32)> =
+                    logits.iter().copied().enumerate().map(|(i, l)| (i as u32, l)).collect();
+                v.sort_by(|x, y| y.1.total_cmp(&x.1));
+                v.truncate(top_n);
+                tops.push(v);
             }
-        }
-        true
-    })?;
+        },
+        |tok| {
+            let piece = dec.push(&model.tokenizer, tok);
+            text_out.push_str(&piece);
+            if !a.json {
+                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                    io_err = Some(e);
+                    return false; // stdout closed (e.g. piped into `head`): stop generating
+                }
+            }
+            true
+        },
+    )?;
     let tail = dec.finish();
     text_out.push_str(&tail);
     if let Some(e) = io_err {
@@ -119,7 +131,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         return Err(e).context("writing to stdout");
     }
     let decode_s = (g.total_time - g.time_to_first_token).as_secs_f64();
-    let decode_tps = if g.tokens.len() > 1 && decode_s > 0.0 { (g.tokens.len() - 1) as f64 / decode_s } else { 0.0 };
+    let decode_tps = if g.tokens.len() > 1 && decode_s > 0.0 {
+        (g.tokens.len() - 1) as f64 / decode_s
+    } else {
+        0.0
+    };
     if a.json {
         let obj = serde_json::json!({
             "token_ids": g.tokens,
@@ -132,10 +148,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         });
         let mut obj = obj;
         if top_n > 0 {
-            obj["top_logits"] = serde_json::json!(tops
-                .iter()
-                .map(|v| v.iter().map(|&(i, l)| serde_json::json!([i, l])).collect::<Vec<_>>())
-                .collect::<Vec<_>>());
+            obj["top_logits"] = serde_json::json!(
+                tops.iter()
+                    .map(|v| v.iter().map(|&(i, l)| serde_json::json!([i, l])).collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
+            );
         }
         writeln!(out, "{obj}")?;
     } else {

@@ -84,7 +84,9 @@ mod tests {
             s,
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
-        let s = t.render(&[Message::new("system", "Be brief."), Message::new("user", "Hi")], false).unwrap();
+        let s = t
+            .render(&[Message::new("system", "Be brief."), Message::new("user", "Hi")], false)
+            .unwrap();
         assert_eq!(s, "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n");
     }
 

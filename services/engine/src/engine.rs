@@ -44,7 +44,10 @@ impl Default for EngineConfig {
 impl EngineConfig {
     pub fn validate(&self) -> Result<()> {
         if self.block_size == 0 || self.block_size > 1024 {
-            return Err(Error::invalid(format!("block_size {} must be in 1..=1024", self.block_size)));
+            return Err(Error::invalid(format!(
+                "block_size {} must be in 1..=1024",
+                self.block_size
+            )));
         }
         if self.kv_blocks == 0 {
             return Err(Error::invalid("kv_blocks must be at least 1"));
@@ -146,7 +149,8 @@ impl Engine {
         let backend: Box<dyn Backend> = match config.simd {
             None => Box::new(CpuBackend::new(config.threads)),
             Some(simd) => Box::new(
-                CpuBackend::with_simd(config.threads, simd).map_err(|e| Error::invalid(e.to_string()))?,
+                CpuBackend::with_simd(config.threads, simd)
+                    .map_err(|e| Error::invalid(e.to_string()))?,
             ),
         };
         let geom = model.config.kv_geometry(config.block_size, config.kv_dtype);
@@ -278,7 +282,14 @@ impl Engine {
         })
     }
 
-    fn forward(&mut self, tokens: &[u32], positions: &[usize], slots: &[KvSlot], owner: &[SeqId], logit_tokens: &[usize]) {
+    fn forward(
+        &mut self,
+        tokens: &[u32],
+        positions: &[usize],
+        slots: &[KvSlot],
+        owner: &[SeqId],
+        logit_tokens: &[usize],
+    ) {
         let model = &*self.model;
         let c = &model.config;
         let be = self.backend.as_ref();
@@ -348,7 +359,10 @@ impl Engine {
             );
             be.swiglu(&s.gate, &s.up, &mut s.ffn);
             be.quantize(&s.ffn, n, c.ffn, &mut s.acts);
-            be.matmul(&s.acts, &mut [MatmulJob { weight: model.weight(&l.w_down), out: &mut s.proj }]);
+            be.matmul(
+                &s.acts,
+                &mut [MatmulJob { weight: model.weight(&l.w_down), out: &mut s.proj }],
+            );
             be.add_assign(&mut s.x, &s.proj);
         }
 
@@ -366,7 +380,10 @@ impl Engine {
         fit(&mut s.xn, m * d);
         be.rms_norm(&sel, &model.output_norm, c.rms_eps, &mut s.xn);
         be.quantize(&s.xn, m, d, &mut s.acts);
-        be.matmul(&s.acts, &mut [MatmulJob { weight: model.weight(&model.output), out: &mut s.logits }]);
+        be.matmul(
+            &s.acts,
+            &mut [MatmulJob { weight: model.weight(&model.output), out: &mut s.logits }],
+        );
         s.proj = sel;
     }
 }

@@ -26,11 +26,17 @@ pub fn perplexity(
         return Err(Error::invalid("ctx must be at least 2"));
     }
     if ctx > engine.max_seq_len() {
-        return Err(Error::invalid(format!("ctx {ctx} is past the model's context of {}", engine.max_seq_len())));
+        return Err(Error::invalid(format!(
+            "ctx {ctx} is past the model's context of {}",
+            engine.max_seq_len()
+        )));
     }
     let windows = tokens.len() / ctx;
     if windows == 0 {
-        return Err(Error::invalid(format!("the text has {} tokens, fewer than one window of {ctx}", tokens.len())));
+        return Err(Error::invalid(format!(
+            "the text has {} tokens, fewer than one window of {ctx}",
+            tokens.len()
+        )));
     }
     let budget = engine.config().max_batch_tokens;
     let mut nll = 0f64;
@@ -41,7 +47,8 @@ pub fn perplexity(
         let r = (|| -> Result<()> {
             for (c, chunk) in win.chunks(budget).enumerate() {
                 let base = c * budget;
-                let logits = engine.step(&[StepItem { seq, tokens: chunk, logits: Logits::All }])?;
+                let logits =
+                    engine.step(&[StepItem { seq, tokens: chunk, logits: Logits::All }])?;
                 for i in 0..logits.len() {
                     let ((_, j), row) = logits.row(i);
                     let pos = base + j;

@@ -25,7 +25,12 @@ pub struct GenerateParams {
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        Self { sampling: SamplingParams::default(), max_tokens: 128, stop_tokens: Vec::new(), ignore_eos: false }
+        Self {
+            sampling: SamplingParams::default(),
+            max_tokens: 128,
+            stop_tokens: Vec::new(),
+            ignore_eos: false,
+        }
     }
 }
 
@@ -137,10 +142,8 @@ pub fn generate_batch_observed(
                     );
                 }
             }
-            let decode_tokens: Vec<[u32; 1]> = plan
-                .iter()
-                .map(|s| [running[&s.id].next.unwrap_or(0)])
-                .collect();
+            let decode_tokens: Vec<[u32; 1]> =
+                plan.iter().map(|s| [running[&s.id].next.unwrap_or(0)]).collect();
             let items: Vec<StepItem<'_>> = plan
                 .iter()
                 .zip(&decode_tokens)
@@ -216,7 +219,10 @@ pub fn generate_batch_observed(
         let _ = engine.free_sequence(r.seq);
     }
     result?;
-    Ok(done.into_iter().map(|g| g.expect("every request finishes before the scheduler empties")).collect())
+    Ok(done
+        .into_iter()
+        .map(|g| g.expect("every request finishes before the scheduler empties"))
+        .collect())
 }
 
 /// Generates for one prompt, streaming each token to `on_token` (return `false` to stop).
@@ -238,6 +244,7 @@ pub fn generate_observed(
     mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<Generation> {
     let reqs = [(prompt.to_vec(), params.clone())];
-    let mut out = generate_batch_observed(engine, &reqs, 1, |_, l| on_logits(l), |_, t| on_token(t))?;
+    let mut out =
+        generate_batch_observed(engine, &reqs, 1, |_, l| on_logits(l), |_, t| on_token(t))?;
     Ok(out.remove(0))
 }

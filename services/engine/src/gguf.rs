@@ -183,7 +183,12 @@ impl GgufFile {
         let version = r.u32("version")?;
         match version {
             2 | 3 => {}
-            1 => return Err(Error::gguf("version", "GGUF v1 is not supported (re-convert the model)")),
+            1 => {
+                return Err(Error::gguf(
+                    "version",
+                    "GGUF v1 is not supported (re-convert the model)",
+                ));
+            }
             v if v.swap_bytes() <= 3 => {
                 return Err(Error::gguf("version", "big-endian GGUF files are not supported"));
             }
@@ -225,7 +230,10 @@ impl GgufFile {
             let ctx = format!("tensor {name:?}");
             let n_dims = r.u32(&format!("{ctx} n_dims"))?;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(Error::gguf(&ctx, format!("{n_dims} dimensions (expected 1..={MAX_DIMS})")));
+                return Err(Error::gguf(
+                    &ctx,
+                    format!("{n_dims} dimensions (expected 1..={MAX_DIMS})"),
+                ));
             }
             let mut dims = Vec::with_capacity(n_dims as usize);
             for d in 0..n_dims {
@@ -255,29 +263,45 @@ impl GgufFile {
             if dims[0] % ty.block_elems() as u64 != 0 {
                 return Err(Error::gguf(
                     &ctx,
-                    format!("first dimension {} is not a multiple of the {ty} block size {}", dims[0], ty.block_elems()),
+                    format!(
+                        "first dimension {} is not a multiple of the {ty} block size {}",
+                        dims[0],
+                        ty.block_elems()
+                    ),
                 ));
             }
             let size = (elements / ty.block_elems() as u64)
                 .checked_mul(ty.block_bytes() as u64)
                 .ok_or_else(|| Error::gguf(&ctx, "byte size overflows"))?;
             if offset % alignment != 0 {
-                return Err(Error::gguf(&ctx, format!("data offset {offset} is not aligned to {alignment}")));
+                return Err(Error::gguf(
+                    &ctx,
+                    format!("data offset {offset} is not aligned to {alignment}"),
+                ));
             }
             let start = data_start
                 .checked_add(offset)
                 .ok_or_else(|| Error::gguf(&ctx, "data offset overflows"))?;
-            let end = start.checked_add(size).ok_or_else(|| Error::gguf(&ctx, "data end overflows"))?;
+            let end =
+                start.checked_add(size).ok_or_else(|| Error::gguf(&ctx, "data end overflows"))?;
             if end > file_len {
                 return Err(Error::gguf(
                     &ctx,
-                    format!("data {start}..{end} lies past the end of the file ({file_len} bytes): truncated?"),
+                    format!(
+                        "data {start}..{end} lies past the end of the file ({file_len} bytes): truncated?"
+                    ),
                 ));
             }
             if by_name.insert(name.clone(), tensors.len()).is_some() {
                 return Err(Error::gguf(&ctx, "duplicate tensor name"));
             }
-            tensors.push(TensorInfo { name, dims, ty, offset: start as usize, size: size as usize });
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ty,
+                offset: start as usize,
+                size: size as usize,
+            });
         }
         Ok(Self { map, version, alignment, metadata, tensors, by_name })
     }
@@ -301,7 +325,10 @@ impl GgufFile {
     }
 
     fn wrong_type(key: &str, want: &str, v: &Value) -> Error {
-        Error::gguf(format!("metadata {key:?}"), format!("expected {want}, found {}", v.type_name()))
+        Error::gguf(
+            format!("metadata {key:?}"),
+            format!("expected {want}, found {}", v.type_name()),
+        )
     }
 
     pub fn get_u64(&self, key: &str) -> Result<Option<u64>> {
@@ -311,7 +338,9 @@ impl GgufFile {
     }
 
     pub fn get_f64(&self, key: &str) -> Result<Option<f64>> {
-        self.get(key).map(|v| v.as_f64().ok_or_else(|| Self::wrong_type(key, "a float", v))).transpose()
+        self.get(key)
+            .map(|v| v.as_f64().ok_or_else(|| Self::wrong_type(key, "a float", v)))
+            .transpose()
     }
 
     pub fn get_bool(&self, key: &str) -> Result<Option<bool>> {
@@ -402,7 +431,11 @@ impl<'a> Reader<'a> {
         if n > self.remaining() {
             return Err(Error::gguf(
                 what,
-                format!("needs {n} bytes at offset {} but the file ends at {}: truncated?", self.pos, self.data.len()),
+                format!(
+                    "needs {n} bytes at offset {} but the file ends at {}: truncated?",
+                    self.pos,
+                    self.data.len()
+                ),
             ));
         }
         let s = &self.data[self.pos..self.pos + n];
@@ -427,7 +460,10 @@ impl<'a> Reader<'a> {
 
     fn check_count(&self, n: u64, min_size: u64, what: &str) -> Result<()> {
         if n.checked_mul(min_size).is_none_or(|need| need > self.remaining() as u64) {
-            return Err(Error::gguf(what, format!("count {n} cannot fit in the {} bytes left", self.remaining())));
+            return Err(Error::gguf(
+                what,
+                format!("count {n} cannot fit in the {} bytes left", self.remaining()),
+            ));
         }
         Ok(())
     }
@@ -435,10 +471,14 @@ impl<'a> Reader<'a> {
     fn string(&mut self, what: &str) -> Result<String> {
         let len = self.u64(what)?;
         if len > self.remaining() as u64 {
-            return Err(Error::gguf(what, format!("string length {len} runs past the end of the file")));
+            return Err(Error::gguf(
+                what,
+                format!("string length {len} runs past the end of the file"),
+            ));
         }
         let bytes = self.take(len as usize, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|e| Error::gguf(what, format!("invalid UTF-8: {e}")))
+        String::from_utf8(bytes.to_vec())
+            .map_err(|e| Error::gguf(what, format!("invalid UTF-8: {e}")))
     }
 
     fn value(&mut self, ty: u32, key: &str, depth: usize) -> Result<Value> {
@@ -469,7 +509,12 @@ impl<'a> Reader<'a> {
                     4..=6 => 4,
                     8 | 10..=12 => 8,
                     9 => 12,
-                    other => return Err(Error::gguf(ctx(), format!("unknown array element type {other}"))),
+                    other => {
+                        return Err(Error::gguf(
+                            ctx(),
+                            format!("unknown array element type {other}"),
+                        ));
+                    }
                 };
                 self.check_count(len, min, &ctx())?;
                 let mut v = Vec::with_capacity(len as usize);
@@ -612,7 +657,10 @@ mod tests {
         GgufBuilder::default()
             .kv("general.architecture", Value::String("llama".into()))
             .kv("llama.block_count", Value::U32(2))
-            .kv("tokenizer.ggml.tokens", Value::Array(vec![Value::String("a".into()), Value::String("b".into())]))
+            .kv(
+                "tokenizer.ggml.tokens",
+                Value::Array(vec![Value::String("a".into()), Value::String("b".into())]),
+            )
             .kv("x.f", Value::F32(1.5))
             .tensor("w", &[32, 2], WeightType::Q8_0, vec![7u8; 68])
             .tensor("n", &[3], WeightType::F32, vec![0u8; 12])
@@ -692,7 +740,9 @@ mod tests {
 
     #[test]
     fn unsupported_tensor_type_names_tensor_and_type() {
-        let b = GgufBuilder::default().tensor("blk.0.ffn_down.weight", &[256], WeightType::F32, vec![0; 1024]).build();
+        let b = GgufBuilder::default()
+            .tensor("blk.0.ffn_down.weight", &[256], WeightType::F32, vec![0; 1024])
+            .build();
         // Patch the type id (after name, n_dims, one dim) to 12 = Q4_K.
         let name_end = 24 + 8 + "blk.0.ffn_down.weight".len();
         let ty_at = name_end + 4 + 8;
@@ -705,7 +755,8 @@ mod tests {
     #[test]
     fn malformed_entries() {
         // A dimension that is not a whole number of blocks.
-        let e = err(GgufBuilder::default().tensor("t", &[48], WeightType::Q4_1, vec![0; 40]).build());
+        let e =
+            err(GgufBuilder::default().tensor("t", &[48], WeightType::Q4_1, vec![0; 40]).build());
         assert!(e.contains("tensor \"t\"") && e.contains("block size"), "{e}");
         // A zero dimension.
         let e = err(GgufBuilder::default().tensor("z", &[0, 4], WeightType::F32, vec![]).build());
@@ -713,21 +764,21 @@ mod tests {
         // Duplicate keys and tensors.
         let e = err(GgufBuilder::default().kv("k", Value::U8(1)).kv("k", Value::U8(2)).build());
         assert!(e.contains("duplicate key"), "{e}");
-        let e = err(
-            GgufBuilder::default()
-                .tensor("d", &[1], WeightType::F32, vec![0; 4])
-                .tensor("d", &[1], WeightType::F32, vec![0; 4])
-                .build(),
-        );
+        let e = err(GgufBuilder::default()
+            .tensor("d", &[1], WeightType::F32, vec![0; 4])
+            .tensor("d", &[1], WeightType::F32, vec![0; 4])
+            .build());
         assert!(e.contains("duplicate tensor"), "{e}");
         // A bool that is neither 0 nor 1.
         let mut b = GgufBuilder::default().kv("flag", Value::Bool(true)).build();
-        let at = b.len() - 1;
+        let at = 24 + 8 + "flag".len() + 4; // header, key, value type
+        assert_eq!(b[at], 1);
         b[at] = 7;
         assert!(err(b).contains("bool byte is 7"));
         // Invalid UTF-8 in a string value.
         let mut b = GgufBuilder::default().kv("s", Value::String("ok".into())).build();
-        let at = b.len() - 1;
+        let at = 24 + 8 + 1 + 4 + 8 + 1; // header, key, type, length, "o"
+        assert_eq!(b[at], b'k');
         b[at] = 0xFF;
         let e = err(b);
         assert!(e.contains("\"s\"") && e.contains("UTF-8"), "{e}");

@@ -154,7 +154,10 @@ impl KvCache {
 
     /// Drops a sequence and its references to blocks.
     pub fn free(&mut self, id: SeqId) -> Result<()> {
-        let s = self.seqs.remove(&id).ok_or_else(|| Error::invalid(format!("unknown sequence {id}")))?;
+        let s = self
+            .seqs
+            .remove(&id)
+            .ok_or_else(|| Error::invalid(format!("unknown sequence {id}")))?;
         for b in s.blocks {
             self.alloc.release(b);
         }
@@ -173,7 +176,9 @@ impl KvCache {
         }
         let bs = self.geometry().block_size;
         let fresh = (s.len + n).div_ceil(bs).saturating_sub(s.blocks.len());
-        let cow = usize::from(s.len % bs != 0 && s.blocks.last().is_some_and(|&b| self.alloc.refcount(b) > 1));
+        let cow = usize::from(
+            s.len % bs != 0 && s.blocks.last().is_some_and(|&b| self.alloc.refcount(b) > 1),
+        );
         fresh + cow
     }
 
@@ -216,7 +221,8 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn cache(blocks: usize) -> KvCache {
-        let g = KvGeometry { layers: 1, kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F32 };
+        let g =
+            KvGeometry { layers: 1, kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F32 };
         KvCache::new(g, blocks).unwrap()
     }
 

@@ -29,7 +29,13 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     pub fn kv_geometry(&self, block_size: usize, dtype: KvDtype) -> KvGeometry {
-        KvGeometry { layers: self.layers, kv_heads: self.kv_heads, head_dim: self.head_dim, block_size, dtype }
+        KvGeometry {
+            layers: self.layers,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            block_size,
+            dtype,
+        }
     }
 }
 
@@ -88,7 +94,8 @@ impl Model {
     }
 
     pub fn from_gguf(gguf: GgufFile, path: PathBuf) -> Result<Self> {
-        let arch = gguf.require("general.architecture", gguf.get_str("general.architecture"))?.to_string();
+        let arch =
+            gguf.require("general.architecture", gguf.get_str("general.architecture"))?.to_string();
         if arch != "llama" {
             return Err(Error::UnsupportedModel(format!(
                 "architecture {arch:?}: pdmesh runs llama-architecture models"
@@ -98,10 +105,9 @@ impl Model {
         let req_usize = |k: &str| -> Result<usize> {
             let full = key(k);
             let v = gguf.require(&full, gguf.get_u64(&full))?;
-            usize::try_from(v)
-                .ok()
-                .filter(|&v| v > 0 && v < 1 << 24)
-                .ok_or_else(|| Error::gguf(format!("metadata {full:?}"), format!("implausible value {v}")))
+            usize::try_from(v).ok().filter(|&v| v > 0 && v < 1 << 24).ok_or_else(|| {
+                Error::gguf(format!("metadata {full:?}"), format!("implausible value {v}"))
+            })
         };
         let layers = req_usize("block_count")?;
         let hidden = req_usize("embedding_length")?;
@@ -119,14 +125,20 @@ impl Model {
         )? as f32;
         if let Some(kind) = gguf.get_str(&key("rope.scaling.type"))? {
             if kind != "none" {
-                return Err(Error::UnsupportedModel(format!("RoPE scaling {kind:?} is not supported")));
+                return Err(Error::UnsupportedModel(format!(
+                    "RoPE scaling {kind:?} is not supported"
+                )));
             }
         }
         if kv_heads == 0 || heads % kv_heads != 0 {
-            return Err(Error::UnsupportedModel(format!("{heads} heads is not a multiple of {kv_heads} KV heads")));
+            return Err(Error::UnsupportedModel(format!(
+                "{heads} heads is not a multiple of {kv_heads} KV heads"
+            )));
         }
         if hidden % heads != 0 {
-            return Err(Error::UnsupportedModel(format!("hidden size {hidden} is not divisible by {heads} heads")));
+            return Err(Error::UnsupportedModel(format!(
+                "hidden size {hidden} is not divisible by {heads} heads"
+            )));
         }
         let head_dim = hidden / heads;
         if let Some(rd) = gguf.get_u64(&key("rope.dimension_count"))? {
@@ -137,7 +149,9 @@ impl Model {
             }
         }
         if head_dim % 8 != 0 {
-            return Err(Error::UnsupportedModel(format!("head dim {head_dim} is not a multiple of 8")));
+            return Err(Error::UnsupportedModel(format!(
+                "head dim {head_dim} is not a multiple of 8"
+            )));
         }
 
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
@@ -145,7 +159,10 @@ impl Model {
         let vocab = token_embd.rows;
         if let Some(v) = gguf.get_u64(&key("vocab_size"))? {
             if v as usize != vocab {
-                return Err(Error::gguf("token_embd.weight", format!("has {vocab} rows but vocab_size is {v}")));
+                return Err(Error::gguf(
+                    "token_embd.weight",
+                    format!("has {vocab} rows but vocab_size is {v}"),
+                ));
             }
         }
         if tokenizer.vocab_size() != vocab {
@@ -260,7 +277,11 @@ fn weight(gguf: &GgufFile, name: &str, cols: usize, rows: Option<usize>) -> Resu
     if t.dims.len() != 2 || c != cols || rows.is_some_and(|rows| rows != r) {
         return Err(Error::gguf(
             format!("tensor {name:?}"),
-            format!("shape {:?}, expected [{cols}, {}]", t.dims, rows.map_or("?".into(), |r| r.to_string())),
+            format!(
+                "shape {:?}, expected [{cols}, {}]",
+                t.dims,
+                rows.map_or("?".into(), |r| r.to_string())
+            ),
         ));
     }
     Ok(WeightRef { ty: t.ty, rows: r, cols: c, offset: t.offset, size: t.size })
@@ -270,7 +291,10 @@ fn weight(gguf: &GgufFile, name: &str, cols: usize, rows: Option<usize>) -> Resu
 fn norm(gguf: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     let t = tensor(gguf, name)?;
     if t.dims != [n as u64] {
-        return Err(Error::gguf(format!("tensor {name:?}"), format!("shape {:?}, expected [{n}]", t.dims)));
+        return Err(Error::gguf(
+            format!("tensor {name:?}"),
+            format!("shape {:?}, expected [{n}]", t.dims),
+        ));
     }
     let mut out = vec![0f32; n];
     pdmesh_kernels::quant::dequantize_row(t.ty, gguf.tensor_data(t), &mut out);

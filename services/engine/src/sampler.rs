@@ -42,7 +42,10 @@ impl SamplingParams {
     /// Checks every field; the message names the field and the accepted range.
     pub fn validate(&self) -> Result<()> {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
-            return Err(Error::invalid(format!("temperature must be a finite number >= 0, got {}", self.temperature)));
+            return Err(Error::invalid(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(Error::invalid(format!("top_p must be in (0, 1], got {}", self.top_p)));
@@ -124,7 +127,8 @@ impl Sampler {
         }
 
         let inv_t = 1.0 / p.temperature;
-        let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max) * inv_t;
+        let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max)
+            * inv_t;
         self.cand.clear();
         for (i, &l) in logits.iter().enumerate() {
             let z = l * inv_t;
@@ -141,7 +145,8 @@ impl Sampler {
             self.cand.truncate(p.top_k);
         }
         let top = self.cand[0].1;
-        let mut probs: Vec<f64> = self.cand.iter().map(|&(_, z)| f64::from(z - top).exp()).collect();
+        let mut probs: Vec<f64> =
+            self.cand.iter().map(|&(_, z)| f64::from(z - top).exp()).collect();
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|x| *x /= total);
         let mut keep = probs.len();
@@ -195,7 +200,10 @@ mod tests {
             (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
             (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
             (SamplingParams { min_p: -0.1, ..Default::default() }, "min_p"),
-            (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),
+            (
+                SamplingParams { repetition_penalty: 0.0, ..Default::default() },
+                "repetition_penalty",
+            ),
         ] {
             let e = Sampler::new(p).unwrap_err().to_string();
             assert!(e.contains(field), "{e}");
@@ -253,11 +261,17 @@ mod tests {
     #[test]
     fn repetition_penalty_demotes_recent_tokens() {
         let l = [2.0f32, 1.9, -1.0];
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.5, ..params(0.0) }).unwrap();
+        let mut s =
+            Sampler::new(SamplingParams { repetition_penalty: 1.5, ..params(0.0) }).unwrap();
         assert_eq!(s.sample(&l, &[]), 0);
         assert_eq!(s.sample(&l, &[0]), 1);
         // Outside the window the penalty no longer applies.
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.5, penalty_window: 1, ..params(0.0) }).unwrap();
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 1.5,
+            penalty_window: 1,
+            ..params(0.0)
+        })
+        .unwrap();
         assert_eq!(s.sample(&l, &[0, 2]), 0);
     }
 }

@@ -96,7 +96,10 @@ impl Scheduler {
 
     /// Sequences admitted but still reading their prompt.
     pub fn prefilling(&self) -> usize {
-        self.running.iter().filter(|id| self.entries[id].prefilled < self.entries[id].prompt_len).count()
+        self.running
+            .iter()
+            .filter(|id| self.entries[id].prefilled < self.entries[id].prompt_len)
+            .count()
     }
 
     /// The next step's contents. Progress is recorded as planned: the caller runs the step and
@@ -129,7 +132,11 @@ impl Scheduler {
                 let len = (e.prompt_len - e.prefilled).min(left);
                 out.push(Scheduled {
                     id,
-                    work: Work::Prefill { offset: e.prefilled, len, last: e.prefilled + len == e.prompt_len },
+                    work: Work::Prefill {
+                        offset: e.prefilled,
+                        len,
+                        last: e.prefilled + len == e.prompt_len,
+                    },
                 });
                 e.prefilled += len;
                 left -= len;
@@ -158,11 +165,20 @@ mod tests {
         );
         let p = s.plan();
         assert_eq!(p[0], Scheduled { id: 1, work: Work::Decode });
-        assert_eq!(p[1], Scheduled { id: 2, work: Work::Prefill { offset: 5, len: 7, last: false } });
+        assert_eq!(
+            p[1],
+            Scheduled { id: 2, work: Work::Prefill { offset: 5, len: 7, last: false } }
+        );
         let p = s.plan();
-        assert_eq!(p[1], Scheduled { id: 2, work: Work::Prefill { offset: 12, len: 7, last: false } });
+        assert_eq!(
+            p[1],
+            Scheduled { id: 2, work: Work::Prefill { offset: 12, len: 7, last: false } }
+        );
         let p = s.plan();
-        assert_eq!(p[1], Scheduled { id: 2, work: Work::Prefill { offset: 19, len: 1, last: true } });
+        assert_eq!(
+            p[1],
+            Scheduled { id: 2, work: Work::Prefill { offset: 19, len: 1, last: true } }
+        );
         assert_eq!(s.plan().len(), 2);
     }
 

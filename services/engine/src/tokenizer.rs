@@ -22,7 +22,8 @@ const TOKEN_USER_DEFINED: i64 = 4;
 
 /// Texts of control tokens that end a turn in the chat formats we know (llama.cpp treats the
 /// same set as end-of-generation).
-const EOG_TEXTS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>"];
+const EOG_TEXTS: &[&str] =
+    &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>"];
 
 /// The llama-3 pre-tokenizer split (used by `llama-bpe` vocabularies).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -96,7 +97,10 @@ impl Tokenizer {
         let types: Vec<i64> = match gguf.get_array("tokenizer.ggml.token_type")? {
             Some(a) => a
                 .iter()
-                .map(|v| v.as_i64().ok_or_else(|| meta_err("tokenizer.ggml.token_type", "non-integer element")))
+                .map(|v| {
+                    v.as_i64()
+                        .ok_or_else(|| meta_err("tokenizer.ggml.token_type", "non-integer element"))
+                })
                 .collect::<Result<_>>()?,
             None => vec![1; tokens.len()],
         };
@@ -118,7 +122,10 @@ impl Tokenizer {
         let eot = id("tokenizer.ggml.eot_token_id")?;
         let add_bos = gguf.get_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
         if add_bos && bos.is_none() {
-            return Err(meta_err("tokenizer.ggml.add_bos_token", "set but there is no bos_token_id"));
+            return Err(meta_err(
+                "tokenizer.ggml.add_bos_token",
+                "set but there is no bos_token_id",
+            ));
         }
 
         let mut vocab = tokenizers::models::bpe::Vocab::default();
@@ -127,9 +134,9 @@ impl Tokenizer {
         }
         let mut merges = Vec::with_capacity(merges_raw.len());
         for (i, m) in merges_raw.iter().enumerate() {
-            let (a, b) = m
-                .split_once(' ')
-                .ok_or_else(|| meta_err("tokenizer.ggml.merges", format!("entry {i} ({m:?}) is not \"a b\"")))?;
+            let (a, b) = m.split_once(' ').ok_or_else(|| {
+                meta_err("tokenizer.ggml.merges", format!("entry {i} ({m:?}) is not \"a b\""))
+            })?;
             merges.push((a.to_string(), b.to_string()));
         }
         let bpe = BPE::builder()
@@ -142,7 +149,9 @@ impl Tokenizer {
         let byte_level = ByteLevel::new(false, true, true);
         let pre_tok: PreTokenizerWrapper = match pre {
             "default" | "gpt2" | "gpt-2" => byte_level.into(),
-            "smollm" | "starcoder" => Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
+            "smollm" | "starcoder" => {
+                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+            }
             "llama-bpe" | "llama3" => {
                 let split = Split::new(
                     SplitPattern::Regex(LLAMA3_SPLIT.to_string()),
@@ -160,7 +169,8 @@ impl Tokenizer {
         };
         inner.with_pre_tokenizer(Some(pre_tok));
 
-        let special: Vec<bool> = types.iter().map(|&t| t == TOKEN_CONTROL || t == TOKEN_USER_DEFINED).collect();
+        let special: Vec<bool> =
+            types.iter().map(|&t| t == TOKEN_CONTROL || t == TOKEN_USER_DEFINED).collect();
         let added: Vec<AddedToken> = tokens
             .iter()
             .zip(&special)
@@ -201,7 +211,10 @@ impl Tokenizer {
         let text = |id: Option<u32>| id.map(|i| tokens[i as usize].to_string()).unwrap_or_default();
         let chat = match gguf.get_str("tokenizer.chat_template")? {
             Some(src) => ChatTemplate::new(src, &text(bos), &text(eos)).map_err(|e| e.to_string()),
-            None => Err("the model has no chat template (tokenizer.chat_template); send raw prompts".to_string()),
+            None => {
+                Err("the model has no chat template (tokenizer.chat_template); send raw prompts"
+                    .to_string())
+            }
         };
 
         Ok(Self { inner, token_bytes, special, bos, eos, add_bos, eog, chat })
@@ -253,7 +266,8 @@ impl Tokenizer {
 
     /// Decodes ids to text (invalid UTF-8 becomes U+FFFD; out-of-range ids are skipped).
     pub fn decode(&self, ids: &[u32]) -> String {
-        let bytes: Vec<u8> = ids.iter().filter_map(|&i| self.token_bytes(i)).flatten().copied().collect();
+        let bytes: Vec<u8> =
+            ids.iter().filter_map(|&i| self.token_bytes(i)).flatten().copied().collect();
         String::from_utf8_lossy(&bytes).into_owned()
     }
 

@@ -1,0 +1,46 @@
+# The developer's verbs. `just --list` shows them all.
+
+set shell := ["bash", "-euo", "pipefail", "-c"]
+
+model := "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+bench_venv := ".bench/venv"
+
+# List the recipes.
+default:
+    @just --list
+
+# Fetch the default model into models/ (checks its sha256; no-op when present).
+fetch-model:
+    ./scripts/fetch-model.sh
+
+# Generate from a prompt with the local engine (chat template applied).
+run prompt="Explain in one paragraph why the sky is blue." *args="": fetch-model
+    cargo run --release --locked -q -p pdmesh-cli -- run --model {{model}} --prompt "{{prompt}}" {{args}}
+
+# Run the whole test suite (unit, kernel, engine on the real model, CLI processes).
+test: fetch-model
+    cargo test --workspace --locked
+
+# Formatting and lints, as CI wants them.
+check:
+    cargo fmt --all -- --check
+    cargo clippy --workspace --all-targets --locked -- -D warnings
+
+# Every benchmark.
+bench: bench-engine
+
+# Engine speed against llama.cpp on the same GGUF and threads, in one run (ratios printed).
+bench-engine threads="2": fetch-model _llamacpp
+    cargo build --release --locked -q -p pdmesh-cli
+    {{bench_venv}}/bin/python scripts/bench_engine.py --model {{model}} --threads {{threads}}
+
+# Fidelity against llama.cpp: greedy tokens on 12 chat prompts and perplexity.
+compare-llamacpp: fetch-model _llamacpp
+    cargo build --release --locked -q -p pdmesh-cli
+    {{bench_venv}}/bin/python scripts/compare_llamacpp.py --model {{model}}
+
+# llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv.
+_llamacpp:
+    @[ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null || { \
+        python3 -m venv {{bench_venv}} && \
+        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) {{bench_venv}}/bin/pip install --quiet llama-cpp-python==0.3.36 numpy; }

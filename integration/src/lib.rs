@@ -1,0 +1,51 @@
+//! Harness for tests that run `pdmesh` as separate processes: where the binary and the model are,
+//! and a runner that captures output. Multi-process mesh clusters will be started from here.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The `pdmesh` binary of this build (cargo builds it before running any workspace test).
+pub fn pdmesh_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    // target/<profile>/deps/<test> → target/<profile>/pdmesh
+    let bin = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|p| p.join(format!("pdmesh{}", std::env::consts::EXE_SUFFIX)))
+        .expect("test binary lives in target/<profile>/deps");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it with `cargo build -p pdmesh-cli`",
+        bin.display()
+    );
+    bin
+}
+
+/// The default model, which `just fetch-model` provides.
+pub fn model_path() -> PathBuf {
+    let p = repo_root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} is missing: run `just fetch-model`", p.display());
+    p
+}
+
+/// A `pdmesh` command preset with the default model and two threads.
+pub fn pdmesh(args: &[&str]) -> Command {
+    let mut c = Command::new(pdmesh_bin());
+    c.args(args).arg("--model").arg(model_path()).args(["--threads", "2"]);
+    c
+}
+
+/// Runs a command and returns (exit code, stdout, stderr).
+pub fn run(mut c: Command) -> (i32, String, String) {
+    let Output { status, stdout, stderr } = c.output().expect("pdmesh starts");
+    (
+        status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+    )
+}

@@ -1,0 +1,149 @@
+//! `pdmesh` as a user runs it: real process, real model.
+
+use std::io::Read;
+use std::process::Stdio;
+
+use pdmesh_integration::{pdmesh, run};
+
+#[test]
+fn run_json_greedy_matches_llama_cpp() {
+    let (code, out, err) = run(pdmesh(&[
+        "run",
+        "--prompt",
+        "What causes the seasons on Earth?",
+        "--max-tokens",
+        "16",
+        "--json",
+    ]));
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object on stdout");
+    let ids: Vec<u64> =
+        v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    // llama.cpp 0.3.36, greedy, same GGUF.
+    assert_eq!(
+        ids,
+        [504, 2591, 506, 12064, 335, 624, 6867, 359, 2952, 411, 260, 27067, 282, 624, 6867, 30]
+    );
+    assert_eq!(v["text"], "The Earth's seasons on its axis are caused by the tilt of its axis.");
+    assert_eq!(v["finish_reason"], "length");
+    assert_eq!(v["prompt_tokens"], 37);
+}
+
+#[test]
+fn run_streams_text_and_raw_mode_parses_special_tokens() {
+    let raw = "<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n";
+    let (code, out, err) = run(pdmesh(&["run", "--raw", "--prompt", raw, "--max-tokens", "8"]));
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.trim().is_empty(), "no text streamed");
+    // Special tokens were parsed as one token each: spelled out they would take ~30.
+    assert!(err.contains("[12 prompt tokens"), "{err}");
+    let (code, _, err) = run(pdmesh(&[
+        "run",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "4",
+        "--seed",
+        "3",
+        "--temperature",
+        "0.8",
+    ]));
+    assert_eq!(code, 0, "{err}");
+}
+
+#[test]
+fn sampling_with_a_seed_is_reproducible_across_processes() {
+    let args = [
+        "run",
+        "--prompt",
+        "Tell me a story.",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "42",
+        "--json",
+    ];
+    let (c1, a, e1) = run(pdmesh(&args));
+    let (c2, b, e2) = run(pdmesh(&args));
+    assert!(c1 == 0 && c2 == 0, "{e1}{e2}");
+    let ids =
+        |s: &str| serde_json::from_str::<serde_json::Value>(s.trim()).unwrap()["token_ids"].clone();
+    assert_eq!(ids(&a), ids(&b));
+}
+
+#[test]
+fn perplexity_ends_with_the_value() {
+    let dir = std::env::temp_dir().join(format!("pdmesh-ppl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ppl_of = |name: &str, text: &str| -> f64 {
+        let file = dir.join(name);
+        std::fs::write(&file, text).unwrap();
+        let (code, out, err) =
+            run(pdmesh(&["perplexity", "--file", file.to_str().unwrap(), "--ctx", "64"]));
+        assert_eq!(code, 0, "{err}");
+        let last = out.trim().lines().last().unwrap();
+        last.strip_prefix("perplexity: ").expect("last line format").parse().unwrap()
+    };
+    let sentence = "The quick brown fox jumps over the lazy dog. ";
+    let repeated = ppl_of("repeated.txt", &sentence.repeat(40));
+    // The same words in a scrambled order every time cannot be predicted nearly as well.
+    let words: Vec<&str> = sentence.split_whitespace().collect();
+    let scrambled: String = (0..40 * words.len())
+        .map(|i| words[(i * 7 + i / 9) % words.len()])
+        .collect::<Vec<_>>()
+        .join(" ");
+    let scrambled = ppl_of("scrambled.txt", &scrambled);
+    assert!(repeated > 1.0 && repeated < 5.0, "{repeated}");
+    assert!(scrambled > 2.0 * repeated, "{scrambled} vs {repeated}");
+    let file = dir.join("repeated.txt");
+    let (code, _, err) =
+        run(pdmesh(&["perplexity", "--file", file.to_str().unwrap(), "--ctx", "100000"]));
+    assert_ne!(code, 0);
+    assert!(err.contains("context"), "{err}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
+#[test]
+fn bench_engine_json_has_the_promised_fields() {
+    let (code, out, err) = run(pdmesh(&[
+        "bench",
+        "engine",
+        "--json",
+        "--prompt-tokens",
+        "16",
+        "--decode-tokens",
+        "4",
+        "--batch-sizes",
+        "1,2",
+        "--batch-steps",
+        "2",
+        "--repeats",
+        "1",
+    ]));
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    for k in ["prefill_tok_s", "decode_tok_s", "peak_rss_bytes"] {
+        assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "{k} missing or zero: {v}");
+    }
+    assert!(v["batched_decode_tok_s"]["2"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+}
+
+#[test]
+fn closed_stdout_stops_generation_quietly() {
+    let mut child = pdmesh(&["run", "--prompt", "Count to one hundred.", "--max-tokens", "200"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let mut first = [0u8; 1];
+    stdout.read_exact(&mut first).unwrap();
+    drop(stdout); // the reader goes away, like `pdmesh run ... | head -c1`
+    let status = child.wait().unwrap();
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(status.success(), "exit {status:?}: {err}");
+}

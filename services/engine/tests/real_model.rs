@@ -1,0 +1,354 @@
+//! The engine on the real SmolLM2-135M-Instruct GGUF: tokenizer against llama.cpp's token ids,
+//! greedy generation against a golden list produced with llama.cpp, bit-exact batch/chunk/thread/
+//! SIMD invariance of logits, seeded sampling independent of batch composition, and no leaked
+//! KV blocks. `just fetch-model` provides the model (CI runs it first).
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use pdmesh_engine::{
+    Engine, EngineConfig, GenerateParams, Logits, Message, Model, SamplingParams, SeqId, StepItem,
+    StreamDecoder, generate, generate_batch,
+};
+use pdmesh_kernels::Simd;
+
+fn model() -> Arc<Model> {
+    static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
+    Arc::clone(MODEL.get_or_init(|| {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(pdmesh_engine::DEFAULT_MODEL_PATH);
+        assert!(path.exists(), "{} is missing: run `just fetch-model`", path.display());
+        Arc::new(Model::load(&path).expect("the default model loads"))
+    }))
+}
+
+fn engine(threads: usize, simd: Option<Simd>) -> Engine {
+    let cfg =
+        EngineConfig { threads, kv_blocks: 128, max_batch_tokens: 256, simd, ..Default::default() };
+    Engine::new(model(), cfg).unwrap()
+}
+
+fn chat_ids(user: &str) -> Vec<u32> {
+    let m = model();
+    let text =
+        m.tokenizer.chat_template().unwrap().render(&[Message::new("user", user)], true).unwrap();
+    m.tokenizer.encode(&text).unwrap()
+}
+
+/// Token ids llama.cpp (0.3.36) gives for these strings with special-token parsing on.
+#[test]
+fn tokenizer_matches_llama_cpp() {
+    let t = &model().tokenizer;
+    let cases: &[(&str, &[u32])] = &[
+        ("Hello world", &[19556, 905]),
+        ("naïve café 東京 🚀", &[3546, 46494, 37366, 17097, 247, 126, 16736, 122, 15107, 244, 218]),
+        ("  spaces\tand\nnewlines  ", &[216, 5600, 197, 397, 198, 2241, 5110, 256]),
+        ("1234567890", &[33, 34, 35, 36, 37, 38, 39, 40, 41, 32]),
+        ("<|im_start|>user\nHi<|im_end|>", &[1, 4093, 198, 26843, 2]),
+        (
+            "Ωmega ∑ 😀😃 العربية",
+            &[
+                153, 119, 93, 9005, 19995, 235, 40303, 218, 10813, 242, 221, 27819, 34966, 20602,
+                31462, 23339, 43463,
+            ],
+        ),
+        ("\u{0}\u{1}bytes\u{7f}", &[190, 191, 15829, 217]),
+    ];
+    for (text, want) in cases {
+        assert_eq!(&t.encode(text).unwrap(), want, "{text:?}");
+        assert_eq!(t.decode(want), *text, "decode of {text:?}");
+    }
+    assert_eq!(t.eos(), Some(2));
+    assert!(t.is_eog(2) && t.is_eog(0) && !t.is_eog(1));
+}
+
+#[test]
+fn chat_template_renders_like_llama_cpp() {
+    // The prompt llama.cpp tokenizes for this chat (system prompt from the GGUF's template).
+    let want: &[u32] = &[
+        1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
+        407, 19712, 8182, 2, 198, 1, 4093, 198, 26533, 549, 1296, 5608, 327, 10902, 1365, 30, 2,
+        198, 1, 520, 9531, 198,
+    ];
+    assert_eq!(chat_ids("Give me three tips for sleeping better."), want);
+}
+
+#[test]
+fn stream_decoder_never_splits_a_character() {
+    let t = &model().tokenizer;
+    let text = "naïve café 東京 🚀 😀😃 العربية";
+    let ids = t.encode(text).unwrap();
+    let mut dec = StreamDecoder::new();
+    let mut out = String::new();
+    for &id in &ids {
+        // Each chunk is a String, so it is valid UTF-8 by construction; check nothing is lost.
+        out.push_str(&dec.push(t, id));
+    }
+    out.push_str(&dec.finish());
+    assert_eq!(out, text);
+    // "🚀" is split over byte tokens: the decoder must hold the first ones back.
+    let rocket = t.encode("🚀").unwrap();
+    assert!(rocket.len() > 1, "expected byte-level pieces, got {rocket:?}");
+    let mut dec = StreamDecoder::new();
+    for &id in &rocket[..rocket.len() - 1] {
+        assert_eq!(dec.push(t, id), "", "emitted part of a character");
+    }
+    assert_eq!(dec.push(t, rocket[rocket.len() - 1]), "🚀");
+    // A dangling partial character at the end becomes U+FFFD, not a panic or garbage bytes.
+    let mut dec = StreamDecoder::new();
+    dec.push(t, rocket[0]);
+    assert_eq!(dec.finish(), "\u{FFFD}");
+}
+
+/// Greedy generations produced with llama.cpp (llama-cpp-python 0.3.36) on the same GGUF.
+#[test]
+fn greedy_generation_matches_llama_cpp_golden() {
+    let goldens: &[(&str, &[u32])] = &[
+        (
+            "Give me three tips for sleeping better.",
+            &[
+                4590, 359, 1296, 5608, 288, 724, 346, 1947, 469, 2801, 2174, 42, 1116, 33, 30,
+                1903, 22834, 274, 340, 39750, 284, 11540, 16350, 3967, 340, 39750, 284, 19206, 416,
+                14527, 351, 2801,
+            ],
+        ),
+        (
+            "What causes the seasons on Earth?",
+            &[
+                504, 2591, 506, 12064, 335, 624, 6867, 359, 2952, 411, 260, 27067, 282, 624, 6867,
+                30, 378, 2591, 506, 6867, 314, 37929, 418, 354, 7256, 282, 4723, 216, 34, 35, 30,
+                37,
+            ],
+        ),
+    ];
+    let mut e = engine(2, None);
+    for (prompt, want) in goldens {
+        let params = GenerateParams { max_tokens: want.len(), ..Default::default() };
+        let g = generate(&mut e, &chat_ids(prompt), &params, |_| true).unwrap();
+        assert_eq!(&g.tokens, want, "{prompt:?}: {:?}", model().tokenizer.decode(&g.tokens));
+    }
+    assert_eq!(e.kv().free_blocks(), e.kv().total_blocks(), "generation leaked KV blocks");
+}
+
+/// All logits of `tokens` fed to a fresh sequence in the given chunk sizes.
+fn logits_chunked(e: &mut Engine, tokens: &[u32], chunks: &[usize]) -> Vec<Vec<f32>> {
+    let seq = e.create_sequence();
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &c in chunks {
+        let l =
+            e.step(&[StepItem { seq, tokens: &tokens[at..at + c], logits: Logits::All }]).unwrap();
+        for i in 0..l.len() {
+            out.push(l.row(i).1.to_vec());
+        }
+        at += c;
+    }
+    assert_eq!(at, tokens.len());
+    e.free_sequence(seq).unwrap();
+    out
+}
+
+fn assert_bits_eq(a: &[Vec<f32>], b: &[Vec<f32>], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: row count");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let same = x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+        assert!(same, "{what}: logits of position {i} differ");
+    }
+}
+
+#[test]
+fn logits_are_chunk_invariant() {
+    let tokens = chat_ids("Explain what a hash table is in two sentences.");
+    let n = tokens.len();
+    let mut e = engine(2, None);
+    let whole = logits_chunked(&mut e, &tokens, &[n]);
+    assert_bits_eq(
+        &whole,
+        &logits_chunked(&mut e, &tokens, &[7, 1, 20, n - 28]),
+        "chunks 7/1/20/rest",
+    );
+    let ones = vec![1; n];
+    assert_bits_eq(
+        &whole,
+        &logits_chunked(&mut e, &tokens, &ones),
+        "one token per step (decode path)",
+    );
+}
+
+#[test]
+fn logits_are_batch_invariant() {
+    let a = chat_ids("What is 17 times 23?");
+    let b = chat_ids("Write a haiku about the ocean.");
+    let mut e = engine(2, None);
+    let alone = logits_chunked(&mut e, &a, &[a.len()]);
+
+    // The same prompt sharing its steps with another prompt's chunks and with decodes.
+    let sa = e.create_sequence();
+    let sb = e.create_sequence();
+    let sc = e.create_sequence();
+    e.step(&[StepItem { seq: sc, tokens: &b[..5], logits: Logits::None }]).unwrap();
+    let mut got = Vec::new();
+    let split = 13;
+    let l = e
+        .step(&[
+            StepItem { seq: sb, tokens: &b[..9], logits: Logits::All },
+            StepItem { seq: sa, tokens: &a[..split], logits: Logits::All },
+            StepItem { seq: sc, tokens: &b[5..6], logits: Logits::Last },
+        ])
+        .unwrap();
+    for i in 0..l.len() {
+        let ((item, _), row) = l.row(i);
+        if item == 1 {
+            got.push(row.to_vec());
+        }
+    }
+    let l = e
+        .step(&[
+            StepItem { seq: sc, tokens: &b[6..7], logits: Logits::Last },
+            StepItem { seq: sa, tokens: &a[split..], logits: Logits::All },
+        ])
+        .unwrap();
+    for i in 0..l.len() {
+        let ((item, _), row) = l.row(i);
+        if item == 1 {
+            got.push(row.to_vec());
+        }
+    }
+    assert_bits_eq(&alone, &got, "in a mixed batch");
+    for s in [sa, sb, sc] {
+        e.free_sequence(s).unwrap();
+    }
+    assert_eq!(e.kv().free_blocks(), e.kv().total_blocks());
+}
+
+#[test]
+fn logits_are_thread_and_simd_invariant() {
+    let tokens = chat_ids("Who wrote Pride and Prejudice?");
+    let reference = logits_chunked(&mut engine(2, None), &tokens, &[tokens.len()]);
+    assert_bits_eq(
+        &reference,
+        &logits_chunked(&mut engine(1, None), &tokens, &[tokens.len()]),
+        "1 thread",
+    );
+    assert_bits_eq(
+        &reference,
+        &logits_chunked(&mut engine(3, None), &tokens, &[tokens.len()]),
+        "3 threads",
+    );
+    for simd in Simd::available() {
+        let got = logits_chunked(&mut engine(2, Some(simd)), &tokens, &[tokens.len()]);
+        assert_bits_eq(&reference, &got, simd.name());
+    }
+}
+
+#[test]
+fn forked_prefix_continues_like_a_fresh_sequence() {
+    let tokens = chat_ids("List the planets of the solar system in order.");
+    let mut e = engine(2, None);
+    let fresh = logits_chunked(&mut e, &tokens, &[tokens.len()]);
+    // Share the first 21 tokens (one full block + a partial one) and continue on a fork.
+    let base = e.create_sequence();
+    e.step(&[StepItem { seq: base, tokens: &tokens[..21], logits: Logits::None }]).unwrap();
+    let used = e.kv().total_blocks() - e.kv().free_blocks();
+    let fork: SeqId = e.fork_sequence(base).unwrap();
+    assert_eq!(e.kv().total_blocks() - e.kv().free_blocks(), used, "fork copied blocks eagerly");
+    let l = e.step(&[StepItem { seq: fork, tokens: &tokens[21..], logits: Logits::All }]).unwrap();
+    let got: Vec<Vec<f32>> = (0..l.len()).map(|i| l.row(i).1.to_vec()).collect();
+    assert_bits_eq(&fresh[21..], &got, "continuation on a fork");
+    // The original still sees its own (unmodified) partial block.
+    let l =
+        e.step(&[StepItem { seq: base, tokens: &tokens[21..22], logits: Logits::Last }]).unwrap();
+    assert_bits_eq(&fresh[21..22], &[l.row(0).1.to_vec()], "original after fork");
+    e.free_sequence(fork).unwrap();
+    e.free_sequence(base).unwrap();
+    assert_eq!(e.kv().free_blocks(), e.kv().total_blocks());
+}
+
+#[test]
+fn seeded_sampling_is_independent_of_batch_composition() {
+    let sampling = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        seed: 1234,
+        ..Default::default()
+    };
+    let target = (
+        chat_ids("Describe the color blue to someone who cannot see."),
+        GenerateParams {
+            sampling: sampling.clone(),
+            max_tokens: 24,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    );
+    let mut e = engine(2, None);
+    let alone = generate_batch(&mut e, std::slice::from_ref(&target), 4, |_, _| true).unwrap();
+    let others: Vec<(Vec<u32>, GenerateParams)> = ["Hi", "What is 2+2?", "Name a colour."]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let s = SamplingParams { temperature: 1.0, seed: i as u64, ..Default::default() };
+            (
+                chat_ids(p),
+                GenerateParams { sampling: s, max_tokens: 10 + 5 * i, ..Default::default() },
+            )
+        })
+        .collect();
+    let mut batch = others.clone();
+    batch.insert(2, target.clone());
+    let together = generate_batch(&mut e, &batch, 4, |_, _| true).unwrap();
+    assert_eq!(alone[0].tokens, together[2].tokens);
+    assert_eq!(alone[0].tokens.len(), 24);
+    // A different seed gives a different continuation (the seed is really used).
+    let mut other = target.clone();
+    other.1.sampling.seed = 99;
+    let diff = generate_batch(&mut e, &[other], 1, |_, _| true).unwrap();
+    assert_ne!(diff[0].tokens, alone[0].tokens);
+    assert_eq!(e.kv().free_blocks(), e.kv().total_blocks(), "leaked KV blocks");
+}
+
+#[test]
+fn step_validation_changes_nothing() {
+    let mut e = engine(2, None);
+    let s = e.create_sequence();
+    let vocab = [model().config.vocab as u32];
+    let cases: Vec<(Vec<StepItem<'_>>, &str)> = vec![
+        (vec![], "at least one item"),
+        (vec![StepItem { seq: s, tokens: &[], logits: Logits::Last }], "no tokens"),
+        (vec![StepItem { seq: s, tokens: &vocab, logits: Logits::Last }], "outside the vocabulary"),
+        (
+            vec![StepItem { seq: SeqId(999), tokens: &[1], logits: Logits::Last }],
+            "unknown sequence",
+        ),
+        (
+            vec![
+                StepItem { seq: s, tokens: &[1], logits: Logits::Last },
+                StepItem { seq: s, tokens: &[2], logits: Logits::Last },
+            ],
+            "twice",
+        ),
+    ];
+    for (items, want) in cases {
+        let err = e.step(&items).unwrap_err().to_string();
+        assert!(err.contains(want), "{err} (wanted {want:?})");
+    }
+    let too_many = vec![1u32; 257];
+    let err = e
+        .step(&[StepItem { seq: s, tokens: &too_many, logits: Logits::None }])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("budget"), "{err}");
+    assert_eq!(e.seq_len(s).unwrap(), 0);
+    assert_eq!(e.kv().free_blocks(), e.kv().total_blocks());
+
+    // KV exhaustion is reported as such and leaves the pool untouched.
+    let cfg = EngineConfig { threads: 1, kv_blocks: 2, max_batch_tokens: 64, ..Default::default() };
+    let mut small = Engine::new(model(), cfg).unwrap();
+    let s = small.create_sequence();
+    let err =
+        small.step(&[StepItem { seq: s, tokens: &[1; 40], logits: Logits::None }]).unwrap_err();
+    assert!(matches!(err, pdmesh_engine::Error::KvExhausted { needed: 3, free: 2 }), "{err}");
+    assert_eq!(small.kv().free_blocks(), 2);
+}
