@@ -1,5 +1,7 @@
 //! `pdmesh` as a user runs it: real process, real model.
 
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
 use std::io::Read;
 use std::process::Stdio;
 

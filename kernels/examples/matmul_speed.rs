@@ -1,36 +1,44 @@
-//! Quick matmul throughput probe: `cargo run --release -p pdmesh-kernels --example matmul_speed`.
-use pdmesh_kernels::{Activations, Backend, CpuBackend, MatmulJob, WeightMatrix, WeightType};
+//! Quantized matmul throughput of every kernel set this CPU has, at decode- and prefill-sized
+//! batches, relative to the portable reference measured in the same run:
+//! `cargo run --release -p pdmesh-kernels --example matmul_speed [threads]`.
+
+use pdmesh_kernels::{Activations, Backend, CpuBackend, MatmulJob, Simd, WeightMatrix, WeightType};
 use std::time::Instant;
 
 fn main() {
     let threads: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(1);
+    // An FFN-up sized Q4_1 matrix of SmolLM2 with plausible scales.
     let (rows, cols) = (1536usize, 576usize);
-    let rb = WeightType::Q4_1.row_bytes(cols).unwrap();
+    let rb = WeightType::Q4_1.row_bytes(cols).expect("576 is a whole number of blocks");
     let mut data = vec![0u8; rows * rb];
     let mut x = 12345u32;
     for (i, b) in data.iter_mut().enumerate() {
-        x = x.wrapping_mul(1664525).wrapping_add(1013904223);
+        x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
         *b = if i % 20 < 4 { [0x00, 0x20, 0x00, 0xa0][i % 4] } else { (x >> 24) as u8 };
     }
-    let w = WeightMatrix::new(WeightType::Q4_1, rows, cols, &data).unwrap();
-    let be = CpuBackend::new(threads);
+    let w = WeightMatrix::new(WeightType::Q4_1, rows, cols, &data).expect("sizes match");
+    println!(
+        "Q4_1 {rows}x{cols}, {threads} thread(s): ns per 32-element block dot (speed-up vs portable)"
+    );
     for tokens in [1usize, 4, 16, 64, 512] {
         let xs: Vec<f32> =
             (0..tokens * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-        let mut acts = Activations::default();
-        be.quantize(&xs, tokens, cols, &mut acts);
-        let mut out = vec![0f32; tokens * rows];
-        let iters = (20000 / tokens).max(20);
-        let t = Instant::now();
-        for _ in 0..iters {
-            be.matmul(&acts, &mut [MatmulJob { weight: w, out: &mut out }]);
+        let mut line = format!("T={tokens:<4}");
+        let mut reference = None;
+        for simd in Simd::available() {
+            let be = CpuBackend::with_simd(threads, simd).expect("available levels are supported");
+            let mut acts = Activations::default();
+            be.quantize(&xs, tokens, cols, &mut acts);
+            let mut out = vec![0f32; tokens * rows];
+            let iters = (if simd == Simd::Portable { 2000 } else { 20000 } / tokens).max(5);
+            let t = Instant::now();
+            for _ in 0..iters {
+                be.matmul(&acts, &mut [MatmulJob { weight: w, out: &mut out }]);
+            }
+            let ns = t.elapsed().as_secs_f64() / (rows * tokens * cols / 32 * iters) as f64 * 1e9;
+            let r = *reference.get_or_insert(ns);
+            line += &format!("  {}: {ns:.2} ns ({:.1}x)", simd.name(), r / ns);
         }
-        let dt = t.elapsed().as_secs_f64();
-        let pairs = (rows * tokens * cols / 32 * iters) as f64;
-        println!(
-            "T={tokens:<4} {:.2} ns/block-pair  {:.1} GMAC/s",
-            dt / pairs * 1e9,
-            pairs * 32.0 / dt / 1e9
-        );
+        println!("{line}");
     }
 }

@@ -158,7 +158,7 @@ fn worker(shared: &Shared, index: usize) {
                 break;
             }
             spins += 1;
-            if spins % 64 == 0 && start.elapsed() > SPIN_FOR {
+            if spins.is_multiple_of(64) && start.elapsed() > SPIN_FOR {
                 let guard = shared.lock.lock().unwrap_or_else(|e| e.into_inner());
                 shared.sleeping.fetch_add(1, Ordering::SeqCst);
                 let guard = shared

@@ -47,7 +47,7 @@ impl WeightType {
     /// Bytes taken by a row of `cols` elements, or `None` when `cols` is not a whole number of
     /// blocks (or overflows).
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
-        if cols % self.block_elems() != 0 {
+        if !cols.is_multiple_of(self.block_elems()) {
             return None;
         }
         (cols / self.block_elems()).checked_mul(self.block_bytes())
@@ -210,7 +210,7 @@ impl Activations {
     }
 
     pub fn is_quantized(&self) -> bool {
-        self.cols % QK == 0 && self.qs.len() == self.rows * self.cols
+        self.cols.is_multiple_of(QK) && self.qs.len() == self.rows * self.cols
     }
 
     /// Sizes the buffers for `rows × cols` without shrinking capacity.
@@ -218,7 +218,7 @@ impl Activations {
         self.rows = rows;
         self.cols = cols;
         self.f32.resize(rows * cols, 0.0);
-        if cols % QK == 0 {
+        if cols.is_multiple_of(QK) {
             self.qs.resize(rows * cols, 0);
             self.d.resize(rows * cols / QK, 0.0);
             self.s.resize(rows * cols / QK, 0.0);

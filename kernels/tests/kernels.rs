@@ -2,6 +2,8 @@
 //! portable ones bit for bit, both must agree with a naive f64 reference, and results must not
 //! depend on batch size or thread count.
 
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
 use half::f16;
 use pdmesh_kernels::{
     Activations, AttnQuery, Backend, CpuBackend, KvBuffer, KvDtype, KvGeometry, KvSlot, MatmulJob,
@@ -187,6 +189,7 @@ fn quantize_simd_equals_portable() {
     }
 }
 
+#[allow(clippy::type_complexity)]
 fn attention_setup(
     rng: &mut ChaCha8Rng,
     dtype: KvDtype,

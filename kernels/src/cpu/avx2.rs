@@ -429,7 +429,7 @@ pub unsafe fn quantize_rows(
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn kv_dot(q: &[f32], kv: &KvData, off: usize) -> f32 {
     let n = q.len();
-    assert!(n % 8 == 0);
+    assert!(n.is_multiple_of(8));
     let mut acc = _mm256_setzero_ps();
     match kv {
         KvData::F16(v) => {
@@ -464,7 +464,7 @@ pub unsafe fn kv_dot(q: &[f32], kv: &KvData, off: usize) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn kv_axpy(p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
     let n = out.len();
-    assert!(n % 8 == 0);
+    assert!(n.is_multiple_of(8));
     let pv = _mm256_set1_ps(p);
     match kv {
         KvData::F16(v) => {

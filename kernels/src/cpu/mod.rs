@@ -261,7 +261,7 @@ impl Backend for CpuBackend {
         assert_eq!(x.len(), rows * cols, "quantize: input is not rows × cols");
         out.resize(rows, cols);
         out.f32.copy_from_slice(x);
-        if cols % QK != 0 {
+        if !cols.is_multiple_of(QK) {
             return;
         }
         let qs = SharedMut::new(&mut out.qs);
@@ -333,7 +333,10 @@ impl Backend for CpuBackend {
 
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         let n = weight.len();
-        assert!(n > 0 && x.len() % n == 0 && out.len() == x.len(), "rms_norm: shape mismatch");
+        assert!(
+            n > 0 && x.len().is_multiple_of(n) && out.len() == x.len(),
+            "rms_norm: shape mismatch"
+        );
         let o = SharedMut::new(out);
         self.rows_par(x.len() / n, n, |r| {
             let xs = &x[r.start * n..r.end * n];
@@ -346,7 +349,7 @@ impl Backend for CpuBackend {
     fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
         let row = heads * head_dim;
         let half = head_dim / 2;
-        assert!(head_dim % 2 == 0 && x.len() % row == 0, "rope: shape mismatch");
+        assert!(head_dim.is_multiple_of(2) && x.len().is_multiple_of(row), "rope: shape mismatch");
         let tokens = x.len() / row;
         assert!(cos.len() >= tokens * half && sin.len() >= tokens * half, "rope: tables too short");
         let xs = SharedMut::new(x);
@@ -410,8 +413,8 @@ impl Backend for CpuBackend {
     ) {
         let g = kv.geometry();
         let hd = g.head_dim;
-        assert!(hd % 8 == 0, "attention: head_dim must be a multiple of 8");
-        assert!(heads % g.kv_heads == 0, "attention: heads not a multiple of KV heads");
+        assert!(hd.is_multiple_of(8), "attention: head_dim must be a multiple of 8");
+        assert!(heads.is_multiple_of(g.kv_heads), "attention: heads not a multiple of KV heads");
         assert!(
             q.len() == queries.len() * heads * hd && out.len() == q.len(),
             "attention: shape mismatch"

@@ -27,7 +27,7 @@ pub fn exp(x: f32) -> f32 {
     let p = p.mul_add(r, 8.333_452e-3);
     let p = p.mul_add(r, 4.166_579_6e-2);
     let p = p.mul_add(r, 1.666_666_5e-1);
-    let p = p.mul_add(r, 5.000_000_1e-1);
+    let p = p.mul_add(r, 5e-1);
     let y = p.mul_add(r * r, r) + 1.0;
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }

@@ -113,11 +113,11 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         |tok| {
             let piece = dec.push(&model.tokenizer, tok);
             text_out.push_str(&piece);
-            if !a.json {
-                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
-                    io_err = Some(e);
-                    return false; // stdout closed (e.g. piped into `head`): stop generating
-                }
+            if !a.json
+                && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
+            {
+                io_err = Some(e);
+                return false; // stdout closed (e.g. piped into `head`): stop generating
             }
             true
         },

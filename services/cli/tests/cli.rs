@@ -1,6 +1,8 @@
 //! Argument handling of the `pdmesh` binary: help text, and clear errors for bad input before
 //! any model is loaded.
 
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
 use std::process::Command;
 
 fn pdmesh(args: &[&str]) -> (i32, String, String) {

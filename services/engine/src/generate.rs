@@ -125,21 +125,18 @@ pub fn generate_batch_observed(
         while !sched.is_empty() {
             let plan = sched.plan();
             for s in &plan {
-                if !running.contains_key(&s.id) {
+                if let std::collections::hash_map::Entry::Vacant(e) = running.entry(s.id) {
                     let i = s.id as usize;
                     let (prompt, p) = &requests[i];
-                    running.insert(
-                        s.id,
-                        Running {
-                            seq: engine.create_sequence(),
-                            sampler: Sampler::new(p.sampling.clone())?,
-                            history: prompt.clone(),
-                            prompt_len: prompt.len(),
-                            next: None,
-                            out: Vec::new(),
-                            ttft: None,
-                        },
-                    );
+                    e.insert(Running {
+                        seq: engine.create_sequence(),
+                        sampler: Sampler::new(p.sampling.clone())?,
+                        history: prompt.clone(),
+                        prompt_len: prompt.len(),
+                        next: None,
+                        out: Vec::new(),
+                        ttft: None,
+                    });
                 }
             }
             let decode_tokens: Vec<[u32; 1]> =

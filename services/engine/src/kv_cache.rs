@@ -177,7 +177,8 @@ impl KvCache {
         let bs = self.geometry().block_size;
         let fresh = (s.len + n).div_ceil(bs).saturating_sub(s.blocks.len());
         let cow = usize::from(
-            s.len % bs != 0 && s.blocks.last().is_some_and(|&b| self.alloc.refcount(b) > 1),
+            !s.len.is_multiple_of(bs)
+                && s.blocks.last().is_some_and(|&b| self.alloc.refcount(b) > 1),
         );
         fresh + cow
     }
@@ -192,7 +193,7 @@ impl KvCache {
         }
         let bs = self.geometry().block_size;
         let mut s = self.seqs.remove(&id).expect("sequence checked above");
-        if n > 0 && s.len % bs != 0 {
+        if n > 0 && !s.len.is_multiple_of(bs) {
             let last = *s.blocks.last().expect("a partial block exists");
             if self.alloc.refcount(last) > 1 {
                 let fresh = self.alloc.alloc().expect("counted in `needed`");

@@ -123,12 +123,10 @@ impl Model {
             &key("attention.layer_norm_rms_epsilon"),
             gguf.get_f64(&key("attention.layer_norm_rms_epsilon")),
         )? as f32;
-        if let Some(kind) = gguf.get_str(&key("rope.scaling.type"))? {
-            if kind != "none" {
-                return Err(Error::UnsupportedModel(format!(
-                    "RoPE scaling {kind:?} is not supported"
-                )));
-            }
+        if let Some(kind) = gguf.get_str(&key("rope.scaling.type"))?
+            && kind != "none"
+        {
+            return Err(Error::UnsupportedModel(format!("RoPE scaling {kind:?} is not supported")));
         }
         if kv_heads == 0 || heads % kv_heads != 0 {
             return Err(Error::UnsupportedModel(format!(
@@ -141,12 +139,12 @@ impl Model {
             )));
         }
         let head_dim = hidden / heads;
-        if let Some(rd) = gguf.get_u64(&key("rope.dimension_count"))? {
-            if rd as usize != head_dim {
-                return Err(Error::UnsupportedModel(format!(
-                    "partial RoPE ({rd} of {head_dim} dims) is not supported"
-                )));
-            }
+        if let Some(rd) = gguf.get_u64(&key("rope.dimension_count"))?
+            && rd as usize != head_dim
+        {
+            return Err(Error::UnsupportedModel(format!(
+                "partial RoPE ({rd} of {head_dim} dims) is not supported"
+            )));
         }
         if head_dim % 8 != 0 {
             return Err(Error::UnsupportedModel(format!(
@@ -157,13 +155,13 @@ impl Model {
         let tokenizer = Tokenizer::from_gguf(&gguf)?;
         let token_embd = weight(&gguf, "token_embd.weight", hidden, None)?;
         let vocab = token_embd.rows;
-        if let Some(v) = gguf.get_u64(&key("vocab_size"))? {
-            if v as usize != vocab {
-                return Err(Error::gguf(
-                    "token_embd.weight",
-                    format!("has {vocab} rows but vocab_size is {v}"),
-                ));
-            }
+        if let Some(v) = gguf.get_u64(&key("vocab_size"))?
+            && v as usize != vocab
+        {
+            return Err(Error::gguf(
+                "token_embd.weight",
+                format!("has {vocab} rows but vocab_size is {v}"),
+            ));
         }
         if tokenizer.vocab_size() != vocab {
             return Err(Error::gguf(

@@ -250,10 +250,10 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
-        if self.add_bos {
-            if let Some(b) = self.bos {
-                ids.push(b);
-            }
+        if self.add_bos
+            && let Some(b) = self.bos
+        {
+            ids.push(b);
         }
         ids.extend_from_slice(enc.get_ids());
         Ok(ids)

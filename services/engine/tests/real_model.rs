@@ -3,6 +3,8 @@
 //! SIMD invariance of logits, seeded sampling independent of batch composition, and no leaked
 //! KV blocks. `just fetch-model` provides the model (CI runs it first).
 
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 
