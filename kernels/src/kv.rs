@@ -180,12 +180,26 @@ fn zeroed<T: Clone>(n: usize, zero: T) -> Result<Vec<T>, String> {
     Ok(v)
 }
 
+/// Whether a token is part of a prompt (prefill) or a generated token (decode).
+///
+/// The two use different but fixed summation orders inside attention: those of llama.cpp's
+/// batched (prompt) and single-token (decode) attention kernels, so pdmesh reproduces its
+/// results exactly. The phase belongs to the token, never to the batch: a prompt gives the
+/// same logits however it is chunked and whatever shares its steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Phase {
+    #[default]
+    Prefill,
+    Decode,
+}
+
 /// One token's attention: attend to positions `0..=pos` of a sequence whose KV lives in
 /// `blocks` (its block table).
 #[derive(Debug, Clone, Copy)]
 pub struct AttnQuery<'a> {
     pub pos: usize,
     pub blocks: &'a [u32],
+    pub phase: Phase,
 }
 
 #[cfg(test)]

@@ -13,5 +13,5 @@ pub mod quant;
 
 pub use backend::{Backend, MatmulJob};
 pub use cpu::{CpuBackend, Simd};
-pub use kv::{AttnQuery, KvBuffer, KvData, KvDtype, KvGeometry, KvSlot};
+pub use kv::{AttnQuery, KvBuffer, KvData, KvDtype, KvGeometry, KvSlot, Phase};
 pub use quant::{Activations, WeightMatrix, WeightType};

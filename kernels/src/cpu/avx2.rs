@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::kv::KvData;
+use crate::kv::{KvData, Phase};
 use crate::pool::SharedMut;
 use crate::quant::{Activations, QK, WeightMatrix, WeightType, round_f16};
 
@@ -421,39 +421,71 @@ pub unsafe fn quantize_rows(
     }
 }
 
-/// `q · k` over one head of KV at element offset `off`.
+/// Eight KV elements as f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8(kv: &KvData, at: usize) -> __m256 {
+    match kv {
+        KvData::F16(v) => {
+            assert!(at + 8 <= v.len());
+            // SAFETY: bounds asserted above.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(at).cast())) }
+        }
+        KvData::F32(v) => {
+            assert!(at + 8 <= v.len());
+            // SAFETY: bounds asserted above.
+            unsafe { _mm256_loadu_ps(v.as_ptr().add(at)) }
+        }
+    }
+}
+
+/// `q · k` over one head of KV at element offset `off`, in `phase`'s summation order
+/// (`ops::qk_dot_lanes` is the reference; the 16-lane accumulators are two registers).
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn kv_dot(q: &[f32], kv: &KvData, off: usize) -> f32 {
+pub unsafe fn qk_dot(q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32 {
     let n = q.len();
-    assert!(n.is_multiple_of(8));
-    let mut acc = _mm256_setzero_ps();
-    match kv {
-        KvData::F16(v) => {
-            let k = &v[off..off + n];
-            for i in (0..n).step_by(8) {
-                // SAFETY: `i + 8 <= n` for both slices.
-                unsafe {
-                    let kf = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i).cast()));
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kf, acc);
+    assert!(n.is_multiple_of(16));
+    let qv = |i: usize| -> __m256 {
+        // SAFETY: callers pass `i + 8 <= n`.
+        unsafe { _mm256_loadu_ps(q.as_ptr().add(i)) }
+    };
+    // SAFETY (all `load8` calls): `off + n` lies within the KV buffer; AVX2 enabled here.
+    unsafe {
+        match phase {
+            Phase::Prefill => {
+                let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                for l in (0..n).step_by(16) {
+                    lo = _mm256_fmadd_ps(load8(kv, off + l), qv(l), lo);
+                    hi = _mm256_fmadd_ps(load8(kv, off + l + 8), qv(l + 8), hi);
                 }
+                hsum8(_mm256_add_ps(hi, lo))
             }
-        }
-        KvData::F32(v) => {
-            let k = &v[off..off + n];
-            for i in (0..n).step_by(8) {
-                // SAFETY: `i + 8 <= n` for both slices.
-                unsafe {
-                    let kf = _mm256_loadu_ps(k.as_ptr().add(i));
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kf, acc);
+            Phase::Decode => {
+                let mut s = [_mm256_setzero_ps(); 8]; // 4 accumulators × 16 lanes
+                let np = n & !63;
+                for i in (0..np).step_by(64) {
+                    for (r, acc) in s.iter_mut().enumerate() {
+                        *acc = _mm256_fmadd_ps(load8(kv, off + i + 8 * r), qv(i + 8 * r), *acc);
+                    }
                 }
+                let lo = _mm256_add_ps(_mm256_add_ps(s[0], s[4]), _mm256_add_ps(s[2], s[6]));
+                let hi = _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7]));
+                let mut sum = f64::from(hsum8(_mm256_add_ps(hi, lo)));
+                for i in np..n {
+                    let k = match kv {
+                        KvData::F16(v) => v[off + i].to_f32(),
+                        KvData::F32(v) => v[off + i],
+                    };
+                    sum += f64::from(k * q[i]);
+                }
+                sum as f32
             }
         }
     }
-    hsum8(acc)
 }
 
 /// `out += p * v` over one head of KV at element offset `off`.

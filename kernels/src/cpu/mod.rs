@@ -9,7 +9,7 @@ pub mod portable;
 use half::slice::HalfFloatSliceExt;
 
 use crate::backend::{Backend, MatmulJob};
-use crate::kv::{AttnQuery, KvBuffer, KvData, KvSlot};
+use crate::kv::{AttnQuery, KvBuffer, KvData, KvSlot, Phase};
 use crate::pool::{SharedMut, ThreadPool, split};
 use crate::quant::{Activations, QK, WeightMatrix};
 use ops::Isa;
@@ -89,8 +89,8 @@ struct PortableIsa;
 
 impl Isa for PortableIsa {
     #[inline(always)]
-    fn kv_dot(self, q: &[f32], kv: &KvData, off: usize) -> f32 {
-        portable::kv_dot(q, kv, off)
+    fn qk_dot(self, q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32 {
+        portable::qk_dot(q, kv, off, phase)
     }
     #[inline(always)]
     fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
@@ -106,9 +106,9 @@ struct Avx2Isa(());
 #[cfg(target_arch = "x86_64")]
 impl Isa for Avx2Isa {
     #[inline(always)]
-    fn kv_dot(self, q: &[f32], kv: &KvData, off: usize) -> f32 {
+    fn qk_dot(self, q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32 {
         // SAFETY: an `Avx2Isa` exists only when the CPU supports the features.
-        unsafe { avx2::kv_dot(q, kv, off) }
+        unsafe { avx2::qk_dot(q, kv, off, phase) }
     }
     #[inline(always)]
     fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
@@ -151,9 +151,9 @@ mod avx2_ops {
         query: &AttnQuery<'_>,
         q: &[f32],
         out: &mut [f32],
-        scores: &mut Vec<f32>,
+        scratch: &mut ops::AttnScratch,
     ) {
-        ops::attend(isa, geom, kv, layer, kv_head, query, q, out, scores)
+        ops::attend(isa, geom, kv, layer, kv_head, query, q, out, scratch)
     }
 }
 
@@ -413,7 +413,7 @@ impl Backend for CpuBackend {
     ) {
         let g = kv.geometry();
         let hd = g.head_dim;
-        assert!(hd.is_multiple_of(8), "attention: head_dim must be a multiple of 8");
+        assert!(hd.is_multiple_of(16), "attention: head_dim must be a multiple of 16");
         assert!(heads.is_multiple_of(g.kv_heads), "attention: heads not a multiple of KV heads");
         assert!(
             q.len() == queries.len() * heads * hd && out.len() == q.len(),
@@ -433,7 +433,7 @@ impl Backend for CpuBackend {
         let o = SharedMut::new(out);
         let data = kv.data();
         let run = |tid: usize, stride: usize| {
-            let mut scores = Vec::new();
+            let mut scratch = ops::AttnScratch::default();
             // Strided so that causal prefill (later tokens cost more) balances across threads.
             for it in (tid..items).step_by(stride) {
                 let (qi, kh) = (it / g.kv_heads, it % g.kv_heads);
@@ -451,7 +451,7 @@ impl Backend for CpuBackend {
                         &queries[qi],
                         qs,
                         os,
-                        &mut scores,
+                        &mut scratch,
                     ),
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX2 verified at construction.
@@ -465,7 +465,7 @@ impl Backend for CpuBackend {
                             &queries[qi],
                             qs,
                             os,
-                            &mut scores,
+                            &mut scratch,
                         )
                     },
                     #[cfg(not(target_arch = "x86_64"))]

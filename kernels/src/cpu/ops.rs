@@ -2,74 +2,112 @@
 //! kernels. Bodies are `#[inline(always)]` so that each ISA instantiates them inside a
 //! `#[target_feature]` function and the compiler vectorises them for that ISA; the arithmetic
 //! (and so every bit of the result) is the same for all of them.
+//!
+//! The arithmetic follows llama.cpp's CPU backend operation for operation (rounding points,
+//! FMA placement, summation trees, its polynomial `exp`), so that pdmesh reproduces llama.cpp's
+//! logits bit for bit on the same GGUF; `scripts/compare_llamacpp.py` checks it.
+
+use half::f16;
 
 use super::portable::hsum8;
-use crate::kv::{AttnQuery, KvData, KvGeometry};
+use crate::kv::{AttnQuery, KvData, KvGeometry, Phase};
 
 /// The primitives that differ per instruction set.
 pub(crate) trait Isa: Copy + Send + Sync {
-    fn kv_dot(self, q: &[f32], kv: &KvData, off: usize) -> f32;
+    /// `q · k` over one head of KV at element offset `off`, summed in `phase`'s order.
+    fn qk_dot(self, q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32;
+    /// `out = fma(p, v, out)` element-wise over one head of KV at element offset `off`.
     fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]);
 }
 
-/// `e^x` to within a couple of ulp, built only from operations with exactly specified results
-/// (FMA, rounding, bit moves), so every ISA returns the same bits and the loop vectorises.
+/// Horizontal sum of 16 lanes in the order GCC expands `_mm512_reduce_add_ps`:
+/// fold the upper 8 lanes onto the lower 8, then the 8-lane tree of `hsum8`.
+#[inline(always)]
+pub fn reduce16(v: &[f32; 16]) -> f32 {
+    let mut t = [0f32; 8];
+    for i in 0..8 {
+        t[i] = v[i + 8] + v[i];
+    }
+    hsum8(t)
+}
+
+/// `q · k` for one head, in the summation order of `phase` (see `Phase`).
+#[inline(always)]
+pub fn qk_dot_lanes(q: &[f32], k: impl Fn(usize) -> f32, phase: Phase) -> f32 {
+    let n = q.len();
+    match phase {
+        Phase::Prefill => {
+            let mut c = [0f32; 16];
+            for l in (0..n).step_by(16) {
+                for t in 0..16 {
+                    c[t] = k(l + t).mul_add(q[l + t], c[t]);
+                }
+            }
+            reduce16(&c)
+        }
+        Phase::Decode => {
+            let mut s = [[0f32; 16]; 4];
+            let np = n & !63;
+            for i in (0..np).step_by(64) {
+                for (j, sj) in s.iter_mut().enumerate() {
+                    for t in 0..16 {
+                        sj[t] = k(i + 16 * j + t).mul_add(q[i + 16 * j + t], sj[t]);
+                    }
+                }
+            }
+            let mut u = [0f32; 16];
+            for t in 0..16 {
+                u[t] = (s[0][t] + s[2][t]) + (s[1][t] + s[3][t]);
+            }
+            let mut sum = f64::from(reduce16(&u));
+            for i in np..n {
+                sum += f64::from(k(i) * q[i]);
+            }
+            sum as f32
+        }
+    }
+}
+
+/// llama.cpp's vectorised `expf` (its AVX-512 `ggml_v_expf`): a range reduction by `ln 2`, a
+/// degree-5 polynomial and an exact scaling by `2^n`, every step with a specified rounding.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let x = x.clamp(-87.3, 88.7);
-    let n = (x * LOG2E).round_ties_even();
-    let r = n.mul_add(-LN2_HI, x);
-    let r = n.mul_add(-LN2_LO, r);
-    let p = 1.987_569_1e-4f32.mul_add(r, 1.398_199_9e-3);
-    let p = p.mul_add(r, 8.333_452e-3);
-    let p = p.mul_add(r, 4.166_579_6e-2);
-    let p = p.mul_add(r, 1.666_666_5e-1);
-    let p = p.mul_add(r, 5e-1);
-    let y = p.mul_add(r * r, r) + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    let log2e = f32::from_bits(0x3fb8_aa3b);
+    let shift = f32::from_bits(0x4b40_0000); // 1.5 * 2^23: rounds to an integer when added
+    let ln2_hi = f32::from_bits(0x3f31_7200);
+    let ln2_lo = f32::from_bits(0x35bf_be8e);
+    let z = x.mul_add(log2e, shift);
+    let n = z - shift;
+    let b = (-n).mul_add(ln2_lo, (-n).mul_add(ln2_hi, x));
+    let u = b * b;
+    let c1 = f32::from_bits(0x3f7f_fff6);
+    let c2 = f32::from_bits(0x3eff_fedb);
+    let c3 = f32::from_bits(0x3e2a_af33);
+    let c4 = f32::from_bits(0x3d2b_9f17);
+    let c5 = f32::from_bits(0x3c07_2010);
+    let j = c5.mul_add(b, c4).mul_add(u, c3.mul_add(b, c2)).mul_add(u, c1.mul_add(b, 1.0));
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    // j · 2^n is exact in f64 (|n| <= 192), so this rounds once, like `vscalefps`.
+    (f64::from(j) * f64::from_bits(((n as i64 + 1023) as u64) << 52)) as f32
 }
 
 #[inline(always)]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + exp(-x))
-}
-
-/// Sum of a slice in eight lanes, then the fixed horizontal order.
-#[inline(always)]
-fn sum_lanes(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    let mut acc = [0f32; 8];
-    let mut chunks = xs.chunks_exact(8);
-    for c in chunks.by_ref() {
-        for l in 0..8 {
-            acc[l] += f(c[l]);
-        }
-    }
-    let mut tail = 0f32;
-    for &x in chunks.remainder() {
-        tail += f(x);
-    }
-    hsum8(acc) + tail
+    x / (1.0 + exp(0.0 - x))
 }
 
 #[inline(always)]
 pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let n = weight.len();
     for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let mut acc = [0f32; 8];
-        let mut chunks = xr.chunks_exact(8);
-        for c in chunks.by_ref() {
-            for l in 0..8 {
-                acc[l] = c[l].mul_add(c[l], acc[l]);
-            }
+        // Sequential f64 sum of f32 squares, as llama.cpp does.
+        let mut sum = 0f64;
+        for &v in xr {
+            sum += f64::from(v * v);
         }
-        let mut tail = 0f32;
-        for &v in chunks.remainder() {
-            tail = v.mul_add(v, tail);
-        }
-        let mean = (hsum8(acc) + tail) / n as f32;
+        let mean = (sum / n as f64) as f32;
         let scale = 1.0 / (mean + eps).sqrt();
         for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
             *o = (v * scale) * w;
@@ -92,6 +130,7 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 }
 
 /// Rotates adjacent pairs of each head; `cos`/`sin` have `head_dim / 2` entries per token.
+/// The first products are fused, the second rounded (llama.cpp's compiled form).
 #[inline(always)]
 pub fn rope_rows(x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
     let half = head_dim / 2;
@@ -102,15 +141,28 @@ pub fn rope_rows(x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin:
             for i in 0..half {
                 let x0 = head[2 * i];
                 let x1 = head[2 * i + 1];
-                head[2 * i] = x0 * c[i] - x1 * s[i];
-                head[2 * i + 1] = x0 * s[i] + x1 * c[i];
+                head[2 * i] = x0.mul_add(c[i], -(x1 * s[i]));
+                head[2 * i + 1] = x0.mul_add(s[i], x1 * c[i]);
             }
         }
     }
 }
 
+/// Per-thread buffers for `attend`.
+#[derive(Debug, Default)]
+pub(crate) struct AttnScratch {
+    q: Vec<f32>,
+    p: Vec<f32>,
+    acc: Vec<f32>,
+}
+
 /// Attention of one query token for one KV head and the query heads that share it (GQA).
-/// `q` and `out` hold those `group` heads; `scores` is scratch.
+/// `q` and `out` hold those `group` heads.
+///
+/// Scores are `q·k` (q rounded to the KV type first); softmax exponentiates in 16-lane chunks
+/// aligned to position 0 and sums the chunks in f64; probabilities are rounded to the KV type
+/// and multiplied into V with one accumulator per lane (16 for prefill, 64 for decode), which
+/// are then reduced in `phase`'s order.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend<I: Isa>(
@@ -122,39 +174,70 @@ pub(crate) fn attend<I: Isa>(
     query: &AttnQuery<'_>,
     q: &[f32],
     out: &mut [f32],
-    scores: &mut Vec<f32>,
+    scratch: &mut AttnScratch,
 ) {
     let hd = geom.head_dim;
     let group = q.len() / hd;
     let n = query.pos + 1;
     let bs = geom.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
-    scores.clear();
-    scores.resize(group * n, 0.0);
-    for j in 0..n {
-        let block = query.blocks[j / bs] as usize;
-        let off = geom.offset(block, layer, 0, kv_head, j % bs);
-        for h in 0..group {
-            scores[h * n + j] = isa.kv_dot(&q[h * hd..(h + 1) * hd], kv, off) * scale;
-        }
-    }
+    let half_kv = matches!(kv, KvData::F16(_));
+    let round = |x: f32| if half_kv { f16::from_f32(x).to_f32() } else { x };
+    let sets = match query.phase {
+        Phase::Prefill => 16,
+        Phase::Decode => 64,
+    };
+    let AttnScratch { q: qh, p, acc } = scratch;
+    qh.resize(hd, 0.0);
+    p.clear();
+    p.resize(n.next_multiple_of(16), 0.0);
+    acc.resize(sets * hd, 0.0);
     for h in 0..group {
-        let s = &mut scores[h * n..(h + 1) * n];
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        for v in s.iter_mut() {
-            *v = exp(*v - max);
+        for (d, &v) in qh.iter_mut().zip(&q[h * hd..(h + 1) * hd]) {
+            *d = round(v);
         }
-        let inv = 1.0 / sum_lanes(s, |v| v);
-        for v in s.iter_mut() {
-            *v *= inv;
+        for j in 0..n {
+            let off = geom.offset(query.blocks[j / bs] as usize, layer, 0, kv_head, j % bs);
+            p[j] = isa.qk_dot(qh, kv, off, query.phase) * scale;
         }
-    }
-    out.fill(0.0);
-    for j in 0..n {
-        let block = query.blocks[j / bs] as usize;
-        let off = geom.offset(block, layer, 1, kv_head, j % bs);
-        for h in 0..group {
-            isa.kv_axpy(scores[h * n + j], kv, off, &mut out[h * hd..(h + 1) * hd]);
+        let max = p[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // Chunks of 16 from position 0; lanes past the last position stay exactly zero
+        // (they are masked with -inf in llama.cpp, whose exp gives +0).
+        let mut sum = 0f64;
+        for (c, chunk) in p.chunks_exact_mut(16).enumerate() {
+            let mut e = [0f32; 16];
+            for (t, v) in chunk.iter_mut().enumerate() {
+                if c * 16 + t < n {
+                    *v = exp(*v - max);
+                    e[t] = *v;
+                }
+            }
+            sum += f64::from(reduce16(&e));
+        }
+        let inv = (1.0 / sum) as f32;
+        acc.fill(0.0);
+        for j in 0..n {
+            let pj = round(p[j] * inv);
+            let off = geom.offset(query.blocks[j / bs] as usize, layer, 1, kv_head, j % bs);
+            let set = j % sets;
+            isa.kv_axpy(pj, kv, off, &mut acc[set * hd..(set + 1) * hd]);
+        }
+        let o = &mut out[h * hd..(h + 1) * hd];
+        for (d, o) in o.iter_mut().enumerate() {
+            let mut u = [0f32; 16];
+            match query.phase {
+                Phase::Prefill => {
+                    for (t, u) in u.iter_mut().enumerate() {
+                        *u = acc[t * hd + d];
+                    }
+                }
+                Phase::Decode => {
+                    for (t, u) in u.iter_mut().enumerate() {
+                        *u = (acc[t * hd + d] + acc[(32 + t) * hd + d]) + (acc[(16 + t) * hd + d] + acc[(48 + t) * hd + d]);
+                    }
+                }
+            }
+            *o = reduce16(&u);
         }
     }
 }

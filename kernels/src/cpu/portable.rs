@@ -2,7 +2,7 @@
 //! tested against. They reproduce the SIMD lane structure (eight partial sums per block, then a
 //! fixed pairwise horizontal sum) so both give bit-identical results.
 
-use crate::kv::KvData;
+use crate::kv::{KvData, Phase};
 use crate::pool::SharedMut;
 use crate::quant::{Activations, QK, WeightMatrix, WeightType, f16_at, quantize_block};
 
@@ -157,25 +157,17 @@ pub fn matmul_rows(
 
 /// `q · k` over one head (`q.len()` elements) of KV at element offset `off`.
 #[inline(always)]
-pub fn kv_dot(q: &[f32], kv: &KvData, off: usize) -> f32 {
-    let mut acc = [0f32; 8];
+pub fn qk_dot(q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32 {
     match kv {
         KvData::F16(v) => {
-            for (qc, kc) in q.chunks_exact(8).zip(v[off..off + q.len()].chunks_exact(8)) {
-                for l in 0..8 {
-                    acc[l] = qc[l].mul_add(kc[l].to_f32(), acc[l]);
-                }
-            }
+            let k = &v[off..off + q.len()];
+            super::ops::qk_dot_lanes(q, |i| k[i].to_f32(), phase)
         }
         KvData::F32(v) => {
-            for (qc, kc) in q.chunks_exact(8).zip(v[off..off + q.len()].chunks_exact(8)) {
-                for l in 0..8 {
-                    acc[l] = qc[l].mul_add(kc[l], acc[l]);
-                }
-            }
+            let k = &v[off..off + q.len()];
+            super::ops::qk_dot_lanes(q, |i| k[i], phase)
         }
     }
-    hsum8(acc)
 }
 
 /// `out += p * v` over one head of KV at element offset `off`.

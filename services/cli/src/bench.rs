@@ -84,7 +84,7 @@ fn prefill(engine: &mut Engine, seq: SeqId, prompt: &[u32]) -> anyhow::Result<u3
     let budget = engine.config().max_batch_tokens;
     let mut next = 0;
     for chunk in prompt.chunks(budget) {
-        let l = engine.step(&[StepItem { seq, tokens: chunk, logits: Logits::Last }])?;
+        let l = engine.step(&[StepItem::prefill(seq, chunk, Logits::Last)])?;
         next = argmax(l.last_of(0).unwrap_or(&[0.0]));
     }
     Ok(next)
@@ -121,7 +121,7 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     for _ in 0..a.repeats {
         let seq = engine.create_sequence();
         let t = Instant::now();
-        engine.step(&[StepItem { seq, tokens: &prompt, logits: Logits::Last }])?;
+        engine.step(&[StepItem::prefill(seq, &prompt, Logits::Last)])?;
         times.push(t.elapsed().as_secs_f64());
         engine.free_sequence(seq)?;
     }
@@ -135,7 +135,7 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         let mut next = prefill(&mut engine, seq, &short)?;
         let t = Instant::now();
         for _ in 0..a.decode_tokens {
-            let l = engine.step(&[StepItem { seq, tokens: &[next], logits: Logits::Last }])?;
+            let l = engine.step(&[StepItem::decode(seq, &[next])])?;
             next = argmax(l.last_of(0).unwrap_or(&[0.0]));
         }
         rates.push(a.decode_tokens as f64 / t.elapsed().as_secs_f64());
@@ -162,7 +162,7 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
                 let items: Vec<StepItem<'_>> = seqs
                     .iter()
                     .zip(&next)
-                    .map(|(&seq, tok)| StepItem { seq, tokens: tok, logits: Logits::Last })
+                    .map(|(&seq, tok)| StepItem::decode(seq, tok))
                     .collect();
                 let l = engine.step(&items)?;
                 let new: Vec<[u32; 1]> =

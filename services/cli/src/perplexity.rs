@@ -66,7 +66,7 @@ pub fn dump_logits(a: DumpLogitsArgs) -> anyhow::Result<()> {
     let budget = engine.config().max_batch_tokens;
     let mut bytes = Vec::new();
     for chunk in a.tokens.chunks(budget) {
-        let l = engine.step(&[StepItem { seq, tokens: chunk, logits: Logits::All }])?;
+        let l = engine.step(&[StepItem::prefill(seq, chunk, Logits::All)])?;
         for i in 0..l.len() {
             for v in l.row(i).1 {
                 bytes.extend_from_slice(&v.to_le_bytes());

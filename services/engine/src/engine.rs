@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use pdmesh_kernels::{
-    Activations, AttnQuery, Backend, CpuBackend, KvDtype, KvSlot, MatmulJob, Simd,
+    Activations, AttnQuery, Backend, CpuBackend, KvDtype, KvSlot, MatmulJob, Phase, Simd,
 };
 
 use crate::error::{Error, Result};
@@ -75,6 +75,20 @@ pub struct StepItem<'a> {
     pub seq: SeqId,
     pub tokens: &'a [u32],
     pub logits: Logits,
+    /// Prompt tokens (any number per step) or a generated token (one).
+    pub phase: Phase,
+}
+
+impl<'a> StepItem<'a> {
+    /// A chunk of prompt tokens.
+    pub fn prefill(seq: SeqId, tokens: &'a [u32], logits: Logits) -> Self {
+        Self { seq, tokens, logits, phase: Phase::Prefill }
+    }
+
+    /// One generated token, whose logits are wanted.
+    pub fn decode(seq: SeqId, token: &'a [u32; 1]) -> Self {
+        Self { seq, tokens: token, logits: Logits::Last, phase: Phase::Decode }
+    }
 }
 
 /// The logits a step produced, row by row in item order.
@@ -209,6 +223,13 @@ impl Engine {
             if it.tokens.is_empty() {
                 return Err(Error::invalid(format!("step item {i} ({}) has no tokens", it.seq)));
             }
+            if it.phase == Phase::Decode && it.tokens.len() != 1 {
+                return Err(Error::invalid(format!(
+                    "step item {i} ({}) is a decode item with {} tokens; decode takes one",
+                    it.seq,
+                    it.tokens.len()
+                )));
+            }
             if !seen.insert(it.seq) {
                 return Err(Error::invalid(format!("{} appears twice in one step", it.seq)));
             }
@@ -251,6 +272,7 @@ impl Engine {
         let mut positions = Vec::with_capacity(n);
         let mut slots: Vec<KvSlot> = Vec::with_capacity(n);
         let mut owner = Vec::with_capacity(n);
+        let mut phases = Vec::with_capacity(n);
         let mut logit_rows = std::mem::take(&mut self.scratch.logit_rows);
         logit_rows.clear();
         let mut logit_tokens = Vec::new();
@@ -270,10 +292,11 @@ impl Engine {
                 tokens.push(t);
                 positions.push(start + j);
                 owner.push(it.seq);
+                phases.push(it.phase);
             }
             slots.extend(s);
         }
-        self.forward(&tokens, &positions, &slots, &owner, &logit_tokens);
+        self.forward(&tokens, &positions, &slots, &owner, &phases, &logit_tokens);
         self.scratch.logit_rows = logit_rows;
         Ok(StepLogits {
             data: &self.scratch.logits,
@@ -282,12 +305,14 @@ impl Engine {
         })
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn forward(
         &mut self,
         tokens: &[u32],
         positions: &[usize],
         slots: &[KvSlot],
         owner: &[SeqId],
+        phases: &[Phase],
         logit_tokens: &[usize],
     ) {
         let model = &*self.model;
@@ -326,7 +351,8 @@ impl Engine {
         let queries: Vec<AttnQuery<'_>> = positions
             .iter()
             .zip(owner)
-            .map(|(&pos, id)| AttnQuery { pos, blocks: &seqs[id].blocks })
+            .zip(phases)
+            .map(|((&pos, id), &phase)| AttnQuery { pos, blocks: &seqs[id].blocks, phase })
             .collect();
 
         for (li, l) in model.layers.iter().enumerate() {

@@ -48,7 +48,7 @@ pub fn perplexity(
             for (c, chunk) in win.chunks(budget).enumerate() {
                 let base = c * budget;
                 let logits =
-                    engine.step(&[StepItem { seq, tokens: chunk, logits: Logits::All }])?;
+                    engine.step(&[StepItem::prefill(seq, chunk, Logits::All)])?;
                 for i in 0..logits.len() {
                     let ((_, j), row) = logits.row(i);
                     let pos = base + j;

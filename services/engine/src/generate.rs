@@ -147,12 +147,12 @@ pub fn generate_batch_observed(
                 .map(|(s, tok)| {
                     let r = &running[&s.id];
                     match s.work {
-                        Work::Prefill { offset, len, last } => StepItem {
-                            seq: r.seq,
-                            tokens: &requests[s.id as usize].0[offset..offset + len],
-                            logits: if last { Logits::Last } else { Logits::None },
-                        },
-                        Work::Decode => StepItem { seq: r.seq, tokens: tok, logits: Logits::Last },
+                        Work::Prefill { offset, len, last } => StepItem::prefill(
+                            r.seq,
+                            &requests[s.id as usize].0[offset..offset + len],
+                            if last { Logits::Last } else { Logits::None },
+                        ),
+                        Work::Decode => StepItem::decode(r.seq, tok),
                     }
                 })
                 .collect();

@@ -23,6 +23,7 @@ pub use engine::{Engine, EngineConfig, Logits, StepItem, StepLogits};
 pub use error::{Error, ErrorClass, Result};
 pub use generate::{FinishReason, GenerateParams, Generation, generate, generate_batch};
 pub use kv_cache::{BlockAllocator, KvCache, SeqId};
+pub use pdmesh_kernels::Phase;
 pub use model::{Model, ModelConfig};
 pub use sampler::{Sampler, SamplingParams};
 pub use scheduler::{Scheduler, Work};

@@ -146,9 +146,9 @@ impl Model {
                 "partial RoPE ({rd} of {head_dim} dims) is not supported"
             )));
         }
-        if head_dim % 8 != 0 {
+        if !head_dim.is_multiple_of(16) {
             return Err(Error::UnsupportedModel(format!(
-                "head dim {head_dim} is not a multiple of 8"
+                "head dim {head_dim} is not a multiple of 16"
             )));
         }
 

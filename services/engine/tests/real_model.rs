@@ -140,7 +140,7 @@ fn logits_chunked(e: &mut Engine, tokens: &[u32], chunks: &[usize]) -> Vec<Vec<f
     let mut at = 0;
     for &c in chunks {
         let l =
-            e.step(&[StepItem { seq, tokens: &tokens[at..at + c], logits: Logits::All }]).unwrap();
+            e.step(&[StepItem::prefill(seq, &tokens[at..at + c], Logits::All)]).unwrap();
         for i in 0..l.len() {
             out.push(l.row(i).1.to_vec());
         }
@@ -189,14 +189,14 @@ fn logits_are_batch_invariant() {
     let sa = e.create_sequence();
     let sb = e.create_sequence();
     let sc = e.create_sequence();
-    e.step(&[StepItem { seq: sc, tokens: &b[..5], logits: Logits::None }]).unwrap();
+    e.step(&[StepItem::prefill(sc, &b[..5], Logits::None)]).unwrap();
     let mut got = Vec::new();
     let split = 13;
     let l = e
         .step(&[
-            StepItem { seq: sb, tokens: &b[..9], logits: Logits::All },
-            StepItem { seq: sa, tokens: &a[..split], logits: Logits::All },
-            StepItem { seq: sc, tokens: &b[5..6], logits: Logits::Last },
+            StepItem::prefill(sb, &b[..9], Logits::All),
+            StepItem::prefill(sa, &a[..split], Logits::All),
+            StepItem::prefill(sc, &b[5..6], Logits::Last),
         ])
         .unwrap();
     for i in 0..l.len() {
@@ -207,8 +207,8 @@ fn logits_are_batch_invariant() {
     }
     let l = e
         .step(&[
-            StepItem { seq: sc, tokens: &b[6..7], logits: Logits::Last },
-            StepItem { seq: sa, tokens: &a[split..], logits: Logits::All },
+            StepItem::prefill(sc, &b[6..7], Logits::Last),
+            StepItem::prefill(sa, &a[split..], Logits::All),
         ])
         .unwrap();
     for i in 0..l.len() {
@@ -251,16 +251,16 @@ fn forked_prefix_continues_like_a_fresh_sequence() {
     let fresh = logits_chunked(&mut e, &tokens, &[tokens.len()]);
     // Share the first 21 tokens (one full block + a partial one) and continue on a fork.
     let base = e.create_sequence();
-    e.step(&[StepItem { seq: base, tokens: &tokens[..21], logits: Logits::None }]).unwrap();
+    e.step(&[StepItem::prefill(base, &tokens[..21], Logits::None)]).unwrap();
     let used = e.kv().total_blocks() - e.kv().free_blocks();
     let fork: SeqId = e.fork_sequence(base).unwrap();
     assert_eq!(e.kv().total_blocks() - e.kv().free_blocks(), used, "fork copied blocks eagerly");
-    let l = e.step(&[StepItem { seq: fork, tokens: &tokens[21..], logits: Logits::All }]).unwrap();
+    let l = e.step(&[StepItem::prefill(fork, &tokens[21..], Logits::All)]).unwrap();
     let got: Vec<Vec<f32>> = (0..l.len()).map(|i| l.row(i).1.to_vec()).collect();
     assert_bits_eq(&fresh[21..], &got, "continuation on a fork");
     // The original still sees its own (unmodified) partial block.
     let l =
-        e.step(&[StepItem { seq: base, tokens: &tokens[21..22], logits: Logits::Last }]).unwrap();
+        e.step(&[StepItem::prefill(base, &tokens[21..22], Logits::Last)]).unwrap();
     assert_bits_eq(&fresh[21..22], &[l.row(0).1.to_vec()], "original after fork");
     e.free_sequence(fork).unwrap();
     e.free_sequence(base).unwrap();
@@ -318,16 +318,16 @@ fn step_validation_changes_nothing() {
     let vocab = [model().config.vocab as u32];
     let cases: Vec<(Vec<StepItem<'_>>, &str)> = vec![
         (vec![], "at least one item"),
-        (vec![StepItem { seq: s, tokens: &[], logits: Logits::Last }], "no tokens"),
-        (vec![StepItem { seq: s, tokens: &vocab, logits: Logits::Last }], "outside the vocabulary"),
+        (vec![StepItem::prefill(s, &[], Logits::Last)], "no tokens"),
+        (vec![StepItem::prefill(s, &vocab, Logits::Last)], "outside the vocabulary"),
         (
-            vec![StepItem { seq: SeqId(999), tokens: &[1], logits: Logits::Last }],
+            vec![StepItem::prefill(SeqId(999), &[1], Logits::Last)],
             "unknown sequence",
         ),
         (
             vec![
-                StepItem { seq: s, tokens: &[1], logits: Logits::Last },
-                StepItem { seq: s, tokens: &[2], logits: Logits::Last },
+                StepItem::prefill(s, &[1], Logits::Last),
+                StepItem::prefill(s, &[2], Logits::Last),
             ],
             "twice",
         ),
@@ -338,7 +338,7 @@ fn step_validation_changes_nothing() {
     }
     let too_many = vec![1u32; 257];
     let err = e
-        .step(&[StepItem { seq: s, tokens: &too_many, logits: Logits::None }])
+        .step(&[StepItem::prefill(s, &too_many, Logits::None)])
         .unwrap_err()
         .to_string();
     assert!(err.contains("budget"), "{err}");
@@ -350,7 +350,7 @@ fn step_validation_changes_nothing() {
     let mut small = Engine::new(model(), cfg).unwrap();
     let s = small.create_sequence();
     let err =
-        small.step(&[StepItem { seq: s, tokens: &[1; 40], logits: Logits::None }]).unwrap_err();
+        small.step(&[StepItem::prefill(s, &[1; 40], Logits::None)]).unwrap_err();
     assert!(matches!(err, pdmesh_engine::Error::KvExhausted { needed: 3, free: 2 }), "{err}");
     assert_eq!(small.kv().free_blocks(), 2);
 }
