@@ -251,7 +251,10 @@ fn attention_matches_reference_on_every_backend() {
                 let scores: Vec<f64> = (0..=query.pos)
                     .map(|j| {
                         let kr = &k[(base[seq] + j) * g.kv_dim() + kh * hd..][..hd];
-                        qv.iter().zip(kr).map(|(&a, &b)| f64::from(round(a)) * f64::from(round(b))).sum::<f64>()
+                        qv.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| f64::from(round(a)) * f64::from(round(b)))
+                            .sum::<f64>()
                             / (hd as f64).sqrt()
                     })
                     .collect();
@@ -266,7 +269,10 @@ fn attention_matches_reference_on_every_backend() {
                         })
                         .sum();
                     let got = f64::from(out[(qi * heads + h) * hd + d]);
-                    assert!((got - want).abs() < 2e-5, "{dtype} {phase:?} q{qi} h{h} d{d}: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() < 2e-5,
+                        "{dtype} {phase:?} q{qi} h{h} d{d}: {got} vs {want}"
+                    );
                 }
             }
         }

@@ -266,38 +266,52 @@ unsafe fn matmul_format<F: Format, const VNNI: bool>(
             }
             return;
         }
-        // Token chunks keep the activations a tile streams resident in L1/L2.
+        // Token chunks keep the activations a tile streams resident in L1/L2. Within a chunk,
+        // tokens go in groups of 8 (2-row tiles), then 4 (3-row tiles), then singles.
         const TOK_CHUNK: usize = 64;
-        const MR: usize = 3;
-        const MT: usize = 4;
         let mut tc = 0;
         while tc < n_tok {
             let te = (tc + TOK_CHUNK).min(n_tok);
-            let mut r = rows.start;
-            while r < rows.end {
-                let two = r + MR <= rows.end;
-                let mut t = tc;
-                while t + MT <= te {
-                    let pf = t == 0;
-                    if two {
-                        tile::<F, VNNI, MR, MT>(w, r, acts, t, out, ldo, col0, pf);
-                    } else {
-                        tile::<F, VNNI, 1, MT>(w, r, acts, t, out, ldo, col0, pf);
-                    }
-                    t += MT;
-                }
-                while t < te {
-                    let pf = t == 0;
-                    if two {
-                        tile::<F, VNNI, MR, 1>(w, r, acts, t, out, ldo, col0, pf);
-                    } else {
-                        tile::<F, VNNI, 1, 1>(w, r, acts, t, out, ldo, col0, pf);
-                    }
-                    t += 1;
-                }
-                r += if two { MR } else { 1 };
+            let mut t = tc;
+            while t + 8 <= te {
+                rows_pass::<F, VNNI, 2, 8>(w, rows.clone(), acts, t, out, ldo, col0);
+                t += 8;
+            }
+            while t + 4 <= te {
+                rows_pass::<F, VNNI, 3, 4>(w, rows.clone(), acts, t, out, ldo, col0);
+                t += 4;
+            }
+            while t < te {
+                rows_pass::<F, VNNI, 4, 1>(w, rows.clone(), acts, t, out, ldo, col0);
+                t += 1;
             }
             tc = te;
+        }
+    }
+}
+
+/// One group of `T` tokens against every row of `rows`, `R` rows at a time.
+#[inline(always)]
+unsafe fn rows_pass<F: Format, const VNNI: bool, const R: usize, const T: usize>(
+    w: &WeightMatrix<'_>,
+    rows: std::ops::Range<usize>,
+    acts: &Activations,
+    t: usize,
+    out: &SharedMut<f32>,
+    ldo: usize,
+    col0: usize,
+) {
+    let pf = t == 0;
+    let mut r = rows.start;
+    // SAFETY: tiles stay within `rows` and the token group; AVX2 is enabled by the caller.
+    unsafe {
+        while r + R <= rows.end {
+            tile::<F, VNNI, R, T>(w, r, acts, t, out, ldo, col0, pf);
+            r += R;
+        }
+        while r < rows.end {
+            tile::<F, VNNI, 1, T>(w, r, acts, t, out, ldo, col0, pf);
+            r += 1;
         }
     }
 }
@@ -521,5 +535,27 @@ pub unsafe fn kv_axpy(p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
                 }
             }
         }
+    }
+}
+
+/// Rounds each value to the nearest f16 (ties to even) and back, eight at a time.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn round_f16_slice(x: &mut [f32]) {
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in chunks.by_ref() {
+        // SAFETY: `c` holds exactly eight floats.
+        unsafe {
+            let v = _mm256_loadu_ps(c.as_ptr());
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm256_storeu_ps(c.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+    }
+    for v in chunks.into_remainder() {
+        let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(*v));
+        *v = _mm_cvtss_f32(_mm_cvtph_ps(h));
     }
 }

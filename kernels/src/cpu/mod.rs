@@ -96,6 +96,12 @@ impl Isa for PortableIsa {
     fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
         portable::kv_axpy(p, kv, off, out)
     }
+    #[inline(always)]
+    fn round_f16(self, x: &mut [f32]) {
+        for v in x {
+            *v = half::f16::from_f32(*v).to_f32();
+        }
+    }
 }
 
 /// Proof that AVX2/FMA/F16C are present: only `CpuBackend::with_simd` makes one, after checking.
@@ -114,6 +120,11 @@ impl Isa for Avx2Isa {
     fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
         // SAFETY: as above.
         unsafe { avx2::kv_axpy(p, kv, off, out) }
+    }
+    #[inline(always)]
+    fn round_f16(self, x: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { avx2::round_f16_slice(x) }
     }
 }
 

@@ -7,8 +7,6 @@
 //! FMA placement, summation trees, its polynomial `exp`), so that pdmesh reproduces llama.cpp's
 //! logits bit for bit on the same GGUF; `scripts/compare_llamacpp.py` checks it.
 
-use half::f16;
-
 use super::portable::hsum8;
 use crate::kv::{AttnQuery, KvData, KvGeometry, Phase};
 
@@ -18,6 +16,8 @@ pub(crate) trait Isa: Copy + Send + Sync {
     fn qk_dot(self, q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32;
     /// `out = fma(p, v, out)` element-wise over one head of KV at element offset `off`.
     fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]);
+    /// Rounds each value to the nearest f16 (ties to even) and back.
+    fn round_f16(self, x: &mut [f32]);
 }
 
 /// Horizontal sum of 16 lanes in the order GCC expands `_mm512_reduce_add_ps`:
@@ -182,7 +182,6 @@ pub(crate) fn attend<I: Isa>(
     let bs = geom.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
     let half_kv = matches!(kv, KvData::F16(_));
-    let round = |x: f32| if half_kv { f16::from_f32(x).to_f32() } else { x };
     let sets = match query.phase {
         Phase::Prefill => 16,
         Phase::Decode => 64,
@@ -193,8 +192,9 @@ pub(crate) fn attend<I: Isa>(
     p.resize(n.next_multiple_of(16), 0.0);
     acc.resize(sets * hd, 0.0);
     for h in 0..group {
-        for (d, &v) in qh.iter_mut().zip(&q[h * hd..(h + 1) * hd]) {
-            *d = round(v);
+        qh.copy_from_slice(&q[h * hd..(h + 1) * hd]);
+        if half_kv {
+            isa.round_f16(qh);
         }
         for j in 0..n {
             let off = geom.offset(query.blocks[j / bs] as usize, layer, 0, kv_head, j % bs);
@@ -215,29 +215,45 @@ pub(crate) fn attend<I: Isa>(
             sum += f64::from(reduce16(&e));
         }
         let inv = (1.0 / sum) as f32;
+        for v in &mut p[..n] {
+            *v *= inv;
+        }
+        if half_kv {
+            isa.round_f16(&mut p[..n]);
+        }
         acc.fill(0.0);
         for j in 0..n {
-            let pj = round(p[j] * inv);
+            let pj = p[j];
             let off = geom.offset(query.blocks[j / bs] as usize, layer, 1, kv_head, j % bs);
             let set = j % sets;
             isa.kv_axpy(pj, kv, off, &mut acc[set * hd..(set + 1) * hd]);
         }
+        // Fold the lane sets row-wise (every dim at once, so it vectorises): decode first
+        // combines its four 16-lane accumulators, then both reduce 16 lanes like `reduce16`.
+        let rows = &mut acc[..sets * hd];
+        let add_into = |rows: &mut [f32], dst: usize, a: usize, b: usize| {
+            for d in 0..hd {
+                rows[dst * hd + d] = rows[a * hd + d] + rows[b * hd + d];
+            }
+        };
+        if query.phase == Phase::Decode {
+            for t in 0..16 {
+                add_into(rows, t, t, 32 + t);
+                add_into(rows, 16 + t, 16 + t, 48 + t);
+                add_into(rows, t, t, 16 + t);
+            }
+        }
+        for i in 0..8 {
+            add_into(rows, i, i + 8, i);
+        }
+        for i in 0..4 {
+            add_into(rows, i, i, i + 4);
+        }
+        add_into(rows, 0, 0, 2);
+        add_into(rows, 1, 1, 3);
         let o = &mut out[h * hd..(h + 1) * hd];
         for (d, o) in o.iter_mut().enumerate() {
-            let mut u = [0f32; 16];
-            match query.phase {
-                Phase::Prefill => {
-                    for (t, u) in u.iter_mut().enumerate() {
-                        *u = acc[t * hd + d];
-                    }
-                }
-                Phase::Decode => {
-                    for (t, u) in u.iter_mut().enumerate() {
-                        *u = (acc[t * hd + d] + acc[(32 + t) * hd + d]) + (acc[(16 + t) * hd + d] + acc[(48 + t) * hd + d]);
-                    }
-                }
-            }
-            *o = reduce16(&u);
+            *o = rows[d] + rows[hd + d];
         }
     }
 }

@@ -159,11 +159,8 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
             }
             let t = Instant::now();
             for _ in 0..a.batch_steps {
-                let items: Vec<StepItem<'_>> = seqs
-                    .iter()
-                    .zip(&next)
-                    .map(|(&seq, tok)| StepItem::decode(seq, tok))
-                    .collect();
+                let items: Vec<StepItem<'_>> =
+                    seqs.iter().zip(&next).map(|(&seq, tok)| StepItem::decode(seq, tok)).collect();
                 let l = engine.step(&items)?;
                 let new: Vec<[u32; 1]> =
                     (0..b).map(|i| [argmax(l.last_of(i).unwrap_or(&[0.0]))]).collect();

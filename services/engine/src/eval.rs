@@ -47,8 +47,7 @@ pub fn perplexity(
         let r = (|| -> Result<()> {
             for (c, chunk) in win.chunks(budget).enumerate() {
                 let base = c * budget;
-                let logits =
-                    engine.step(&[StepItem::prefill(seq, chunk, Logits::All)])?;
+                let logits = engine.step(&[StepItem::prefill(seq, chunk, Logits::All)])?;
                 for i in 0..logits.len() {
                     let ((_, j), row) = logits.row(i);
                     let pos = base + j;

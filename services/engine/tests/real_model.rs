@@ -139,8 +139,7 @@ fn logits_chunked(e: &mut Engine, tokens: &[u32], chunks: &[usize]) -> Vec<Vec<f
     let mut out = Vec::new();
     let mut at = 0;
     for &c in chunks {
-        let l =
-            e.step(&[StepItem::prefill(seq, &tokens[at..at + c], Logits::All)]).unwrap();
+        let l = e.step(&[StepItem::prefill(seq, &tokens[at..at + c], Logits::All)]).unwrap();
         for i in 0..l.len() {
             out.push(l.row(i).1.to_vec());
         }
@@ -259,8 +258,7 @@ fn forked_prefix_continues_like_a_fresh_sequence() {
     let got: Vec<Vec<f32>> = (0..l.len()).map(|i| l.row(i).1.to_vec()).collect();
     assert_bits_eq(&fresh[21..], &got, "continuation on a fork");
     // The original still sees its own (unmodified) partial block.
-    let l =
-        e.step(&[StepItem::prefill(base, &tokens[21..22], Logits::Last)]).unwrap();
+    let l = e.step(&[StepItem::prefill(base, &tokens[21..22], Logits::Last)]).unwrap();
     assert_bits_eq(&fresh[21..22], &[l.row(0).1.to_vec()], "original after fork");
     e.free_sequence(fork).unwrap();
     e.free_sequence(base).unwrap();
@@ -320,10 +318,7 @@ fn step_validation_changes_nothing() {
         (vec![], "at least one item"),
         (vec![StepItem::prefill(s, &[], Logits::Last)], "no tokens"),
         (vec![StepItem::prefill(s, &vocab, Logits::Last)], "outside the vocabulary"),
-        (
-            vec![StepItem::prefill(SeqId(999), &[1], Logits::Last)],
-            "unknown sequence",
-        ),
+        (vec![StepItem::prefill(SeqId(999), &[1], Logits::Last)], "unknown sequence"),
         (
             vec![
                 StepItem::prefill(s, &[1], Logits::Last),
@@ -337,10 +332,7 @@ fn step_validation_changes_nothing() {
         assert!(err.contains(want), "{err} (wanted {want:?})");
     }
     let too_many = vec![1u32; 257];
-    let err = e
-        .step(&[StepItem::prefill(s, &too_many, Logits::None)])
-        .unwrap_err()
-        .to_string();
+    let err = e.step(&[StepItem::prefill(s, &too_many, Logits::None)]).unwrap_err().to_string();
     assert!(err.contains("budget"), "{err}");
     assert_eq!(e.seq_len(s).unwrap(), 0);
     assert_eq!(e.kv().free_blocks(), e.kv().total_blocks());
@@ -349,8 +341,68 @@ fn step_validation_changes_nothing() {
     let cfg = EngineConfig { threads: 1, kv_blocks: 2, max_batch_tokens: 64, ..Default::default() };
     let mut small = Engine::new(model(), cfg).unwrap();
     let s = small.create_sequence();
-    let err =
-        small.step(&[StepItem::prefill(s, &[1; 40], Logits::None)]).unwrap_err();
+    let err = small.step(&[StepItem::prefill(s, &[1; 40], Logits::None)]).unwrap_err();
     assert!(matches!(err, pdmesh_engine::Error::KvExhausted { needed: 3, free: 2 }), "{err}");
     assert_eq!(small.kv().free_blocks(), 2);
+}
+
+/// Logits llama.cpp (llama-cpp-python 0.3.36, CPU, flash attention off) computes for this chat
+/// prompt, then after two generated tokens, as exact f32 bit patterns: pdmesh reproduces its
+/// arithmetic operation for operation, so these match bit for bit.
+#[test]
+fn logits_equal_llama_cpp_bit_for_bit() {
+    let ids = [60usize, 504, 15319, 2, 0, 23];
+    let want: [[u32; 6]; 3] = [
+        [0x41c5eb37, 0x41c53532, 0x41c3300c, 0x40b375f6, 0x411597c4, 0x4188e042],
+        [0x408749f4, 0x411141be, 0x40bfefc9, 0xc0b99546, 0xc024fea4, 0x41ac9b4c],
+        [0x414da5f0, 0x415680da, 0x41096dcc, 0xbfdb26c8, 0xbea6d590, 0x40ee342a],
+    ];
+    let prompt = chat_ids("What is the capital of France?");
+    let mut e = engine(2, None);
+    let seq = e.create_sequence();
+    let bits = |row: &[f32]| ids.map(|i| row[i].to_bits());
+    let l = e.step(&[StepItem::prefill(seq, &prompt, Logits::Last)]).unwrap();
+    assert_eq!(bits(l.last_of(0).unwrap()), want[0], "prompt logits");
+    let l = e.step(&[StepItem::decode(seq, &[60])]).unwrap();
+    assert_eq!(bits(l.last_of(0).unwrap()), want[1], "first decode step");
+    let l = e.step(&[StepItem::decode(seq, &[23])]).unwrap();
+    assert_eq!(bits(l.last_of(0).unwrap()), want[2], "second decode step");
+}
+
+#[test]
+fn decode_logits_are_batch_invariant() {
+    let a = chat_ids("What is the capital of France?");
+    let b = chat_ids("Write a haiku about the ocean.");
+    let mut e = engine(2, None);
+    let run = |e: &mut Engine, crowd: bool| -> Vec<Vec<f32>> {
+        let sa = e.create_sequence();
+        let sb = e.create_sequence();
+        e.step(&[StepItem::prefill(sa, &a, Logits::None)]).unwrap();
+        e.step(&[StepItem::prefill(sb, &b[..10], Logits::None)]).unwrap();
+        let mut rows = Vec::new();
+        for (i, tok) in [60u32, 23, 39614].iter().enumerate() {
+            let t = [*tok];
+            let other = [b[10 + i]];
+            let items = if crowd {
+                vec![
+                    StepItem::prefill(sb, &b[11 + i..12 + i], Logits::All),
+                    StepItem::decode(sa, &t),
+                    StepItem::decode(e.create_sequence(), &other),
+                ]
+            } else {
+                vec![StepItem::decode(sa, &t)]
+            };
+            let idx = usize::from(crowd);
+            let l = e.step(&items).unwrap();
+            rows.push(l.last_of(idx).unwrap().to_vec());
+        }
+        rows
+    };
+    let alone = run(&mut e, false);
+    let crowded = run(&mut e, true);
+    assert_bits_eq(
+        &alone,
+        &crowded,
+        "decode tokens sharing steps with a prefill and other decodes",
+    );
 }
