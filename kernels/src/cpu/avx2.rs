@@ -467,7 +467,7 @@ pub unsafe fn qk_dot(q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32 {
         // SAFETY: callers pass `i + 8 <= n`.
         unsafe { _mm256_loadu_ps(q.as_ptr().add(i)) }
     };
-    // SAFETY (all `load8` calls): `off + n` lies within the KV buffer; AVX2 enabled here.
+    // SAFETY: (all `load8` calls) `off + n` lies within the KV buffer; AVX2 enabled here.
     unsafe {
         match phase {
             Phase::Prefill => {

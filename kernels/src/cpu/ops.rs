@@ -60,8 +60,8 @@ pub fn qk_dot_lanes(q: &[f32], k: impl Fn(usize) -> f32, phase: Phase) -> f32 {
                 u[t] = (s[0][t] + s[2][t]) + (s[1][t] + s[3][t]);
             }
             let mut sum = f64::from(reduce16(&u));
-            for i in np..n {
-                sum += f64::from(k(i) * q[i]);
+            for (i, &qi) in q.iter().enumerate().skip(np) {
+                sum += f64::from(k(i) * qi);
             }
             sum as f32
         }
@@ -196,9 +196,9 @@ pub(crate) fn attend<I: Isa>(
         if half_kv {
             isa.round_f16(qh);
         }
-        for j in 0..n {
+        for (j, pj) in p[..n].iter_mut().enumerate() {
             let off = geom.offset(query.blocks[j / bs] as usize, layer, 0, kv_head, j % bs);
-            p[j] = isa.qk_dot(qh, kv, off, query.phase) * scale;
+            *pj = isa.qk_dot(qh, kv, off, query.phase) * scale;
         }
         let max = p[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
         // Chunks of 16 from position 0; lanes past the last position stay exactly zero
@@ -222,8 +222,7 @@ pub(crate) fn attend<I: Isa>(
             isa.round_f16(&mut p[..n]);
         }
         acc.fill(0.0);
-        for j in 0..n {
-            let pj = p[j];
+        for (j, &pj) in p[..n].iter().enumerate() {
             let off = geom.offset(query.blocks[j / bs] as usize, layer, 1, kv_head, j % bs);
             let set = j % sets;
             isa.kv_axpy(pj, kv, off, &mut acc[set * hd..(set + 1) * hd]);
