@@ -43,4 +43,5 @@ compare-llamacpp: fetch-model _llamacpp
 _llamacpp:
     @[ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null || { \
         python3 -m venv {{bench_venv}} && \
-        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) {{bench_venv}}/bin/pip install --quiet llama-cpp-python==0.3.36 numpy; }
+        CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        {{bench_venv}}/bin/pip install --quiet llama-cpp-python==0.3.36 numpy; }

@@ -5,7 +5,9 @@
 2. Greedy generation: 12 varied chat prompts, 48 tokens each. Reports how many match token for
    token; for any that differ, the logit gap between the two candidates at the first divergence,
    as each engine saw it (a near-tie when small).
-3. Perplexity over non-overlapping windows of --ctx tokens, every token of a window scored
+3. Prompt logits: every position of the first --ctx tokens of --text, all 49152 logits each,
+   compared bit for bit.
+4. Perplexity over non-overlapping windows of --ctx tokens, every token of a window scored
    except its first, computed the same way for both.
 
 Needs llama-cpp-python (``just compare-llamacpp`` installs it into .bench/venv).
@@ -13,8 +15,10 @@ Needs llama-cpp-python (``just compare-llamacpp`` installs it into .bench/venv).
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 from llama_cpp import Llama
@@ -100,10 +104,24 @@ def main():
     print(f"greedy generation, {args.tokens} tokens: {same}/{len(PROMPTS)} prompts identical")
     print("\n".join(report))
 
-    if args.skip_perplexity:
-        return
     text = open(args.text, encoding="utf-8").read()
     toks = llm.tokenize(text.encode(), add_bos=False, special=False)
+    win = toks[:args.ctx]
+    llm.reset()
+    llm.eval(win)
+    ref_logits = np.array(llm.scores[:len(win)], dtype=np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "logits.f32")
+        run_pdmesh(args, ["dump-logits", "--tokens", ",".join(map(str, win)), "--out", out_path])
+        ours_logits = np.fromfile(out_path, dtype=np.float32).reshape(len(win), -1)
+    same = np.array_equal(ours_logits.view(np.uint32), ref_logits.view(np.uint32))
+    diff = float(np.abs(ours_logits - ref_logits).max())
+    print(f"prompt logits ({len(win)} positions x {ref_logits.shape[1]}): "
+          f"{'bit-identical' if same else 'DIFFERENT'}, max |diff| {diff:.3g}, "
+          f"argmax agreement {np.mean(ours_logits.argmax(1) == ref_logits.argmax(1)):.4f}")
+
+    if args.skip_perplexity:
+        return
     n_win = len(toks) // args.ctx
     nll, count = 0.0, 0
     for w in range(n_win):

@@ -316,7 +316,31 @@ unsafe fn rows_pass<F: Format, const VNNI: bool, const R: usize, const T: usize>
     }
 }
 
-/// AVX2 version of `portable::matmul_rows` (float weights fall back to the shared code).
+/// Picks the tile kernel for the weight format; float weights fall back to the shared code.
+#[inline(always)]
+unsafe fn matmul_dispatch<const VNNI: bool>(
+    w: &WeightMatrix<'_>,
+    acts: &Activations,
+    rows: std::ops::Range<usize>,
+    out: &SharedMut<f32>,
+    ldo: usize,
+    col0: usize,
+) {
+    debug_assert!(!w.ty.is_quantized() || acts.is_quantized());
+    // SAFETY: the calling kernel enabled the features; bounds are the caller's contract.
+    unsafe {
+        match w.ty {
+            WeightType::Q4_1 => matmul_format::<Q41, VNNI>(w, acts, rows, out, ldo, col0),
+            WeightType::Q4_0 => matmul_format::<Q40, VNNI>(w, acts, rows, out, ldo, col0),
+            WeightType::Q8_0 => matmul_format::<Q80, VNNI>(w, acts, rows, out, ldo, col0),
+            WeightType::F32 | WeightType::F16 | WeightType::BF16 => {
+                portable::matmul_rows(w, acts, rows, out, ldo, col0)
+            }
+        }
+    }
+}
+
+/// AVX2 version of `portable::matmul_rows`.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `out` must have room for `acts.rows × ldo`.
@@ -329,18 +353,8 @@ pub unsafe fn matmul_rows(
     ldo: usize,
     col0: usize,
 ) {
-    debug_assert!(!w.ty.is_quantized() || acts.is_quantized());
     // SAFETY: features enabled on this function; bounds are the caller's contract.
-    unsafe {
-        match w.ty {
-            WeightType::Q4_1 => matmul_format::<Q41, false>(w, acts, rows, out, ldo, col0),
-            WeightType::Q4_0 => matmul_format::<Q40, false>(w, acts, rows, out, ldo, col0),
-            WeightType::Q8_0 => matmul_format::<Q80, false>(w, acts, rows, out, ldo, col0),
-            WeightType::F32 | WeightType::F16 | WeightType::BF16 => {
-                portable::matmul_rows(w, acts, rows, out, ldo, col0)
-            }
-        }
-    }
+    unsafe { matmul_dispatch::<false>(w, acts, rows, out, ldo, col0) }
 }
 
 /// `matmul_rows` with the integer dot products done by AVX512-VNNI (256-bit forms).
@@ -356,18 +370,8 @@ pub unsafe fn matmul_rows_vnni(
     ldo: usize,
     col0: usize,
 ) {
-    debug_assert!(!w.ty.is_quantized() || acts.is_quantized());
     // SAFETY: features enabled on this function; bounds are the caller's contract.
-    unsafe {
-        match w.ty {
-            WeightType::Q4_1 => matmul_format::<Q41, true>(w, acts, rows, out, ldo, col0),
-            WeightType::Q4_0 => matmul_format::<Q40, true>(w, acts, rows, out, ldo, col0),
-            WeightType::Q8_0 => matmul_format::<Q80, true>(w, acts, rows, out, ldo, col0),
-            WeightType::F32 | WeightType::F16 | WeightType::BF16 => {
-                portable::matmul_rows(w, acts, rows, out, ldo, col0)
-            }
-        }
-    }
+    unsafe { matmul_dispatch::<true>(w, acts, rows, out, ldo, col0) }
 }
 
 /// AVX2 version of `portable::quantize_rows`.

@@ -440,30 +440,25 @@ impl Backend for CpuBackend {
             );
         }
         let group = heads / g.kv_heads;
-        let items = queries.len() * g.kv_heads;
+        // One item per (query token, head): even a single decode token spreads over threads.
+        let items = queries.len() * heads;
         let o = SharedMut::new(out);
         let data = kv.data();
         let run = |tid: usize, stride: usize| {
             let mut scratch = ops::AttnScratch::default();
             // Strided so that causal prefill (later tokens cost more) balances across threads.
             for it in (tid..items).step_by(stride) {
-                let (qi, kh) = (it / g.kv_heads, it % g.kv_heads);
-                let base = qi * heads * hd + kh * group * hd;
-                let qs = &q[base..base + group * hd];
-                // SAFETY: each (query, kv head) item owns a disjoint slice of `out`.
-                let os = unsafe { o.slice(base..base + group * hd) };
+                let (qi, h) = (it / heads, it % heads);
+                let kh = h / group;
+                let base = (qi * heads + h) * hd;
+                let qs = &q[base..base + hd];
+                // SAFETY: each (query, head) item owns a disjoint slice of `out`.
+                let os = unsafe { o.slice(base..base + hd) };
+                let query = &queries[qi];
                 match self.simd {
-                    Simd::Portable => ops::attend(
-                        PortableIsa,
-                        g,
-                        data,
-                        layer,
-                        kh,
-                        &queries[qi],
-                        qs,
-                        os,
-                        &mut scratch,
-                    ),
+                    Simd::Portable => {
+                        ops::attend(PortableIsa, g, data, layer, kh, query, qs, os, &mut scratch)
+                    }
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX2 verified at construction.
                     Simd::Avx2 | Simd::Avx512Vnni => unsafe {
@@ -473,7 +468,7 @@ impl Backend for CpuBackend {
                             data,
                             layer,
                             kh,
-                            &queries[qi],
+                            query,
                             qs,
                             os,
                             &mut scratch,

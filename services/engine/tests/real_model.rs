@@ -406,3 +406,35 @@ fn decode_logits_are_batch_invariant() {
         "decode tokens sharing steps with a prefill and other decodes",
     );
 }
+
+#[test]
+fn generation_ends_on_stop_tokens_and_eos() {
+    let mut e = engine(2, None);
+    let prompt = chat_ids("What causes the seasons on Earth?");
+    // Greedy starts 504, 2591, 506, 12064 (golden above): stop on the fourth.
+    let params = GenerateParams { max_tokens: 32, stop_tokens: vec![12064], ..Default::default() };
+    let g = generate(&mut e, &prompt, &params, |_| true).unwrap();
+    assert_eq!(g.tokens, [504, 2591, 506]);
+    assert_eq!((g.finish, g.stop_token), (pdmesh_engine::FinishReason::Stop, Some(12064)));
+    // This prompt's greedy answer ends by itself with <|im_end|> after 26 tokens (llama.cpp agrees).
+    let prompt = chat_ids("List the planets of the solar system in order.");
+    let params = GenerateParams { max_tokens: 48, ..Default::default() };
+    let g = generate(&mut e, &prompt, &params, |_| true).unwrap();
+    assert_eq!(
+        (g.finish, g.stop_token, g.tokens.len()),
+        (pdmesh_engine::FinishReason::Eos, Some(2), 26)
+    );
+    // ignore_eos keeps going to the length limit.
+    let params = GenerateParams { max_tokens: 30, ignore_eos: true, ..Default::default() };
+    let g = generate(&mut e, &prompt, &params, |_| true).unwrap();
+    assert_eq!((g.finish, g.tokens.len()), (pdmesh_engine::FinishReason::Length, 30));
+    // A callback that says stop cancels the request and frees its blocks.
+    let mut seen = 0;
+    let g = generate(&mut e, &prompt, &params, |_| {
+        seen += 1;
+        seen < 5
+    })
+    .unwrap();
+    assert_eq!((g.finish, g.tokens.len()), (pdmesh_engine::FinishReason::Cancelled, 5));
+    assert_eq!(e.kv().free_blocks(), e.kv().total_blocks());
+}
