@@ -30,9 +30,9 @@ check:
 bench: bench-engine
 
 # Engine speed against llama.cpp on the same GGUF and threads, in one run (ratios printed).
-bench-engine threads="2": fetch-model _llamacpp
+bench-engine threads="2" *args="": fetch-model _llamacpp
     cargo build --release --locked -q -p pdmesh-cli
-    {{bench_venv}}/bin/python scripts/bench_engine.py --model {{model}} --threads {{threads}}
+    {{bench_venv}}/bin/python scripts/bench_engine.py --model {{model}} --threads {{threads}} {{args}}
 
 # Fidelity against llama.cpp: greedy tokens on 12 chat prompts and perplexity.
 compare-llamacpp: fetch-model _llamacpp

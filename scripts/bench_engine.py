@@ -136,6 +136,7 @@ def main():
     ap.add_argument("--batch-prompt-tokens", type=int, default=32)
     ap.add_argument("--batch-steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--simd", help="force pdmesh's kernel set (portable, avx2, avx512vnni)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
     args.batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
@@ -154,7 +155,7 @@ def main():
            "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
            "--batch-sizes", ",".join(map(str, args.batch_sizes)),
            "--batch-prompt-tokens", str(args.batch_prompt_tokens), "--batch-steps", str(args.batch_steps),
-           "--repeats", str(args.repeats)]
+           "--repeats", str(args.repeats)] + (["--simd", args.simd] if args.simd else [])
     ours = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
     rows = [("prefill (pp%d)" % args.prompt_tokens, ours["prefill_tok_s"], ref["prefill_tok_s"]),
@@ -165,6 +166,7 @@ def main():
         print(json.dumps({"pdmesh": ours, "llama_cpp": ref,
                           "ratio": {name: o / r for name, o, r in rows}}))
         return
+    print(f"pdmesh backend: {ours['backend']}")
     print(f"{'tok/s, ' + str(args.threads) + ' threads':<24}{'pdmesh':>10}{'llama.cpp':>12}{'ratio':>8}")
     for name, o, r in rows:
         print(f"{name:<24}{o:>10.1f}{r:>12.1f}{o / r:>7.2f}x")

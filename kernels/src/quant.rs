@@ -200,7 +200,8 @@ pub struct Activations {
     pub qs: Vec<i8>,
     /// `rows × cols/32` block scales (already rounded through f16).
     pub d: Vec<f32>,
-    /// `rows × cols/32` scale × sum of quants (rounded through f16), for Q4_1's min term.
+    /// Scale × sum of quants per block (rounded through f16), for Q4_1's min term; stored
+    /// block-major (`[block][row]`) so a tile loads consecutive tokens' terms at once.
     pub s: Vec<f32>,
 }
 

@@ -43,6 +43,9 @@ impl Default for EngineConfig {
 
 impl EngineConfig {
     pub fn validate(&self) -> Result<()> {
+        if self.threads > 1024 {
+            return Err(Error::invalid(format!("threads {} is more than 1024", self.threads)));
+        }
         if self.block_size == 0 || self.block_size > 1024 {
             return Err(Error::invalid(format!(
                 "block_size {} must be in 1..=1024",
@@ -122,7 +125,7 @@ impl<'a> StepLogits<'a> {
 }
 
 /// Reusable activation buffers, sized to the largest step seen.
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Scratch {
     x: Vec<f32>,
     xn: Vec<f32>,
@@ -139,6 +142,12 @@ struct Scratch {
     sin: Vec<f32>,
     logits: Vec<f32>,
     logit_rows: Vec<(usize, usize)>,
+}
+
+impl std::fmt::Debug for Scratch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scratch").finish_non_exhaustive()
+    }
 }
 
 fn fit(v: &mut Vec<f32>, n: usize) {

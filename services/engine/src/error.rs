@@ -1,6 +1,5 @@
 //! The engine's one error type. Each variant is classified once, here, into the class the
-//! services map to a gRPC status (invalid request, capacity exhausted, failed precondition,
-//! internal).
+//! services map to a gRPC status (invalid request, capacity exhausted, failed precondition).
 
 use std::path::PathBuf;
 
@@ -43,7 +42,6 @@ pub enum ErrorClass {
     InvalidRequest,
     CapacityExhausted,
     FailedPrecondition,
-    Internal,
 }
 
 impl Error {
