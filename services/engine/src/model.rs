@@ -298,3 +298,56 @@ fn norm(gguf: &GgufFile, name: &str, n: usize) -> Result<Vec<f32>> {
     pdmesh_kernels::quant::dequantize_row(t.ty, gguf.tensor_data(t), &mut out);
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::Value;
+    use crate::gguf::writer::GgufBuilder;
+
+    /// A llama header with a 3-token vocabulary and an embedding, but no layers yet.
+    fn base(arch: &str, tok_model: &str) -> GgufBuilder {
+        let s = |x: &str| Value::String(x.into());
+        GgufBuilder::default()
+            .kv("general.architecture", s(arch))
+            .kv("llama.block_count", Value::U32(1))
+            .kv("llama.context_length", Value::U32(64))
+            .kv("llama.embedding_length", Value::U32(32))
+            .kv("llama.feed_forward_length", Value::U32(64))
+            .kv("llama.attention.head_count", Value::U32(2))
+            .kv("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+            .kv("tokenizer.ggml.model", s(tok_model))
+            .kv("tokenizer.ggml.tokens", Value::Array(vec![s("a"), s("b"), s("<|im_end|>")]))
+            .kv("tokenizer.ggml.merges", Value::Array(vec![]))
+            .tensor("token_embd.weight", &[32, 3], WeightType::Q8_0, vec![0; 3 * 34])
+            .tensor("output_norm.weight", &[32], WeightType::F32, vec![0; 128])
+    }
+
+    fn load(b: GgufBuilder) -> String {
+        let g = GgufFile::from_bytes(b.build()).unwrap();
+        Model::from_gguf(g, "test.gguf".into()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn missing_tensor_is_named() {
+        let e = load(base("llama", "gpt2"));
+        assert!(e.contains("blk.0.attn_norm.weight") && e.contains("missing"), "{e}");
+    }
+
+    #[test]
+    fn wrong_shape_is_named() {
+        let b = base("llama", "gpt2")
+            .tensor("blk.0.attn_norm.weight", &[32], WeightType::F32, vec![0; 128])
+            .tensor("blk.0.attn_q.weight", &[32, 31], WeightType::Q8_0, vec![0; 31 * 34]);
+        let e = load(b);
+        assert!(e.contains("blk.0.attn_q.weight") && e.contains("shape"), "{e}");
+    }
+
+    #[test]
+    fn unsupported_architecture_and_tokenizer() {
+        let e = load(base("gemma", "gpt2"));
+        assert!(e.contains("gemma") && e.contains("llama-architecture"), "{e}");
+        let e = load(base("llama", "llama"));
+        assert!(e.contains("tokenizer.ggml.model"), "{e}");
+    }
+}
