@@ -104,20 +104,12 @@ impl KvCache {
         &self.buffer
     }
 
-    pub fn allocator(&self) -> &BlockAllocator {
-        &self.alloc
-    }
-
     pub fn free_blocks(&self) -> usize {
         self.alloc.free_count()
     }
 
     pub fn total_blocks(&self) -> usize {
         self.alloc.total()
-    }
-
-    pub fn sequences(&self) -> usize {
-        self.seqs.len()
     }
 
     /// A new, empty sequence.

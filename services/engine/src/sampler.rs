@@ -87,10 +87,6 @@ impl Sampler {
         Ok(Self { params, rng, cand: Vec::new() })
     }
 
-    pub fn params(&self) -> &SamplingParams {
-        &self.params
-    }
-
     /// Picks a token from `logits`; `history` is the sequence so far (for the penalty).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.params;

@@ -94,14 +94,6 @@ impl Scheduler {
         self.entries.len()
     }
 
-    /// Sequences admitted but still reading their prompt.
-    pub fn prefilling(&self) -> usize {
-        self.running
-            .iter()
-            .filter(|id| self.entries[id].prefilled < self.entries[id].prompt_len)
-            .count()
-    }
-
     /// The next step's contents. Progress is recorded as planned: the caller runs the step and
     /// removes sequences that finish or fail.
     pub fn plan(&mut self) -> Vec<Scheduled> {

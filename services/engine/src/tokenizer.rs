@@ -33,7 +33,6 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Raw bytes each token stands for (specials: their text).
     token_bytes: Vec<Vec<u8>>,
-    special: Vec<bool>,
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
@@ -217,7 +216,7 @@ impl Tokenizer {
             }
         };
 
-        Ok(Self { inner, token_bytes, special, bos, eos, add_bos, eog, chat })
+        Ok(Self { inner, token_bytes, bos, eos, add_bos, eog, chat })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -239,10 +238,6 @@ impl Tokenizer {
 
     pub fn is_eog(&self, id: u32) -> bool {
         self.eog.contains(&id)
-    }
-
-    pub fn is_special(&self, id: u32) -> bool {
-        self.special.get(id as usize).copied().unwrap_or(false)
     }
 
     /// Tokenizes `text`, recognising special tokens written in it (`<|im_start|>` …) and adding
