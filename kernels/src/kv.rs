@@ -164,6 +164,42 @@ impl KvBuffer {
         }
     }
 
+    /// Appends block `block`'s bytes (little-endian elements) to `out`: what a KV transfer sends.
+    pub fn read_block_bytes(&self, block: usize, out: &mut Vec<u8>) {
+        let n = self.geometry.block_elems();
+        let range = block * n..(block + 1) * n;
+        out.reserve(self.geometry.bytes_per_block());
+        match &self.data {
+            KvData::F16(v) => v[range].iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            KvData::F32(v) => v[range].iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        }
+    }
+
+    /// Overwrites block `block` with bytes made by `read_block_bytes` on a pool of the same
+    /// geometry. Fails, changing nothing, when `data` is not exactly one block.
+    pub fn write_block_bytes(&mut self, block: usize, data: &[u8]) -> Result<(), String> {
+        let want = self.geometry.bytes_per_block();
+        if data.len() != want {
+            return Err(format!("a KV block is {want} bytes, got {}", data.len()));
+        }
+        if block >= self.n_blocks {
+            return Err(format!("block {block} is outside a pool of {}", self.n_blocks));
+        }
+        let n = self.geometry.block_elems();
+        let range = block * n..(block + 1) * n;
+        match &mut self.data {
+            KvData::F16(v) => v[range]
+                .iter_mut()
+                .zip(data.chunks_exact(2))
+                .for_each(|(x, c)| *x = f16::from_le_bytes([c[0], c[1]])),
+            KvData::F32(v) => v[range]
+                .iter_mut()
+                .zip(data.chunks_exact(4))
+                .for_each(|(x, c)| *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        }
+        Ok(())
+    }
+
     /// Reads one element as f32 (for tests and checksums; kernels read the slices directly).
     pub fn get(&self, idx: usize) -> f32 {
         match &self.data {
@@ -238,6 +274,29 @@ mod tests {
             }
         }
         assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn block_bytes_round_trip_between_pools() {
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let g = KvGeometry { layers: 2, kv_heads: 1, head_dim: 4, block_size: 2, dtype };
+            let mut a = KvBuffer::new(g, 3).unwrap();
+            match a.data_mut() {
+                KvData::F16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f32(i as f32)),
+                KvData::F32(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.5),
+            }
+            let mut bytes = Vec::new();
+            a.read_block_bytes(1, &mut bytes);
+            assert_eq!(bytes.len(), g.bytes_per_block());
+            let mut b = KvBuffer::new(g, 2).unwrap();
+            b.write_block_bytes(0, &bytes).unwrap();
+            for i in 0..g.block_elems() {
+                assert_eq!(b.get(i), a.get(g.block_elems() + i), "{dtype:?} element {i}");
+            }
+            assert_eq!(b.get(g.block_elems()), 0.0, "wrote past the block");
+            assert!(b.write_block_bytes(0, &bytes[1..]).is_err());
+            assert!(b.write_block_bytes(2, &bytes).is_err());
+        }
     }
 
     #[test]

@@ -220,6 +220,45 @@ impl Engine {
         self.kv.len(seq)
     }
 
+    /// Appends `n` slots to `seq` without computing them: for KV that arrives from another node
+    /// and is written with `write_block`.
+    pub fn extend_sequence(&mut self, seq: SeqId, n: usize) -> Result<()> {
+        if self.kv.len(seq)? + n > self.max_seq_len() {
+            return Err(Error::invalid(format!(
+                "{n} more tokens do not fit the context of {}",
+                self.max_seq_len()
+            )));
+        }
+        self.kv.append(seq, n).map(|_| ())
+    }
+
+    /// Blocks the sequence holds.
+    pub fn sequence_blocks(&self, seq: SeqId) -> Result<usize> {
+        Ok(self.kv.blocks(seq)?.len())
+    }
+
+    /// Appends the bytes of the sequence's `index`-th block to `out`.
+    pub fn read_block(&self, seq: SeqId, index: usize, out: &mut Vec<u8>) -> Result<()> {
+        let block = self.block_of(seq, index)?;
+        self.kv.buffer.read_block_bytes(block, out);
+        Ok(())
+    }
+
+    /// Overwrites the sequence's `index`-th block with bytes from `read_block` on an engine of
+    /// the same KV layout.
+    pub fn write_block(&mut self, seq: SeqId, index: usize, data: &[u8]) -> Result<()> {
+        let block = self.block_of(seq, index)?;
+        self.kv.buffer.write_block_bytes(block, data).map_err(Error::invalid)
+    }
+
+    fn block_of(&self, seq: SeqId, index: usize) -> Result<usize> {
+        let blocks = self.kv.blocks(seq)?;
+        let b = blocks.get(index).ok_or_else(|| {
+            Error::invalid(format!("sequence {seq} has {} blocks, not {}", blocks.len(), index + 1))
+        })?;
+        Ok(*b as usize)
+    }
+
     /// Checks a step without changing anything.
     fn validate(&self, items: &[StepItem<'_>]) -> Result<()> {
         if items.is_empty() {

@@ -87,6 +87,20 @@ impl Sampler {
         Ok(Self { params, rng, cand: Vec::new() })
     }
 
+    /// A sampler that continues another's random stream from `rng_position` (as reported by
+    /// `rng_position`), so a request sampled on one node and continued on another draws exactly
+    /// the numbers it would have drawn on one.
+    pub fn resume(params: SamplingParams, rng_position: u128) -> Result<Self> {
+        let mut s = Self::new(params)?;
+        s.rng.set_word_pos(rng_position);
+        Ok(s)
+    }
+
+    /// Where this sampler's random stream stands.
+    pub fn rng_position(&self) -> u128 {
+        self.rng.get_word_pos()
+    }
+
     /// Picks a token from `logits`; `history` is the sequence so far (for the penalty).
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.params;
@@ -219,6 +233,19 @@ mod tests {
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn resume_continues_the_random_stream() {
+        let l = logits();
+        let p = SamplingParams { seed: 11, ..params(1.2) };
+        let mut one = Sampler::new(p.clone()).unwrap();
+        let whole: Vec<u32> = (0..40).map(|_| one.sample(&l, &[])).collect();
+        let mut first = Sampler::new(p.clone()).unwrap();
+        let mut split: Vec<u32> = (0..7).map(|_| first.sample(&l, &[])).collect();
+        let mut second = Sampler::resume(p, first.rng_position()).unwrap();
+        split.extend((7..40).map(|_| second.sample(&l, &[])));
+        assert_eq!(whole, split);
     }
 
     #[test]

@@ -79,6 +79,13 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Adds a sequence whose prompt KV is already in place (computed elsewhere): it only decodes.
+    pub fn add_prefilled(&mut self, id: u64, prompt_len: usize) -> Result<(), ScheduleError> {
+        self.add(id, prompt_len)?;
+        self.entries.get_mut(&id).expect("just added").prefilled = prompt_len;
+        Ok(())
+    }
+
     /// Forgets a sequence (finished, cancelled or failed).
     pub fn remove(&mut self, id: u64) -> bool {
         self.running.retain(|&r| r != id);
@@ -172,6 +179,17 @@ mod tests {
             Scheduled { id: 2, work: Work::Prefill { offset: 19, len: 1, last: true } }
         );
         assert_eq!(s.plan().len(), 2);
+    }
+
+    #[test]
+    fn prefilled_sequences_only_decode() {
+        let mut s = Scheduler::new(8, 4);
+        s.add_prefilled(1, 30).unwrap();
+        s.add(2, 20).unwrap();
+        let p = s.plan();
+        assert_eq!(p[0], Scheduled { id: 1, work: Work::Decode });
+        assert_eq!(p[1], Scheduled { id: 2, work: Work::Prefill { offset: 0, len: 7, last: false } });
+        assert_eq!(s.add_prefilled(1, 3), Err(ScheduleError::Duplicate(1)));
     }
 
     #[test]

@@ -438,3 +438,40 @@ fn generation_ends_on_stop_tokens_and_eos() {
     assert_eq!((g.finish, g.tokens.len()), (pdmesh_engine::FinishReason::Cancelled, 5));
     assert_eq!(e.kv().free_blocks(), e.kv().total_blocks());
 }
+
+/// The disaggregation contract at engine level: KV computed on one engine, copied block by block
+/// into another engine's pool (different block ids), continues there exactly as on the first.
+#[test]
+fn kv_moved_between_engines_decodes_identically() {
+    let tokens = chat_ids("Why is the sky blue?");
+    let mut a = engine(1, None);
+    let mut b = engine(1, None);
+    // Occupy b's first blocks so the copy lands on other block ids than on a.
+    let filler = b.create_sequence();
+    b.extend_sequence(filler, 40).unwrap();
+
+    let sa = a.create_sequence();
+    let first = {
+        let l = a.step(&[StepItem::prefill(sa, &tokens, Logits::Last)]).unwrap();
+        let row = l.last_of(0).unwrap();
+        row.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0 as u32
+    };
+    let sb = b.create_sequence();
+    b.extend_sequence(sb, tokens.len()).unwrap();
+    assert_eq!(b.sequence_blocks(sb).unwrap(), a.sequence_blocks(sa).unwrap());
+    let mut bytes = Vec::new();
+    for i in 0..a.sequence_blocks(sa).unwrap() {
+        bytes.clear();
+        a.read_block(sa, i, &mut bytes).unwrap();
+        b.write_block(sb, i, &bytes).unwrap();
+    }
+    let mut tok = [first];
+    for step in 0..8 {
+        let la = a.step(&[StepItem::decode(sa, &tok)]).unwrap().last_of(0).unwrap().to_vec();
+        let lb = b.step(&[StepItem::decode(sb, &tok)]).unwrap().last_of(0).unwrap().to_vec();
+        assert_bits_eq(&[la.clone()], &[lb], &format!("decode step {step} after the move"));
+        tok = [la.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0 as u32];
+    }
+    assert!(b.write_block(sb, 99, &bytes).is_err(), "wrote past the sequence's blocks");
+    assert!(b.extend_sequence(sb, 1 << 20).is_err(), "extended past the context");
+}
