@@ -1,10 +1,14 @@
-//! `pdmesh`: the one binary of the project. This issue's commands run the engine locally:
-//! `run` (generate from a prompt), `perplexity` (score a text) and `bench engine`.
+//! `pdmesh`: the one binary of the project. `up` starts a whole mesh on this machine;
+//! `router`, `prefill` and `decode` run one service each; `generate` and `bench` are clients of
+//! a running mesh; `run`, `perplexity` and `bench engine` use the engine in this process.
 
 mod args;
 mod bench;
+mod generate;
 mod perplexity;
 mod run;
+mod serve;
+mod up;
 
 use clap::{Parser, Subcommand};
 
@@ -14,8 +18,11 @@ use clap::{Parser, Subcommand};
     version,
     about = "pdmesh: disaggregated LLM serving (prefill and decode pools, shared prefix cache)",
     long_about = "pdmesh serves llama-architecture GGUF models.\n\n\
-        Local commands run the engine in this process; the default model is\n\
-        SmolLM2-135M-Instruct (Q4_1), fetched by `just fetch-model` into models/."
+        `pdmesh up` starts a mesh on this machine and `pdmesh generate` talks to it;\n\
+        `pdmesh router|prefill|decode` run one service each (for clusters). Local\n\
+        commands (`run`, `perplexity`, `bench engine`) use the engine in this process.\n\
+        The default model is SmolLM2-135M-Instruct (Q4_1), fetched by `just fetch-model`\n\
+        into models/."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -24,6 +31,17 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Start a whole mesh on this machine: a router plus prefill and decode nodes, each its
+    /// own process. Prints the router's endpoint once every node has registered.
+    Up(up::UpArgs),
+    /// Stream a completion from a running mesh.
+    Generate(generate::GenerateArgs),
+    /// Run a router: the public Generation API, admission, placement, membership.
+    Router(serve::RouterArgs),
+    /// Run a prefill node: computes prompts' KV and pushes it to decode nodes.
+    Prefill(serve::PrefillArgs),
+    /// Run a decode node: holds KV reservations and generates tokens.
+    Decode(serve::DecodeArgs),
     /// Generate text from a prompt on this machine, streaming it to stdout.
     Run(run::RunArgs),
     /// Score a text file: perplexity over non-overlapping windows of --ctx tokens.
@@ -40,6 +58,11 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Up(a) => up::run(a),
+        Command::Generate(a) => generate::run(a),
+        Command::Router(a) => serve::router(a),
+        Command::Prefill(a) => serve::prefill(a),
+        Command::Decode(a) => serve::decode(a),
         Command::Run(a) => run::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(b) => bench::run(b),

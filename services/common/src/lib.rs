@@ -1,1 +1,16 @@
-//! placeholder
+//! What every pdmesh service shares: config loading (defaults → TOML → env → flags), serving a
+//! tonic router with health and reflection and a bounded drain, the membership client that
+//! registers a node with its routers and heartbeats its load, deadlines from `grpc-timeout`,
+//! request ids, and telemetry setup.
+
+pub mod config;
+pub mod convert;
+pub mod deadline;
+pub mod ids;
+pub mod membership;
+pub mod serve;
+pub mod status;
+pub mod telemetry;
+
+pub use config::{ConfigError, load_config};
+pub use serve::{bind, serve};

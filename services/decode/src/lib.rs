@@ -1,1 +1,103 @@
-//! placeholder
+//! The decode worker: reserves KV blocks for requests under leases, receives their KV from
+//! prefill nodes (or computes it itself in colocated mode), runs continuous batching over all
+//! of them on one engine, and streams their tokens with stop strings applied.
+
+pub mod config;
+pub mod core;
+pub mod error;
+pub mod service;
+pub mod text;
+pub mod worker;
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pdmesh_proto::v1::decode_server::DecodeServer;
+use pdmesh_proto::v1::{RegisterRequest, Role};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use config::DecodeConfig;
+pub use error::DecodeError;
+
+use crate::core::DecodeCore;
+use crate::service::DecodeService;
+
+/// Loads the engine, serves `pdmesh.v1.Decode` on `listener`, registers with the configured
+/// routers, and runs until `shutdown` completes.
+pub async fn run(
+    config: DecodeConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), DecodeError> {
+    config.validate().map_err(DecodeError::Invalid)?;
+    let bound = listener.local_addr().map_err(|e| DecodeError::Invalid(e.to_string()))?;
+    let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let node_id = config.node_id.clone().unwrap_or_else(|| format!("decode@{address}"));
+    let engine = tokio::task::spawn_blocking({
+        let s = config.engine.clone();
+        move || s.load()
+    })
+    .await
+    .map_err(|e| DecodeError::Invalid(format!("loading the engine: {e}")))??;
+    let layout = pdmesh_kv_transfer::layout_of(&engine);
+    let context = engine.max_seq_len();
+    let core = DecodeCore::new(
+        engine,
+        config.max_running,
+        Duration::from_millis(config.lease_ms),
+        Duration::from_millis(config.max_lease_ms),
+    );
+    let counts = Arc::new(Mutex::new(core.counts()));
+    let (tx, rx) = tokio::sync::mpsc::channel(worker::COMMAND_QUEUE);
+    let rt = tokio::runtime::Handle::current();
+    let worker = std::thread::Builder::new()
+        .name("decode-engine".into())
+        .spawn({
+            let counts = Arc::clone(&counts);
+            move || worker::run(core, rx, rt, counts)
+        })
+        .map_err(|e| DecodeError::Invalid(format!("starting the engine thread: {e}")))?;
+
+    let service = DecodeService {
+        node_id: node_id.clone(),
+        address: address.clone(),
+        layout: layout.clone(),
+        context,
+        tx,
+        counts: Arc::clone(&counts),
+    };
+    let stop = CancellationToken::new();
+    let load_counts = Arc::clone(&counts);
+    let _membership = pdmesh_common::membership::spawn(
+        &config.routers,
+        RegisterRequest {
+            node_id: node_id.clone(),
+            role: Role::Decode as i32,
+            address,
+            layout: Some(layout),
+            load: None,
+        },
+        Arc::new(move || DecodeService::load(&load_counts.lock().expect("never poisoned"))),
+        stop.clone(),
+    );
+    tracing::info!(node = node_id, %bound, "decode node serving");
+    let routes = tonic::service::Routes::new(
+        DecodeServer::new(service).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20),
+    );
+    let served = pdmesh_common::serve(
+        routes,
+        &["pdmesh.v1.Decode"],
+        listener,
+        shutdown,
+        Duration::from_millis(config.drain_ms),
+    )
+    .await;
+    stop.cancel();
+    // The service (and with it the command sender) is gone; the thread ends once in-flight
+    // requests are done or cancelled.
+    let _ = tokio::task::spawn_blocking(move || worker.join()).await;
+    served.map_err(|e| DecodeError::Invalid(format!("serving: {e}")))
+}
+

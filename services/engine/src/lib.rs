@@ -16,6 +16,7 @@ pub mod kv_cache;
 pub mod model;
 pub mod sampler;
 pub mod scheduler;
+pub mod settings;
 pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
@@ -27,6 +28,7 @@ pub use model::{Model, ModelConfig};
 pub use pdmesh_kernels::Phase;
 pub use sampler::{Sampler, SamplingParams};
 pub use scheduler::{Scheduler, Work};
+pub use settings::EngineSettings;
 pub use tokenizer::{StreamDecoder, Tokenizer};
 
 /// Where `just fetch-model` puts the default model, relative to the repository root.

@@ -1,1 +1,96 @@
-//! placeholder
+//! The prefill worker: batches concurrent prompts (chunked prefill under a token budget),
+//! computes their KV, pushes each completed block to the decode node's reservation while the
+//! rest of the prompt is still computing, and samples the first token.
+
+pub mod config;
+pub mod core;
+pub mod error;
+pub mod service;
+pub mod worker;
+
+use std::future::Future;
+use std::sync::atomic::AtomicU32;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pdmesh_proto::v1::prefill_server::PrefillServer;
+use pdmesh_proto::v1::{RegisterRequest, Role};
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+pub use config::PrefillConfig;
+pub use error::PrefillError;
+
+use crate::core::PrefillCore;
+use crate::service::PrefillService;
+
+/// Loads the engine, serves `pdmesh.v1.Prefill` on `listener`, registers with the configured
+/// routers, and runs until `shutdown` completes.
+pub async fn run(
+    config: PrefillConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), PrefillError> {
+    config.validate().map_err(PrefillError::Invalid)?;
+    let bound = listener.local_addr().map_err(|e| PrefillError::Invalid(e.to_string()))?;
+    let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let node_id = config.node_id.clone().unwrap_or_else(|| format!("prefill@{address}"));
+    let engine = tokio::task::spawn_blocking({
+        let s = config.engine.clone();
+        move || s.load()
+    })
+    .await
+    .map_err(|e| PrefillError::Invalid(format!("loading the engine: {e}")))??;
+    let layout = pdmesh_kv_transfer::layout_of(&engine);
+    let core = PrefillCore::new(engine, config.max_running, config.max_queued, config.blocks_per_message);
+    let counts = Arc::new(Mutex::new(core.counts()));
+    let (tx, rx) = tokio::sync::mpsc::channel(worker::COMMAND_QUEUE);
+    let rt = tokio::runtime::Handle::current();
+    let worker = std::thread::Builder::new()
+        .name("prefill-engine".into())
+        .spawn({
+            let counts = Arc::clone(&counts);
+            move || worker::run(core, rx, rt, counts)
+        })
+        .map_err(|e| PrefillError::Invalid(format!("starting the engine thread: {e}")))?;
+    let transferring = Arc::new(AtomicU32::new(0));
+    let service = PrefillService {
+        node_id: node_id.clone(),
+        layout: layout.clone(),
+        tx,
+        transport: Arc::new(pdmesh_kv_transfer::GrpcTransport::new()),
+        counts: Arc::clone(&counts),
+        transferring: Arc::clone(&transferring),
+        fault_delay: Duration::from_millis(config.fault_transfer_delay_ms),
+    };
+    let stop = CancellationToken::new();
+    let load_counts = Arc::clone(&counts);
+    let _membership = pdmesh_common::membership::spawn(
+        &config.routers,
+        RegisterRequest {
+            node_id: node_id.clone(),
+            role: Role::Prefill as i32,
+            address,
+            layout: Some(layout),
+            load: None,
+        },
+        Arc::new(move || {
+            let c = *load_counts.lock().expect("never poisoned");
+            PrefillService::load(&c, transferring.load(std::sync::atomic::Ordering::Relaxed))
+        }),
+        stop.clone(),
+    );
+    tracing::info!(node = node_id, %bound, "prefill node serving");
+    let routes = tonic::service::Routes::new(PrefillServer::new(service));
+    let served = pdmesh_common::serve(
+        routes,
+        &["pdmesh.v1.Prefill"],
+        listener,
+        shutdown,
+        Duration::from_millis(config.drain_ms),
+    )
+    .await;
+    stop.cancel();
+    let _ = tokio::task::spawn_blocking(move || worker.join()).await;
+    served.map_err(|e| PrefillError::Invalid(format!("serving: {e}")))
+}

@@ -1,1 +1,76 @@
-//! placeholder
+//! The router: the public `pdmesh.v1.Generation` API. It validates and tokenizes requests,
+//! sheds load beyond a bounded in-flight budget, places each request on a prefill and a decode
+//! node, relays the token stream with the client's deadline, and keeps the membership of the
+//! mesh from node registrations and heartbeats.
+
+pub mod config;
+pub mod error;
+pub mod mesh;
+pub mod placement;
+pub mod registry;
+pub mod relay;
+pub mod request;
+pub mod service;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdmesh_engine::Model;
+use pdmesh_proto::v1::generation_server::GenerationServer;
+use pdmesh_proto::v1::membership_server::MembershipServer;
+use tokio::net::TcpListener;
+
+pub use config::RouterConfig;
+pub use error::RouterError;
+
+use crate::mesh::Mesh;
+use crate::service::RouterService;
+
+/// Serves the router on `listener` until `shutdown` completes.
+pub async fn run(
+    config: RouterConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), RouterError> {
+    config.validate().map_err(RouterError::Config)?;
+    if !config.model.exists() {
+        return Err(RouterError::Config(format!(
+            "model: {} not found (run `just fetch-model` or set the path)",
+            config.model.display()
+        )));
+    }
+    let model = Arc::new(Model::load(&config.model)?);
+    let drain = Duration::from_millis(config.drain_ms);
+    let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
+    let admission = Arc::new(tokio::sync::Semaphore::new(config.max_in_flight));
+    let mesh = Arc::new(Mesh::new(config, model));
+    let reaper = tokio::spawn({
+        let mesh = Arc::clone(&mesh);
+        async move {
+            let mut tick = tokio::time::interval(ttl / 4);
+            loop {
+                tick.tick().await;
+                let dropped = mesh.registry().expire(Instant::now());
+                for id in dropped {
+                    tracing::warn!(node = id, "node missed its heartbeats; dropped");
+                }
+            }
+        }
+    });
+    let service = RouterService { mesh, admission };
+    let routes = tonic::service::Routes::new(GenerationServer::new(service.clone()))
+        .add_service(MembershipServer::new(service));
+    let bound = listener.local_addr().ok();
+    tracing::info!(?bound, "router serving");
+    let r = pdmesh_common::serve(
+        routes,
+        &["pdmesh.v1.Generation", "pdmesh.v1.Membership"],
+        listener,
+        shutdown,
+        drain,
+    )
+    .await;
+    reaper.abort();
+    Ok(r?)
+}

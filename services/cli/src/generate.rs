@@ -1,0 +1,158 @@
+//! `pdmesh generate`: stream a completion from a running mesh.
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use pdmesh_proto::v1::generation_client::GenerationClient;
+use pdmesh_proto::v1::{
+    Chat, ChatMessage, FinishReason, GenerateRequest, SamplingParams, generate_request,
+    generate_response,
+};
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// The prompt. Sent as a user chat message (the model's template applies) unless --raw.
+    prompt: String,
+    /// The router to call.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    target: String,
+    /// Send the prompt as raw text, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    /// A system message (chat mode only).
+    #[arg(long, conflicts_with = "raw")]
+    system: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: u32,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    temperature: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Nucleus sampling mass.
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Drop tokens below min_p × the best token's probability.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    min_p: f32,
+    /// Penalty for recently seen tokens (1 = off).
+    #[arg(long, allow_negative_numbers = true)]
+    repetition_penalty: Option<f32>,
+    /// RNG seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when the output contains this string (repeat for several).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Keep generating past end-of-turn tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Give up after this many seconds (sent as the call's deadline).
+    #[arg(long, default_value_t = 600)]
+    timeout_s: u64,
+    /// Print one JSON object at the end (tokens, text, finish reason, usage, timings).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn request_of(a: &GenerateArgs) -> GenerateRequest {
+    let input = if a.raw {
+        generate_request::Input::Prompt(a.prompt.clone())
+    } else {
+        let mut messages = Vec::new();
+        if let Some(s) = &a.system {
+            messages.push(ChatMessage { role: "system".into(), content: s.clone() });
+        }
+        messages.push(ChatMessage { role: "user".into(), content: a.prompt.clone() });
+        generate_request::Input::Chat(Chat { messages })
+    };
+    GenerateRequest {
+        input: Some(input),
+        max_tokens: a.max_tokens,
+        sampling: Some(SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            repetition_penalty: a.repetition_penalty,
+            seed: Some(a.seed),
+        }),
+        stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
+        request_id: String::new(),
+    }
+}
+
+pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(generate(a))
+}
+
+async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
+    let mut client = GenerationClient::connect(format!("http://{}", a.target))
+        .await
+        .with_context(|| format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target))?;
+    let mut req = tonic::Request::new(request_of(&a));
+    req.set_timeout(Duration::from_secs(a.timeout_s));
+    let mut stream = client.generate(req).await.map_err(status_err)?.into_inner();
+    let mut out = std::io::stdout().lock();
+    let (mut text, mut tokens) = (String::new(), Vec::new());
+    let mut request_id = String::new();
+    while let Some(msg) = stream.message().await.map_err(status_err)? {
+        match msg.event {
+            Some(generate_response::Event::Started(s)) => request_id = s.request_id,
+            Some(generate_response::Event::Delta(d)) => {
+                tokens.extend_from_slice(&d.token_ids);
+                text.push_str(&d.text);
+                if !a.json && (out.write_all(d.text.as_bytes()).is_err() || out.flush().is_err()) {
+                    return Ok(()); // stdout closed: dropping the stream cancels the request
+                }
+            }
+            Some(generate_response::Event::Finished(f)) => {
+                let reason = FinishReason::try_from(f.reason).unwrap_or(FinishReason::Unspecified);
+                let reason = reason.as_str_name().trim_start_matches("FINISH_REASON_").to_lowercase();
+                let usage = f.usage.unwrap_or_default();
+                let t = f.timings.unwrap_or_default();
+                if a.json {
+                    let j = serde_json::json!({
+                        "request_id": request_id,
+                        "text": text,
+                        "tokens": tokens,
+                        "finish_reason": reason,
+                        "usage": {
+                            "prompt_tokens": usage.prompt_tokens,
+                            "cached_tokens": usage.cached_tokens,
+                            "completion_tokens": usage.completion_tokens,
+                        },
+                        "timings": {
+                            "queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms,
+                            "transfer_ms": t.transfer_ms, "ttft_ms": t.ttft_ms, "total_ms": t.total_ms,
+                            "prefill_node": t.prefill_node, "decode_node": t.decode_node,
+                            "kv_transport": t.kv_transport, "kv_bytes": t.kv_bytes, "attempts": t.attempts,
+                        },
+                    });
+                    writeln!(out, "{j}")?;
+                } else {
+                    writeln!(out)?;
+                    eprintln!(
+                        "[{reason}: {} prompt + {} generated tokens; ttft {:.1} ms (prefill {:.1} on {}, transfer {:.1} via {}), total {:.1} ms, decode on {}]",
+                        usage.prompt_tokens, usage.completion_tokens, t.ttft_ms, t.prefill_ms,
+                        t.prefill_node, t.transfer_ms, t.kv_transport, t.total_ms, t.decode_node
+                    );
+                }
+                return Ok(());
+            }
+            None => {}
+        }
+    }
+    bail!("the stream ended without a finish message")
+}
+
+/// A status as an error that keeps its code.
+pub fn status_err(s: tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{:?}: {}", s.code(), s.message())
+}

@@ -1,0 +1,247 @@
+//! `pdmesh router|prefill|decode`: run one service of a mesh in this process. Settings come
+//! from defaults, then `--config FILE` (TOML), then `PDMESH_<SERVICE>_*` variables, then
+//! flags. Once bound, the process prints `pdmesh <service> listening on ADDR` on stdout (what
+//! `pdmesh up` and the test harness wait for), and it stops cleanly on Ctrl-C or SIGTERM.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct EngineFlags {
+    /// A llama-architecture GGUF model.
+    #[arg(long, env = "PDMESH_MODEL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<PathBuf>,
+    /// Compute threads (0 = one per core).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    threads: Option<usize>,
+    /// KV cache element type: f16 or f32.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_dtype: Option<String>,
+    /// Tokens per KV block.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    block_size: Option<usize>,
+    /// Blocks in the KV pool.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_blocks: Option<usize>,
+    /// Most tokens one engine step processes.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_batch_tokens: Option<usize>,
+}
+
+#[derive(Debug, Clone, Args, Serialize)]
+pub struct NodeFlags {
+    /// TOML config file (see deploy/ for examples).
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// Address to listen on, host:port (port 0 picks a free one).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<String>,
+    /// Address others dial to reach this node (default: the bound address).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    advertise: Option<String>,
+    /// This node's name in statuses and stats.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node_id: Option<String>,
+    /// A router to register with (repeat for several).
+    #[arg(long = "router", value_name = "ADDR")]
+    #[serde(rename = "routers", skip_serializing_if = "Vec::is_empty")]
+    routers: Vec<String>,
+    /// Requests the engine works on at once.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_running: Option<usize>,
+    #[command(flatten)]
+    engine: EngineFlags,
+    /// Stop when stdin closes (used by `pdmesh up` so children never outlive it).
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    exit_with_stdin: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct DecodeArgs {
+    #[command(flatten)]
+    node: NodeFlags,
+    /// Lease on a reservation until its KV and its request arrive, in ms.
+    #[arg(long)]
+    lease_ms: Option<u64>,
+}
+
+#[derive(Debug, Args)]
+pub struct PrefillArgs {
+    #[command(flatten)]
+    node: NodeFlags,
+    /// Fault injection for tests: delay before each KV message, in ms.
+    #[arg(long, hide = true)]
+    fault_transfer_delay_ms: Option<u64>,
+}
+
+#[derive(Debug, Args, Serialize)]
+pub struct RouterArgs {
+    /// TOML config file (see deploy/ for examples).
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// Address clients and nodes dial, host:port.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<String>,
+    /// The GGUF the router validates and tokenizes with.
+    #[arg(long, env = "PDMESH_MODEL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<PathBuf>,
+    /// Requests admitted at once; beyond it clients get RESOURCE_EXHAUSTED.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_in_flight: Option<usize>,
+    /// Prompts shorter than this are prefilled on the decode node (0 = never).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    colocate_below_tokens: Option<usize>,
+    /// How often nodes heartbeat, in ms.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    heartbeat_interval_ms: Option<u32>,
+    /// Nodes silent this long are dropped, in ms.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node_ttl_ms: Option<u32>,
+    /// Lease on decode reservations, in ms.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease_ms: Option<u32>,
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    exit_with_stdin: bool,
+}
+
+#[derive(Serialize)]
+struct NodeOverlay<'a, X: Serialize> {
+    #[serde(flatten)]
+    node: &'a NodeFlags,
+    #[serde(flatten)]
+    extra: X,
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
+}
+
+/// Completes on Ctrl-C, SIGTERM, or (with `--exit-with-stdin`) when stdin closes.
+pub async fn shutdown_signal(watch_stdin: bool) {
+    let stdin_closed = async {
+        if watch_stdin {
+            use tokio::io::AsyncReadExt;
+            let mut buf = [0u8; 64];
+            let mut stdin = tokio::io::stdin();
+            while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        () = term => {}
+        () = stdin_closed => {}
+    }
+    tracing::info!("shutting down");
+}
+
+async fn bind_and_announce(service: &str, listen: &str) -> anyhow::Result<tokio::net::TcpListener> {
+    let (l, addr) =
+        pdmesh_common::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "pdmesh {service} listening on {addr}")?;
+    out.flush()?;
+    Ok(l)
+}
+
+#[derive(Serialize)]
+struct DecodeExtra {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease_ms: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct PrefillExtra {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fault_transfer_delay_ms: Option<u64>,
+}
+
+pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+    pdmesh_common::telemetry::init_logging();
+    let overlay =
+        NodeOverlay { node: &a.node, extra: DecodeExtra { lease_ms: a.lease_ms } };
+    let cfg: pdmesh_decode::DecodeConfig = pdmesh_common::load_config(
+        &pdmesh_decode::DecodeConfig::default(),
+        a.node.config.as_deref(),
+        "PDMESH_DECODE_",
+        &overlay,
+    )?;
+    cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
+    runtime()?.block_on(async {
+        let l = bind_and_announce("decode", &cfg.listen).await?;
+        pdmesh_decode::run(cfg, l, shutdown_signal(a.node.exit_with_stdin)).await?;
+        Ok(())
+    })
+}
+
+pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
+    pdmesh_common::telemetry::init_logging();
+    let extra = PrefillExtra { fault_transfer_delay_ms: a.fault_transfer_delay_ms };
+    let overlay = NodeOverlay { node: &a.node, extra };
+    let cfg: pdmesh_prefill::PrefillConfig = pdmesh_common::load_config(
+        &pdmesh_prefill::PrefillConfig::default(),
+        a.node.config.as_deref(),
+        "PDMESH_PREFILL_",
+        &overlay,
+    )?;
+    cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
+    runtime()?.block_on(async {
+        let l = bind_and_announce("prefill", &cfg.listen).await?;
+        pdmesh_prefill::run(cfg, l, shutdown_signal(a.node.exit_with_stdin)).await?;
+        Ok(())
+    })
+}
+
+pub fn router(a: RouterArgs) -> anyhow::Result<()> {
+    pdmesh_common::telemetry::init_logging();
+    let cfg: pdmesh_router::RouterConfig = pdmesh_common::load_config(
+        &pdmesh_router::RouterConfig::default(),
+        a.config.as_deref(),
+        "PDMESH_ROUTER_",
+        &a,
+    )?;
+    cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
+    runtime()?.block_on(async {
+        let l = bind_and_announce("router", &cfg.listen).await?;
+        pdmesh_router::run(cfg, l, shutdown_signal(a.exit_with_stdin)).await?;
+        Ok(())
+    })
+}

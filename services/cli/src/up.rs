@@ -1,0 +1,220 @@
+//! `pdmesh up`: a whole mesh on this machine, as separate processes — one router, `--prefill N`
+//! prefill nodes and `--decode M` decode nodes — started from this same binary. It waits until
+//! every node has registered with the router, prints the endpoint, and on Ctrl-C or SIGTERM
+//! stops the children by closing their stdin (each exits cleanly when it closes, so none can
+//! outlive this process), killing any that do not stop in time.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use pdmesh_proto::v1::membership_client::MembershipClient;
+use pdmesh_proto::v1::{ListNodesRequest, Role};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+#[derive(Debug, Args)]
+pub struct UpArgs {
+    /// Prefill nodes (0: decode nodes prefill prompts themselves).
+    #[arg(long, default_value_t = 1)]
+    prefill: usize,
+    /// Decode nodes (at least 1).
+    #[arg(long, default_value_t = 1)]
+    decode: usize,
+    /// Where the router listens.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    listen: String,
+    /// A llama-architecture GGUF model.
+    #[arg(long, env = "PDMESH_MODEL", default_value = pdmesh_engine::DEFAULT_MODEL_PATH)]
+    model: PathBuf,
+    /// Compute threads per node (default: the machine's cores shared among the nodes).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// KV blocks per decode node.
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    /// Prompts shorter than this are prefilled on the decode node (0 = never).
+    #[arg(long, default_value_t = 0)]
+    colocate_below_tokens: usize,
+    /// Pin prefill nodes to these CPUs (taskset list, e.g. "0" or "0-1").
+    #[arg(long)]
+    prefill_cpus: Option<String>,
+    /// Pin decode nodes to these CPUs (taskset list).
+    #[arg(long)]
+    decode_cpus: Option<String>,
+    /// Give up if the mesh is not ready within this many seconds.
+    #[arg(long, default_value_t = 120)]
+    ready_timeout_s: u64,
+}
+
+struct Proc {
+    name: String,
+    child: Child,
+}
+
+async fn spawn(name: &str, cpus: Option<&str>, args: &[String]) -> anyhow::Result<(Proc, String)> {
+    let exe = std::env::current_exe().context("finding the pdmesh binary")?;
+    let mut cmd = match cpus {
+        Some(c) => {
+            let mut t = Command::new("taskset");
+            t.arg("-c").arg(c).arg(&exe);
+            t
+        }
+        None => Command::new(&exe),
+    };
+    cmd.args(args)
+        .arg("--exit-with-stdin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
+    let stdout = child.stdout.take().context("child stdout")?;
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .with_context(|| format!("{name} did not start listening in 60 s"))??
+        .with_context(|| format!("{name} exited before listening (see its log above)"))?;
+    let addr = line
+        .rsplit_once(" listening on ")
+        .map(|(_, a)| a.trim().to_string())
+        .with_context(|| format!("{name} printed {line:?}, not its address"))?;
+    // Anything else the child prints goes to our stderr rather than filling a pipe.
+    tokio::spawn(async move {
+        while let Ok(Some(l)) = lines.next_line().await {
+            eprintln!("{l}");
+        }
+    });
+    Ok((Proc { name: name.to_string(), child }, addr))
+}
+
+pub fn run(a: UpArgs) -> anyhow::Result<()> {
+    if a.decode == 0 {
+        bail!("--decode must be at least 1: decode nodes serve every request");
+    }
+    if !a.model.exists() {
+        bail!("model file {} not found: run `just fetch-model` (or pass --model PATH)", a.model.display());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(up(a))
+}
+
+async fn up(a: UpArgs) -> anyhow::Result<()> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
+    let model = a.model.display().to_string();
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = async {
+        let (router, addr) = spawn(
+            "router",
+            None,
+            &[
+                "router".into(),
+                "--listen".into(),
+                a.listen.clone(),
+                "--model".into(),
+                model.clone(),
+                "--colocate-below-tokens".into(),
+                a.colocate_below_tokens.to_string(),
+            ],
+        )
+        .await?;
+        procs.push(router);
+        for (role, n, cpus) in [("prefill", a.prefill, &a.prefill_cpus), ("decode", a.decode, &a.decode_cpus)] {
+            for i in 0..n {
+                let name = format!("{role}-{i}");
+                let mut args = vec![
+                    role.to_string(),
+                    "--listen".into(),
+                    "127.0.0.1:0".into(),
+                    "--router".into(),
+                    addr.clone(),
+                    "--node-id".into(),
+                    name.clone(),
+                    "--model".into(),
+                    model.clone(),
+                    "--threads".into(),
+                    threads.to_string(),
+                ];
+                if role == "decode"
+                    && let Some(b) = a.kv_blocks
+                {
+                    args.extend(["--kv-blocks".into(), b.to_string()]);
+                }
+                let (p, _) = spawn(&name, cpus.as_deref(), &args).await?;
+                procs.push(p);
+            }
+        }
+        wait_ready(&addr, a.prefill, a.decode, Duration::from_secs(a.ready_timeout_s)).await?;
+        println!(
+            "pdmesh mesh ready: router on {addr} ({} prefill, {} decode, {threads} threads each); Ctrl-C stops it",
+            a.prefill, a.decode
+        );
+        anyhow::Ok(())
+    }
+    .await;
+    if let Err(e) = result {
+        stop(procs).await;
+        return Err(e);
+    }
+    // Run until a signal, or until a child dies on its own (then the mesh is broken: stop).
+    let died = async {
+        loop {
+            for p in procs.iter_mut() {
+                if let Ok(Some(status)) = p.child.try_wait() {
+                    return format!("{} exited ({status})", p.name);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    };
+    let outcome = tokio::select! {
+        () = crate::serve::shutdown_signal(false) => None,
+        d = died => Some(d),
+    };
+    stop(procs).await;
+    match outcome {
+        None => Ok(()),
+        Some(d) => bail!("{d}; stopped the mesh"),
+    }
+}
+
+async fn wait_ready(addr: &str, prefill: usize, decode: usize, timeout: Duration) -> anyhow::Result<()> {
+    let until = Instant::now() + timeout;
+    let mut last = String::from("router not reachable");
+    while Instant::now() < until {
+        if let Ok(mut c) = MembershipClient::connect(format!("http://{addr}")).await
+            && let Ok(r) = c.list_nodes(ListNodesRequest {}).await
+        {
+            let nodes = r.into_inner().nodes;
+            let count = |role: Role| nodes.iter().filter(|n| n.role == role as i32).count();
+            let (p, d) = (count(Role::Prefill), count(Role::Decode));
+            if p >= prefill && d >= decode {
+                return Ok(());
+            }
+            last = format!("{p}/{prefill} prefill and {d}/{decode} decode nodes registered");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    bail!("mesh not ready after {timeout:?}: {last}")
+}
+
+/// Closes every child's stdin (a clean stop), then kills those still running after 10 s.
+async fn stop(mut procs: Vec<Proc>) {
+    for p in procs.iter_mut() {
+        drop(p.child.stdin.take());
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    for p in procs.iter_mut() {
+        let left = until.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, p.child.wait()).await {
+            Ok(_) => {}
+            Err(_) => {
+                eprintln!("{} did not stop in time; killing it", p.name);
+                let _ = p.child.kill().await;
+            }
+        }
+    }
+}

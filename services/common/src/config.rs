@@ -1,0 +1,105 @@
+//! One conversion path for every service's Config: the struct's defaults, then an optional TOML
+//! file, then `PDMESH_<SERVICE>_*` environment variables, then the few flags given on the
+//! command line. Unknown keys are errors (the structs deny them), and messages name the key.
+
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("config file {0} does not exist")]
+    MissingFile(String),
+    #[error("{0}")]
+    Parse(String),
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// Layers `defaults`, `file`, environment variables starting with `env_prefix` (for example
+/// `PDMESH_DECODE_`; nested keys use `__`) and `flags` (fields left out are not overridden).
+pub fn load_config<T: Serialize + DeserializeOwned>(
+    defaults: &T,
+    file: Option<&Path>,
+    env_prefix: &str,
+    flags: &impl Serialize,
+) -> Result<T, ConfigError> {
+    let mut fig = Figment::from(Serialized::defaults(defaults));
+    if let Some(file) = file {
+        if !file.exists() {
+            return Err(ConfigError::MissingFile(file.display().to_string()));
+        }
+        fig = fig.merge(Toml::file_exact(file));
+    }
+    fig = fig.merge(Env::prefixed(env_prefix).split("__")).merge(Serialized::defaults(flags));
+    fig.extract().map_err(|e| {
+        let e: Vec<String> = e.into_iter().map(|e| e.to_string()).collect();
+        ConfigError::Parse(e.join("; "))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Serialize, Deserialize, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct Cfg {
+        listen: String,
+        blocks: u32,
+        lease_ms: u64,
+    }
+
+    #[derive(Serialize, Default)]
+    struct Flags {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        listen: Option<String>,
+    }
+
+    fn defaults() -> Cfg {
+        Cfg { listen: "127.0.0.1:1".into(), blocks: 8, lease_ms: 100 }
+    }
+
+    #[test]
+    fn layers_apply_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "blocks = 16\nlease_ms = 5\n").unwrap();
+        figment::Jail::expect_with(|jail| {
+            jail.set_env("PDMESH_TEST1_LEASE_MS", "7");
+            let flags = Flags { listen: Some("0.0.0.0:9".into()) };
+            let c: Cfg = load_config(&defaults(), Some(&f), "PDMESH_TEST1_", &flags).unwrap();
+            assert_eq!(c, Cfg { listen: "0.0.0.0:9".into(), blocks: 16, lease_ms: 7 });
+            let c: Cfg = load_config(&defaults(), None, "PDMESH_TEST1_", &Flags::default()).unwrap();
+            assert_eq!(c.listen, "127.0.0.1:1");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "blokcs = 16\n").unwrap();
+        let e = load_config::<Cfg>(&defaults(), Some(&f), "PDMESH_TEST2_", &Flags::default())
+            .unwrap_err();
+        assert!(e.to_string().contains("blokcs"), "{e}");
+        std::fs::write(&f, "blocks = \"many\"\n").unwrap();
+        let e = load_config::<Cfg>(&defaults(), Some(&f), "PDMESH_TEST2_", &Flags::default())
+            .unwrap_err();
+        assert!(e.to_string().contains("blocks"), "{e}");
+        let e = load_config::<Cfg>(
+            &defaults(),
+            Some(&dir.path().join("nope.toml")),
+            "PDMESH_TEST2_",
+            &Flags::default(),
+        )
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::MissingFile(_)));
+    }
+}

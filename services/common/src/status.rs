@@ -1,0 +1,62 @@
+//! Statuses that cross node boundaries keep their code and say which node sent them, so a
+//! client can tell overload on one node from a bug on another.
+
+use std::time::Duration;
+
+use tonic::{Code, Status};
+
+/// Metadata key carrying a retry hint on RESOURCE_EXHAUSTED, in milliseconds.
+pub const RETRY_AFTER_MS: &str = "retry-after-ms";
+
+/// `status` as returned by `node`: same code, message prefixed with the node. Transport
+/// failures (connection refused or reset) come back as UNAVAILABLE.
+pub fn from_peer(node: &str, status: &Status) -> Status {
+    let code = match status.code() {
+        // A connection that broke mid-call surfaces as UNKNOWN or CANCELLED from hyper: the node
+        // is gone as far as the caller can tell.
+        Code::Unknown if is_transport_failure(status) => Code::Unavailable,
+        Code::Cancelled if is_transport_failure(status) => Code::Unavailable,
+        c => c,
+    };
+    Status::new(code, format!("node {node}: {}", status.message()))
+}
+
+fn is_transport_failure(status: &Status) -> bool {
+    let m = status.message().to_ascii_lowercase();
+    ["transport", "connection", "broken pipe", "h2 protocol", "stream closed", "reset", "eof"]
+        .iter()
+        .any(|w| m.contains(w))
+}
+
+/// RESOURCE_EXHAUSTED with a retry hint in metadata and in the message.
+pub fn exhausted(msg: impl Into<String>, retry_after: Duration) -> Status {
+    let ms = retry_after.as_millis();
+    let mut s = Status::resource_exhausted(format!("{}; retry after {ms} ms", msg.into()));
+    if let Ok(v) = ms.to_string().parse() {
+        s.metadata_mut().insert(RETRY_AFTER_MS, v);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn peer_status_keeps_code_and_names_node() {
+        let s = from_peer("decode-1", &Status::resource_exhausted("no blocks"));
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        assert_eq!(s.message(), "node decode-1: no blocks");
+        let s = from_peer("prefill-0", &Status::unknown("transport error: connection reset"));
+        assert_eq!(s.code(), Code::Unavailable);
+        let s = from_peer("prefill-0", &Status::unknown("engine bug"));
+        assert_eq!(s.code(), Code::Unknown);
+    }
+
+    #[test]
+    fn exhausted_carries_retry_hint() {
+        let s = exhausted("router full", Duration::from_millis(250));
+        assert_eq!(s.code(), Code::ResourceExhausted);
+        assert_eq!(s.metadata().get(RETRY_AFTER_MS).and_then(|v| v.to_str().ok()), Some("250"));
+    }
+}

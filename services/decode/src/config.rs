@@ -1,0 +1,58 @@
+//! The decode node's config: defaults → TOML file → `PDMESH_DECODE_*` → flags.
+
+use pdmesh_engine::EngineSettings;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DecodeConfig {
+    /// Address to listen on ("host:port"; port 0 picks a free one).
+    pub listen: String,
+    /// Address routers and prefill nodes dial (default: the bound address).
+    pub advertise: Option<String>,
+    /// Name in statuses, logs and stats (default: "decode@<advertise>").
+    pub node_id: Option<String>,
+    /// Routers to register with.
+    pub routers: Vec<String>,
+    /// Requests decoding at once (the continuous batch).
+    pub max_running: usize,
+    /// Lease on a reservation until its request is attached and its KV complete.
+    pub lease_ms: u64,
+    /// Longest lease a caller may ask for.
+    pub max_lease_ms: u64,
+    /// Time in-flight calls get to finish at shutdown.
+    pub drain_ms: u64,
+    pub engine: EngineSettings,
+}
+
+impl Default for DecodeConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:50061".into(),
+            advertise: None,
+            node_id: None,
+            routers: Vec::new(),
+            max_running: 64,
+            lease_ms: 30_000,
+            max_lease_ms: 300_000,
+            drain_ms: 5_000,
+            engine: EngineSettings { kv_blocks: 1024, ..EngineSettings::default() },
+        }
+    }
+}
+
+impl DecodeConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_running == 0 {
+            return Err("max_running must be at least 1".into());
+        }
+        if self.lease_ms == 0 || self.lease_ms > self.max_lease_ms {
+            return Err(format!(
+                "lease_ms must be in 1..=max_lease_ms ({}), got {}",
+                self.max_lease_ms, self.lease_ms
+            ));
+        }
+        self.engine.engine_config().map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}

@@ -1,0 +1,91 @@
+//! The engine part of a worker's config file: plain serializable settings that become an
+//! `EngineConfig` and a loaded engine. Prefill and decode configs embed it as `[engine]`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pdmesh_kernels::KvDtype;
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{Engine, EngineConfig};
+use crate::error::{Error, Result};
+use crate::model::Model;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSettings {
+    /// A llama-architecture GGUF.
+    pub model: PathBuf,
+    /// Compute threads (0 = one per core).
+    pub threads: usize,
+    /// KV element type: "f16" or "f32".
+    pub kv_dtype: String,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the KV pool.
+    pub kv_blocks: usize,
+    /// Most tokens one engine step processes.
+    pub max_batch_tokens: usize,
+}
+
+impl Default for EngineSettings {
+    fn default() -> Self {
+        let d = EngineConfig::default();
+        Self {
+            model: PathBuf::from(crate::DEFAULT_MODEL_PATH),
+            threads: d.threads,
+            kv_dtype: d.kv_dtype.name().into(),
+            block_size: d.block_size,
+            kv_blocks: d.kv_blocks,
+            max_batch_tokens: d.max_batch_tokens,
+        }
+    }
+}
+
+impl EngineSettings {
+    /// The engine config these settings describe; errors name the field.
+    pub fn engine_config(&self) -> Result<EngineConfig> {
+        let kv_dtype: KvDtype = self
+            .kv_dtype
+            .parse()
+            .map_err(|e: String| Error::invalid(format!("engine.kv_dtype: {e}")))?;
+        let c = EngineConfig {
+            threads: self.threads,
+            block_size: self.block_size,
+            kv_dtype,
+            kv_blocks: self.kv_blocks,
+            max_batch_tokens: self.max_batch_tokens,
+            simd: None,
+        };
+        c.validate().map_err(|e| Error::invalid(format!("engine: {e}")))?;
+        Ok(c)
+    }
+
+    /// Loads the model and builds the engine.
+    pub fn load(&self) -> Result<Engine> {
+        let config = self.engine_config()?;
+        if !self.model.exists() {
+            return Err(Error::invalid(format!(
+                "engine.model: {} not found (run `just fetch-model` or set the path)",
+                self.model.display()
+            )));
+        }
+        let model = Arc::new(Model::load(&self.model)?);
+        Engine::new(model, config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_fields_are_named() {
+        let s = EngineSettings { kv_dtype: "q4".into(), ..Default::default() };
+        assert!(s.engine_config().unwrap_err().to_string().contains("engine.kv_dtype"));
+        let s = EngineSettings { block_size: 0, ..Default::default() };
+        assert!(s.engine_config().unwrap_err().to_string().contains("block_size"));
+        let s = EngineSettings { model: "/nonexistent.gguf".into(), ..Default::default() };
+        assert!(s.load().unwrap_err().to_string().contains("engine.model"));
+    }
+}

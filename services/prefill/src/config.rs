@@ -1,0 +1,62 @@
+//! The prefill node's config: defaults → TOML file → `PDMESH_PREFILL_*` → flags.
+
+use pdmesh_engine::EngineSettings;
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefillConfig {
+    /// Address to listen on ("host:port"; port 0 picks a free one).
+    pub listen: String,
+    /// Address routers dial (default: the bound address).
+    pub advertise: Option<String>,
+    /// Name in statuses, logs and stats (default: "prefill@<advertise>").
+    pub node_id: Option<String>,
+    /// Routers to register with.
+    pub routers: Vec<String>,
+    /// Prompts computed at once (their chunks share each step's token budget).
+    pub max_running: usize,
+    /// Prompts waiting for the engine beyond `max_running`; more are refused.
+    pub max_queued: usize,
+    /// Most KV blocks per transport message.
+    pub blocks_per_message: usize,
+    /// Time in-flight calls get to finish at shutdown.
+    pub drain_ms: u64,
+    /// Fault injection for tests: wait this long before sending each KV message, so a
+    /// transfer stays in flight long enough to be interrupted. 0 in production.
+    pub fault_transfer_delay_ms: u64,
+    pub engine: EngineSettings,
+}
+
+impl Default for PrefillConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:50071".into(),
+            advertise: None,
+            node_id: None,
+            routers: Vec::new(),
+            max_running: 4,
+            max_queued: 256,
+            blocks_per_message: 4,
+            drain_ms: 5_000,
+            fault_transfer_delay_ms: 0,
+            engine: EngineSettings::default(),
+        }
+    }
+}
+
+impl PrefillConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_running == 0 {
+            return Err("max_running must be at least 1".into());
+        }
+        if self.blocks_per_message == 0 || self.blocks_per_message > 64 {
+            return Err(format!(
+                "blocks_per_message must be in 1..=64, got {}",
+                self.blocks_per_message
+            ));
+        }
+        self.engine.engine_config().map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}

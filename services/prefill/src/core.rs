@@ -1,0 +1,277 @@
+//! The prefill node's engine loop, free of gRPC and tokio: prompts wait in a queue until the KV
+//! pool can hold them, then run as chunks under the step's token budget (chunked prefill, many
+//! prompts per step). After each step the blocks each prompt completed are copied out for the
+//! transport, and the last chunk's logits give the first token. A prompt whose output closes is
+//! dropped and its blocks freed.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pdmesh_engine::{Engine, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work};
+
+use crate::error::PrefillError;
+
+/// What a prompt produces, in order: blocks (as they are computed), then `Computed`.
+#[derive(Debug, Clone)]
+pub enum Out {
+    Blocks { first_block: u32, data: Bytes },
+    Computed { first_token: u32, rng_position: u128, queue_ms: f64, prefill_ms: f64, blocks: u32 },
+    Failed(PrefillError),
+}
+
+pub trait JobOutput: Send {
+    /// Returns false when the receiver is gone.
+    fn send(&mut self, out: Out) -> bool;
+    fn is_closed(&self) -> bool;
+}
+
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub rng_position: u128,
+}
+
+struct Active {
+    job: Job,
+    out: Box<dyn JobOutput>,
+    seq: Option<SeqId>,
+    blocks: usize,
+    sent_blocks: usize,
+    submitted: Instant,
+    started: Option<Instant>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub queued: u32,
+    pub prefilling: u32,
+    pub free_blocks: u32,
+    pub total_blocks: u32,
+    pub completed: u64,
+    pub cancelled: u64,
+    pub failed: u64,
+}
+
+pub struct PrefillCore {
+    engine: Engine,
+    model: Arc<Model>,
+    sched: Scheduler,
+    waiting: VecDeque<u64>,
+    jobs: HashMap<u64, Active>,
+    promised: usize,
+    max_queued: usize,
+    blocks_per_message: usize,
+    next_id: u64,
+    counts: Counts,
+}
+
+impl std::fmt::Debug for PrefillCore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillCore").field("jobs", &self.jobs.len()).finish()
+    }
+}
+
+impl PrefillCore {
+    pub fn new(engine: Engine, max_running: usize, max_queued: usize, blocks_per_message: usize) -> Self {
+        let model = Arc::clone(engine.model());
+        let sched = Scheduler::new(engine.config().max_batch_tokens, max_running);
+        Self {
+            engine,
+            model,
+            sched,
+            waiting: VecDeque::new(),
+            jobs: HashMap::new(),
+            promised: 0,
+            max_queued,
+            blocks_per_message: blocks_per_message.max(1),
+            next_id: 1,
+            counts: Counts::default(),
+        }
+    }
+
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Queues a prompt. Checked here so a bad job never reaches a step.
+    pub fn submit(&mut self, job: Job, out: Box<dyn JobOutput>, now: Instant) -> Result<u64, PrefillError> {
+        let ctx = self.engine.max_seq_len();
+        if job.prompt.is_empty() {
+            return Err(PrefillError::Invalid("prompt is empty".into()));
+        }
+        if job.prompt.len() >= ctx {
+            return Err(PrefillError::Invalid(format!(
+                "prompt of {} tokens leaves no room in the context of {ctx}",
+                job.prompt.len()
+            )));
+        }
+        let vocab = self.model.tokenizer.vocab_size() as u32;
+        if let Some(t) = job.prompt.iter().find(|&&t| t >= vocab) {
+            return Err(PrefillError::Invalid(format!("token id {t} is outside the vocabulary")));
+        }
+        // Checked now so the first token's sampler cannot fail later.
+        Sampler::resume(job.sampling.clone(), job.rng_position)?;
+        let blocks = job.prompt.len().div_ceil(self.engine.config().block_size);
+        let total = self.engine.kv().total_blocks();
+        if blocks > total {
+            return Err(PrefillError::TooLong { need: blocks, total });
+        }
+        if self.waiting.len() >= self.max_queued {
+            return Err(PrefillError::QueueFull(self.waiting.len()));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.jobs.insert(
+            id,
+            Active { job, out, seq: None, blocks, sent_blocks: 0, submitted: now, started: None },
+        );
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Moves waiting prompts to the scheduler while the pool can hold all of their blocks.
+    fn admit(&mut self) {
+        let total = self.engine.kv().total_blocks();
+        while let Some(&id) = self.waiting.front() {
+            let a = &self.jobs[&id];
+            if self.promised + a.blocks > total {
+                break;
+            }
+            self.waiting.pop_front();
+            self.promised += a.blocks;
+            let len = a.job.prompt.len();
+            let seq = self.engine.create_sequence();
+            self.jobs.get_mut(&id).expect("waiting jobs exist").seq = Some(seq);
+            self.sched.add(id, len).expect("ids are unique and prompts non-empty");
+        }
+    }
+
+    fn drop_job(&mut self, id: u64) {
+        if let Some(a) = self.jobs.remove(&id) {
+            self.waiting.retain(|&w| w != id);
+            self.sched.remove(id);
+            if let Some(seq) = a.seq {
+                self.promised -= a.blocks;
+                self.engine.free_sequence(seq).expect("a job's sequence exists");
+            }
+        }
+    }
+
+    /// Drops prompts whose receiver went away.
+    pub fn sweep(&mut self) {
+        let gone: Vec<u64> =
+            self.jobs.iter().filter(|(_, a)| a.out.is_closed()).map(|(&id, _)| id).collect();
+        for id in gone {
+            self.counts.cancelled += 1;
+            self.drop_job(id);
+        }
+    }
+
+    pub fn has_work(&mut self) -> bool {
+        self.admit();
+        !self.sched.is_empty()
+    }
+
+    /// One engine step over the scheduled chunks; ships completed blocks and first tokens.
+    pub fn step(&mut self, now: Instant) {
+        self.admit();
+        let plan = self.sched.plan();
+        if plan.is_empty() {
+            return;
+        }
+        for s in &plan {
+            let a = self.jobs.get_mut(&s.id).expect("scheduled jobs exist");
+            a.started.get_or_insert(now);
+        }
+        let items: Vec<StepItem<'_>> = plan
+            .iter()
+            .map(|s| {
+                let a = &self.jobs[&s.id];
+                let Work::Prefill { offset, len, last } = s.work else {
+                    unreachable!("prefill jobs never decode: they leave the scheduler at their last chunk")
+                };
+                StepItem::prefill(
+                    a.seq.expect("scheduled jobs have sequences"),
+                    &a.job.prompt[offset..offset + len],
+                    if last { Logits::Last } else { Logits::None },
+                )
+            })
+            .collect();
+        let result = self.engine.step(&items);
+        let rows: Result<Vec<Option<Vec<f32>>>, _> =
+            result.map(|l| (0..plan.len()).map(|k| l.last_of(k).map(<[f32]>::to_vec)).collect());
+        drop(items);
+        let rows = match rows {
+            Ok(r) => r,
+            Err(e) => {
+                let e = PrefillError::from(e);
+                tracing::error!("prefill step failed: {e}");
+                for s in &plan {
+                    if let Some(a) = self.jobs.get_mut(&s.id) {
+                        a.out.send(Out::Failed(e.clone()));
+                    }
+                    self.counts.failed += 1;
+                    self.drop_job(s.id);
+                }
+                return;
+            }
+        };
+        let done_at = Instant::now();
+        let bs = self.engine.config().block_size;
+        let mut finished = Vec::new();
+        for (s, row) in plan.iter().zip(rows) {
+            let Work::Prefill { offset, len, last } = s.work else { continue };
+            let a = self.jobs.get_mut(&s.id).expect("scheduled jobs exist");
+            let seq = a.seq.expect("scheduled jobs have sequences");
+            // Full blocks now; on the last chunk the partial tail block too.
+            let ready = if last { a.blocks } else { (offset + len) / bs };
+            let mut ok = true;
+            while ok && a.sent_blocks < ready {
+                let n = (ready - a.sent_blocks).min(self.blocks_per_message);
+                let mut buf = Vec::new();
+                for i in a.sent_blocks..a.sent_blocks + n {
+                    self.engine.read_block(seq, i, &mut buf).expect("blocks of a live sequence");
+                }
+                ok = a.out.send(Out::Blocks { first_block: a.sent_blocks as u32, data: buf.into() });
+                a.sent_blocks += n;
+            }
+            if let (true, Some(row)) = (ok && last, row) {
+                let mut sampler = Sampler::resume(a.job.sampling.clone(), a.job.rng_position)
+                    .expect("checked at submit");
+                let first_token = sampler.sample(&row, &a.job.prompt);
+                let started = a.started.unwrap_or(now);
+                a.out.send(Out::Computed {
+                    first_token,
+                    rng_position: sampler.rng_position(),
+                    queue_ms: ms(started - a.submitted),
+                    prefill_ms: ms(done_at - started),
+                    blocks: a.blocks as u32,
+                });
+                self.counts.completed += 1;
+                finished.push(s.id);
+            } else if !ok {
+                self.counts.cancelled += 1;
+                finished.push(s.id);
+            }
+        }
+        for id in finished {
+            self.drop_job(id);
+        }
+    }
+
+    pub fn counts(&self) -> Counts {
+        let mut c = self.counts;
+        c.queued = self.jobs.values().filter(|a| a.started.is_none()).count() as u32;
+        c.prefilling = self.jobs.len() as u32 - c.queued;
+        c.free_blocks = self.engine.kv().free_blocks() as u32;
+        c.total_blocks = self.engine.kv().total_blocks() as u32;
+        c
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

@@ -1,0 +1,176 @@
+//! The `pdmesh.v1.Prefill` service: check the request and the KV layout, open the transfer,
+//! queue the prompt on the engine thread, and relay what it produces — blocks to the decode
+//! node, then the first token and the transfer's outcome to the caller. If the caller goes
+//! away, everything stops: the engine drops the prompt and the transfer is aborted.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pdmesh_common::convert::{ms, rng_position_bytes, sampling_from};
+use pdmesh_kv_transfer::{KvSink, KvTransport};
+use pdmesh_proto::v1::prefill_server::Prefill;
+use pdmesh_proto::v1::{
+    KvLayout, NodeLoad, NodeStats, PrefillComputed, PrefillEvent, PrefillRequest,
+    PrefillTransferred, Role, StatsRequest, prefill_event,
+};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+use crate::core::{Counts, Job, Out};
+use crate::error::{PrefillError, to_status};
+use crate::worker::{ChannelOutput, Submit};
+
+#[derive(Debug, Clone)]
+pub struct PrefillService {
+    pub node_id: String,
+    pub layout: KvLayout,
+    pub tx: mpsc::Sender<Submit>,
+    pub transport: Arc<dyn KvTransport>,
+    pub counts: Arc<Mutex<Counts>>,
+    pub transferring: Arc<AtomicU32>,
+    pub fault_delay: Duration,
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<PrefillEvent, Status>> + Send>>;
+
+impl PrefillService {
+    pub fn load(counts: &Counts, transferring: u32) -> NodeLoad {
+        NodeLoad {
+            queued: counts.queued,
+            running: counts.prefilling + transferring,
+            free_blocks: counts.free_blocks,
+            total_blocks: counts.total_blocks,
+            committed_blocks: counts.total_blocks - counts.free_blocks,
+        }
+    }
+}
+
+/// Decrements the transferring gauge however the relay ends.
+struct Gauge(Arc<AtomicU32>);
+
+impl Gauge {
+    fn up(g: &Arc<AtomicU32>) -> Self {
+        g.fetch_add(1, Ordering::Relaxed);
+        Self(Arc::clone(g))
+    }
+}
+
+impl Drop for Gauge {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[tonic::async_trait]
+impl Prefill for PrefillService {
+    type PrefillStream = EventStream;
+
+    async fn prefill(
+        &self,
+        req: Request<PrefillRequest>,
+    ) -> Result<Response<Self::PrefillStream>, Status> {
+        let r = req.into_inner();
+        let node = self.node_id.clone();
+        let target = r.target.ok_or_else(|| Status::invalid_argument("target is missing"))?;
+        pdmesh_kv_transfer::check_layout(&self.layout, target.layout.as_ref(), &target.decode_node)
+            .map_err(|s| Status::new(s.code(), format!("node {node}: {}", s.message())))?;
+        let (sampling, rng_position) = sampling_from(r.sampler.as_ref())?;
+        let blocks = r.prompt.len().div_ceil(self.layout.block_size.max(1) as usize);
+        if target.blocks as usize != blocks || target.prompt_tokens as usize != r.prompt.len() {
+            return Err(Status::invalid_argument(format!(
+                "target expects {} tokens in {} blocks, the prompt has {} tokens",
+                target.prompt_tokens,
+                target.blocks,
+                r.prompt.len()
+            )));
+        }
+        let mut sink: Box<dyn KvSink> = self.transport.open(&target, &node).await.map_err(Status::from)?;
+
+        let (out, mut produced) = ChannelOutput::channel(blocks);
+        let (reply, accepted) = oneshot::channel();
+        let job = Job { prompt: r.prompt, sampling, rng_position };
+        let closed = || to_status(&PrefillError::ShuttingDown, &node);
+        self.tx.send(Submit { job, out, reply }).await.map_err(|_| closed())?;
+        accepted.await.map_err(|_| closed())?.map_err(|e| to_status(&e, &node))?;
+
+        let (events, rx) = mpsc::channel::<Result<PrefillEvent, Status>>(4);
+        let transport = self.transport.name();
+        let gauge = Arc::clone(&self.transferring);
+        let delay = self.fault_delay;
+        let request_id = r.request_id;
+        tokio::spawn(async move {
+            let relay = async {
+                let mut computed = None;
+                while let Some(o) = produced.recv().await {
+                    match o {
+                        Out::Blocks { first_block, data } => {
+                            if !delay.is_zero() {
+                                tokio::time::sleep(delay).await;
+                            }
+                            sink.send(first_block, data).await.map_err(Status::from)?;
+                        }
+                        Out::Computed { first_token, rng_position, queue_ms, prefill_ms, blocks } => {
+                            let ev = PrefillComputed {
+                                first_token,
+                                rng_position: rng_position_bytes(rng_position),
+                                queue_ms,
+                                prefill_ms,
+                            };
+                            let ev = PrefillEvent { event: Some(prefill_event::Event::Computed(ev)) };
+                            if events.send(Ok(ev)).await.is_err() {
+                                return Ok(());
+                            }
+                            computed = Some((Instant::now(), blocks));
+                        }
+                        Out::Failed(e) => return Err(to_status(&e, &node)),
+                    }
+                }
+                let Some((t0, blocks)) = computed else {
+                    return Err(to_status(&PrefillError::ShuttingDown, &node));
+                };
+                let _gauge = Gauge::up(&gauge);
+                let bytes = sink.finish(blocks).await.map_err(Status::from)?;
+                let ev = PrefillTransferred { transfer_ms: ms(t0.elapsed()), bytes, transport: transport.into() };
+                let _ = events.send(Ok(PrefillEvent { event: Some(prefill_event::Event::Transferred(ev)) })).await;
+                Ok(())
+            };
+            // The caller leaving ends the relay: dropping `produced` stops the engine work and
+            // dropping the sink aborts the transfer.
+            let result = tokio::select! {
+                r = relay => r,
+                () = events.closed() => {
+                    tracing::info!(request = request_id, "caller went away; prefill aborted");
+                    Ok(())
+                }
+            };
+            if let Err(s) = result {
+                tracing::warn!(request = request_id, "prefill failed: {}", s.message());
+                let _ = events.send(Err(s)).await;
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
+        let c = *self.counts.lock().expect("counts lock is never poisoned");
+        let transferring = self.transferring.load(Ordering::Relaxed);
+        Ok(Response::new(NodeStats {
+            node_id: self.node_id.clone(),
+            role: Role::Prefill as i32,
+            load: Some(Self::load(&c, transferring)),
+            layout: Some(self.layout.clone()),
+            queued: c.queued,
+            prefilling: c.prefilling,
+            transferring,
+            decoding: 0,
+            reserved: 0,
+            completed: c.completed,
+            cancelled: c.cancelled,
+            failed: c.failed,
+            leases_expired: 0,
+        }))
+    }
+}

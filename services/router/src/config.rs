@@ -1,0 +1,83 @@
+//! The router's config: defaults → TOML file → `PDMESH_ROUTER_*` → flags.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouterConfig {
+    /// Address clients and nodes dial ("host:port"; port 0 picks a free one).
+    pub listen: String,
+    /// The GGUF whose tokenizer, chat template and context the router validates against.
+    pub model: PathBuf,
+    /// Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint.
+    pub max_in_flight: usize,
+    /// The retry hint given with RESOURCE_EXHAUSTED.
+    pub retry_after_ms: u64,
+    /// How often nodes heartbeat.
+    pub heartbeat_interval_ms: u32,
+    /// A node silent this long is dropped.
+    pub node_ttl_ms: u32,
+    /// Longest a request may run; a client's shorter grpc-timeout wins.
+    pub request_timeout_ms: u64,
+    /// Longest a reservation or a node's first answer may take.
+    pub node_call_timeout_ms: u64,
+    /// Longest between the first token being computed and the KV being complete.
+    pub transfer_timeout_ms: u64,
+    /// Longest a decode stream may go silent.
+    pub stall_timeout_ms: u64,
+    /// Lease on decode reservations.
+    pub lease_ms: u32,
+    /// Prompts shorter than this are prefilled on the decode node itself (conditional
+    /// disaggregation); 0 = always disaggregate when a prefill node exists.
+    pub colocate_below_tokens: usize,
+    /// Time in-flight requests get to finish at shutdown.
+    pub drain_ms: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:50051".into(),
+            model: PathBuf::from(pdmesh_engine::DEFAULT_MODEL_PATH),
+            max_in_flight: 256,
+            retry_after_ms: 500,
+            heartbeat_interval_ms: 500,
+            node_ttl_ms: 2_000,
+            request_timeout_ms: 600_000,
+            node_call_timeout_ms: 10_000,
+            transfer_timeout_ms: 30_000,
+            stall_timeout_ms: 60_000,
+            lease_ms: 30_000,
+            colocate_below_tokens: 0,
+            drain_ms: 5_000,
+        }
+    }
+}
+
+impl RouterConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_in_flight == 0 {
+            return Err("max_in_flight must be at least 1".into());
+        }
+        if self.heartbeat_interval_ms == 0 || self.node_ttl_ms <= self.heartbeat_interval_ms {
+            return Err(format!(
+                "node_ttl_ms ({}) must exceed heartbeat_interval_ms ({}), which must be > 0",
+                self.node_ttl_ms, self.heartbeat_interval_ms
+            ));
+        }
+        for (name, v) in [
+            ("request_timeout_ms", self.request_timeout_ms),
+            ("node_call_timeout_ms", self.node_call_timeout_ms),
+            ("transfer_timeout_ms", self.transfer_timeout_ms),
+            ("stall_timeout_ms", self.stall_timeout_ms),
+            ("lease_ms", u64::from(self.lease_ms)),
+        ] {
+            if v == 0 {
+                return Err(format!("{name} must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,96 @@
+//! What the router shares between requests: the node registry, one gRPC channel per node
+//! address, the model (for validation), the config, and the running requests by id.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pdmesh_engine::Model;
+use pdmesh_proto::v1::Role;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+use crate::config::RouterConfig;
+use crate::registry::{Node, Registry};
+
+#[derive(Debug)]
+pub struct Mesh {
+    pub config: RouterConfig,
+    pub model: Arc<Model>,
+    pub registry: Mutex<Registry>,
+    channels: Mutex<HashMap<String, Channel>>,
+    active: Mutex<HashMap<String, CancellationToken>>,
+}
+
+impl Mesh {
+    pub fn new(config: RouterConfig, model: Arc<Model>) -> Self {
+        let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
+        Self {
+            config,
+            model,
+            registry: Mutex::new(Registry::new(ttl)),
+            channels: Mutex::new(HashMap::new()),
+            active: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.registry.lock().expect("registry lock is never poisoned")
+    }
+
+    /// A lazily connected channel to `address`, shared by every request to that node.
+    pub fn channel(&self, address: &str) -> Result<Channel, String> {
+        let mut map = self.channels.lock().expect("channel map lock is never poisoned");
+        if let Some(c) = map.get(address) {
+            return Ok(c.clone());
+        }
+        let c = Endpoint::from_shared(format!("http://{address}"))
+            .map_err(|e| format!("bad node address {address}: {e}"))?
+            .connect_timeout(Duration::from_secs(2))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true)
+            .connect_lazy();
+        map.insert(address.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// Forgets a channel whose node went away (a new node may reuse the address).
+    pub fn drop_channel(&self, address: &str) {
+        self.channels.lock().expect("channel map lock is never poisoned").remove(address);
+    }
+
+    pub fn node(&self, id: &str) -> Option<Node> {
+        self.registry().get(id).cloned()
+    }
+
+    pub fn live(&self, role: Role) -> Vec<Node> {
+        self.registry().live(role, Instant::now())
+    }
+
+    /// Registers a running request for `Cancel`; None if the id is already running.
+    pub fn start(&self, id: &str) -> Option<CancellationToken> {
+        let mut a = self.active.lock().expect("active map lock is never poisoned");
+        if a.contains_key(id) {
+            return None;
+        }
+        let t = CancellationToken::new();
+        a.insert(id.to_string(), t.clone());
+        Some(t)
+    }
+
+    pub fn finish(&self, id: &str) {
+        self.active.lock().expect("active map lock is never poisoned").remove(id);
+    }
+
+    pub fn cancel(&self, id: &str) -> bool {
+        match self.active.lock().expect("active map lock is never poisoned").get(id) {
+            Some(t) => {
+                t.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! Which nodes exist and how loaded they are: registrations, heartbeats, expiry of silent
+//! nodes, and the router's own count of requests it sent to each node since its last
+//! heartbeat. A plain struct; the service wraps it in a mutex.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use pdmesh_proto::v1::{KvLayout, NodeLoad, Role};
+
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub id: String,
+    pub role: Role,
+    pub address: String,
+    pub layout: KvLayout,
+    pub load: NodeLoad,
+    pub last_seen: Instant,
+    /// Requests this router placed on the node that are still running.
+    pub assigned: u32,
+    /// Blocks this router reserved on the node since its last heartbeat reported them.
+    pub pending_blocks: u32,
+    /// Set when a call to the node failed as unreachable: skipped until then.
+    pub suspect_until: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+pub struct Registry {
+    nodes: HashMap<String, Node>,
+    ttl: Duration,
+}
+
+impl Registry {
+    pub fn new(ttl: Duration) -> Self {
+        Self { nodes: HashMap::new(), ttl }
+    }
+
+    /// Adds or replaces a node; it takes traffic at once.
+    pub fn register(&mut self, id: &str, role: Role, address: &str, layout: KvLayout, load: NodeLoad, now: Instant) {
+        let assigned = self.nodes.get(id).map_or(0, |n| n.assigned);
+        self.nodes.insert(
+            id.to_string(),
+            Node {
+                id: id.to_string(),
+                role,
+                address: address.to_string(),
+                layout,
+                load,
+                last_seen: now,
+                assigned,
+                pending_blocks: 0,
+                suspect_until: None,
+            },
+        );
+    }
+
+    /// Records a heartbeat; false if the node is unknown (it must register again).
+    pub fn heartbeat(&mut self, id: &str, load: NodeLoad, now: Instant) -> bool {
+        match self.nodes.get_mut(id) {
+            Some(n) => {
+                n.load = load;
+                n.last_seen = now;
+                n.pending_blocks = 0;
+                n.suspect_until = None;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops nodes silent for longer than the TTL; returns their ids.
+    pub fn expire(&mut self, now: Instant) -> Vec<String> {
+        let ttl = self.ttl;
+        let dead: Vec<String> = self
+            .nodes
+            .values()
+            .filter(|n| now.duration_since(n.last_seen) > ttl)
+            .map(|n| n.id.clone())
+            .collect();
+        for id in &dead {
+            self.nodes.remove(id);
+        }
+        dead
+    }
+
+    /// A call to the node failed as unreachable: avoid it until it heartbeats again (or for
+    /// one TTL, after which it is dropped anyway if it stays silent).
+    pub fn suspect(&mut self, id: &str, now: Instant) {
+        if let Some(n) = self.nodes.get_mut(id) {
+            n.suspect_until = Some(now + self.ttl);
+        }
+    }
+
+    /// Usable nodes of a role.
+    pub fn live(&self, role: Role, now: Instant) -> Vec<Node> {
+        let mut v: Vec<Node> = self
+            .nodes
+            .values()
+            .filter(|n| n.role == role && n.suspect_until.is_none_or(|t| t <= now))
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    pub fn all(&self) -> Vec<Node> {
+        let mut v: Vec<Node> = self.nodes.values().cloned().collect();
+        v.sort_by(|a, b| a.id.cmp(&b.id));
+        v
+    }
+
+    pub fn get(&self, id: &str) -> Option<&Node> {
+        self.nodes.get(id)
+    }
+
+    pub fn assign(&mut self, id: &str, blocks: u32) {
+        if let Some(n) = self.nodes.get_mut(id) {
+            n.assigned += 1;
+            n.pending_blocks += blocks;
+        }
+    }
+
+    pub fn unassign(&mut self, id: &str) {
+        if let Some(n) = self.nodes.get_mut(id) {
+            n.assigned = n.assigned.saturating_sub(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load() -> NodeLoad {
+        NodeLoad { free_blocks: 10, total_blocks: 10, ..Default::default() }
+    }
+
+    #[test]
+    fn silent_nodes_expire_and_late_nodes_join() {
+        let t0 = Instant::now();
+        let mut r = Registry::new(Duration::from_secs(2));
+        r.register("d1", Role::Decode, "a:1", KvLayout::default(), load(), t0);
+        assert_eq!(r.live(Role::Decode, t0).len(), 1);
+        assert!(r.heartbeat("d1", load(), t0 + Duration::from_secs(1)));
+        assert!(r.expire(t0 + Duration::from_millis(2500)).is_empty());
+        assert_eq!(r.expire(t0 + Duration::from_millis(3100)), vec!["d1".to_string()]);
+        assert!(!r.heartbeat("d1", load(), t0 + Duration::from_secs(4)), "dropped node known");
+        r.register("d2", Role::Decode, "a:2", KvLayout::default(), load(), t0 + Duration::from_secs(4));
+        assert_eq!(r.live(Role::Decode, t0 + Duration::from_secs(4))[0].id, "d2");
+        assert!(r.live(Role::Prefill, t0).is_empty());
+    }
+
+    #[test]
+    fn suspect_nodes_are_skipped_until_they_heartbeat() {
+        let t0 = Instant::now();
+        let mut r = Registry::new(Duration::from_secs(2));
+        r.register("p1", Role::Prefill, "a:1", KvLayout::default(), load(), t0);
+        r.suspect("p1", t0);
+        assert!(r.live(Role::Prefill, t0 + Duration::from_millis(10)).is_empty());
+        r.heartbeat("p1", load(), t0 + Duration::from_millis(20));
+        assert_eq!(r.live(Role::Prefill, t0 + Duration::from_millis(30)).len(), 1);
+    }
+}
