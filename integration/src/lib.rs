@@ -1,5 +1,9 @@
 //! Harness for tests that run `pdmesh` as separate processes: where the binary and the model are,
-//! and a runner that captures output. Multi-process mesh clusters will be started from here.
+//! a runner that captures output, and `Cluster`, a mesh of real service processes.
+
+pub mod cluster;
+
+pub use cluster::{Cluster, eventually};
 
 use std::path::PathBuf;
 use std::process::{Command, Output};

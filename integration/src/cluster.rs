@@ -1,0 +1,248 @@
+//! A mesh of real `pdmesh` processes for tests: `Cluster::builder().prefill(2).decode(2)
+//! .start()`. Every service binds port 0 and announces its address on stdout; every child's
+//! stdin is a pipe, so the services stop when the cluster (or the test process) goes away.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pdmesh_proto::v1::decode_client::DecodeClient;
+use pdmesh_proto::v1::generation_client::GenerationClient;
+use pdmesh_proto::v1::membership_client::MembershipClient;
+use pdmesh_proto::v1::prefill_client::PrefillClient;
+use pdmesh_proto::v1::{ListNodesRequest, NodeStats, NodeStatus, Role, StatsRequest};
+use tonic::transport::Channel;
+
+use crate::{model_path, pdmesh_bin};
+
+/// One service process.
+#[derive(Debug)]
+pub struct Service {
+    pub name: String,
+    pub addr: String,
+    child: Option<Child>,
+    stdin: Option<ChildStdin>,
+}
+
+impl Service {
+    fn start(role: &str, name: &str, args: &[String]) -> Service {
+        let mut c = Command::new(pdmesh_bin());
+        c.arg(role)
+            .args(args)
+            .arg("--exit-with-stdin")
+            .env("PDMESH_LOG", std::env::var("PDMESH_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        let mut child = c.spawn().expect("pdmesh starts");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let mut lines = BufReader::new(stdout).lines();
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("{name} exited before listening"))
+            .expect("reading the child's stdout");
+        let addr = line
+            .rsplit_once(" listening on ")
+            .unwrap_or_else(|| panic!("{name} printed {line:?}"))
+            .1
+            .trim()
+            .to_string();
+        // Drain anything else so the child never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        let stdin = child.stdin.take();
+        Service { name: name.to_string(), addr, child: Some(child), stdin }
+    }
+
+    /// SIGKILL: the process dies at once, mid-whatever.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// A clean stop (stdin closes), waiting for the process to exit.
+    pub fn stop(&mut self) {
+        drop(self.stdin.take());
+        if let Some(mut c) = self.child.take() {
+            let until = Instant::now() + Duration::from_secs(15);
+            loop {
+                match c.try_wait() {
+                    Ok(Some(_)) => return,
+                    _ if Instant::now() > until => {
+                        let _ = c.kill();
+                        let _ = c.wait();
+                        panic!("{} did not stop within 15 s of its stdin closing", self.name);
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ClusterBuilder {
+    prefill: usize,
+    decode: usize,
+    router_args: Vec<String>,
+    prefill_args: Vec<String>,
+    decode_args: Vec<String>,
+}
+
+impl ClusterBuilder {
+    pub fn prefill(mut self, n: usize) -> Self {
+        self.prefill = n;
+        self
+    }
+    pub fn decode(mut self, n: usize) -> Self {
+        self.decode = n;
+        self
+    }
+    pub fn router_args(mut self, a: &[&str]) -> Self {
+        self.router_args.extend(a.iter().map(|s| s.to_string()));
+        self
+    }
+    pub fn prefill_args(mut self, a: &[&str]) -> Self {
+        self.prefill_args.extend(a.iter().map(|s| s.to_string()));
+        self
+    }
+    pub fn decode_args(mut self, a: &[&str]) -> Self {
+        self.decode_args.extend(a.iter().map(|s| s.to_string()));
+        self
+    }
+
+    /// Starts the router and the nodes, and waits until every node has registered.
+    pub async fn start(self) -> Cluster {
+        let model = model_path().display().to_string();
+        let mut rargs: Vec<String> = ["--listen", "127.0.0.1:0", "--model", &model]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        rargs.extend(["--heartbeat-interval-ms".into(), "100".into(), "--node-ttl-ms".into(), "1000".into()]);
+        rargs.extend(self.router_args.iter().cloned());
+        let router = Service::start("router", "router", &rargs);
+        let mut c = Cluster { router, prefills: Vec::new(), decodes: Vec::new(), builder: self.clone() };
+        for _ in 0..self.prefill {
+            c.add_prefill(&[]);
+        }
+        for _ in 0..self.decode {
+            c.add_decode(&[]);
+        }
+        c.wait_nodes(self.prefill, self.decode).await;
+        c
+    }
+}
+
+/// Fields drop in order: nodes first, then the router they heartbeat to.
+#[derive(Debug)]
+pub struct Cluster {
+    pub prefills: Vec<Service>,
+    pub decodes: Vec<Service>,
+    pub router: Service,
+    builder: ClusterBuilder,
+}
+
+impl Cluster {
+    pub fn builder() -> ClusterBuilder {
+        ClusterBuilder { prefill: 1, decode: 1, router_args: Vec::new(), prefill_args: Vec::new(), decode_args: Vec::new() }
+    }
+
+    fn node_args(&self, role: &str, name: &str, extra: &[&str]) -> Vec<String> {
+        let model = model_path().display().to_string();
+        let mut a: Vec<String> = [
+            "--listen", "127.0.0.1:0", "--router", &self.router.addr, "--node-id", name, "--model", &model,
+            "--threads", "1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        a.extend(if role == "prefill" { &self.builder.prefill_args } else { &self.builder.decode_args }.iter().cloned());
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    }
+
+    /// Starts another prefill node (it registers by itself); returns its index.
+    pub fn add_prefill(&mut self, extra: &[&str]) -> usize {
+        let name = format!("prefill-{}", self.prefills.len());
+        let args = self.node_args("prefill", &name, extra);
+        self.prefills.push(Service::start("prefill", &name, &args));
+        self.prefills.len() - 1
+    }
+
+    /// Starts another decode node; returns its index.
+    pub fn add_decode(&mut self, extra: &[&str]) -> usize {
+        let name = format!("decode-{}", self.decodes.len());
+        let args = self.node_args("decode", &name, extra);
+        self.decodes.push(Service::start("decode", &name, &args));
+        self.decodes.len() - 1
+    }
+
+    pub async fn client(&self) -> GenerationClient<Channel> {
+        GenerationClient::connect(format!("http://{}", self.router.addr)).await.expect("router reachable")
+    }
+
+    pub async fn nodes(&self) -> Vec<NodeStatus> {
+        let mut c = MembershipClient::connect(format!("http://{}", self.router.addr)).await.expect("router reachable");
+        c.list_nodes(ListNodesRequest {}).await.expect("ListNodes").into_inner().nodes
+    }
+
+    /// Waits until exactly `prefill` prefill and `decode` decode nodes are registered.
+    pub async fn wait_nodes(&self, prefill: usize, decode: usize) {
+        let until = Instant::now() + Duration::from_secs(30);
+        loop {
+            let n = self.nodes().await;
+            let count = |r: Role| n.iter().filter(|x| x.role == r as i32).count();
+            if count(Role::Prefill) == prefill && count(Role::Decode) == decode {
+                return;
+            }
+            assert!(
+                Instant::now() < until,
+                "wanted {prefill} prefill and {decode} decode nodes, router has {:?}",
+                n.iter().map(|x| &x.node_id).collect::<Vec<_>>()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn prefill_stats(&self, i: usize) -> NodeStats {
+        let mut c = PrefillClient::connect(format!("http://{}", self.prefills[i].addr)).await.expect("prefill reachable");
+        c.stats(StatsRequest {}).await.expect("Stats").into_inner()
+    }
+
+    pub async fn decode_stats(&self, i: usize) -> NodeStats {
+        decode_stats(&self.decodes[i].addr).await
+    }
+
+    pub async fn decode_client(&self, i: usize) -> DecodeClient<Channel> {
+        DecodeClient::connect(format!("http://{}", self.decodes[i].addr)).await.expect("decode reachable")
+    }
+}
+
+pub async fn decode_stats(addr: &str) -> NodeStats {
+    let mut c = DecodeClient::connect(format!("http://{addr}")).await.expect("decode reachable");
+    c.stats(StatsRequest {}).await.expect("Stats").into_inner()
+}
+
+/// Polls `probe` until it returns true, failing the test with `what` after `timeout`.
+pub async fn eventually<F, Fut>(timeout: Duration, what: &str, mut probe: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let until = Instant::now() + timeout;
+    while !probe().await {
+        assert!(Instant::now() < until, "timed out after {timeout:?} waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
