@@ -80,8 +80,9 @@ impl Service {
         }
     }
 
-    pub fn is_running(&mut self) -> bool {
-        self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    /// Whether the process was neither killed nor stopped by the test.
+    pub fn is_running_ref(&self) -> bool {
+        self.child.is_some()
     }
 }
 
@@ -125,14 +126,18 @@ impl ClusterBuilder {
     /// Starts the router and the nodes, and waits until every node has registered.
     pub async fn start(self) -> Cluster {
         let model = model_path().display().to_string();
-        let mut rargs: Vec<String> = ["--listen", "127.0.0.1:0", "--model", &model]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        rargs.extend(["--heartbeat-interval-ms".into(), "100".into(), "--node-ttl-ms".into(), "1000".into()]);
+        let mut rargs: Vec<String> =
+            ["--listen", "127.0.0.1:0", "--model", &model].iter().map(|s| s.to_string()).collect();
+        rargs.extend([
+            "--heartbeat-interval-ms".into(),
+            "100".into(),
+            "--node-ttl-ms".into(),
+            "1000".into(),
+        ]);
         rargs.extend(self.router_args.iter().cloned());
         let router = Service::start("router", "router", &rargs);
-        let mut c = Cluster { router, prefills: Vec::new(), decodes: Vec::new(), builder: self.clone() };
+        let mut c =
+            Cluster { router, prefills: Vec::new(), decodes: Vec::new(), builder: self.clone() };
         for _ in 0..self.prefill {
             c.add_prefill(&[]);
         }
@@ -155,19 +160,37 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn builder() -> ClusterBuilder {
-        ClusterBuilder { prefill: 1, decode: 1, router_args: Vec::new(), prefill_args: Vec::new(), decode_args: Vec::new() }
+        ClusterBuilder {
+            prefill: 1,
+            decode: 1,
+            router_args: Vec::new(),
+            prefill_args: Vec::new(),
+            decode_args: Vec::new(),
+        }
     }
 
     fn node_args(&self, role: &str, name: &str, extra: &[&str]) -> Vec<String> {
         let model = model_path().display().to_string();
         let mut a: Vec<String> = [
-            "--listen", "127.0.0.1:0", "--router", &self.router.addr, "--node-id", name, "--model", &model,
-            "--threads", "1",
+            "--listen",
+            "127.0.0.1:0",
+            "--router",
+            &self.router.addr,
+            "--node-id",
+            name,
+            "--model",
+            &model,
+            "--threads",
+            "1",
         ]
         .iter()
         .map(|s| s.to_string())
         .collect();
-        a.extend(if role == "prefill" { &self.builder.prefill_args } else { &self.builder.decode_args }.iter().cloned());
+        a.extend(
+            if role == "prefill" { &self.builder.prefill_args } else { &self.builder.decode_args }
+                .iter()
+                .cloned(),
+        );
         a.extend(extra.iter().map(|s| s.to_string()));
         a
     }
@@ -189,11 +212,15 @@ impl Cluster {
     }
 
     pub async fn client(&self) -> GenerationClient<Channel> {
-        GenerationClient::connect(format!("http://{}", self.router.addr)).await.expect("router reachable")
+        GenerationClient::connect(format!("http://{}", self.router.addr))
+            .await
+            .expect("router reachable")
     }
 
     pub async fn nodes(&self) -> Vec<NodeStatus> {
-        let mut c = MembershipClient::connect(format!("http://{}", self.router.addr)).await.expect("router reachable");
+        let mut c = MembershipClient::connect(format!("http://{}", self.router.addr))
+            .await
+            .expect("router reachable");
         c.list_nodes(ListNodesRequest {}).await.expect("ListNodes").into_inner().nodes
     }
 
@@ -216,7 +243,9 @@ impl Cluster {
     }
 
     pub async fn prefill_stats(&self, i: usize) -> NodeStats {
-        let mut c = PrefillClient::connect(format!("http://{}", self.prefills[i].addr)).await.expect("prefill reachable");
+        let mut c = PrefillClient::connect(format!("http://{}", self.prefills[i].addr))
+            .await
+            .expect("prefill reachable");
         c.stats(StatsRequest {}).await.expect("Stats").into_inner()
     }
 
@@ -225,7 +254,9 @@ impl Cluster {
     }
 
     pub async fn decode_client(&self, i: usize) -> DecodeClient<Channel> {
-        DecodeClient::connect(format!("http://{}", self.decodes[i].addr)).await.expect("decode reachable")
+        DecodeClient::connect(format!("http://{}", self.decodes[i].addr))
+            .await
+            .expect("decode reachable")
     }
 }
 

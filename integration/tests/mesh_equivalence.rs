@@ -38,7 +38,7 @@ const MAX_TOKENS: u32 = 24;
 
 /// (temperature, top_p, seed) for prompt i: even prompts greedy, odd ones seeded sampling.
 fn sampling(i: usize) -> (f32, f32, u64) {
-    if i % 2 == 0 { (0.0, 1.0, 0) } else { (0.8, 0.95, 1000 + i as u64) }
+    if i.is_multiple_of(2) { (0.0, 1.0, 0) } else { (0.8, 0.95, 1000 + i as u64) }
 }
 
 fn reference(i: usize) -> Vec<u32> {
@@ -75,7 +75,7 @@ async fn disaggregated_mesh_gives_the_tokens_of_one_engine() {
     };
     let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(8));
     let mut tasks = Vec::new();
-    for i in 0..PROMPTS.len() {
+    for (i, prompt) in PROMPTS.iter().enumerate() {
         let mut client = cluster.client().await;
         let sem = std::sync::Arc::clone(&sem);
         tasks.push(tokio::spawn(async move {
@@ -83,7 +83,7 @@ async fn disaggregated_mesh_gives_the_tokens_of_one_engine() {
             let (t, p, seed) = sampling(i);
             let req = GenerateRequest {
                 input: Some(generate_request::Input::Chat(Chat {
-                    messages: vec![ChatMessage { role: "user".into(), content: PROMPTS[i].into() }],
+                    messages: vec![ChatMessage { role: "user".into(), content: (*prompt).into() }],
                 })),
                 max_tokens: MAX_TOKENS,
                 sampling: Some(SamplingParams {
@@ -121,8 +121,7 @@ async fn disaggregated_mesh_gives_the_tokens_of_one_engine() {
         nodes_used.insert(timings.decode_node);
     }
     assert_eq!(nodes_used.len(), 4, "load-aware placement used only {nodes_used:?}");
-    for i in 0..2 {
-        let want = baseline[i];
+    for (i, &want) in baseline.iter().enumerate() {
         eventually(Duration::from_secs(10), "decode blocks back to baseline", || {
             let c = &cluster;
             async move {

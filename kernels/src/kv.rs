@@ -282,7 +282,9 @@ mod tests {
             let g = KvGeometry { layers: 2, kv_heads: 1, head_dim: 4, block_size: 2, dtype };
             let mut a = KvBuffer::new(g, 3).unwrap();
             match a.data_mut() {
-                KvData::F16(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f32(i as f32)),
+                KvData::F16(v) => {
+                    v.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f32(i as f32))
+                }
                 KvData::F32(v) => v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.5),
             }
             let mut bytes = Vec::new();

@@ -93,9 +93,10 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
 }
 
 async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
-    let mut client = GenerationClient::connect(format!("http://{}", a.target))
-        .await
-        .with_context(|| format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target))?;
+    let mut client =
+        GenerationClient::connect(format!("http://{}", a.target)).await.with_context(|| {
+            format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
+        })?;
     let mut req = tonic::Request::new(request_of(&a));
     req.set_timeout(Duration::from_secs(a.timeout_s));
     let mut stream = client.generate(req).await.map_err(status_err)?.into_inner();
@@ -114,7 +115,8 @@ async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
             }
             Some(generate_response::Event::Finished(f)) => {
                 let reason = FinishReason::try_from(f.reason).unwrap_or(FinishReason::Unspecified);
-                let reason = reason.as_str_name().trim_start_matches("FINISH_REASON_").to_lowercase();
+                let reason =
+                    reason.as_str_name().trim_start_matches("FINISH_REASON_").to_lowercase();
                 let usage = f.usage.unwrap_or_default();
                 let t = f.timings.unwrap_or_default();
                 if a.json {
@@ -140,8 +142,15 @@ async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
                     writeln!(out)?;
                     eprintln!(
                         "[{reason}: {} prompt + {} generated tokens; ttft {:.1} ms (prefill {:.1} on {}, transfer {:.1} via {}), total {:.1} ms, decode on {}]",
-                        usage.prompt_tokens, usage.completion_tokens, t.ttft_ms, t.prefill_ms,
-                        t.prefill_node, t.transfer_ms, t.kv_transport, t.total_ms, t.decode_node
+                        usage.prompt_tokens,
+                        usage.completion_tokens,
+                        t.ttft_ms,
+                        t.prefill_ms,
+                        t.prefill_node,
+                        t.transfer_ms,
+                        t.kv_transport,
+                        t.total_ms,
+                        t.decode_node
                     );
                 }
                 return Ok(());

@@ -196,8 +196,7 @@ struct PrefillExtra {
 
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     pdmesh_common::telemetry::init_logging();
-    let overlay =
-        NodeOverlay { node: &a.node, extra: DecodeExtra { lease_ms: a.lease_ms } };
+    let overlay = NodeOverlay { node: &a.node, extra: DecodeExtra { lease_ms: a.lease_ms } };
     let cfg: pdmesh_decode::DecodeConfig = pdmesh_common::load_config(
         &pdmesh_decode::DecodeConfig::default(),
         a.node.config.as_deref(),

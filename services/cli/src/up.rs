@@ -95,7 +95,10 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         bail!("--decode must be at least 1: decode nodes serve every request");
     }
     if !a.model.exists() {
-        bail!("model file {} not found: run `just fetch-model` (or pass --model PATH)", a.model.display());
+        bail!(
+            "model file {} not found: run `just fetch-model` (or pass --model PATH)",
+            a.model.display()
+        );
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(up(a))
@@ -181,7 +184,12 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn wait_ready(addr: &str, prefill: usize, decode: usize, timeout: Duration) -> anyhow::Result<()> {
+async fn wait_ready(
+    addr: &str,
+    prefill: usize,
+    decode: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
     let until = Instant::now() + timeout;
     let mut last = String::from("router not reachable");
     while Instant::now() < until {

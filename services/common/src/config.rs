@@ -43,7 +43,7 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used)]
+    #![allow(clippy::unwrap_used, clippy::result_large_err)] // figment's Jail API
     use super::*;
     use serde::Deserialize;
 
@@ -75,7 +75,8 @@ mod tests {
             let flags = Flags { listen: Some("0.0.0.0:9".into()) };
             let c: Cfg = load_config(&defaults(), Some(&f), "PDMESH_TEST1_", &flags).unwrap();
             assert_eq!(c, Cfg { listen: "0.0.0.0:9".into(), blocks: 16, lease_ms: 7 });
-            let c: Cfg = load_config(&defaults(), None, "PDMESH_TEST1_", &Flags::default()).unwrap();
+            let c: Cfg =
+                load_config(&defaults(), None, "PDMESH_TEST1_", &Flags::default()).unwrap();
             assert_eq!(c.listen, "127.0.0.1:1");
             Ok(())
         });

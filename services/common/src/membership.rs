@@ -24,7 +24,8 @@ pub fn spawn(
     routers
         .iter()
         .map(|r| {
-            let (r, reg, load, stop) = (r.clone(), registration.clone(), load.clone(), stop.clone());
+            let (r, reg, load, stop) =
+                (r.clone(), registration.clone(), load.clone(), stop.clone());
             tokio::spawn(async move {
                 tokio::select! {
                     () = keep_registered(&r, reg, load) => {}
@@ -73,7 +74,11 @@ async fn session(router: &str, reg: &RegisterRequest, load: &LoadFn) -> Result<(
         let hb = HeartbeatRequest { node_id: reg.node_id.clone(), load: Some(load()) };
         let known = client.heartbeat(hb).await.map_err(|e| e.message().to_string())?;
         if !known.into_inner().known {
-            tracing::info!(router, node = reg.node_id, "router forgot this node; registering again");
+            tracing::info!(
+                router,
+                node = reg.node_id,
+                "router forgot this node; registering again"
+            );
             return Ok(());
         }
     }

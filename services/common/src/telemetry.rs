@@ -9,8 +9,10 @@ pub fn init_logging() {
         .ok()
         .or_else(|| std::env::var("RUST_LOG").ok())
         .unwrap_or_else(|| "info".into());
+    use std::io::IsTerminal;
     let _ = tracing_subscriber::fmt()
         .with_env_filter(EnvFilter::new(filter))
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();

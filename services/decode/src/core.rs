@@ -117,7 +117,12 @@ impl std::fmt::Debug for DecodeCore {
 }
 
 impl DecodeCore {
-    pub fn new(engine: Engine, max_running: usize, default_lease: Duration, max_lease: Duration) -> Self {
+    pub fn new(
+        engine: Engine,
+        max_running: usize,
+        default_lease: Duration,
+        max_lease: Duration,
+    ) -> Self {
         let model = Arc::clone(engine.model());
         let sched = Scheduler::new(engine.config().max_batch_tokens, max_running);
         Self {
@@ -209,13 +214,18 @@ impl DecodeCore {
     }
 
     /// Writes whole prompt blocks starting at `first_block`.
-    pub fn kv_write(&mut self, id: u64, first_block: usize, data: &[u8]) -> Result<(), DecodeError> {
+    pub fn kv_write(
+        &mut self,
+        id: u64,
+        first_block: usize,
+        data: &[u8],
+    ) -> Result<(), DecodeError> {
         let bpb = self.engine.kv().geometry().bytes_per_block();
         let r = self.reservations.get(&id).ok_or(DecodeError::UnknownReservation(id))?;
         if !r.kv_started || r.kv_complete {
             return Err(DecodeError::Invalid(format!("reservation {id} is not receiving KV")));
         }
-        if data.is_empty() || data.len() % bpb != 0 {
+        if data.is_empty() || !data.len().is_multiple_of(bpb) {
             return Err(DecodeError::Invalid(format!(
                 "KV data of {} bytes is not whole blocks of {bpb}",
                 data.len()
@@ -318,7 +328,9 @@ impl DecodeCore {
         let prompt_len = r.prompt_len;
         if let Start::FirstToken(t) = a.start {
             if t >= vocab {
-                return Err(DecodeError::Invalid(format!("first token {t} is outside the vocabulary")));
+                return Err(DecodeError::Invalid(format!(
+                    "first token {t} is outside the vocabulary"
+                )));
             }
             // The first token goes out at once: it does not wait for the KV.
             match accept(&self.model, &mut run, &mut *out, t, ctx, prompt_len) {
@@ -459,9 +471,7 @@ impl DecodeCore {
         let ctx = self.engine.max_seq_len();
         let toks: Vec<[u32; 1]> = plan
             .iter()
-            .map(|s| {
-                [self.reservations[&s.id].run.as_ref().and_then(|r| r.next).unwrap_or(0)]
-            })
+            .map(|s| [self.reservations[&s.id].run.as_ref().and_then(|r| r.next).unwrap_or(0)])
             .collect();
         for s in &plan {
             let r = self.reservations.get_mut(&s.id).expect("scheduled requests are reserved");
@@ -572,7 +582,9 @@ fn accept(
             return Some(FinishReason::Stop);
         }
         Pushed::Text(piece) => {
-            if (!piece.text.is_empty() || !piece.tokens.is_empty()) && !out.send(Event::Delta(piece)) {
+            if (!piece.text.is_empty() || !piece.tokens.is_empty())
+                && !out.send(Event::Delta(piece))
+            {
                 return Some(FinishReason::Cancelled);
             }
         }

@@ -84,7 +84,9 @@ pub async fn run(
     );
     tracing::info!(node = node_id, %bound, "decode node serving");
     let routes = tonic::service::Routes::new(
-        DecodeServer::new(service).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20),
+        DecodeServer::new(service)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20),
     );
     let served = pdmesh_common::serve(
         routes,
@@ -100,4 +102,3 @@ pub async fn run(
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
     served.map_err(|e| DecodeError::Invalid(format!("serving: {e}")))
 }
-

@@ -8,7 +8,7 @@ use pdmesh_common::convert::{finish_reason, sampling_from};
 use pdmesh_proto::v1::decode_server::Decode;
 use pdmesh_proto::v1::kv_chunk::Chunk;
 use pdmesh_proto::v1::{
-    Delta, DecodeEvent, DecodeFinished, DecodeRequest, KvChunk, KvLayout, KvTarget, NodeLoad,
+    DecodeEvent, DecodeFinished, DecodeRequest, Delta, KvChunk, KvLayout, KvTarget, NodeLoad,
     NodeStats, PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse,
     Role, StatsRequest, decode_event, decode_request,
 };
@@ -49,7 +49,10 @@ impl DecodeService {
 
     fn parse_id(&self, s: &str) -> Result<u64, Status> {
         s.parse().map_err(|_| {
-            Status::invalid_argument(format!("node {}: reservation_id {s:?} is not a reservation id", self.node_id))
+            Status::invalid_argument(format!(
+                "node {}: reservation_id {s:?} is not a reservation id",
+                self.node_id
+            ))
         })
     }
 
@@ -73,9 +76,8 @@ impl Decode for DecodeService {
         let r = req.into_inner();
         let lease = (r.lease_ms > 0).then(|| Duration::from_millis(u64::from(r.lease_ms)));
         let (prompt_len, max_tokens) = (r.prompt_tokens as usize, r.max_tokens as usize);
-        let (id, blocks, lease) = self
-            .call(|reply| Command::Reserve { prompt_len, max_tokens, lease, reply })
-            .await?;
+        let (id, blocks, lease) =
+            self.call(|reply| Command::Reserve { prompt_len, max_tokens, lease, reply }).await?;
         tracing::debug!(request = r.request_id, reservation = id, blocks, "reserved");
         Ok(Response::new(ReserveResponse {
             target: Some(KvTarget {
@@ -136,16 +138,21 @@ impl Decode for DecodeService {
         let node = self.node_id.clone();
         let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |ev| match ev {
             Event::Delta(p) => Ok(DecodeEvent {
-                event: Some(decode_event::Event::Delta(Delta { text: p.text, token_ids: p.tokens })),
-            }),
-            Event::Finished { reason, completion_tokens, queue_ms, prefill_ms } => Ok(DecodeEvent {
-                event: Some(decode_event::Event::Finished(DecodeFinished {
-                    reason: finish_reason(reason) as i32,
-                    completion_tokens,
-                    queue_ms,
-                    prefill_ms,
+                event: Some(decode_event::Event::Delta(Delta {
+                    text: p.text,
+                    token_ids: p.tokens,
                 })),
             }),
+            Event::Finished { reason, completion_tokens, queue_ms, prefill_ms } => {
+                Ok(DecodeEvent {
+                    event: Some(decode_event::Event::Finished(DecodeFinished {
+                        reason: finish_reason(reason) as i32,
+                        completion_tokens,
+                        queue_ms,
+                        prefill_ms,
+                    })),
+                })
+            }
             Event::Failed(e) => Err(to_status(&e, &node)),
         });
         Ok(Response::new(Box::pin(stream)))
@@ -160,9 +167,14 @@ impl Decode for DecodeService {
             Some(KvChunk { chunk: Some(Chunk::Header(h)) }) => h,
             _ => return Err(Status::invalid_argument("a KV stream starts with a header")),
         };
-        let from = if header.prefill_node.is_empty() { "a prefill node".into() } else { header.prefill_node.clone() };
-        pdmesh_kv_transfer::check_layout(&self.layout, header.layout.as_ref(), &from)
-            .map_err(|s| Status::new(s.code(), format!("node {}: {}", self.node_id, s.message())))?;
+        let from = if header.prefill_node.is_empty() {
+            "a prefill node".into()
+        } else {
+            header.prefill_node.clone()
+        };
+        pdmesh_kv_transfer::check_layout(&self.layout, header.layout.as_ref(), &from).map_err(
+            |s| Status::new(s.code(), format!("node {}: {}", self.node_id, s.message())),
+        )?;
         let id = self.parse_id(&header.reservation_id)?;
         let f = from.clone();
         self.call(|reply| Command::KvBegin { id, from: f, reply }).await?;
@@ -175,7 +187,8 @@ impl Decode for DecodeService {
             let msg = match s.message().await {
                 Ok(Some(m)) => m,
                 Ok(None) => {
-                    let _ = self.tx.send(abort("the stream ended before the end marker".into())).await;
+                    let _ =
+                        self.tx.send(abort("the stream ended before the end marker".into())).await;
                     return Err(Status::invalid_argument("KV stream ended without an end marker"));
                 }
                 Err(st) => {
@@ -186,7 +199,8 @@ impl Decode for DecodeService {
             match msg.chunk {
                 Some(Chunk::Blocks(b)) => {
                     bytes += b.data.len() as u64;
-                    let cmd = Command::KvWrite { id, first_block: b.first_block as usize, data: b.data };
+                    let cmd =
+                        Command::KvWrite { id, first_block: b.first_block as usize, data: b.data };
                     self.tx.send(cmd).await.map_err(|_| self.status(&DecodeError::ShuttingDown))?;
                 }
                 Some(Chunk::End(e)) => {

@@ -50,17 +50,12 @@ impl TextStream {
         let text: String = self.held.drain(..send).collect();
         // Tokens are reported with the text they produced; while text is held back (or a
         // character is incomplete) they wait for it.
-        let tokens = if keep == 0 && !new.is_empty() || keep == 0 && self.decoder_is_clear() {
+        let tokens = if keep == 0 && !self.decoder.has_pending() {
             std::mem::take(&mut self.tokens)
         } else {
             Vec::new()
         };
         Pushed::Text(Piece { text, tokens })
-    }
-
-    fn decoder_is_clear(&self) -> bool {
-        // A decoder with no pending bytes finishes with an empty string.
-        self.decoder.clone().finish().is_empty()
     }
 
     /// Length of the longest suffix of `held` that is a proper prefix of some stop string.

@@ -21,13 +21,41 @@ pub type Reply<T> = oneshot::Sender<Result<T, DecodeError>>;
 
 #[derive(Debug)]
 pub enum Command {
-    Reserve { prompt_len: usize, max_tokens: usize, lease: Option<Duration>, reply: Reply<(u64, usize, Duration)> },
-    Release { id: u64, reply: oneshot::Sender<bool> },
-    KvBegin { id: u64, from: String, reply: Reply<()> },
-    KvWrite { id: u64, first_block: usize, data: Bytes },
-    KvEnd { id: u64, blocks: usize, reply: Reply<()> },
-    KvAbort { id: u64, why: DecodeError },
-    Attach { id: u64, attach: Box<Attach>, out: ChannelOutput, reply: Reply<()> },
+    Reserve {
+        prompt_len: usize,
+        max_tokens: usize,
+        lease: Option<Duration>,
+        reply: Reply<(u64, usize, Duration)>,
+    },
+    Release {
+        id: u64,
+        reply: oneshot::Sender<bool>,
+    },
+    KvBegin {
+        id: u64,
+        from: String,
+        reply: Reply<()>,
+    },
+    KvWrite {
+        id: u64,
+        first_block: usize,
+        data: Bytes,
+    },
+    KvEnd {
+        id: u64,
+        blocks: usize,
+        reply: Reply<()>,
+    },
+    KvAbort {
+        id: u64,
+        why: DecodeError,
+    },
+    Attach {
+        id: u64,
+        attach: Box<Attach>,
+        out: ChannelOutput,
+        reply: Reply<()>,
+    },
 }
 
 /// Output into a tokio channel sized so that `try_send` never finds it full (a request emits
@@ -75,7 +103,8 @@ pub fn run(
             if !open && core.counts().reserved + core.counts().transferring == 0 {
                 break;
             }
-            let wait = next_lease.map_or(IDLE_TICK, |d| d.saturating_duration_since(now)).min(IDLE_TICK);
+            let wait =
+                next_lease.map_or(IDLE_TICK, |d| d.saturating_duration_since(now)).min(IDLE_TICK);
             if open {
                 match rt.block_on(async { tokio::time::timeout(wait, rx.recv()).await }) {
                     Ok(Some(cmd)) => handle(&mut core, cmd, &mut sources),
@@ -102,7 +131,11 @@ pub fn run(
     }
 }
 
-fn handle(core: &mut DecodeCore, cmd: Command, sources: &mut std::collections::HashMap<u64, String>) {
+fn handle(
+    core: &mut DecodeCore,
+    cmd: Command,
+    sources: &mut std::collections::HashMap<u64, String>,
+) {
     let now = Instant::now();
     match cmd {
         Command::Reserve { prompt_len, max_tokens, lease, reply } => {
@@ -132,7 +165,9 @@ fn handle(core: &mut DecodeCore, cmd: Command, sources: &mut std::collections::H
         Command::KvAbort { id, why } => {
             let from = sources.remove(&id).unwrap_or_default();
             let why = match why {
-                DecodeError::TransferBroken { why, .. } => DecodeError::TransferBroken { from, why },
+                DecodeError::TransferBroken { why, .. } => {
+                    DecodeError::TransferBroken { from, why }
+                }
                 other => other,
             };
             core.kv_abort(id, why);

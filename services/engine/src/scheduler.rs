@@ -188,7 +188,10 @@ mod tests {
         s.add(2, 20).unwrap();
         let p = s.plan();
         assert_eq!(p[0], Scheduled { id: 1, work: Work::Decode });
-        assert_eq!(p[1], Scheduled { id: 2, work: Work::Prefill { offset: 0, len: 7, last: false } });
+        assert_eq!(
+            p[1],
+            Scheduled { id: 2, work: Work::Prefill { offset: 0, len: 7, last: false } }
+        );
         assert_eq!(s.add_prefilled(1, 3), Err(ScheduleError::Duplicate(1)));
     }
 

@@ -318,6 +318,11 @@ impl StreamDecoder {
         }
     }
 
+    /// Whether bytes of an unfinished character are held back.
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Flushes whatever is held back at the end of the stream (an unfinished character becomes
     /// U+FFFD).
     pub fn finish(&mut self) -> String {

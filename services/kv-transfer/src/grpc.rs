@@ -101,7 +101,9 @@ impl GrpcSink {
         match call.await {
             Ok(Ok(bytes)) => Ok(bytes),
             Ok(Err(status)) => Err(classify(&self.node, status)),
-            Err(e) => Err(TransferError::Unreachable { node: self.node.clone(), reason: e.to_string() }),
+            Err(e) => {
+                Err(TransferError::Unreachable { node: self.node.clone(), reason: e.to_string() })
+            }
         }
     }
 }
@@ -109,10 +111,9 @@ impl GrpcSink {
 fn classify(node: &str, status: tonic::Status) -> TransferError {
     use tonic::Code;
     match status.code() {
-        Code::Unavailable | Code::Unknown | Code::Cancelled => TransferError::Unreachable {
-            node: node.into(),
-            reason: status.message().to_string(),
-        },
+        Code::Unavailable | Code::Unknown | Code::Cancelled => {
+            TransferError::Unreachable { node: node.into(), reason: status.message().to_string() }
+        }
         _ => TransferError::Refused { node: node.into(), status },
     }
 }

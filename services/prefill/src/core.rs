@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use pdmesh_engine::{Engine, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work};
+use pdmesh_engine::{
+    Engine, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
+};
 
 use crate::error::PrefillError;
 
@@ -75,7 +77,12 @@ impl std::fmt::Debug for PrefillCore {
 }
 
 impl PrefillCore {
-    pub fn new(engine: Engine, max_running: usize, max_queued: usize, blocks_per_message: usize) -> Self {
+    pub fn new(
+        engine: Engine,
+        max_running: usize,
+        max_queued: usize,
+        blocks_per_message: usize,
+    ) -> Self {
         let model = Arc::clone(engine.model());
         let sched = Scheduler::new(engine.config().max_batch_tokens, max_running);
         Self {
@@ -97,7 +104,12 @@ impl PrefillCore {
     }
 
     /// Queues a prompt. Checked here so a bad job never reaches a step.
-    pub fn submit(&mut self, job: Job, out: Box<dyn JobOutput>, now: Instant) -> Result<u64, PrefillError> {
+    pub fn submit(
+        &mut self,
+        job: Job,
+        out: Box<dyn JobOutput>,
+        now: Instant,
+    ) -> Result<u64, PrefillError> {
         let ctx = self.engine.max_seq_len();
         if job.prompt.is_empty() {
             return Err(PrefillError::Invalid("prompt is empty".into()));
@@ -179,6 +191,7 @@ impl PrefillCore {
     pub fn step(&mut self, now: Instant) {
         self.admit();
         let plan = self.sched.plan();
+        tracing::debug!(?plan, "prefill step");
         if plan.is_empty() {
             return;
         }
@@ -191,7 +204,9 @@ impl PrefillCore {
             .map(|s| {
                 let a = &self.jobs[&s.id];
                 let Work::Prefill { offset, len, last } = s.work else {
-                    unreachable!("prefill jobs never decode: they leave the scheduler at their last chunk")
+                    unreachable!(
+                        "prefill jobs never decode: they leave the scheduler at their last chunk"
+                    )
                 };
                 StepItem::prefill(
                     a.seq.expect("scheduled jobs have sequences"),
@@ -235,7 +250,8 @@ impl PrefillCore {
                 for i in a.sent_blocks..a.sent_blocks + n {
                     self.engine.read_block(seq, i, &mut buf).expect("blocks of a live sequence");
                 }
-                ok = a.out.send(Out::Blocks { first_block: a.sent_blocks as u32, data: buf.into() });
+                ok =
+                    a.out.send(Out::Blocks { first_block: a.sent_blocks as u32, data: buf.into() });
                 a.sent_blocks += n;
             }
             if let (true, Some(row)) = (ok && last, row) {

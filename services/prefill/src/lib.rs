@@ -42,7 +42,8 @@ pub async fn run(
     .await
     .map_err(|e| PrefillError::Invalid(format!("loading the engine: {e}")))??;
     let layout = pdmesh_kv_transfer::layout_of(&engine);
-    let core = PrefillCore::new(engine, config.max_running, config.max_queued, config.blocks_per_message);
+    let core =
+        PrefillCore::new(engine, config.max_running, config.max_queued, config.blocks_per_message);
     let counts = Arc::new(Mutex::new(core.counts()));
     let (tx, rx) = tokio::sync::mpsc::channel(worker::COMMAND_QUEUE);
     let rt = tokio::runtime::Handle::current();

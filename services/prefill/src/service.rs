@@ -87,9 +87,10 @@ impl Prefill for PrefillService {
                 r.prompt.len()
             )));
         }
-        let mut sink: Box<dyn KvSink> = self.transport.open(&target, &node).await.map_err(Status::from)?;
+        let mut sink: Box<dyn KvSink> =
+            self.transport.open(&target, &node).await.map_err(Status::from)?;
 
-        let (out, mut produced) = ChannelOutput::channel(blocks);
+        let (out, mut block_rx, mut done_rx) = ChannelOutput::channel(blocks);
         let (reply, accepted) = oneshot::channel();
         let job = Job { prompt: r.prompt, sampling, rng_position };
         let closed = || to_status(&PrefillError::ShuttingDown, &node);
@@ -103,43 +104,60 @@ impl Prefill for PrefillService {
         let request_id = r.request_id;
         tokio::spawn(async move {
             let relay = async {
-                let mut computed = None;
-                while let Some(o) = produced.recv().await {
-                    match o {
-                        Out::Blocks { first_block, data } => {
+                // Blocks go out as the engine produces them; the first token is reported as
+                // soon as it exists, while the last blocks may still be in flight.
+                let push = async {
+                    while let Some(o) = block_rx.recv().await {
+                        if let Out::Blocks { first_block, data } = o {
                             if !delay.is_zero() {
                                 tokio::time::sleep(delay).await;
                             }
                             sink.send(first_block, data).await.map_err(Status::from)?;
                         }
-                        Out::Computed { first_token, rng_position, queue_ms, prefill_ms, blocks } => {
+                    }
+                    Ok::<_, Status>(())
+                };
+                let computed = async {
+                    match done_rx.recv().await {
+                        Some(Out::Computed {
+                            first_token,
+                            rng_position,
+                            queue_ms,
+                            prefill_ms,
+                            blocks,
+                        }) => {
+                            let g = Gauge::up(&gauge);
                             let ev = PrefillComputed {
                                 first_token,
                                 rng_position: rng_position_bytes(rng_position),
                                 queue_ms,
                                 prefill_ms,
                             };
-                            let ev = PrefillEvent { event: Some(prefill_event::Event::Computed(ev)) };
-                            if events.send(Ok(ev)).await.is_err() {
-                                return Ok(());
-                            }
-                            computed = Some((Instant::now(), blocks));
+                            let ev =
+                                PrefillEvent { event: Some(prefill_event::Event::Computed(ev)) };
+                            // A closed stream is noticed by the select below.
+                            let _ = events.send(Ok(ev)).await;
+                            Ok((Instant::now(), blocks, g))
                         }
-                        Out::Failed(e) => return Err(to_status(&e, &node)),
+                        Some(Out::Failed(e)) => Err(to_status(&e, &node)),
+                        _ => Err(to_status(&PrefillError::ShuttingDown, &node)),
                     }
-                }
-                let Some((t0, blocks)) = computed else {
-                    return Err(to_status(&PrefillError::ShuttingDown, &node));
                 };
-                let _gauge = Gauge::up(&gauge);
+                let ((), (t0, blocks, _gauge)) = tokio::try_join!(push, computed)?;
                 let bytes = sink.finish(blocks).await.map_err(Status::from)?;
-                let ev = PrefillTransferred { transfer_ms: ms(t0.elapsed()), bytes, transport: transport.into() };
-                let _ = events.send(Ok(PrefillEvent { event: Some(prefill_event::Event::Transferred(ev)) })).await;
+                let ev = PrefillTransferred {
+                    transfer_ms: ms(t0.elapsed()),
+                    bytes,
+                    transport: transport.into(),
+                };
+                let _ = events
+                    .send(Ok(PrefillEvent { event: Some(prefill_event::Event::Transferred(ev)) }))
+                    .await;
                 Ok(())
             };
-            // The caller leaving ends the relay: dropping `produced` stops the engine work and
-            // dropping the sink aborts the transfer.
-            let result = tokio::select! {
+            // The caller leaving ends the relay: dropping the receivers stops the engine work
+            // and dropping the sink aborts the transfer.
+            let result: Result<(), Status> = tokio::select! {
                 r = relay => r,
                 () = events.closed() => {
                     tracing::info!(request = request_id, "caller went away; prefill aborted");

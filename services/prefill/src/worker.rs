@@ -19,21 +19,30 @@ pub struct Submit {
     pub reply: oneshot::Sender<Result<u64, PrefillError>>,
 }
 
-/// A prompt's output channel, sized to hold everything it can produce (every block message
-/// and the first token), so the engine thread never waits on a slow transport.
+/// A prompt's output: blocks go to one channel, sized to hold every block message so the
+/// engine thread never waits on a slow transport; the first token (or the failure) to another,
+/// so the caller learns of it at once even while blocks are still being sent.
 #[derive(Debug)]
-pub struct ChannelOutput(pub mpsc::Sender<Out>);
+pub struct ChannelOutput {
+    blocks: mpsc::Sender<Out>,
+    done: mpsc::Sender<Out>,
+}
 
 impl ChannelOutput {
-    pub fn channel(blocks: usize) -> (Self, mpsc::Receiver<Out>) {
-        let (tx, rx) = mpsc::channel(blocks + 4);
-        (Self(tx), rx)
+    pub fn channel(blocks: usize) -> (Self, mpsc::Receiver<Out>, mpsc::Receiver<Out>) {
+        let (btx, brx) = mpsc::channel(blocks + 1);
+        let (dtx, drx) = mpsc::channel(1);
+        (Self { blocks: btx, done: dtx }, brx, drx)
     }
 }
 
 impl JobOutput for ChannelOutput {
     fn send(&mut self, out: Out) -> bool {
-        match self.0.try_send(out) {
+        let tx = match out {
+            Out::Blocks { .. } => &self.blocks,
+            Out::Computed { .. } | Out::Failed(_) => &self.done,
+        };
+        match tx.try_send(out) {
             Ok(()) => true,
             Err(mpsc::error::TrySendError::Closed(_)) => false,
             Err(mpsc::error::TrySendError::Full(_)) => {
@@ -43,7 +52,7 @@ impl JobOutput for ChannelOutput {
         }
     }
     fn is_closed(&self) -> bool {
-        self.0.is_closed()
+        self.done.is_closed()
     }
 }
 

@@ -46,19 +46,24 @@ pub fn place(
     exclude: &[String],
 ) -> Result<Placement, PlaceError> {
     let usable = |n: &&Node| !exclude.contains(&n.id);
-    let decodes: Vec<&Node> = decode.iter().filter(|n| n.role == Role::Decode).filter(usable).collect();
+    let decodes: Vec<&Node> =
+        decode.iter().filter(|n| n.role == Role::Decode).filter(usable).collect();
     if decodes.is_empty() {
         return Err(PlaceError::NoDecodeNode);
     }
     // Among decode nodes with room, the least busy relative to its size; ties by free blocks.
-    let fits: Vec<&&Node> = decodes.iter().filter(|n| free_blocks(n) >= blocks_needed(n, ask)).collect();
+    let fits: Vec<&&Node> =
+        decodes.iter().filter(|n| free_blocks(n) >= blocks_needed(n, ask)).collect();
     let Some(d) = fits.into_iter().min_by(|a, b| {
         let score = |n: &Node| {
             let running = f64::from(n.load.running + n.load.queued + n.assigned);
             let used = 1.0 - free_blocks(n) as f64 / f64::from(n.load.total_blocks.max(1));
             running + used
         };
-        score(a).total_cmp(&score(b)).then(free_blocks(b).cmp(&free_blocks(a))).then(a.id.cmp(&b.id))
+        score(a)
+            .total_cmp(&score(b))
+            .then(free_blocks(b).cmp(&free_blocks(a)))
+            .then(a.id.cmp(&b.id))
     }) else {
         let need = decodes.iter().map(|n| blocks_needed(n, ask)).min().unwrap_or(0);
         let best = decodes.iter().map(|n| free_blocks(n)).max().unwrap_or(0);
@@ -104,7 +109,11 @@ mod tests {
 
     #[test]
     fn picks_least_loaded_nodes_with_room() {
-        let d = [node("d1", Role::Decode, 100, 5), node("d2", Role::Decode, 100, 1), node("d3", Role::Decode, 1, 0)];
+        let d = [
+            node("d1", Role::Decode, 100, 5),
+            node("d2", Role::Decode, 100, 1),
+            node("d3", Role::Decode, 1, 0),
+        ];
         let p = [node("p1", Role::Prefill, 100, 3), node("p2", Role::Prefill, 100, 0)];
         let got = place(&p, &d, &ask(100), &[]).unwrap();
         assert_eq!(got, Placement { decode: "d2".into(), prefill: Some("p2".into()) });
@@ -136,13 +145,19 @@ mod tests {
         let p = [node("p1", Role::Prefill, 100, 0), node("p2", Role::Prefill, 100, 9)];
         let got = place(&p, &d, &ask(10), &["d1".into(), "p1".into()]).unwrap();
         assert_eq!(got, Placement { decode: "d2".into(), prefill: Some("p2".into()) });
-        assert_eq!(place(&p, &d, &ask(10), &["d1".into(), "d2".into()]), Err(PlaceError::NoDecodeNode));
+        assert_eq!(
+            place(&p, &d, &ask(10), &["d1".into(), "d2".into()]),
+            Err(PlaceError::NoDecodeNode)
+        );
     }
 
     #[test]
     fn no_room_anywhere_is_capacity_exhausted() {
         let d = [node("d1", Role::Decode, 3, 0)];
-        assert_eq!(place(&[], &d, &ask(100), &[]), Err(PlaceError::NoCapacity { need: 8, best: 3 }));
+        assert_eq!(
+            place(&[], &d, &ask(100), &[]),
+            Err(PlaceError::NoCapacity { need: 8, best: 3 })
+        );
         assert_eq!(place(&[], &[], &ask(1), &[]), Err(PlaceError::NoDecodeNode));
     }
 }

@@ -35,7 +35,15 @@ impl Registry {
     }
 
     /// Adds or replaces a node; it takes traffic at once.
-    pub fn register(&mut self, id: &str, role: Role, address: &str, layout: KvLayout, load: NodeLoad, now: Instant) {
+    pub fn register(
+        &mut self,
+        id: &str,
+        role: Role,
+        address: &str,
+        layout: KvLayout,
+        load: NodeLoad,
+        now: Instant,
+    ) {
         let assigned = self.nodes.get(id).map_or(0, |n| n.assigned);
         self.nodes.insert(
             id.to_string(),
@@ -144,7 +152,14 @@ mod tests {
         assert!(r.expire(t0 + Duration::from_millis(2500)).is_empty());
         assert_eq!(r.expire(t0 + Duration::from_millis(3100)), vec!["d1".to_string()]);
         assert!(!r.heartbeat("d1", load(), t0 + Duration::from_secs(4)), "dropped node known");
-        r.register("d2", Role::Decode, "a:2", KvLayout::default(), load(), t0 + Duration::from_secs(4));
+        r.register(
+            "d2",
+            Role::Decode,
+            "a:2",
+            KvLayout::default(),
+            load(),
+            t0 + Duration::from_secs(4),
+        );
         assert_eq!(r.live(Role::Decode, t0 + Duration::from_secs(4))[0].id, "d2");
         assert!(r.live(Role::Prefill, t0).is_empty());
     }

@@ -12,9 +12,9 @@ use pdmesh_common::status::{exhausted, from_peer};
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{
-    DecodeRequest, Delta, FinishReason, Finished, GenerateResponse, PrefillRequest,
-    ReleaseRequest, ReserveRequest, Started, Timings, Usage, decode_event, decode_request,
-    generate_response, prefill_event,
+    DecodeRequest, Delta, FinishReason, Finished, GenerateResponse, PrefillRequest, ReleaseRequest,
+    ReserveRequest, Started, Timings, Usage, decode_event, decode_request, generate_response,
+    prefill_event,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -65,7 +65,8 @@ struct Failure {
 impl Failure {
     fn from_node(node: &str, s: &Status, first_sent: bool) -> Self {
         let status = from_peer(node, s);
-        let retry = !first_sent && matches!(status.code(), Code::Unavailable | Code::ResourceExhausted);
+        let retry =
+            !first_sent && matches!(status.code(), Code::Unavailable | Code::ResourceExhausted);
         Self { status, node: Some(node.to_string()), retry }
     }
 }
@@ -91,7 +92,12 @@ pub async fn run(
     if out.send(Ok(msg)).await.is_err() {
         return;
     }
-    let state = Mutex::new(State { phase: Phase::Queued, node: String::new(), first_sent: false, timings: Timings::default() });
+    let state = Mutex::new(State {
+        phase: Phase::Queued,
+        node: String::new(),
+        first_sent: false,
+        timings: Timings::default(),
+    });
     let attempts = async {
         let mut exclude: Vec<String> = Vec::new();
         let mut attempt = 1u32;
@@ -110,11 +116,22 @@ pub async fn run(
                     if !again {
                         return Err(f.status);
                     }
-                    tracing::warn!(request = id, "attempt {attempt} failed ({}); retrying on other nodes", f.status.message());
+                    tracing::warn!(
+                        request = id,
+                        "attempt {attempt} failed ({}); retrying on other nodes",
+                        f.status.message()
+                    );
                     exclude.extend(failed);
                     // Only retry when some other node can take it.
                     let ask = ask_of(&mesh, &prep);
-                    if place(&mesh.live(pdmesh_proto::v1::Role::Prefill), &mesh.live(pdmesh_proto::v1::Role::Decode), &ask, &exclude).is_err() {
+                    if place(
+                        &mesh.live(pdmesh_proto::v1::Role::Prefill),
+                        &mesh.live(pdmesh_proto::v1::Role::Decode),
+                        &ask,
+                        &exclude,
+                    )
+                    .is_err()
+                    {
                         return Err(f.status);
                     }
                     attempt += 1;
@@ -213,15 +230,16 @@ async fn one_attempt(
     use pdmesh_proto::v1::Role;
     let cfg = &mesh.config;
     let ask = ask_of(mesh, prep);
-    let placement = place(&mesh.live(Role::Prefill), &mesh.live(Role::Decode), &ask, exclude).map_err(|e| {
-        let status = match e {
-            PlaceError::NoDecodeNode => Status::unavailable(e.to_string()),
-            PlaceError::NoCapacity { .. } => {
-                exhausted(e.to_string(), Duration::from_millis(cfg.retry_after_ms))
-            }
-        };
-        Failure { status, node: None, retry: false }
-    })?;
+    let placement = place(&mesh.live(Role::Prefill), &mesh.live(Role::Decode), &ask, exclude)
+        .map_err(|e| {
+            let status = match e {
+                PlaceError::NoDecodeNode => Status::unavailable(e.to_string()),
+                PlaceError::NoCapacity { .. } => {
+                    exhausted(e.to_string(), Duration::from_millis(cfg.retry_after_ms))
+                }
+            };
+            Failure { status, node: None, retry: false }
+        })?;
     let decode = mesh.node(&placement.decode).ok_or_else(|| Failure {
         status: Status::unavailable(format!("node {} left the mesh", placement.decode)),
         node: None,
@@ -245,7 +263,9 @@ async fn one_attempt(
     }
     let _assigned = Assigned {
         mesh,
-        nodes: std::iter::once(decode.id.clone()).chain(prefill.iter().map(|p| p.id.clone())).collect(),
+        nodes: std::iter::once(decode.id.clone())
+            .chain(prefill.iter().map(|p| p.id.clone()))
+            .collect(),
     };
     let first_sent = || state.lock().expect("state lock").first_sent;
     let dfail = |s: &Status| Failure::from_node(&decode.id, s, first_sent());
@@ -271,14 +291,18 @@ async fn one_attempt(
         max_tokens: prep.max_tokens as u32,
         lease_ms: cfg.lease_ms,
     };
-    let target = tokio::time::timeout_at(call_until.into(), dclient.reserve(with_timeout(reserve, call_until)))
-        .await
-        .map_err(|_| dfail(&Status::unavailable("no answer to Reserve in time")))?
-        .map_err(|s| dfail(&s))?
-        .into_inner()
-        .target
-        .ok_or_else(|| dfail(&Status::internal("Reserve answered without a target")))?;
-    let mut reservation = Reservation { client: dclient.clone(), id: target.reservation_id.clone(), armed: true };
+    let target = tokio::time::timeout_at(
+        call_until.into(),
+        dclient.reserve(with_timeout(reserve, call_until)),
+    )
+    .await
+    .map_err(|_| dfail(&Status::unavailable("no answer to Reserve in time")))?
+    .map_err(|s| dfail(&s))?
+    .into_inner()
+    .target
+    .ok_or_else(|| dfail(&Status::internal("Reserve answered without a target")))?;
+    let mut reservation =
+        Reservation { client: dclient.clone(), id: target.reservation_id.clone(), armed: true };
 
     let sampler = |pos| Some(sampler_state(&prep.sampling, pos));
     let start = if let Some(p) = &prefill {
@@ -297,15 +321,18 @@ async fn one_attempt(
             target: Some(target.clone()),
         };
         let queued_at_router = t0.elapsed();
-        let mut events: Streaming<_> = pclient
-            .prefill(with_timeout(req, deadline))
-            .await
-            .map_err(|s| pfail(&s))?
-            .into_inner();
+        let mut events: Streaming<_> =
+            pclient.prefill(with_timeout(req, deadline)).await.map_err(|s| pfail(&s))?.into_inner();
         // Until the first token: bounded by the request deadline (the caller's select).
         let computed = match events.message().await.map_err(|s| pfail(&s))? {
-            Some(pdmesh_proto::v1::PrefillEvent { event: Some(prefill_event::Event::Computed(c)) }) => c,
-            _ => return Err(pfail(&Status::unavailable("prefill stream ended before the first token"))),
+            Some(pdmesh_proto::v1::PrefillEvent {
+                event: Some(prefill_event::Event::Computed(c)),
+            }) => c,
+            _ => {
+                return Err(pfail(&Status::unavailable(
+                    "prefill stream ended before the first token",
+                )));
+            }
         };
         {
             let mut s = state.lock().expect("state lock");
@@ -319,15 +346,22 @@ async fn one_attempt(
             .map_err(|_| pfail(&Status::unavailable("KV transfer did not complete in time")))?
             .map_err(|s| pfail(&s))?;
         match transferred {
-            Some(pdmesh_proto::v1::PrefillEvent { event: Some(prefill_event::Event::Transferred(t)) }) => {
+            Some(pdmesh_proto::v1::PrefillEvent {
+                event: Some(prefill_event::Event::Transferred(t)),
+            }) => {
                 let mut s = state.lock().expect("state lock");
                 s.timings.transfer_ms = t.transfer_ms;
                 s.timings.kv_bytes = t.bytes;
                 s.timings.kv_transport = t.transport;
             }
-            _ => return Err(pfail(&Status::unavailable("prefill stream ended before the KV was complete"))),
+            _ => {
+                return Err(pfail(&Status::unavailable(
+                    "prefill stream ended before the KV was complete",
+                )));
+            }
         }
-        let pos = pdmesh_common::convert::rng_position(&computed.rng_position).map_err(|s| pfail(&s))?;
+        let pos =
+            pdmesh_common::convert::rng_position(&computed.rng_position).map_err(|s| pfail(&s))?;
         (decode_request::Start::FirstToken(computed.first_token), pos)
     } else {
         let mut s = state.lock().expect("state lock");
@@ -351,7 +385,8 @@ async fn one_attempt(
         ignore_eos: prep.ignore_eos,
         start: Some(start.0),
     };
-    let mut stream = dclient.decode(with_timeout(req, deadline)).await.map_err(|s| dfail(&s))?.into_inner();
+    let mut stream =
+        dclient.decode(with_timeout(req, deadline)).await.map_err(|s| dfail(&s))?.into_inner();
     // The stream owns the reservation now: dropping it cancels the request on the node.
     reservation.armed = false;
     let stall = Duration::from_millis(cfg.stall_timeout_ms);
@@ -372,7 +407,9 @@ async fn one_attempt(
                         s.timings.ttft_ms = ms(t0.elapsed());
                     }
                 }
-                let msg = GenerateResponse { event: Some(generate_response::Event::Delta(Delta { text, token_ids })) };
+                let msg = GenerateResponse {
+                    event: Some(generate_response::Event::Delta(Delta { text, token_ids })),
+                };
                 if out.send(Ok(msg)).await.is_err() {
                     return Ok(());
                 }
@@ -399,7 +436,11 @@ async fn one_attempt(
                     }),
                     timings: Some(timings),
                 };
-                let _ = out.send(Ok(GenerateResponse { event: Some(generate_response::Event::Finished(fin)) })).await;
+                let _ = out
+                    .send(Ok(GenerateResponse {
+                        event: Some(generate_response::Event::Finished(fin)),
+                    }))
+                    .await;
                 return Ok(());
             }
             None => return Err(dfail(&Status::internal("empty decode event"))),

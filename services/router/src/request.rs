@@ -42,7 +42,10 @@ fn chat_text(model: &Model, chat: &Chat) -> Result<String, Invalid> {
 }
 
 /// Token ids for an input (prompt, chat or ids), checked against the vocabulary.
-pub fn tokenize(model: &Model, input: Option<&generate_request::Input>) -> Result<Vec<u32>, Invalid> {
+pub fn tokenize(
+    model: &Model,
+    input: Option<&generate_request::Input>,
+) -> Result<Vec<u32>, Invalid> {
     use generate_request::Input;
     let ids = match input {
         None => return Err("input: set one of prompt, chat or token_ids".into()),
@@ -94,9 +97,12 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
             ctx - prompt.len()
         ));
     }
-    let s = req.sampling.clone().unwrap_or_default();
+    let s = req.sampling.unwrap_or_default();
     if !s.temperature.is_finite() || s.temperature < 0.0 {
-        return Err(format!("sampling.temperature: must be a finite number >= 0, got {}", s.temperature));
+        return Err(format!(
+            "sampling.temperature: must be a finite number >= 0, got {}",
+            s.temperature
+        ));
     }
     let top_p = s.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
@@ -114,7 +120,10 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
     }
     for (i, st) in req.stop.iter().enumerate() {
         if st.is_empty() || st.len() > MAX_STOP_BYTES {
-            return Err(format!("stop[{i}]: must be 1 to {MAX_STOP_BYTES} bytes, got {}", st.len()));
+            return Err(format!(
+                "stop[{i}]: must be 1 to {MAX_STOP_BYTES} bytes, got {}",
+                st.len()
+            ));
         }
     }
     let sampling = SamplingParams {
@@ -126,5 +135,11 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
         seed: s.seed.unwrap_or(0),
         ..SamplingParams::default()
     };
-    Ok(Prepared { prompt, max_tokens, sampling, stop: req.stop.clone(), ignore_eos: req.ignore_eos })
+    Ok(Prepared {
+        prompt,
+        max_tokens,
+        sampling,
+        stop: req.stop.clone(),
+        ignore_eos: req.ignore_eos,
+    })
 }

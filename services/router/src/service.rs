@@ -51,7 +51,8 @@ impl Generation for RouterService {
         let id = if r.request_id.is_empty() {
             pdmesh_common::ids::new_request_id()
         } else {
-            pdmesh_common::ids::check_request_id(&r.request_id).map_err(Status::invalid_argument)?;
+            pdmesh_common::ids::check_request_id(&r.request_id)
+                .map_err(Status::invalid_argument)?;
             r.request_id.clone()
         };
         let model = Arc::clone(&self.mesh.model);
@@ -112,7 +113,10 @@ impl Generation for RouterService {
         }))
     }
 
-    async fn cancel(&self, req: Request<CancelRequest>) -> Result<Response<CancelResponse>, Status> {
+    async fn cancel(
+        &self,
+        req: Request<CancelRequest>,
+    ) -> Result<Response<CancelResponse>, Status> {
         let id = req.into_inner().request_id;
         if self.mesh.cancel(&id) {
             Ok(Response::new(CancelResponse {}))
@@ -154,7 +158,12 @@ impl Membership for RouterService {
             }
             reg.register(&r.node_id, role, &r.address, layout, r.load.unwrap_or_default(), now);
         }
-        tracing::info!(node = r.node_id, role = role.as_str_name(), address = r.address, "node joined");
+        tracing::info!(
+            node = r.node_id,
+            role = role.as_str_name(),
+            address = r.address,
+            "node joined"
+        );
         let cfg = &self.mesh.config;
         Ok(Response::new(RegisterResponse {
             heartbeat_interval_ms: cfg.heartbeat_interval_ms,
@@ -167,7 +176,8 @@ impl Membership for RouterService {
         req: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let r = req.into_inner();
-        let known = self.mesh.registry().heartbeat(&r.node_id, r.load.unwrap_or_default(), Instant::now());
+        let known =
+            self.mesh.registry().heartbeat(&r.node_id, r.load.unwrap_or_default(), Instant::now());
         Ok(Response::new(HeartbeatResponse { known }))
     }
 

@@ -1,0 +1,400 @@
+//! The mesh under cancellation, node loss, lease expiry, membership changes, bad input,
+//! overload and configuration mismatch — each with real processes and the real model. Every
+//! test ends by checking that no KV block is left behind.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use pdmesh_integration::{Cluster, eventually};
+use pdmesh_proto::v1::generation_client::GenerationClient;
+use pdmesh_proto::v1::{
+    CancelRequest, Chat, ChatMessage, FinishReason, Finished, GenerateRequest, GenerateResponse,
+    ReserveRequest, SamplingParams, TokenIds, TokenizeRequest, generate_request, generate_response,
+};
+use tonic::transport::Channel;
+use tonic::{Code, Streaming};
+
+/// Clusters are heavy on two cores: one test at a time in this binary.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A prompt of `n` ordinary token ids.
+fn tokens(n: usize) -> Vec<u32> {
+    (0..n).map(|i| 200 + (i as u32 * 7919) % 30_000).collect()
+}
+
+fn req(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt })),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+async fn start(
+    client: &mut GenerationClient<Channel>,
+    r: GenerateRequest,
+) -> Streaming<GenerateResponse> {
+    client.generate(r).await.unwrap().into_inner()
+}
+
+/// Reads a stream to its end: the deltas' tokens and the finish message, or the error.
+async fn finish(mut s: Streaming<GenerateResponse>) -> Result<(Vec<u32>, Finished), tonic::Status> {
+    let mut toks = Vec::new();
+    loop {
+        match s.message().await? {
+            Some(GenerateResponse { event: Some(generate_response::Event::Delta(d)) }) => {
+                toks.extend(d.token_ids)
+            }
+            Some(GenerateResponse { event: Some(generate_response::Event::Finished(f)) }) => {
+                return Ok((toks, f));
+            }
+            Some(_) => {}
+            None => panic!("stream ended without a finish message"),
+        }
+    }
+}
+
+async fn next_delta(s: &mut Streaming<GenerateResponse>) {
+    loop {
+        match s.message().await.unwrap().unwrap().event.unwrap() {
+            generate_response::Event::Delta(_) => return,
+            generate_response::Event::Finished(f) => panic!("finished early: {f:?}"),
+            generate_response::Event::Started(_) => {}
+        }
+    }
+}
+
+/// Waits until every decode and prefill node of the cluster has all its blocks free.
+async fn all_blocks_free(c: &Cluster) {
+    for i in 0..c.decodes.len() {
+        if !c.decodes[i].is_running_ref() {
+            continue;
+        }
+        eventually(WAIT, &format!("decode-{i} blocks all free"), || async move {
+            let l = c.decode_stats(i).await.load.unwrap();
+            l.free_blocks == l.total_blocks && l.committed_blocks == 0
+        })
+        .await;
+    }
+    for i in 0..c.prefills.len() {
+        if !c.prefills[i].is_running_ref() {
+            continue;
+        }
+        eventually(WAIT, &format!("prefill-{i} blocks all free"), || async move {
+            let l = c.prefill_stats(i).await.load.unwrap();
+            l.free_blocks == l.total_blocks
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellation_in_every_phase_frees_every_block() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        // One prompt at a time, in small chunks (so a second prompt is seen waiting between
+        // them), with KV messages slowed so a transfer outlasts the compute.
+        .prefill_args(&[
+            "--max-running",
+            "1",
+            "--max-batch-tokens",
+            "128",
+            "--fault-transfer-delay-ms",
+            "500",
+        ])
+        .start()
+        .await;
+    let mut client = c.client().await;
+
+    // Queued: B waits behind A on the prefill node (one prompt at a time).
+    let a = start(&mut client, req(tokens(700), 4)).await;
+    eventually(WAIT, "A prefilling", || async { c.prefill_stats(0).await.prefilling == 1 }).await;
+    let b = start(&mut client, req(tokens(300), 4)).await;
+    eventually(WAIT, "B queued", || async { c.prefill_stats(0).await.queued == 1 }).await;
+    drop(b);
+    eventually(WAIT, "B dropped from the queue", || async {
+        let s = c.prefill_stats(0).await;
+        s.queued == 0 && s.cancelled == 1
+    })
+    .await;
+
+    // Prefilling: A is still computing.
+    assert_eq!(c.prefill_stats(0).await.prefilling, 1, "A finished prefill too soon");
+    drop(a);
+    all_blocks_free(&c).await;
+    assert!(c.prefill_stats(0).await.cancelled >= 2);
+
+    // Transferring: compute is done, KV messages are still in flight (slowed by the fault knob).
+    let t = start(&mut client, req(tokens(600), 4)).await;
+    eventually(WAIT, "transfer in flight", || async {
+        c.prefill_stats(0).await.transferring == 1 && c.decode_stats(0).await.transferring == 1
+    })
+    .await;
+    drop(t);
+    all_blocks_free(&c).await;
+
+    // Decoding.
+    let mut d = start(&mut client, req(tokens(20), 400)).await;
+    next_delta(&mut d).await;
+    next_delta(&mut d).await;
+    assert_eq!(c.decode_stats(0).await.decoding, 1);
+    drop(d);
+    all_blocks_free(&c).await;
+    let s = c.decode_stats(0).await;
+    assert_eq!((s.decoding, s.reserved, s.transferring), (0, 0, 0));
+    assert!(s.cancelled >= 2, "decode node counted {} cancellations", s.cancelled);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_prefill_node_is_retried_on_another() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::builder().prefill(2).decode(1).start().await;
+    let mut client = c.client().await;
+    let s = start(&mut client, req(tokens(700), 8)).await;
+    let until = Instant::now() + WAIT;
+    let mut victim = None;
+    while victim.is_none() {
+        assert!(Instant::now() < until, "no prefill node started working");
+        for i in 0..2 {
+            if c.prefill_stats(i).await.prefilling == 1 {
+                victim = Some(i);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let victim = victim.unwrap();
+    c.prefills[victim].kill();
+    let (toks, f) = tokio::time::timeout(WAIT, finish(s)).await.expect("no hang").expect("retried");
+    assert_eq!(toks.len(), 8);
+    let t = f.timings.unwrap();
+    assert_eq!(t.attempts, 2);
+    assert_eq!(t.prefill_node, format!("prefill-{}", 1 - victim));
+    all_blocks_free(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_decode_node_ends_the_stream_with_unavailable() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::builder().prefill(1).decode(1).start().await;
+    let mut client = c.client().await;
+    let mut s = start(&mut client, req(tokens(30), 1000)).await;
+    next_delta(&mut s).await;
+    c.decodes[0].kill();
+    let err = tokio::time::timeout(WAIT, finish(s)).await.expect("the stream hung").unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("decode-0"), "status does not name the node: {err:?}");
+    all_blocks_free(&c).await;
+    // With no decode node left, a new request fails at once with a clear status.
+    c.wait_nodes(1, 0).await;
+    let err = finish(start(&mut client, req(tokens(10), 4)).await).await.unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable);
+    assert!(err.message().contains("no decode node"), "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservation_whose_kv_never_arrives_is_freed_at_lease_expiry() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(0).decode(1).start().await;
+    let mut d = c.decode_client(0).await;
+    let r = ReserveRequest {
+        request_id: "orphan".into(),
+        prompt_tokens: 100,
+        max_tokens: 50,
+        lease_ms: 400,
+    };
+    let target = d.reserve(r).await.unwrap().into_inner().target.unwrap();
+    assert_eq!(target.blocks, 7);
+    let s = c.decode_stats(0).await;
+    assert_eq!((s.reserved, s.load.unwrap().committed_blocks), (1, 10));
+    eventually(WAIT, "lease expiry", || async {
+        let s = c.decode_stats(0).await;
+        s.leases_expired == 1 && s.reserved == 0
+    })
+    .await;
+    all_blocks_free(&c).await;
+    // The expired reservation can no longer be used.
+    let err = d
+        .decode(pdmesh_proto::v1::DecodeRequest {
+            reservation_id: target.reservation_id,
+            prompt: tokens(100),
+            sampler: Some(pdmesh_proto::v1::SamplerState {
+                top_p: 1.0,
+                repetition_penalty: 1.0,
+                ..Default::default()
+            }),
+            max_tokens: 5,
+            start: Some(pdmesh_proto::v1::decode_request::Start::FirstToken(5)),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_nodes_join_and_leave_while_the_router_runs() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::builder().prefill(0).decode(1).start().await;
+    let mut client = c.client().await;
+    // A bigger node registered later: placement prefers it at once.
+    c.add_decode(&["--kv-blocks", "2048"]);
+    c.wait_nodes(0, 2).await;
+    let (_, f) = finish(start(&mut client, req(tokens(10), 4)).await).await.unwrap();
+    assert_eq!(f.timings.unwrap().decode_node, "decode-1");
+    // A stopped node is dropped; traffic goes on.
+    c.decodes[1].stop();
+    c.wait_nodes(0, 1).await;
+    let (_, f) = finish(start(&mut client, req(tokens(10), 4)).await).await.unwrap();
+    assert_eq!(f.timings.unwrap().decode_node, "decode-0");
+    all_blocks_free(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_bad_input_gets_invalid_argument_naming_the_field() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(0).decode(1).start().await;
+    let mut client = c.client().await;
+    let chat = |role: &str| {
+        Some(generate_request::Input::Chat(Chat {
+            messages: vec![ChatMessage { role: role.into(), content: "hi".into() }],
+        }))
+    };
+    let ok = req(tokens(5), 4);
+    let sampling = |s: SamplingParams| GenerateRequest { sampling: Some(s), ..ok.clone() };
+    let cases: Vec<(GenerateRequest, &str)> = vec![
+        (GenerateRequest { input: None, ..ok.clone() }, "input"),
+        (
+            GenerateRequest {
+                input: Some(generate_request::Input::Prompt(String::new())),
+                ..ok.clone()
+            },
+            "prompt",
+        ),
+        (
+            GenerateRequest {
+                input: Some(generate_request::Input::Chat(Chat::default())),
+                ..ok.clone()
+            },
+            "chat.messages",
+        ),
+        (GenerateRequest { input: chat("robot"), ..ok.clone() }, "chat.messages[0].role"),
+        (
+            GenerateRequest {
+                input: Some(generate_request::Input::TokenIds(TokenIds::default())),
+                ..ok.clone()
+            },
+            "token_ids",
+        ),
+        (req(vec![5, 999_999], 4), "token_ids[1]"),
+        (req(tokens(8192), 4), "prompt"),
+        (req(tokens(5), 0), "max_tokens"),
+        (req(tokens(5000), 4000), "max_tokens"),
+        (
+            sampling(SamplingParams { temperature: f32::NAN, ..Default::default() }),
+            "sampling.temperature",
+        ),
+        (
+            sampling(SamplingParams { temperature: -0.5, ..Default::default() }),
+            "sampling.temperature",
+        ),
+        (sampling(SamplingParams { top_p: Some(0.0), ..Default::default() }), "sampling.top_p"),
+        (sampling(SamplingParams { top_p: Some(1.5), ..Default::default() }), "sampling.top_p"),
+        (sampling(SamplingParams { min_p: 2.0, ..Default::default() }), "sampling.min_p"),
+        (
+            sampling(SamplingParams { repetition_penalty: Some(0.0), ..Default::default() }),
+            "sampling.repetition_penalty",
+        ),
+        (GenerateRequest { stop: vec!["ok".into(), String::new()], ..ok.clone() }, "stop[1]"),
+        (GenerateRequest { request_id: "has space".into(), ..ok.clone() }, "request_id"),
+    ];
+    for (r, field) in cases {
+        let err = client.generate(r.clone()).await.map(|_| ()).unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err:?}");
+        assert!(err.message().contains(field), "{field} not named in {:?}", err.message());
+    }
+    let err = client.tokenize(TokenizeRequest { input: None }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    // Nothing above reached a node, and the mesh still serves.
+    let (toks, _) = finish(start(&mut client, ok).await).await.unwrap();
+    assert_eq!(toks.len(), 4);
+    all_blocks_free(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_is_refused_at_once_while_admitted_requests_finish() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder()
+        .prefill(0)
+        .decode(1)
+        .router_args(&["--max-in-flight", "2"])
+        .start()
+        .await;
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let mut client = c.client().await;
+        tasks.push(tokio::spawn(async move {
+            let r = match client.generate(req(tokens(40), 24)).await {
+                Ok(s) => finish(s.into_inner()).await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            (r, Instant::now())
+        }));
+    }
+    let (mut done, mut refused) = (Vec::new(), Vec::new());
+    for t in tasks {
+        match t.await.unwrap() {
+            (Ok(()), at) => done.push(at),
+            (Err(e), at) => {
+                assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+                assert!(e.metadata().get("retry-after-ms").is_some(), "no retry hint: {e:?}");
+                refused.push(at);
+            }
+        }
+    }
+    assert_eq!((done.len(), refused.len()), (2, 18));
+    assert!(
+        refused.iter().max() < done.iter().min(),
+        "a refusal waited for an admitted request to finish"
+    );
+    all_blocks_free(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_layout_mismatch_is_refused() {
+    let _serial = SERIAL.lock().await;
+    let c =
+        Cluster::builder().prefill(1).decode(1).prefill_args(&["--kv-dtype", "f32"]).start().await;
+    let mut client = c.client().await;
+    let err = finish(start(&mut client, req(tokens(40), 4)).await).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("layout") && err.message().contains("dtype"), "{err:?}");
+    all_blocks_free(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deadline_and_cancel_end_requests_and_free_blocks() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(1).decode(1).start().await;
+    let mut client = c.client().await;
+    let mut r = tonic::Request::new(req(tokens(30), 4000));
+    r.set_timeout(Duration::from_millis(1500));
+    let err = finish(client.generate(r).await.unwrap().into_inner()).await.unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    assert!(err.message().contains("decoding"), "{err:?}");
+    all_blocks_free(&c).await;
+
+    let r = GenerateRequest { request_id: "cancel-me".into(), ..req(tokens(30), 4000) };
+    let mut s = start(&mut client, r.clone()).await;
+    next_delta(&mut s).await;
+    let dup = client.generate(r).await.map(|_| ()).unwrap_err();
+    assert_eq!(dup.code(), Code::AlreadyExists);
+    client.cancel(CancelRequest { request_id: "cancel-me".into() }).await.unwrap();
+    let (_, f) = finish(s).await.unwrap();
+    assert_eq!(FinishReason::try_from(f.reason).unwrap(), FinishReason::Cancelled);
+    all_blocks_free(&c).await;
+}
