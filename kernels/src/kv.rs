@@ -164,14 +164,15 @@ impl KvBuffer {
         }
     }
 
-    /// Appends block `block`'s bytes (little-endian elements) to `out`: what a KV transfer sends.
+    /// Appends block `block`'s bytes to `out`: what a KV transfer sends. Elements are in the
+    /// machine's byte order, which is little-endian on every supported target (checked at
+    /// compile time in lib.rs), so the wire format is little-endian.
     pub fn read_block_bytes(&self, block: usize, out: &mut Vec<u8>) {
         let n = self.geometry.block_elems();
         let range = block * n..(block + 1) * n;
-        out.reserve(self.geometry.bytes_per_block());
         match &self.data {
-            KvData::F16(v) => v[range].iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            KvData::F32(v) => v[range].iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            KvData::F16(v) => out.extend_from_slice(bytemuck::cast_slice(&v[range])),
+            KvData::F32(v) => out.extend_from_slice(bytemuck::cast_slice(&v[range])),
         }
     }
 
@@ -188,14 +189,8 @@ impl KvBuffer {
         let n = self.geometry.block_elems();
         let range = block * n..(block + 1) * n;
         match &mut self.data {
-            KvData::F16(v) => v[range]
-                .iter_mut()
-                .zip(data.chunks_exact(2))
-                .for_each(|(x, c)| *x = f16::from_le_bytes([c[0], c[1]])),
-            KvData::F32(v) => v[range]
-                .iter_mut()
-                .zip(data.chunks_exact(4))
-                .for_each(|(x, c)| *x = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            KvData::F16(v) => bytemuck::cast_slice_mut::<f16, u8>(&mut v[range]).copy_from_slice(data),
+            KvData::F32(v) => bytemuck::cast_slice_mut::<f32, u8>(&mut v[range]).copy_from_slice(data),
         }
         Ok(())
     }

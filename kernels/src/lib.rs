@@ -5,6 +5,11 @@
 //! A CUDA backend is planned behind the same trait; nothing here assumes host memory beyond
 //! the CPU backend itself.
 
+// KV blocks travel between machines as raw bytes in the host's order; every target this runs
+// on is little-endian, and a big-endian build would silently exchange garbage.
+#[cfg(target_endian = "big")]
+compile_error!("pdmesh assumes a little-endian target (KV blocks travel as raw bytes)");
+
 pub mod backend;
 pub mod cpu;
 pub mod kv;

@@ -1,4 +1,5 @@
 //! `pdmesh bench engine`: prefill and decode throughput of the local engine, and its memory.
+//! (`pdmesh bench` without a subcommand drives a mesh: see `mesh_bench`.)
 
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -8,6 +9,16 @@ use clap::{Args, Subcommand};
 use pdmesh_engine::{Engine, Logits, SeqId, StepItem};
 
 use crate::args::EngineArgs;
+
+/// `pdmesh bench` drives a running mesh; `pdmesh bench engine` measures the local engine.
+#[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    command: Option<BenchCommand>,
+    #[command(flatten)]
+    mesh: crate::mesh_bench::MeshBenchArgs,
+}
 
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
@@ -42,9 +53,10 @@ pub struct EngineBenchArgs {
     engine: EngineArgs,
 }
 
-pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
-    match cmd {
-        BenchCommand::Engine(a) => engine_bench(a),
+pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+    match a.command {
+        Some(BenchCommand::Engine(e)) => engine_bench(e),
+        None => crate::mesh_bench::run(a.mesh),
     }
 }
 

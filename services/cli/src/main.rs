@@ -5,6 +5,7 @@
 mod args;
 mod bench;
 mod generate;
+mod mesh_bench;
 mod perplexity;
 mod run;
 mod serve;
@@ -46,9 +47,10 @@ enum Command {
     Run(run::RunArgs),
     /// Score a text file: perplexity over non-overlapping windows of --ctx tokens.
     Perplexity(perplexity::PerplexityArgs),
-    /// Benchmarks.
-    #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    /// Drive a running mesh with concurrent or Poisson-arriving requests and report TTFT,
+    /// TPOT, inter-token and end-to-end latency, throughput and goodput; `bench engine`
+    /// measures the local engine instead.
+    Bench(bench::BenchArgs),
     /// Write the logits of every position of a token sequence as raw little-endian f32
     /// (fidelity tooling: compared against llama.cpp by scripts/compare_llamacpp.py).
     #[command(hide = true)]

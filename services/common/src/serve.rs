@@ -42,6 +42,10 @@ pub async fn serve(
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tonic::transport::Server::builder()
         .tcp_nodelay(true)
+        // KV blocks are hundreds of KB each: HTTP/2's default 64 KB window would throttle a
+        // transfer to a round trip per 64 KB.
+        .initial_stream_window_size(Some(8 << 20))
+        .initial_connection_window_size(Some(32 << 20))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         .add_routes(routes)

@@ -1,0 +1,376 @@
+//! `pdmesh bench`: drives a running mesh with N requests of a given prompt and output length,
+//! closed-loop at a fixed concurrency or open-loop with Poisson arrivals, optionally alongside
+//! K steady long-running streams (the mixed load under which disaggregation matters). Reports
+//! time to first token, time per output token, inter-token latency and end-to-end latency
+//! (p50/p90/p99), throughput, and goodput under the given SLOs, as a table or JSON.
+//! `--engine-alone` runs the same requests on one in-process engine, one at a time: the
+//! reference the mesh's overhead is measured against.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use pdmesh_proto::v1::generation_client::GenerationClient;
+use pdmesh_proto::v1::{GenerateRequest, TokenIds, generate_request, generate_response};
+use rand::{Rng, SeedableRng};
+use tonic::transport::Channel;
+
+use crate::args::EngineArgs;
+
+#[derive(Debug, Args)]
+pub struct MeshBenchArgs {
+    /// The router to drive.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    target: String,
+    /// Requests to send.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Requests in flight at once (closed loop). Ignored with --rate.
+    #[arg(long, default_value_t = 4)]
+    concurrency: usize,
+    /// Poisson arrivals at this many requests per second (open loop) instead of --concurrency.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Prompt length of each request, in tokens.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens each request generates (end-of-turn is ignored so lengths are exact).
+    #[arg(long, default_value_t = 64)]
+    max_tokens: u32,
+    /// Steady streams running alongside the requests (short prompt, --stream-tokens each),
+    /// started first; their inter-token latency is reported separately.
+    #[arg(long, default_value_t = 0)]
+    streams: usize,
+    /// Tokens each steady stream generates.
+    #[arg(long, default_value_t = 256)]
+    stream_tokens: u32,
+    /// Time-to-first-token SLO for goodput, in ms.
+    #[arg(long, default_value_t = 2000.0)]
+    ttft_slo_ms: f64,
+    /// Time-per-output-token SLO for goodput, in ms.
+    #[arg(long, default_value_t = 100.0)]
+    tpot_slo_ms: f64,
+    /// Seeds the prompts and the arrival times.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Run the requests one at a time on an engine in this process instead of a mesh.
+    #[arg(long)]
+    engine_alone: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+/// What one request saw.
+#[derive(Debug, Clone, Default)]
+struct Sample {
+    ok: bool,
+    error: Option<String>,
+    ttft_ms: f64,
+    e2e_ms: f64,
+    tokens: usize,
+    /// Gaps between consecutive token arrivals after the first.
+    itl_ms: Vec<f64>,
+}
+
+impl Sample {
+    fn tpot_ms(&self) -> Option<f64> {
+        (self.tokens > 1).then(|| (self.e2e_ms - self.ttft_ms) / (self.tokens - 1) as f64)
+    }
+}
+
+fn prompt(rng: &mut impl Rng, n: usize) -> Vec<u32> {
+    // Ordinary vocabulary ids: no special tokens, nothing the tokenizer treats specially.
+    (0..n).map(|_| rng.random_range(200..40_000)).collect()
+}
+
+async fn one(mut client: GenerationClient<Channel>, ids: Vec<u32>, max_tokens: u32) -> Sample {
+    let req = GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds { ids })),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let mut s = Sample::default();
+    let mut stream = match client.generate(req).await {
+        Ok(r) => r.into_inner(),
+        Err(e) => {
+            s.error = Some(format!("{:?}: {}", e.code(), e.message()));
+            return s;
+        }
+    };
+    let mut last: Option<Instant> = None;
+    loop {
+        match stream.message().await {
+            Ok(Some(m)) => match m.event {
+                Some(generate_response::Event::Delta(d)) if !d.token_ids.is_empty() => {
+                    let now = Instant::now();
+                    match last {
+                        None => s.ttft_ms = ms(now - t0),
+                        Some(l) => {
+                            // A delta carrying several tokens spreads its gap over them.
+                            let per = ms(now - l) / d.token_ids.len() as f64;
+                            s.itl_ms.extend(std::iter::repeat_n(per, d.token_ids.len()));
+                        }
+                    }
+                    s.tokens += d.token_ids.len();
+                    last = Some(now);
+                }
+                Some(generate_response::Event::Finished(_)) => {
+                    s.e2e_ms = ms(t0.elapsed());
+                    s.ok = true;
+                    return s;
+                }
+                _ => {}
+            },
+            Ok(None) => {
+                s.error = Some("stream ended without a finish".into());
+                return s;
+            }
+            Err(e) => {
+                s.error = Some(format!("{:?}: {}", e.code(), e.message()));
+                return s;
+            }
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn percentile(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = (p / 100.0 * (s.len() - 1) as f64).round() as usize;
+    s[rank.min(s.len() - 1)]
+}
+
+fn dist(v: &[f64]) -> serde_json::Value {
+    serde_json::json!({
+        "p50": percentile(v, 50.0), "p90": percentile(v, 90.0), "p99": percentile(v, 99.0),
+        "mean": if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 },
+    })
+}
+
+fn summary(samples: &[Sample], wall_s: f64, ttft_slo: f64, tpot_slo: f64) -> serde_json::Value {
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
+    let ttft: Vec<f64> = ok.iter().map(|s| s.ttft_ms).collect();
+    let tpot: Vec<f64> = ok.iter().filter_map(|s| s.tpot_ms()).collect();
+    let itl: Vec<f64> = ok.iter().flat_map(|s| s.itl_ms.iter().copied()).collect();
+    let e2e: Vec<f64> = ok.iter().map(|s| s.e2e_ms).collect();
+    let tokens: usize = ok.iter().map(|s| s.tokens).sum();
+    let good = ok
+        .iter()
+        .filter(|s| s.ttft_ms <= ttft_slo && s.tpot_ms().is_none_or(|t| t <= tpot_slo))
+        .count();
+    let mut errors: Vec<String> = samples.iter().filter_map(|s| s.error.clone()).collect();
+    errors.dedup();
+    errors.truncate(5);
+    serde_json::json!({
+        "requests": samples.len(),
+        "ok": ok.len(),
+        "failed": samples.len() - ok.len(),
+        "errors": errors,
+        "ttft_ms": dist(&ttft),
+        "tpot_ms": dist(&tpot),
+        "itl_ms": dist(&itl),
+        "e2e_ms": dist(&e2e),
+        "output_tok_s": tokens as f64 / wall_s,
+        "req_s": ok.len() as f64 / wall_s,
+        "goodput_req_s": good as f64 / wall_s,
+        "slo_attainment": if samples.is_empty() { 0.0 } else { good as f64 / samples.len() as f64 },
+    })
+}
+
+pub fn run(a: MeshBenchArgs) -> anyhow::Result<()> {
+    if a.requests == 0 || a.prompt_tokens == 0 || a.max_tokens == 0 {
+        bail!("--requests, --prompt-tokens and --max-tokens must be at least 1");
+    }
+    if a.concurrency == 0 {
+        bail!("--concurrency must be at least 1");
+    }
+    if let Some(r) = a.rate
+        && !(r.is_finite() && r > 0.0)
+    {
+        bail!("--rate must be a positive number of requests per second");
+    }
+    if a.engine_alone {
+        return engine_alone(&a);
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(drive(a))
+}
+
+async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
+    let client = GenerationClient::connect(format!("http://{}", a.target))
+        .await
+        .with_context(|| format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target))?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
+    // Steady streams first, so the requests arrive into a running decode batch.
+    let mut streams = Vec::new();
+    for _ in 0..a.streams {
+        let ids = prompt(&mut rng, 16);
+        streams.push(tokio::spawn(one(client.clone(), ids, a.stream_tokens)));
+    }
+    if a.streams > 0 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let prompts: Vec<Vec<u32>> = (0..a.requests).map(|_| prompt(&mut rng, a.prompt_tokens)).collect();
+    let gaps: Vec<f64> = match a.rate {
+        // Exponential inter-arrival times: a Poisson process.
+        Some(r) => (0..a.requests).map(|_| -(1.0 - rng.random::<f64>()).ln() / r).collect(),
+        None => Vec::new(),
+    };
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let total = a.requests;
+    let t0 = Instant::now();
+    let sem = Arc::new(tokio::sync::Semaphore::new(if a.rate.is_some() { total } else { a.concurrency }));
+    let mut tasks = Vec::new();
+    for (i, ids) in prompts.into_iter().enumerate() {
+        if let Some(g) = gaps.get(i) {
+            tokio::time::sleep(Duration::from_secs_f64(*g)).await;
+        }
+        let permit = Arc::clone(&sem).acquire_owned().await?;
+        let (c, done, max_tokens) = (client.clone(), Arc::clone(&done), a.max_tokens);
+        tasks.push(tokio::spawn(async move {
+            let s = one(c, ids, max_tokens).await;
+            drop(permit);
+            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            eprint!("\r[{n}/{total} requests]");
+            s
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.push(t.await?);
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    eprintln!();
+    let mut stream_samples = Vec::new();
+    for s in streams {
+        stream_samples.push(s.await?);
+    }
+    let stream_wall = t0.elapsed().as_secs_f64() + 0.5;
+    let mut report = serde_json::json!({
+        "target": a.target,
+        "mode": if a.rate.is_some() { "poisson" } else { "closed-loop" },
+        "rate": a.rate,
+        "concurrency": a.concurrency,
+        "prompt_tokens": a.prompt_tokens,
+        "max_tokens": a.max_tokens,
+        "ttft_slo_ms": a.ttft_slo_ms,
+        "tpot_slo_ms": a.tpot_slo_ms,
+        "wall_s": wall,
+        "results": summary(&samples, wall, a.ttft_slo_ms, a.tpot_slo_ms),
+    });
+    if a.streams > 0 {
+        report["streams"] = summary(&stream_samples, stream_wall, f64::INFINITY, a.tpot_slo_ms);
+        let all_tokens: f64 = samples.iter().chain(&stream_samples).filter(|s| s.ok).map(|s| s.tokens as f64).sum();
+        report["total_output_tok_s"] = serde_json::json!(all_tokens / stream_wall);
+    }
+    print_report(&report, a.json);
+    Ok(())
+}
+
+fn engine_alone(a: &MeshBenchArgs) -> anyhow::Result<()> {
+    use pdmesh_engine::{GenerateParams, generate};
+    let mut engine = a.engine.engine()?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
+    let params = GenerateParams { max_tokens: a.max_tokens as usize, ignore_eos: true, ..Default::default() };
+    let t0 = Instant::now();
+    let mut samples = Vec::new();
+    for i in 0..a.requests {
+        let ids = prompt(&mut rng, a.prompt_tokens);
+        let start = Instant::now();
+        let mut s = Sample::default();
+        let mut last: Option<Instant> = None;
+        generate(&mut engine, &ids, &params, |_| {
+            let now = Instant::now();
+            match last {
+                None => s.ttft_ms = ms(now - start),
+                Some(l) => s.itl_ms.push(ms(now - l)),
+            }
+            s.tokens += 1;
+            last = Some(now);
+            true
+        })?;
+        s.e2e_ms = ms(start.elapsed());
+        s.ok = true;
+        samples.push(s);
+        eprint!("\r[{}/{} requests]", i + 1, a.requests);
+    }
+    eprintln!();
+    let wall = t0.elapsed().as_secs_f64();
+    let report = serde_json::json!({
+        "target": "engine-alone",
+        "mode": "sequential",
+        "prompt_tokens": a.prompt_tokens,
+        "max_tokens": a.max_tokens,
+        "ttft_slo_ms": a.ttft_slo_ms,
+        "tpot_slo_ms": a.tpot_slo_ms,
+        "wall_s": wall,
+        "results": summary(&samples, wall, a.ttft_slo_ms, a.tpot_slo_ms),
+    });
+    print_report(&report, a.json);
+    Ok(())
+}
+
+fn print_report(r: &serde_json::Value, json: bool) {
+    if json {
+        println!("{r}");
+        return;
+    }
+    println!(
+        "{} ({}), prompt {} tokens, output {} tokens, {:.1} s",
+        r["target"].as_str().unwrap_or(""),
+        r["mode"].as_str().unwrap_or(""),
+        r["prompt_tokens"],
+        r["max_tokens"],
+        r["wall_s"].as_f64().unwrap_or(0.0)
+    );
+    let rows: Vec<(&str, &serde_json::Value)> =
+        [("requests", &r["results"]), ("streams", &r["streams"])].into_iter().filter(|(_, v)| !v.is_null()).collect();
+    println!("{:<10} {:>8} {:>30} {:>30} {:>30} {:>30}", "", "ok/all", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99", "E2E ms p50/p90/p99");
+    let d = |v: &serde_json::Value| {
+        format!(
+            "{:.1}/{:.1}/{:.1}",
+            v["p50"].as_f64().unwrap_or(f64::NAN),
+            v["p90"].as_f64().unwrap_or(f64::NAN),
+            v["p99"].as_f64().unwrap_or(f64::NAN)
+        )
+    };
+    for (name, v) in &rows {
+        println!(
+            "{:<10} {:>8} {:>30} {:>30} {:>30} {:>30}",
+            name,
+            format!("{}/{}", v["ok"], v["requests"]),
+            d(&v["ttft_ms"]),
+            d(&v["tpot_ms"]),
+            d(&v["itl_ms"]),
+            d(&v["e2e_ms"])
+        );
+    }
+    for (name, v) in &rows {
+        println!(
+            "{name}: {:.1} output tok/s, {:.2} req/s, goodput {:.2} req/s ({:.0}% within SLOs)",
+            v["output_tok_s"].as_f64().unwrap_or(0.0),
+            v["req_s"].as_f64().unwrap_or(0.0),
+            v["goodput_req_s"].as_f64().unwrap_or(0.0),
+            100.0 * v["slo_attainment"].as_f64().unwrap_or(0.0)
+        );
+        if let Some(errs) = v["errors"].as_array().filter(|e| !e.is_empty()) {
+            println!("{name} errors: {errs:?}");
+        }
+    }
+    if let Some(t) = r["total_output_tok_s"].as_f64() {
+        println!("total: {t:.1} output tok/s");
+    }
+}
