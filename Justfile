@@ -13,7 +13,17 @@ default:
 fetch-model:
     ./scripts/fetch-model.sh
 
-# Generate from a prompt with the local engine (chat template applied).
+# Start a whole mesh on this machine (router on 127.0.0.1:50051, 1 prefill + 1 decode node);
+# then `just generate "..."` in another terminal. Ctrl-C stops it.
+up *args="": fetch-model
+    cargo build --release --locked -q -p pdmesh-cli
+    ./target/release/pdmesh up --model {{model}} {{args}}
+
+# Stream a completion from a running mesh.
+generate prompt="Explain in one paragraph why the sky is blue." *args="":
+    cargo run --release --locked -q -p pdmesh-cli -- generate "{{prompt}}" {{args}}
+
+# Generate from a prompt with the local engine (chat template applied), no mesh.
 run prompt="Explain in one paragraph why the sky is blue." *args="": fetch-model
     cargo run --release --locked -q -p pdmesh-cli -- run --model {{model}} --prompt "{{prompt}}" {{args}}
 
@@ -27,7 +37,13 @@ check:
     cargo clippy --workspace --all-targets --locked -- -D warnings
 
 # Every benchmark.
-bench: bench-engine
+bench: bench-engine bench-mesh
+
+# The mesh against the engine alone (TTFT, inter-token latency), and 1 prefill + 1 decode
+# pinned to a core each against one colocated engine under a mixed load, in one run.
+bench-mesh *args="": fetch-model
+    cargo build --release --locked -q -p pdmesh-cli
+    python3 scripts/bench_mesh.py --model {{model}} {{args}}
 
 # Engine speed against llama.cpp on the same GGUF and threads, in one run (ratios printed).
 bench-engine threads="2" *args="": fetch-model _llamacpp

@@ -398,3 +398,44 @@ async fn deadline_and_cancel_end_requests_and_free_blocks() {
     assert_eq!(FinishReason::try_from(f.reason).unwrap(), FinishReason::Cancelled);
     all_blocks_free(&c).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_service_serves_health_and_reflection() {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(1).decode(1).start().await;
+    for (addr, service) in [
+        (&c.router.addr, "pdmesh.v1.Generation"),
+        (&c.router.addr, "pdmesh.v1.Membership"),
+        (&c.prefills[0].addr, "pdmesh.v1.Prefill"),
+        (&c.decodes[0].addr, "pdmesh.v1.Decode"),
+    ] {
+        let ch = Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+        let mut h = HealthClient::new(ch.clone());
+        let r = h.check(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner();
+        assert_eq!(r.status, 1, "{service} on {addr} is not SERVING"); // 1 = SERVING
+        let mut refl = ServerReflectionClient::new(ch);
+        let req = ServerReflectionRequest {
+            host: String::new(),
+            message_request: Some(MessageRequest::ListServices(String::new())),
+        };
+        let mut s =
+            refl.server_reflection_info(tokio_stream::iter([req])).await.unwrap().into_inner();
+        let Some(MessageResponse::ListServicesResponse(list)) =
+            s.message().await.unwrap().unwrap().message_response
+        else {
+            panic!("no service list from {addr}")
+        };
+        let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+        assert!(
+            names.iter().any(|n| n == service),
+            "{service} not listed by reflection: {names:?}"
+        );
+    }
+}

@@ -189,8 +189,12 @@ impl KvBuffer {
         let n = self.geometry.block_elems();
         let range = block * n..(block + 1) * n;
         match &mut self.data {
-            KvData::F16(v) => bytemuck::cast_slice_mut::<f16, u8>(&mut v[range]).copy_from_slice(data),
-            KvData::F32(v) => bytemuck::cast_slice_mut::<f32, u8>(&mut v[range]).copy_from_slice(data),
+            KvData::F16(v) => {
+                bytemuck::cast_slice_mut::<f16, u8>(&mut v[range]).copy_from_slice(data)
+            }
+            KvData::F32(v) => {
+                bytemuck::cast_slice_mut::<f32, u8>(&mut v[range]).copy_from_slice(data)
+            }
         }
         Ok(())
     }

@@ -210,9 +210,10 @@ pub fn run(a: MeshBenchArgs) -> anyhow::Result<()> {
 }
 
 async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
-    let client = GenerationClient::connect(format!("http://{}", a.target))
-        .await
-        .with_context(|| format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target))?;
+    let client =
+        GenerationClient::connect(format!("http://{}", a.target)).await.with_context(|| {
+            format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
+        })?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
     // Steady streams first, so the requests arrive into a running decode batch.
     let mut streams = Vec::new();
@@ -223,7 +224,8 @@ async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
     if a.streams > 0 {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let prompts: Vec<Vec<u32>> = (0..a.requests).map(|_| prompt(&mut rng, a.prompt_tokens)).collect();
+    let prompts: Vec<Vec<u32>> =
+        (0..a.requests).map(|_| prompt(&mut rng, a.prompt_tokens)).collect();
     let gaps: Vec<f64> = match a.rate {
         // Exponential inter-arrival times: a Poisson process.
         Some(r) => (0..a.requests).map(|_| -(1.0 - rng.random::<f64>()).ln() / r).collect(),
@@ -232,7 +234,8 @@ async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
     let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let total = a.requests;
     let t0 = Instant::now();
-    let sem = Arc::new(tokio::sync::Semaphore::new(if a.rate.is_some() { total } else { a.concurrency }));
+    let sem =
+        Arc::new(tokio::sync::Semaphore::new(if a.rate.is_some() { total } else { a.concurrency }));
     let mut tasks = Vec::new();
     for (i, ids) in prompts.into_iter().enumerate() {
         if let Some(g) = gaps.get(i) {
@@ -273,7 +276,8 @@ async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
     });
     if a.streams > 0 {
         report["streams"] = summary(&stream_samples, stream_wall, f64::INFINITY, a.tpot_slo_ms);
-        let all_tokens: f64 = samples.iter().chain(&stream_samples).filter(|s| s.ok).map(|s| s.tokens as f64).sum();
+        let all_tokens: f64 =
+            samples.iter().chain(&stream_samples).filter(|s| s.ok).map(|s| s.tokens as f64).sum();
         report["total_output_tok_s"] = serde_json::json!(all_tokens / stream_wall);
     }
     print_report(&report, a.json);
@@ -284,7 +288,11 @@ fn engine_alone(a: &MeshBenchArgs) -> anyhow::Result<()> {
     use pdmesh_engine::{GenerateParams, generate};
     let mut engine = a.engine.engine()?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
-    let params = GenerateParams { max_tokens: a.max_tokens as usize, ignore_eos: true, ..Default::default() };
+    let params = GenerateParams {
+        max_tokens: a.max_tokens as usize,
+        ignore_eos: true,
+        ..Default::default()
+    };
     let t0 = Instant::now();
     let mut samples = Vec::new();
     for i in 0..a.requests {
@@ -337,8 +345,19 @@ fn print_report(r: &serde_json::Value, json: bool) {
         r["wall_s"].as_f64().unwrap_or(0.0)
     );
     let rows: Vec<(&str, &serde_json::Value)> =
-        [("requests", &r["results"]), ("streams", &r["streams"])].into_iter().filter(|(_, v)| !v.is_null()).collect();
-    println!("{:<10} {:>8} {:>30} {:>30} {:>30} {:>30}", "", "ok/all", "TTFT ms p50/p90/p99", "TPOT ms p50/p90/p99", "ITL ms p50/p90/p99", "E2E ms p50/p90/p99");
+        [("requests", &r["results"]), ("streams", &r["streams"])]
+            .into_iter()
+            .filter(|(_, v)| !v.is_null())
+            .collect();
+    println!(
+        "{:<10} {:>8} {:>30} {:>30} {:>30} {:>30}",
+        "",
+        "ok/all",
+        "TTFT ms p50/p90/p99",
+        "TPOT ms p50/p90/p99",
+        "ITL ms p50/p90/p99",
+        "E2E ms p50/p90/p99"
+    );
     let d = |v: &serde_json::Value| {
         format!(
             "{:.1}/{:.1}/{:.1}",

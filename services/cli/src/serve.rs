@@ -244,3 +244,83 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// Every config file shipped under deploy/ loads through its service's own loader and
+    /// passes validation (engine paths aside: they name the container's model).
+    #[test]
+    fn shipped_config_files_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/config");
+        let none = serde_json::json!({});
+        let r: pdmesh_router::RouterConfig = pdmesh_common::load_config(
+            &pdmesh_router::RouterConfig::default(),
+            Some(&dir.join("router.toml")),
+            "PDMESH_TEST_ROUTER_",
+            &none,
+        )
+        .expect("router.toml loads");
+        r.validate().expect("router.toml is valid");
+        let p: pdmesh_prefill::PrefillConfig = pdmesh_common::load_config(
+            &pdmesh_prefill::PrefillConfig::default(),
+            Some(&dir.join("prefill.toml")),
+            "PDMESH_TEST_PREFILL_",
+            &none,
+        )
+        .expect("prefill.toml loads");
+        p.validate().expect("prefill.toml is valid");
+        let d: pdmesh_decode::DecodeConfig = pdmesh_common::load_config(
+            &pdmesh_decode::DecodeConfig::default(),
+            Some(&dir.join("decode.toml")),
+            "PDMESH_TEST_DECODE_",
+            &none,
+        )
+        .expect("decode.toml loads");
+        d.validate().expect("decode.toml is valid");
+        assert_eq!(d.engine.kv_blocks, 2048);
+        assert_eq!(p.routers, vec!["pdmesh-router:50051".to_string()]);
+        // Every file spells out every key: nothing is left to a default a reader cannot see.
+        for (name, defaults) in [
+            ("router.toml", serde_json::to_value(pdmesh_router::RouterConfig::default())),
+            ("prefill.toml", serde_json::to_value(pdmesh_prefill::PrefillConfig::default())),
+            ("decode.toml", serde_json::to_value(pdmesh_decode::DecodeConfig::default())),
+        ] {
+            let text = std::fs::read_to_string(dir.join(name)).expect("readable");
+            for key in defaults.expect("serializable").as_object().expect("a table").keys() {
+                let spelled = text.lines().any(|l| {
+                    l.trim_start().starts_with(&format!("{key} ="))
+                        || l.trim() == format!("[{key}]")
+                });
+                let optional = ["advertise", "node_id"].contains(&key.as_str());
+                assert!(spelled || optional, "{name} does not set {key}");
+            }
+        }
+    }
+
+    #[test]
+    fn flags_override_files_and_unknown_keys_fail() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let f = dir.path().join("d.toml");
+        std::fs::write(&f, "max_running = 3\n[engine]\nkv_blocks = 9\n").expect("written");
+        let flags = serde_json::json!({"max_running": 5});
+        let d: pdmesh_decode::DecodeConfig = pdmesh_common::load_config(
+            &pdmesh_decode::DecodeConfig::default(),
+            Some(&f),
+            "PDMESH_TEST_DECODE2_",
+            &flags,
+        )
+        .expect("loads");
+        assert_eq!((d.max_running, d.engine.kv_blocks), (5, 9));
+        std::fs::write(&f, "[engine]\nkv_blokcs = 9\n").expect("written");
+        let e = pdmesh_common::load_config::<pdmesh_decode::DecodeConfig>(
+            &pdmesh_decode::DecodeConfig::default(),
+            Some(&f),
+            "PDMESH_TEST_DECODE2_",
+            &serde_json::json!({}),
+        )
+        .expect_err("unknown key");
+        assert!(e.to_string().contains("kv_blokcs"), "{e}");
+    }
+}

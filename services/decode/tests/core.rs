@@ -128,7 +128,10 @@ fn reservations_are_bounded_leased_and_released() {
     assert_eq!(c.counts().transferring, 1, "expired early");
     c.sweep(t0 + Duration::from_millis(51));
     let k = c.counts();
-    assert_eq!((k.transferring, k.leases_expired, k.free_blocks, k.committed_blocks), (0, 1, 10, 0));
+    assert_eq!(
+        (k.transferring, k.leases_expired, k.free_blocks, k.committed_blocks),
+        (0, 1, 10, 0)
+    );
     assert!(matches!(c.kv_end(b, 1), Err(DecodeError::UnknownReservation(_))));
     // Out-of-range and malformed requests.
     assert!(matches!(c.reserve(0, 5, None, t0), Err(DecodeError::Invalid(_))));
@@ -143,7 +146,10 @@ fn bad_kv_is_refused_and_frees_nothing_twice() {
     let bpb = c.engine().kv().geometry().bytes_per_block();
     let (id, blocks, _) = c.reserve(40, 8, None, t0).unwrap();
     assert_eq!(blocks, 3);
-    assert!(matches!(c.kv_write(id, 0, &vec![0; bpb]), Err(DecodeError::Invalid(_))), "before begin");
+    assert!(
+        matches!(c.kv_write(id, 0, &vec![0; bpb]), Err(DecodeError::Invalid(_))),
+        "before begin"
+    );
     c.kv_begin(id).unwrap();
     assert!(matches!(c.kv_begin(id), Err(DecodeError::Invalid(_))));
     assert!(c.kv_write(id, 0, &vec![0; bpb - 1]).is_err(), "partial block");
@@ -155,10 +161,13 @@ fn bad_kv_is_refused_and_frees_nothing_twice() {
     c.kv_end(id, 3).unwrap();
     let sink = Sink::default();
     let p = vec![1u32; 40];
-    assert!(matches!(
-        c.attach(id, attach(p.clone(), 9, Start::FirstToken(5)), Box::new(sink.clone()), t0),
-        Err(DecodeError::Invalid(_))
-    ), "max_tokens past the reservation");
+    assert!(
+        matches!(
+            c.attach(id, attach(p.clone(), 9, Start::FirstToken(5)), Box::new(sink.clone()), t0),
+            Err(DecodeError::Invalid(_))
+        ),
+        "max_tokens past the reservation"
+    );
     c.attach(id, attach(p, 8, Start::FirstToken(5)), Box::new(sink.clone()), t0).unwrap();
     run_until_done(&mut c, &[&sink]);
     assert_eq!(sink.tokens().len(), 8);

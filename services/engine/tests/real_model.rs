@@ -469,7 +469,11 @@ fn kv_moved_between_engines_decodes_identically() {
     for step in 0..8 {
         let la = a.step(&[StepItem::decode(sa, &tok)]).unwrap().last_of(0).unwrap().to_vec();
         let lb = b.step(&[StepItem::decode(sb, &tok)]).unwrap().last_of(0).unwrap().to_vec();
-        assert_bits_eq(std::slice::from_ref(&la), &[lb], &format!("decode step {step} after the move"));
+        assert_bits_eq(
+            std::slice::from_ref(&la),
+            &[lb],
+            &format!("decode step {step} after the move"),
+        );
         tok = [la.iter().enumerate().max_by(|x, y| x.1.total_cmp(y.1)).unwrap().0 as u32];
     }
     assert!(b.write_block(sb, 99, &bytes).is_err(), "wrote past the sequence's blocks");

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""The mesh against the engine alone, and disaggregation against colocation, in one run.
+
+1. Overhead: the same requests (512-token prompt, 64 output tokens, one at a time) on one
+   in-process engine (`pdmesh bench --engine-alone`) and through a mesh of 1 prefill + 1 decode
+   node (`pdmesh up`, `pdmesh bench`), with the same thread count per engine. Prints medians of
+   TTFT and inter-token latency and the mesh/engine ratio and difference.
+
+2. Disaggregation under a mixed load: --streams steady decode streams run while long prompts
+   arrive as a Poisson process. Once on 1 prefill + 1 decode node, each pinned to its own core
+   with taskset (one compute thread each), once on one colocated decode node (no prefill node:
+   it prefills prompts itself) with two threads over both cores. Prints p99 inter-token latency
+   of the streams, TTFT of the prompts, and total output throughput of both.
+
+Everything runs on this machine's cores; absolute numbers drift between runs, the ratios in one
+run are what to compare. Writes the raw reports to .bench/mesh.json.
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+BIN = "target/release/pdmesh"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mesh:
+    def __init__(self, args, model):
+        self.addr = f"127.0.0.1:{free_port()}"
+        cmd = [BIN, "up", "--listen", self.addr, "--model", model] + args
+        env = dict(os.environ, PDMESH_LOG="warn")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
+        line = self.p.stdout.readline()
+        if "ready" not in line:
+            self.p.kill()
+            raise SystemExit(f"mesh did not start: {line!r}")
+        print(f"  {line.strip()}", file=sys.stderr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.p.terminate()
+        self.p.wait(timeout=30)
+
+
+def bench(args):
+    out = subprocess.run([BIN, "bench", "--json"] + args, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--threads", type=int, default=1, help="compute threads per engine in part 1")
+    ap.add_argument("--requests", type=int, default=8, help="requests in part 1")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--stream-tokens", type=int, default=400)
+    ap.add_argument("--prompts", type=int, default=6, help="long prompts arriving in part 2")
+    ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--rate", type=float, default=0.4, help="long-prompt arrivals per second")
+    a = ap.parse_args()
+    report = {}
+
+    print(f"1. overhead: 512-token prompts, 64 tokens out, {a.threads} thread(s) per engine", file=sys.stderr)
+    common = ["--requests", str(a.requests), "--concurrency", "1", "--prompt-tokens", "512", "--max-tokens", "64"]
+    alone = bench(common + ["--engine-alone", "--model", a.model, "--threads", str(a.threads)])
+    with Mesh(["--prefill", "1", "--decode", "1", "--threads", str(a.threads)], a.model) as m:
+        bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"])  # warm-up
+        mesh = bench(common + ["--target", m.addr])
+    report["overhead"] = {"engine_alone": alone, "mesh": mesh}
+
+    print(f"2. mixed load: {a.streams} streams x {a.stream_tokens} tokens + {a.prompts} prompts of "
+          f"{a.prompt_tokens} tokens at {a.rate}/s", file=sys.stderr)
+    mixed = ["--streams", str(a.streams), "--stream-tokens", str(a.stream_tokens), "--requests", str(a.prompts),
+             "--rate", str(a.rate), "--prompt-tokens", str(a.prompt_tokens), "--max-tokens", "16"]
+    with Mesh(["--prefill", "1", "--decode", "1", "--threads", "1", "--prefill-cpus", "0", "--decode-cpus", "1"],
+              a.model) as m:
+        disagg = bench(mixed + ["--target", m.addr])
+    with Mesh(["--prefill", "0", "--decode", "1", "--threads", "2"], a.model) as m:
+        coloc = bench(mixed + ["--target", m.addr])
+    report["mixed"] = {"disaggregated": disagg, "colocated": coloc}
+
+    os.makedirs(".bench", exist_ok=True)
+    with open(".bench/mesh.json", "w") as f:
+        json.dump(report, f, indent=1)
+
+    ar, mr = alone["results"], mesh["results"]
+    print("\n== overhead (medians) ==")
+    print(f"TTFT 512-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {mr['ttft_ms']['p50']:.1f} ms, "
+          f"ratio {mr['ttft_ms']['p50'] / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
+    print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {mr['itl_ms']['p50']:.2f} ms, "
+          f"difference {mr['itl_ms']['p50'] - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
+    print("\n== mixed load: 1 prefill + 1 decode pinned to a core each vs one colocated engine on both ==")
+    print(f"{'':16} {'stream ITL p50':>15} {'stream ITL p99':>15} {'prompt TTFT p50':>16} {'prompt TTFT p99':>16} {'total tok/s':>12}")
+    for name, r in (("disaggregated", disagg), ("colocated", coloc)):
+        s, q = r["streams"], r["results"]
+        print(f"{name:16} {s['itl_ms']['p50']:>15.1f} {s['itl_ms']['p99']:>15.1f} {q['ttft_ms']['p50']:>16.1f} "
+              f"{q['ttft_ms']['p99']:>16.1f} {r['total_output_tok_s']:>12.1f}")
+    d, c = disagg, coloc
+    print(f"p99 ITL ratio colocated/disaggregated: {c['streams']['itl_ms']['p99'] / d['streams']['itl_ms']['p99']:.2f}; "
+          f"throughput ratio disaggregated/colocated: {d['total_output_tok_s'] / c['total_output_tok_s']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
