@@ -179,7 +179,10 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
     };
     stop(procs).await;
     match outcome {
-        None => Ok(()),
+        None => {
+            eprintln!("pdmesh: mesh stopped");
+            Ok(())
+        }
         Some(d) => bail!("{d}; stopped the mesh"),
     }
 }

@@ -16,6 +16,9 @@ pub enum DecodeError {
     TransferBroken { from: String, why: String },
     #[error("engine: {0}")]
     Engine(std::sync::Arc<pdmesh_engine::Error>),
+    /// The node could not start or keep serving (bad config, engine load, listener).
+    #[error("startup: {0}")]
+    Startup(String),
     #[error("the decode node is shutting down")]
     ShuttingDown,
 }
@@ -43,6 +46,7 @@ pub fn to_status(e: &DecodeError, node: &str) -> Status {
             ErrorClass::CapacityExhausted => Status::resource_exhausted(msg),
             ErrorClass::FailedPrecondition => Status::failed_precondition(msg),
         },
+        DecodeError::Startup(_) => Status::internal(msg),
         DecodeError::ShuttingDown => Status::unavailable(msg),
     }
 }

@@ -31,8 +31,8 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DecodeError> {
-    config.validate().map_err(DecodeError::Invalid)?;
-    let bound = listener.local_addr().map_err(|e| DecodeError::Invalid(e.to_string()))?;
+    config.validate().map_err(DecodeError::Startup)?;
+    let bound = listener.local_addr().map_err(|e| DecodeError::Startup(e.to_string()))?;
     let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("decode@{address}"));
     let engine = tokio::task::spawn_blocking({
@@ -40,7 +40,7 @@ pub async fn run(
         move || s.load()
     })
     .await
-    .map_err(|e| DecodeError::Invalid(format!("loading the engine: {e}")))??;
+    .map_err(|e| DecodeError::Startup(format!("loading the engine: {e}")))??;
     let layout = pdmesh_kv_transfer::layout_of(&engine);
     let context = engine.max_seq_len();
     let core = DecodeCore::new(
@@ -58,7 +58,7 @@ pub async fn run(
             let counts = Arc::clone(&counts);
             move || worker::run(core, rx, rt, counts)
         })
-        .map_err(|e| DecodeError::Invalid(format!("starting the engine thread: {e}")))?;
+        .map_err(|e| DecodeError::Startup(format!("starting the engine thread: {e}")))?;
 
     let service = DecodeService {
         node_id: node_id.clone(),
@@ -100,5 +100,5 @@ pub async fn run(
     // The service (and with it the command sender) is gone; the thread ends once in-flight
     // requests are done or cancelled.
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
-    served.map_err(|e| DecodeError::Invalid(format!("serving: {e}")))
+    served.map_err(|e| DecodeError::Startup(format!("serving: {e}")))
 }

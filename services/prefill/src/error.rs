@@ -12,6 +12,9 @@ pub enum PrefillError {
     TooLong { need: usize, total: usize },
     #[error("engine: {0}")]
     Engine(std::sync::Arc<pdmesh_engine::Error>),
+    /// The node could not start or keep serving (bad config, engine load, listener).
+    #[error("startup: {0}")]
+    Startup(String),
     #[error("the prefill node is shutting down")]
     ShuttingDown,
 }
@@ -37,6 +40,7 @@ pub fn to_status(e: &PrefillError, node: &str) -> Status {
             ErrorClass::CapacityExhausted => Status::resource_exhausted(msg),
             ErrorClass::FailedPrecondition => Status::failed_precondition(msg),
         },
+        PrefillError::Startup(_) => Status::internal(msg),
         PrefillError::ShuttingDown => Status::unavailable(msg),
     }
 }

@@ -31,8 +31,8 @@ pub async fn run(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), PrefillError> {
-    config.validate().map_err(PrefillError::Invalid)?;
-    let bound = listener.local_addr().map_err(|e| PrefillError::Invalid(e.to_string()))?;
+    config.validate().map_err(PrefillError::Startup)?;
+    let bound = listener.local_addr().map_err(|e| PrefillError::Startup(e.to_string()))?;
     let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("prefill@{address}"));
     let engine = tokio::task::spawn_blocking({
@@ -40,7 +40,7 @@ pub async fn run(
         move || s.load()
     })
     .await
-    .map_err(|e| PrefillError::Invalid(format!("loading the engine: {e}")))??;
+    .map_err(|e| PrefillError::Startup(format!("loading the engine: {e}")))??;
     let layout = pdmesh_kv_transfer::layout_of(&engine);
     let core =
         PrefillCore::new(engine, config.max_running, config.max_queued, config.blocks_per_message);
@@ -53,7 +53,7 @@ pub async fn run(
             let counts = Arc::clone(&counts);
             move || worker::run(core, rx, rt, counts)
         })
-        .map_err(|e| PrefillError::Invalid(format!("starting the engine thread: {e}")))?;
+        .map_err(|e| PrefillError::Startup(format!("starting the engine thread: {e}")))?;
     let transferring = Arc::new(AtomicU32::new(0));
     let service = PrefillService {
         node_id: node_id.clone(),
@@ -93,5 +93,5 @@ pub async fn run(
     .await;
     stop.cancel();
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
-    served.map_err(|e| PrefillError::Invalid(format!("serving: {e}")))
+    served.map_err(|e| PrefillError::Startup(format!("serving: {e}")))
 }
