@@ -61,6 +61,21 @@ impl Service {
         }
     }
 
+    /// SIGSTOP (`resume` sends SIGCONT): the process hangs without dying, sockets open.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, sig: &str) {
+        let pid = self.child.as_ref().expect("process running").id().to_string();
+        let ok = Command::new("kill").args([sig, &pid]).status().expect("kill runs").success();
+        assert!(ok, "kill {sig} {pid} failed");
+    }
+
     /// A clean stop (stdin closes), waiting for the process to exit.
     pub fn stop(&mut self) {
         drop(self.stdin.take());

@@ -13,7 +13,8 @@ pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The `pdmesh` binary of this build (cargo builds it before running any workspace test).
+/// The `pdmesh` binary of this build. `cargo test --workspace` (`just test`) builds it; running
+/// only this crate's tests (`-p pdmesh-integration`) does not, so build `pdmesh-cli` first.
 pub fn pdmesh_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     // target/<profile>/deps/<test> → target/<profile>/pdmesh

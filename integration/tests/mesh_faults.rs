@@ -197,6 +197,25 @@ async fn killed_decode_node_ends_the_stream_with_unavailable() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_decode_node_is_dropped_and_its_stream_fails() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(0).decode(1).start().await;
+    let mut client = c.client().await;
+    let mut s = start(&mut client, req(tokens(30), 1000)).await;
+    next_delta(&mut s).await;
+    c.decodes[0].pause();
+    let err = tokio::time::timeout(WAIT, finish(s)).await.expect("the stream hung").unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("decode-0") && err.message().contains("heartbeat"), "{err:?}");
+    // Back from the dead, the node notices the cancelled stream, frees it, and rejoins.
+    c.decodes[0].resume();
+    c.wait_nodes(0, 1).await;
+    all_blocks_free(&c).await;
+    let (toks, _) = finish(start(&mut client, req(tokens(10), 4)).await).await.unwrap();
+    assert_eq!(toks.len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reservation_whose_kv_never_arrives_is_freed_at_lease_expiry() {
     let _serial = SERIAL.lock().await;
     let c = Cluster::builder().prefill(0).decode(1).start().await;

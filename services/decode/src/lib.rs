@@ -92,7 +92,15 @@ pub async fn run(
         routes,
         &["pdmesh.v1.Decode"],
         listener,
-        shutdown,
+        // Leaving the mesh comes first: with heartbeats stopped, routers stop placing new
+        // requests here while in-flight ones drain.
+        {
+            let stop = stop.clone();
+            async move {
+                shutdown.await;
+                stop.cancel();
+            }
+        },
         Duration::from_millis(config.drain_ms),
     )
     .await;

@@ -261,189 +261,221 @@ async fn one_attempt(
             r.assign(&p.id, 0);
         }
     }
-    let _assigned = Assigned {
+    let assigned = Assigned {
         mesh,
         nodes: std::iter::once(decode.id.clone())
             .chain(prefill.iter().map(|p| p.id.clone()))
             .collect(),
     };
     let first_sent = || state.lock().expect("state lock").first_sent;
-    let dfail = |s: &Status| Failure::from_node(&decode.id, s, first_sent());
-    let channel = |addr: &str, node: &str| {
-        mesh.channel(addr).map_err(|e| Failure {
-            status: Status::unavailable(format!("node {node}: {e}")),
-            node: Some(node.to_string()),
-            retry: true,
-        })
-    };
-    let mut dclient = DecodeClient::new(channel(&decode.address, &decode.id)?);
-    {
-        let mut s = state.lock().expect("state lock");
-        s.node = decode.id.clone();
-        s.timings.decode_node = decode.id.clone();
-    }
-
-    // Reserve the KV blocks on the decode node.
-    let call_until = deadline.min(Instant::now() + Duration::from_millis(cfg.node_call_timeout_ms));
-    let reserve = ReserveRequest {
-        request_id: id.to_string(),
-        prompt_tokens: prep.prompt.len() as u32,
-        max_tokens: prep.max_tokens as u32,
-        lease_ms: cfg.lease_ms,
-    };
-    let target = tokio::time::timeout_at(
-        call_until.into(),
-        dclient.reserve(with_timeout(reserve, call_until)),
-    )
-    .await
-    .map_err(|_| dfail(&Status::unavailable("no answer to Reserve in time")))?
-    .map_err(|s| dfail(&s))?
-    .into_inner()
-    .target
-    .ok_or_else(|| dfail(&Status::internal("Reserve answered without a target")))?;
-    let mut reservation =
-        Reservation { client: dclient.clone(), id: target.reservation_id.clone(), armed: true };
-
-    let sampler = |pos| Some(sampler_state(&prep.sampling, pos));
-    let start = if let Some(p) = &prefill {
+    let watched: Vec<String> = assigned.nodes.clone();
+    let legs = async {
+        let dfail = |s: &Status| Failure::from_node(&decode.id, s, first_sent());
+        let channel = |addr: &str, node: &str| {
+            mesh.channel(addr).map_err(|e| Failure {
+                status: Status::unavailable(format!("node {node}: {e}")),
+                node: Some(node.to_string()),
+                retry: true,
+            })
+        };
+        let mut dclient = DecodeClient::new(channel(&decode.address, &decode.id)?);
         {
             let mut s = state.lock().expect("state lock");
-            s.phase = Phase::Prefilling;
-            s.node = p.id.clone();
-            s.timings.prefill_node = p.id.clone();
+            s.node = decode.id.clone();
+            s.timings.decode_node = decode.id.clone();
         }
-        let pfail = |s: &Status| Failure::from_node(&p.id, s, false);
-        let mut pclient = PrefillClient::new(channel(&p.address, &p.id)?);
-        let req = PrefillRequest {
+
+        // Reserve the KV blocks on the decode node.
+        let call_until =
+            deadline.min(Instant::now() + Duration::from_millis(cfg.node_call_timeout_ms));
+        let reserve = ReserveRequest {
             request_id: id.to_string(),
-            prompt: prep.prompt.clone(),
-            sampler: sampler(0),
-            target: Some(target.clone()),
+            prompt_tokens: prep.prompt.len() as u32,
+            max_tokens: prep.max_tokens as u32,
+            lease_ms: cfg.lease_ms,
         };
-        let queued_at_router = t0.elapsed();
-        let mut events: Streaming<_> =
-            pclient.prefill(with_timeout(req, deadline)).await.map_err(|s| pfail(&s))?.into_inner();
-        // Until the first token: bounded by the request deadline (the caller's select).
-        let computed = match events.message().await.map_err(|s| pfail(&s))? {
-            Some(pdmesh_proto::v1::PrefillEvent {
-                event: Some(prefill_event::Event::Computed(c)),
-            }) => c,
-            _ => {
-                return Err(pfail(&Status::unavailable(
-                    "prefill stream ended before the first token",
-                )));
+        let target = tokio::time::timeout_at(
+            call_until.into(),
+            dclient.reserve(with_timeout(reserve, call_until)),
+        )
+        .await
+        .map_err(|_| dfail(&Status::unavailable("no answer to Reserve in time")))?
+        .map_err(|s| dfail(&s))?
+        .into_inner()
+        .target
+        .ok_or_else(|| dfail(&Status::internal("Reserve answered without a target")))?;
+        let mut reservation =
+            Reservation { client: dclient.clone(), id: target.reservation_id.clone(), armed: true };
+
+        let sampler = |pos| Some(sampler_state(&prep.sampling, pos));
+        let start = if let Some(p) = &prefill {
+            {
+                let mut s = state.lock().expect("state lock");
+                s.phase = Phase::Prefilling;
+                s.node = p.id.clone();
+                s.timings.prefill_node = p.id.clone();
             }
+            let pfail = |s: &Status| Failure::from_node(&p.id, s, false);
+            let mut pclient = PrefillClient::new(channel(&p.address, &p.id)?);
+            let req = PrefillRequest {
+                request_id: id.to_string(),
+                prompt: prep.prompt.clone(),
+                sampler: sampler(0),
+                target: Some(target.clone()),
+            };
+            let queued_at_router = t0.elapsed();
+            let mut events: Streaming<_> = pclient
+                .prefill(with_timeout(req, deadline))
+                .await
+                .map_err(|s| pfail(&s))?
+                .into_inner();
+            // Until the first token: bounded by the request deadline (the caller's select).
+            let computed = match events.message().await.map_err(|s| pfail(&s))? {
+                Some(pdmesh_proto::v1::PrefillEvent {
+                    event: Some(prefill_event::Event::Computed(c)),
+                }) => c,
+                _ => {
+                    return Err(pfail(&Status::unavailable(
+                        "prefill stream ended before the first token",
+                    )));
+                }
+            };
+            {
+                let mut s = state.lock().expect("state lock");
+                s.phase = Phase::Transferring;
+                s.timings.queue_ms = ms(queued_at_router) + computed.queue_ms;
+                s.timings.prefill_ms = computed.prefill_ms;
+            }
+            let until =
+                deadline.min(Instant::now() + Duration::from_millis(cfg.transfer_timeout_ms));
+            let transferred = tokio::time::timeout_at(until.into(), events.message())
+                .await
+                .map_err(|_| pfail(&Status::unavailable("KV transfer did not complete in time")))?
+                .map_err(|s| pfail(&s))?;
+            match transferred {
+                Some(pdmesh_proto::v1::PrefillEvent {
+                    event: Some(prefill_event::Event::Transferred(t)),
+                }) => {
+                    let mut s = state.lock().expect("state lock");
+                    s.timings.transfer_ms = t.transfer_ms;
+                    s.timings.kv_bytes = t.bytes;
+                    s.timings.kv_transport = t.transport;
+                }
+                _ => {
+                    return Err(pfail(&Status::unavailable(
+                        "prefill stream ended before the KV was complete",
+                    )));
+                }
+            }
+            let pos = pdmesh_common::convert::rng_position(&computed.rng_position)
+                .map_err(|s| pfail(&s))?;
+            (decode_request::Start::FirstToken(computed.first_token), pos)
+        } else {
+            let mut s = state.lock().expect("state lock");
+            s.timings.prefill_node = "colocated".into();
+            s.timings.kv_transport = "local".into();
+            (decode_request::Start::PrefillLocally(true), 0)
         };
+
+        // Decode: attach to the reservation and relay its stream.
         {
             let mut s = state.lock().expect("state lock");
-            s.phase = Phase::Transferring;
-            s.timings.queue_ms = ms(queued_at_router) + computed.queue_ms;
-            s.timings.prefill_ms = computed.prefill_ms;
+            s.phase = Phase::Decoding;
+            s.node = decode.id.clone();
         }
-        let until = deadline.min(Instant::now() + Duration::from_millis(cfg.transfer_timeout_ms));
-        let transferred = tokio::time::timeout_at(until.into(), events.message())
-            .await
-            .map_err(|_| pfail(&Status::unavailable("KV transfer did not complete in time")))?
-            .map_err(|s| pfail(&s))?;
-        match transferred {
-            Some(pdmesh_proto::v1::PrefillEvent {
-                event: Some(prefill_event::Event::Transferred(t)),
-            }) => {
-                let mut s = state.lock().expect("state lock");
-                s.timings.transfer_ms = t.transfer_ms;
-                s.timings.kv_bytes = t.bytes;
-                s.timings.kv_transport = t.transport;
-            }
-            _ => {
-                return Err(pfail(&Status::unavailable(
-                    "prefill stream ended before the KV was complete",
-                )));
-            }
-        }
-        let pos =
-            pdmesh_common::convert::rng_position(&computed.rng_position).map_err(|s| pfail(&s))?;
-        (decode_request::Start::FirstToken(computed.first_token), pos)
-    } else {
-        let mut s = state.lock().expect("state lock");
-        s.timings.prefill_node = "colocated".into();
-        s.timings.kv_transport = "local".into();
-        (decode_request::Start::PrefillLocally(true), 0)
-    };
-
-    // Decode: attach to the reservation and relay its stream.
-    {
-        let mut s = state.lock().expect("state lock");
-        s.phase = Phase::Decoding;
-        s.node = decode.id.clone();
-    }
-    let req = DecodeRequest {
-        reservation_id: target.reservation_id.clone(),
-        prompt: prep.prompt.clone(),
-        sampler: sampler(start.1),
-        max_tokens: prep.max_tokens as u32,
-        stop: prep.stop.clone(),
-        ignore_eos: prep.ignore_eos,
-        start: Some(start.0),
-    };
-    let mut stream =
-        dclient.decode(with_timeout(req, deadline)).await.map_err(|s| dfail(&s))?.into_inner();
-    // The stream owns the reservation now: dropping it cancels the request on the node.
-    reservation.armed = false;
-    let stall = Duration::from_millis(cfg.stall_timeout_ms);
-    loop {
-        let ev = tokio::time::timeout(stall, stream.message())
-            .await
-            .map_err(|_| dfail(&Status::unavailable(format!("no token for {stall:?}"))))?
-            .map_err(|s| dfail(&s))?;
-        let Some(ev) = ev else {
-            return Err(dfail(&Status::unavailable("decode stream ended without a finish")));
+        let req = DecodeRequest {
+            reservation_id: target.reservation_id.clone(),
+            prompt: prep.prompt.clone(),
+            sampler: sampler(start.1),
+            max_tokens: prep.max_tokens as u32,
+            stop: prep.stop.clone(),
+            ignore_eos: prep.ignore_eos,
+            start: Some(start.0),
         };
-        match ev.event {
-            Some(decode_event::Event::Delta(Delta { text, token_ids })) => {
-                {
-                    let mut s = state.lock().expect("state lock");
-                    if !s.first_sent {
-                        s.first_sent = true;
-                        s.timings.ttft_ms = ms(t0.elapsed());
+        let mut stream =
+            dclient.decode(with_timeout(req, deadline)).await.map_err(|s| dfail(&s))?.into_inner();
+        // The stream owns the reservation now: dropping it cancels the request on the node.
+        reservation.armed = false;
+        let stall = Duration::from_millis(cfg.stall_timeout_ms);
+        loop {
+            let ev = tokio::time::timeout(stall, stream.message())
+                .await
+                .map_err(|_| dfail(&Status::unavailable(format!("no token for {stall:?}"))))?
+                .map_err(|s| dfail(&s))?;
+            let Some(ev) = ev else {
+                return Err(dfail(&Status::unavailable("decode stream ended without a finish")));
+            };
+            match ev.event {
+                Some(decode_event::Event::Delta(Delta { text, token_ids })) => {
+                    {
+                        let mut s = state.lock().expect("state lock");
+                        if !s.first_sent {
+                            s.first_sent = true;
+                            s.timings.ttft_ms = ms(t0.elapsed());
+                        }
+                    }
+                    let msg = GenerateResponse {
+                        event: Some(generate_response::Event::Delta(Delta { text, token_ids })),
+                    };
+                    if out.send(Ok(msg)).await.is_err() {
+                        return Ok(());
                     }
                 }
-                let msg = GenerateResponse {
-                    event: Some(generate_response::Event::Delta(Delta { text, token_ids })),
-                };
-                if out.send(Ok(msg)).await.is_err() {
+                Some(decode_event::Event::Finished(f)) => {
+                    let mut timings = {
+                        let mut s = state.lock().expect("state lock");
+                        if prefill.is_none() {
+                            s.timings.queue_ms = f.queue_ms;
+                            s.timings.prefill_ms = f.prefill_ms;
+                        }
+                        if !s.first_sent {
+                            s.timings.ttft_ms = ms(t0.elapsed());
+                        }
+                        s.timings.clone()
+                    };
+                    timings.total_ms = ms(t0.elapsed());
+                    let fin = Finished {
+                        reason: f.reason,
+                        usage: Some(Usage {
+                            prompt_tokens: prep.prompt.len() as u32,
+                            cached_tokens: 0,
+                            completion_tokens: f.completion_tokens,
+                        }),
+                        timings: Some(timings),
+                    };
+                    let _ = out
+                        .send(Ok(GenerateResponse {
+                            event: Some(generate_response::Event::Finished(fin)),
+                        }))
+                        .await;
                     return Ok(());
                 }
+                None => return Err(dfail(&Status::internal("empty decode event"))),
             }
-            Some(decode_event::Event::Finished(f)) => {
-                let mut timings = {
-                    let mut s = state.lock().expect("state lock");
-                    if prefill.is_none() {
-                        s.timings.queue_ms = f.queue_ms;
-                        s.timings.prefill_ms = f.prefill_ms;
-                    }
-                    if !s.first_sent {
-                        s.timings.ttft_ms = ms(t0.elapsed());
-                    }
-                    s.timings.clone()
-                };
-                timings.total_ms = ms(t0.elapsed());
-                let fin = Finished {
-                    reason: f.reason,
-                    usage: Some(Usage {
-                        prompt_tokens: prep.prompt.len() as u32,
-                        cached_tokens: 0,
-                        completion_tokens: f.completion_tokens,
-                    }),
-                    timings: Some(timings),
-                };
-                let _ = out
-                    .send(Ok(GenerateResponse {
-                        event: Some(generate_response::Event::Finished(fin)),
-                    }))
-                    .await;
-                return Ok(());
-            }
-            None => return Err(dfail(&Status::internal("empty decode event"))),
+        }
+    };
+    // A node that stops heartbeating (hung, partitioned, killed) fails the attempt as soon as
+    // the router drops it, rather than when a TCP or HTTP/2 timeout notices.
+    tokio::select! {
+        r = legs => r,
+        gone = node_dropped(mesh, &watched) => {
+            Err(Failure {
+                status: Status::unavailable(format!("node {gone} stopped heartbeating and left the mesh")),
+                node: Some(gone),
+                retry: !first_sent(),
+            })
+        }
+    }
+}
+
+/// Completes with the id of the first of `nodes` that is no longer registered.
+async fn node_dropped(mesh: &Mesh, nodes: &[String]) -> String {
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tick.tick().await;
+        let reg = mesh.registry();
+        if let Some(n) = nodes.iter().find(|n| reg.get(n).is_none()) {
+            return n.clone();
         }
     }
 }
