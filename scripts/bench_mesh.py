@@ -67,9 +67,21 @@ def main():
     ap.add_argument("--prompts", type=int, default=6, help="long prompts arriving in part 2")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=0.4, help="long-prompt arrivals per second")
+    ap.add_argument("--parts", default="overhead,mixed", help="which parts to run (comma-separated)")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
     report = {}
 
+    if "overhead" in parts:
+        overhead(a, report)
+    if "mixed" in parts:
+        mixed_load(a, report)
+    os.makedirs(".bench", exist_ok=True)
+    with open(".bench/mesh.json", "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def overhead(a, report):
     print(f"1. overhead: 512-token prompts, 64 tokens out, {a.threads} thread(s) per engine", file=sys.stderr)
     common = ["--requests", str(a.requests), "--concurrency", "1", "--prompt-tokens", "512", "--max-tokens", "64"]
     alone = bench(common + ["--engine-alone", "--model", a.model, "--threads", str(a.threads)])
@@ -77,7 +89,15 @@ def main():
         bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"])  # warm-up
         mesh = bench(common + ["--target", m.addr])
     report["overhead"] = {"engine_alone": alone, "mesh": mesh}
+    ar, mr = alone["results"], mesh["results"]
+    print("\n== overhead (medians) ==")
+    print(f"TTFT 512-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {mr['ttft_ms']['p50']:.1f} ms, "
+          f"ratio {mr['ttft_ms']['p50'] / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
+    print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {mr['itl_ms']['p50']:.2f} ms, "
+          f"difference {mr['itl_ms']['p50'] - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
 
+
+def mixed_load(a, report):
     print(f"2. mixed load: {a.streams} streams x {a.stream_tokens} tokens + {a.prompts} prompts of "
           f"{a.prompt_tokens} tokens at {a.rate}/s", file=sys.stderr)
     mixed = ["--streams", str(a.streams), "--stream-tokens", str(a.stream_tokens), "--requests", str(a.prompts),
@@ -88,17 +108,6 @@ def main():
     with Mesh(["--prefill", "0", "--decode", "1", "--threads", "2"], a.model) as m:
         coloc = bench(mixed + ["--target", m.addr])
     report["mixed"] = {"disaggregated": disagg, "colocated": coloc}
-
-    os.makedirs(".bench", exist_ok=True)
-    with open(".bench/mesh.json", "w") as f:
-        json.dump(report, f, indent=1)
-
-    ar, mr = alone["results"], mesh["results"]
-    print("\n== overhead (medians) ==")
-    print(f"TTFT 512-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {mr['ttft_ms']['p50']:.1f} ms, "
-          f"ratio {mr['ttft_ms']['p50'] / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
-    print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {mr['itl_ms']['p50']:.2f} ms, "
-          f"difference {mr['itl_ms']['p50'] - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
     print("\n== mixed load: 1 prefill + 1 decode pinned to a core each vs one colocated engine on both ==")
     print(f"{'':16} {'stream ITL p50':>15} {'stream ITL p99':>15} {'prompt TTFT p50':>16} {'prompt TTFT p99':>16} {'total tok/s':>12}")
     for name, r in (("disaggregated", disagg), ("colocated", coloc)):

@@ -74,6 +74,10 @@ struct Sample {
     tokens: usize,
     /// Gaps between consecutive token arrivals after the first.
     itl_ms: Vec<f64>,
+    /// Where the mesh says the time to first token went.
+    queue_ms: f64,
+    prefill_ms: f64,
+    transfer_ms: f64,
 }
 
 impl Sample {
@@ -120,7 +124,10 @@ async fn one(mut client: GenerationClient<Channel>, ids: Vec<u32>, max_tokens: u
                     s.tokens += d.token_ids.len();
                     last = Some(now);
                 }
-                Some(generate_response::Event::Finished(_)) => {
+                Some(generate_response::Event::Finished(f)) => {
+                    let t = f.timings.unwrap_or_default();
+                    (s.queue_ms, s.prefill_ms, s.transfer_ms) =
+                        (t.queue_ms, t.prefill_ms, t.transfer_ms);
                     s.e2e_ms = ms(t0.elapsed());
                     s.ok = true;
                     return s;
@@ -183,6 +190,9 @@ fn summary(samples: &[Sample], wall_s: f64, ttft_slo: f64, tpot_slo: f64) -> ser
         "tpot_ms": dist(&tpot),
         "itl_ms": dist(&itl),
         "e2e_ms": dist(&e2e),
+        "queue_ms": dist(&ok.iter().map(|s| s.queue_ms).collect::<Vec<_>>()),
+        "prefill_ms": dist(&ok.iter().map(|s| s.prefill_ms).collect::<Vec<_>>()),
+        "transfer_ms": dist(&ok.iter().map(|s| s.transfer_ms).collect::<Vec<_>>()),
         "output_tok_s": tokens as f64 / wall_s,
         "req_s": ok.len() as f64 / wall_s,
         "goodput_req_s": good as f64 / wall_s,
@@ -311,6 +321,7 @@ fn engine_alone(a: &MeshBenchArgs) -> anyhow::Result<()> {
             true
         })?;
         s.e2e_ms = ms(start.elapsed());
+        s.prefill_ms = s.ttft_ms;
         s.ok = true;
         samples.push(s);
         eprint!("\r[{}/{} requests]", i + 1, a.requests);
@@ -378,6 +389,12 @@ fn print_report(r: &serde_json::Value, json: bool) {
         );
     }
     for (name, v) in &rows {
+        println!(
+            "{name}: TTFT p50 = queue {:.1} + prefill {:.1} + transfer {:.1} ms + relay",
+            v["queue_ms"]["p50"].as_f64().unwrap_or(f64::NAN),
+            v["prefill_ms"]["p50"].as_f64().unwrap_or(f64::NAN),
+            v["transfer_ms"]["p50"].as_f64().unwrap_or(f64::NAN)
+        );
         println!(
             "{name}: {:.1} output tok/s, {:.2} req/s, goodput {:.2} req/s ({:.0}% within SLOs)",
             v["output_tok_s"].as_f64().unwrap_or(0.0),

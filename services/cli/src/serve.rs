@@ -137,9 +137,12 @@ struct NodeOverlay<'a, X: Serialize> {
     extra: X,
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+/// The async runtime of a service. Workers do their compute on their own engine thread; their
+/// runtime only moves messages, and one thread does that without waking a second one per token
+/// (which, on a small machine, steals time from the engine's compute threads).
+fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(threads)
         .enable_all()
         .build()
         .context("starting the async runtime")
@@ -204,7 +207,7 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
         &overlay,
     )?;
     cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
-    runtime()?.block_on(async {
+    runtime(1)?.block_on(async {
         let l = bind_and_announce("decode", &cfg.listen).await?;
         pdmesh_decode::run(cfg, l, shutdown_signal(a.node.exit_with_stdin)).await?;
         Ok(())
@@ -222,7 +225,7 @@ pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
         &overlay,
     )?;
     cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
-    runtime()?.block_on(async {
+    runtime(1)?.block_on(async {
         let l = bind_and_announce("prefill", &cfg.listen).await?;
         pdmesh_prefill::run(cfg, l, shutdown_signal(a.node.exit_with_stdin)).await?;
         Ok(())
@@ -238,7 +241,7 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
         &a,
     )?;
     cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
-    runtime()?.block_on(async {
+    runtime(2)?.block_on(async {
         let l = bind_and_announce("router", &cfg.listen).await?;
         pdmesh_router::run(cfg, l, shutdown_signal(a.exit_with_stdin)).await?;
         Ok(())
