@@ -6,8 +6,8 @@
    node (`pdmesh up`, `pdmesh bench`), with the same thread count per engine. Prints medians of
    TTFT and inter-token latency and the mesh/engine ratio and difference.
 
-2. Disaggregation under a mixed load: --streams steady decode streams run while long prompts
-   arrive as a Poisson process. Once on 1 prefill + 1 decode node, each pinned to its own core
+2. Disaggregation under a mixed load: --streams steady decode streams (each restarting a new
+   request when one ends) run while long prompts arrive as a Poisson process. Once on 1 prefill + 1 decode node, each pinned to its own core
    with taskset (one compute thread each), once on one colocated decode node (no prefill node:
    it prefills prompts itself) with two threads over both cores. Prints p99 inter-token latency
    of the streams, TTFT of the prompts, and total output throughput of both.
@@ -63,7 +63,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help="compute threads per engine in part 1")
     ap.add_argument("--requests", type=int, default=8, help="requests in part 1")
     ap.add_argument("--streams", type=int, default=4)
-    ap.add_argument("--stream-tokens", type=int, default=400)
+    ap.add_argument("--stream-tokens", type=int, default=128, help="tokens per stream request (restarted)")
     ap.add_argument("--prompts", type=int, default=6, help="long prompts arriving in part 2")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=0.4, help="long-prompt arrivals per second")

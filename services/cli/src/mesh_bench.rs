@@ -38,8 +38,9 @@ pub struct MeshBenchArgs {
     /// Tokens each request generates (end-of-turn is ignored so lengths are exact).
     #[arg(long, default_value_t = 64)]
     max_tokens: u32,
-    /// Steady streams running alongside the requests (short prompt, --stream-tokens each),
-    /// started first; their inter-token latency is reported separately.
+    /// Steady streams running alongside the requests (16-token prompt, --stream-tokens each,
+    /// restarted until the requests are done), started first; their inter-token latency is
+    /// reported separately.
     #[arg(long, default_value_t = 0)]
     streams: usize,
     /// Tokens each steady stream generates.
@@ -225,11 +226,26 @@ async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
             format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
         })?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
-    // Steady streams first, so the requests arrive into a running decode batch.
+    // Steady streams first, so the requests arrive into a running decode batch. Each stream
+    // starts a new request whenever its last one ends, until every measured request is done,
+    // so the streams see every arrival.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let mut streams = Vec::new();
     for _ in 0..a.streams {
         let ids = prompt(&mut rng, 16);
-        streams.push(tokio::spawn(one(client.clone(), ids, a.stream_tokens)));
+        let (c, stop, n) = (client.clone(), Arc::clone(&stop), a.stream_tokens);
+        streams.push(tokio::spawn(async move {
+            let mut v = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let s = one(c.clone(), ids.clone(), n).await;
+                let failed = !s.ok;
+                v.push(s);
+                if failed {
+                    break;
+                }
+            }
+            v
+        }));
     }
     if a.streams > 0 {
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -267,9 +283,10 @@ async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
     }
     let wall = t0.elapsed().as_secs_f64();
     eprintln!();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut stream_samples = Vec::new();
     for s in streams {
-        stream_samples.push(s.await?);
+        stream_samples.extend(s.await?);
     }
     let stream_wall = t0.elapsed().as_secs_f64() + 0.5;
     let mut report = serde_json::json!({
