@@ -13,4 +13,4 @@ pub mod status;
 pub mod telemetry;
 
 pub use config::{ConfigError, load_config};
-pub use serve::{bind, serve};
+pub use serve::{bind, serve, serve_node};

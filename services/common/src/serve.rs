@@ -72,3 +72,31 @@ pub async fn serve(
         }
     }
 }
+
+/// Serves a worker node: keeps it registered with `routers` while it serves, leaves the mesh
+/// (stops heartbeating, so routers stop placing new requests on it) as soon as `shutdown`
+/// completes, then drains in-flight calls for at most `drain`.
+#[allow(clippy::too_many_arguments)]
+pub async fn serve_node(
+    routes: Routes,
+    names: &[&str],
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+    drain: Duration,
+    routers: &[String],
+    registration: pdmesh_proto::v1::RegisterRequest,
+    load: crate::membership::LoadFn,
+) -> Result<(), tonic::transport::Error> {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let _membership = crate::membership::spawn(routers, registration, load, stop.clone());
+    let leave = {
+        let stop = stop.clone();
+        async move {
+            shutdown.await;
+            stop.cancel();
+        }
+    };
+    let served = serve(routes, names, listener, leave, drain).await;
+    stop.cancel();
+    served
+}

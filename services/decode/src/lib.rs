@@ -16,7 +16,6 @@ use std::time::Duration;
 use pdmesh_proto::v1::decode_server::DecodeServer;
 use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 pub use config::DecodeConfig;
 pub use error::DecodeError;
@@ -68,43 +67,31 @@ pub async fn run(
         tx,
         counts: Arc::clone(&counts),
     };
-    let stop = CancellationToken::new();
     let load_counts = Arc::clone(&counts);
-    let _membership = pdmesh_common::membership::spawn(
-        &config.routers,
-        RegisterRequest {
-            node_id: node_id.clone(),
-            role: Role::Decode as i32,
-            address,
-            layout: Some(layout),
-            load: None,
-        },
-        Arc::new(move || DecodeService::load(&load_counts.lock().expect("never poisoned"))),
-        stop.clone(),
-    );
     tracing::info!(node = node_id, %bound, "decode node serving");
     let routes = tonic::service::Routes::new(
         DecodeServer::new(service)
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20),
     );
-    let served = pdmesh_common::serve(
+    let registration = RegisterRequest {
+        node_id: node_id.clone(),
+        role: Role::Decode as i32,
+        address,
+        layout: Some(layout),
+        load: None,
+    };
+    let served = pdmesh_common::serve_node(
         routes,
         &["pdmesh.v1.Decode"],
         listener,
-        // Leaving the mesh comes first: with heartbeats stopped, routers stop placing new
-        // requests here while in-flight ones drain.
-        {
-            let stop = stop.clone();
-            async move {
-                shutdown.await;
-                stop.cancel();
-            }
-        },
+        shutdown,
         Duration::from_millis(config.drain_ms),
+        &config.routers,
+        registration,
+        Arc::new(move || DecodeService::load(&load_counts.lock().expect("never poisoned"))),
     )
     .await;
-    stop.cancel();
     // The service (and with it the command sender) is gone; the thread ends once in-flight
     // requests are done or cancelled.
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;

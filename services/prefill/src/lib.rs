@@ -16,7 +16,6 @@ use std::time::Duration;
 use pdmesh_proto::v1::prefill_server::PrefillServer;
 use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
 
 pub use config::PrefillConfig;
 pub use error::PrefillError;
@@ -64,42 +63,30 @@ pub async fn run(
         transferring: Arc::clone(&transferring),
         fault_delay: Duration::from_millis(config.fault_transfer_delay_ms),
     };
-    let stop = CancellationToken::new();
     let load_counts = Arc::clone(&counts);
-    let _membership = pdmesh_common::membership::spawn(
+    tracing::info!(node = node_id, %bound, "prefill node serving");
+    let routes = tonic::service::Routes::new(PrefillServer::new(service));
+    let registration = RegisterRequest {
+        node_id: node_id.clone(),
+        role: Role::Prefill as i32,
+        address,
+        layout: Some(layout),
+        load: None,
+    };
+    let served = pdmesh_common::serve_node(
+        routes,
+        &["pdmesh.v1.Prefill"],
+        listener,
+        shutdown,
+        Duration::from_millis(config.drain_ms),
         &config.routers,
-        RegisterRequest {
-            node_id: node_id.clone(),
-            role: Role::Prefill as i32,
-            address,
-            layout: Some(layout),
-            load: None,
-        },
+        registration,
         Arc::new(move || {
             let c = *load_counts.lock().expect("never poisoned");
             PrefillService::load(&c, transferring.load(std::sync::atomic::Ordering::Relaxed))
         }),
-        stop.clone(),
-    );
-    tracing::info!(node = node_id, %bound, "prefill node serving");
-    let routes = tonic::service::Routes::new(PrefillServer::new(service));
-    let served = pdmesh_common::serve(
-        routes,
-        &["pdmesh.v1.Prefill"],
-        listener,
-        // Leaving the mesh comes first: with heartbeats stopped, routers stop placing new
-        // requests here while in-flight ones drain.
-        {
-            let stop = stop.clone();
-            async move {
-                shutdown.await;
-                stop.cancel();
-            }
-        },
-        Duration::from_millis(config.drain_ms),
     )
     .await;
-    stop.cancel();
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
     served.map_err(|e| PrefillError::Startup(format!("serving: {e}")))
 }
