@@ -4,7 +4,7 @@
 //! `pdmesh up` and the test harness wait for), and it stops cleanly on Ctrl-C or SIGTERM.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
@@ -137,9 +137,6 @@ struct NodeOverlay<'a, X: Serialize> {
     extra: X,
 }
 
-/// The async runtime of a service. Workers do their compute on their own engine thread; their
-/// runtime only moves messages, and one thread does that without waking a second one per token
-/// (which, on a small machine, steals time from the engine's compute threads).
 fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
@@ -197,55 +194,103 @@ struct PrefillExtra {
     fault_transfer_delay_ms: Option<u64>,
 }
 
-pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+/// What differs between the service commands; everything else goes through `start`.
+trait Service: Serialize + serde::de::DeserializeOwned + Default {
+    const NAME: &'static str;
+    const ENV_PREFIX: &'static str;
+    /// Async worker threads: workers only move messages (their compute has its own thread),
+    /// and one thread does that without waking a second per token, which on a small machine
+    /// steals time from the engine's compute threads.
+    const ASYNC_THREADS: usize;
+    fn check(&self) -> Result<(), String>;
+    fn listen(&self) -> &str;
+    fn run(
+        self,
+        l: tokio::net::TcpListener,
+        shutdown: Shutdown,
+    ) -> impl Future<Output = anyhow::Result<()>>;
+}
+
+type Shutdown = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
+
+impl Service for pdmesh_decode::DecodeConfig {
+    const NAME: &'static str = "decode";
+    const ENV_PREFIX: &'static str = "PDMESH_DECODE_";
+    const ASYNC_THREADS: usize = 1;
+    fn check(&self) -> Result<(), String> {
+        self.validate()
+    }
+    fn listen(&self) -> &str {
+        &self.listen
+    }
+    async fn run(self, l: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+        Ok(pdmesh_decode::run(self, l, shutdown).await?)
+    }
+}
+
+impl Service for pdmesh_prefill::PrefillConfig {
+    const NAME: &'static str = "prefill";
+    const ENV_PREFIX: &'static str = "PDMESH_PREFILL_";
+    const ASYNC_THREADS: usize = 1;
+    fn check(&self) -> Result<(), String> {
+        self.validate()
+    }
+    fn listen(&self) -> &str {
+        &self.listen
+    }
+    async fn run(self, l: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+        Ok(pdmesh_prefill::run(self, l, shutdown).await?)
+    }
+}
+
+impl Service for pdmesh_router::RouterConfig {
+    const NAME: &'static str = "router";
+    const ENV_PREFIX: &'static str = "PDMESH_ROUTER_";
+    const ASYNC_THREADS: usize = 2;
+    fn check(&self) -> Result<(), String> {
+        self.validate()
+    }
+    fn listen(&self) -> &str {
+        &self.listen
+    }
+    async fn run(self, l: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+        Ok(pdmesh_router::run(self, l, shutdown).await?)
+    }
+}
+
+/// Loads a service's config (defaults → file → env → `overlay`), binds, announces the address
+/// and runs until a signal.
+fn start<C: Service>(
+    file: Option<&Path>,
+    overlay: &impl Serialize,
+    watch_stdin: bool,
+) -> anyhow::Result<()> {
     pdmesh_common::telemetry::init_logging();
-    let overlay = NodeOverlay { node: &a.node, extra: DecodeExtra { lease_ms: a.lease_ms } };
-    let cfg: pdmesh_decode::DecodeConfig = pdmesh_common::load_config(
-        &pdmesh_decode::DecodeConfig::default(),
-        a.node.config.as_deref(),
-        "PDMESH_DECODE_",
-        &overlay,
-    )?;
-    cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
-    runtime(1)?.block_on(async {
-        let l = bind_and_announce("decode", &cfg.listen).await?;
-        pdmesh_decode::run(cfg, l, shutdown_signal(a.node.exit_with_stdin)).await?;
-        Ok(())
+    let cfg: C = pdmesh_common::load_config(&C::default(), file, C::ENV_PREFIX, overlay)?;
+    cfg.check().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
+    runtime(C::ASYNC_THREADS)?.block_on(async {
+        let l = bind_and_announce(C::NAME, cfg.listen()).await?;
+        cfg.run(l, Box::pin(shutdown_signal(watch_stdin))).await
     })
+}
+
+pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
+    let overlay = NodeOverlay { node: &a.node, extra: DecodeExtra { lease_ms: a.lease_ms } };
+    start::<pdmesh_decode::DecodeConfig>(a.node.config.as_deref(), &overlay, a.node.exit_with_stdin)
 }
 
 pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
-    pdmesh_common::telemetry::init_logging();
     let extra = PrefillExtra { fault_transfer_delay_ms: a.fault_transfer_delay_ms };
     let overlay = NodeOverlay { node: &a.node, extra };
-    let cfg: pdmesh_prefill::PrefillConfig = pdmesh_common::load_config(
-        &pdmesh_prefill::PrefillConfig::default(),
+    start::<pdmesh_prefill::PrefillConfig>(
         a.node.config.as_deref(),
-        "PDMESH_PREFILL_",
         &overlay,
-    )?;
-    cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
-    runtime(1)?.block_on(async {
-        let l = bind_and_announce("prefill", &cfg.listen).await?;
-        pdmesh_prefill::run(cfg, l, shutdown_signal(a.node.exit_with_stdin)).await?;
-        Ok(())
-    })
+        a.node.exit_with_stdin,
+    )
 }
 
 pub fn router(a: RouterArgs) -> anyhow::Result<()> {
-    pdmesh_common::telemetry::init_logging();
-    let cfg: pdmesh_router::RouterConfig = pdmesh_common::load_config(
-        &pdmesh_router::RouterConfig::default(),
-        a.config.as_deref(),
-        "PDMESH_ROUTER_",
-        &a,
-    )?;
-    cfg.validate().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
-    runtime(2)?.block_on(async {
-        let l = bind_and_announce("router", &cfg.listen).await?;
-        pdmesh_router::run(cfg, l, shutdown_signal(a.exit_with_stdin)).await?;
-        Ok(())
-    })
+    start::<pdmesh_router::RouterConfig>(a.config.as_deref(), &a, a.exit_with_stdin)
 }
 
 #[cfg(test)]

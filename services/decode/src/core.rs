@@ -14,6 +14,8 @@ use pdmesh_engine::{
     Engine, FinishReason, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
 };
 
+use pdmesh_common::convert::ms;
+
 use crate::error::DecodeError;
 use crate::text::{Piece, Pushed, TextStream};
 
@@ -594,10 +596,6 @@ fn accept(
     }
     run.next = Some(tok);
     None
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 /// Placeholder output while a request's real output is borrowed.

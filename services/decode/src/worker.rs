@@ -100,7 +100,10 @@ pub fn run(
         let now = Instant::now();
         let next_lease = core.sweep(now);
         if !core.has_work() {
-            if !open && core.counts().reserved + core.counts().transferring == 0 {
+            if !open && {
+                let c = core.counts();
+                c.reserved + c.transferring == 0
+            } {
                 break;
             }
             let wait =

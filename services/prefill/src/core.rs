@@ -6,12 +6,14 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use pdmesh_engine::{
     Engine, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
 };
+
+use pdmesh_common::convert::ms;
 
 use crate::error::PrefillError;
 
@@ -286,8 +288,4 @@ impl PrefillCore {
         c.total_blocks = self.engine.kv().total_blocks() as u32;
         c
     }
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
