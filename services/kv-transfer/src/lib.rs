@@ -5,6 +5,7 @@
 
 pub mod grpc;
 pub mod layout;
+pub mod ucx;
 
 use std::fmt::Debug;
 

@@ -1,0 +1,549 @@
+//! A small safe layer over UCX for one-sided KV movement: a node (context + worker) whose
+//! worker is owned by one progress thread, endpoints made from a peer's packed worker address,
+//! registered memory with packed remote keys, and non-blocking put, get and flush whose
+//! completions arrive as futures.
+//!
+//! The progress thread runs a one-thread tokio runtime. It sleeps on the worker's event fd
+//! (armed with `ucp_worker_arm`) and on its command channel, so it uses no CPU while idle.
+//! Every operation's memory is owned by the operation until UCX reports it complete, so a
+//! caller that stops waiting (a cancelled request) never frees memory UCX still reads. A peer
+//! that dies fails its endpoint's operations with UCX's status instead of hanging them.
+
+mod ffi;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context as TaskContext, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+
+use ffi::{Completion, Context, Ep, EpFailure, MemHandle, Rkey, Worker};
+
+/// A failed UCX call, with UCX's own words for why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UcxError {
+    #[error("UCX {op} failed: {text}")]
+    Status { op: &'static str, code: i8, text: &'static str },
+    #[error("UCX {0}: the endpoint's peer failed ({1})")]
+    PeerFailed(&'static str, &'static str),
+    #[error("the UCX progress thread is gone")]
+    Closed,
+    #[error("UCX: {0}")]
+    Usage(String),
+}
+
+impl UcxError {
+    fn status(op: &'static str, code: i8) -> Self {
+        UcxError::Status { op, code, text: ffi::status_text(code) }
+    }
+}
+
+/// Backstop for a missed event-fd wakeup: the progress thread also polls this often.
+const IDLE_TICK: Duration = Duration::from_millis(100);
+/// How long shutdown waits for closing endpoints to be released.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+enum Cmd {
+    Connect { remote: Bytes, reply: oneshot::Sender<Result<u64, UcxError>> },
+    Unpack { ep: u64, packed: Bytes, reply: oneshot::Sender<Result<u64, UcxError>> },
+    DropRkey { ep: u64, rkey: u64 },
+    Put { ep: u64, rkey: u64, data: Bytes, remote: u64, done: Completion },
+    Get { ep: u64, rkey: u64, len: usize, remote: u64, done: Completion },
+    Flush { ep: u64, done: Completion },
+    Close { ep: u64 },
+}
+
+struct Inner {
+    name: String,
+    tx: mpsc::UnboundedSender<Cmd>,
+    address: Bytes,
+    ctx: Arc<Context>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Closing the channel stops the loop; joining means no endpoint outlives the node.
+        let (tx, _) = mpsc::unbounded_channel();
+        drop(std::mem::replace(&mut self.tx, tx));
+        if let Some(t) = self.thread.lock().ok().and_then(|mut t| t.take())
+            && t.join().is_err()
+        {
+            tracing::error!(node = self.name, "UCX progress thread panicked");
+        }
+    }
+}
+
+/// One process's UCX presence: a context, a worker and the thread that progresses it.
+/// Cheap to clone; the thread stops when the last clone (and every endpoint) is dropped.
+#[derive(Clone)]
+pub struct UcxNode {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for UcxNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UcxNode").field("name", &self.inner.name).finish()
+    }
+}
+
+impl UcxNode {
+    /// Starts a node. `name` labels its thread and logs. Fails with UCX's status when UCX
+    /// cannot initialise (e.g. `UCX_TLS` names no usable transport).
+    pub fn start(name: &str) -> Result<Self, UcxError> {
+        let ctx = Arc::new(Context::new()?);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let thread_ctx = Arc::clone(&ctx);
+        let thread_name = name.to_string();
+        let thread = std::thread::Builder::new()
+            .name(format!("ucx-{name}"))
+            .spawn(move || progress_thread(&thread_name, &thread_ctx, rx, ready_tx))
+            .map_err(|e| UcxError::Usage(format!("cannot start the progress thread: {e}")))?;
+        let address = match ready_rx.recv() {
+            Ok(Ok(a)) => seal(&a),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = thread.join();
+                return Err(UcxError::Closed);
+            }
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                name: name.to_string(),
+                tx,
+                address,
+                ctx,
+                thread: Mutex::new(Some(thread)),
+            }),
+        })
+    }
+
+    /// The packed worker address peers connect to (sealed, see `seal`).
+    pub fn address(&self) -> &Bytes {
+        &self.inner.address
+    }
+
+    /// Makes an endpoint to the worker whose sealed address is `remote`.
+    pub async fn connect(&self, remote: Bytes) -> Result<Endpoint, UcxError> {
+        let remote = unseal(&remote, "worker address")?;
+        let (reply, rx) = oneshot::channel();
+        self.send(Cmd::Connect { remote, reply })?;
+        let id = rx.await.map_err(|_| UcxError::Closed)??;
+        Ok(Endpoint { node: self.clone(), id })
+    }
+
+    /// Registers `[addr, addr + len)` so peers can put into and get from it; the region's
+    /// packed remote key is what they need.
+    ///
+    /// # Safety
+    /// The memory must stay allocated at the same address for as long as the returned
+    /// `Region` lives: peers write into it.
+    #[allow(unsafe_code)]
+    pub unsafe fn register(&self, addr: usize, len: usize) -> Result<Region, UcxError> {
+        if len == 0 {
+            return Err(UcxError::Usage("cannot register an empty region".into()));
+        }
+        // SAFETY: forwarded from this function's contract.
+        let (memh, rkey) = unsafe { self.inner.ctx.map(addr, len)? };
+        let rkey = seal(&rkey);
+        Ok(Region { ctx: Arc::clone(&self.inner.ctx), memh: Some(memh), rkey, base: addr as u64, len })
+    }
+
+    fn send(&self, cmd: Cmd) -> Result<(), UcxError> {
+        self.inner.tx.send(cmd).map_err(|_| UcxError::Closed)
+    }
+}
+
+const SEAL_MAGIC: &[u8; 4] = b"PDU1";
+
+/// UCX trusts the worker addresses and remote keys it is given (a malformed one trips an
+/// assertion that aborts the process), so the ones pdmesh hands to peers are sealed: a magic,
+/// the length and a hash of the bytes, checked before UCX ever sees them.
+fn seal(raw: &[u8]) -> Bytes {
+    let mut out = Vec::with_capacity(raw.len() + 16);
+    out.extend_from_slice(SEAL_MAGIC);
+    out.extend_from_slice(&(raw.len() as u32).to_le_bytes());
+    out.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(raw).to_le_bytes());
+    out.extend_from_slice(raw);
+    out.into()
+}
+
+fn unseal(sealed: &Bytes, what: &str) -> Result<Bytes, UcxError> {
+    let bad = |why: &str| UcxError::Usage(format!("malformed UCX {what}: {why}"));
+    if sealed.len() < 16 || &sealed[..4] != SEAL_MAGIC {
+        return Err(bad("not made by a pdmesh UCX node"));
+    }
+    let len = u32::from_le_bytes(sealed[4..8].try_into().expect("4 bytes")) as usize;
+    let hash = u64::from_le_bytes(sealed[8..16].try_into().expect("8 bytes"));
+    let raw = sealed.slice(16..);
+    if raw.len() != len || xxhash_rust::xxh3::xxh3_64(&raw) != hash {
+        return Err(bad("length or checksum does not match"));
+    }
+    Ok(raw)
+}
+
+/// Registered memory. Dropping it unregisters the memory before returning.
+pub struct Region {
+    ctx: Arc<Context>,
+    memh: Option<MemHandle>,
+    rkey: Bytes,
+    base: u64,
+    len: usize,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region").field("base", &self.base).field("len", &self.len).finish()
+    }
+}
+
+impl Region {
+    /// The packed remote key peers unpack to reach this region.
+    pub fn rkey(&self) -> &Bytes {
+        &self.rkey
+    }
+
+    /// The region's first address, as peers address it.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        if let Some(m) = self.memh.take()
+            && let Err(e) = self.ctx.unmap(m)
+        {
+            tracing::error!("{e}");
+        }
+    }
+}
+
+/// A connection to one peer worker. Dropping it closes it (after its operations finish).
+pub struct Endpoint {
+    node: UcxNode,
+    id: u64,
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Endpoint").field("id", &self.id).finish()
+    }
+}
+
+impl Endpoint {
+    /// Unpacks a peer region's (sealed) remote key for use on this endpoint.
+    pub async fn remote_key(&self, packed: Bytes) -> Result<RemoteKey, UcxError> {
+        let packed = unseal(&packed, "remote key")?;
+        let (reply, rx) = oneshot::channel();
+        self.node.send(Cmd::Unpack { ep: self.id, packed, reply })?;
+        let id = rx.await.map_err(|_| UcxError::Closed)??;
+        Ok(RemoteKey { node: self.node.clone(), ep: self.id, id })
+    }
+
+    /// Starts writing `data` at `remote` in the peer region of `rkey`. The returned future
+    /// resolves when the data has left this side's buffer; `flush` says when it landed.
+    /// Dropping the future does not cancel the write.
+    pub fn put(&self, data: Bytes, remote: u64, rkey: &RemoteKey) -> Pending<()> {
+        let (tx, rx) = oneshot::channel();
+        let done = Completion::Unit(tx);
+        match self.check_key(rkey) {
+            Ok(()) => self.issue(Cmd::Put { ep: self.id, rkey: rkey.id, data, remote, done }),
+            Err(e) => complete_unit(done, Err(e)),
+        }
+        Pending(rx)
+    }
+
+    /// Reads `len` bytes at `remote` in the peer region of `rkey`.
+    pub fn get(&self, len: usize, remote: u64, rkey: &RemoteKey) -> Pending<Vec<u8>> {
+        let (tx, rx) = oneshot::channel();
+        match self.check_key(rkey) {
+            Ok(()) => self.issue(Cmd::Get {
+                ep: self.id,
+                rkey: rkey.id,
+                len,
+                remote,
+                done: Completion::Data(tx),
+            }),
+            Err(e) => {
+                let _ = tx.send(Err(e));
+            }
+        }
+        Pending(rx)
+    }
+
+    /// Resolves when everything issued on this endpoint before it is complete at the peer.
+    pub fn flush(&self) -> Pending<()> {
+        let (tx, rx) = oneshot::channel();
+        self.issue(Cmd::Flush { ep: self.id, done: Completion::Unit(tx) });
+        Pending(rx)
+    }
+
+    fn check_key(&self, rkey: &RemoteKey) -> Result<(), UcxError> {
+        if rkey.ep == self.id && Arc::ptr_eq(&rkey.node.inner, &self.node.inner) {
+            Ok(())
+        } else {
+            Err(UcxError::Usage("a remote key was used on another endpoint than its own".into()))
+        }
+    }
+
+    fn issue(&self, cmd: Cmd) {
+        // A closed channel drops the command, whose completion sender then reports Closed.
+        let _ = self.node.send(cmd);
+    }
+}
+
+fn complete_unit(done: Completion, r: Result<(), UcxError>) {
+    if let Completion::Unit(tx) = done {
+        let _ = tx.send(r);
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        let _ = self.node.send(Cmd::Close { ep: self.id });
+    }
+}
+
+/// A peer region's remote key unpacked on one endpoint.
+pub struct RemoteKey {
+    node: UcxNode,
+    ep: u64,
+    id: u64,
+}
+
+impl std::fmt::Debug for RemoteKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteKey").field("ep", &self.ep).field("id", &self.id).finish()
+    }
+}
+
+impl Drop for RemoteKey {
+    fn drop(&mut self) {
+        let _ = self.node.send(Cmd::DropRkey { ep: self.ep, rkey: self.id });
+    }
+}
+
+/// The outcome of one operation.
+#[derive(Debug)]
+pub struct Pending<T>(oneshot::Receiver<Result<T, UcxError>>);
+
+impl<T> Future for Pending<T> {
+    type Output = Result<T, UcxError>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.0).poll(cx).map(|r| r.unwrap_or(Err(UcxError::Closed)))
+    }
+}
+
+struct EpState {
+    ep: Ep,
+    failure: Box<EpFailure>,
+    rkeys: HashMap<u64, Rkey>,
+}
+
+/// What the progress thread owns.
+/// Field order is drop order: remote keys go before the worker is destroyed, and the error
+/// cells of closing endpoints outlive it (UCX may call a handler while destroying).
+struct State {
+    name: String,
+    eps: HashMap<u64, EpState>,
+    worker: Worker,
+    closing: Vec<(oneshot::Receiver<Result<(), UcxError>>, Box<EpFailure>)>,
+    next_id: u64,
+}
+
+impl State {
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Connect { remote, reply } => {
+                let mut failure = Box::<EpFailure>::default();
+                let r = self.worker.connect(&remote, &mut *failure).map(|ep| {
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    self.eps.insert(id, EpState { ep, failure, rkeys: HashMap::new() });
+                    id
+                });
+                let _ = reply.send(r);
+            }
+            Cmd::Unpack { ep, packed, reply } => {
+                let id = self.next_id;
+                let r = self.live(ep, "rkey unpack").and_then(|s| s.ep.unpack(&packed)).map(|k| {
+                    self.next_id += 1;
+                    self.eps.get_mut(&ep).expect("checked live above").rkeys.insert(id, k);
+                    id
+                });
+                let _ = reply.send(r);
+            }
+            Cmd::DropRkey { ep, rkey } => {
+                if let Some(s) = self.eps.get_mut(&ep) {
+                    s.rkeys.remove(&rkey);
+                }
+            }
+            Cmd::Put { ep, rkey, data, remote, done } => match self.key(ep, rkey, "put") {
+                Ok((s, k)) => s.ep.put(data, remote, k, done),
+                Err(e) => complete_unit(done, Err(e)),
+            },
+            Cmd::Get { ep, rkey, len, remote, done } => match self.key(ep, rkey, "get") {
+                Ok((s, k)) => s.ep.get(len, remote, k, done),
+                Err(e) => {
+                    if let Completion::Data(tx) = done {
+                        let _ = tx.send(Err(e));
+                    }
+                }
+            },
+            Cmd::Flush { ep, done } => match self.live(ep, "flush") {
+                Ok(s) => s.ep.flush(done),
+                Err(e) => complete_unit(done, Err(e)),
+            },
+            Cmd::Close { ep } => self.close(ep),
+        }
+    }
+
+    fn live(&self, ep: u64, op: &'static str) -> Result<&EpState, UcxError> {
+        let s = self.eps.get(&ep).ok_or(UcxError::Usage(format!("{op}: endpoint is closed")))?;
+        match s.failure.0 {
+            Some(st) => Err(UcxError::PeerFailed(op, ffi::status_text(st))),
+            None => Ok(s),
+        }
+    }
+
+    fn key(&self, ep: u64, rkey: u64, op: &'static str) -> Result<(&EpState, &Rkey), UcxError> {
+        let s = self.live(ep, op)?;
+        let k = s.rkeys.get(&rkey).ok_or(UcxError::Usage(format!("{op}: remote key is gone")))?;
+        Ok((s, k))
+    }
+
+    fn close(&mut self, ep: u64) {
+        if let Some(s) = self.eps.remove(&ep) {
+            let EpState { ep, failure, rkeys } = s;
+            drop(rkeys);
+            let (tx, rx) = oneshot::channel();
+            // A failed endpoint has nothing left to flush: force it closed.
+            ep.close(failure.0.is_some(), Completion::Unit(tx));
+            self.closing.push((rx, failure));
+        }
+    }
+
+    fn reap(&mut self) {
+        self.closing.retain_mut(|(rx, _)| matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+    }
+
+    /// Progresses until nothing more happens, then arms the event fd. False: not armed yet.
+    fn settle(&mut self) -> bool {
+        while self.worker.progress() {}
+        self.reap();
+        match self.worker.arm() {
+            Ok(armed) => armed,
+            Err(e) => {
+                tracing::error!(node = self.name, "{e}");
+                false
+            }
+        }
+    }
+}
+
+fn progress_thread(
+    name: &str,
+    ctx: &Context,
+    mut rx: mpsc::UnboundedReceiver<Cmd>,
+    ready: std::sync::mpsc::Sender<Result<Bytes, UcxError>>,
+) {
+    let setup = || -> Result<(Worker, tokio::runtime::Runtime), UcxError> {
+        let worker = Worker::new(ctx)?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(|e| UcxError::Usage(format!("cannot build the progress runtime: {e}")))?;
+        Ok((worker, rt))
+    };
+    let (worker, rt) = match setup() {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let fd = match worker.address().and_then(|a| Ok((a, worker.event_fd()?))) {
+        Ok((address, fd)) => {
+            let _ = ready.send(Ok(address));
+            fd
+        }
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let mut st =
+        State { name: name.into(), eps: HashMap::new(), worker, closing: Vec::new(), next_id: 1 };
+    rt.block_on(async {
+        let afd = match st.worker.watch(fd) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::error!(node = st.name, "cannot watch the UCX event fd: {e}");
+                return;
+            }
+        };
+        'run: loop {
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => st.handle(cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break 'run,
+                }
+            }
+            if !st.settle() {
+                // Events are pending (or arming failed): progress again before sleeping.
+                tokio::task::yield_now().await;
+                continue;
+            }
+            tokio::select! {
+                cmd = rx.recv() => match cmd {
+                    Some(cmd) => st.handle(cmd),
+                    None => break 'run,
+                },
+                ready = afd.readable() => {
+                    if let Ok(mut g) = ready {
+                        g.clear_ready();
+                    }
+                }
+                () = tokio::time::sleep(IDLE_TICK) => {}
+            }
+        }
+        // Shutdown: close every endpoint (cancelling what is in flight) and wait for UCX to
+        // release them, so the worker is destroyed with nothing outstanding.
+        let ids: Vec<u64> = st.eps.keys().copied().collect();
+        for id in ids {
+            if let Some(s) = st.eps.get_mut(&id) {
+                s.failure.0.get_or_insert(ucx_rs::sys::ucs_status_t_UCS_ERR_CANCELED);
+            }
+            st.close(id);
+        }
+        let deadline = tokio::time::Instant::now() + CLOSE_GRACE;
+        while !st.closing.is_empty() && tokio::time::Instant::now() < deadline {
+            while st.worker.progress() {}
+            st.reap();
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        if !st.closing.is_empty() {
+            tracing::warn!(node = st.name, "{} UCX endpoints did not close in time", st.closing.len());
+        }
+    });
+    drop(st);
+}
