@@ -13,45 +13,55 @@ default:
 fetch-model:
     ./scripts/fetch-model.sh
 
+# System packages the build needs (rdma-core headers for UCX; no-op when present).
+system-deps:
+    ./scripts/system-deps.sh
+
 # Start a whole mesh on this machine (router on 127.0.0.1:50051, 1 prefill + 1 decode node);
 # then `just generate "..."` in another terminal. Ctrl-C stops it.
-up *args="": fetch-model
+up *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli
     ./target/release/pdmesh up --model {{model}} {{args}}
 
 # Stream a completion from a running mesh.
-generate prompt="Explain in one paragraph why the sky is blue." *args="":
+generate prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
     cargo run --release --locked -q -p pdmesh-cli -- generate "{{prompt}}" {{args}}
 
 # Generate from a prompt with the local engine (chat template applied), no mesh.
-run prompt="Explain in one paragraph why the sky is blue." *args="": fetch-model
+run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps fetch-model
     cargo run --release --locked -q -p pdmesh-cli -- run --model {{model}} --prompt "{{prompt}}" {{args}}
 
 # Run the whole test suite (unit, kernel, engine on the real model, CLI processes).
-test: fetch-model
+test: system-deps fetch-model
     cargo test --workspace --locked
 
 # Formatting and lints, as CI wants them.
-check:
+check: system-deps
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets --locked -- -D warnings
 
 # Every benchmark.
-bench: bench-engine bench-mesh
+bench: bench-engine bench-mesh bench-kv
+
+# KV transfer: UCX vs the gRPC stream vs memcpy for a 4,096-token prompt's KV between two
+# processes; then TTFT of a 2,048-token prompt with layer-wise push against push-after-prefill.
+bench-kv *args="": system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli
+    python3 scripts/bench_kv.py --model {{model}} {{args}}
 
 # The mesh against the engine alone (TTFT, inter-token latency), and 1 prefill + 1 decode
 # pinned to a core each against one colocated engine under a mixed load, in one run.
-bench-mesh *args="": fetch-model
+bench-mesh *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli
     python3 scripts/bench_mesh.py --model {{model}} {{args}}
 
 # Engine speed against llama.cpp on the same GGUF and threads, in one run (ratios printed).
-bench-engine threads="2" *args="": fetch-model _llamacpp
+bench-engine threads="2" *args="": system-deps fetch-model _llamacpp
     cargo build --release --locked -q -p pdmesh-cli
     {{bench_venv}}/bin/python scripts/bench_engine.py --model {{model}} --threads {{threads}} {{args}}
 
 # Fidelity against llama.cpp: greedy tokens on 12 chat prompts and perplexity.
-compare-llamacpp: fetch-model _llamacpp
+compare-llamacpp: system-deps fetch-model _llamacpp
     cargo build --release --locked -q -p pdmesh-cli
     {{bench_venv}}/bin/python scripts/compare_llamacpp.py --model {{model}}
 

@@ -137,6 +137,10 @@ impl ClusterBuilder {
         self.decode_args.extend(a.iter().map(|s| s.to_string()));
         self
     }
+    /// The KV transport both node kinds use ("ucx", "grpc" or "auto").
+    pub fn transport(self, t: &str) -> Self {
+        self.prefill_args(&["--kv-transport", t]).decode_args(&["--kv-transport", t])
+    }
 
     /// Starts the router and the nodes, and waits until every node has registered.
     pub async fn start(self) -> Cluster {

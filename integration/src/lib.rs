@@ -8,6 +8,24 @@ pub use cluster::{Cluster, eventually};
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
+/// Runs an `async fn name(transport: &str)` test once per KV transport, as `name::grpc` and
+/// `name::ucx`: every mesh behaviour must hold whichever transport moves the KV.
+#[macro_export]
+macro_rules! per_transport {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn grpc() {
+                super::$name("grpc").await
+            }
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ucx() {
+                super::$name("ucx").await
+            }
+        }
+    )*};
+}
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")

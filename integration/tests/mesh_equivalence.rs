@@ -1,12 +1,14 @@
 //! The disaggregation contract end to end: prompts through a mesh of 2 prefill and 2 decode
 //! processes, 8 at a time, give exactly the tokens `pdmesh run` gives on one engine — greedy and
-//! seeded sampling — and every node's KV blocks are back to free afterwards.
+//! seeded sampling — over each KV transport (with every block checksummed and verified), and
+//! every node's KV blocks are back to free afterwards.
 
 #![allow(clippy::unwrap_used)]
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use pdmesh_integration::{Cluster, eventually, pdmesh, run};
+use pdmesh_integration::{Cluster, eventually, pdmesh, per_transport, run};
 use pdmesh_proto::v1::{
     Chat, ChatMessage, FinishReason, GenerateRequest, SamplingParams, generate_request,
     generate_response,
@@ -62,10 +64,27 @@ fn reference(i: usize) -> Vec<u32> {
     v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn disaggregated_mesh_gives_the_tokens_of_one_engine() {
-    let expected: Vec<Vec<u32>> = (0..PROMPTS.len()).map(reference).collect();
-    let cluster = Cluster::builder().prefill(2).decode(2).start().await;
+/// The single-engine tokens, computed once for both transports.
+fn expected() -> &'static [Vec<u32>] {
+    static E: OnceLock<Vec<Vec<u32>>> = OnceLock::new();
+    E.get_or_init(|| (0..PROMPTS.len()).map(reference).collect())
+}
+
+/// Four node processes are all two cores take: one mesh at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+per_transport!(disaggregated_mesh_gives_the_tokens_of_one_engine);
+
+async fn disaggregated_mesh_gives_the_tokens_of_one_engine(transport: &str) {
+    let _serial = SERIAL.lock().await;
+    let expected = tokio::task::spawn_blocking(expected).await.unwrap();
+    let cluster = Cluster::builder()
+        .prefill(2)
+        .decode(2)
+        .transport(transport)
+        .prefill_args(&["--kv-verify"])
+        .start()
+        .await;
     let baseline: Vec<u32> = {
         let mut v = Vec::new();
         for i in 0..2 {
@@ -114,13 +133,22 @@ async fn disaggregated_mesh_gives_the_tokens_of_one_engine() {
         let reason = FinishReason::try_from(f.reason).unwrap();
         assert!(matches!(reason, FinishReason::Length | FinishReason::Eos), "{reason:?}");
         let timings = f.timings.unwrap();
-        assert_eq!(timings.kv_transport, "grpc");
+        assert_eq!(timings.kv_transport, transport);
         assert!(timings.kv_bytes > 0);
         assert_eq!(f.usage.unwrap().completion_tokens as usize, tokens.len());
         nodes_used.insert(timings.prefill_node);
         nodes_used.insert(timings.decode_node);
     }
     assert_eq!(nodes_used.len(), 4, "load-aware placement used only {nodes_used:?}");
+    let mut sent = 0;
+    for i in 0..2 {
+        for t in cluster.prefill_stats(i).await.transports {
+            assert_eq!(t.transport, transport, "{t:?}");
+            assert_eq!((t.failures, t.fallbacks), (0, 0), "{t:?}");
+            sent += t.transfers;
+        }
+    }
+    assert_eq!(sent, PROMPTS.len() as u64, "every transfer is counted under its transport");
     for (i, &want) in baseline.iter().enumerate() {
         eventually(Duration::from_secs(10), "decode blocks back to baseline", || {
             let c = &cluster;

@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use pdmesh_integration::{Cluster, eventually};
+use pdmesh_integration::{Cluster, eventually, per_transport};
 use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::{
     CancelRequest, Chat, ChatMessage, FinishReason, Finished, GenerateRequest, GenerateResponse,
@@ -91,12 +91,14 @@ async fn all_blocks_free(c: &Cluster) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cancellation_in_every_phase_frees_every_block() {
+per_transport!(cancellation_in_every_phase_frees_every_block);
+
+async fn cancellation_in_every_phase_frees_every_block(transport: &str) {
     let _serial = SERIAL.lock().await;
     let c = Cluster::builder()
         .prefill(1)
         .decode(1)
+        .transport(transport)
         // One prompt at a time, in small chunks (so a second prompt is seen waiting between
         // them), with KV messages slowed so a transfer outlasts the compute.
         .prefill_args(&[
@@ -154,10 +156,11 @@ async fn cancellation_in_every_phase_frees_every_block() {
     assert_eq!(s.completed, 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_prefill_node_is_retried_on_another() {
+per_transport!(killed_prefill_node_is_retried_on_another);
+
+async fn killed_prefill_node_is_retried_on_another(transport: &str) {
     let _serial = SERIAL.lock().await;
-    let mut c = Cluster::builder().prefill(2).decode(1).start().await;
+    let mut c = Cluster::builder().prefill(2).decode(1).transport(transport).start().await;
     let mut client = c.client().await;
     let s = start(&mut client, req(tokens(700), 8)).await;
     let until = Instant::now() + WAIT;
@@ -181,10 +184,105 @@ async fn killed_prefill_node_is_retried_on_another() {
     all_blocks_free(&c).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn killed_decode_node_ends_the_stream_with_unavailable() {
+per_transport!(prefill_killed_mid_transfer_fails_the_request_and_frees_the_reservation);
+
+/// The transfer is in flight (the first token already went out, KV pieces are slowed) when the
+/// prefill node dies: the decode node's reservation ends, its blocks are freed, and the client
+/// gets UNAVAILABLE naming the prefill node.
+async fn prefill_killed_mid_transfer_fails_the_request_and_frees_the_reservation(transport: &str) {
     let _serial = SERIAL.lock().await;
-    let mut c = Cluster::builder().prefill(1).decode(1).start().await;
+    let mut c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .transport(transport)
+        .prefill_args(&["--fault-transfer-delay-ms", "300"])
+        .start()
+        .await;
+    let mut client = c.client().await;
+    let s = start(&mut client, req(tokens(200), 4)).await;
+    eventually(WAIT, "transfer in flight", || async {
+        c.prefill_stats(0).await.transferring == 1 && c.decode_stats(0).await.transferring == 1
+    })
+    .await;
+    c.prefills[0].kill();
+    // Whether the first token had reached the client decides between the two correct ends:
+    // it had, so the request fails naming the dead node; it had not, so it is retried once
+    // elsewhere (here: prefilled on the decode node itself).
+    match tokio::time::timeout(WAIT, finish(s)).await.expect("hung") {
+        Err(err) => {
+            assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+            assert!(err.message().contains("prefill-0"), "status does not name the node: {err:?}");
+        }
+        Ok((toks, f)) => {
+            let t = f.timings.unwrap();
+            assert_eq!((toks.len(), t.attempts), (4, 2), "{t:?}");
+            assert_ne!(t.prefill_node, "prefill-0");
+        }
+    }
+    all_blocks_free(&c).await;
+    let d = c.decode_stats(0).await;
+    assert_eq!((d.transferring, d.reserved), (0, 0), "{d:?}");
+    // The broken transfer's reservation ended exactly once (failed, or released by the router).
+    assert_eq!(d.failed + d.cancelled, 1, "{d:?}");
+}
+
+per_transport!(decode_killed_mid_transfer_fails_the_request_and_frees_the_prefill_node);
+
+/// The decode node dies while KV is being pushed into it: the prefill node's transfer ends
+/// with an error, it holds no blocks and no transfer afterwards, and it serves the next request
+/// on a new decode node.
+async fn decode_killed_mid_transfer_fails_the_request_and_frees_the_prefill_node(transport: &str) {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .transport(transport)
+        .prefill_args(&["--fault-transfer-delay-ms", "300"])
+        .start()
+        .await;
+    let mut client = c.client().await;
+    let s = start(&mut client, req(tokens(200), 4)).await;
+    eventually(WAIT, "transfer in flight", || async {
+        c.prefill_stats(0).await.transferring == 1 && c.decode_stats(0).await.transferring == 1
+    })
+    .await;
+    c.decodes[0].kill();
+    let err = tokio::time::timeout(WAIT, finish(s)).await.expect("the stream hung").unwrap_err();
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    // The dead node is named, or (when the retry found no decode node left) that is said.
+    let m = err.message();
+    assert!(m.contains("decode-0") || m.contains("no decode node"), "unclear status: {err:?}");
+    eventually(WAIT, "prefill node idle", || async {
+        let p = c.prefill_stats(0).await;
+        (p.transferring, p.prefilling, p.queued) == (0, 0, 0)
+    })
+    .await;
+    all_blocks_free(&c).await;
+    // A new decode node joins; the same prefill node moves KV into it.
+    c.add_decode(&[]);
+    eventually(WAIT, "only decode-1 registered", || async {
+        let decodes: Vec<String> = c
+            .nodes()
+            .await
+            .into_iter()
+            .filter(|n| n.role == pdmesh_proto::v1::Role::Decode as i32)
+            .map(|n| n.node_id)
+            .collect();
+        decodes == ["decode-1"]
+    })
+    .await;
+    let (toks, f) = finish(start(&mut client, req(tokens(40), 4)).await).await.unwrap();
+    assert_eq!(toks.len(), 4);
+    let t = f.timings.unwrap();
+    assert_eq!((t.decode_node.as_str(), t.kv_transport.as_str()), ("decode-1", transport));
+    all_blocks_free(&c).await;
+}
+
+per_transport!(killed_decode_node_ends_the_stream_with_unavailable);
+
+async fn killed_decode_node_ends_the_stream_with_unavailable(transport: &str) {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::builder().prefill(1).decode(1).transport(transport).start().await;
     let mut client = c.client().await;
     let mut s = start(&mut client, req(tokens(30), 1000)).await;
     next_delta(&mut s).await;
@@ -229,6 +327,7 @@ async fn reservation_whose_kv_never_arrives_is_freed_at_lease_expiry() {
         prompt_tokens: 100,
         max_tokens: 50,
         lease_ms: 400,
+        remote_kv: true,
     };
     let target = d.reserve(r).await.unwrap().into_inner().target.unwrap();
     assert_eq!(target.blocks, 7);
@@ -387,11 +486,18 @@ async fn overload_is_refused_at_once_while_admitted_requests_finish() {
     all_blocks_free(&c).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kv_layout_mismatch_is_refused() {
+per_transport!(kv_layout_mismatch_is_refused);
+
+async fn kv_layout_mismatch_is_refused(transport: &str) {
     let _serial = SERIAL.lock().await;
     let c =
-        Cluster::builder().prefill(1).decode(1).prefill_args(&["--kv-dtype", "f32"]).start().await;
+        Cluster::builder()
+            .prefill(1)
+            .decode(1)
+            .transport(transport)
+            .prefill_args(&["--kv-dtype", "f32"])
+            .start()
+            .await;
     let mut client = c.client().await;
     let err = finish(start(&mut client, req(tokens(40), 4)).await).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
@@ -399,10 +505,11 @@ async fn kv_layout_mismatch_is_refused() {
     all_blocks_free(&c).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn deadline_and_cancel_end_requests_and_free_blocks() {
+per_transport!(deadline_and_cancel_end_requests_and_free_blocks);
+
+async fn deadline_and_cancel_end_requests_and_free_blocks(transport: &str) {
     let _serial = SERIAL.lock().await;
-    let c = Cluster::builder().prefill(1).decode(1).start().await;
+    let c = Cluster::builder().prefill(1).decode(1).transport(transport).start().await;
     let mut client = c.client().await;
     let mut r = tonic::Request::new(req(tokens(30), 4000));
     r.set_timeout(Duration::from_millis(1500));
@@ -461,4 +568,40 @@ async fn every_service_serves_health_and_reflection() {
             "{service} not listed by reflection: {names:?}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_falls_back_to_grpc_and_ucx_refuses_a_decode_node_without_it() {
+    let _serial = SERIAL.lock().await;
+    // The decode node offers no UCX: `auto` moves the KV over gRPC and counts a fallback.
+    let c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .prefill_args(&["--kv-transport", "auto"])
+        .decode_args(&["--kv-transport", "grpc"])
+        .start()
+        .await;
+    let mut client = c.client().await;
+    let (toks, f) = finish(start(&mut client, req(tokens(40), 4)).await).await.unwrap();
+    assert_eq!(toks.len(), 4);
+    assert_eq!(f.timings.unwrap().kv_transport, "grpc");
+    let t = c.prefill_stats(0).await.transports;
+    let ucx = t.iter().find(|t| t.transport == "ucx").expect("the fallback is counted");
+    let grpc = t.iter().find(|t| t.transport == "grpc").expect("the transfer is counted");
+    assert_eq!((ucx.fallbacks, ucx.transfers, grpc.transfers), (1, 0, 1), "{t:?}");
+    drop(c);
+
+    // `ucx` on the prefill node with the same decode node: a precise refusal, nothing leaks.
+    let c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .prefill_args(&["--kv-transport", "ucx"])
+        .decode_args(&["--kv-transport", "grpc"])
+        .start()
+        .await;
+    let mut client = c.client().await;
+    let err = finish(start(&mut client, req(tokens(40), 4)).await).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("UCX") && err.message().contains("decode-0"), "{err:?}");
+    all_blocks_free(&c).await;
 }

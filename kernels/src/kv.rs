@@ -176,6 +176,26 @@ impl KvBuffer {
         }
     }
 
+    /// Appends layer `layer`'s part of block `block` (K and V, `layer_elems` elements).
+    pub fn read_layer_bytes(&self, block: usize, layer: usize, out: &mut Vec<u8>) {
+        let g = &self.geometry;
+        let start = block * g.block_elems() + layer * g.layer_elems();
+        let range = start..start + g.layer_elems();
+        match &self.data {
+            KvData::F16(v) => out.extend_from_slice(bytemuck::cast_slice(&v[range])),
+            KvData::F32(v) => out.extend_from_slice(bytemuck::cast_slice(&v[range])),
+        }
+    }
+
+    /// The pool's memory as `(address, bytes)`: one allocation, fixed for the buffer's life.
+    pub fn region(&self) -> (usize, usize) {
+        let addr = match &self.data {
+            KvData::F16(v) => v.as_ptr() as usize,
+            KvData::F32(v) => v.as_ptr() as usize,
+        };
+        (addr, self.size_bytes())
+    }
+
     /// Overwrites block `block` with bytes made by `read_block_bytes` on a pool of the same
     /// geometry. Fails, changing nothing, when `data` is not exactly one block.
     pub fn write_block_bytes(&mut self, block: usize, data: &[u8]) -> Result<(), String> {

@@ -24,6 +24,8 @@ pub struct BenchArgs {
 pub enum BenchCommand {
     /// Engine throughput: prefill of one prompt, single-stream decode, batched decode.
     Engine(EngineBenchArgs),
+    /// KV transfer bandwidth into a decode node process: UCX vs the gRPC stream vs memcpy.
+    Kv(crate::kv_bench::KvBenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -56,6 +58,7 @@ pub struct EngineBenchArgs {
 pub fn run(a: BenchArgs) -> anyhow::Result<()> {
     match a.command {
         Some(BenchCommand::Engine(e)) => engine_bench(e),
+        Some(BenchCommand::Kv(k)) => crate::kv_bench::run(k),
         None => crate::mesh_bench::run(a.mesh),
     }
 }
@@ -76,7 +79,7 @@ fn tokens(engine: &Engine, n: usize) -> anyhow::Result<Vec<u32>> {
     Ok(one.iter().copied().cycle().take(n).collect())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }

@@ -4,6 +4,7 @@
 
 mod args;
 mod bench;
+mod kv_bench;
 mod generate;
 mod mesh_bench;
 mod perplexity;

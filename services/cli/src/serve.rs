@@ -64,6 +64,12 @@ pub struct NodeFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_running: Option<usize>,
+    /// How KV moves between prefill and decode nodes: ucx (one-sided RDMA puts; UCX_TLS,
+    /// UCX_NET_DEVICES … choose the fabric), grpc (the gRPC stream), auto (UCX when both ends
+    /// have it, else gRPC) [default: auto].
+    #[arg(long, value_parser = ["ucx", "grpc", "auto"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_transport: Option<String>,
     #[command(flatten)]
     engine: EngineFlags,
     /// Stop when stdin closes (used by `pdmesh up` so children never outlive it).
@@ -85,6 +91,13 @@ pub struct DecodeArgs {
 pub struct PrefillArgs {
     #[command(flatten)]
     node: NodeFlags,
+    /// When KV is pushed: layer (each layer as soon as it is computed, UCX only), chunk (after
+    /// each chunk), prompt (after the whole prompt) [default: layer].
+    #[arg(long, value_parser = ["layer", "chunk", "prompt"])]
+    kv_push: Option<String>,
+    /// Send a checksum of every KV block for the decode node to verify.
+    #[arg(long)]
+    kv_verify: bool,
     /// Fault injection for tests: delay before each KV message, in ms.
     #[arg(long, hide = true)]
     fault_transfer_delay_ms: Option<u64>,
@@ -191,6 +204,10 @@ struct DecodeExtra {
 #[derive(Serialize)]
 struct PrefillExtra {
     #[serde(skip_serializing_if = "Option::is_none")]
+    kv_push: Option<String>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    kv_verify: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
     fault_transfer_delay_ms: Option<u64>,
 }
 
@@ -280,7 +297,11 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
 }
 
 pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
-    let extra = PrefillExtra { fault_transfer_delay_ms: a.fault_transfer_delay_ms };
+    let extra = PrefillExtra {
+        kv_push: a.kv_push,
+        kv_verify: a.kv_verify,
+        fault_transfer_delay_ms: a.fault_transfer_delay_ms,
+    };
     let overlay = NodeOverlay { node: &a.node, extra };
     start::<pdmesh_prefill::PrefillConfig>(
         a.node.config.as_deref(),

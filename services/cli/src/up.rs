@@ -44,17 +44,29 @@ pub struct UpArgs {
     /// Pin decode nodes to these CPUs (taskset list).
     #[arg(long)]
     decode_cpus: Option<String>,
+    /// How KV moves from prefill to decode nodes: ucx, grpc or auto (see `pdmesh prefill --help`).
+    #[arg(long, value_parser = ["ucx", "grpc", "auto"])]
+    kv_transport: Option<String>,
+    /// When prefill nodes push KV: layer, chunk or prompt.
+    #[arg(long, value_parser = ["layer", "chunk", "prompt"])]
+    kv_push: Option<String>,
     /// Give up if the mesh is not ready within this many seconds.
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
 }
 
-struct Proc {
+/// A child node process; it ends with us (its stdin closes, and it is killed on drop).
+pub(crate) struct Proc {
     name: String,
     child: Child,
 }
 
-async fn spawn(name: &str, cpus: Option<&str>, args: &[String]) -> anyhow::Result<(Proc, String)> {
+/// Starts `pdmesh <args>` and returns it with the address it announced.
+pub(crate) async fn spawn(
+    name: &str,
+    cpus: Option<&str>,
+    args: &[String],
+) -> anyhow::Result<(Proc, String)> {
     let exe = std::env::current_exe().context("finding the pdmesh binary")?;
     let mut cmd = match cpus {
         Some(c) => {
@@ -145,6 +157,14 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                     && let Some(b) = a.kv_blocks
                 {
                     args.extend(["--kv-blocks".into(), b.to_string()]);
+                }
+                if let Some(t) = &a.kv_transport {
+                    args.extend(["--kv-transport".into(), t.clone()]);
+                }
+                if role == "prefill"
+                    && let Some(p) = &a.kv_push
+                {
+                    args.extend(["--kv-push".into(), p.clone()]);
                 }
                 let (p, _) = spawn(&name, cpus.as_deref(), &args).await?;
                 procs.push(p);

@@ -1,6 +1,7 @@
 //! The decode node's config: defaults → TOML file → `PDMESH_DECODE_*` → flags.
 
 use pdmesh_engine::EngineSettings;
+use pdmesh_kv_transfer::TransportKind;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -22,6 +23,9 @@ pub struct DecodeConfig {
     pub max_lease_ms: u64,
     /// Time in-flight calls get to finish at shutdown.
     pub drain_ms: u64,
+    /// How prefill nodes may deliver KV here: "ucx" (register the KV pool with UCX; fail to
+    /// start without it), "grpc" (the gRPC stream only), "auto" (UCX when it starts).
+    pub kv_transport: TransportKind,
     pub engine: EngineSettings,
 }
 
@@ -36,6 +40,7 @@ impl Default for DecodeConfig {
             lease_ms: 30_000,
             max_lease_ms: 300_000,
             drain_ms: 5_000,
+            kv_transport: TransportKind::Auto,
             engine: EngineSettings { kv_blocks: 1024, ..EngineSettings::default() },
         }
     }

@@ -62,6 +62,8 @@ pub struct Counts {
     pub prefilling: u32,
     pub decoding: u32,
     pub committed_blocks: u32,
+    /// Ended reservations whose blocks wait for their remote writer to close.
+    pub quarantined: u32,
     pub free_blocks: u32,
     pub total_blocks: u32,
     pub completed: u64,
@@ -96,8 +98,23 @@ struct Reservation {
     kv_started: bool,
     kv_blocks: usize,
     kv_complete: bool,
+    /// The prompt's blocks were allocated at reservation (their addresses went out).
+    preallocated: bool,
+    /// A remote writer (a UCX session) may still put into the blocks.
+    writer: bool,
     run: Option<Running>,
     scheduled: bool,
+}
+
+/// A new reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reserved {
+    pub id: u64,
+    /// Blocks the prompt's KV fills.
+    pub prompt_blocks: usize,
+    pub lease: Duration,
+    /// Pool blocks of the prompt, in order, when they were allocated at reservation.
+    pub pool_blocks: Vec<u32>,
 }
 
 pub struct DecodeCore {
@@ -110,6 +127,9 @@ pub struct DecodeCore {
     default_lease: Duration,
     max_lease: Duration,
     counts: Counts,
+    /// Sequences of ended reservations whose remote writer had not closed yet: their blocks
+    /// are reused only when it has (a late put must not land in another request's KV).
+    quarantine: HashMap<u64, (SeqId, usize)>,
 }
 
 impl std::fmt::Debug for DecodeCore {
@@ -137,6 +157,7 @@ impl DecodeCore {
             default_lease,
             max_lease,
             counts: Counts::default(),
+            quarantine: HashMap::new(),
         }
     }
 
@@ -148,15 +169,17 @@ impl DecodeCore {
         tokens.div_ceil(self.engine.config().block_size)
     }
 
-    /// Promises blocks for a prompt of `prompt_len` tokens plus `max_tokens` more. Returns the
-    /// reservation id and the number of blocks the prompt's KV fills.
+    /// Promises blocks for a prompt of `prompt_len` tokens plus `max_tokens` more. With
+    /// `remote_kv` the prompt's blocks are allocated now, so a transport can write them in
+    /// place.
     pub fn reserve(
         &mut self,
         prompt_len: usize,
         max_tokens: usize,
         lease: Option<Duration>,
+        remote_kv: bool,
         now: Instant,
-    ) -> Result<(u64, usize, Duration), DecodeError> {
+    ) -> Result<Reserved, DecodeError> {
         let ctx = self.engine.max_seq_len();
         if prompt_len == 0 {
             return Err(DecodeError::Invalid("prompt_tokens must be at least 1".into()));
@@ -178,6 +201,19 @@ impl DecodeCore {
         let id = self.next_id;
         self.next_id += 1;
         let seq = self.engine.create_sequence();
+        let mut pool_blocks = Vec::new();
+        if remote_kv {
+            let grown = self.engine.extend_sequence(seq, prompt_len).and_then(|()| {
+                (0..self.blocks_for(prompt_len)).map(|i| self.engine.pool_block(seq, i)).collect()
+            });
+            match grown {
+                Ok(b) => pool_blocks = b,
+                Err(e) => {
+                    self.engine.free_sequence(seq).expect("just created");
+                    return Err(e.into());
+                }
+            }
+        }
         self.committed += need;
         self.reservations.insert(
             id,
@@ -189,19 +225,23 @@ impl DecodeCore {
                 kv_started: false,
                 kv_blocks: 0,
                 kv_complete: false,
+                preallocated: remote_kv,
+                writer: false,
                 run: None,
                 scheduled: false,
             },
         );
-        Ok((id, self.blocks_for(prompt_len), lease))
+        Ok(Reserved { id, prompt_blocks: self.blocks_for(prompt_len), lease, pool_blocks })
     }
 
     fn get(&mut self, id: u64) -> Result<&mut Reservation, DecodeError> {
         self.reservations.get_mut(&id).ok_or(DecodeError::UnknownReservation(id))
     }
 
-    /// The first KV for a reservation arrived: its prompt's blocks are allocated.
-    pub fn kv_begin(&mut self, id: u64) -> Result<(), DecodeError> {
+    /// A transfer into the reservation starts: its prompt's blocks are allocated (if they
+    /// were not at reservation). A `writer` puts into them directly (UCX) and needs them
+    /// preallocated; until `writer_closed` they are never reused.
+    pub fn kv_begin(&mut self, id: u64, writer: bool) -> Result<(), DecodeError> {
         let r = self.reservations.get(&id).ok_or(DecodeError::UnknownReservation(id))?;
         if r.kv_started {
             return Err(DecodeError::Invalid(format!("reservation {id} already receives KV")));
@@ -209,9 +249,18 @@ impl DecodeCore {
         if matches!(r.run.as_ref(), Some(run) if run.local) {
             return Err(DecodeError::Invalid(format!("reservation {id} prefills locally")));
         }
+        if writer && !r.preallocated {
+            return Err(DecodeError::Invalid(format!(
+                "reservation {id} was made without remote_kv; its blocks have no addresses"
+            )));
+        }
         let (seq, n) = (r.seq, r.prompt_len);
-        self.engine.extend_sequence(seq, n).map_err(DecodeError::from)?;
-        self.get(id)?.kv_started = true;
+        if !r.preallocated {
+            self.engine.extend_sequence(seq, n).map_err(DecodeError::from)?;
+        }
+        let r = self.get(id)?;
+        r.kv_started = true;
+        r.writer = writer;
         Ok(())
     }
 
@@ -224,7 +273,7 @@ impl DecodeCore {
     ) -> Result<(), DecodeError> {
         let bpb = self.engine.kv().geometry().bytes_per_block();
         let r = self.reservations.get(&id).ok_or(DecodeError::UnknownReservation(id))?;
-        if !r.kv_started || r.kv_complete {
+        if !r.kv_started || r.kv_complete || r.writer {
             return Err(DecodeError::Invalid(format!("reservation {id} is not receiving KV")));
         }
         if data.is_empty() || !data.len().is_multiple_of(bpb) {
@@ -255,19 +304,73 @@ impl DecodeCore {
         Ok(())
     }
 
-    /// The sender says the KV is complete with `blocks` blocks.
-    pub fn kv_end(&mut self, id: u64, blocks: usize) -> Result<(), DecodeError> {
+    /// The sender says the KV is complete with `blocks` blocks. A remote writer says so only
+    /// after its writes completed, so its blocks count as written now. Non-empty `checksums`
+    /// (verify mode) are checked against each block; a mismatch fails the reservation.
+    pub fn kv_end(&mut self, id: u64, blocks: usize, checksums: &[u64]) -> Result<(), DecodeError> {
         let want = self.blocks_for(self.reservations.get(&id).map_or(0, |r| r.prompt_len));
         let r = self.get(id)?;
+        if !r.kv_started || r.kv_complete {
+            return Err(DecodeError::Invalid(format!("reservation {id} is not receiving KV")));
+        }
+        if r.writer {
+            r.kv_blocks = blocks.min(want);
+            r.writer = false;
+        }
         if r.kv_blocks != want || blocks != want {
             return Err(DecodeError::Invalid(format!(
                 "KV ended after {} blocks (sender says {blocks}), the prompt needs {want}",
                 r.kv_blocks
             )));
         }
-        r.kv_complete = true;
+        let seq = r.seq;
+        if !checksums.is_empty() {
+            if let Err(e) = self.verify(seq, checksums, want) {
+                self.kv_abort(id, e.clone());
+                return Err(e);
+            }
+        }
+        self.get(id)?.kv_complete = true;
         self.maybe_schedule(id);
         Ok(())
+    }
+
+    fn verify(&self, seq: SeqId, checksums: &[u64], blocks: usize) -> Result<(), DecodeError> {
+        if checksums.len() != blocks {
+            return Err(DecodeError::Invalid(format!(
+                "{} checksums for {blocks} blocks",
+                checksums.len()
+            )));
+        }
+        let mut buf = Vec::new();
+        for (i, &want) in checksums.iter().enumerate() {
+            buf.clear();
+            self.engine.read_block(seq, i, &mut buf).map_err(DecodeError::from)?;
+            if pdmesh_kv_transfer::block_checksum(&buf) != want {
+                return Err(DecodeError::Corrupt { block: i });
+            }
+        }
+        Ok(())
+    }
+
+    /// The remote writer of reservation `id` can write no more (its session ended). Its
+    /// quarantined blocks are freed; a reservation still waiting for that writer's KV fails.
+    pub fn writer_closed(&mut self, id: u64, from: &str) {
+        if let Some((seq, committed)) = self.quarantine.remove(&id) {
+            self.committed -= committed;
+            self.engine.free_sequence(seq).expect("a quarantined sequence exists");
+            return;
+        }
+        if let Some(r) = self.reservations.get_mut(&id)
+            && r.writer
+        {
+            r.writer = false;
+            let why = DecodeError::TransferBroken {
+                from: from.into(),
+                why: "the UCX session ended before its commit".into(),
+            };
+            self.finish_with(id, Err(why));
+        }
     }
 
     /// The transfer broke: the reservation fails and its blocks are freed.
@@ -394,6 +497,10 @@ impl DecodeCore {
     fn free(&mut self, id: u64) {
         if let Some(r) = self.reservations.remove(&id) {
             self.sched.remove(id);
+            if r.writer {
+                self.quarantine.insert(id, (r.seq, r.committed));
+                return;
+            }
             self.committed -= r.committed;
             self.engine.free_sequence(r.seq).expect("a reservation's sequence exists");
         }
@@ -556,6 +663,7 @@ impl DecodeCore {
             }
         }
         c.committed_blocks = self.committed as u32;
+        c.quarantined = self.quarantine.len() as u32;
         c.free_blocks = self.engine.kv().free_blocks() as u32;
         c.total_blocks = self.engine.kv().total_blocks() as u32;
         c

@@ -14,6 +14,8 @@ pub enum DecodeError {
     LeaseExpired(u64),
     #[error("KV transfer from {from} broke: {why}")]
     TransferBroken { from: String, why: String },
+    #[error("KV block {block} failed its checksum: the transfer corrupted it")]
+    Corrupt { block: usize },
     #[error("engine: {0}")]
     Engine(std::sync::Arc<pdmesh_engine::Error>),
     /// The node could not start or keep serving (bad config, engine load, listener).
@@ -41,6 +43,7 @@ pub fn to_status(e: &DecodeError, node: &str) -> Status {
         DecodeError::UnknownReservation(_) => Status::not_found(msg),
         DecodeError::LeaseExpired(_) => Status::deadline_exceeded(msg),
         DecodeError::TransferBroken { .. } => Status::unavailable(msg),
+        DecodeError::Corrupt { .. } => Status::data_loss(msg),
         DecodeError::Engine(inner) => match inner.class() {
             ErrorClass::InvalidRequest => Status::invalid_argument(msg),
             ErrorClass::CapacityExhausted => Status::resource_exhausted(msg),

@@ -34,12 +34,13 @@ pub async fn run(
     let bound = listener.local_addr().map_err(|e| DecodeError::Startup(e.to_string()))?;
     let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("decode@{address}"));
-    let engine = tokio::task::spawn_blocking({
+    let mut engine = tokio::task::spawn_blocking({
         let s = config.engine.clone();
         move || s.load()
     })
     .await
     .map_err(|e| DecodeError::Startup(format!("loading the engine: {e}")))??;
+    let pool = register_pool(config.kv_transport, &node_id, &mut engine)?;
     let layout = pdmesh_kv_transfer::layout_of(&engine);
     let context = engine.max_seq_len();
     let core = DecodeCore::new(
@@ -66,9 +67,11 @@ pub async fn run(
         context,
         tx,
         counts: Arc::clone(&counts),
+        pool,
+        stats: Arc::new(pdmesh_kv_transfer::TransferStats::new()),
     };
     let load_counts = Arc::clone(&counts);
-    tracing::info!(node = node_id, %bound, "decode node serving");
+    tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, ucx = service.pool.is_some(), "decode node serving");
     let routes = tonic::service::Routes::new(
         DecodeServer::new(service)
             .max_decoding_message_size(64 << 20)
@@ -96,4 +99,25 @@ pub async fn run(
     // requests are done or cancelled.
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
     served.map_err(|e| DecodeError::Startup(format!("serving: {e}")))
+}
+
+/// Registers the KV pool with UCX as `kind` asks: required for `ucx`, tried for `auto`.
+fn register_pool(
+    kind: pdmesh_kv_transfer::TransportKind,
+    node_id: &str,
+    engine: &mut pdmesh_engine::Engine,
+) -> Result<Option<pdmesh_kv_transfer::KvPool>, DecodeError> {
+    use pdmesh_kv_transfer::TransportKind;
+    let startup = |e: pdmesh_kv_transfer::ucx::UcxError| {
+        DecodeError::Startup(format!("kv_transport = ucx: {e}"))
+    };
+    let Some(node) = kind.start_ucx(node_id).map_err(startup)? else { return Ok(None) };
+    match pdmesh_kv_transfer::register_kv_pool(&node, engine) {
+        Ok(pool) => Ok(Some(pool)),
+        Err(e) if kind == TransportKind::Ucx => Err(startup(e)),
+        Err(e) => {
+            tracing::warn!("cannot register the KV pool with UCX, KV arrives over gRPC: {e}");
+            Ok(None)
+        }
+    }
 }

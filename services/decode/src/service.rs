@@ -5,12 +5,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_common::convert::{finish_reason, sampling_from};
+use pdmesh_kv_transfer::{KvPool, TransferStats};
 use pdmesh_proto::v1::decode_server::Decode;
 use pdmesh_proto::v1::kv_chunk::Chunk;
 use pdmesh_proto::v1::{
-    DecodeEvent, DecodeFinished, DecodeRequest, Delta, KvChunk, KvLayout, KvTarget, NodeLoad,
-    NodeStats, PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse,
-    Role, StatsRequest, decode_event, decode_request,
+    DecodeEvent, DecodeFinished, DecodeRequest, Delta, KvAccepted, KvChunk, KvCommitted,
+    KvHeader, KvLayout, KvSessionEvent, KvSessionRequest, KvTarget, NodeLoad, NodeStats,
+    PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role,
+    StatsRequest, decode_event, decode_request, kv_session_event, kv_session_request,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
@@ -28,6 +30,29 @@ pub struct DecodeService {
     pub context: usize,
     pub tx: mpsc::Sender<Command>,
     pub counts: Arc<Mutex<Counts>>,
+    /// The registered KV pool when this node offers UCX.
+    pub pool: Option<KvPool>,
+    pub stats: Arc<TransferStats>,
+}
+
+/// Tells the engine thread a transfer's stream ended, however the handler exits.
+struct TransferEnd {
+    tx: mpsc::Sender<Command>,
+    id: u64,
+}
+
+impl Drop for TransferEnd {
+    fn drop(&mut self) {
+        let (tx, id) = (self.tx.clone(), self.id);
+        if tx.try_send(Command::WriterClosed { id }).is_err() {
+            // The queue is full: send from a task rather than lose the notice (it frees blocks).
+            if let Ok(h) = tokio::runtime::Handle::try_current() {
+                h.spawn(async move {
+                    let _ = tx.send(Command::WriterClosed { id }).await;
+                });
+            }
+        }
+    }
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<DecodeEvent, Status>> + Send>>;
@@ -56,6 +81,23 @@ impl DecodeService {
         })
     }
 
+    /// Checks a transfer's header and tells the engine thread it starts.
+    async fn begin(&self, header: Option<KvHeader>, writer: bool) -> Result<(u64, String), Status> {
+        let header = header.ok_or_else(|| Status::invalid_argument("a KV stream starts with a header"))?;
+        let from = if header.prefill_node.is_empty() {
+            "a prefill node".into()
+        } else {
+            header.prefill_node.clone()
+        };
+        pdmesh_kv_transfer::check_layout(&self.layout, header.layout.as_ref(), &from).map_err(
+            |s| Status::new(s.code(), format!("node {}: {}", self.node_id, s.message())),
+        )?;
+        let id = self.parse_id(&header.reservation_id)?;
+        let f = from.clone();
+        self.call(|reply| Command::KvBegin { id, from: f, writer, reply }).await?;
+        Ok((id, from))
+    }
+
     pub fn load(counts: &Counts) -> NodeLoad {
         NodeLoad {
             queued: counts.queued + counts.reserved + counts.transferring,
@@ -76,19 +118,26 @@ impl Decode for DecodeService {
         let r = req.into_inner();
         let lease = (r.lease_ms > 0).then(|| Duration::from_millis(u64::from(r.lease_ms)));
         let (prompt_len, max_tokens) = (r.prompt_tokens as usize, r.max_tokens as usize);
-        let (id, blocks, lease) =
-            self.call(|reply| Command::Reserve { prompt_len, max_tokens, lease, reply }).await?;
-        tracing::debug!(request = r.request_id, reservation = id, blocks, "reserved");
+        let remote_kv = r.remote_kv;
+        let res = self
+            .call(|reply| Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply })
+            .await?;
+        tracing::debug!(request = r.request_id, reservation = res.id, blocks = res.prompt_blocks, "reserved");
+        let ucx = match (&self.pool, remote_kv) {
+            (Some(pool), true) => Some(pool.target(&res.pool_blocks)),
+            _ => None,
+        };
         Ok(Response::new(ReserveResponse {
             target: Some(KvTarget {
-                reservation_id: id.to_string(),
+                reservation_id: res.id.to_string(),
                 decode_node: self.node_id.clone(),
                 address: self.address.clone(),
                 layout: Some(self.layout.clone()),
-                blocks: blocks as u32,
+                blocks: res.prompt_blocks as u32,
                 prompt_tokens: r.prompt_tokens,
+                ucx,
             }),
-            lease_ms: lease.as_millis().min(u128::from(u32::MAX)) as u32,
+            lease_ms: res.lease.as_millis().min(u128::from(u32::MAX)) as u32,
         }))
     }
 
@@ -164,20 +213,12 @@ impl Decode for DecodeService {
     ) -> Result<Response<PushKvResponse>, Status> {
         let mut s = req.into_inner();
         let header = match s.message().await? {
-            Some(KvChunk { chunk: Some(Chunk::Header(h)) }) => h,
-            _ => return Err(Status::invalid_argument("a KV stream starts with a header")),
+            Some(KvChunk { chunk: Some(Chunk::Header(h)) }) => Some(h),
+            _ => None,
         };
-        let from = if header.prefill_node.is_empty() {
-            "a prefill node".into()
-        } else {
-            header.prefill_node.clone()
-        };
-        pdmesh_kv_transfer::check_layout(&self.layout, header.layout.as_ref(), &from).map_err(
-            |s| Status::new(s.code(), format!("node {}: {}", self.node_id, s.message())),
-        )?;
-        let id = self.parse_id(&header.reservation_id)?;
-        let f = from.clone();
-        self.call(|reply| Command::KvBegin { id, from: f, reply }).await?;
+        let started = std::time::Instant::now();
+        let (id, from) = self.begin(header, false).await?;
+        let _end = TransferEnd { tx: self.tx.clone(), id };
         let mut bytes = 0u64;
         let abort = |why: String| Command::KvAbort {
             id,
@@ -204,8 +245,11 @@ impl Decode for DecodeService {
                     self.tx.send(cmd).await.map_err(|_| self.status(&DecodeError::ShuttingDown))?;
                 }
                 Some(Chunk::End(e)) => {
-                    let blocks = e.blocks as usize;
-                    self.call(|reply| Command::KvEnd { id, blocks, reply }).await?;
+                    let (blocks, checksums) = (e.blocks as usize, e.checksums);
+                    let r = self.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
+                    let secs = started.elapsed().as_secs_f64();
+                    self.stats.record("grpc", r.as_ref().ok().map(|()| bytes), secs);
+                    r?;
                     return Ok(Response::new(PushKvResponse { bytes }));
                 }
                 _ => {
@@ -214,6 +258,66 @@ impl Decode for DecodeService {
                 }
             }
         }
+    }
+
+    type KvSessionStream = Pin<Box<dyn Stream<Item = Result<KvSessionEvent, Status>> + Send>>;
+
+    async fn kv_session(
+        &self,
+        req: Request<Streaming<KvSessionRequest>>,
+    ) -> Result<Response<Self::KvSessionStream>, Status> {
+        if self.pool.is_none() {
+            return Err(Status::failed_precondition(format!(
+                "node {}: this decode node offers no UCX (kv_transport = grpc)",
+                self.node_id
+            )));
+        }
+        let mut inbound = req.into_inner();
+        let header = match inbound.message().await? {
+            Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Open(h)) }) => Some(h),
+            _ => None,
+        };
+        let started = std::time::Instant::now();
+        let (id, from) = self.begin(header, true).await?;
+        let end = TransferEnd { tx: self.tx.clone(), id };
+        let (events, rx) = mpsc::channel(2);
+        let accepted = KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted {})) };
+        let _ = events.try_send(Ok(accepted));
+        let this = self.clone();
+        tokio::spawn(async move {
+            // Until the commit (or the end of the stream) the prefill node may be putting.
+            let outcome = match inbound.message().await {
+                Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Commit(e)) })) => {
+                    let (blocks, checksums) = (e.blocks as usize, e.checksums);
+                    let bytes = blocks as u64
+                        * pdmesh_kv_transfer::bytes_per_block(&this.layout).unwrap_or(0) as u64;
+                    let r = this.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
+                    this.stats.record("ucx", r.as_ref().ok().map(|()| bytes), started.elapsed().as_secs_f64());
+                    r.map(|()| bytes)
+                }
+                Ok(Some(_)) => Err(Status::invalid_argument("a UCX session takes one commit after its open")),
+                Ok(None) => Err(Status::cancelled("the session ended before its commit")),
+                Err(s) => Err(s),
+            };
+            match outcome {
+                Ok(bytes) => {
+                    let ev = KvSessionEvent {
+                        event: Some(kv_session_event::Event::Committed(KvCommitted { bytes })),
+                    };
+                    let _ = events.send(Ok(ev)).await;
+                }
+                Err(st) => {
+                    tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
+                    let why = DecodeError::TransferBroken { from, why: st.message().to_string() };
+                    let _ = this.tx.send(Command::KvAbort { id, why }).await;
+                    let _ = events.send(Err(st)).await;
+                }
+            }
+            // Dropping `end` reports the writer closed: the prefill node flushed before its
+            // commit, and ended or lost the stream otherwise.
+            drop(end);
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
@@ -232,6 +336,7 @@ impl Decode for DecodeService {
             cancelled: c.cancelled,
             failed: c.failed,
             leases_expired: c.leases_expired,
+            transports: self.stats.snapshot(),
         }))
     }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::core::{Attach, Counts, DecodeCore, Event, Output};
+use crate::core::{Attach, Counts, DecodeCore, Event, Output, Reserved};
 use crate::error::DecodeError;
 
 /// Most commands queued for the engine thread.
@@ -25,7 +25,8 @@ pub enum Command {
         prompt_len: usize,
         max_tokens: usize,
         lease: Option<Duration>,
-        reply: Reply<(u64, usize, Duration)>,
+        remote_kv: bool,
+        reply: Reply<Reserved>,
     },
     Release {
         id: u64,
@@ -34,6 +35,8 @@ pub enum Command {
     KvBegin {
         id: u64,
         from: String,
+        /// A UCX session: the sender puts into the blocks itself.
+        writer: bool,
         reply: Reply<()>,
     },
     KvWrite {
@@ -44,7 +47,12 @@ pub enum Command {
     KvEnd {
         id: u64,
         blocks: usize,
+        checksums: Vec<u64>,
         reply: Reply<()>,
+    },
+    /// A UCX session ended: its writer can put no more.
+    WriterClosed {
+        id: u64,
     },
     KvAbort {
         id: u64,
@@ -102,7 +110,7 @@ pub fn run(
         if !core.has_work() {
             if !open && {
                 let c = core.counts();
-                c.reserved + c.transferring == 0
+                c.reserved + c.transferring + c.quarantined == 0
             } {
                 break;
             }
@@ -141,15 +149,15 @@ fn handle(
 ) {
     let now = Instant::now();
     match cmd {
-        Command::Reserve { prompt_len, max_tokens, lease, reply } => {
-            let _ = reply.send(core.reserve(prompt_len, max_tokens, lease, now));
+        Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply } => {
+            let _ = reply.send(core.reserve(prompt_len, max_tokens, lease, remote_kv, now));
         }
         Command::Release { id, reply } => {
             sources.remove(&id);
             let _ = reply.send(core.release(id));
         }
-        Command::KvBegin { id, from, reply } => {
-            let r = core.kv_begin(id);
+        Command::KvBegin { id, from, writer, reply } => {
+            let r = core.kv_begin(id, writer);
             if r.is_ok() {
                 sources.insert(id, from);
             }
@@ -161,9 +169,12 @@ fn handle(
                 core.kv_abort(id, e);
             }
         }
-        Command::KvEnd { id, blocks, reply } => {
-            sources.remove(&id);
-            let _ = reply.send(core.kv_end(id, blocks));
+        Command::KvEnd { id, blocks, checksums, reply } => {
+            let _ = reply.send(core.kv_end(id, blocks, &checksums));
+        }
+        Command::WriterClosed { id } => {
+            let from = sources.remove(&id).unwrap_or_else(|| "the prefill node".into());
+            core.writer_closed(id, &from);
         }
         Command::KvAbort { id, why } => {
             let from = sources.remove(&id).unwrap_or_default();

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use pdmesh_decode::core::{Attach, DecodeCore, Event, Output, Start};
+use pdmesh_decode::core::{Attach, DecodeCore, Event, Output, Reserved, Start};
 use pdmesh_decode::error::DecodeError;
 use pdmesh_decode::text::{Pushed, TextStream};
 use pdmesh_engine::{Engine, EngineConfig, GenerateParams, Model, SamplingParams, generate};
@@ -101,7 +101,7 @@ fn colocated_requests_give_generates_tokens_and_free_their_blocks() {
     let now = Instant::now();
     let sinks = [Sink::default(), Sink::default()];
     for (p, s) in prompts.iter().zip(&sinks) {
-        let (id, _, _) = c.reserve(p.len(), 12, None, now).unwrap();
+        let id = c.reserve(p.len(), 12, None, false, now).unwrap().id;
         c.attach(id, attach(p.clone(), 12, Start::Local), Box::new(s.clone()), now).unwrap();
     }
     run_until_done(&mut c, &[&sinks[0], &sinks[1]]);
@@ -116,13 +116,14 @@ fn reservations_are_bounded_leased_and_released() {
     let mut c = core(10);
     let t0 = Instant::now();
     // 10 blocks of 16 tokens: 100 + 50 tokens take all 10.
-    let (a, blocks, lease) = c.reserve(100, 50, None, t0).unwrap();
+    let Reserved { id: a, prompt_blocks: blocks, lease, .. } =
+        c.reserve(100, 50, None, false, t0).unwrap();
     assert_eq!((blocks, lease), (7, Duration::from_millis(200)));
-    assert!(matches!(c.reserve(1, 1, None, t0), Err(DecodeError::NoBlocks { need: 1, free: 0 })));
+    assert!(matches!(c.reserve(1, 1, None, false, t0), Err(DecodeError::NoBlocks { need: 1, free: 0 })));
     assert!(c.release(a));
     assert!(!c.release(a), "released twice");
-    let (b, _, _) = c.reserve(10, 10, Some(Duration::from_millis(50)), t0).unwrap();
-    c.kv_begin(b).unwrap();
+    let b = c.reserve(10, 10, Some(Duration::from_millis(50)), false, t0).unwrap().id;
+    c.kv_begin(b, false).unwrap();
     assert_eq!(c.counts().transferring, 1);
     c.sweep(t0 + Duration::from_millis(49));
     assert_eq!(c.counts().transferring, 1, "expired early");
@@ -132,11 +133,11 @@ fn reservations_are_bounded_leased_and_released() {
         (k.transferring, k.leases_expired, k.free_blocks, k.committed_blocks),
         (0, 1, 10, 0)
     );
-    assert!(matches!(c.kv_end(b, 1), Err(DecodeError::UnknownReservation(_))));
+    assert!(matches!(c.kv_end(b, 1, &[]), Err(DecodeError::UnknownReservation(_))));
     // Out-of-range and malformed requests.
-    assert!(matches!(c.reserve(0, 5, None, t0), Err(DecodeError::Invalid(_))));
-    assert!(matches!(c.reserve(5, 0, None, t0), Err(DecodeError::Invalid(_))));
-    assert!(matches!(c.reserve(8000, 500, None, t0), Err(DecodeError::Invalid(_))));
+    assert!(matches!(c.reserve(0, 5, None, false, t0), Err(DecodeError::Invalid(_))));
+    assert!(matches!(c.reserve(5, 0, None, false, t0), Err(DecodeError::Invalid(_))));
+    assert!(matches!(c.reserve(8000, 500, None, false, t0), Err(DecodeError::Invalid(_))));
 }
 
 #[test]
@@ -144,21 +145,21 @@ fn bad_kv_is_refused_and_frees_nothing_twice() {
     let mut c = core(16);
     let t0 = Instant::now();
     let bpb = c.engine().kv().geometry().bytes_per_block();
-    let (id, blocks, _) = c.reserve(40, 8, None, t0).unwrap();
+    let Reserved { id, prompt_blocks: blocks, .. } = c.reserve(40, 8, None, false, t0).unwrap();
     assert_eq!(blocks, 3);
     assert!(
         matches!(c.kv_write(id, 0, &vec![0; bpb]), Err(DecodeError::Invalid(_))),
         "before begin"
     );
-    c.kv_begin(id).unwrap();
-    assert!(matches!(c.kv_begin(id), Err(DecodeError::Invalid(_))));
+    c.kv_begin(id, false).unwrap();
+    assert!(matches!(c.kv_begin(id, false), Err(DecodeError::Invalid(_))));
     assert!(c.kv_write(id, 0, &vec![0; bpb - 1]).is_err(), "partial block");
     assert!(c.kv_write(id, 1, &vec![0; bpb]).is_err(), "out of order");
     assert!(c.kv_write(id, 2, &vec![0; 2 * bpb]).is_err(), "past the prompt");
     c.kv_write(id, 0, &vec![0; 2 * bpb]).unwrap();
-    assert!(c.kv_end(id, 3).is_err(), "ended one block short");
+    assert!(c.kv_end(id, 3, &[]).is_err(), "ended one block short");
     c.kv_write(id, 2, &vec![0; bpb]).unwrap();
-    c.kv_end(id, 3).unwrap();
+    c.kv_end(id, 3, &[]).unwrap();
     let sink = Sink::default();
     let p = vec![1u32; 40];
     assert!(
@@ -176,11 +177,71 @@ fn bad_kv_is_refused_and_frees_nothing_twice() {
 }
 
 #[test]
+fn remote_writers_get_preallocated_blocks_and_quarantine_them() {
+    let mut c = core(16);
+    let t0 = Instant::now();
+    let bpb = c.engine().kv().geometry().bytes_per_block();
+    // Without remote_kv the blocks have no addresses, so a writer is refused.
+    let plain = c.reserve(40, 8, None, false, t0).unwrap();
+    assert!(plain.pool_blocks.is_empty());
+    assert!(matches!(c.kv_begin(plain.id, true), Err(DecodeError::Invalid(_))));
+    assert!(c.release(plain.id));
+
+    let r = c.reserve(40, 8, Some(Duration::from_millis(50)), true, t0).unwrap();
+    assert_eq!(r.pool_blocks.len(), 3, "the prompt's blocks are allocated at once");
+    assert_eq!(c.counts().free_blocks, 13);
+    c.kv_begin(r.id, true).unwrap();
+    assert!(c.kv_write(r.id, 0, &vec![0; bpb]).is_err(), "a writer's KV does not come by stream");
+    // The lease runs out while the writer may still be putting: the reservation fails but
+    // its blocks stay out of the pool until the writer's session ends.
+    c.sweep(t0 + Duration::from_millis(60));
+    let k = c.counts();
+    assert_eq!((k.leases_expired, k.quarantined, k.free_blocks), (1, 1, 13));
+    // 14 blocks: they fit the pool only once the 3 quarantined ones are back.
+    assert!(c.reserve(120, 100, None, false, t0).is_err(), "quarantined blocks stay committed");
+    c.writer_closed(r.id, "p");
+    let k = c.counts();
+    assert_eq!((k.quarantined, k.free_blocks, k.committed_blocks), (0, 16, 0));
+
+    // A session that ends without its commit fails the reservation and frees its blocks.
+    let r = c.reserve(40, 8, None, true, t0).unwrap();
+    c.kv_begin(r.id, true).unwrap();
+    c.writer_closed(r.id, "p");
+    let k = c.counts();
+    // Failed: the expired reservation above and this one.
+    assert_eq!((k.failed, k.free_blocks, k.transferring), (2, 16, 0));
+}
+
+#[test]
+fn verify_mode_catches_a_corrupted_block() {
+    let mut c = core(16);
+    let t0 = Instant::now();
+    let bpb = c.engine().kv().geometry().bytes_per_block();
+    let data: Vec<u8> = (0..2 * bpb).map(|i| (i % 251) as u8).collect();
+    let sums: Vec<u64> =
+        data.chunks(bpb).map(pdmesh_kv_transfer::block_checksum).collect();
+    let r = c.reserve(20, 4, None, true, t0).unwrap();
+    c.kv_begin(r.id, false).unwrap();
+    c.kv_write(r.id, 0, &data).unwrap();
+    c.kv_end(r.id, 2, &sums).unwrap();
+
+    let r = c.reserve(20, 4, None, true, t0).unwrap();
+    c.kv_begin(r.id, false).unwrap();
+    let mut bad = data.clone();
+    bad[bpb + 7] ^= 0x40;
+    c.kv_write(r.id, 0, &bad).unwrap();
+    assert!(matches!(c.kv_end(r.id, 2, &sums), Err(DecodeError::Corrupt { block: 1 })));
+    let k = c.counts();
+    // The good reservation (24 tokens, 2 blocks) is still held; the bad one is freed.
+    assert_eq!((k.failed, k.committed_blocks), (1, 2));
+}
+
+#[test]
 fn closed_output_cancels_and_frees() {
     let mut c = core(32);
     let t0 = Instant::now();
     let p = prompt("Count to one hundred:");
-    let (id, _, _) = c.reserve(p.len(), 200, None, t0).unwrap();
+    let id = c.reserve(p.len(), 200, None, false, t0).unwrap().id;
     let sink = Sink::default();
     c.attach(id, attach(p, 200, Start::Local), Box::new(sink.clone()), t0).unwrap();
     for _ in 0..3 {

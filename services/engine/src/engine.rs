@@ -2,6 +2,7 @@
 //! and decode workers drive. A step takes any mix of prompt chunks and single decode tokens from
 //! many sequences (up to a token budget) and returns the logits asked for.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use pdmesh_kernels::{
@@ -157,6 +158,9 @@ fn fit(v: &mut Vec<f32>, n: usize) {
 /// Runs a model over a paged KV cache.
 #[derive(Debug)]
 pub struct Engine {
+    /// Whatever gives other parties access to the KV pool's memory (a UCX registration):
+    /// declared before `kv` so it is dropped first, while the memory still exists.
+    kv_guard: Option<Box<dyn std::fmt::Debug + Send>>,
     model: Arc<Model>,
     backend: Box<dyn Backend>,
     kv: KvCache,
@@ -180,7 +184,7 @@ impl Engine {
         let kv = KvCache::new(geom, config.kv_blocks)?;
         let c = &model.config;
         let theta_scale = c.rope_base.powf(-2.0 / c.head_dim as f32);
-        Ok(Self { model, backend, kv, config, scratch: Scratch::default(), theta_scale })
+        Ok(Self { kv_guard: None, model, backend, kv, config, scratch: Scratch::default(), theta_scale })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -197,6 +201,23 @@ impl Engine {
 
     pub fn kv(&self) -> &KvCache {
         &self.kv
+    }
+
+    /// The KV pool's memory as `(address, bytes)`. It is one allocation that never moves
+    /// or grows while the engine lives; block `b` starts at `address + b * bytes_per_block`.
+    pub fn kv_region(&self) -> (usize, usize) {
+        self.kv.buffer.region()
+    }
+
+    /// Keeps `guard` alive exactly as long as the KV pool, and drops it first: for a
+    /// registration that lets another process write into the pool.
+    pub fn hold_kv_guard(&mut self, guard: Box<dyn std::fmt::Debug + Send>) {
+        self.kv_guard = Some(guard);
+    }
+
+    /// Physical pool block of the sequence's `index`-th block.
+    pub fn pool_block(&self, seq: SeqId, index: usize) -> Result<u32> {
+        self.block_of(seq, index).map(|b| b as u32)
     }
 
     /// The model's context length, the most tokens one sequence may hold.
@@ -314,6 +335,16 @@ impl Engine {
     /// Runs one batched forward step: appends each item's tokens to its sequence and returns
     /// the requested logits. On error nothing has changed.
     pub fn step(&mut self, items: &[StepItem<'_>]) -> Result<StepLogits<'_>> {
+        self.step_observed(items, &mut |_, _| {})
+    }
+
+    /// `step`, calling `on_layer(l, kv)` as soon as layer `l`'s KV for every item is written,
+    /// before layer `l + 1` is computed: a transport ships layer `l` while the rest computes.
+    pub fn step_observed(
+        &mut self,
+        items: &[StepItem<'_>],
+        on_layer: &mut dyn FnMut(usize, &KvCache),
+    ) -> Result<StepLogits<'_>> {
         self.validate(items)?;
         let n: usize = items.iter().map(|it| it.tokens.len()).sum();
         let mut tokens = Vec::with_capacity(n);
@@ -344,7 +375,7 @@ impl Engine {
             }
             slots.extend(s);
         }
-        self.forward(&tokens, &positions, &slots, &owner, &phases, &logit_tokens);
+        self.forward(&tokens, &positions, &slots, &owner, &phases, &logit_tokens, on_layer);
         self.scratch.logit_rows = logit_rows;
         Ok(StepLogits {
             data: &self.scratch.logits,
@@ -362,6 +393,7 @@ impl Engine {
         owner: &[SeqId],
         phases: &[Phase],
         logit_tokens: &[usize],
+        on_layer: &mut dyn FnMut(usize, &KvCache),
     ) {
         let model = &*self.model;
         let c = &model.config;
@@ -395,12 +427,16 @@ impl Engine {
 
         be.embed(&model.weight(&model.token_embd), tokens, &mut s.x);
 
-        let KvCache { buffer, seqs, .. } = &mut self.kv;
+        // Block tables are copied so the pool can be lent to `on_layer` between layers.
+        let mut tables: HashMap<SeqId, Vec<u32>> = HashMap::new();
+        for id in owner {
+            tables.entry(*id).or_insert_with(|| self.kv.seqs[id].blocks.clone());
+        }
         let queries: Vec<AttnQuery<'_>> = positions
             .iter()
             .zip(owner)
             .zip(phases)
-            .map(|((&pos, id), &phase)| AttnQuery { pos, blocks: &seqs[id].blocks, phase })
+            .map(|((&pos, id), &phase)| AttnQuery { pos, blocks: &tables[id], phase })
             .collect();
 
         for (li, l) in model.layers.iter().enumerate() {
@@ -416,8 +452,9 @@ impl Engine {
             );
             be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin);
             be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin);
-            be.kv_write(buffer, li, &s.k, &s.v, slots);
-            be.attention(buffer, li, c.heads, &s.q, &queries, &mut s.attn);
+            be.kv_write(&mut self.kv.buffer, li, &s.k, &s.v, slots);
+            on_layer(li, &self.kv);
+            be.attention(&self.kv.buffer, li, c.heads, &s.q, &queries, &mut s.attn);
             be.quantize(&s.attn, n, qd, &mut s.acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: model.weight(&l.wo), out: &mut s.proj }]);
             be.add_assign(&mut s.x, &s.proj);

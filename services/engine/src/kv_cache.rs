@@ -104,6 +104,25 @@ impl KvCache {
         &self.buffer
     }
 
+    /// Appends layer `layer`'s part of the sequence's `index`-th block to `out`.
+    pub fn read_block_layer(
+        &self,
+        id: SeqId,
+        index: usize,
+        layer: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        let blocks = self.blocks(id)?;
+        let b = *blocks.get(index).ok_or_else(|| {
+            Error::invalid(format!("sequence {id} has {} blocks, not {}", blocks.len(), index + 1))
+        })?;
+        if layer >= self.buffer.geometry().layers {
+            return Err(Error::invalid(format!("layer {layer} is past the model's layers")));
+        }
+        self.buffer.read_layer_bytes(b as usize, layer, out);
+        Ok(())
+    }
+
     pub fn free_blocks(&self) -> usize {
         self.alloc.free_count()
     }

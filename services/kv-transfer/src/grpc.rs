@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use bytes::Bytes;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk;
 use pdmesh_proto::v1::{KvBlocks, KvChunk, KvEnd, KvHeader, KvTarget};
@@ -16,7 +15,7 @@ use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::{Channel, Endpoint};
 
-use crate::{KvSink, KvTransport, TransferError};
+use crate::{KvPiece, KvSink, KvTransport, TransferError};
 
 /// Messages buffered per transfer before `send` waits for the network.
 const IN_FLIGHT_MESSAGES: usize = 8;
@@ -31,7 +30,7 @@ impl GrpcTransport {
         Self::default()
     }
 
-    fn channel(&self, address: &str, node: &str) -> Result<Channel, TransferError> {
+    pub(crate) fn channel(&self, address: &str, node: &str) -> Result<Channel, TransferError> {
         let mut map = self.channels.lock().expect("channel map lock is never poisoned");
         if let Some(c) = map.get(address) {
             return Ok(c.clone());
@@ -120,7 +119,22 @@ fn classify(node: &str, status: tonic::Status) -> TransferError {
 
 #[async_trait::async_trait]
 impl KvSink for GrpcSink {
-    async fn send(&mut self, first_block: u32, data: Bytes) -> Result<(), TransferError> {
+    fn transport(&self) -> &'static str {
+        "grpc"
+    }
+
+    fn layered(&self) -> bool {
+        false
+    }
+
+    async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError> {
+        let KvPiece { first_block, layer, data } = piece;
+        if layer.is_some() {
+            return Err(TransferError::Invalid {
+                node: self.node.clone(),
+                reason: "the gRPC stream carries whole blocks, not layers".into(),
+            });
+        }
         let n = data.len() as u64;
         let msg = KvChunk { chunk: Some(Chunk::Blocks(KvBlocks { first_block, data })) };
         let tx = self.tx.as_ref().ok_or_else(|| closed(&self.node))?;
@@ -133,9 +147,13 @@ impl KvSink for GrpcSink {
         Ok(())
     }
 
-    async fn finish(mut self: Box<Self>, blocks: u32) -> Result<u64, TransferError> {
+    async fn finish(
+        mut self: Box<Self>,
+        blocks: u32,
+        checksums: Vec<u64>,
+    ) -> Result<u64, TransferError> {
         if let Some(tx) = self.tx.take() {
-            let end = KvChunk { chunk: Some(Chunk::End(KvEnd { blocks })) };
+            let end = KvChunk { chunk: Some(Chunk::End(KvEnd { blocks, checksums })) };
             // A failed send means the call already ended; its outcome says how.
             let _ = tx.send(end).await;
         }

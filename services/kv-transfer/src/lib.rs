@@ -1,11 +1,16 @@
 //! Moving KV blocks from a prefill node into a decode node's reservation. The KV layout
 //! handshake lives here (both ends check it; a mismatch is FAILED_PRECONDITION, never silently
-//! wrong output), along with the `KvTransport` trait the prefill node pushes through, and its
-//! gRPC-stream implementation. The UCX transport implements the same trait.
+//! wrong output), along with the `KvTransport` trait the prefill node pushes through and its
+//! two implementations: the gRPC stream, and UCX one-sided puts straight into the decode
+//! node's registered KV pool (with `auto` choosing UCX and falling back to gRPC).
 
+pub mod auto;
 pub mod grpc;
 pub mod layout;
+pub mod pool;
+pub mod stats;
 pub mod ucx;
+pub mod ucx_transport;
 
 use std::fmt::Debug;
 
@@ -13,8 +18,17 @@ use bytes::Bytes;
 use pdmesh_proto::v1::KvTarget;
 use tonic::Status;
 
+pub use auto::{AutoTransport, TransportKind};
 pub use grpc::GrpcTransport;
 pub use layout::{bytes_per_block, check_layout, layout_mismatch, layout_of};
+pub use pool::{KvPool, register_kv_pool};
+pub use stats::TransferStats;
+pub use ucx_transport::UcxTransport;
+
+/// The checksum of one KV block in verify mode (xxh3-64 of its bytes).
+pub fn block_checksum(block: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(block)
+}
 
 /// Why a transfer failed.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +39,13 @@ pub enum TransferError {
     /// The decode node could not be reached or the connection broke.
     #[error("decode node {node} unreachable: {reason}")]
     Unreachable { node: String, reason: String },
+    /// No UCX endpoint to the decode node could be made (it offers none, or UCX failed):
+    /// `auto` falls back to gRPC on this one.
+    #[error("no UCX endpoint to decode node {node}: {reason}")]
+    NoEndpoint { node: String, reason: String },
+    /// The transfer was used wrongly (a bug on the sending side).
+    #[error("bad KV transfer to decode node {node}: {reason}")]
+    Invalid { node: String, reason: String },
 }
 
 impl From<TransferError> for Status {
@@ -33,6 +54,12 @@ impl From<TransferError> for Status {
             TransferError::Refused { node, status } => peer_status(&node, &status),
             TransferError::Unreachable { node, reason } => {
                 Status::unavailable(format!("node {node}: KV transfer failed: {reason}"))
+            }
+            TransferError::NoEndpoint { node, reason } => Status::failed_precondition(format!(
+                "node {node}: no UCX endpoint (kv_transport = ucx): {reason}"
+            )),
+            TransferError::Invalid { node, reason } => {
+                Status::internal(format!("KV transfer to node {node}: {reason}"))
             }
         }
     }
@@ -46,7 +73,7 @@ fn peer_status(node: &str, status: &Status) -> Status {
 /// Pushes a request's KV into a decode node's reservation.
 #[async_trait::async_trait]
 pub trait KvTransport: Send + Sync + Debug {
-    /// "grpc", "ucx": reported in timings and metrics.
+    /// "grpc", "ucx" or "auto": what was configured (each sink says what it uses).
     fn name(&self) -> &'static str;
     /// Starts a transfer into `target` on behalf of `prefill_node`.
     async fn open(
@@ -56,13 +83,30 @@ pub trait KvTransport: Send + Sync + Debug {
     ) -> Result<Box<dyn KvSink>, TransferError>;
 }
 
+/// Part of a prompt's KV: whole blocks (`layer: None`), or one layer's part of each block
+/// (`layer: Some(l)`), for blocks `first_block..`, concatenated in block order.
+#[derive(Debug, Clone)]
+pub struct KvPiece {
+    pub first_block: u32,
+    pub layer: Option<u32>,
+    pub data: Bytes,
+}
+
 /// One transfer in progress. Dropping it without `finish` aborts the transfer; the decode node
-/// then fails the reservation and frees its blocks.
+/// then fails the reservation and frees its blocks (after anything in flight has landed).
 #[async_trait::async_trait]
 pub trait KvSink: Send {
-    /// Sends whole blocks, in order, starting at the prompt's block `first_block`.
-    async fn send(&mut self, first_block: u32, data: Bytes) -> Result<(), TransferError>;
-    /// Marks the KV complete (`blocks` in all) and waits until the decode node has it.
-    /// Returns the bytes moved.
-    async fn finish(self: Box<Self>, blocks: u32) -> Result<u64, TransferError>;
+    /// The transport carrying this transfer: "grpc" or "ucx".
+    fn transport(&self) -> &'static str;
+    /// Whether pieces may be single layers (sent while later layers compute).
+    fn layered(&self) -> bool;
+    /// Sends a piece. Whole blocks arrive in order; layers of a block in any order.
+    async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError>;
+    /// Marks the KV complete (`blocks` in all; `checksums` of each block in verify mode, else
+    /// empty) and waits until the decode node has it. Returns the bytes moved.
+    async fn finish(
+        self: Box<Self>,
+        blocks: u32,
+        checksums: Vec<u64>,
+    ) -> Result<u64, TransferError>;
 }

@@ -1,6 +1,9 @@
 //! The prefill node's config: defaults → TOML file → `PDMESH_PREFILL_*` → flags.
 
 use pdmesh_engine::EngineSettings;
+use pdmesh_kv_transfer::TransportKind;
+
+use crate::core::PushMode;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -22,6 +25,15 @@ pub struct PrefillConfig {
     pub blocks_per_message: usize,
     /// Time in-flight calls get to finish at shutdown.
     pub drain_ms: u64,
+    /// How KV reaches decode nodes: "ucx" (one-sided puts into the decode node's pool; a
+    /// decode node without UCX fails the request), "grpc" (the gRPC stream), "auto" (UCX
+    /// when the decode node offers it, else gRPC).
+    pub kv_transport: TransportKind,
+    /// When KV is pushed: "layer" (each layer as soon as it is computed; UCX only, else
+    /// "chunk"), "chunk" (after each chunk's step), "prompt" (after the whole prompt).
+    pub kv_push: PushMode,
+    /// Send a checksum of every block; the decode node verifies it (DATA_LOSS on mismatch).
+    pub kv_verify: bool,
     /// Fault injection for tests: wait this long before sending each KV message, so a
     /// transfer stays in flight long enough to be interrupted. 0 in production.
     pub fault_transfer_delay_ms: u64,
@@ -39,6 +51,9 @@ impl Default for PrefillConfig {
             max_queued: 256,
             blocks_per_message: 4,
             drain_ms: 5_000,
+            kv_transport: TransportKind::Auto,
+            kv_push: PushMode::Layer,
+            kv_verify: false,
             fault_transfer_delay_ms: 0,
             engine: EngineSettings::default(),
         }

@@ -8,7 +8,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
+use pdmesh_kv_transfer::KvPiece;
 use pdmesh_engine::{
     Engine, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
 };
@@ -17,11 +17,43 @@ use pdmesh_common::convert::ms;
 
 use crate::error::PrefillError;
 
-/// What a prompt produces, in order: blocks (as they are computed), then `Computed`.
+/// When a prompt's KV is handed to the transport.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PushMode {
+    /// Each layer's part of the blocks a chunk completes, as soon as that layer is computed
+    /// (while the next layers compute). Needs a layered transport (UCX); else `chunk`.
+    #[default]
+    Layer,
+    /// The blocks each chunk completes, after its step.
+    Chunk,
+    /// Everything after the last chunk (no overlap; the reference for the other two).
+    Prompt,
+}
+
+impl std::fmt::Display for PushMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            PushMode::Layer => "layer",
+            PushMode::Chunk => "chunk",
+            PushMode::Prompt => "prompt",
+        })
+    }
+}
+
+/// What a prompt produces, in order: KV pieces (as they are computed), then `Computed`.
 #[derive(Debug, Clone)]
 pub enum Out {
-    Blocks { first_block: u32, data: Bytes },
-    Computed { first_token: u32, rng_position: u128, queue_ms: f64, prefill_ms: f64, blocks: u32 },
+    Blocks(KvPiece),
+    Computed {
+        first_token: u32,
+        rng_position: u128,
+        queue_ms: f64,
+        prefill_ms: f64,
+        blocks: u32,
+        /// Verify mode: each block's checksum; else empty.
+        checksums: Vec<u64>,
+    },
     Failed(PrefillError),
 }
 
@@ -36,6 +68,9 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub rng_position: u128,
+    pub push: PushMode,
+    /// Compute each block's checksum for the receiver to verify.
+    pub checksums: bool,
 }
 
 struct Active {
@@ -44,6 +79,7 @@ struct Active {
     seq: Option<SeqId>,
     blocks: usize,
     sent_blocks: usize,
+    checksums: Vec<u64>,
     submitted: Instant,
     started: Option<Instant>,
 }
@@ -140,7 +176,16 @@ impl PrefillCore {
         self.next_id += 1;
         self.jobs.insert(
             id,
-            Active { job, out, seq: None, blocks, sent_blocks: 0, submitted: now, started: None },
+            Active {
+                job,
+                out,
+                seq: None,
+                blocks,
+                sent_blocks: 0,
+                checksums: Vec::new(),
+                submitted: now,
+                started: None,
+            },
         );
         self.waiting.push_back(id);
         Ok(id)
@@ -201,23 +246,44 @@ impl PrefillCore {
             let a = self.jobs.get_mut(&s.id).expect("scheduled jobs exist");
             a.started.get_or_insert(now);
         }
-        let items: Vec<StepItem<'_>> = plan
-            .iter()
-            .map(|s| {
-                let a = &self.jobs[&s.id];
-                let Work::Prefill { offset, len, last } = s.work else {
-                    unreachable!(
-                        "prefill jobs never decode: they leave the scheduler at their last chunk"
-                    )
-                };
-                StepItem::prefill(
-                    a.seq.expect("scheduled jobs have sequences"),
-                    &a.job.prompt[offset..offset + len],
-                    if last { Logits::Last } else { Logits::None },
-                )
-            })
-            .collect();
-        let result = self.engine.step(&items);
+        let bs = self.engine.config().block_size;
+        // The chunks' tokens are copied so the layer callback can reach the jobs' outputs
+        // while the engine runs; and what each job ships after this step is fixed up front.
+        let mut chunks = Vec::with_capacity(plan.len());
+        let mut layered = Vec::new();
+        for s in &plan {
+            let a = &self.jobs[&s.id];
+            let Work::Prefill { offset, len, last } = s.work else {
+                unreachable!("prefill jobs never decode: they leave the scheduler at their last chunk")
+            };
+            let seq = a.seq.expect("scheduled jobs have sequences");
+            chunks.push((
+                seq,
+                a.job.prompt[offset..offset + len].to_vec(),
+                if last { Logits::Last } else { Logits::None },
+            ));
+            let ready = ready_blocks(a, offset + len, last, bs);
+            if a.job.push == PushMode::Layer && ready > a.sent_blocks {
+                layered.push((s.id, seq, a.sent_blocks, ready));
+            }
+        }
+        let items: Vec<StepItem<'_>> =
+            chunks.iter().map(|(seq, t, l)| StepItem::prefill(*seq, t, *l)).collect();
+        let jobs = &mut self.jobs;
+        let result = self.engine.step_observed(&items, &mut |layer, kv| {
+            for &(id, seq, from, to) in &layered {
+                let mut buf = Vec::new();
+                for i in from..to {
+                    kv.read_block_layer(seq, i, layer, &mut buf).expect("blocks of a live sequence");
+                }
+                if let Some(a) = jobs.get_mut(&id) {
+                    let piece =
+                        KvPiece { first_block: from as u32, layer: Some(layer as u32), data: buf.into() };
+                    // A closed output is noticed after the step.
+                    a.out.send(Out::Blocks(piece));
+                }
+            }
+        });
         let rows: Result<Vec<Option<Vec<f32>>>, _> =
             result.map(|l| (0..plan.len()).map(|k| l.last_of(k).map(<[f32]>::to_vec)).collect());
         drop(items);
@@ -237,23 +303,33 @@ impl PrefillCore {
             }
         };
         let done_at = Instant::now();
-        let bs = self.engine.config().block_size;
         let mut finished = Vec::new();
         for (s, row) in plan.iter().zip(rows) {
             let Work::Prefill { offset, len, last } = s.work else { continue };
             let a = self.jobs.get_mut(&s.id).expect("scheduled jobs exist");
             let seq = a.seq.expect("scheduled jobs have sequences");
-            // Full blocks now; on the last chunk the partial tail block too.
-            let ready = if last { a.blocks } else { (offset + len) / bs };
-            let mut ok = true;
+            let ready = ready_blocks(a, offset + len, last, bs);
+            if a.job.checksums {
+                let mut buf = Vec::new();
+                for i in a.sent_blocks..ready {
+                    buf.clear();
+                    self.engine.read_block(seq, i, &mut buf).expect("blocks of a live sequence");
+                    a.checksums.push(pdmesh_kv_transfer::block_checksum(&buf));
+                }
+            }
+            let mut ok = !a.out.is_closed();
+            if a.job.push == PushMode::Layer {
+                a.sent_blocks = ready;
+            }
             while ok && a.sent_blocks < ready {
                 let n = (ready - a.sent_blocks).min(self.blocks_per_message);
                 let mut buf = Vec::new();
                 for i in a.sent_blocks..a.sent_blocks + n {
                     self.engine.read_block(seq, i, &mut buf).expect("blocks of a live sequence");
                 }
-                ok =
-                    a.out.send(Out::Blocks { first_block: a.sent_blocks as u32, data: buf.into() });
+                let piece =
+                    KvPiece { first_block: a.sent_blocks as u32, layer: None, data: buf.into() };
+                ok = a.out.send(Out::Blocks(piece));
                 a.sent_blocks += n;
             }
             if let (true, Some(row)) = (ok && last, row) {
@@ -267,6 +343,7 @@ impl PrefillCore {
                     queue_ms: ms(started - a.submitted),
                     prefill_ms: ms(done_at - started),
                     blocks: a.blocks as u32,
+                    checksums: std::mem::take(&mut a.checksums),
                 });
                 self.counts.completed += 1;
                 finished.push(s.id);
@@ -287,5 +364,17 @@ impl PrefillCore {
         c.free_blocks = self.engine.kv().free_blocks() as u32;
         c.total_blocks = self.engine.kv().total_blocks() as u32;
         c
+    }
+}
+
+/// Blocks of a job that can be shipped once its prompt is computed up to `done` tokens: the
+/// full blocks (none before the end in `prompt` mode), and on the last chunk the tail block.
+fn ready_blocks(a: &Active, done: usize, last: bool, block_size: usize) -> usize {
+    if last {
+        a.blocks
+    } else if a.job.push == PushMode::Prompt {
+        a.sent_blocks
+    } else {
+        done / block_size
     }
 }

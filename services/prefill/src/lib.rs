@@ -54,17 +54,27 @@ pub async fn run(
         })
         .map_err(|e| PrefillError::Startup(format!("starting the engine thread: {e}")))?;
     let transferring = Arc::new(AtomicU32::new(0));
+    let ucx = config
+        .kv_transport
+        .start_ucx(&node_id)
+        .map_err(|e| PrefillError::Startup(format!("kv_transport = ucx: {e}")))?;
+    let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
+    let transport =
+        pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, Arc::clone(&stats));
     let service = PrefillService {
         node_id: node_id.clone(),
         layout: layout.clone(),
         tx,
-        transport: Arc::new(pdmesh_kv_transfer::GrpcTransport::new()),
+        transport: Arc::new(transport),
+        stats,
+        push: config.kv_push,
+        verify: config.kv_verify,
         counts: Arc::clone(&counts),
         transferring: Arc::clone(&transferring),
         fault_delay: Duration::from_millis(config.fault_transfer_delay_ms),
     };
     let load_counts = Arc::clone(&counts);
-    tracing::info!(node = node_id, %bound, "prefill node serving");
+    tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, kv_push = %config.kv_push, "prefill node serving");
     let routes = tonic::service::Routes::new(PrefillServer::new(service));
     let registration = RegisterRequest {
         node_id: node_id.clone(),

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_common::convert::{ms, rng_position_bytes, sampling_from};
-use pdmesh_kv_transfer::{KvSink, KvTransport};
+use pdmesh_kv_transfer::{KvSink, KvTransport, TransferStats};
 use pdmesh_proto::v1::prefill_server::Prefill;
 use pdmesh_proto::v1::{
     KvLayout, NodeLoad, NodeStats, PrefillComputed, PrefillEvent, PrefillRequest,
@@ -19,7 +19,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::core::{Counts, Job, Out};
+use crate::core::{Counts, Job, Out, PushMode};
 use crate::error::{PrefillError, to_status};
 use crate::worker::{ChannelOutput, Submit};
 
@@ -29,6 +29,11 @@ pub struct PrefillService {
     pub layout: KvLayout,
     pub tx: mpsc::Sender<Submit>,
     pub transport: Arc<dyn KvTransport>,
+    pub stats: Arc<TransferStats>,
+    /// When KV goes to the transport (`layer` needs a layered transport, else `chunk`).
+    pub push: PushMode,
+    /// Send each block's checksum for the decode node to verify.
+    pub verify: bool,
     pub counts: Arc<Mutex<Counts>>,
     pub transferring: Arc<AtomicU32>,
     pub fault_delay: Duration,
@@ -90,15 +95,22 @@ impl Prefill for PrefillService {
         let mut sink: Box<dyn KvSink> =
             self.transport.open(&target, &node).await.map_err(Status::from)?;
 
-        let (out, mut block_rx, mut done_rx) = ChannelOutput::channel(blocks);
+        let push = match self.push {
+            PushMode::Layer if !sink.layered() => PushMode::Chunk,
+            p => p,
+        };
+        // At most one piece per layer per block.
+        let pieces = blocks * (self.layout.layers.max(1) as usize);
+        let (out, mut block_rx, mut done_rx) = ChannelOutput::channel(pieces);
         let (reply, accepted) = oneshot::channel();
-        let job = Job { prompt: r.prompt, sampling, rng_position };
+        let job = Job { prompt: r.prompt, sampling, rng_position, push, checksums: self.verify };
         let closed = || to_status(&PrefillError::ShuttingDown, &node);
         self.tx.send(Submit { job, out, reply }).await.map_err(|_| closed())?;
         accepted.await.map_err(|_| closed())?.map_err(|e| to_status(&e, &node))?;
 
         let (events, rx) = mpsc::channel::<Result<PrefillEvent, Status>>(4);
-        let transport = self.transport.name();
+        let transport = sink.transport();
+        let stats = Arc::clone(&self.stats);
         let gauge = Arc::clone(&self.transferring);
         let delay = self.fault_delay;
         let request_id = r.request_id;
@@ -108,11 +120,11 @@ impl Prefill for PrefillService {
                 // soon as it exists, while the last blocks may still be in flight.
                 let push = async {
                     while let Some(o) = block_rx.recv().await {
-                        if let Out::Blocks { first_block, data } = o {
+                        if let Out::Blocks(piece) = o {
                             if !delay.is_zero() {
                                 tokio::time::sleep(delay).await;
                             }
-                            sink.send(first_block, data).await.map_err(Status::from)?;
+                            sink.send(piece).await.map_err(Status::from)?;
                         }
                     }
                     Ok::<_, Status>(())
@@ -125,6 +137,7 @@ impl Prefill for PrefillService {
                             queue_ms,
                             prefill_ms,
                             blocks,
+                            checksums,
                         }) => {
                             let g = Gauge::up(&gauge);
                             let ev = PrefillComputed {
@@ -137,14 +150,16 @@ impl Prefill for PrefillService {
                                 PrefillEvent { event: Some(prefill_event::Event::Computed(ev)) };
                             // A closed stream is noticed by the select below.
                             let _ = events.send(Ok(ev)).await;
-                            Ok((Instant::now(), blocks, g))
+                            Ok((Instant::now(), blocks, checksums, g))
                         }
                         Some(Out::Failed(e)) => Err(to_status(&e, &node)),
                         _ => Err(to_status(&PrefillError::ShuttingDown, &node)),
                     }
                 };
-                let ((), (t0, blocks, _gauge)) = tokio::try_join!(push, computed)?;
-                let bytes = sink.finish(blocks).await.map_err(Status::from)?;
+                let ((), (t0, blocks, checksums, _gauge)) = tokio::try_join!(push, computed)?;
+                let done = sink.finish(blocks, checksums).await;
+                stats.record(transport, done.as_ref().ok().copied(), t0.elapsed().as_secs_f64());
+                let bytes = done.map_err(Status::from)?;
                 let ev = PrefillTransferred {
                     transfer_ms: ms(t0.elapsed()),
                     bytes,
@@ -189,6 +204,7 @@ impl Prefill for PrefillService {
             cancelled: c.cancelled,
             failed: c.failed,
             leases_expired: 0,
+            transports: self.stats.snapshot(),
         }))
     }
 }

@@ -293,6 +293,7 @@ async fn one_attempt(
             prompt_tokens: prep.prompt.len() as u32,
             max_tokens: prep.max_tokens as u32,
             lease_ms: cfg.lease_ms,
+            remote_kv: prefill.is_some(),
         };
         let target = tokio::time::timeout_at(
             call_until.into(),

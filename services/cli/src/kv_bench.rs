@@ -1,0 +1,220 @@
+//! `pdmesh bench kv`: how fast a prompt's KV moves into a decode node. It starts a real decode
+//! node process, reserves room for a prompt of `--tokens` tokens, and pushes that many blocks
+//! of KV into the reservation through the real transports (UCX puts into the registered pool,
+//! and the gRPC stream), timing each transfer from opening it to the decode node's commit.
+//! The reference is a plain memcpy of the same bytes in this process. Medians of `--reps`
+//! after one verified warm-up transfer per transport (every block checksummed by the decode
+//! node, so a transport that moves the wrong bytes fails the bench).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use clap::Args;
+use pdmesh_kv_transfer::{
+    AutoTransport, KvPiece, KvTransport, TransferStats, TransportKind, block_checksum,
+    bytes_per_block,
+};
+use pdmesh_proto::v1::decode_client::DecodeClient;
+use pdmesh_proto::v1::{ReleaseRequest, ReserveRequest, StatsRequest};
+use serde::Serialize;
+
+use crate::bench::median;
+use crate::up::spawn;
+
+#[derive(Debug, Args)]
+pub struct KvBenchArgs {
+    /// Prompt length whose KV is moved, in tokens.
+    #[arg(long, default_value_t = 4096)]
+    tokens: usize,
+    /// Timed transfers per transport; the median is reported.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Blocks per piece handed to the transport (a prefill node hands it one chunk's worth).
+    #[arg(long, default_value_t = 32)]
+    blocks_per_piece: usize,
+    /// A llama-architecture GGUF: the decode node loads it, which fixes the KV layout.
+    #[arg(long, env = "PDMESH_MODEL", default_value = pdmesh_engine::DEFAULT_MODEL_PATH)]
+    model: std::path::PathBuf,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    tokens: usize,
+    blocks: usize,
+    bytes: u64,
+    reps: usize,
+    ucx_ms: f64,
+    grpc_ms: f64,
+    memcpy_ms: f64,
+    ucx_gbps: f64,
+    grpc_gbps: f64,
+    memcpy_gbps: f64,
+    ucx_vs_memcpy: f64,
+    grpc_vs_memcpy: f64,
+    /// UCX_TLS as set for this run ("" = UCX's default choice).
+    ucx_tls: String,
+}
+
+pub fn run(a: KvBenchArgs) -> anyhow::Result<()> {
+    if a.reps == 0 || a.blocks_per_piece == 0 {
+        bail!("--reps and --blocks-per-piece must be at least 1");
+    }
+    if !a.model.exists() {
+        bail!("model file {} not found: run `just fetch-model`", a.model.display());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let report = rt.block_on(bench(&a))?;
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!(
+            "KV of {} tokens: {} blocks, {:.1} MB, median of {} transfers into a decode node process",
+            report.tokens,
+            report.blocks,
+            report.bytes as f64 / 1e6,
+            report.reps
+        );
+        println!("{:<8} {:>10} {:>10} {:>12}", "path", "ms", "GB/s", "vs memcpy");
+        for (name, ms, gbps, r) in [
+            ("memcpy", report.memcpy_ms, report.memcpy_gbps, 1.0),
+            ("ucx", report.ucx_ms, report.ucx_gbps, report.ucx_vs_memcpy),
+            ("grpc", report.grpc_ms, report.grpc_gbps, report.grpc_vs_memcpy),
+        ] {
+            println!("{name:<8} {ms:>10.2} {gbps:>10.2} {r:>12.3}");
+        }
+    }
+    Ok(())
+}
+
+async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
+    let model = a.model.display().to_string();
+    let block_size = 16usize;
+    let blocks = a.tokens.div_ceil(block_size);
+    // Room for the prompt plus the one token a reservation must promise.
+    let kv_blocks = (blocks + 2).to_string();
+    let args: Vec<String> = [
+        "decode",
+        "--listen",
+        "127.0.0.1:0",
+        "--node-id",
+        "bench-decode",
+        "--model",
+        &model,
+        "--threads",
+        "1",
+        "--kv-transport",
+        "ucx",
+        "--kv-blocks",
+        &kv_blocks,
+        "--block-size",
+        &block_size.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (_decode, addr) = spawn("decode", None, &args).await?;
+    let mut client = DecodeClient::connect(format!("http://{addr}"))
+        .await
+        .with_context(|| format!("connecting to the decode node at {addr}"))?
+        .max_decoding_message_size(64 << 20);
+    let layout = client
+        .stats(StatsRequest {})
+        .await?
+        .into_inner()
+        .layout
+        .context("the decode node reports no KV layout")?;
+    let bpb = bytes_per_block(&layout).context("bad KV layout")?;
+    let bytes = (blocks * bpb) as u64;
+
+    // Deterministic, incompressible-looking KV.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let src: Vec<u8> = (0..blocks * bpb)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect();
+    let src = Bytes::from(src);
+    let checksums: Vec<u64> = src.chunks(bpb).map(block_checksum).collect();
+
+    let memcpy_ms = {
+        let mut dst = vec![0u8; src.len()];
+        let mut times = Vec::new();
+        for _ in 0..a.reps + 1 {
+            let t = Instant::now();
+            dst.copy_from_slice(&src);
+            std::hint::black_box(&mut dst);
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        times.remove(0);
+        median(times)
+    };
+
+    let mut ms = Vec::new();
+    for kind in [TransportKind::Ucx, TransportKind::Grpc] {
+        let ucx = kind.start_ucx("bench-prefill").context("starting UCX")?;
+        let transport = AutoTransport::new(kind, ucx, Arc::new(TransferStats::new()));
+        let mut times = Vec::new();
+        for rep in 0..a.reps + 1 {
+            // The first transfer is verified by the decode node and not timed.
+            let verify = rep == 0;
+            let reserve = ReserveRequest {
+                request_id: format!("bench-{kind}-{rep}"),
+                prompt_tokens: a.tokens as u32,
+                max_tokens: 1,
+                lease_ms: 60_000,
+                remote_kv: true,
+            };
+            let target =
+                client.reserve(reserve).await?.into_inner().target.context("no KV target")?;
+            let t = Instant::now();
+            let mut sink = transport.open(&target, "bench-prefill").await?;
+            if sink.transport() != kind.name() {
+                bail!("asked for {kind}, the transfer used {}", sink.transport());
+            }
+            for first in (0..blocks).step_by(a.blocks_per_piece) {
+                let n = a.blocks_per_piece.min(blocks - first);
+                let data = src.slice(first * bpb..(first + n) * bpb);
+                sink.send(KvPiece { first_block: first as u32, layer: None, data }).await?;
+            }
+            let sums = if verify { checksums.clone() } else { Vec::new() };
+            let moved = sink.finish(blocks as u32, sums).await?;
+            let elapsed = t.elapsed();
+            if moved < bytes {
+                bail!("{kind} moved {moved} of {bytes} bytes");
+            }
+            client.release(ReleaseRequest { reservation_id: target.reservation_id }).await?;
+            if !verify {
+                times.push(elapsed.as_secs_f64() * 1e3);
+            }
+        }
+        ms.push(median(times));
+        // Let the endpoint close before the next transport starts.
+        drop(transport);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let gbps = |ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
+    let (ucx_ms, grpc_ms) = (ms[0], ms[1]);
+    Ok(Report {
+        tokens: a.tokens,
+        blocks,
+        bytes,
+        reps: a.reps,
+        ucx_ms,
+        grpc_ms,
+        memcpy_ms,
+        ucx_gbps: gbps(ucx_ms),
+        grpc_gbps: gbps(grpc_ms),
+        memcpy_gbps: gbps(memcpy_ms),
+        ucx_vs_memcpy: memcpy_ms / ucx_ms,
+        grpc_vs_memcpy: memcpy_ms / grpc_ms,
+        ucx_tls: std::env::var("UCX_TLS").unwrap_or_default(),
+    })
+}

@@ -1,0 +1,46 @@
+//! Transfers by transport on one node, for its Stats (and its metrics).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use pdmesh_proto::v1::TransportStats;
+
+#[derive(Debug, Default)]
+pub struct TransferStats {
+    by_transport: Mutex<BTreeMap<&'static str, TransportStats>>,
+}
+
+impl TransferStats {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn with(&self, transport: &'static str, f: impl FnOnce(&mut TransportStats)) {
+        let mut m = self.by_transport.lock().expect("stats lock is never poisoned");
+        let e = m
+            .entry(transport)
+            .or_insert_with(|| TransportStats { transport: transport.into(), ..Default::default() });
+        f(e);
+    }
+
+    /// A finished transfer: `Some(bytes)` when it succeeded.
+    pub fn record(&self, transport: &'static str, bytes: Option<u64>, seconds: f64) {
+        self.with(transport, |e| match bytes {
+            Some(b) => {
+                e.transfers += 1;
+                e.bytes += b;
+                e.seconds += seconds;
+            }
+            None => e.failures += 1,
+        });
+    }
+
+    /// A transfer that wanted `wanted` and used another transport.
+    pub fn fallback(&self, wanted: &'static str) {
+        self.with(wanted, |e| e.fallbacks += 1);
+    }
+
+    pub fn snapshot(&self) -> Vec<TransportStats> {
+        self.by_transport.lock().expect("stats lock is never poisoned").values().cloned().collect()
+    }
+}

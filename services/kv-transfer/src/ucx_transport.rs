@@ -1,0 +1,310 @@
+//! The UCX KV transport. The data path is one-sided: the prefill node puts each block (or each
+//! layer of each block, while later layers still compute) straight into the decode node's
+//! registered KV pool at the addresses its reservation named. The control path is the decode
+//! node's `KvSession` gRPC stream: open (the decode node accepts before any byte moves), then
+//! after every put has completed and the endpoint is flushed, commit. The decode node never
+//! reads a block before the commit.
+//!
+//! Endpoints and unpacked remote keys are cached per decode worker; a UCX failure evicts them.
+//! A transfer dropped before its commit waits (in a background task) for its puts to finish
+//! before ending the session, so the decode node reuses the blocks only once nothing more can
+//! land in them.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use pdmesh_proto::v1::decode_client::DecodeClient;
+use pdmesh_proto::v1::{
+    KvEnd, KvHeader, KvSessionEvent, KvSessionRequest, KvTarget, kv_session_event,
+    kv_session_request,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
+
+use crate::grpc::GrpcTransport;
+use crate::ucx::{Endpoint, Pending, RemoteKey, UcxError, UcxNode};
+use crate::{KvPiece, KvSink, KvTransport, TransferError, bytes_per_block};
+
+/// Puts a transfer keeps in flight before it waits for the oldest ones.
+const MAX_PENDING: usize = 1024;
+
+/// An endpoint to one decode worker and the unpacked key of its KV pool.
+struct Peer {
+    ep: Endpoint,
+    rkey: RemoteKey,
+}
+
+#[derive(Debug)]
+pub struct UcxTransport {
+    node: UcxNode,
+    grpc: Arc<GrpcTransport>,
+    peers: Arc<PeerCache>,
+}
+
+type PeerCache = Mutex<HashMap<(Bytes, Bytes), Arc<Peer>>>;
+
+impl std::fmt::Debug for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peer").field("ep", &self.ep).finish()
+    }
+}
+
+impl UcxTransport {
+    /// `grpc` supplies the channels of the control path.
+    pub fn new(node: UcxNode, grpc: Arc<GrpcTransport>) -> Self {
+        Self { node, grpc, peers: Arc::default() }
+    }
+
+    pub fn node(&self) -> &UcxNode {
+        &self.node
+    }
+
+    async fn peer(&self, worker: &Bytes, rkey: &Bytes) -> Result<Arc<Peer>, UcxError> {
+        let key = (worker.clone(), rkey.clone());
+        if let Some(p) = self.peers.lock().expect("peer map lock is never poisoned").get(&key) {
+            return Ok(Arc::clone(p));
+        }
+        let ep = self.node.connect(worker.clone()).await?;
+        let rkey = ep.remote_key(rkey.clone()).await?;
+        let p = Arc::new(Peer { ep, rkey });
+        self.peers.lock().expect("peer map lock is never poisoned").insert(key, Arc::clone(&p));
+        Ok(p)
+    }
+}
+
+fn evict(peers: &PeerCache, peer: &Arc<Peer>) {
+    peers.lock().expect("peer map lock is never poisoned").retain(|_, p| !Arc::ptr_eq(p, peer));
+}
+
+fn no_endpoint(node: &str, reason: impl ToString) -> TransferError {
+    TransferError::NoEndpoint { node: node.into(), reason: reason.to_string() }
+}
+
+fn unreachable(node: &str, reason: impl ToString) -> TransferError {
+    TransferError::Unreachable { node: node.into(), reason: reason.to_string() }
+}
+
+fn session_error(node: &str, status: tonic::Status) -> TransferError {
+    use tonic::Code;
+    match status.code() {
+        Code::Unavailable | Code::Unknown | Code::Cancelled => {
+            unreachable(node, status.message())
+        }
+        _ => TransferError::Refused { node: node.into(), status },
+    }
+}
+
+#[async_trait::async_trait]
+impl KvTransport for UcxTransport {
+    fn name(&self) -> &'static str {
+        "ucx"
+    }
+
+    async fn open(
+        &self,
+        target: &KvTarget,
+        prefill_node: &str,
+    ) -> Result<Box<dyn KvSink>, TransferError> {
+        let node = target.decode_node.clone();
+        let ucx = target
+            .ucx
+            .as_ref()
+            .ok_or_else(|| no_endpoint(&node, "the decode node offers no UCX target"))?;
+        let layout = target.layout.clone().unwrap_or_default();
+        let bpb = bytes_per_block(&layout).ok_or_else(|| TransferError::Invalid {
+            node: node.clone(),
+            reason: "the target's KV layout has no block size".into(),
+        })? as u64;
+        if ucx.block_addrs.len() != target.blocks as usize {
+            return Err(TransferError::Invalid {
+                node,
+                reason: format!(
+                    "the target names {} block addresses for {} blocks",
+                    ucx.block_addrs.len(),
+                    target.blocks
+                ),
+            });
+        }
+        let peer =
+            self.peer(&ucx.worker_address, &ucx.rkey).await.map_err(|e| no_endpoint(&node, e))?;
+
+        // The session is accepted before anything is put: the reservation is then known to
+        // be alive, and its blocks will not be reused until the session ends.
+        let channel = self.grpc.channel(&target.address, &node)?;
+        let (tx, rx) = mpsc::channel(2);
+        let open = KvSessionRequest {
+            msg: Some(kv_session_request::Msg::Open(KvHeader {
+                reservation_id: target.reservation_id.clone(),
+                layout: Some(layout.clone()),
+                prefill_node: prefill_node.to_string(),
+            })),
+        };
+        tx.send(open).await.map_err(|_| unreachable(&node, "the session closed"))?;
+        let mut client = DecodeClient::new(channel);
+        let mut events = client
+            .kv_session(ReceiverStream::new(rx))
+            .await
+            .map_err(|s| session_error(&node, s))?
+            .into_inner();
+        match events.message().await {
+            Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Accepted(_)) })) => {}
+            Ok(_) => return Err(unreachable(&node, "the session ended before it was accepted")),
+            Err(s) => return Err(session_error(&node, s)),
+        }
+        Ok(Box::new(UcxSink {
+            node,
+            peers: Arc::clone(&self.peers),
+            peer,
+            addrs: ucx.block_addrs.clone(),
+            bpb,
+            layers: u64::from(layout.layers.max(1)),
+            session: Some((tx, events)),
+            pending: Vec::new(),
+            bytes: 0,
+        }))
+    }
+}
+
+type Session = (mpsc::Sender<KvSessionRequest>, Streaming<KvSessionEvent>);
+
+struct UcxSink {
+    node: String,
+    peers: Arc<PeerCache>,
+    peer: Arc<Peer>,
+    addrs: Vec<u64>,
+    bpb: u64,
+    layers: u64,
+    session: Option<Session>,
+    pending: Vec<Pending<()>>,
+    bytes: u64,
+}
+
+impl UcxSink {
+    fn fail(&self, e: UcxError) -> TransferError {
+        evict(&self.peers, &self.peer);
+        unreachable(&self.node, e)
+    }
+
+    async fn settle(&mut self, keep: usize) -> Result<(), TransferError> {
+        let n = self.pending.len().saturating_sub(keep);
+        for p in self.pending.drain(..n).collect::<Vec<_>>() {
+            p.await.map_err(|e| self.fail(e))?;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl KvSink for UcxSink {
+    fn transport(&self) -> &'static str {
+        "ucx"
+    }
+
+    fn layered(&self) -> bool {
+        true
+    }
+
+    async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError> {
+        let (bpb, layers) = (self.bpb, self.layers);
+        let (unit, offset) = match piece.layer {
+            None => (bpb, 0),
+            Some(l) if u64::from(l) < layers => (bpb / layers, u64::from(l) * (bpb / layers)),
+            Some(l) => {
+                return Err(TransferError::Invalid {
+                    node: self.node.clone(),
+                    reason: format!("layer {l} is past the model's {layers} layers"),
+                });
+            }
+        };
+        let len = piece.data.len() as u64;
+        let first = piece.first_block as usize;
+        let n = (len / unit.max(1)) as usize;
+        if unit == 0 || len == 0 || len % unit != 0 || first + n > self.addrs.len() {
+            return Err(TransferError::Invalid {
+                node: self.node.clone(),
+                reason: format!(
+                    "{len} bytes at block {first} are not whole units of {unit} within {} blocks",
+                    self.addrs.len()
+                ),
+            });
+        }
+        // Whole blocks that sit next to each other in the decode pool go as one put.
+        let mut i = 0;
+        while i < n {
+            let start = self.addrs[first + i] + offset;
+            let mut run = 1;
+            while piece.layer.is_none()
+                && i + run < n
+                && self.addrs[first + i + run] == start + run as u64 * bpb
+            {
+                run += 1;
+            }
+            let data = piece.data.slice(i * unit as usize..(i + run) * unit as usize);
+            self.pending.push(self.peer.ep.put(data, start, &self.peer.rkey));
+            i += run;
+        }
+        self.bytes += len;
+        if self.pending.len() > MAX_PENDING {
+            self.settle(MAX_PENDING / 2).await?;
+        }
+        Ok(())
+    }
+
+    async fn finish(
+        mut self: Box<Self>,
+        blocks: u32,
+        checksums: Vec<u64>,
+    ) -> Result<u64, TransferError> {
+        self.settle(0).await?;
+        self.peer.ep.flush().await.map_err(|e| self.fail(e))?;
+        let (tx, mut events) =
+            self.session.take().ok_or_else(|| unreachable(&self.node, "the session is gone"))?;
+        let commit = KvSessionRequest {
+            msg: Some(kv_session_request::Msg::Commit(KvEnd { blocks, checksums })),
+        };
+        if tx.send(commit).await.is_err() {
+            return Err(unreachable(&self.node, "the session closed before the commit"));
+        }
+        match events.message().await {
+            Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Committed(c)) })) => {
+                Ok(c.bytes.max(self.bytes))
+            }
+            Ok(_) => Err(unreachable(&self.node, "the session ended before the commit")),
+            Err(s) => Err(session_error(&self.node, s)),
+        }
+    }
+}
+
+impl Drop for UcxSink {
+    fn drop(&mut self) {
+        let Some(session) = self.session.take() else { return };
+        let pending = std::mem::take(&mut self.pending);
+        let node = self.node.clone();
+        let (peers, peer) = (Arc::clone(&self.peers), Arc::clone(&self.peer));
+        // The session must outlive every put: ending it lets the decode node reuse the blocks.
+        let quiesce = async move {
+            let mut failed = None;
+            for p in pending {
+                if let Err(e) = p.await {
+                    failed.get_or_insert(e);
+                }
+            }
+            if let Some(e) = failed {
+                tracing::debug!(node, "aborted UCX transfer: {e}");
+                evict(&peers, &peer);
+            }
+            drop(session);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(h) => {
+                h.spawn(quiesce);
+            }
+            Err(_) => tracing::warn!(
+                node = self.node,
+                "UCX transfer dropped outside a runtime; ending its session now"
+            ),
+        }
+    }
+}
