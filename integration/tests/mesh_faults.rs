@@ -490,14 +490,13 @@ per_transport!(kv_layout_mismatch_is_refused);
 
 async fn kv_layout_mismatch_is_refused(transport: &str) {
     let _serial = SERIAL.lock().await;
-    let c =
-        Cluster::builder()
-            .prefill(1)
-            .decode(1)
-            .transport(transport)
-            .prefill_args(&["--kv-dtype", "f32"])
-            .start()
-            .await;
+    let c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .transport(transport)
+        .prefill_args(&["--kv-dtype", "f32"])
+        .start()
+        .await;
     let mut client = c.client().await;
     let err = finish(start(&mut client, req(tokens(40), 4)).await).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");

@@ -48,13 +48,19 @@ struct Report {
     blocks: usize,
     bytes: u64,
     reps: usize,
+    /// UCX with peer-failure detection (the default; on one host UCX then emulates the puts
+    /// over TCP, the only local transport that detects a dead peer).
     ucx_ms: f64,
+    /// UCX without it (PDMESH_UCX_PEER_FAILURE=off): single-copy puts over CMA on one host.
+    ucx_cma_ms: f64,
     grpc_ms: f64,
     memcpy_ms: f64,
     ucx_gbps: f64,
+    ucx_cma_gbps: f64,
     grpc_gbps: f64,
     memcpy_gbps: f64,
     ucx_vs_memcpy: f64,
+    ucx_cma_vs_memcpy: f64,
     grpc_vs_memcpy: f64,
     /// UCX_TLS as set for this run ("" = UCX's default choice).
     ucx_tls: String,
@@ -83,6 +89,7 @@ pub fn run(a: KvBenchArgs) -> anyhow::Result<()> {
         for (name, ms, gbps, r) in [
             ("memcpy", report.memcpy_ms, report.memcpy_gbps, 1.0),
             ("ucx", report.ucx_ms, report.ucx_gbps, report.ucx_vs_memcpy),
+            ("ucx-cma", report.ucx_cma_ms, report.ucx_cma_gbps, report.ucx_cma_vs_memcpy),
             ("grpc", report.grpc_ms, report.grpc_gbps, report.grpc_vs_memcpy),
         ] {
             println!("{name:<8} {ms:>10.2} {gbps:>10.2} {r:>12.3}");
@@ -158,8 +165,16 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
     };
 
     let mut ms = Vec::new();
-    for kind in [TransportKind::Ucx, TransportKind::Grpc] {
-        let ucx = kind.start_ucx("bench-prefill").context("starting UCX")?;
+    for (kind, peer_failure) in
+        [(TransportKind::Ucx, true), (TransportKind::Ucx, false), (TransportKind::Grpc, true)]
+    {
+        let ucx = match kind {
+            TransportKind::Grpc => None,
+            _ => Some(
+                pdmesh_kv_transfer::ucx::UcxNode::start_with("bench-prefill", peer_failure)
+                    .context("starting UCX")?,
+            ),
+        };
         let transport = AutoTransport::new(kind, ucx, Arc::new(TransferStats::new()));
         let mut times = Vec::new();
         for rep in 0..a.reps + 1 {
@@ -201,19 +216,22 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let gbps = |ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
-    let (ucx_ms, grpc_ms) = (ms[0], ms[1]);
+    let (ucx_ms, ucx_cma_ms, grpc_ms) = (ms[0], ms[1], ms[2]);
     Ok(Report {
         tokens: a.tokens,
         blocks,
         bytes,
         reps: a.reps,
         ucx_ms,
+        ucx_cma_ms,
         grpc_ms,
         memcpy_ms,
         ucx_gbps: gbps(ucx_ms),
+        ucx_cma_gbps: gbps(ucx_cma_ms),
         grpc_gbps: gbps(grpc_ms),
         memcpy_gbps: gbps(memcpy_ms),
         ucx_vs_memcpy: memcpy_ms / ucx_ms,
+        ucx_cma_vs_memcpy: memcpy_ms / ucx_cma_ms,
         grpc_vs_memcpy: memcpy_ms / grpc_ms,
         ucx_tls: std::env::var("UCX_TLS").unwrap_or_default(),
     })

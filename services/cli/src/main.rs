@@ -4,8 +4,8 @@
 
 mod args;
 mod bench;
-mod kv_bench;
 mod generate;
+mod kv_bench;
 mod mesh_bench;
 mod perplexity;
 mod run;

@@ -324,11 +324,11 @@ impl DecodeCore {
             )));
         }
         let seq = r.seq;
-        if !checksums.is_empty() {
-            if let Err(e) = self.verify(seq, checksums, want) {
-                self.kv_abort(id, e.clone());
-                return Err(e);
-            }
+        if !checksums.is_empty()
+            && let Err(e) = self.verify(seq, checksums, want)
+        {
+            self.kv_abort(id, e.clone());
+            return Err(e);
         }
         self.get(id)?.kv_complete = true;
         self.maybe_schedule(id);

@@ -9,10 +9,10 @@ use pdmesh_kv_transfer::{KvPool, TransferStats};
 use pdmesh_proto::v1::decode_server::Decode;
 use pdmesh_proto::v1::kv_chunk::Chunk;
 use pdmesh_proto::v1::{
-    DecodeEvent, DecodeFinished, DecodeRequest, Delta, KvAccepted, KvChunk, KvCommitted,
-    KvHeader, KvLayout, KvSessionEvent, KvSessionRequest, KvTarget, NodeLoad, NodeStats,
-    PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role,
-    StatsRequest, decode_event, decode_request, kv_session_event, kv_session_request,
+    DecodeEvent, DecodeFinished, DecodeRequest, Delta, KvAccepted, KvChunk, KvCommitted, KvHeader,
+    KvLayout, KvSessionEvent, KvSessionRequest, KvTarget, NodeLoad, NodeStats, PushKvResponse,
+    ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest,
+    decode_event, decode_request, kv_session_event, kv_session_request,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
@@ -83,7 +83,8 @@ impl DecodeService {
 
     /// Checks a transfer's header and tells the engine thread it starts.
     async fn begin(&self, header: Option<KvHeader>, writer: bool) -> Result<(u64, String), Status> {
-        let header = header.ok_or_else(|| Status::invalid_argument("a KV stream starts with a header"))?;
+        let header =
+            header.ok_or_else(|| Status::invalid_argument("a KV stream starts with a header"))?;
         let from = if header.prefill_node.is_empty() {
             "a prefill node".into()
         } else {
@@ -122,7 +123,12 @@ impl Decode for DecodeService {
         let res = self
             .call(|reply| Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply })
             .await?;
-        tracing::debug!(request = r.request_id, reservation = res.id, blocks = res.prompt_blocks, "reserved");
+        tracing::debug!(
+            request = r.request_id,
+            reservation = res.id,
+            blocks = res.prompt_blocks,
+            "reserved"
+        );
         let ucx = match (&self.pool, remote_kv) {
             (Some(pool), true) => Some(pool.target(&res.pool_blocks)),
             _ => None,
@@ -246,7 +252,8 @@ impl Decode for DecodeService {
                 }
                 Some(Chunk::End(e)) => {
                     let (blocks, checksums) = (e.blocks as usize, e.checksums);
-                    let r = self.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
+                    let r =
+                        self.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
                     let secs = started.elapsed().as_secs_f64();
                     self.stats.record("grpc", r.as_ref().ok().map(|()| bytes), secs);
                     r?;
@@ -281,7 +288,8 @@ impl Decode for DecodeService {
         let (id, from) = self.begin(header, true).await?;
         let end = TransferEnd { tx: self.tx.clone(), id };
         let (events, rx) = mpsc::channel(2);
-        let accepted = KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted {})) };
+        let accepted =
+            KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted {})) };
         let _ = events.try_send(Ok(accepted));
         let this = self.clone();
         tokio::spawn(async move {
@@ -291,11 +299,18 @@ impl Decode for DecodeService {
                     let (blocks, checksums) = (e.blocks as usize, e.checksums);
                     let bytes = blocks as u64
                         * pdmesh_kv_transfer::bytes_per_block(&this.layout).unwrap_or(0) as u64;
-                    let r = this.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
-                    this.stats.record("ucx", r.as_ref().ok().map(|()| bytes), started.elapsed().as_secs_f64());
+                    let r =
+                        this.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
+                    this.stats.record(
+                        "ucx",
+                        r.as_ref().ok().map(|()| bytes),
+                        started.elapsed().as_secs_f64(),
+                    );
                     r.map(|()| bytes)
                 }
-                Ok(Some(_)) => Err(Status::invalid_argument("a UCX session takes one commit after its open")),
+                Ok(Some(_)) => {
+                    Err(Status::invalid_argument("a UCX session takes one commit after its open"))
+                }
                 Ok(None) => Err(Status::cancelled("the session ended before its commit")),
                 Err(s) => Err(s),
             };

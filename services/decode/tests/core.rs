@@ -119,7 +119,10 @@ fn reservations_are_bounded_leased_and_released() {
     let Reserved { id: a, prompt_blocks: blocks, lease, .. } =
         c.reserve(100, 50, None, false, t0).unwrap();
     assert_eq!((blocks, lease), (7, Duration::from_millis(200)));
-    assert!(matches!(c.reserve(1, 1, None, false, t0), Err(DecodeError::NoBlocks { need: 1, free: 0 })));
+    assert!(matches!(
+        c.reserve(1, 1, None, false, t0),
+        Err(DecodeError::NoBlocks { need: 1, free: 0 })
+    ));
     assert!(c.release(a));
     assert!(!c.release(a), "released twice");
     let b = c.reserve(10, 10, Some(Duration::from_millis(50)), false, t0).unwrap().id;
@@ -218,8 +221,7 @@ fn verify_mode_catches_a_corrupted_block() {
     let t0 = Instant::now();
     let bpb = c.engine().kv().geometry().bytes_per_block();
     let data: Vec<u8> = (0..2 * bpb).map(|i| (i % 251) as u8).collect();
-    let sums: Vec<u64> =
-        data.chunks(bpb).map(pdmesh_kv_transfer::block_checksum).collect();
+    let sums: Vec<u64> = data.chunks(bpb).map(pdmesh_kv_transfer::block_checksum).collect();
     let r = c.reserve(20, 4, None, true, t0).unwrap();
     c.kv_begin(r.id, false).unwrap();
     c.kv_write(r.id, 0, &data).unwrap();

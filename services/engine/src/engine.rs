@@ -184,7 +184,15 @@ impl Engine {
         let kv = KvCache::new(geom, config.kv_blocks)?;
         let c = &model.config;
         let theta_scale = c.rope_base.powf(-2.0 / c.head_dim as f32);
-        Ok(Self { kv_guard: None, model, backend, kv, config, scratch: Scratch::default(), theta_scale })
+        Ok(Self {
+            kv_guard: None,
+            model,
+            backend,
+            kv,
+            config,
+            scratch: Scratch::default(),
+            theta_scale,
+        })
     }
 
     pub fn model(&self) -> &Arc<Model> {

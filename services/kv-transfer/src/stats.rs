@@ -17,9 +17,10 @@ impl TransferStats {
 
     fn with(&self, transport: &'static str, f: impl FnOnce(&mut TransportStats)) {
         let mut m = self.by_transport.lock().expect("stats lock is never poisoned");
-        let e = m
-            .entry(transport)
-            .or_insert_with(|| TransportStats { transport: transport.into(), ..Default::default() });
+        let e = m.entry(transport).or_insert_with(|| TransportStats {
+            transport: transport.into(),
+            ..Default::default()
+        });
         f(e);
     }
 

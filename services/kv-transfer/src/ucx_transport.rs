@@ -89,9 +89,7 @@ fn unreachable(node: &str, reason: impl ToString) -> TransferError {
 fn session_error(node: &str, status: tonic::Status) -> TransferError {
     use tonic::Code;
     match status.code() {
-        Code::Unavailable | Code::Unknown | Code::Cancelled => {
-            unreachable(node, status.message())
-        }
+        Code::Unavailable | Code::Unknown | Code::Cancelled => unreachable(node, status.message()),
         _ => TransferError::Refused { node: node.into(), status },
     }
 }
@@ -221,7 +219,7 @@ impl KvSink for UcxSink {
         let len = piece.data.len() as u64;
         let first = piece.first_block as usize;
         let n = (len / unit.max(1)) as usize;
-        if unit == 0 || len == 0 || len % unit != 0 || first + n > self.addrs.len() {
+        if unit == 0 || len == 0 || !len.is_multiple_of(unit) || first + n > self.addrs.len() {
             return Err(TransferError::Invalid {
                 node: self.node.clone(),
                 reason: format!(

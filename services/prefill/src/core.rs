@@ -8,10 +8,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use pdmesh_kv_transfer::KvPiece;
 use pdmesh_engine::{
     Engine, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
 };
+use pdmesh_kv_transfer::KvPiece;
 
 use pdmesh_common::convert::ms;
 
@@ -254,7 +254,9 @@ impl PrefillCore {
         for s in &plan {
             let a = &self.jobs[&s.id];
             let Work::Prefill { offset, len, last } = s.work else {
-                unreachable!("prefill jobs never decode: they leave the scheduler at their last chunk")
+                unreachable!(
+                    "prefill jobs never decode: they leave the scheduler at their last chunk"
+                )
             };
             let seq = a.seq.expect("scheduled jobs have sequences");
             chunks.push((
@@ -274,11 +276,15 @@ impl PrefillCore {
             for &(id, seq, from, to) in &layered {
                 let mut buf = Vec::new();
                 for i in from..to {
-                    kv.read_block_layer(seq, i, layer, &mut buf).expect("blocks of a live sequence");
+                    kv.read_block_layer(seq, i, layer, &mut buf)
+                        .expect("blocks of a live sequence");
                 }
                 if let Some(a) = jobs.get_mut(&id) {
-                    let piece =
-                        KvPiece { first_block: from as u32, layer: Some(layer as u32), data: buf.into() };
+                    let piece = KvPiece {
+                        first_block: from as u32,
+                        layer: Some(layer as u32),
+                        data: buf.into(),
+                    };
                     // A closed output is noticed after the step.
                     a.out.send(Out::Blocks(piece));
                 }

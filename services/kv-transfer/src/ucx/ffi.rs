@@ -66,7 +66,11 @@ impl Context {
     /// # Safety
     /// The memory must stay allocated (and not move) until the returned handle is passed to
     /// `unmap`: remote peers holding the key write into it.
-    pub(super) unsafe fn map(&self, addr: usize, len: usize) -> Result<(MemHandle, Bytes), UcxError> {
+    pub(super) unsafe fn map(
+        &self,
+        addr: usize,
+        len: usize,
+    ) -> Result<(MemHandle, Bytes), UcxError> {
         // SAFETY: all-zero is the empty parameter set; the address and length fields are set
         // and flagged below.
         let mut p: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
@@ -142,7 +146,10 @@ impl Worker {
         let mut len = 0usize;
         // SAFETY: the worker is live; the returned buffer is copied then released.
         unsafe {
-            check("ucp_worker_get_address", sys::ucp_worker_get_address(self.0, &mut addr, &mut len))?;
+            check(
+                "ucp_worker_get_address",
+                sys::ucp_worker_get_address(self.0, &mut addr, &mut len),
+            )?;
             let out = Bytes::copy_from_slice(std::slice::from_raw_parts(addr as *const u8, len));
             sys::ucp_worker_release_address(self.0, addr);
             Ok(out)
@@ -180,9 +187,15 @@ impl Worker {
         check("ucp_worker_arm", st).map(|()| true)
     }
 
-    /// Creates an endpoint to the worker at `remote`, with peer error handling: a peer that
-    /// dies fails the endpoint's operations instead of hanging them, and `flag` is set.
-    pub(super) fn connect(&self, remote: &[u8], flag: *mut EpFailure) -> Result<Ep, UcxError> {
+    /// Creates an endpoint to the worker at `remote`. With `peer_failure` a peer that dies
+    /// fails the endpoint's operations instead of hanging them, and `flag` is set; UCX then
+    /// uses only transports that can detect that (on one host: not shared memory).
+    pub(super) fn connect(
+        &self,
+        remote: &[u8],
+        flag: *mut EpFailure,
+        peer_failure: bool,
+    ) -> Result<Ep, UcxError> {
         // SAFETY: all-zero is the empty parameter set; the fields used are flagged below.
         let mut p: sys::ucp_ep_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
         p.field_mask = (sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
@@ -190,7 +203,11 @@ impl Worker {
             | sys::ucp_ep_params_field_UCP_EP_PARAM_FIELD_ERR_HANDLER)
             as u64;
         p.address = remote.as_ptr() as *const sys::ucp_address_t;
-        p.err_mode = sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER;
+        p.err_mode = if peer_failure {
+            sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_PEER
+        } else {
+            sys::ucp_err_handling_mode_t_UCP_ERR_HANDLING_MODE_NONE
+        };
         p.err_handler.cb = Some(on_ep_error);
         p.err_handler.arg = flag as *mut c_void;
         let mut ep: sys::ucp_ep_h = ptr::null_mut();
@@ -243,7 +260,8 @@ impl Ep {
     pub(super) fn unpack(&self, packed: &[u8]) -> Result<Rkey, UcxError> {
         let mut rkey: sys::ucp_rkey_h = ptr::null_mut();
         // SAFETY: UCX parses the buffer and reports a malformed one as an error status.
-        let st = unsafe { sys::ucp_ep_rkey_unpack(self.0, packed.as_ptr() as *const c_void, &mut rkey) };
+        let st =
+            unsafe { sys::ucp_ep_rkey_unpack(self.0, packed.as_ptr() as *const c_void, &mut rkey) };
         check("ucp_ep_rkey_unpack", st)?;
         Ok(Rkey(rkey))
     }
@@ -337,7 +355,11 @@ impl Op {
     }
 }
 
-unsafe extern "C" fn on_complete(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
+unsafe extern "C" fn on_complete(
+    request: *mut c_void,
+    status: sys::ucs_status_t,
+    user: *mut c_void,
+) {
     // SAFETY: `user` is the `Op` box leaked in `submit` for exactly this request; UCX calls the
     // callback once, so the box is reclaimed once. The request is released after its callback,
     // as the API requires for requests returned by `*_nbx`.
@@ -348,7 +370,10 @@ unsafe extern "C" fn on_complete(request: *mut c_void, status: sys::ucs_status_t
     }
 }
 
-fn submit(op: Box<Op>, call: impl FnOnce(*const sys::ucp_request_param_t) -> sys::ucs_status_ptr_t) {
+fn submit(
+    op: Box<Op>,
+    call: impl FnOnce(*const sys::ucp_request_param_t) -> sys::ucs_status_ptr_t,
+) {
     submit_flags(op, 0, call)
 }
 
@@ -360,8 +385,8 @@ fn submit_flags(
     let user = Box::into_raw(op);
     // SAFETY: all-zero is the empty parameter set; callback and user data are set and flagged.
     let mut param: sys::ucp_request_param_t = unsafe { MaybeUninit::zeroed().assume_init() };
-    param.op_attr_mask =
-        sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
+    param.op_attr_mask = sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_CALLBACK
+        | sys::ucp_op_attr_t_UCP_OP_ATTR_FIELD_USER_DATA;
     param.flags = flags;
     param.cb.send = Some(on_complete);
     param.user_data = user as *mut c_void;

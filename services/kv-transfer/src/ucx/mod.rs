@@ -48,7 +48,7 @@ const IDLE_TICK: Duration = Duration::from_millis(100);
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 enum Cmd {
-    Connect { remote: Bytes, reply: oneshot::Sender<Result<u64, UcxError>> },
+    Connect { remote: Bytes, peer_failure: bool, reply: oneshot::Sender<Result<u64, UcxError>> },
     Unpack { ep: u64, packed: Bytes, reply: oneshot::Sender<Result<u64, UcxError>> },
     DropRkey { ep: u64, rkey: u64 },
     Put { ep: u64, rkey: u64, data: Bytes, remote: u64, done: Completion },
@@ -59,6 +59,7 @@ enum Cmd {
 
 struct Inner {
     name: String,
+    peer_failure: bool,
     tx: mpsc::UnboundedSender<Cmd>,
     address: Bytes,
     ctx: Arc<Context>,
@@ -92,9 +93,18 @@ impl std::fmt::Debug for UcxNode {
 }
 
 impl UcxNode {
-    /// Starts a node. `name` labels its thread and logs. Fails with UCX's status when UCX
-    /// cannot initialise (e.g. `UCX_TLS` names no usable transport).
+    /// Starts a node whose endpoints detect peer failure (see `start_with`).
     pub fn start(name: &str) -> Result<Self, UcxError> {
+        Self::start_with(name, true)
+    }
+
+    /// Starts a node. `name` labels its thread and logs. With `peer_failure` its endpoints
+    /// fail operations on a peer that died (UCX's peer error mode), which UCX provides on
+    /// RDMA and TCP but not over shared memory; without it UCX may use single-copy shared
+    /// memory (CMA) between processes of one host, and a dead peer is noticed through the
+    /// control path instead. Fails with UCX's status when UCX cannot initialise (e.g.
+    /// `UCX_TLS` names no usable transport).
+    pub fn start_with(name: &str, peer_failure: bool) -> Result<Self, UcxError> {
         let ctx = Arc::new(Context::new()?);
         let (tx, rx) = mpsc::unbounded_channel();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -118,6 +128,7 @@ impl UcxNode {
         Ok(Self {
             inner: Arc::new(Inner {
                 name: name.to_string(),
+                peer_failure,
                 tx,
                 address,
                 ctx,
@@ -135,7 +146,7 @@ impl UcxNode {
     pub async fn connect(&self, remote: Bytes) -> Result<Endpoint, UcxError> {
         let remote = unseal(&remote, "worker address")?;
         let (reply, rx) = oneshot::channel();
-        self.send(Cmd::Connect { remote, reply })?;
+        self.send(Cmd::Connect { remote, peer_failure: self.inner.peer_failure, reply })?;
         let id = rx.await.map_err(|_| UcxError::Closed)??;
         Ok(Endpoint { node: self.clone(), id })
     }
@@ -154,7 +165,13 @@ impl UcxNode {
         // SAFETY: forwarded from this function's contract.
         let (memh, rkey) = unsafe { self.inner.ctx.map(addr, len)? };
         let rkey = seal(&rkey);
-        Ok(Region { ctx: Arc::clone(&self.inner.ctx), memh: Some(memh), rkey, base: addr as u64, len })
+        Ok(Region {
+            ctx: Arc::clone(&self.inner.ctx),
+            memh: Some(memh),
+            rkey,
+            base: addr as u64,
+            len,
+        })
     }
 
     fn send(&self, cmd: Cmd) -> Result<(), UcxError> {
@@ -358,22 +375,25 @@ struct EpState {
 }
 
 /// What the progress thread owns.
+/// An endpoint being closed: its completion, and the error cell UCX may write until then.
+type Closing = (oneshot::Receiver<Result<(), UcxError>>, Box<EpFailure>);
+
 /// Field order is drop order: remote keys go before the worker is destroyed, and the error
 /// cells of closing endpoints outlive it (UCX may call a handler while destroying).
 struct State {
     name: String,
     eps: HashMap<u64, EpState>,
     worker: Worker,
-    closing: Vec<(oneshot::Receiver<Result<(), UcxError>>, Box<EpFailure>)>,
+    closing: Vec<Closing>,
     next_id: u64,
 }
 
 impl State {
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Connect { remote, reply } => {
+            Cmd::Connect { remote, peer_failure, reply } => {
                 let mut failure = Box::<EpFailure>::default();
-                let r = self.worker.connect(&remote, &mut *failure).map(|ep| {
+                let r = self.worker.connect(&remote, &mut *failure, peer_failure).map(|ep| {
                     let id = self.next_id;
                     self.next_id += 1;
                     self.eps.insert(id, EpState { ep, failure, rkeys: HashMap::new() });
@@ -441,7 +461,9 @@ impl State {
     }
 
     fn reap(&mut self) {
-        self.closing.retain_mut(|(rx, _)| matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty)));
+        self.closing.retain_mut(|(rx, _)| {
+            matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
+        });
     }
 
     /// Progresses until nothing more happens, then arms the event fd. False: not armed yet.
@@ -542,7 +564,11 @@ fn progress_thread(
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         if !st.closing.is_empty() {
-            tracing::warn!(node = st.name, "{} UCX endpoints did not close in time", st.closing.len());
+            tracing::warn!(
+                node = st.name,
+                "{} UCX endpoints did not close in time",
+                st.closing.len()
+            );
         }
     });
     drop(st);
