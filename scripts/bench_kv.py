@@ -2,9 +2,9 @@
 """KV transfer, in one run.
 
 1. Bandwidth: `pdmesh bench kv` moves the KV of a --tokens prompt (4,096 tokens: ~94 MB in f16)
-   from this process into a decode node process by UCX puts into its registered pool (with UCX's
-   peer-failure detection, the default, and without it, which lets UCX use single-copy CMA on
-   one host), and by the gRPC stream, timing open-to-commit; the reference is an in-process
+   from this process into a decode node process by UCX puts into its registered pool (as the
+   nodes run it, and without peer-failure detection, which lets UCX put zero-copy over CMA: the
+   local ceiling), and by the gRPC stream, timing open-to-commit; the reference is an in-process
    memcpy of the same bytes. Medians; ratios against memcpy (goals: UCX >= 0.70, gRPC >= 0.30).
 
 2. Overlap: TTFT and time to the second token of a --ttft-tokens prompt (2,048) through
@@ -50,8 +50,8 @@ def main():
             ratio = 1.0 if key == "memcpy" else r[f"{key}_vs_memcpy"]
             g = "" if goal is None else f"  (goal >= {goal:.2f})"
             print(f"{name:8} {r[f'{key}_ms']:>9.2f} {r[f'{key}_gbps']:>8.2f} {ratio:>10.3f}{g}")
-        print("ucx: peer-failure detection on (default; on one host UCX then emulates puts over TCP); "
-              "ucx-cma: PDMESH_UCX_PEER_FAILURE=off (single-copy CMA)")
+        print("ucx: as the nodes run it (endpoints detect a dead peer); "
+              "ucx-cma: without peer-failure detection, zero-copy process_vm_writev (the local ceiling)")
     if "overlap" in parts:
         print(f"2. overlap: {a.ttft_tokens}-token prompts, UCX, by push mode", file=sys.stderr)
         rows = {}

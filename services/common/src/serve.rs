@@ -44,8 +44,8 @@ pub async fn serve(
         .tcp_nodelay(true)
         // KV blocks are hundreds of KB each: HTTP/2's default 64 KB window would throttle a
         // transfer to a round trip per 64 KB.
-        .initial_stream_window_size(Some(8 << 20))
-        .initial_connection_window_size(Some(32 << 20))
+        .initial_stream_window_size(Some(32 << 20))
+        .initial_connection_window_size(Some(64 << 20))
         // Fewer, larger frames for the same reason (HTTP/2's default is 16 KB).
         .max_frame_size(Some(1 << 20))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))

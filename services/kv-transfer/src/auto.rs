@@ -36,24 +36,12 @@ impl TransportKind {
     }
 
     /// Starts the UCX node this kind needs: none for `grpc`; for `auto`, none when UCX cannot
-    /// start (logged); for `ucx`, an error. `PDMESH_UCX_PEER_FAILURE=off` trades UCX's
-    /// detection of dead peers for single-copy shared memory between processes on one host
-    /// (see `UcxNode::start_with`); the default (`detect`) keeps it.
+    /// start (logged); for `ucx`, an error.
     pub fn start_ucx(self, name: &str) -> Result<Option<UcxNode>, UcxError> {
-        let peer_failure = match std::env::var("PDMESH_UCX_PEER_FAILURE").as_deref() {
-            Ok("off") => false,
-            Ok("detect") | Err(_) => true,
-            Ok(other) => {
-                return Err(UcxError::Usage(format!(
-                    "PDMESH_UCX_PEER_FAILURE={other:?}: expected detect or off"
-                )));
-            }
-        };
-        let start = || UcxNode::start_with(name, peer_failure);
         match self {
             TransportKind::Grpc => Ok(None),
-            TransportKind::Ucx => start().map(Some),
-            TransportKind::Auto => match start() {
+            TransportKind::Ucx => UcxNode::start(name).map(Some),
+            TransportKind::Auto => match UcxNode::start(name) {
                 Ok(n) => Ok(Some(n)),
                 Err(e) => {
                     tracing::warn!("UCX unavailable, KV moves over gRPC: {e}");

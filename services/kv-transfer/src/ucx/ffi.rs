@@ -5,7 +5,7 @@
 //! any thread use for memory mapping.
 #![allow(unsafe_code)]
 
-use std::ffi::c_void;
+use std::ffi::{CString, c_void};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr;
@@ -21,6 +21,11 @@ use super::UcxError;
 fn check(op: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
     if status == sys::ucs_status_t_UCS_OK { Ok(()) } else { Err(UcxError::status(op, status)) }
 }
+
+/// Settings pdmesh changes from UCX's defaults, unless the environment sets them.
+/// Shared-memory transports report a dead peer only with this on; without it, endpoints that
+/// detect peer failure (pdmesh's) reach a process on the same host over TCP alone.
+const DEFAULTS: &[(&str, &str)] = &[("POSIX_ERROR_HANDLING", "y")];
 
 /// A UCP context with the RMA and wakeup features. UCX reads its `UCX_*` environment
 /// variables (transports, devices, logging) here.
@@ -44,19 +49,32 @@ impl Context {
         params.features =
             (sys::ucp_feature_UCP_FEATURE_RMA | sys::ucp_feature_UCP_FEATURE_WAKEUP) as u64;
         params.mt_workers_shared = 1;
+        let mut config: *mut sys::ucp_config_t = ptr::null_mut();
+        // SAFETY: null prefix and file make UCX read its `UCX_*` environment; `config` is
+        // released below on every path.
+        check("ucp_config_read", unsafe {
+            sys::ucp_config_read(ptr::null(), ptr::null(), &mut config)
+        })?;
+        for (name, value) in DEFAULTS {
+            if std::env::var_os(format!("UCX_{name}")).is_some() {
+                continue; // The operator's setting wins.
+            }
+            let (n, v) = (CString::new(*name), CString::new(*value));
+            let (Ok(n), Ok(v)) = (n, v) else { continue };
+            // SAFETY: `config` is live; both strings are NUL-terminated and outlive the call.
+            let st = unsafe { sys::ucp_config_modify(config, n.as_ptr(), v.as_ptr()) };
+            if st != sys::ucs_status_t_UCS_OK {
+                tracing::debug!("UCX_{name}={value} not applied: {}", status_text(st));
+            }
+        }
         let mut ctx: sys::ucp_context_h = ptr::null_mut();
         // SAFETY: `ucp_init` is a static inline; `ucp_init_version` with the header's API
-        // version is its real entry point. A null config makes UCX read the environment.
-        // `params` and `ctx` outlive the call.
+        // version is its real entry point. `params`, `config` and `ctx` outlive the call.
         let st = unsafe {
-            sys::ucp_init_version(
-                sys::UCP_API_MAJOR,
-                sys::UCP_API_MINOR,
-                &params,
-                ptr::null(),
-                &mut ctx,
-            )
+            sys::ucp_init_version(sys::UCP_API_MAJOR, sys::UCP_API_MINOR, &params, config, &mut ctx)
         };
+        // SAFETY: read above and no longer needed: UCX copied what it uses.
+        unsafe { sys::ucp_config_release(config) };
         check("ucp_init", st)?;
         Ok(Self(ctx))
     }
