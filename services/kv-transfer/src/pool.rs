@@ -22,6 +22,12 @@ pub struct KvPool {
 
 /// Registers `engine`'s KV pool with `node`. The registration is handed to the engine, which
 /// drops it before the pool's memory, so peers can never be given a key to freed memory.
+///
+/// Peers then write into the pool while the engine thread owns it, as a NIC's DMA would. The
+/// protocol confines those writes to a reservation's blocks between its session's accept and
+/// commit, which the engine neither reads nor writes in that window (and the commit reaches
+/// the engine thread through a channel, which orders the writes before any read). Rust's
+/// memory model does not describe memory written by another process; that is the trade.
 pub fn register_kv_pool(node: &UcxNode, engine: &mut Engine) -> Result<KvPool, UcxError> {
     let (addr, len) = engine.kv_region();
     let geometry = *engine.kv().geometry();
