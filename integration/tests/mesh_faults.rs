@@ -184,14 +184,12 @@ async fn killed_prefill_node_is_retried_on_another(transport: &str) {
     all_blocks_free(&c).await;
 }
 
-per_transport!(prefill_killed_mid_transfer_fails_the_request_and_frees_the_reservation);
-
-/// The transfer is in flight (the first token already went out, KV pieces are slowed) when the
-/// prefill node dies: the decode node's reservation ends, its blocks are freed, and the client
-/// gets UNAVAILABLE naming the prefill node.
-async fn prefill_killed_mid_transfer_fails_the_request_and_frees_the_reservation(transport: &str) {
-    let _serial = SERIAL.lock().await;
-    let mut c = Cluster::builder()
+/// 1 prefill + 1 decode node and one request whose KV is moving (its pieces slowed by the
+/// fault knob, so the transfer outlasts the compute).
+async fn transfer_in_flight(
+    transport: &str,
+) -> (Cluster, GenerationClient<Channel>, Streaming<GenerateResponse>) {
+    let c = Cluster::builder()
         .prefill(1)
         .decode(1)
         .transport(transport)
@@ -204,6 +202,17 @@ async fn prefill_killed_mid_transfer_fails_the_request_and_frees_the_reservation
         c.prefill_stats(0).await.transferring == 1 && c.decode_stats(0).await.transferring == 1
     })
     .await;
+    (c, client, s)
+}
+
+per_transport!(prefill_killed_mid_transfer_fails_the_request_and_frees_the_reservation);
+
+/// The transfer is in flight (the first token already went out, KV pieces are slowed) when the
+/// prefill node dies: the decode node's reservation ends, its blocks are freed, and the client
+/// gets UNAVAILABLE naming the prefill node.
+async fn prefill_killed_mid_transfer_fails_the_request_and_frees_the_reservation(transport: &str) {
+    let _serial = SERIAL.lock().await;
+    let (mut c, _client, s) = transfer_in_flight(transport).await;
     c.prefills[0].kill();
     // Whether the first token had reached the client decides between the two correct ends:
     // it had, so the request fails naming the dead node; it had not, so it is retried once
@@ -233,19 +242,7 @@ per_transport!(decode_killed_mid_transfer_fails_the_request_and_frees_the_prefil
 /// on a new decode node.
 async fn decode_killed_mid_transfer_fails_the_request_and_frees_the_prefill_node(transport: &str) {
     let _serial = SERIAL.lock().await;
-    let mut c = Cluster::builder()
-        .prefill(1)
-        .decode(1)
-        .transport(transport)
-        .prefill_args(&["--fault-transfer-delay-ms", "300"])
-        .start()
-        .await;
-    let mut client = c.client().await;
-    let s = start(&mut client, req(tokens(200), 4)).await;
-    eventually(WAIT, "transfer in flight", || async {
-        c.prefill_stats(0).await.transferring == 1 && c.decode_stats(0).await.transferring == 1
-    })
-    .await;
+    let (mut c, mut client, s) = transfer_in_flight(transport).await;
     c.decodes[0].kill();
     let err = tokio::time::timeout(WAIT, finish(s)).await.expect("the stream hung").unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");

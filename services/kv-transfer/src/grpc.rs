@@ -99,21 +99,11 @@ impl GrpcSink {
         let call = self.call.take().ok_or_else(|| closed(&self.node))?;
         match call.await {
             Ok(Ok(bytes)) => Ok(bytes),
-            Ok(Err(status)) => Err(classify(&self.node, status)),
+            Ok(Err(status)) => Err(TransferError::from_peer(&self.node, status)),
             Err(e) => {
                 Err(TransferError::Unreachable { node: self.node.clone(), reason: e.to_string() })
             }
         }
-    }
-}
-
-fn classify(node: &str, status: tonic::Status) -> TransferError {
-    use tonic::Code;
-    match status.code() {
-        Code::Unavailable | Code::Unknown | Code::Cancelled => {
-            TransferError::Unreachable { node: node.into(), reason: status.message().to_string() }
-        }
-        _ => TransferError::Refused { node: node.into(), status },
     }
 }
 

@@ -65,6 +65,21 @@ impl From<TransferError> for Status {
     }
 }
 
+impl TransferError {
+    /// What a status from the decode node's KV call means: it went away (the transport broke,
+    /// the call was cut) or it refused (a status of its own, kept).
+    pub(crate) fn from_peer(node: &str, status: Status) -> Self {
+        use tonic::Code;
+        match status.code() {
+            Code::Unavailable | Code::Unknown | Code::Cancelled => TransferError::Unreachable {
+                node: node.into(),
+                reason: status.message().to_string(),
+            },
+            _ => TransferError::Refused { node: node.into(), status },
+        }
+    }
+}
+
 // Keeps the peer's code and names it.
 fn peer_status(node: &str, status: &Status) -> Status {
     Status::new(status.code(), format!("node {node}: {}", status.message()))

@@ -86,14 +86,6 @@ fn unreachable(node: &str, reason: impl ToString) -> TransferError {
     TransferError::Unreachable { node: node.into(), reason: reason.to_string() }
 }
 
-fn session_error(node: &str, status: tonic::Status) -> TransferError {
-    use tonic::Code;
-    match status.code() {
-        Code::Unavailable | Code::Unknown | Code::Cancelled => unreachable(node, status.message()),
-        _ => TransferError::Refused { node: node.into(), status },
-    }
-}
-
 #[async_trait::async_trait]
 impl KvTransport for UcxTransport {
     fn name(&self) -> &'static str {
@@ -144,12 +136,12 @@ impl KvTransport for UcxTransport {
         let mut events = client
             .kv_session(ReceiverStream::new(rx))
             .await
-            .map_err(|s| session_error(&node, s))?
+            .map_err(|s| TransferError::from_peer(&node, s))?
             .into_inner();
         match events.message().await {
             Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Accepted(_)) })) => {}
             Ok(_) => return Err(unreachable(&node, "the session ended before it was accepted")),
-            Err(s) => return Err(session_error(&node, s)),
+            Err(s) => return Err(TransferError::from_peer(&node, s)),
         }
         Ok(Box::new(UcxSink {
             node,
@@ -270,7 +262,7 @@ impl KvSink for UcxSink {
                 Ok(c.bytes.max(self.bytes))
             }
             Ok(_) => Err(unreachable(&self.node, "the session ended before the commit")),
-            Err(s) => Err(session_error(&self.node, s)),
+            Err(s) => Err(TransferError::from_peer(&self.node, s)),
         }
     }
 }
