@@ -5,6 +5,7 @@
 //! node's registered KV pool (with `auto` choosing UCX and falling back to gRPC).
 
 pub mod auto;
+pub mod block_hash;
 pub mod grpc;
 pub mod layout;
 pub mod pool;
@@ -19,6 +20,7 @@ use pdmesh_proto::v1::KvTarget;
 use tonic::Status;
 
 pub use auto::{AutoTransport, TransportKind};
+pub use block_hash::{BlockHash, BlockHasher};
 pub use grpc::GrpcTransport;
 pub use layout::{bytes_per_block, check_layout, layout_mismatch, layout_of};
 pub use pool::{KvPool, register_kv_pool};
