@@ -1,0 +1,246 @@
+//! The KV-store's state, free of gRPC and UCX: which block lives in which slot of the pool,
+//! which blocks a lease pins, and which to evict. The service moves the bytes; this decides.
+//!
+//! - A block is *pending* from `reserve_put` until `commit_put` (its bytes are arriving): it
+//!   cannot be matched, evicted or reserved again, and `abort_put` frees its slot.
+//! - `match_prefix` returns the longest stored prefix of a hash chain and pins it under a
+//!   lease, so the caller can read the blocks; `release` or the lease's expiry unpins them.
+//! - Only blocks that are ready and unpinned are evicted, least recently used first.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use pdmesh_kv_transfer::BlockHash;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Pending,
+    Ready,
+}
+
+#[derive(Debug)]
+struct Entry {
+    slot: u32,
+    state: State,
+    pins: u32,
+    /// Last use; the key of this entry in `lru` while it is ready and unpinned.
+    tick: u64,
+}
+
+#[derive(Debug)]
+struct Lease {
+    blocks: Vec<BlockHash>,
+    expires: Instant,
+}
+
+/// Counters for stats and metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Ready blocks held.
+    pub blocks: u64,
+    pub bytes: u64,
+    pub capacity_blocks: u64,
+    /// Matched and missed prompt tokens (full blocks only).
+    pub hit_tokens: u64,
+    pub miss_tokens: u64,
+    pub evictions: u64,
+    /// Puts of a block already stored (or arriving): stored once.
+    pub dedup: u64,
+    pub pinned_blocks: u64,
+    pub leases: u64,
+    pub leases_expired: u64,
+}
+
+/// A match: the stored prefix, as `(hash, slot)` in chain order, pinned under `lease`
+/// (`None` when nothing matched, so there is nothing to release).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Matched {
+    pub lease: Option<u64>,
+    pub blocks: Vec<(BlockHash, u32)>,
+}
+
+/// Where a put goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutSlot {
+    /// Write the block's bytes into this slot, then `commit_put` (or `abort_put`).
+    Write(u32),
+    /// The block is stored or arriving already: nothing to write.
+    Duplicate,
+    /// Every slot is pinned or pending: the block is not stored.
+    Full,
+}
+
+#[derive(Debug)]
+pub struct Store {
+    block_bytes: usize,
+    tokens_per_block: usize,
+    free: Vec<u32>,
+    capacity: usize,
+    index: HashMap<BlockHash, Entry>,
+    lru: BTreeMap<u64, BlockHash>,
+    leases: HashMap<u64, Lease>,
+    next_lease: u64,
+    tick: u64,
+    stats: StoreStats,
+}
+
+impl Store {
+    /// A store of `budget_bytes / block_bytes` slots.
+    pub fn new(budget_bytes: usize, block_bytes: usize, tokens_per_block: usize) -> Self {
+        let capacity = budget_bytes.checked_div(block_bytes).unwrap_or(0);
+        Self {
+            block_bytes,
+            tokens_per_block,
+            // Popped from the end: slot 0 first.
+            free: (0..capacity as u32).rev().collect(),
+            capacity,
+            index: HashMap::new(),
+            lru: BTreeMap::new(),
+            leases: HashMap::new(),
+            next_lease: 1,
+            tick: 0,
+            stats: StoreStats { capacity_blocks: capacity as u64, ..Default::default() },
+        }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+
+    fn touch(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn pin(&mut self, h: BlockHash) {
+        let e = self.index.get_mut(&h).expect("pinned blocks are indexed");
+        if e.pins == 0 && e.state == State::Ready {
+            self.lru.remove(&e.tick);
+        }
+        e.pins += 1;
+    }
+
+    fn unpin(&mut self, h: BlockHash) {
+        let tick = self.tick + 1;
+        let Some(e) = self.index.get_mut(&h) else { return };
+        e.pins = e.pins.saturating_sub(1);
+        if e.pins == 0 && e.state == State::Ready {
+            self.tick = tick;
+            e.tick = tick;
+            self.lru.insert(tick, h);
+        }
+    }
+
+    /// The longest stored prefix of `chain`, pinned until `now + lease` (or `release`).
+    /// Counts the chain's blocks as hit or missed tokens.
+    pub fn match_prefix(&mut self, chain: &[BlockHash], lease: Duration, now: Instant) -> Matched {
+        let mut blocks = Vec::new();
+        for &h in chain {
+            match self.index.get(&h) {
+                Some(e) if e.state == State::Ready => blocks.push((h, e.slot)),
+                _ => break,
+            }
+        }
+        let tpb = self.tokens_per_block as u64;
+        self.stats.hit_tokens += blocks.len() as u64 * tpb;
+        self.stats.miss_tokens += (chain.len() - blocks.len()) as u64 * tpb;
+        if blocks.is_empty() {
+            return Matched { lease: None, blocks };
+        }
+        for &(h, _) in &blocks {
+            self.pin(h);
+        }
+        let id = self.next_lease;
+        self.next_lease += 1;
+        let held = blocks.iter().map(|&(h, _)| h).collect();
+        self.leases.insert(id, Lease { blocks: held, expires: now + lease });
+        Matched { lease: Some(id), blocks }
+    }
+
+    /// Unpins a lease's blocks. False when the lease is unknown (released or expired).
+    pub fn release(&mut self, lease: u64) -> bool {
+        match self.leases.remove(&lease) {
+            Some(l) => {
+                for h in l.blocks {
+                    self.unpin(h);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Releases every lease expired at `now`; returns how many.
+    pub fn sweep(&mut self, now: Instant) -> usize {
+        let expired: Vec<u64> =
+            self.leases.iter().filter(|(_, l)| l.expires <= now).map(|(&id, _)| id).collect();
+        for &id in &expired {
+            self.release(id);
+        }
+        self.stats.leases_expired += expired.len() as u64;
+        expired.len()
+    }
+
+    /// Finds room for block `h`: a free slot, else the least recently used unpinned block's.
+    pub fn reserve_put(&mut self, h: BlockHash) -> PutSlot {
+        if self.index.contains_key(&h) {
+            self.stats.dedup += 1;
+            return PutSlot::Duplicate;
+        }
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                let Some((_, victim)) = self.lru.pop_first() else { return PutSlot::Full };
+                let e = self.index.remove(&victim).expect("LRU entries are indexed");
+                self.stats.evictions += 1;
+                e.slot
+            }
+        };
+        let tick = self.touch();
+        self.index.insert(h, Entry { slot, state: State::Pending, pins: 0, tick });
+        PutSlot::Write(slot)
+    }
+
+    /// The bytes of pending block `h` are in its slot: it can be matched from now on.
+    pub fn commit_put(&mut self, h: BlockHash) -> bool {
+        let tick = self.touch();
+        match self.index.get_mut(&h) {
+            Some(e) if e.state == State::Pending => {
+                e.state = State::Ready;
+                e.tick = tick;
+                if e.pins == 0 {
+                    self.lru.insert(tick, h);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The bytes of pending block `h` never arrived: its slot is free again.
+    pub fn abort_put(&mut self, h: BlockHash) -> bool {
+        match self.index.get(&h) {
+            Some(e) if e.state == State::Pending => {
+                let slot = e.slot;
+                self.index.remove(&h);
+                self.free.push(slot);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        let mut s = self.stats;
+        let ready = self.index.values().filter(|e| e.state == State::Ready).count() as u64;
+        s.blocks = ready;
+        s.bytes = ready * self.block_bytes as u64;
+        s.pinned_blocks = self.index.values().filter(|e| e.pins > 0).count() as u64;
+        s.leases = self.leases.len() as u64;
+        s
+    }
+}
