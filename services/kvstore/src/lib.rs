@@ -4,7 +4,9 @@
 //! eviction of what no lease pins. `trace` reads Mooncake workload traces and computes their
 //! ideal hit rate.
 
+pub mod service;
 pub mod store;
 pub mod trace;
 
+pub use service::KvStoreService;
 pub use store::{Matched, PutSlot, Store, StoreStats};

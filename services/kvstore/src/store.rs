@@ -161,6 +161,12 @@ impl Store {
         Matched { lease: Some(id), blocks }
     }
 
+    /// The blocks a live lease pins, as `(hash, slot)` in chain order.
+    pub fn lease_blocks(&self, lease: u64) -> Option<Vec<(BlockHash, u32)>> {
+        let l = self.leases.get(&lease)?;
+        Some(l.blocks.iter().map(|h| (*h, self.index[h].slot)).collect())
+    }
+
     /// Unpins a lease's blocks. False when the lease is unknown (released or expired).
     pub fn release(&mut self, lease: u64) -> bool {
         match self.leases.remove(&lease) {

@@ -1,0 +1,229 @@
+//! The `pdmesh.v1.KvStore` service over gRPC: validation, the store's decisions, and the
+//! bytes of the pool. (The UCX data path, gets from the registered pool, comes with the
+//! prefill side that uses it.)
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use pdmesh_kv_transfer::{BlockHash, check_layout};
+use pdmesh_proto::v1::kv_store_server::KvStore;
+use pdmesh_proto::v1::kv_write_chunk::Chunk;
+use pdmesh_proto::v1::{
+    KvLayout, KvMatchRequest, KvMatchResponse, KvReadRequest, KvReleaseMatchRequest,
+    KvReleaseMatchResponse, KvStoreBlock, KvStoreStats, KvWriteChunk, KvWriteResponse,
+    StatsRequest,
+};
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::store::{PutSlot, Store};
+
+/// Most hashes one Match may carry (a 128k-token prompt in 16-token blocks is 8,192).
+pub const MAX_CHAIN: usize = 65_536;
+
+#[derive(Debug)]
+struct State {
+    store: Store,
+    pool: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+pub struct KvStoreService {
+    node_id: String,
+    layout: KvLayout,
+    block_bytes: usize,
+    default_lease: Duration,
+    max_lease: Duration,
+    state: Arc<Mutex<State>>,
+}
+
+impl KvStoreService {
+    /// A store of `budget_bytes` for blocks of `layout`. Fails when the layout is unusable or
+    /// the pool cannot be allocated.
+    pub fn new(
+        node_id: &str,
+        layout: KvLayout,
+        budget_bytes: usize,
+        default_lease: Duration,
+        max_lease: Duration,
+    ) -> Result<Self, String> {
+        let block_bytes = pdmesh_kv_transfer::bytes_per_block(&layout)
+            .filter(|&b| b > 0)
+            .ok_or("the KV layout has no block size")?;
+        let store = Store::new(budget_bytes, block_bytes, layout.block_size as usize);
+        let len = store.capacity() * block_bytes;
+        let mut pool = Vec::new();
+        pool.try_reserve_exact(len).map_err(|e| format!("cannot allocate {len} bytes: {e}"))?;
+        pool.resize(len, 0);
+        Ok(Self {
+            node_id: node_id.to_string(),
+            layout,
+            block_bytes,
+            default_lease,
+            max_lease,
+            state: Arc::new(Mutex::new(State { store, pool })),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("store lock is never poisoned")
+    }
+
+    fn check(&self, theirs: Option<&KvLayout>, from: &str) -> Result<(), Status> {
+        check_layout(&self.layout, theirs, from)
+            .map_err(|s| Status::new(s.code(), format!("node {}: {}", self.node_id, s.message())))
+    }
+
+    fn invalid(&self, why: String) -> Status {
+        Status::invalid_argument(format!("node {}: {why}", self.node_id))
+    }
+}
+
+type BlockStream = Pin<Box<dyn Stream<Item = Result<KvStoreBlock, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl KvStore for KvStoreService {
+    async fn r#match(
+        &self,
+        req: Request<KvMatchRequest>,
+    ) -> Result<Response<KvMatchResponse>, Status> {
+        let r = req.into_inner();
+        self.check(r.layout.as_ref(), "the caller")?;
+        if r.hashes.len() > MAX_CHAIN {
+            return Err(
+                self.invalid(format!("hashes: {} blocks, at most {MAX_CHAIN}", r.hashes.len()))
+            );
+        }
+        let chain = r
+            .hashes
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                BlockHash::from_bytes(b).ok_or_else(|| {
+                    self.invalid(format!("hashes[{i}]: {} bytes, a block hash is 16", b.len()))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let lease = match r.lease_ms {
+            0 => self.default_lease,
+            ms => Duration::from_millis(u64::from(ms)).min(self.max_lease),
+        };
+        let now = Instant::now();
+        let mut st = self.state();
+        st.store.sweep(now);
+        let m = st.store.match_prefix(&chain, lease, now);
+        Ok(Response::new(KvMatchResponse {
+            lease: m.lease.unwrap_or(0),
+            blocks: m.blocks.len() as u32,
+        }))
+    }
+
+    async fn release_match(
+        &self,
+        req: Request<KvReleaseMatchRequest>,
+    ) -> Result<Response<KvReleaseMatchResponse>, Status> {
+        let released = self.state().store.release(req.into_inner().lease);
+        Ok(Response::new(KvReleaseMatchResponse { released }))
+    }
+
+    type ReadStream = BlockStream;
+
+    async fn read(&self, req: Request<KvReadRequest>) -> Result<Response<BlockStream>, Status> {
+        let lease = req.into_inner().lease;
+        let blocks = {
+            let mut st = self.state();
+            st.store.sweep(Instant::now());
+            st.store.lease_blocks(lease)
+        }
+        .ok_or_else(|| {
+            Status::not_found(format!(
+                "node {}: lease {lease} is unknown (released or expired)",
+                self.node_id
+            ))
+        })?;
+        // The lease pins the blocks, so their slots hold them until it ends; each is copied
+        // out under the lock as the stream is read.
+        let this = self.clone();
+        let stream = tokio_stream::iter(blocks).map(move |(h, slot)| {
+            let st = this.state();
+            let at = slot as usize * this.block_bytes;
+            let data = Bytes::copy_from_slice(&st.pool[at..at + this.block_bytes]);
+            Ok(KvStoreBlock { hash: Bytes::copy_from_slice(&h.to_bytes()), data })
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn write(
+        &self,
+        req: Request<Streaming<KvWriteChunk>>,
+    ) -> Result<Response<KvWriteResponse>, Status> {
+        let mut s = req.into_inner();
+        let from = match s.message().await? {
+            Some(KvWriteChunk { chunk: Some(Chunk::Header(h)) }) => {
+                let from = if h.from.is_empty() { "a writer".to_string() } else { h.from };
+                self.check(h.layout.as_ref(), &from)?;
+                from
+            }
+            _ => return Err(self.invalid("a write starts with a header".into())),
+        };
+        let mut out = KvWriteResponse::default();
+        let mut n = 0usize;
+        while let Some(chunk) = s.message().await? {
+            let Some(Chunk::Block(b)) = chunk.chunk else {
+                return Err(self.invalid(format!("message {} of the write is not a block", n + 1)));
+            };
+            let h = BlockHash::from_bytes(&b.hash).ok_or_else(|| {
+                self.invalid(format!(
+                    "block {n}: hash of {} bytes, a block hash is 16",
+                    b.hash.len()
+                ))
+            })?;
+            if b.data.len() != self.block_bytes {
+                return Err(self.invalid(format!(
+                    "block {n}: {} bytes, a block of this layout is {}",
+                    b.data.len(),
+                    self.block_bytes
+                )));
+            }
+            let mut st = self.state();
+            match st.store.reserve_put(h) {
+                PutSlot::Write(slot) => {
+                    let at = slot as usize * self.block_bytes;
+                    st.pool[at..at + self.block_bytes].copy_from_slice(&b.data);
+                    st.store.commit_put(h);
+                    out.stored += 1;
+                }
+                PutSlot::Duplicate => out.duplicates += 1,
+                PutSlot::Full => out.full += 1,
+            }
+            n += 1;
+        }
+        tracing::debug!(
+            from,
+            stored = out.stored,
+            duplicates = out.duplicates,
+            full = out.full,
+            "write"
+        );
+        Ok(Response::new(out))
+    }
+
+    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<KvStoreStats>, Status> {
+        let s = self.state().store.stats();
+        Ok(Response::new(KvStoreStats {
+            layout: Some(self.layout.clone()),
+            blocks: s.blocks,
+            bytes: s.bytes,
+            capacity_blocks: s.capacity_blocks,
+            hit_tokens: s.hit_tokens,
+            miss_tokens: s.miss_tokens,
+            evictions: s.evictions,
+            dedup: s.dedup,
+            pinned_blocks: s.pinned_blocks,
+            leases: s.leases,
+            leases_expired: s.leases_expired,
+        }))
+    }
+}

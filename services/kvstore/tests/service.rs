@@ -1,0 +1,171 @@
+//! The KvStore gRPC service in-process: two writers of the same blocks store them once, a
+//! match pins the stored prefix and reads give back the bytes written, and every bad input
+//! gets a precise status.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use pdmesh_kv_transfer::BlockHasher;
+use pdmesh_kvstore::KvStoreService;
+use pdmesh_proto::v1::kv_store_client::KvStoreClient;
+use pdmesh_proto::v1::kv_store_server::KvStoreServer;
+use pdmesh_proto::v1::kv_write_chunk::Chunk;
+use pdmesh_proto::v1::{
+    KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
+    KvWriteHeader, StatsRequest,
+};
+use tonic::Code;
+use tonic::transport::Channel;
+
+fn layout() -> KvLayout {
+    // Small blocks: 2 layers × K|V × 1 head × 4 slots × 8 dims × 2 bytes = 256 bytes.
+    KvLayout {
+        model_fingerprint: 42,
+        dtype: "f16".into(),
+        block_size: 4,
+        layers: 2,
+        kv_heads: 1,
+        head_dim: 8,
+    }
+}
+
+async fn serve(budget_blocks: usize) -> KvStoreClient<Channel> {
+    let svc = KvStoreService::new(
+        "kvstore-0",
+        layout(),
+        budget_blocks * 256,
+        Duration::from_secs(10),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(KvStoreServer::new(svc))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l)),
+    );
+    KvStoreClient::connect(format!("http://{addr}")).await.unwrap()
+}
+
+fn block(i: u8) -> Bytes {
+    Bytes::from((0..256).map(|j| (j as u8).wrapping_mul(i)).collect::<Vec<u8>>())
+}
+
+fn write_msgs(hashes: &[Bytes], blocks: &[Bytes]) -> Vec<KvWriteChunk> {
+    let mut v = vec![KvWriteChunk {
+        chunk: Some(Chunk::Header(KvWriteHeader { layout: Some(layout()), from: "p".into() })),
+    }];
+    for (h, d) in hashes.iter().zip(blocks) {
+        v.push(KvWriteChunk {
+            chunk: Some(Chunk::Block(KvStoreBlock { hash: h.clone(), data: d.clone() })),
+        });
+    }
+    v
+}
+
+fn chain(tokens: &[u32]) -> Vec<Bytes> {
+    let h = BlockHasher::new(&layout()).unwrap();
+    h.chain(tokens).into_iter().map(|x| Bytes::copy_from_slice(&x.to_bytes())).collect()
+}
+
+#[tokio::test]
+async fn blocks_written_twice_are_stored_once_and_read_back() {
+    let mut c = serve(8).await;
+    let system: Vec<u32> = (0..12).collect(); // 3 full blocks
+    let hashes = chain(&system);
+    let data: Vec<Bytes> = (1..=3).map(block).collect();
+    let first = c.write(tokio_stream::iter(write_msgs(&hashes, &data))).await.unwrap().into_inner();
+    let second =
+        c.write(tokio_stream::iter(write_msgs(&hashes, &data))).await.unwrap().into_inner();
+    assert_eq!((first.stored, first.duplicates), (3, 0));
+    assert_eq!((second.stored, second.duplicates), (0, 3), "the second writer stores nothing");
+
+    // A prompt with the same 3 blocks and one more matches the 3.
+    let mut longer = system.clone();
+    longer.extend(100..104);
+    let m = c
+        .r#match(KvMatchRequest { layout: Some(layout()), hashes: chain(&longer), lease_ms: 0 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(m.blocks, 3);
+    let mut read = c.read(KvReadRequest { lease: m.lease }).await.unwrap().into_inner();
+    let mut got = Vec::new();
+    while let Some(b) = read.message().await.unwrap() {
+        got.push((b.hash, b.data));
+    }
+    assert_eq!(got, hashes.into_iter().zip(data).collect::<Vec<_>>());
+    let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((s.blocks, s.dedup, s.hit_tokens, s.miss_tokens, s.pinned_blocks), (3, 3, 12, 4, 3));
+    let r = c.release_match(KvReleaseMatchRequest { lease: m.lease }).await.unwrap().into_inner();
+    assert!(r.released);
+    assert_eq!(c.stats(StatsRequest {}).await.unwrap().into_inner().pinned_blocks, 0);
+    let err = c.read(KvReadRequest { lease: m.lease }).await.unwrap_err();
+    assert_eq!(err.code(), Code::NotFound, "{err:?}");
+}
+
+#[tokio::test]
+async fn bad_input_gets_a_precise_status() {
+    let mut c = serve(2).await;
+    let other = KvLayout { dtype: "f32".into(), ..layout() };
+    let err = c
+        .r#match(KvMatchRequest { layout: Some(other.clone()), hashes: vec![], lease_ms: 0 })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("dtype"), "{err:?}");
+    let err = c
+        .r#match(KvMatchRequest {
+            layout: Some(layout()),
+            hashes: vec![Bytes::from_static(&[0; 16]), Bytes::from_static(&[1; 3])],
+            lease_ms: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("hashes[1]"), "{err:?}");
+
+    let short = write_msgs(&chain(&[1, 2, 3, 4]), &[Bytes::from_static(&[0; 255])]);
+    let err = c.write(tokio_stream::iter(short)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("block 0") && err.message().contains("256"), "{err:?}");
+    let headless = write_msgs(&chain(&[1, 2, 3, 4]), &[block(1)]).split_off(1);
+    let err = c.write(tokio_stream::iter(headless)).await.unwrap_err();
+    assert!(err.message().contains("header"), "{err:?}");
+    let mut wrong = write_msgs(&[], &[]);
+    wrong[0] = KvWriteChunk {
+        chunk: Some(Chunk::Header(KvWriteHeader { layout: Some(other), from: "p".into() })),
+    };
+    let err = c.write(tokio_stream::iter(wrong)).await.unwrap_err();
+    assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
+
+    // Two slots: the third block evicts the least recently used one.
+    let hashes = chain(&(0..12).collect::<Vec<u32>>());
+    let m = write_msgs(&hashes, &[block(1), block(2), block(3)]);
+    let r = c.write(tokio_stream::iter(m)).await.unwrap().into_inner();
+    assert_eq!((r.stored, r.full), (3, 0));
+    let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((s.blocks, s.evictions), (2, 1));
+    // With both stored blocks pinned by a match, a new block finds no room: refused, not
+    // failed, and nothing pinned is dropped.
+    let tail = chain(&[50, 51, 52, 53]);
+    let tail_match = KvMatchRequest { layout: Some(layout()), hashes: tail.clone(), lease_ms: 0 };
+    let r = c.write(tokio_stream::iter(write_msgs(&tail, &[block(4)]))).await.unwrap();
+    assert_eq!(r.into_inner().stored, 1, "evicts the older of the two");
+    let pin = c.r#match(tail_match).await.unwrap().into_inner();
+    let last = KvMatchRequest { layout: Some(layout()), hashes: hashes.clone(), lease_ms: 0 };
+    let m2 = c.r#match(last).await.unwrap().into_inner();
+    assert_eq!((pin.blocks, m2.blocks), (1, 0), "block 0 of the chain was evicted");
+    let other = chain(&[60, 61, 62, 63, 64]);
+    let r = c.write(tokio_stream::iter(write_msgs(&other, &[block(5)]))).await.unwrap();
+    assert_eq!(r.into_inner().stored, 1, "one slot was still unpinned");
+    let again = chain(&[70, 71, 72, 73]);
+    let pin2 = KvMatchRequest { layout: Some(layout()), hashes: other.clone(), lease_ms: 0 };
+    c.r#match(pin2).await.unwrap();
+    let r = c.write(tokio_stream::iter(write_msgs(&again, &[block(6)]))).await.unwrap();
+    assert_eq!(r.into_inner().full, 1, "every slot pinned: refused");
+    assert_eq!(c.stats(StatsRequest {}).await.unwrap().into_inner().pinned_blocks, 2);
+}
