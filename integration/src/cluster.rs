@@ -25,7 +25,8 @@ pub struct Service {
 }
 
 impl Service {
-    fn start(role: &str, name: &str, args: &[String]) -> Service {
+    /// Starts `pdmesh <role> <args>` and waits for its "listening on" line.
+    pub fn start(role: &str, name: &str, args: &[String]) -> Service {
         let mut c = Command::new(pdmesh_bin());
         c.arg(role)
             .args(args)

@@ -44,6 +44,8 @@ enum Command {
     Prefill(serve::PrefillArgs),
     /// Run a decode node: holds KV reservations and generates tokens.
     Decode(serve::DecodeArgs),
+    /// Run a KV-store: the mesh-wide prefix cache of KV blocks, addressed by content.
+    Kvstore(serve::KvStoreArgs),
     /// Generate text from a prompt on this machine, streaming it to stdout.
     Run(run::RunArgs),
     /// Score a text file: perplexity over non-overlapping windows of --ctx tokens.
@@ -66,6 +68,7 @@ fn main() -> std::process::ExitCode {
         Command::Router(a) => serve::router(a),
         Command::Prefill(a) => serve::prefill(a),
         Command::Decode(a) => serve::decode(a),
+        Command::Kvstore(a) => serve::kvstore(a),
         Command::Run(a) => run::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(b) => bench::run(b),

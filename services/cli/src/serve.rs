@@ -142,6 +142,45 @@ pub struct RouterArgs {
     exit_with_stdin: bool,
 }
 
+#[derive(Debug, Args, Serialize)]
+pub struct KvStoreArgs {
+    /// TOML config file (see deploy/config/kvstore.toml).
+    #[arg(long)]
+    #[serde(skip)]
+    config: Option<PathBuf>,
+    /// Address prefill nodes dial, host:port (port 0 picks a free one).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    listen: Option<String>,
+    /// This node's name in statuses and logs.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    node_id: Option<String>,
+    /// Bytes of KV blocks held (least recently used unpinned blocks are evicted beyond it).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    budget_bytes: Option<u64>,
+    /// The mesh's model (its fingerprint and shape make the KV layout).
+    #[arg(long, env = "PDMESH_MODEL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<PathBuf>,
+    /// KV element type of the mesh: f16 or f32.
+    #[arg(long, value_parser = ["f16", "f32"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_dtype: Option<String>,
+    /// Tokens per KV block of the mesh.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    block_size: Option<usize>,
+    /// Lease on a match's pins when the caller asks for none, in ms.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease_ms: Option<u64>,
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    exit_with_stdin: bool,
+}
+
 #[derive(Serialize)]
 struct NodeOverlay<'a, X: Serialize> {
     #[serde(flatten)]
@@ -310,6 +349,25 @@ pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
     )
 }
 
+pub fn kvstore(a: KvStoreArgs) -> anyhow::Result<()> {
+    start::<pdmesh_kvstore::KvStoreConfig>(a.config.as_deref(), &a, a.exit_with_stdin)
+}
+
+impl Service for pdmesh_kvstore::KvStoreConfig {
+    const NAME: &'static str = "kvstore";
+    const ENV_PREFIX: &'static str = "PDMESH_KVSTORE_";
+    const ASYNC_THREADS: usize = 2;
+    fn check(&self) -> Result<(), String> {
+        self.validate()
+    }
+    fn listen(&self) -> &str {
+        &self.listen
+    }
+    async fn run(self, l: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
+        pdmesh_kvstore::run(self, l, shutdown).await.map_err(|e| anyhow::anyhow!(e))
+    }
+}
+
 pub fn router(a: RouterArgs) -> anyhow::Result<()> {
     start::<pdmesh_router::RouterConfig>(a.config.as_deref(), &a, a.exit_with_stdin)
 }
@@ -340,6 +398,14 @@ mod tests {
         )
         .expect("prefill.toml loads");
         p.validate().expect("prefill.toml is valid");
+        let k: pdmesh_kvstore::KvStoreConfig = pdmesh_common::load_config(
+            &pdmesh_kvstore::KvStoreConfig::default(),
+            Some(&dir.join("kvstore.toml")),
+            "PDMESH_TEST_KVSTORE_",
+            &none,
+        )
+        .expect("kvstore.toml loads");
+        k.validate().expect("kvstore.toml is valid");
         let d: pdmesh_decode::DecodeConfig = pdmesh_common::load_config(
             &pdmesh_decode::DecodeConfig::default(),
             Some(&dir.join("decode.toml")),
@@ -355,6 +421,7 @@ mod tests {
             ("router.toml", serde_json::to_value(pdmesh_router::RouterConfig::default())),
             ("prefill.toml", serde_json::to_value(pdmesh_prefill::PrefillConfig::default())),
             ("decode.toml", serde_json::to_value(pdmesh_decode::DecodeConfig::default())),
+            ("kvstore.toml", serde_json::to_value(pdmesh_kvstore::KvStoreConfig::default())),
         ] {
             let text = std::fs::read_to_string(dir.join(name)).expect("readable");
             for key in defaults.expect("serializable").as_object().expect("a table").keys() {

@@ -4,9 +4,67 @@
 //! eviction of what no lease pins. `trace` reads Mooncake workload traces and computes their
 //! ideal hit rate.
 
+pub mod config;
 pub mod service;
 pub mod store;
 pub mod trace;
 
+pub use config::KvStoreConfig;
 pub use service::KvStoreService;
 pub use store::{Matched, PutSlot, Store, StoreStats};
+
+use std::future::Future;
+use std::time::Duration;
+
+use pdmesh_proto::v1::kv_store_server::KvStoreServer;
+use tokio::net::TcpListener;
+
+/// Works out the mesh's KV layout from the model, allocates the pool, and serves
+/// `pdmesh.v1.KvStore` on `listener` until `shutdown` completes.
+pub async fn run(
+    config: KvStoreConfig,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), String> {
+    config.validate()?;
+    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    let node_id = config.node_id.clone().unwrap_or_else(|| format!("kvstore@{bound}"));
+    // A one-block engine: the layout is the model's fingerprint and shape with the mesh's
+    // block size and dtype, exactly as the workers compute it.
+    let settings = pdmesh_engine::EngineSettings {
+        model: config.model.clone(),
+        threads: 1,
+        kv_dtype: config.kv_dtype.clone(),
+        block_size: config.block_size,
+        kv_blocks: 1,
+        ..Default::default()
+    };
+    let layout = tokio::task::spawn_blocking(move || settings.load())
+        .await
+        .map_err(|e| format!("loading the model: {e}"))?
+        .map(|e| pdmesh_kv_transfer::layout_of(&e))
+        .map_err(|e| format!("loading the model: {e}"))?;
+    let budget = usize::try_from(config.budget_bytes).map_err(|_| "budget_bytes is too large")?;
+    let service = KvStoreService::new(
+        &node_id,
+        layout,
+        budget,
+        Duration::from_millis(config.lease_ms),
+        Duration::from_millis(config.max_lease_ms),
+    )?;
+    tracing::info!(node = node_id, %bound, budget_bytes = config.budget_bytes, "kv-store serving");
+    let routes = tonic::service::Routes::new(
+        KvStoreServer::new(service)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20),
+    );
+    pdmesh_common::serve(
+        routes,
+        &["pdmesh.v1.KvStore"],
+        listener,
+        shutdown,
+        Duration::from_millis(config.drain_ms),
+    )
+    .await
+    .map_err(|e| format!("serving: {e}"))
+}

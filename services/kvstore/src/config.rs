@@ -1,0 +1,60 @@
+//! The KV-store's config: defaults → TOML file → `PDMESH_KVSTORE_*` → flags.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvStoreConfig {
+    /// Address to listen on ("host:port"; port 0 picks a free one).
+    pub listen: String,
+    /// Name in statuses and logs (default: "kvstore@<bound address>").
+    pub node_id: Option<String>,
+    /// Bytes of KV blocks held; least recently used unpinned blocks go when it is full.
+    pub budget_bytes: u64,
+    /// Lease on a match's pins when the caller asks for none.
+    pub lease_ms: u64,
+    /// Longest lease a caller may ask for.
+    pub max_lease_ms: u64,
+    /// Time in-flight calls get to finish at shutdown.
+    pub drain_ms: u64,
+    /// The model whose KV is stored (its fingerprint and shape make the KV layout).
+    pub model: PathBuf,
+    /// KV element type of the mesh: "f16" or "f32".
+    pub kv_dtype: String,
+    /// Tokens per KV block of the mesh.
+    pub block_size: usize,
+}
+
+impl Default for KvStoreConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:50081".into(),
+            node_id: None,
+            budget_bytes: 1 << 30,
+            lease_ms: 10_000,
+            max_lease_ms: 60_000,
+            drain_ms: 5_000,
+            model: PathBuf::from(pdmesh_engine::DEFAULT_MODEL_PATH),
+            kv_dtype: "f16".into(),
+            block_size: 16,
+        }
+    }
+}
+
+impl KvStoreConfig {
+    pub fn validate(&self) -> Result<(), String> {
+        if self.lease_ms == 0 || self.lease_ms > self.max_lease_ms {
+            return Err(format!(
+                "lease_ms must be in 1..=max_lease_ms ({}), got {}",
+                self.max_lease_ms, self.lease_ms
+            ));
+        }
+        if self.block_size == 0 {
+            return Err("block_size must be at least 1".into());
+        }
+        self.kv_dtype.parse::<pdmesh_kernels::KvDtype>()?;
+        Ok(())
+    }
+}
