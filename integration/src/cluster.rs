@@ -112,6 +112,7 @@ impl Drop for Service {
 pub struct ClusterBuilder {
     prefill: usize,
     decode: usize,
+    kvstore: bool,
     router_args: Vec<String>,
     prefill_args: Vec<String>,
     decode_args: Vec<String>,
@@ -138,6 +139,11 @@ impl ClusterBuilder {
         self.decode_args.extend(a.iter().map(|s| s.to_string()));
         self
     }
+    /// Starts a KV-store too, and points every prefill node at it.
+    pub fn kvstore(mut self) -> Self {
+        self.kvstore = true;
+        self
+    }
     /// The KV transport both node kinds use ("ucx", "grpc" or "auto").
     pub fn transport(self, t: &str) -> Self {
         self.prefill_args(&["--kv-transport", t]).decode_args(&["--kv-transport", t])
@@ -156,8 +162,18 @@ impl ClusterBuilder {
         ]);
         rargs.extend(self.router_args.iter().cloned());
         let router = Service::start("router", "router", &rargs);
-        let mut c =
-            Cluster { router, prefills: Vec::new(), decodes: Vec::new(), builder: self.clone() };
+        let mut builder = self.clone();
+        let kvstore = self.kvstore.then(|| {
+            let k = Service::start(
+                "kvstore",
+                "kvstore",
+                &["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "200000000"]
+                    .map(String::from),
+            );
+            builder.prefill_args.extend(["--kvstore".to_string(), k.addr.clone()]);
+            k
+        });
+        let mut c = Cluster { router, prefills: Vec::new(), decodes: Vec::new(), kvstore, builder };
         for _ in 0..self.prefill {
             c.add_prefill(&[]);
         }
@@ -174,6 +190,7 @@ impl ClusterBuilder {
 pub struct Cluster {
     pub prefills: Vec<Service>,
     pub decodes: Vec<Service>,
+    pub kvstore: Option<Service>,
     pub router: Service,
     builder: ClusterBuilder,
 }
@@ -183,6 +200,7 @@ impl Cluster {
         ClusterBuilder {
             prefill: 1,
             decode: 1,
+            kvstore: false,
             router_args: Vec::new(),
             prefill_args: Vec::new(),
             decode_args: Vec::new(),

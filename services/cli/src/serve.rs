@@ -98,6 +98,10 @@ pub struct PrefillArgs {
     /// Send a checksum of every KV block for the decode node to verify.
     #[arg(long)]
     kv_verify: bool,
+    /// A KV-store (`pdmesh kvstore`) to take cached prompt prefixes from and publish computed
+    /// blocks to, host:port.
+    #[arg(long, value_name = "ADDR")]
+    kvstore: Option<String>,
     /// Fault injection for tests: delay before each KV message, in ms.
     #[arg(long, hide = true)]
     fault_transfer_delay_ms: Option<u64>,
@@ -247,6 +251,8 @@ struct PrefillExtra {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     kv_verify: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
+    kvstore: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     fault_transfer_delay_ms: Option<u64>,
 }
 
@@ -339,6 +345,7 @@ pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
     let extra = PrefillExtra {
         kv_push: a.kv_push,
         kv_verify: a.kv_verify,
+        kvstore: a.kvstore,
         fault_transfer_delay_ms: a.fault_transfer_delay_ms,
     };
     let overlay = NodeOverlay { node: &a.node, extra };

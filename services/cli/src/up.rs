@@ -50,6 +50,9 @@ pub struct UpArgs {
     /// When prefill nodes push KV: layer, chunk or prompt.
     #[arg(long, value_parser = ["layer", "chunk", "prompt"])]
     kv_push: Option<String>,
+    /// Bytes the KV-store (the shared prefix cache) holds; 0 runs the mesh without one.
+    #[arg(long, default_value_t = 1 << 30)]
+    kvstore_budget_bytes: u64,
     /// Give up if the mesh is not ready within this many seconds.
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
@@ -137,6 +140,22 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
         )
         .await?;
         procs.push(router);
+        let kvstore = if a.kvstore_budget_bytes > 0 && a.prefill > 0 {
+            let args = [
+                "kvstore".to_string(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--model".into(),
+                model.clone(),
+                "--budget-bytes".into(),
+                a.kvstore_budget_bytes.to_string(),
+            ];
+            let (p, kaddr) = spawn("kvstore", None, &args).await?;
+            procs.push(p);
+            Some(kaddr)
+        } else {
+            None
+        };
         for (role, n, cpus) in [("prefill", a.prefill, &a.prefill_cpus), ("decode", a.decode, &a.decode_cpus)] {
             for i in 0..n {
                 let name = format!("{role}-{i}");
@@ -166,14 +185,21 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                 {
                     args.extend(["--kv-push".into(), p.clone()]);
                 }
+                if role == "prefill"
+                    && let Some(k) = &kvstore
+                {
+                    args.extend(["--kvstore".into(), k.clone()]);
+                }
                 let (p, _) = spawn(&name, cpus.as_deref(), &args).await?;
                 procs.push(p);
             }
         }
         wait_ready(&addr, a.prefill, a.decode, Duration::from_secs(a.ready_timeout_s)).await?;
         println!(
-            "pdmesh mesh ready: router on {addr} ({} prefill, {} decode, {threads} threads each); Ctrl-C stops it",
-            a.prefill, a.decode
+            "pdmesh mesh ready: router on {addr} ({} prefill, {} decode, {threads} threads each{}); Ctrl-C stops it",
+            a.prefill,
+            a.decode,
+            if kvstore.is_some() { ", a KV-store" } else { "" }
         );
         anyhow::Ok(())
     }

@@ -81,8 +81,19 @@ impl Scheduler {
 
     /// Adds a sequence whose prompt KV is already in place (computed elsewhere): it only decodes.
     pub fn add_prefilled(&mut self, id: u64, prompt_len: usize) -> Result<(), ScheduleError> {
+        self.add_from(id, prompt_len, prompt_len)
+    }
+
+    /// Adds a sequence whose first `done` prompt tokens have their KV in place (a cached
+    /// prefix): only the rest is prefilled.
+    pub fn add_from(
+        &mut self,
+        id: u64,
+        prompt_len: usize,
+        done: usize,
+    ) -> Result<(), ScheduleError> {
         self.add(id, prompt_len)?;
-        self.entries.get_mut(&id).expect("just added").prefilled = prompt_len;
+        self.entries.get_mut(&id).expect("just added").prefilled = done.min(prompt_len);
         Ok(())
     }
 

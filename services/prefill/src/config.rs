@@ -34,6 +34,11 @@ pub struct PrefillConfig {
     pub kv_push: PushMode,
     /// Send a checksum of every block; the decode node verifies it (DATA_LOSS on mismatch).
     pub kv_verify: bool,
+    /// The KV-store (prefix cache) to match prompts against and publish computed blocks to,
+    /// "host:port"; none = no prefix cache.
+    pub kvstore: Option<String>,
+    /// Longest a prefix-cache lookup may take; past it the prompt is computed in full.
+    pub kvstore_timeout_ms: u64,
     /// Fault injection for tests: wait this long before sending each KV message, so a
     /// transfer stays in flight long enough to be interrupted. 0 in production.
     pub fault_transfer_delay_ms: u64,
@@ -54,6 +59,8 @@ impl Default for PrefillConfig {
             kv_transport: TransportKind::Auto,
             kv_push: PushMode::Layer,
             kv_verify: false,
+            kvstore: None,
+            kvstore_timeout_ms: 500,
             fault_transfer_delay_ms: 0,
             engine: EngineSettings::default(),
         }

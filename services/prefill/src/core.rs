@@ -8,6 +8,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use pdmesh_engine::{
     Engine, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
 };
@@ -53,6 +54,10 @@ pub enum Out {
         blocks: u32,
         /// Verify mode: each block's checksum; else empty.
         checksums: Vec<u64>,
+        /// Prompt tokens whose KV came from the cache.
+        cached_tokens: u32,
+        /// With `publish`: the full blocks computed here (after the cached ones), in order.
+        computed_blocks: Vec<Bytes>,
     },
     Failed(PrefillError),
 }
@@ -71,6 +76,11 @@ pub struct Job {
     pub push: PushMode,
     /// Compute each block's checksum for the receiver to verify.
     pub checksums: bool,
+    /// The prompt's first blocks, already computed (from the prefix cache): written into the
+    /// sequence instead of computed. Whole blocks, fewer than the prompt fills.
+    pub cached: Vec<Bytes>,
+    /// Return the full blocks this job computed (for publishing to the prefix cache).
+    pub publish: bool,
 }
 
 struct Active {
@@ -78,6 +88,7 @@ struct Active {
     out: Box<dyn JobOutput>,
     seq: Option<SeqId>,
     blocks: usize,
+    cached_blocks: usize,
     sent_blocks: usize,
     checksums: Vec<u64>,
     submitted: Instant,
@@ -164,7 +175,22 @@ impl PrefillCore {
         }
         // Checked now so the first token's sampler cannot fail later.
         Sampler::resume(job.sampling.clone(), job.rng_position)?;
-        let blocks = job.prompt.len().div_ceil(self.engine.config().block_size);
+        let bs = self.engine.config().block_size;
+        let bpb = self.engine.kv().geometry().bytes_per_block();
+        if job.cached.len() * bs >= job.prompt.len() {
+            return Err(PrefillError::Invalid(format!(
+                "{} cached blocks leave nothing of a {}-token prompt to compute",
+                job.cached.len(),
+                job.prompt.len()
+            )));
+        }
+        if let Some((i, b)) = job.cached.iter().enumerate().find(|(_, b)| b.len() != bpb) {
+            return Err(PrefillError::Invalid(format!(
+                "cached block {i} has {} bytes, a block is {bpb}",
+                b.len()
+            )));
+        }
+        let blocks = job.prompt.len().div_ceil(bs);
         let total = self.engine.kv().total_blocks();
         if blocks > total {
             return Err(PrefillError::TooLong { need: blocks, total });
@@ -181,6 +207,7 @@ impl PrefillCore {
                 out,
                 seq: None,
                 blocks,
+                cached_blocks: 0,
                 sent_blocks: 0,
                 checksums: Vec::new(),
                 submitted: now,
@@ -203,8 +230,23 @@ impl PrefillCore {
             self.promised += a.blocks;
             let len = a.job.prompt.len();
             let seq = self.engine.create_sequence();
-            self.jobs.get_mut(&id).expect("waiting jobs exist").seq = Some(seq);
-            self.sched.add(id, len).expect("ids are unique and prompts non-empty");
+            let a = self.jobs.get_mut(&id).expect("waiting jobs exist");
+            a.seq = Some(seq);
+            let cached = std::mem::take(&mut a.job.cached);
+            let done = cached.len() * self.engine.config().block_size;
+            // The pool has room (checked above) and the blocks' sizes were checked at submit.
+            let written = self.engine.extend_sequence(seq, done).and_then(|()| {
+                cached.iter().enumerate().try_for_each(|(i, b)| self.engine.write_block(seq, i, b))
+            });
+            if let Err(e) = written {
+                let a = self.jobs.get_mut(&id).expect("waiting jobs exist");
+                a.out.send(Out::Failed(PrefillError::from(e)));
+                self.counts.failed += 1;
+                self.drop_job(id);
+                continue;
+            }
+            self.jobs.get_mut(&id).expect("waiting jobs exist").cached_blocks = cached.len();
+            self.sched.add_from(id, len, done).expect("ids are unique and prompts non-empty");
         }
     }
 
@@ -341,6 +383,16 @@ impl PrefillCore {
             if let (true, Some(row)) = (ok && last, row) {
                 let mut sampler = Sampler::resume(a.job.sampling.clone(), a.job.rng_position)
                     .expect("checked at submit");
+                let mut computed_blocks = Vec::new();
+                if a.job.publish {
+                    for i in a.cached_blocks..a.job.prompt.len() / bs {
+                        let mut buf = Vec::new();
+                        self.engine
+                            .read_block(seq, i, &mut buf)
+                            .expect("blocks of a live sequence");
+                        computed_blocks.push(Bytes::from(buf));
+                    }
+                }
                 let first_token = sampler.sample(&row, &a.job.prompt);
                 let started = a.started.unwrap_or(now);
                 a.out.send(Out::Computed {
@@ -350,6 +402,8 @@ impl PrefillCore {
                     prefill_ms: ms(done_at - started),
                     blocks: a.blocks as u32,
                     checksums: std::mem::take(&mut a.checksums),
+                    cached_tokens: (a.cached_blocks * bs) as u32,
+                    computed_blocks,
                 });
                 self.counts.completed += 1;
                 finished.push(s.id);

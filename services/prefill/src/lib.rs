@@ -2,6 +2,7 @@
 //! computes their KV, pushes each completed block to the decode node's reservation while the
 //! rest of the prompt is still computing, and samples the first token.
 
+pub mod cache;
 pub mod config;
 pub mod core;
 pub mod error;
@@ -59,6 +60,18 @@ pub async fn run(
         .start_ucx(&node_id)
         .map_err(|e| PrefillError::Startup(format!("kv_transport = ucx: {e}")))?;
     let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
+    let cache = match &config.kvstore {
+        Some(addr) => Some(
+            cache::PrefixCache::new(
+                addr,
+                layout.clone(),
+                &node_id,
+                Duration::from_millis(config.kvstore_timeout_ms),
+            )
+            .map_err(PrefillError::Startup)?,
+        ),
+        None => None,
+    };
     let transport =
         pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, Arc::clone(&stats));
     let service = PrefillService {
@@ -68,6 +81,7 @@ pub async fn run(
         transport: Arc::new(transport),
         stats,
         push: config.kv_push,
+        cache,
         verify: config.kv_verify,
         counts: Arc::clone(&counts),
         transferring: Arc::clone(&transferring),

@@ -34,6 +34,8 @@ pub struct PrefillService {
     pub push: PushMode,
     /// Send each block's checksum for the decode node to verify.
     pub verify: bool,
+    /// The prefix cache, when a KV-store is configured.
+    pub cache: Option<crate::cache::PrefixCache>,
     pub counts: Arc<Mutex<Counts>>,
     pub transferring: Arc<AtomicU32>,
     pub fault_delay: Duration,
@@ -103,7 +105,21 @@ impl Prefill for PrefillService {
         let pieces = blocks * (self.layout.layers.max(1) as usize);
         let (out, mut block_rx, mut done_rx) = ChannelOutput::channel(pieces);
         let (reply, accepted) = oneshot::channel();
-        let job = Job { prompt: r.prompt, sampling, rng_position, push, checksums: self.verify };
+        let lookup = match &self.cache {
+            Some(c) => c.lookup(&r.prompt).await,
+            None => crate::cache::Lookup::default(),
+        };
+        let job = Job {
+            prompt: r.prompt,
+            sampling,
+            rng_position,
+            push,
+            checksums: self.verify,
+            cached: lookup.cached,
+            publish: self.cache.is_some(),
+        };
+        let cache = self.cache.clone();
+        let chain = lookup.chain;
         let closed = || to_status(&PrefillError::ShuttingDown, &node);
         self.tx.send(Submit { job, out, reply }).await.map_err(|_| closed())?;
         accepted.await.map_err(|_| closed())?.map_err(|e| to_status(&e, &node))?;
@@ -138,13 +154,20 @@ impl Prefill for PrefillService {
                             prefill_ms,
                             blocks,
                             checksums,
+                            cached_tokens,
+                            computed_blocks,
                         }) => {
+                            if let Some(c) = &cache {
+                                let first = chain.len() - computed_blocks.len();
+                                c.publish(&chain, first, computed_blocks);
+                            }
                             let g = Gauge::up(&gauge);
                             let ev = PrefillComputed {
                                 first_token,
                                 rng_position: rng_position_bytes(rng_position),
                                 queue_ms,
                                 prefill_ms,
+                                cached_tokens,
                             };
                             let ev =
                                 PrefillEvent { event: Some(prefill_event::Event::Computed(ev)) };

@@ -52,6 +52,8 @@ struct State {
     node: String,
     first_sent: bool,
     timings: Timings,
+    /// Prompt tokens the prefill node took from the prefix cache.
+    cached_tokens: u32,
 }
 
 /// A failed attempt: the status, the node that failed (if one did) and whether a retry
@@ -97,6 +99,7 @@ pub async fn run(
         node: String::new(),
         first_sent: false,
         timings: Timings::default(),
+        cached_tokens: 0,
     });
     let attempts = async {
         let mut exclude: Vec<String> = Vec::new();
@@ -346,6 +349,7 @@ async fn one_attempt(
                 s.phase = Phase::Transferring;
                 s.timings.queue_ms = ms(queued_at_router) + computed.queue_ms;
                 s.timings.prefill_ms = computed.prefill_ms;
+                s.cached_tokens = computed.cached_tokens;
             }
             let until =
                 deadline.min(Instant::now() + Duration::from_millis(cfg.transfer_timeout_ms));
@@ -423,7 +427,7 @@ async fn one_attempt(
                     }
                 }
                 Some(decode_event::Event::Finished(f)) => {
-                    let mut timings = {
+                    let timings = {
                         let mut s = state.lock().expect("state lock");
                         if prefill.is_none() {
                             s.timings.queue_ms = f.queue_ms;
@@ -432,14 +436,15 @@ async fn one_attempt(
                         if !s.first_sent {
                             s.timings.ttft_ms = ms(t0.elapsed());
                         }
-                        s.timings.clone()
+                        (s.timings.clone(), s.cached_tokens)
                     };
+                    let (mut timings, cached_tokens) = timings;
                     timings.total_ms = ms(t0.elapsed());
                     let fin = Finished {
                         reason: f.reason,
                         usage: Some(Usage {
                             prompt_tokens: prep.prompt.len() as u32,
-                            cached_tokens: 0,
+                            cached_tokens,
                             completion_tokens: f.completion_tokens,
                         }),
                         timings: Some(timings),

@@ -1,0 +1,139 @@
+//! The prefix cache end to end with real processes: a prompt served from cached KV gives the
+//! same tokens bit for bit, a prompt sharing a system prompt reuses it, two prefill nodes that
+//! compute the same prompt store it once, and a dead KV-store only costs the cache.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use pdmesh_integration::{Cluster, eventually};
+use pdmesh_proto::v1::generation_client::GenerationClient;
+use pdmesh_proto::v1::kv_store_client::KvStoreClient;
+use pdmesh_proto::v1::{
+    Finished, GenerateRequest, SamplingParams, StatsRequest, TokenIds, generate_request,
+    generate_response,
+};
+use tonic::transport::Channel;
+
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+const WAIT: Duration = Duration::from_secs(30);
+
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| 200 + (i * 7919 + seed * 104_729) % 30_000).collect()
+}
+
+async fn generate(
+    c: &mut GenerationClient<Channel>,
+    prompt: Vec<u32>,
+    seed: u64,
+) -> (Vec<u32>, Finished) {
+    let req = GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt })),
+        max_tokens: 12,
+        ignore_eos: true,
+        sampling: Some(SamplingParams {
+            temperature: if seed == 0 { 0.0 } else { 0.8 },
+            seed: Some(seed),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut s = c.generate(req).await.unwrap().into_inner();
+    let (mut toks, mut fin) = (Vec::new(), None);
+    while let Some(m) = s.message().await.unwrap() {
+        match m.event.unwrap() {
+            generate_response::Event::Delta(d) => toks.extend(d.token_ids),
+            generate_response::Event::Finished(f) => fin = Some(f),
+            generate_response::Event::Started(_) => {}
+        }
+    }
+    (toks, fin.unwrap())
+}
+
+async fn store_client(c: &Cluster) -> KvStoreClient<Channel> {
+    let addr = &c.kvstore.as_ref().unwrap().addr;
+    KvStoreClient::connect(format!("http://{addr}")).await.unwrap()
+}
+
+async fn stored_blocks(c: &Cluster) -> u64 {
+    store_client(c).await.stats(StatsRequest {}).await.unwrap().into_inner().blocks
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_prefixes_give_the_same_tokens_bit_for_bit() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::builder().prefill(1).decode(1).kvstore().start().await;
+    let mut client = c.client().await;
+    let system = tokens(1, 100); // 6 full blocks of 16
+    for seed in [0, 7] {
+        let mut a = system.clone();
+        a.extend(tokens(2 + seed as u32, 30));
+        let before = stored_blocks(&c).await;
+        let (cold, f) = generate(&mut client, a.clone(), seed).await;
+        let usage = f.usage.unwrap();
+        assert_eq!(usage.cached_tokens, if seed == 0 { 0 } else { 96 }, "{usage:?}");
+        // Publishing runs after the response: wait until the prompt's 8 full blocks are in.
+        eventually(WAIT, "blocks published", || async {
+            stored_blocks(&c).await >= before + if seed == 0 { 8 } else { 2 }
+        })
+        .await;
+        let (warm, f) = generate(&mut client, a.clone(), seed).await;
+        // 130 tokens: 8 full blocks, and the 2-token tail is computed.
+        assert_eq!(f.usage.unwrap().cached_tokens, 128);
+        assert_eq!(warm, cold, "seed {seed}: the cached prompt's tokens differ");
+    }
+    // Another question after the same system prompt reuses its 6 blocks.
+    let mut b = system.clone();
+    b.extend(tokens(40, 20));
+    let (_, f) = generate(&mut client, b, 0).await;
+    assert_eq!(f.usage.unwrap().cached_tokens, 96);
+
+    // Without the KV-store every request still succeeds, computing its whole prompt.
+    let mut a = system.clone();
+    a.extend(tokens(2, 30));
+    let (cached, _) = generate(&mut client, a.clone(), 0).await;
+    c.kvstore.as_mut().unwrap().kill();
+    let (cold, f) = tokio::time::timeout(WAIT, generate(&mut client, a, 0)).await.unwrap();
+    assert_eq!(f.usage.unwrap().cached_tokens, 0);
+    assert_eq!(cold, cached);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_prefill_nodes_computing_one_prompt_store_it_once() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(2).decode(1).kvstore().start().await;
+    // Long enough (62 full blocks) that the first is still computing when the second arrives.
+    let prompt = tokens(5, 1000);
+    let mut tasks = Vec::new();
+    for i in 0..2 {
+        let mut client = c.client().await;
+        let p = prompt.clone();
+        tasks.push(tokio::spawn(async move { generate(&mut client, p, 0).await }));
+        if i == 0 {
+            // The router sees the first node busy before the second request is placed, so
+            // both compute the prompt (neither has published it yet).
+            eventually(WAIT, "first prompt running", || async {
+                c.nodes().await.iter().any(|n| n.load.as_ref().is_some_and(|l| l.running > 0))
+            })
+            .await;
+        }
+    }
+    let mut nodes = std::collections::BTreeSet::new();
+    for t in tasks {
+        let (_, f) = t.await.unwrap();
+        assert_eq!(f.usage.unwrap().cached_tokens, 0);
+        nodes.insert(f.timings.unwrap().prefill_node);
+    }
+    assert_eq!(nodes.len(), 2, "both prefill nodes should have computed it: {nodes:?}");
+    let mut k = store_client(&c).await;
+    eventually(WAIT, "both publishes done", || {
+        let mut k = k.clone();
+        async move {
+            let s = k.stats(StatsRequest {}).await.unwrap().into_inner();
+            s.blocks + s.dedup >= 124
+        }
+    })
+    .await;
+    let s = k.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((s.blocks, s.dedup), (62, 62), "stored once: {s:?}");
+}
