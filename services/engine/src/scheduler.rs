@@ -193,6 +193,20 @@ mod tests {
     }
 
     #[test]
+    fn a_cached_prefix_is_not_prefilled_again() {
+        let mut s = Scheduler::new(8, 4);
+        s.add_from(1, 20, 16).unwrap();
+        assert_eq!(
+            s.plan(),
+            vec![Scheduled { id: 1, work: Work::Prefill { offset: 16, len: 4, last: true } }]
+        );
+        assert_eq!(s.plan(), vec![Scheduled { id: 1, work: Work::Decode }]);
+        // `done` past the prompt means all of it.
+        s.add_from(2, 5, 9).unwrap();
+        assert_eq!(s.plan()[1], Scheduled { id: 2, work: Work::Decode });
+    }
+
+    #[test]
     fn prefilled_sequences_only_decode() {
         let mut s = Scheduler::new(8, 4);
         s.add_prefilled(1, 30).unwrap();

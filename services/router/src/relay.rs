@@ -286,6 +286,9 @@ async fn one_attempt(
             let mut s = state.lock().expect("state lock");
             s.node = decode.id.clone();
             s.timings.decode_node = decode.id.clone();
+            // A retry starts over: what an earlier attempt took from the cache is not what
+            // this one does.
+            s.cached_tokens = 0;
         }
 
         // Reserve the KV blocks on the decode node.
