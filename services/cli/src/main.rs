@@ -8,6 +8,7 @@ mod generate;
 mod kv_bench;
 mod mesh_bench;
 mod perplexity;
+mod replay;
 mod run;
 mod serve;
 mod up;
@@ -46,6 +47,9 @@ enum Command {
     Decode(serve::DecodeArgs),
     /// Run a KV-store: the mesh-wide prefix cache of KV blocks, addressed by content.
     Kvstore(serve::KvStoreArgs),
+    /// Replay a Mooncake-format trace against a running mesh: ideal vs achieved prefix-cache
+    /// hit rate, TTFT/TPOT percentiles and goodput.
+    Replay(replay::ReplayArgs),
     /// Generate text from a prompt on this machine, streaming it to stdout.
     Run(run::RunArgs),
     /// Score a text file: perplexity over non-overlapping windows of --ctx tokens.
@@ -69,6 +73,7 @@ fn main() -> std::process::ExitCode {
         Command::Prefill(a) => serve::prefill(a),
         Command::Decode(a) => serve::decode(a),
         Command::Kvstore(a) => serve::kvstore(a),
+        Command::Replay(a) => replay::run(a),
         Command::Run(a) => run::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(b) => bench::run(b),

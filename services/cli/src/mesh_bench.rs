@@ -67,8 +67,11 @@ pub struct MeshBenchArgs {
 
 /// What one request saw.
 #[derive(Debug, Clone, Default)]
-struct Sample {
-    ok: bool,
+pub(crate) struct Sample {
+    pub(crate) ok: bool,
+    /// From the mesh's usage: prompt tokens, and how many came from the prefix cache.
+    pub(crate) prompt_tokens: u32,
+    pub(crate) cached_tokens: u32,
     error: Option<String>,
     ttft_ms: f64,
     e2e_ms: f64,
@@ -92,7 +95,11 @@ fn prompt(rng: &mut impl Rng, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(200..40_000)).collect()
 }
 
-async fn one(mut client: GenerationClient<Channel>, ids: Vec<u32>, max_tokens: u32) -> Sample {
+pub(crate) async fn one(
+    mut client: GenerationClient<Channel>,
+    ids: Vec<u32>,
+    max_tokens: u32,
+) -> Sample {
     let req = GenerateRequest {
         input: Some(generate_request::Input::TokenIds(TokenIds { ids })),
         max_tokens,
@@ -126,6 +133,8 @@ async fn one(mut client: GenerationClient<Channel>, ids: Vec<u32>, max_tokens: u
                     last = Some(now);
                 }
                 Some(generate_response::Event::Finished(f)) => {
+                    let u = f.usage.unwrap_or_default();
+                    (s.prompt_tokens, s.cached_tokens) = (u.prompt_tokens, u.cached_tokens);
                     let t = f.timings.unwrap_or_default();
                     (s.queue_ms, s.prefill_ms, s.transfer_ms) =
                         (t.queue_ms, t.prefill_ms, t.transfer_ms);
@@ -168,7 +177,12 @@ fn dist(v: &[f64]) -> serde_json::Value {
     })
 }
 
-fn summary(samples: &[Sample], wall_s: f64, ttft_slo: f64, tpot_slo: f64) -> serde_json::Value {
+pub(crate) fn summary(
+    samples: &[Sample],
+    wall_s: f64,
+    ttft_slo: f64,
+    tpot_slo: f64,
+) -> serde_json::Value {
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
     let ttft: Vec<f64> = ok.iter().map(|s| s.ttft_ms).collect();
     let tpot: Vec<f64> = ok.iter().filter_map(|s| s.tpot_ms()).collect();

@@ -1,0 +1,226 @@
+//! `pdmesh replay`: a Mooncake-format trace against a running mesh. Each `hash_id` becomes a
+//! deterministic block of real token ids, so requests that share prefix blocks in the trace
+//! share token prefixes here; lengths are scaled by `--token-scale` (so prompts fit a small
+//! model's context) and arrival times by `--time-scale`. Reports the trace's ideal hit rate
+//! (from the file), the hit rate the mesh achieved (cached over prompt tokens, from each
+//! request's usage), and TTFT/TPOT percentiles and goodput.
+
+use std::io::BufReader;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Args;
+use pdmesh_kvstore::trace::{TRACE_BLOCK_TOKENS, TraceRequest, ideal_hit_rate, read_trace};
+use pdmesh_proto::v1::generation_client::GenerationClient;
+
+use crate::mesh_bench::{Sample, one, summary};
+
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// The trace: one JSON object a line (`timestamp`, `input_length`, `output_length`,
+    /// `hash_ids`), as in ../shared/traces/.
+    #[arg(long)]
+    trace: PathBuf,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Multiplies every length (a trace block of 512 tokens becomes 512 × F tokens).
+    #[arg(long, default_value_t = 1.0 / 32.0)]
+    token_scale: f64,
+    /// Multiplies every arrival time (0.1 replays ten times faster).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Most output tokens per request, after scaling.
+    #[arg(long, default_value_t = 64)]
+    max_output_tokens: u32,
+    /// Longest prompt sent, after scaling (longer ones are cut: the model's context is finite).
+    #[arg(long, default_value_t = 4096)]
+    max_prompt_tokens: usize,
+    /// The router.
+    #[arg(long, default_value = "127.0.0.1:50051")]
+    target: String,
+    /// Time-to-first-token SLO for goodput, in ms.
+    #[arg(long, default_value_t = 2000.0)]
+    ttft_slo_ms: f64,
+    /// Time-per-output-token SLO for goodput, in ms.
+    #[arg(long, default_value_t = 100.0)]
+    tpot_slo_ms: f64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The token ids of trace block `id`: fixed by the id alone, ordinary vocabulary ids.
+fn block_tokens(id: u64, n: usize) -> impl Iterator<Item = u32> {
+    (0..n as u64).map(move |k| {
+        let mut x = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ k.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        x ^= x >> 31;
+        x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+        x ^= x >> 29;
+        200 + (x % 30_000) as u32
+    })
+}
+
+/// A trace request's prompt and output length after scaling.
+fn scaled(r: &TraceRequest, a: &ReplayArgs) -> (Vec<u32>, u32) {
+    let per_block = ((TRACE_BLOCK_TOKENS as f64 * a.token_scale).round() as usize).max(1);
+    let len = ((r.input_length as f64 * a.token_scale).round() as usize)
+        .clamp(1, a.max_prompt_tokens)
+        .min(per_block * r.hash_ids.len().max(1));
+    let prompt: Vec<u32> =
+        r.hash_ids.iter().flat_map(|&id| block_tokens(id, per_block)).take(len).collect();
+    let out =
+        ((r.output_length as f64 * a.token_scale).round() as u32).clamp(1, a.max_output_tokens);
+    (prompt, out)
+}
+
+pub fn run(a: ReplayArgs) -> anyhow::Result<()> {
+    if !(a.token_scale > 0.0 && a.token_scale <= 1.0) {
+        bail!("--token-scale must be in (0, 1], got {}", a.token_scale);
+    }
+    if !(a.time_scale >= 0.0 && a.time_scale.is_finite()) {
+        bail!("--time-scale must be a non-negative number, got {}", a.time_scale);
+    }
+    if a.max_prompt_tokens == 0 || a.max_output_tokens == 0 {
+        bail!("--max-prompt-tokens and --max-output-tokens must be at least 1");
+    }
+    let f = std::fs::File::open(&a.trace)
+        .with_context(|| format!("opening the trace {}", a.trace.display()))?;
+    let trace = read_trace(BufReader::new(f), a.limit)?;
+    if trace.is_empty() {
+        bail!("the trace {} has no requests", a.trace.display());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(replay(&a, &trace))
+}
+
+async fn replay(a: &ReplayArgs, trace: &[TraceRequest]) -> anyhow::Result<()> {
+    let client = GenerationClient::connect(format!("http://{}", a.target))
+        .await
+        .with_context(|| format!("connecting to the router at {}", a.target))?;
+    let ideal = ideal_hit_rate(trace);
+    let t0 = Instant::now();
+    let mut tasks = Vec::with_capacity(trace.len());
+    for r in trace {
+        let at = t0 + Duration::from_secs_f64(r.timestamp as f64 * a.time_scale / 1e3);
+        let (prompt, out) = scaled(r, a);
+        let c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep_until(at.into()).await;
+            one(c, prompt, out).await
+        }));
+    }
+    let mut samples: Vec<Sample> = Vec::with_capacity(tasks.len());
+    for (i, t) in tasks.into_iter().enumerate() {
+        samples.push(t.await.context("a request task panicked")?);
+        if !a.json && (i + 1) % 50 == 0 {
+            eprintln!("  {} of {} requests done", i + 1, trace.len());
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let ok = samples.iter().filter(|s| s.ok);
+    let (prompt, cached) = ok.fold((0u64, 0u64), |(p, c), s| {
+        (p + u64::from(s.prompt_tokens), c + u64::from(s.cached_tokens))
+    });
+    let hit_rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
+    let report = serde_json::json!({
+        "trace": a.trace.display().to_string(),
+        "requests": trace.len(),
+        "token_scale": a.token_scale,
+        "time_scale": a.time_scale,
+        "ideal_hit_rate": ideal,
+        "hit_rate": hit_rate,
+        "hit_vs_ideal": if ideal > 0.0 { hit_rate / ideal } else { f64::NAN },
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "results": summary(&samples, wall, a.ttft_slo_ms, a.tpot_slo_ms),
+    });
+    if a.json {
+        println!("{report}");
+        return Ok(());
+    }
+    let r = &report["results"];
+    let f = |v: &serde_json::Value| v.as_f64().unwrap_or(f64::NAN);
+    println!("{} requests ({} ok, {} failed) in {wall:.1} s", trace.len(), r["ok"], r["failed"]);
+    println!(
+        "hit rate {:.3} of an ideal {:.3} ({:.1}% of ideal; {cached} of {prompt} prompt tokens cached)",
+        hit_rate,
+        ideal,
+        100.0 * f(&report["hit_vs_ideal"])
+    );
+    for (name, key) in [("TTFT", "ttft_ms"), ("TPOT", "tpot_ms")] {
+        let d = &r[key];
+        println!(
+            "{name} ms: p50 {:.1}  p90 {:.1}  p99 {:.1}",
+            f(&d["p50"]),
+            f(&d["p90"]),
+            f(&d["p99"])
+        );
+    }
+    println!(
+        "goodput {:.2} req/s (SLO TTFT {} ms, TPOT {} ms: {:.0}% attained)",
+        f(&r["goodput_req_s"]),
+        a.ttft_slo_ms,
+        a.tpot_slo_ms,
+        100.0 * f(&r["slo_attainment"])
+    );
+    if let Some(errors) = r["errors"].as_array().filter(|e| !e.is_empty()) {
+        println!("errors: {errors:?}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(scale: f64) -> ReplayArgs {
+        ReplayArgs {
+            trace: PathBuf::new(),
+            limit: None,
+            token_scale: scale,
+            time_scale: 1.0,
+            max_output_tokens: 64,
+            max_prompt_tokens: 4096,
+            target: String::new(),
+            ttft_slo_ms: 0.0,
+            tpot_slo_ms: 0.0,
+            json: false,
+        }
+    }
+
+    fn req(input: u64, output: u64, ids: &[u64]) -> TraceRequest {
+        TraceRequest {
+            timestamp: 0,
+            input_length: input,
+            output_length: output,
+            hash_ids: ids.to_vec(),
+        }
+    }
+
+    #[test]
+    fn shared_trace_blocks_become_shared_token_prefixes() {
+        let a = args(1.0 / 32.0);
+        let (p1, o1) = scaled(&req(1100, 300, &[0, 1, 3]), &a);
+        let (p2, _) = scaled(&req(1536, 10, &[0, 1, 2]), &a);
+        let (p3, _) = scaled(&req(1024, 10, &[5, 1]), &a);
+        assert_eq!((p1.len(), o1), (34, 9), "lengths scale by 1/32");
+        assert_eq!(p1[..32], p2[..32], "blocks 0 and 1 are shared");
+        assert_ne!(p1[32..34], p2[32..34], "block 3 is not block 2");
+        // Block 1 after another first block has the same tokens; its KV differs, which the
+        // hash chain (seeded by everything before it) accounts for.
+        assert_eq!(p3[16..32], p1[16..32]);
+    }
+
+    #[test]
+    fn lengths_are_clamped() {
+        let mut a = args(1.0);
+        a.max_prompt_tokens = 100;
+        a.max_output_tokens = 5;
+        let (p, o) = scaled(&req(600, 900, &[1, 2]), &a);
+        assert_eq!((p.len(), o), (100, 5));
+        let (p, o) = scaled(&req(1, 0, &[9]), &args(1.0 / 32.0));
+        assert_eq!((p.len(), o), (1, 1), "never empty");
+    }
+}
