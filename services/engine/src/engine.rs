@@ -2,7 +2,6 @@
 //! and decode workers drive. A step takes any mix of prompt chunks and single decode tokens from
 //! many sequences (up to a token budget) and returns the logits asked for.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use pdmesh_kernels::{
@@ -435,16 +434,14 @@ impl Engine {
 
         be.embed(&model.weight(&model.token_embd), tokens, &mut s.x);
 
-        // Block tables are copied so the pool can be lent to `on_layer` between layers.
-        let mut tables: HashMap<SeqId, Vec<u32>> = HashMap::new();
-        for id in owner {
-            tables.entry(*id).or_insert_with(|| self.kv.seqs[id].blocks.clone());
-        }
+        // The queries borrow the block tables, the kernels the pool: separate fields, so the
+        // whole cache can still be lent (shared) to `on_layer` between layers.
+        let seqs = &self.kv.seqs;
         let queries: Vec<AttnQuery<'_>> = positions
             .iter()
             .zip(owner)
             .zip(phases)
-            .map(|((&pos, id), &phase)| AttnQuery { pos, blocks: &tables[id], phase })
+            .map(|((&pos, id), &phase)| AttnQuery { pos, blocks: &seqs[id].blocks, phase })
             .collect();
 
         for (li, l) in model.layers.iter().enumerate() {

@@ -86,10 +86,6 @@ impl AutoTransport {
         let ucx = ucx.map(|n| UcxTransport::new(n, Arc::clone(&grpc)));
         Self { kind, ucx, grpc, stats }
     }
-
-    pub fn stats(&self) -> &Arc<TransferStats> {
-        &self.stats
-    }
 }
 
 #[async_trait::async_trait]

@@ -12,7 +12,7 @@ use crate::ucx::{UcxError, UcxNode};
 #[derive(Debug, Clone)]
 pub struct KvPool {
     /// Keeps the worker (and its progress thread, which serves incoming puts) alive.
-    node: UcxNode,
+    _node: UcxNode,
     worker_address: Bytes,
     rkey: Bytes,
     base: u64,
@@ -36,7 +36,7 @@ pub fn register_kv_pool(node: &UcxNode, engine: &mut Engine) -> Result<KvPool, U
     // the pool (`Engine::hold_kv_guard`).
     let region = unsafe { node.register(addr, len)? };
     let pool = KvPool {
-        node: node.clone(),
+        _node: node.clone(),
         worker_address: node.address().clone(),
         rkey: region.rkey().clone(),
         base: region.base(),
@@ -48,10 +48,6 @@ pub fn register_kv_pool(node: &UcxNode, engine: &mut Engine) -> Result<KvPool, U
 }
 
 impl KvPool {
-    pub fn node(&self) -> &UcxNode {
-        &self.node
-    }
-
     /// The target for a reservation whose prompt occupies `pool_blocks`, in prompt order.
     pub fn target(&self, pool_blocks: &[u32]) -> UcxTarget {
         debug_assert!(pool_blocks.iter().all(|&b| b < self.blocks));

@@ -57,10 +57,6 @@ impl UcxTransport {
         Self { node, grpc, peers: Arc::default() }
     }
 
-    pub fn node(&self) -> &UcxNode {
-        &self.node
-    }
-
     async fn peer(&self, worker: &Bytes, rkey: &Bytes) -> Result<Arc<Peer>, UcxError> {
         let key = (worker.clone(), rkey.clone());
         if let Some(p) = self.peers.lock().expect("peer map lock is never poisoned").get(&key) {

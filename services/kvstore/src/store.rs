@@ -107,10 +107,6 @@ impl Store {
         self.capacity
     }
 
-    pub fn block_bytes(&self) -> usize {
-        self.block_bytes
-    }
-
     fn touch(&mut self) -> u64 {
         self.tick += 1;
         self.tick

@@ -232,14 +232,6 @@ impl Region {
     pub fn base(&self) -> u64 {
         self.base
     }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 impl Drop for Region {
