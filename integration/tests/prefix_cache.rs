@@ -1,6 +1,7 @@
 //! The prefix cache end to end with real processes: a prompt served from cached KV gives the
 //! same tokens bit for bit, a prompt sharing a system prompt reuses it, two prefill nodes that
-//! compute the same prompt store it once, and a dead KV-store only costs the cache.
+//! compute the same prompt store it once, a dead KV-store only costs the cache, and
+//! prefix-aware placement sends a shared prefix back to the node that holds it.
 
 #![allow(clippy::unwrap_used)]
 
@@ -62,7 +63,14 @@ async fn stored_blocks(c: &Cluster) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cached_prefixes_give_the_same_tokens_bit_for_bit() {
     let _serial = SERIAL.lock().await;
-    let mut c = Cluster::builder().prefill(1).decode(1).kvstore().start().await;
+    // The node keeps no blocks itself: every hit comes from the KV-store.
+    let mut c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .prefill_args(&["--cache-bytes", "0"])
+        .kvstore()
+        .start()
+        .await;
     let mut client = c.client().await;
     let system = tokens(1, 100); // 6 full blocks of 16
     for seed in [0, 7] {
@@ -101,7 +109,13 @@ async fn cached_prefixes_give_the_same_tokens_bit_for_bit() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_prefill_nodes_computing_one_prompt_store_it_once() {
     let _serial = SERIAL.lock().await;
-    let c = Cluster::builder().prefill(2).decode(1).kvstore().start().await;
+    let c = Cluster::builder()
+        .prefill(2)
+        .decode(1)
+        .router_args(&["--prefill-policy", "least-load"])
+        .kvstore()
+        .start()
+        .await;
     // Long enough (62 full blocks) that the first is still computing when the second arrives.
     let prompt = tokens(5, 1000);
     let mut tasks = Vec::new();
@@ -136,4 +150,54 @@ async fn two_prefill_nodes_computing_one_prompt_store_it_once() {
     .await;
     let s = k.stats(StatsRequest {}).await.unwrap().into_inner();
     assert_eq!((s.blocks, s.dedup), (62, 62), "stored once: {s:?}");
+}
+
+async fn prefill_stats(c: &Cluster, node: &str) -> pdmesh_proto::v1::PrefixCacheStats {
+    use pdmesh_proto::v1::prefill_client::PrefillClient;
+    let n = c.nodes().await.into_iter().find(|n| n.node_id == node).unwrap();
+    let mut p = PrefillClient::connect(format!("http://{}", n.address)).await.unwrap();
+    p.stats(StatsRequest {}).await.unwrap().into_inner().prefix_cache.unwrap()
+}
+
+/// Without a KV-store each prefill node has only its own cache. Prefix-aware placement sends
+/// every prompt sharing a system prompt to the node that computed it, so all but the first
+/// reuse it; round-robin alternates, so each node computes it once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_aware_placement_finds_the_node_that_holds_the_prefix() {
+    let _serial = SERIAL.lock().await;
+    let system = tokens(9, 100); // 6 full blocks of 16
+    for (policy, want) in [("prefix-aware", [0, 96, 96, 96]), ("round-robin", [0, 0, 96, 96])] {
+        let c = Cluster::builder()
+            .prefill(2)
+            .decode(1)
+            .router_args(&["--prefill-policy", policy])
+            .start()
+            .await;
+        let mut client = c.client().await;
+        let (mut cached, mut nodes) = (Vec::new(), Vec::new());
+        for q in 0..4 {
+            let mut p = system.clone();
+            p.extend(tokens(50 + q, 20));
+            let (_, f) = generate(&mut client, p, 0).await;
+            cached.push(f.usage.unwrap().cached_tokens);
+            nodes.push(f.timings.unwrap().prefill_node);
+        }
+        assert_eq!(cached, want, "{policy}: prefill nodes {nodes:?}");
+        let distinct: std::collections::BTreeSet<_> = nodes.iter().collect();
+        assert_eq!(
+            distinct.len(),
+            if policy == "round-robin" { 2 } else { 1 },
+            "{policy}: {nodes:?}"
+        );
+        // The node's own counters agree: its hits came from its own cache.
+        let s = prefill_stats(&c, &nodes[1]).await;
+        let own: u64 = nodes
+            .iter()
+            .zip(&cached)
+            .filter(|(n, _)| **n == nodes[1])
+            .map(|(_, &t)| u64::from(t))
+            .sum();
+        assert_eq!((s.local_hit_tokens, s.store_hit_tokens), (own, 0), "{policy}: {s:?}");
+        assert!(s.local_blocks >= 7, "{policy}: {s:?}");
+    }
 }

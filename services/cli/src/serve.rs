@@ -102,6 +102,10 @@ pub struct PrefillArgs {
     /// blocks to, host:port.
     #[arg(long, value_name = "ADDR")]
     kvstore: Option<String>,
+    /// Bytes of recent KV blocks the node keeps itself and looks up before the KV-store
+    /// (0 = none) [default: 134217728].
+    #[arg(long, value_name = "BYTES")]
+    cache_bytes: Option<u64>,
     /// Fault injection for tests: delay before each KV message, in ms.
     #[arg(long, hide = true)]
     fault_transfer_delay_ms: Option<u64>,
@@ -129,6 +133,16 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     colocate_below_tokens: Option<usize>,
+    /// How prefill nodes are chosen: prefix-aware (where the prompt's prefix is cached, within
+    /// --prefix-max-imbalance), least-load or round-robin [default: prefix-aware].
+    #[arg(long, value_parser = pdmesh_router::placement::PrefillPolicy::NAMES)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prefill_policy: Option<String>,
+    /// Most prompts a prefix-aware choice may have above the least-loaded prefill node
+    /// [default: 2].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prefix_max_imbalance: Option<u32>,
     /// How often nodes heartbeat, in ms.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -253,6 +267,8 @@ struct PrefillExtra {
     #[serde(skip_serializing_if = "Option::is_none")]
     kvstore: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    cache_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     fault_transfer_delay_ms: Option<u64>,
 }
 
@@ -346,6 +362,7 @@ pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
         kv_push: a.kv_push,
         kv_verify: a.kv_verify,
         kvstore: a.kvstore,
+        cache_bytes: a.cache_bytes,
         fault_transfer_delay_ms: a.fault_transfer_delay_ms,
     };
     let overlay = NodeOverlay { node: &a.node, extra };

@@ -53,6 +53,12 @@ pub struct UpArgs {
     /// Bytes the KV-store (the shared prefix cache) holds; 0 runs the mesh without one.
     #[arg(long, default_value_t = 1 << 30)]
     kvstore_budget_bytes: u64,
+    /// How the router chooses prefill nodes: prefix-aware, least-load or round-robin.
+    #[arg(long, value_parser = pdmesh_router::placement::PrefillPolicy::NAMES)]
+    prefill_policy: Option<String>,
+    /// Bytes of recent KV blocks each prefill node keeps itself (0 = none; default 128 MiB).
+    #[arg(long, value_name = "BYTES")]
+    cache_bytes: Option<u64>,
     /// Give up if the mesh is not ready within this many seconds.
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
@@ -136,7 +142,10 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                 model.clone(),
                 "--colocate-below-tokens".into(),
                 a.colocate_below_tokens.to_string(),
-            ],
+            ]
+            .into_iter()
+            .chain(a.prefill_policy.iter().flat_map(|p| ["--prefill-policy".into(), p.clone()]))
+            .collect::<Vec<String>>(),
         )
         .await?;
         procs.push(router);
@@ -184,6 +193,11 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                     && let Some(p) = &a.kv_push
                 {
                     args.extend(["--kv-push".into(), p.clone()]);
+                }
+                if role == "prefill"
+                    && let Some(b) = a.cache_bytes
+                {
+                    args.extend(["--cache-bytes".into(), b.to_string()]);
                 }
                 if role == "prefill"
                     && let Some(k) = &kvstore

@@ -18,7 +18,13 @@ pub fn from_peer(node: &str, status: &Status) -> Status {
         Code::Cancelled if is_transport_failure(status) => Code::Unavailable,
         c => c,
     };
-    Status::new(code, format!("node {node}: {}", status.message()))
+    Status::new(code, naming(node, status.message()))
+}
+
+/// `message` prefixed with `node`, unless the node already named itself in it.
+pub fn naming(node: &str, message: &str) -> String {
+    let prefix = format!("node {node}: ");
+    if message.starts_with(&prefix) { message.to_string() } else { format!("{prefix}{message}") }
 }
 
 fn is_transport_failure(status: &Status) -> bool {
@@ -51,6 +57,10 @@ mod tests {
         assert_eq!(s.code(), Code::Unavailable);
         let s = from_peer("prefill-0", &Status::unknown("engine bug"));
         assert_eq!(s.code(), Code::Unknown);
+        // A status relayed twice from the same node names it once.
+        let inner = from_peer("decode-0", &Status::not_found("reservation 3 is unknown"));
+        let s = from_peer("prefill-0", &from_peer("decode-0", &inner));
+        assert_eq!(s.message(), "node prefill-0: node decode-0: reservation 3 is unknown");
     }
 
     #[test]

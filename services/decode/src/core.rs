@@ -92,7 +92,7 @@ struct Reservation {
     seq: SeqId,
     prompt_len: usize,
     committed: usize,
-    /// Freed at this instant unless the request is attached and its KV is complete.
+    /// Freed at this instant unless a transfer has begun or a local prefill is attached.
     lease: Option<Instant>,
     /// Prompt blocks written so far (remote KV), and whether the sender said it is complete.
     kv_started: bool,
@@ -261,6 +261,10 @@ impl DecodeCore {
         let r = self.get(id)?;
         r.kv_started = true;
         r.writer = writer;
+        // From here the open transfer keeps the reservation: its end without the KV aborts
+        // it, and the router's deadline bounds it. A lease would expire prompts that merely
+        // wait in a busy prefill node's queue with their stream already open.
+        r.lease = None;
         Ok(())
     }
 

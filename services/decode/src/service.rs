@@ -106,6 +106,7 @@ impl DecodeService {
             free_blocks: counts.total_blocks.saturating_sub(counts.committed_blocks),
             total_blocks: counts.total_blocks,
             committed_blocks: counts.committed_blocks,
+            cache_blocks: 0,
         }
     }
 }
@@ -352,6 +353,7 @@ impl Decode for DecodeService {
             failed: c.failed,
             leases_expired: c.leases_expired,
             transports: self.stats.snapshot(),
+            prefix_cache: None,
         }))
     }
 }

@@ -84,7 +84,7 @@ impl TransferError {
 
 // Keeps the peer's code and names it.
 fn peer_status(node: &str, status: &Status) -> Status {
-    Status::new(status.code(), format!("node {node}: {}", status.message()))
+    Status::new(status.code(), pdmesh_common::status::naming(node, status.message()))
 }
 
 /// Pushes a request's KV into a decode node's reservation.

@@ -1,83 +1,194 @@
-//! The prefill node's use of the KV-store: before a prompt is computed, the longest stored
-//! prefix of its block-hash chain is matched and read; after, the full blocks it computed are
-//! published in the background. Every failure here (store down, slow, refusing) only costs
-//! the cache: the prompt is then computed in full, a slower request and never a failed one.
+//! The prefill node's prefix cache, in two tiers. Its own LRU of recently computed or fetched
+//! blocks is looked up first (no network); the KV-store is asked only for the blocks after
+//! what the node holds. After a prompt is computed, its new full blocks go into the node's
+//! tier at once and to the KV-store in the background. Every failure of the KV-store (down,
+//! slow, refusing) only costs the cache: the prompt is then computed in full, a slower
+//! request and never a failed one.
 
+use std::num::NonZeroUsize;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use bytes::Bytes;
+use lru::LruCache;
 use pdmesh_kv_transfer::{BlockHash, BlockHasher};
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
     KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
-    KvWriteHeader,
+    KvWriteHeader, PrefixCacheStats,
 };
 use tonic::transport::{Channel, Endpoint};
 
-#[derive(Debug, Clone)]
-pub struct PrefixCache {
-    client: KvStoreClient<Channel>,
-    hasher: BlockHasher,
-    layout: KvLayout,
-    node_id: String,
-    /// Longest a lookup (match + read) may take before the prompt is computed in full.
-    timeout: Duration,
-}
-
-/// What a lookup found: the prompt's chain (full blocks) and the stored prefix's bytes.
+/// What a lookup found: the prompt's chain (full blocks) and the cached prefix's bytes.
 #[derive(Debug, Default)]
 pub struct Lookup {
     pub chain: Vec<BlockHash>,
     pub cached: Vec<Bytes>,
 }
 
-impl PrefixCache {
-    /// A client of the KV-store at `address` (dialled lazily).
-    pub fn new(
-        address: &str,
-        layout: KvLayout,
-        node_id: &str,
-        timeout: Duration,
-    ) -> Result<Self, String> {
-        let hasher = BlockHasher::new(&layout).ok_or("the KV layout has no block size")?;
-        let ep = Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| format!("kvstore address {address:?}: {e}"))?
-            .connect_timeout(timeout)
-            .tcp_nodelay(true);
-        let client = KvStoreClient::new(ep.connect_lazy())
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(64 << 20);
-        Ok(Self { client, hasher, layout, node_id: node_id.to_string(), timeout })
+/// The node's own tier: at most `capacity` blocks, least recently used evicted first. The
+/// bytes are shared (`Bytes`), so a block being read by a job outlives its eviction.
+#[derive(Debug)]
+struct Local {
+    blocks: Mutex<LruCache<BlockHash, Bytes>>,
+    capacity: usize,
+}
+
+impl Local {
+    /// The longest run of `chain`'s blocks held here, from its start.
+    fn prefix(&self, chain: &[BlockHash]) -> Vec<Bytes> {
+        let mut l = self.blocks.lock().expect("never poisoned");
+        chain.iter().map_while(|h| l.get(h).cloned()).collect()
     }
 
-    /// Matches and reads the stored prefix of `prompt`, leaving at least its last token to
-    /// compute (the first token's logits come from it). Never fails: trouble means no cache.
+    fn insert(&self, hashes: &[BlockHash], blocks: &[Bytes]) {
+        let mut l = self.blocks.lock().expect("never poisoned");
+        for (h, b) in hashes.iter().zip(blocks) {
+            l.put(*h, b.clone());
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.blocks.lock().expect("never poisoned").len()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Store {
+    client: KvStoreClient<Channel>,
+    /// Longest a lookup (match + read) may take before the prompt is computed in full.
+    timeout: Duration,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    local_hit_tokens: AtomicU64,
+    store_hit_tokens: AtomicU64,
+    miss_tokens: AtomicU64,
+    store_failures: AtomicU64,
+}
+
+#[derive(Debug)]
+pub struct PrefixCache {
+    hasher: BlockHasher,
+    layout: KvLayout,
+    bytes_per_block: usize,
+    node_id: String,
+    local: Option<Local>,
+    store: Option<Store>,
+    counters: Counters,
+}
+
+impl PrefixCache {
+    /// A cache holding up to `local_bytes` of blocks itself and backed by the KV-store at
+    /// `store` (dialled lazily). None when both are off.
+    pub fn new(
+        layout: KvLayout,
+        node_id: &str,
+        local_bytes: u64,
+        store: Option<&str>,
+        timeout: Duration,
+    ) -> Result<Option<Self>, String> {
+        let hasher = BlockHasher::new(&layout).ok_or("the KV layout has no block size")?;
+        let bytes_per_block =
+            pdmesh_kv_transfer::bytes_per_block(&layout).ok_or("the KV layout has no size")?;
+        let local = usize::try_from(local_bytes / bytes_per_block as u64)
+            .ok()
+            .and_then(NonZeroUsize::new)
+            .map(|n| Local { blocks: Mutex::new(LruCache::new(n)), capacity: n.get() });
+        let store = match store {
+            Some(address) => {
+                let ep = Endpoint::from_shared(format!("http://{address}"))
+                    .map_err(|e| format!("kvstore address {address:?}: {e}"))?
+                    .connect_timeout(timeout)
+                    .tcp_nodelay(true);
+                let client = KvStoreClient::new(ep.connect_lazy())
+                    .max_decoding_message_size(64 << 20)
+                    .max_encoding_message_size(64 << 20);
+                Some(Store { client, timeout })
+            }
+            None => None,
+        };
+        if local.is_none() && store.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            hasher,
+            layout,
+            bytes_per_block,
+            node_id: node_id.to_string(),
+            local,
+            store,
+            counters: Counters::default(),
+        }))
+    }
+
+    /// Blocks the node's own tier holds at most (0: it has none).
+    pub fn local_capacity(&self) -> usize {
+        self.local.as_ref().map_or(0, |l| l.capacity)
+    }
+
+    pub fn stats(&self) -> PrefixCacheStats {
+        let c = &self.counters;
+        let local_blocks = self.local.as_ref().map_or(0, Local::len) as u64;
+        PrefixCacheStats {
+            local_hit_tokens: c.local_hit_tokens.load(Relaxed),
+            store_hit_tokens: c.store_hit_tokens.load(Relaxed),
+            miss_tokens: c.miss_tokens.load(Relaxed),
+            local_blocks,
+            local_bytes: local_blocks * self.bytes_per_block as u64,
+            store_failures: c.store_failures.load(Relaxed),
+        }
+    }
+
+    /// The cached prefix of `prompt`, leaving at least its last token to compute (the first
+    /// token's logits come from it). Never fails: trouble means less cache.
     pub async fn lookup(&self, prompt: &[u32]) -> Lookup {
         let chain = self.hasher.chain(prompt);
-        let usable = (prompt.len() - 1) / self.hasher.block_size();
-        let cached = match tokio::time::timeout(self.timeout, self.read(&chain[..usable])).await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                tracing::warn!("prefix cache unavailable, computing the whole prompt: {e}");
-                Vec::new()
+        let bs = self.hasher.block_size();
+        let usable = (prompt.len().saturating_sub(1) / bs).min(chain.len());
+        let mut cached = self.local.as_ref().map_or_else(Vec::new, |l| l.prefix(&chain[..usable]));
+        let local = cached.len();
+        if let Some(store) = &self.store
+            && local < usable
+        {
+            // Hashes name their whole history, so asking for the chain past what is held here
+            // finds exactly the blocks that continue it.
+            let rest = &chain[local..usable];
+            match tokio::time::timeout(store.timeout, self.read(store, rest)).await {
+                Ok(Ok(more)) => {
+                    if let Some(l) = &self.local {
+                        l.insert(&chain[local..local + more.len()], &more);
+                    }
+                    cached.extend(more);
+                }
+                Ok(Err(e)) => {
+                    self.counters.store_failures.fetch_add(1, Relaxed);
+                    tracing::warn!("KV-store unavailable, computing the rest of the prompt: {e}");
+                }
+                Err(_) => {
+                    self.counters.store_failures.fetch_add(1, Relaxed);
+                    tracing::warn!(
+                        "KV-store slower than {:?}, computing the rest of the prompt",
+                        store.timeout
+                    );
+                }
             }
-            Err(_) => {
-                tracing::warn!(
-                    "prefix cache slower than {:?}, computing the whole prompt",
-                    self.timeout
-                );
-                Vec::new()
-            }
-        };
+        }
+        let c = &self.counters;
+        c.local_hit_tokens.fetch_add((local * bs) as u64, Relaxed);
+        c.store_hit_tokens.fetch_add(((cached.len() - local) * bs) as u64, Relaxed);
+        c.miss_tokens.fetch_add((prompt.len() - 1 - cached.len() * bs) as u64, Relaxed);
         Lookup { chain, cached }
     }
 
-    async fn read(&self, chain: &[BlockHash]) -> Result<Vec<Bytes>, tonic::Status> {
+    async fn read(&self, store: &Store, chain: &[BlockHash]) -> Result<Vec<Bytes>, tonic::Status> {
         if chain.is_empty() {
             return Ok(Vec::new());
         }
-        let mut c = self.client.clone();
+        let mut c = store.client.clone();
         let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
         let req = KvMatchRequest { layout: Some(self.layout.clone()), hashes, lease_ms: 0 };
         let m = c.r#match(req).await?.into_inner();
@@ -94,24 +205,36 @@ impl PrefixCache {
                 if want.as_ref().map(|w| &w[..]) != Some(&b.hash[..]) {
                     return Err(tonic::Status::data_loss("the store returned another block"));
                 }
+                if b.data.len() != self.bytes_per_block {
+                    return Err(tonic::Status::data_loss(format!(
+                        "the store returned a block of {} bytes, a block is {}",
+                        b.data.len(),
+                        self.bytes_per_block
+                    )));
+                }
                 out.push(b.data);
             }
             Ok(out)
         }
         .await;
         // The pins are not needed once the bytes are here (the lease would end them anyway).
-        let mut rc = self.client.clone();
+        let mut rc = store.client.clone();
         tokio::spawn(async move {
             let _ = rc.release_match(KvReleaseMatchRequest { lease }).await;
         });
         read
     }
 
-    /// Publishes `blocks`, the prompt's full blocks from `first` on, in the background.
+    /// Keeps `blocks`, the prompt's full blocks from `first` on, in the node's tier at once
+    /// and publishes them to the KV-store in the background.
     pub fn publish(&self, chain: &[BlockHash], first: usize, blocks: Vec<Bytes>) {
         if blocks.is_empty() {
             return;
         }
+        if let Some(l) = &self.local {
+            l.insert(&chain[first..], &blocks);
+        }
+        let Some(store) = &self.store else { return };
         let mut msgs = vec![KvWriteChunk {
             chunk: Some(Chunk::Header(KvWriteHeader {
                 layout: Some(self.layout.clone()),
@@ -122,8 +245,8 @@ impl PrefixCache {
             let hash = Bytes::copy_from_slice(&h.to_bytes());
             msgs.push(KvWriteChunk { chunk: Some(Chunk::Block(KvStoreBlock { hash, data })) });
         }
-        let mut c = self.client.clone();
-        let timeout = self.timeout.max(Duration::from_secs(5));
+        let mut c = store.client.clone();
+        let timeout = store.timeout.max(Duration::from_secs(5));
         tokio::spawn(async move {
             match tokio::time::timeout(timeout, c.write(tokio_stream::iter(msgs))).await {
                 Ok(Ok(r)) => {
@@ -135,8 +258,8 @@ impl PrefixCache {
                         "published"
                     );
                 }
-                Ok(Err(e)) => tracing::warn!("publishing to the prefix cache failed: {e}"),
-                Err(_) => tracing::warn!("publishing to the prefix cache timed out"),
+                Ok(Err(e)) => tracing::warn!("publishing to the KV-store failed: {e}"),
+                Err(_) => tracing::warn!("publishing to the KV-store timed out"),
             }
         });
     }

@@ -37,6 +37,9 @@ pub struct PrefillConfig {
     /// The KV-store (prefix cache) to match prompts against and publish computed blocks to,
     /// "host:port"; none = no prefix cache.
     pub kvstore: Option<String>,
+    /// The node's own prefix cache: bytes of recently computed or fetched blocks it keeps and
+    /// looks up before the KV-store (0 = none).
+    pub cache_bytes: u64,
     /// Longest a prefix-cache lookup may take; past it the prompt is computed in full.
     pub kvstore_timeout_ms: u64,
     /// Fault injection for tests: wait this long before sending each KV message, so a
@@ -60,6 +63,7 @@ impl Default for PrefillConfig {
             kv_push: PushMode::Layer,
             kv_verify: false,
             kvstore: None,
+            cache_bytes: 128 << 20,
             kvstore_timeout_ms: 500,
             fault_transfer_delay_ms: 0,
             engine: EngineSettings::default(),

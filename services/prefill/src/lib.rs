@@ -60,18 +60,16 @@ pub async fn run(
         .start_ucx(&node_id)
         .map_err(|e| PrefillError::Startup(format!("kv_transport = ucx: {e}")))?;
     let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
-    let cache = match &config.kvstore {
-        Some(addr) => Some(
-            cache::PrefixCache::new(
-                addr,
-                layout.clone(),
-                &node_id,
-                Duration::from_millis(config.kvstore_timeout_ms),
-            )
-            .map_err(PrefillError::Startup)?,
-        ),
-        None => None,
-    };
+    let cache = cache::PrefixCache::new(
+        layout.clone(),
+        &node_id,
+        config.cache_bytes,
+        config.kvstore.as_deref(),
+        Duration::from_millis(config.kvstore_timeout_ms),
+    )
+    .map_err(PrefillError::Startup)?
+    .map(Arc::new);
+    let cache_blocks = cache.as_ref().map_or(0, |c| c.local_capacity());
     let transport =
         pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, Arc::clone(&stats));
     let service = PrefillService {
@@ -107,7 +105,8 @@ pub async fn run(
         registration,
         Arc::new(move || {
             let c = *load_counts.lock().expect("never poisoned");
-            PrefillService::load(&c, transferring.load(std::sync::atomic::Ordering::Relaxed))
+            let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
+            PrefillService::load(&c, t, cache_blocks)
         }),
     )
     .await;

@@ -34,18 +34,25 @@ pub struct PrefillService {
     pub push: PushMode,
     /// Send each block's checksum for the decode node to verify.
     pub verify: bool,
-    /// The prefix cache, when a KV-store is configured.
-    pub cache: Option<crate::cache::PrefixCache>,
+    /// The prefix cache: the node's own tier and/or the KV-store.
+    pub cache: Option<Arc<crate::cache::PrefixCache>>,
     pub counts: Arc<Mutex<Counts>>,
     pub transferring: Arc<AtomicU32>,
     pub fault_delay: Duration,
 }
 
+impl PrefillService {
+    fn cache_blocks(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.local_capacity())
+    }
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<PrefillEvent, Status>> + Send>>;
 
 impl PrefillService {
-    pub fn load(counts: &Counts, transferring: u32) -> NodeLoad {
+    pub fn load(counts: &Counts, transferring: u32, cache_blocks: usize) -> NodeLoad {
         NodeLoad {
+            cache_blocks: u32::try_from(cache_blocks).unwrap_or(u32::MAX),
             queued: counts.queued,
             running: counts.prefilling + transferring,
             free_blocks: counts.free_blocks,
@@ -216,7 +223,7 @@ impl Prefill for PrefillService {
         Ok(Response::new(NodeStats {
             node_id: self.node_id.clone(),
             role: Role::Prefill as i32,
-            load: Some(Self::load(&c, transferring)),
+            load: Some(Self::load(&c, transferring, self.cache_blocks())),
             layout: Some(self.layout.clone()),
             queued: c.queued,
             prefilling: c.prefilling,
@@ -228,6 +235,7 @@ impl Prefill for PrefillService {
             failed: c.failed,
             leases_expired: 0,
             transports: self.stats.snapshot(),
+            prefix_cache: self.cache.as_ref().map(|c| c.stats()),
         }))
     }
 }

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use crate::placement::PrefillPolicy;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RouterConfig {
@@ -32,6 +34,12 @@ pub struct RouterConfig {
     /// Prompts shorter than this are prefilled on the decode node itself (conditional
     /// disaggregation); 0 = always disaggregate when a prefill node exists.
     pub colocate_below_tokens: usize,
+    /// How prefill nodes are chosen: "prefix-aware" (where the prompt's prefix is cached,
+    /// within `prefix_max_imbalance`), "least-load" or "round-robin".
+    pub prefill_policy: PrefillPolicy,
+    /// Most prompts a prefix-aware choice may have queued or running above the least-loaded
+    /// prefill node; past it the cache is given up for the idle node.
+    pub prefix_max_imbalance: u32,
     /// Time in-flight requests get to finish at shutdown.
     pub drain_ms: u64,
 }
@@ -51,6 +59,8 @@ impl Default for RouterConfig {
             stall_timeout_ms: 60_000,
             lease_ms: 30_000,
             colocate_below_tokens: 0,
+            prefill_policy: PrefillPolicy::PrefixAware,
+            prefix_max_imbalance: 2,
             drain_ms: 5_000,
         }
     }

@@ -7,6 +7,7 @@ pub mod config;
 pub mod error;
 pub mod mesh;
 pub mod placement;
+pub mod prefix;
 pub mod registry;
 pub mod relay;
 pub mod request;
@@ -53,6 +54,7 @@ pub async fn run(
                 tick.tick().await;
                 let dropped = mesh.registry().expire(Instant::now());
                 for id in dropped {
+                    mesh.prefixes.forget(&id);
                     tracing::warn!(node = id, "node missed its heartbeats; dropped");
                 }
             }

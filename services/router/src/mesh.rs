@@ -2,6 +2,7 @@
 //! address, the model (for validation), the config, and the running requests by id.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -11,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::RouterConfig;
+use crate::prefix::PrefixIndex;
 use crate::registry::{Node, Registry};
 
 #[derive(Debug)]
@@ -20,6 +22,9 @@ pub struct Mesh {
     pub registry: Mutex<Registry>,
     channels: Mutex<HashMap<String, Channel>>,
     active: Mutex<HashMap<String, CancellationToken>>,
+    /// What each prefill node is thought to hold in its own cache.
+    pub prefixes: PrefixIndex,
+    turn: AtomicUsize,
 }
 
 impl Mesh {
@@ -31,6 +36,8 @@ impl Mesh {
             registry: Mutex::new(Registry::new(ttl)),
             channels: Mutex::new(HashMap::new()),
             active: Mutex::new(HashMap::new()),
+            prefixes: PrefixIndex::default(),
+            turn: AtomicUsize::new(0),
         }
     }
 
@@ -59,6 +66,11 @@ impl Mesh {
     /// Forgets a channel whose node went away (a new node may reuse the address).
     pub fn drop_channel(&self, address: &str) {
         self.channels.lock().expect("channel map lock is never poisoned").remove(address);
+    }
+
+    /// Advances with every placement (round-robin position, tie rotation).
+    pub fn next_turn(&self) -> usize {
+        self.turn.fetch_add(1, Ordering::Relaxed)
     }
 
     pub fn node(&self, id: &str) -> Option<Node> {

@@ -1,17 +1,64 @@
 //! Placement: which decode node reserves a request's KV and which prefill node computes it. A
 //! pure function over a snapshot of the nodes, so policies can be tested and compared without
-//! a network. Load-aware for now; the prefix-aware policy joins with the KV-store.
+//! a network.
+//!
+//! Prefill nodes are chosen by one of three policies. `prefix-aware` sends a prompt where the
+//! longest part of it is already cached, but only among nodes whose load is within
+//! `max_imbalance` requests of the least-loaded one: a node that holds a hot prefix must not
+//! draw every request until it drowns while its peers idle (the "death spiral" of SGLang's
+//! cache-aware router, sgl-project/sglang#14305). Ties rotate among nodes rather than falling
+//! to the first, so a lightly loaded mesh still spreads its prompts (and its cache) over all
+//! of them.
+
+use std::collections::HashMap;
 
 use pdmesh_proto::v1::Role;
+use serde::{Deserialize, Serialize};
 
 use crate::registry::Node;
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// How prefill nodes are chosen.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PrefillPolicy {
+    /// Each node in turn, whatever its load or cache.
+    RoundRobin,
+    /// The node with the fewest queued and running prompts.
+    LeastLoad,
+    /// The node holding the longest cached prefix of the prompt, within the imbalance bound;
+    /// the least-loaded node when none holds any.
+    #[default]
+    PrefixAware,
+}
+
+impl PrefillPolicy {
+    pub const NAMES: [&str; 3] = ["round-robin", "least-load", "prefix-aware"];
+}
+
+impl std::fmt::Display for PrefillPolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::RoundRobin => "round-robin",
+            Self::LeastLoad => "least-load",
+            Self::PrefixAware => "prefix-aware",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Ask {
     pub prompt_tokens: usize,
     pub max_tokens: usize,
     /// Prompts shorter than this stay on the decode node (0 = never).
     pub colocate_below: usize,
+    pub policy: PrefillPolicy,
+    /// A counter that advances with every placement: the round-robin position and the
+    /// rotation that breaks ties.
+    pub turn: usize,
+    /// Prompt tokens each prefill node is thought to hold (prefix-aware only).
+    pub matched: HashMap<String, usize>,
+    /// Most requests a prefix-aware choice may carry above the least-loaded prefill node.
+    pub max_imbalance: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,14 +120,42 @@ pub fn place(
     let p = if colocate {
         None
     } else {
-        prefill
-            .iter()
-            .filter(|n| n.role == Role::Prefill)
-            .filter(usable)
-            .min_by_key(|n| (n.load.queued + n.load.running + n.assigned, n.id.clone()))
-            .map(|n| n.id.clone())
+        let nodes: Vec<&Node> =
+            prefill.iter().filter(|n| n.role == Role::Prefill).filter(usable).collect();
+        pick_prefill(&nodes, ask).map(|n| n.id.clone())
     };
     Ok(Placement { decode: d.id.clone(), prefill: p })
+}
+
+/// Prompts queued, running and sent by this router to a prefill node.
+fn prefill_load(n: &Node) -> u32 {
+    n.load.queued + n.load.running + n.assigned
+}
+
+fn pick_prefill<'a>(nodes: &[&'a Node], ask: &Ask) -> Option<&'a Node> {
+    let len = nodes.len();
+    if len == 0 {
+        return None;
+    }
+    // Position after the rotation: the node at `turn` ranks first among equals.
+    let rank = |i: usize| (i + len - ask.turn % len) % len;
+    let least = || (0..len).min_by_key(|&i| (prefill_load(nodes[i]), rank(i))).map(|i| nodes[i]);
+    match ask.policy {
+        PrefillPolicy::RoundRobin => Some(nodes[ask.turn % len]),
+        PrefillPolicy::LeastLoad => least(),
+        PrefillPolicy::PrefixAware => {
+            let floor = nodes.iter().map(|n| prefill_load(n)).min().unwrap_or(0);
+            let bound = floor.saturating_add(ask.max_imbalance);
+            let held = |i: usize| ask.matched.get(&nodes[i].id).copied().unwrap_or(0);
+            (0..len)
+                .filter(|&i| held(i) > 0 && prefill_load(nodes[i]) <= bound)
+                .max_by_key(|&i| {
+                    (held(i), std::cmp::Reverse(prefill_load(nodes[i])), std::cmp::Reverse(rank(i)))
+                })
+                .map(|i| nodes[i])
+                .or_else(least)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -104,7 +179,12 @@ mod tests {
     }
 
     fn ask(prompt: usize) -> Ask {
-        Ask { prompt_tokens: prompt, max_tokens: 16, colocate_below: 0 }
+        Ask {
+            prompt_tokens: prompt,
+            max_tokens: 16,
+            policy: PrefillPolicy::LeastLoad,
+            ..Ask::default()
+        }
     }
 
     #[test]
@@ -159,5 +239,83 @@ mod tests {
             Err(PlaceError::NoCapacity { need: 8, best: 3 })
         );
         assert_eq!(place(&[], &[], &ask(1), &[]), Err(PlaceError::NoDecodeNode));
+    }
+
+    fn prefills(loads: &[u32]) -> Vec<Node> {
+        loads
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| node(&format!("p{i}"), Role::Prefill, 100, l))
+            .collect()
+    }
+
+    fn chosen(p: &[Node], ask: &Ask) -> String {
+        let d = [node("d", Role::Decode, 100, 0)];
+        place(p, &d, ask, &[]).unwrap().prefill.unwrap()
+    }
+
+    #[test]
+    fn round_robin_takes_turns_and_least_load_rotates_ties() {
+        let p = prefills(&[5, 0, 0]);
+        let rr = |turn| Ask { policy: PrefillPolicy::RoundRobin, turn, ..ask(10) };
+        let got: Vec<String> = (0..4).map(|t| chosen(&p, &rr(t))).collect();
+        assert_eq!(got, ["p0", "p1", "p2", "p0"], "round-robin ignores load");
+        // p1 and p2 tie: the rotation gives p2 its turns too instead of always taking p1
+        // (sgl-project/sglang#32983).
+        let ll = |turn| Ask { policy: PrefillPolicy::LeastLoad, turn, ..ask(10) };
+        let got: Vec<String> = (0..4).map(|t| chosen(&p, &ll(t))).collect();
+        assert_eq!(got, ["p1", "p1", "p2", "p1"]);
+    }
+
+    #[test]
+    fn prefix_aware_prefers_the_longest_match_within_the_bound() {
+        let p = prefills(&[3, 1, 0]);
+        let pa = |matched: &[(&str, usize)]| Ask {
+            policy: PrefillPolicy::PrefixAware,
+            max_imbalance: 2,
+            matched: matched.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            ..ask(100)
+        };
+        assert_eq!(chosen(&p, &pa(&[])), "p2", "no match: least load");
+        assert_eq!(chosen(&p, &pa(&[("p1", 32), ("p2", 16)])), "p1", "longest match");
+        // p0 holds more, but it is 3 above the least-loaded node (bound 2).
+        assert_eq!(chosen(&p, &pa(&[("p0", 64), ("p1", 16)])), "p1");
+        assert_eq!(chosen(&p, &pa(&[("p0", 64)])), "p2", "only p0 matches: over the bound");
+        // Equal matches: the less loaded node.
+        assert_eq!(chosen(&p, &pa(&[("p1", 32), ("p2", 32)])), "p2");
+    }
+
+    /// Every prompt shares one hot prefix that the first node holds. A policy without a bound
+    /// would send them all there; with it, no node ever runs more than the bound above the
+    /// least-loaded one, and the prefix spreads to the others as they take prompts.
+    #[test]
+    fn a_hot_prefix_never_piles_onto_one_node() {
+        let mut p = prefills(&[0, 0, 0, 0]);
+        let mut holders: Vec<String> = vec!["p0".into()];
+        let bound = 3;
+        for turn in 0..200 {
+            let a = Ask {
+                policy: PrefillPolicy::PrefixAware,
+                max_imbalance: bound,
+                turn,
+                matched: holders.iter().map(|h| (h.clone(), 512)).collect(),
+                ..ask(600)
+            };
+            let id = chosen(&p, &a);
+            if !holders.contains(&id) {
+                holders.push(id.clone());
+            }
+            let n = p.iter_mut().find(|n| n.id == id).unwrap();
+            n.assigned += 1;
+            let loads: Vec<u32> = p.iter().map(prefill_load).collect();
+            let (lo, hi) = (*loads.iter().min().unwrap(), *loads.iter().max().unwrap());
+            assert!(hi - lo <= bound + 1, "turn {turn}: loads {loads:?}");
+            // Every third turn the busiest node finishes a prompt.
+            if turn % 3 == 2 {
+                let busiest = p.iter_mut().max_by_key(|n| n.assigned).unwrap();
+                busiest.assigned -= 1;
+            }
+        }
+        assert_eq!(holders.len(), 4, "the prefix spread to every node: {holders:?}");
     }
 }

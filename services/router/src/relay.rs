@@ -21,7 +21,8 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Status, Streaming};
 
 use crate::mesh::Mesh;
-use crate::placement::{Ask, PlaceError, place};
+use crate::placement::{Ask, PlaceError, PrefillPolicy, place};
+use crate::registry::Node;
 use crate::request::Prepared;
 
 pub type ClientTx = mpsc::Sender<Result<GenerateResponse, Status>>;
@@ -126,14 +127,10 @@ pub async fn run(
                     );
                     exclude.extend(failed);
                     // Only retry when some other node can take it.
-                    let ask = ask_of(&mesh, &prep);
-                    if place(
-                        &mesh.live(pdmesh_proto::v1::Role::Prefill),
-                        &mesh.live(pdmesh_proto::v1::Role::Decode),
-                        &ask,
-                        &exclude,
-                    )
-                    .is_err()
+                    let prefill = mesh.live(pdmesh_proto::v1::Role::Prefill);
+                    let ask = ask_of(&mesh, &prep, &prefill);
+                    if place(&prefill, &mesh.live(pdmesh_proto::v1::Role::Decode), &ask, &exclude)
+                        .is_err()
                     {
                         return Err(f.status);
                     }
@@ -174,11 +171,21 @@ pub async fn run(
     }
 }
 
-fn ask_of(mesh: &Mesh, prep: &Prepared) -> Ask {
+fn ask_of(mesh: &Mesh, prep: &Prepared, prefill: &[Node]) -> Ask {
+    let cfg = &mesh.config;
+    let matched = if cfg.prefill_policy == PrefillPolicy::PrefixAware {
+        mesh.prefixes.matched(prefill, &prep.prompt)
+    } else {
+        Default::default()
+    };
     Ask {
         prompt_tokens: prep.prompt.len(),
         max_tokens: prep.max_tokens,
-        colocate_below: mesh.config.colocate_below_tokens,
+        colocate_below: cfg.colocate_below_tokens,
+        policy: cfg.prefill_policy,
+        turn: mesh.next_turn(),
+        matched,
+        max_imbalance: cfg.prefix_max_imbalance,
     }
 }
 
@@ -232,17 +239,17 @@ async fn one_attempt(
 ) -> Result<(), Failure> {
     use pdmesh_proto::v1::Role;
     let cfg = &mesh.config;
-    let ask = ask_of(mesh, prep);
-    let placement = place(&mesh.live(Role::Prefill), &mesh.live(Role::Decode), &ask, exclude)
-        .map_err(|e| {
-            let status = match e {
-                PlaceError::NoDecodeNode => Status::unavailable(e.to_string()),
-                PlaceError::NoCapacity { .. } => {
-                    exhausted(e.to_string(), Duration::from_millis(cfg.retry_after_ms))
-                }
-            };
-            Failure { status, node: None, retry: false }
-        })?;
+    let prefills = mesh.live(Role::Prefill);
+    let ask = ask_of(mesh, prep, &prefills);
+    let placement = place(&prefills, &mesh.live(Role::Decode), &ask, exclude).map_err(|e| {
+        let status = match e {
+            PlaceError::NoDecodeNode => Status::unavailable(e.to_string()),
+            PlaceError::NoCapacity { .. } => {
+                exhausted(e.to_string(), Duration::from_millis(cfg.retry_after_ms))
+            }
+        };
+        Failure { status, node: None, retry: false }
+    })?;
     let decode = mesh.node(&placement.decode).ok_or_else(|| Failure {
         status: Status::unavailable(format!("node {} left the mesh", placement.decode)),
         node: None,
@@ -264,14 +271,15 @@ async fn one_attempt(
             r.assign(&p.id, 0);
         }
     }
-    let assigned = Assigned {
-        mesh,
-        nodes: std::iter::once(decode.id.clone())
-            .chain(prefill.iter().map(|p| p.id.clone()))
-            .collect(),
-    };
+    if let Some(p) = &prefill {
+        mesh.prefixes.record(p, &prep.prompt);
+    }
+    let _decode_assigned = Assigned { mesh, nodes: vec![decode.id.clone()] };
+    // The prefill node's share ends with its part (the KV is complete), not the request's.
+    let prefill_assigned = Assigned { mesh, nodes: prefill.iter().map(|p| p.id.clone()).collect() };
     let first_sent = || state.lock().expect("state lock").first_sent;
-    let watched: Vec<String> = assigned.nodes.clone();
+    let watched: Vec<String> =
+        std::iter::once(decode.id.clone()).chain(prefill.iter().map(|p| p.id.clone())).collect();
     let legs = async {
         let dfail = |s: &Status| Failure::from_node(&decode.id, s, first_sent());
         let channel = |addr: &str, node: &str| {
@@ -375,6 +383,7 @@ async fn one_attempt(
                     )));
                 }
             }
+            drop(prefill_assigned);
             let pos = pdmesh_common::convert::rng_position(&computed.rng_position)
                 .map_err(|s| pfail(&s))?;
             (decode_request::Start::FirstToken(computed.first_token), pos)

@@ -158,6 +158,8 @@ impl Membership for RouterService {
             }
             reg.register(&r.node_id, role, &r.address, layout, r.load.unwrap_or_default(), now);
         }
+        // Registering (first or again after a restart) means an empty cache.
+        self.mesh.prefixes.forget(&r.node_id);
         tracing::info!(
             node = r.node_id,
             role = role.as_str_name(),

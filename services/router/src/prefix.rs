@@ -1,0 +1,123 @@
+//! The router's estimate of which prompt blocks each prefill node holds in its own cache:
+//! the hash chains of the prompts it sent there, least recently sent forgotten first once a
+//! node's advertised cache size is reached. Nodes evict on their own, so this is a guess that
+//! placement weighs against load, never a fact it relies on.
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::Mutex;
+
+use lru::LruCache;
+use pdmesh_kv_transfer::{BlockHash, BlockHasher};
+use pdmesh_proto::v1::KvLayout;
+
+use crate::registry::Node;
+
+#[derive(Debug, Default)]
+pub struct PrefixIndex {
+    nodes: Mutex<HashMap<String, LruCache<BlockHash, ()>>>,
+}
+
+/// A prompt's chain under one KV layout (nodes of one mesh share it; a node that differs gets
+/// its own).
+pub fn chain(layout: &KvLayout, prompt: &[u32]) -> Vec<BlockHash> {
+    BlockHasher::new(layout).map_or_else(Vec::new, |h| h.chain(prompt))
+}
+
+impl PrefixIndex {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, LruCache<BlockHash, ()>>> {
+        self.nodes.lock().expect("prefix index lock is never poisoned")
+    }
+
+    /// Prompt tokens of `prompt` each of `nodes` is thought to hold, by node id (absent: none).
+    pub fn matched(&self, nodes: &[Node], prompt: &[u32]) -> HashMap<String, usize> {
+        let mut chains: Vec<(&KvLayout, Vec<BlockHash>)> = Vec::new();
+        let mut out = HashMap::new();
+        let mut index = self.lock();
+        for n in nodes {
+            let Some(held) = index.get_mut(&n.id) else { continue };
+            if !chains.iter().any(|(l, _)| **l == n.layout) {
+                chains.push((&n.layout, chain(&n.layout, prompt)));
+            }
+            let c = &chains.iter().find(|(l, _)| **l == n.layout).expect("just added").1;
+            let blocks = c.iter().take_while(|h| held.get(*h).is_some()).count();
+            if blocks > 0 {
+                out.insert(n.id.clone(), blocks * n.layout.block_size as usize);
+            }
+        }
+        out
+    }
+
+    /// `node` was sent `prompt`: it will hold its full blocks (if it has a cache at all).
+    pub fn record(&self, node: &Node, prompt: &[u32]) {
+        let mut index = self.lock();
+        let Some(cap) = NonZeroUsize::new(node.load.cache_blocks as usize) else {
+            index.remove(&node.id);
+            return;
+        };
+        let held = index.entry(node.id.clone()).or_insert_with(|| LruCache::new(cap));
+        if held.cap() != cap {
+            held.resize(cap);
+        }
+        for h in chain(&node.layout, prompt) {
+            held.put(h, ());
+        }
+    }
+
+    /// Forgets nodes that left or registered anew (a restarted node's cache is empty).
+    pub fn forget(&self, node: &str) {
+        self.lock().remove(node);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdmesh_proto::v1::{NodeLoad, Role};
+    use std::time::Instant;
+
+    fn node(id: &str, cache_blocks: u32) -> Node {
+        Node {
+            id: id.into(),
+            role: Role::Prefill,
+            address: String::new(),
+            layout: KvLayout { block_size: 4, model_fingerprint: 7, ..Default::default() },
+            load: NodeLoad { cache_blocks, ..Default::default() },
+            last_seen: Instant::now(),
+            assigned: 0,
+            pending_blocks: 0,
+            suspect_until: None,
+        }
+    }
+
+    #[test]
+    fn matches_leading_blocks_of_what_each_node_was_sent() {
+        let idx = PrefixIndex::default();
+        let (a, b) = (node("a", 100), node("b", 100));
+        let sys: Vec<u32> = (0..12).collect();
+        let p1: Vec<u32> = sys.iter().copied().chain([50, 51, 52, 53, 54]).collect();
+        idx.record(&a, &p1);
+        let p2: Vec<u32> = sys.iter().copied().chain([60, 61, 62, 63]).collect();
+        let m = idx.matched(&[a.clone(), b.clone()], &p2);
+        // 3 shared blocks of 4 tokens; the 4th block differs; b was sent nothing.
+        assert_eq!(m, HashMap::from([("a".to_string(), 12)]));
+        // The same tokens at another position are another block.
+        let shifted: Vec<u32> = [9].into_iter().chain(sys.iter().copied()).collect();
+        assert!(idx.matched(std::slice::from_ref(&a), &shifted).is_empty());
+        idx.forget("a");
+        assert!(idx.matched(&[a], &p2).is_empty());
+    }
+
+    #[test]
+    fn a_node_holds_at_most_its_advertised_blocks() {
+        let idx = PrefixIndex::default();
+        let a = node("a", 2);
+        let p: Vec<u32> = (0..16).collect();
+        idx.record(&a, &p);
+        // Blocks 0 and 1 were forgotten first, so the prompt's start is no longer held.
+        assert!(idx.matched(std::slice::from_ref(&a), &p).is_empty());
+        let none = node("a", 0);
+        idx.record(&none, &p);
+        assert!(idx.matched(&[a], &p).is_empty(), "a node without a cache holds nothing");
+    }
+}
