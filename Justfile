@@ -41,7 +41,7 @@ check: system-deps
     cargo clippy --workspace --all-targets --locked -- -D warnings
 
 # Every benchmark.
-bench: bench-engine bench-mesh bench-kv
+bench: bench-engine bench-mesh bench-kv bench-prefix
 
 # KV transfer: UCX vs the gRPC stream vs memcpy for a 4,096-token prompt's KV between two
 # processes; then TTFT of a 2,048-token prompt with layer-wise push against push-after-prefill.
@@ -71,3 +71,9 @@ _llamacpp:
         python3 -m venv {{bench_venv}} && \
         CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         {{bench_venv}}/bin/pip install --quiet llama-cpp-python==0.3.36 numpy; }
+
+# The prefix cache: TTFT with a 2,000-token system prompt cold vs cached, then the first 1,000
+# requests of the conversation trace per placement policy and KV-store budget (~40 min).
+bench-prefix *args="": system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli
+    python3 scripts/bench_prefix.py --model {{model}} {{args}}

@@ -32,9 +32,16 @@ pub struct MeshBenchArgs {
     /// Poisson arrivals at this many requests per second (open loop) instead of --concurrency.
     #[arg(long)]
     rate: Option<f64>,
-    /// Prompt length of each request, in tokens.
+    /// Prompt length of each request, in tokens (after the shared prefix, if any).
     #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
+    /// Tokens of a prefix every prompt starts with (a system prompt), before its own
+    /// --prompt-tokens: what the prefix cache saves.
+    #[arg(long, default_value_t = 0)]
+    shared_prefix_tokens: usize,
+    /// Seeds the shared prefix (default: --seed); a new value makes a prefix no cache holds.
+    #[arg(long)]
+    prefix_seed: Option<u64>,
     /// Tokens each request generates (end-of-turn is ignored so lengths are exact).
     #[arg(long, default_value_t = 64)]
     max_tokens: u32,
@@ -88,6 +95,14 @@ impl Sample {
     fn tpot_ms(&self) -> Option<f64> {
         (self.tokens > 1).then(|| (self.e2e_ms - self.ttft_ms) / (self.tokens - 1) as f64)
     }
+}
+
+/// Keeps a shared prefix's stream apart from the suffixes' when both seeds are equal.
+const PREFIX_SALT: u64 = 0x5eed_0f_9ef1;
+
+fn shared_prefix(a: &MeshBenchArgs) -> Vec<u32> {
+    let seed = a.prefix_seed.unwrap_or(a.seed) ^ PREFIX_SALT;
+    prompt(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed), a.shared_prefix_tokens)
 }
 
 fn prompt(rng: &mut impl Rng, n: usize) -> Vec<u32> {
@@ -206,6 +221,7 @@ pub(crate) fn summary(
         "itl_ms": dist(&itl),
         "e2e_ms": dist(&e2e),
         "queue_ms": dist(&ok.iter().map(|s| s.queue_ms).collect::<Vec<_>>()),
+        "cached_tokens": dist(&ok.iter().map(|s| f64::from(s.cached_tokens)).collect::<Vec<_>>()),
         "prefill_ms": dist(&ok.iter().map(|s| s.prefill_ms).collect::<Vec<_>>()),
         "transfer_ms": dist(&ok.iter().map(|s| s.transfer_ms).collect::<Vec<_>>()),
         "output_tok_s": tokens as f64 / wall_s,
@@ -264,8 +280,10 @@ async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
     if a.streams > 0 {
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let prompts: Vec<Vec<u32>> =
-        (0..a.requests).map(|_| prompt(&mut rng, a.prompt_tokens)).collect();
+    let shared = shared_prefix(&a);
+    let prompts: Vec<Vec<u32>> = (0..a.requests)
+        .map(|_| shared.iter().copied().chain(prompt(&mut rng, a.prompt_tokens)).collect())
+        .collect();
     let gaps: Vec<f64> = match a.rate {
         // Exponential inter-arrival times: a Poisson process.
         Some(r) => (0..a.requests).map(|_| -(1.0 - rng.random::<f64>()).ln() / r).collect(),
@@ -309,6 +327,7 @@ async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
         "rate": a.rate,
         "concurrency": a.concurrency,
         "prompt_tokens": a.prompt_tokens,
+        "shared_prefix_tokens": a.shared_prefix_tokens,
         "max_tokens": a.max_tokens,
         "ttft_slo_ms": a.ttft_slo_ms,
         "tpot_slo_ms": a.tpot_slo_ms,
@@ -336,8 +355,10 @@ fn engine_alone(a: &MeshBenchArgs) -> anyhow::Result<()> {
     };
     let t0 = Instant::now();
     let mut samples = Vec::new();
+    let shared = shared_prefix(a);
     for i in 0..a.requests {
-        let ids = prompt(&mut rng, a.prompt_tokens);
+        let ids: Vec<u32> =
+            shared.iter().copied().chain(prompt(&mut rng, a.prompt_tokens)).collect();
         let start = Instant::now();
         let mut s = Sample::default();
         let mut last: Option<Instant> = None;
@@ -363,6 +384,7 @@ fn engine_alone(a: &MeshBenchArgs) -> anyhow::Result<()> {
         "target": "engine-alone",
         "mode": "sequential",
         "prompt_tokens": a.prompt_tokens,
+        "shared_prefix_tokens": a.shared_prefix_tokens,
         "max_tokens": a.max_tokens,
         "ttft_slo_ms": a.ttft_slo_ms,
         "tpot_slo_ms": a.tpot_slo_ms,

@@ -35,6 +35,10 @@ pub struct UpArgs {
     /// KV blocks per decode node.
     #[arg(long)]
     kv_blocks: Option<usize>,
+    /// Tokens per KV block on every node and the KV-store (default 16). Also the unit the
+    /// prefix cache shares.
+    #[arg(long)]
+    block_size: Option<usize>,
     /// Prompts shorter than this are prefilled on the decode node (0 = never).
     #[arg(long, default_value_t = 0)]
     colocate_below_tokens: usize,
@@ -150,7 +154,7 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
         .await?;
         procs.push(router);
         let kvstore = if a.kvstore_budget_bytes > 0 && a.prefill > 0 {
-            let args = [
+            let args: Vec<String> = [
                 "kvstore".to_string(),
                 "--listen".into(),
                 "127.0.0.1:0".into(),
@@ -158,7 +162,10 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                 model.clone(),
                 "--budget-bytes".into(),
                 a.kvstore_budget_bytes.to_string(),
-            ];
+            ]
+            .into_iter()
+            .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))
+            .collect::<Vec<String>>();
             let (p, kaddr) = spawn("kvstore", None, &args).await?;
             procs.push(p);
             Some(kaddr)
@@ -181,6 +188,9 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                     "--threads".into(),
                     threads.to_string(),
                 ];
+                if let Some(b) = a.block_size {
+                    args.extend(["--block-size".into(), b.to_string()]);
+                }
                 if role == "decode"
                     && let Some(b) = a.kv_blocks
                 {
