@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use pdmesh_integration::{Cluster, eventually};
+use pdmesh_integration::{Cluster, eventually, per_transport};
 use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::{
@@ -60,13 +60,15 @@ async fn stored_blocks(c: &Cluster) -> u64 {
     store_client(c).await.stats(StatsRequest {}).await.unwrap().into_inner().blocks
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cached_prefixes_give_the_same_tokens_bit_for_bit() {
+/// `transport` is how the prefill node reads the KV-store's blocks (and ships KV to the decode
+/// node): UCX gets from the store's registered pool, or the gRPC stream.
+async fn cached_prefixes_give_the_same_tokens_bit_for_bit(transport: &str) {
     let _serial = SERIAL.lock().await;
     // The node keeps no blocks itself: every hit comes from the KV-store.
     let mut c = Cluster::builder()
         .prefill(1)
         .decode(1)
+        .transport(transport)
         .prefill_args(&["--cache-bytes", "0"])
         .kvstore()
         .start()
@@ -100,6 +102,12 @@ async fn cached_prefixes_give_the_same_tokens_bit_for_bit() {
     let mut a = system.clone();
     a.extend(tokens(2, 30));
     let (cached, _) = generate(&mut client, a.clone(), 0).await;
+    let node = c.nodes().await.into_iter().find(|n| n.node_id.starts_with("prefill")).unwrap();
+    let s = prefill_stats(&c, &node.node_id).await;
+    // Blocks read: 0 + 8 (seed 0), 6 + 8 (seed 7), 6 (another question), 8 (just now).
+    let by = if transport == "ucx" { (36, 0) } else { (0, 36) };
+    assert_eq!((s.ucx_blocks, s.grpc_blocks, s.ucx_fallbacks), (by.0, by.1, 0), "{s:?}");
+    assert_eq!((s.local_hit_tokens, s.store_hit_tokens), (0, 36 * 16), "{s:?}");
     c.kvstore.as_mut().unwrap().kill();
     let (cold, f) = tokio::time::timeout(WAIT, generate(&mut client, a, 0)).await.unwrap();
     assert_eq!(f.usage.unwrap().cached_tokens, 0);
@@ -151,6 +159,8 @@ async fn two_prefill_nodes_computing_one_prompt_store_it_once() {
     let s = k.stats(StatsRequest {}).await.unwrap().into_inner();
     assert_eq!((s.blocks, s.dedup), (62, 62), "stored once: {s:?}");
 }
+
+per_transport!(cached_prefixes_give_the_same_tokens_bit_for_bit);
 
 async fn prefill_stats(c: &Cluster, node: &str) -> pdmesh_proto::v1::PrefixCacheStats {
     use pdmesh_proto::v1::prefill_client::PrefillClient;

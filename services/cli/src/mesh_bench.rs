@@ -98,7 +98,7 @@ impl Sample {
 }
 
 /// Keeps a shared prefix's stream apart from the suffixes' when both seeds are equal.
-const PREFIX_SALT: u64 = 0x5eed_0f_9ef1;
+const PREFIX_SALT: u64 = 0x5eed_5eed_5eed_5eed;
 
 fn shared_prefix(a: &MeshBenchArgs) -> Vec<u32> {
     let seed = a.prefix_seed.unwrap_or(a.seed) ^ PREFIX_SALT;

@@ -190,6 +190,11 @@ pub struct KvStoreArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     block_size: Option<usize>,
+    /// How prefill nodes may read blocks: auto (UCX gets from the registered pool when UCX
+    /// starts, else the gRPC stream), ucx (UCX must start) or grpc [default: auto].
+    #[arg(long, value_parser = ["ucx", "grpc", "auto"])]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_transport: Option<String>,
     /// Lease on a match's pins when the caller asks for none, in ms.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -165,6 +165,7 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
             ]
             .into_iter()
             .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))
+            .chain(a.kv_transport.iter().flat_map(|t| ["--kv-transport".into(), t.clone()]))
             .collect::<Vec<String>>();
             let (p, kaddr) = spawn("kvstore", None, &args).await?;
             procs.push(p);

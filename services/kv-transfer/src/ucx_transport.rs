@@ -10,10 +10,8 @@
 //! before ending the session, so the decode node reuses the blocks only once nothing more can
 //! land in them.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use bytes::Bytes;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::{
     KvEnd, KvHeader, KvSessionEvent, KvSessionRequest, KvTarget, kv_session_event,
@@ -24,54 +22,23 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
 use crate::grpc::GrpcTransport;
-use crate::ucx::{Endpoint, Pending, RemoteKey, UcxError, UcxNode};
+use crate::ucx::{Peer, Peers, Pending, UcxError, UcxNode};
 use crate::{KvPiece, KvSink, KvTransport, TransferError, bytes_per_block};
 
 /// Puts a transfer keeps in flight before it waits for the oldest ones.
 const MAX_PENDING: usize = 1024;
 
-/// An endpoint to one decode worker and the unpacked key of its KV pool.
-struct Peer {
-    ep: Endpoint,
-    rkey: RemoteKey,
-}
-
 #[derive(Debug)]
 pub struct UcxTransport {
-    node: UcxNode,
     grpc: Arc<GrpcTransport>,
-    peers: Arc<PeerCache>,
-}
-
-type PeerCache = Mutex<HashMap<(Bytes, Bytes), Arc<Peer>>>;
-
-impl std::fmt::Debug for Peer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Peer").field("ep", &self.ep).finish()
-    }
+    peers: Peers,
 }
 
 impl UcxTransport {
     /// `grpc` supplies the channels of the control path.
     pub fn new(node: UcxNode, grpc: Arc<GrpcTransport>) -> Self {
-        Self { node, grpc, peers: Arc::default() }
+        Self { grpc, peers: Peers::new(node) }
     }
-
-    async fn peer(&self, worker: &Bytes, rkey: &Bytes) -> Result<Arc<Peer>, UcxError> {
-        let key = (worker.clone(), rkey.clone());
-        if let Some(p) = self.peers.lock().expect("peer map lock is never poisoned").get(&key) {
-            return Ok(Arc::clone(p));
-        }
-        let ep = self.node.connect(worker.clone()).await?;
-        let rkey = ep.remote_key(rkey.clone()).await?;
-        let p = Arc::new(Peer { ep, rkey });
-        self.peers.lock().expect("peer map lock is never poisoned").insert(key, Arc::clone(&p));
-        Ok(p)
-    }
-}
-
-fn evict(peers: &PeerCache, peer: &Arc<Peer>) {
-    peers.lock().expect("peer map lock is never poisoned").retain(|_, p| !Arc::ptr_eq(p, peer));
 }
 
 fn no_endpoint(node: &str, reason: impl ToString) -> TransferError {
@@ -113,8 +80,11 @@ impl KvTransport for UcxTransport {
                 ),
             });
         }
-        let peer =
-            self.peer(&ucx.worker_address, &ucx.rkey).await.map_err(|e| no_endpoint(&node, e))?;
+        let peer = self
+            .peers
+            .get(&ucx.worker_address, &ucx.rkey)
+            .await
+            .map_err(|e| no_endpoint(&node, e))?;
 
         // The session is accepted before anything is put: the reservation is then known to
         // be alive, and its blocks will not be reused until the session ends.
@@ -141,7 +111,7 @@ impl KvTransport for UcxTransport {
         }
         Ok(Box::new(UcxSink {
             node,
-            peers: Arc::clone(&self.peers),
+            peers: self.peers.clone(),
             peer,
             addrs: ucx.block_addrs.clone(),
             bpb,
@@ -157,7 +127,7 @@ type Session = (mpsc::Sender<KvSessionRequest>, Streaming<KvSessionEvent>);
 
 struct UcxSink {
     node: String,
-    peers: Arc<PeerCache>,
+    peers: Peers,
     peer: Arc<Peer>,
     addrs: Vec<u64>,
     bpb: u64,
@@ -169,7 +139,7 @@ struct UcxSink {
 
 impl UcxSink {
     fn fail(&self, e: UcxError) -> TransferError {
-        evict(&self.peers, &self.peer);
+        self.peers.evict(&self.peer);
         unreachable(&self.node, e)
     }
 
@@ -268,7 +238,7 @@ impl Drop for UcxSink {
         let Some(session) = self.session.take() else { return };
         let pending = std::mem::take(&mut self.pending);
         let node = self.node.clone();
-        let (peers, peer) = (Arc::clone(&self.peers), Arc::clone(&self.peer));
+        let (peers, peer) = (self.peers.clone(), Arc::clone(&self.peer));
         // The session must outlive every put: ending it lets the decode node reuse the blocks.
         let quiesce = async move {
             let mut failed = None;
@@ -279,7 +249,7 @@ impl Drop for UcxSink {
             }
             if let Some(e) = failed {
                 tracing::debug!(node, "aborted UCX transfer: {e}");
-                evict(&peers, &peer);
+                peers.evict(&peer);
             }
             drop(session);
         };

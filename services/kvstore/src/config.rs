@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use pdmesh_kv_transfer::TransportKind;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -25,6 +26,9 @@ pub struct KvStoreConfig {
     pub kv_dtype: String,
     /// Tokens per KV block of the mesh.
     pub block_size: usize,
+    /// How prefill nodes may read blocks: "auto" (UCX gets from the registered pool when UCX
+    /// starts, else the gRPC stream), "ucx" (UCX must start) or "grpc" (the stream only).
+    pub kv_transport: TransportKind,
 }
 
 impl Default for KvStoreConfig {
@@ -39,6 +43,7 @@ impl Default for KvStoreConfig {
             model: PathBuf::from(pdmesh_engine::DEFAULT_MODEL_PATH),
             kv_dtype: "f16".into(),
             block_size: 16,
+            kv_transport: TransportKind::Auto,
         }
     }
 }

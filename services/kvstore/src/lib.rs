@@ -45,14 +45,17 @@ pub async fn run(
         .map(|e| pdmesh_kv_transfer::layout_of(&e))
         .map_err(|e| format!("loading the model: {e}"))?;
     let budget = usize::try_from(config.budget_bytes).map_err(|_| "budget_bytes is too large")?;
+    let ucx =
+        config.kv_transport.start_ucx(&node_id).map_err(|e| format!("kv_transport = ucx: {e}"))?;
     let service = KvStoreService::new(
         &node_id,
         layout,
         budget,
         Duration::from_millis(config.lease_ms),
         Duration::from_millis(config.max_lease_ms),
+        ucx,
     )?;
-    tracing::info!(node = node_id, %bound, budget_bytes = config.budget_bytes, "kv-store serving");
+    tracing::info!(node = node_id, %bound, budget_bytes = config.budget_bytes, kv_transport = %config.kv_transport, "kv-store serving");
     let routes = tonic::service::Routes::new(
         KvStoreServer::new(service)
             .max_decoding_message_size(64 << 20)

@@ -1,19 +1,21 @@
-//! The `pdmesh.v1.KvStore` service over gRPC: validation, the store's decisions, and the
-//! bytes of the pool. (The UCX data path, gets from the registered pool, comes with the
-//! prefill side that uses it.)
+//! The `pdmesh.v1.KvStore` service: validation, the store's decisions, and the bytes of the
+//! pool. Writes arrive over gRPC. Reads go either way: a caller that can use UCX gets the
+//! matched blocks' addresses in the pool (registered once with UCX) and reads them with
+//! one-sided gets while the match's lease pins them; any other caller streams them with `Read`.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use pdmesh_kv_transfer::ucx::{Region, UcxNode};
 use pdmesh_kv_transfer::{BlockHash, check_layout};
 use pdmesh_proto::v1::kv_store_server::KvStore;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
     KvLayout, KvMatchRequest, KvMatchResponse, KvReadRequest, KvReleaseMatchRequest,
     KvReleaseMatchResponse, KvStoreBlock, KvStoreStats, KvWriteChunk, KvWriteResponse,
-    StatsRequest,
+    StatsRequest, UcxTarget,
 };
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -26,6 +28,8 @@ pub const MAX_CHAIN: usize = 65_536;
 #[derive(Debug)]
 struct State {
     store: Store,
+    /// The pool's UCX registration; declared before `pool` so it is unmapped first.
+    _region: Option<Region>,
     pool: Vec<u8>,
 }
 
@@ -36,18 +40,31 @@ pub struct KvStoreService {
     block_bytes: usize,
     default_lease: Duration,
     max_lease: Duration,
+    /// UCX, when the store offers reads by get: the worker address peers connect to and the
+    /// pool's remote key and base address.
+    ucx: Option<UcxPool>,
     state: Arc<Mutex<State>>,
 }
 
+#[derive(Debug, Clone)]
+struct UcxPool {
+    worker: Bytes,
+    rkey: Bytes,
+    base: u64,
+    /// Keeps the worker (and its progress thread) running while the service serves.
+    _node: UcxNode,
+}
+
 impl KvStoreService {
-    /// A store of `budget_bytes` for blocks of `layout`. Fails when the layout is unusable or
-    /// the pool cannot be allocated.
+    /// A store of `budget_bytes` for blocks of `layout`, its pool registered with `ucx` when
+    /// given. Fails when the layout is unusable or the pool cannot be allocated or registered.
     pub fn new(
         node_id: &str,
         layout: KvLayout,
         budget_bytes: usize,
         default_lease: Duration,
         max_lease: Duration,
+        ucx: Option<UcxNode>,
     ) -> Result<Self, String> {
         let block_bytes = pdmesh_kv_transfer::bytes_per_block(&layout)
             .filter(|&b| b > 0)
@@ -57,13 +74,31 @@ impl KvStoreService {
         let mut pool = Vec::new();
         pool.try_reserve_exact(len).map_err(|e| format!("cannot allocate {len} bytes: {e}"))?;
         pool.resize(len, 0);
+        let (ucx, region) = match ucx {
+            Some(node) if len > 0 => {
+                // SAFETY: the pool is never resized, so its buffer stays at this address; the
+                // region is dropped before it (field order of `State`).
+                #[allow(unsafe_code)]
+                let region = unsafe { node.register(pool.as_ptr() as usize, len) }
+                    .map_err(|e| format!("registering the pool with UCX: {e}"))?;
+                let u = UcxPool {
+                    worker: node.address().clone(),
+                    rkey: region.rkey().clone(),
+                    base: region.base(),
+                    _node: node,
+                };
+                (Some(u), Some(region))
+            }
+            _ => (None, None),
+        };
         Ok(Self {
             node_id: node_id.to_string(),
             layout,
             block_bytes,
             default_lease,
             max_lease,
-            state: Arc::new(Mutex::new(State { store, pool })),
+            ucx,
+            state: Arc::new(Mutex::new(State { store, _region: region, pool })),
         })
     }
 
@@ -114,9 +149,23 @@ impl KvStore for KvStoreService {
         let mut st = self.state();
         st.store.sweep(now);
         let m = st.store.match_prefix(&chain, lease, now);
+        drop(st);
+        let ucx = match &self.ucx {
+            Some(u) if r.want_ucx && !m.blocks.is_empty() => Some(UcxTarget {
+                worker_address: u.worker.clone(),
+                rkey: u.rkey.clone(),
+                block_addrs: m
+                    .blocks
+                    .iter()
+                    .map(|&(_, slot)| u.base + u64::from(slot) * self.block_bytes as u64)
+                    .collect(),
+            }),
+            _ => None,
+        };
         Ok(Response::new(KvMatchResponse {
             lease: m.lease.unwrap_or(0),
             blocks: m.blocks.len() as u32,
+            ucx,
         }))
     }
 

@@ -1,6 +1,6 @@
 //! The KvStore gRPC service in-process: two writers of the same blocks store them once, a
-//! match pins the stored prefix and reads give back the bytes written, and every bad input
-//! gets a precise status.
+//! match pins the stored prefix and reads (streamed, or UCX gets from the registered pool)
+//! give back the bytes written, and every bad input gets a precise status.
 
 #![allow(clippy::unwrap_used)]
 
@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pdmesh_kv_transfer::BlockHasher;
+use pdmesh_kv_transfer::ucx::{Peers, UcxNode};
 use pdmesh_kvstore::KvStoreService;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_store_server::KvStoreServer;
@@ -32,12 +33,17 @@ fn layout() -> KvLayout {
 }
 
 async fn serve(budget_blocks: usize) -> KvStoreClient<Channel> {
+    serve_with(budget_blocks, None).await
+}
+
+async fn serve_with(budget_blocks: usize, ucx: Option<UcxNode>) -> KvStoreClient<Channel> {
     let svc = KvStoreService::new(
         "kvstore-0",
         layout(),
         budget_blocks * 256,
         Duration::from_secs(10),
         Duration::from_secs(60),
+        ucx,
     )
     .unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -87,7 +93,12 @@ async fn blocks_written_twice_are_stored_once_and_read_back() {
     let mut longer = system.clone();
     longer.extend(100..104);
     let m = c
-        .r#match(KvMatchRequest { layout: Some(layout()), hashes: chain(&longer), lease_ms: 0 })
+        .r#match(KvMatchRequest {
+            layout: Some(layout()),
+            hashes: chain(&longer),
+            lease_ms: 0,
+            want_ucx: false,
+        })
         .await
         .unwrap()
         .into_inner();
@@ -112,7 +123,12 @@ async fn bad_input_gets_a_precise_status() {
     let mut c = serve(2).await;
     let other = KvLayout { dtype: "f32".into(), ..layout() };
     let err = c
-        .r#match(KvMatchRequest { layout: Some(other.clone()), hashes: vec![], lease_ms: 0 })
+        .r#match(KvMatchRequest {
+            layout: Some(other.clone()),
+            hashes: vec![],
+            lease_ms: 0,
+            want_ucx: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
@@ -122,6 +138,7 @@ async fn bad_input_gets_a_precise_status() {
             layout: Some(layout()),
             hashes: vec![Bytes::from_static(&[0; 16]), Bytes::from_static(&[1; 3])],
             lease_ms: 0,
+            want_ucx: false,
         })
         .await
         .unwrap_err();
@@ -152,20 +169,67 @@ async fn bad_input_gets_a_precise_status() {
     // With both stored blocks pinned by a match, a new block finds no room: refused, not
     // failed, and nothing pinned is dropped.
     let tail = chain(&[50, 51, 52, 53]);
-    let tail_match = KvMatchRequest { layout: Some(layout()), hashes: tail.clone(), lease_ms: 0 };
+    let tail_match = KvMatchRequest {
+        layout: Some(layout()),
+        hashes: tail.clone(),
+        lease_ms: 0,
+        want_ucx: false,
+    };
     let r = c.write(tokio_stream::iter(write_msgs(&tail, &[block(4)]))).await.unwrap();
     assert_eq!(r.into_inner().stored, 1, "evicts the older of the two");
     let pin = c.r#match(tail_match).await.unwrap().into_inner();
-    let last = KvMatchRequest { layout: Some(layout()), hashes: hashes.clone(), lease_ms: 0 };
+    let last = KvMatchRequest {
+        layout: Some(layout()),
+        hashes: hashes.clone(),
+        lease_ms: 0,
+        want_ucx: false,
+    };
     let m2 = c.r#match(last).await.unwrap().into_inner();
     assert_eq!((pin.blocks, m2.blocks), (1, 0), "block 0 of the chain was evicted");
     let other = chain(&[60, 61, 62, 63, 64]);
     let r = c.write(tokio_stream::iter(write_msgs(&other, &[block(5)]))).await.unwrap();
     assert_eq!(r.into_inner().stored, 1, "one slot was still unpinned");
     let again = chain(&[70, 71, 72, 73]);
-    let pin2 = KvMatchRequest { layout: Some(layout()), hashes: other.clone(), lease_ms: 0 };
+    let pin2 = KvMatchRequest {
+        layout: Some(layout()),
+        hashes: other.clone(),
+        lease_ms: 0,
+        want_ucx: false,
+    };
     c.r#match(pin2).await.unwrap();
     let r = c.write(tokio_stream::iter(write_msgs(&again, &[block(6)]))).await.unwrap();
     assert_eq!(r.into_inner().full, 1, "every slot pinned: refused");
     assert_eq!(c.stats(StatsRequest {}).await.unwrap().into_inner().pinned_blocks, 2);
+}
+
+/// A caller that asks for UCX gets the pinned blocks' addresses and reads the same bytes with
+/// one-sided gets; a caller that does not ask, or a store without UCX, gets no addresses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn matched_blocks_are_read_by_ucx_get() {
+    let mut c = serve_with(8, Some(UcxNode::start("kvstore-test").unwrap())).await;
+    let tokens: Vec<u32> = (0..16).collect(); // 4 full blocks
+    let hashes = chain(&tokens);
+    let data: Vec<Bytes> = (1..=4).map(block).collect();
+    c.write(tokio_stream::iter(write_msgs(&hashes, &data))).await.unwrap();
+    let ask = |want_ucx| KvMatchRequest {
+        layout: Some(layout()),
+        hashes: hashes[..3].to_vec(),
+        lease_ms: 0,
+        want_ucx,
+    };
+    assert!(c.r#match(ask(false)).await.unwrap().into_inner().ucx.is_none());
+    let m = c.r#match(ask(true)).await.unwrap().into_inner();
+    let t = m.ucx.expect("a store with UCX answers with addresses");
+    assert_eq!((m.blocks, t.block_addrs.len()), (3, 3));
+    let peers = Peers::new(UcxNode::start("reader").unwrap());
+    let p = peers.get(&t.worker_address, &t.rkey).await.unwrap();
+    let pending: Vec<_> = t.block_addrs.iter().map(|&a| p.ep.get(256, a, &p.rkey)).collect();
+    for (i, g) in pending.into_iter().enumerate() {
+        assert_eq!(g.await.unwrap(), data[i].to_vec(), "block {i}");
+    }
+    c.release_match(KvReleaseMatchRequest { lease: m.lease }).await.unwrap();
+
+    let mut plain = serve(8).await;
+    plain.write(tokio_stream::iter(write_msgs(&hashes, &data))).await.unwrap();
+    assert!(plain.r#match(ask(true)).await.unwrap().into_inner().ucx.is_none());
 }

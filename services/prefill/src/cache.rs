@@ -1,9 +1,11 @@
 //! The prefill node's prefix cache, in two tiers. Its own LRU of recently computed or fetched
 //! blocks is looked up first (no network); the KV-store is asked only for the blocks after
-//! what the node holds. After a prompt is computed, its new full blocks go into the node's
-//! tier at once and to the KV-store in the background. Every failure of the KV-store (down,
-//! slow, refusing) only costs the cache: the prompt is then computed in full, a slower
-//! request and never a failed one.
+//! what the node holds. The store's blocks are read with UCX gets from its registered pool
+//! when both sides have UCX (the match pins them while they are read), else streamed over
+//! gRPC; a failed get falls back to the stream. After a prompt is computed, its new full
+//! blocks go into the node's tier at once and to the KV-store in the background. Every
+//! failure of the KV-store (down, slow, refusing) only costs the cache: the prompt is then
+//! computed in full, a slower request and never a failed one.
 
 use std::num::NonZeroUsize;
 use std::sync::Mutex;
@@ -12,12 +14,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use lru::LruCache;
+use pdmesh_kv_transfer::ucx::{Peers, UcxNode};
 use pdmesh_kv_transfer::{BlockHash, BlockHasher};
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
     KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
-    KvWriteHeader, PrefixCacheStats,
+    KvWriteHeader, PrefixCacheStats, UcxTarget,
 };
 use tonic::transport::{Channel, Endpoint};
 
@@ -68,6 +71,9 @@ struct Counters {
     store_hit_tokens: AtomicU64,
     miss_tokens: AtomicU64,
     store_failures: AtomicU64,
+    ucx_blocks: AtomicU64,
+    grpc_blocks: AtomicU64,
+    ucx_fallbacks: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -78,18 +84,22 @@ pub struct PrefixCache {
     node_id: String,
     local: Option<Local>,
     store: Option<Store>,
+    /// Endpoints to the KV-store's pool, when this node runs UCX.
+    ucx: Option<Peers>,
     counters: Counters,
 }
 
 impl PrefixCache {
     /// A cache holding up to `local_bytes` of blocks itself and backed by the KV-store at
-    /// `store` (dialled lazily). None when both are off.
+    /// `store` (dialled lazily), read by UCX through `ucx` when given. None when both tiers
+    /// are off.
     pub fn new(
         layout: KvLayout,
         node_id: &str,
         local_bytes: u64,
         store: Option<&str>,
         timeout: Duration,
+        ucx: Option<UcxNode>,
     ) -> Result<Option<Self>, String> {
         let hasher = BlockHasher::new(&layout).ok_or("the KV layout has no block size")?;
         let bytes_per_block =
@@ -121,6 +131,7 @@ impl PrefixCache {
             node_id: node_id.to_string(),
             local,
             store,
+            ucx: ucx.map(Peers::new),
             counters: Counters::default(),
         }))
     }
@@ -140,6 +151,9 @@ impl PrefixCache {
             local_blocks,
             local_bytes: local_blocks * self.bytes_per_block as u64,
             store_failures: c.store_failures.load(Relaxed),
+            ucx_blocks: c.ucx_blocks.load(Relaxed),
+            grpc_blocks: c.grpc_blocks.load(Relaxed),
+            ucx_fallbacks: c.ucx_fallbacks.load(Relaxed),
         }
     }
 
@@ -190,13 +204,30 @@ impl PrefixCache {
         }
         let mut c = store.client.clone();
         let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
-        let req = KvMatchRequest { layout: Some(self.layout.clone()), hashes, lease_ms: 0 };
+        let req = KvMatchRequest {
+            layout: Some(self.layout.clone()),
+            hashes,
+            lease_ms: 0,
+            want_ucx: self.ucx.is_some(),
+        };
         let m = c.r#match(req).await?.into_inner();
         if m.blocks == 0 {
             return Ok(Vec::new());
         }
         let lease = m.lease;
         let read = async {
+            if let (Some(peers), Some(t)) = (&self.ucx, &m.ucx) {
+                match self.get(peers, t, m.blocks as usize).await {
+                    Ok(blocks) => {
+                        self.counters.ucx_blocks.fetch_add(blocks.len() as u64, Relaxed);
+                        return Ok(blocks);
+                    }
+                    Err(e) => {
+                        self.counters.ucx_fallbacks.fetch_add(1, Relaxed);
+                        tracing::warn!("UCX read from the KV-store failed, streaming instead: {e}");
+                    }
+                }
+            }
             let mut s = c.read(KvReadRequest { lease }).await?.into_inner();
             let mut out = Vec::with_capacity(m.blocks as usize);
             while let Some(b) = s.message().await? {
@@ -214,6 +245,7 @@ impl PrefixCache {
                 }
                 out.push(b.data);
             }
+            self.counters.grpc_blocks.fetch_add(out.len() as u64, Relaxed);
             Ok(out)
         }
         .await;
@@ -223,6 +255,33 @@ impl PrefixCache {
             let _ = rc.release_match(KvReleaseMatchRequest { lease }).await;
         });
         read
+    }
+
+    /// Reads the `blocks` matched blocks that `t` locates with UCX gets, all in flight at once.
+    async fn get(&self, peers: &Peers, t: &UcxTarget, blocks: usize) -> Result<Vec<Bytes>, String> {
+        if t.block_addrs.len() != blocks {
+            return Err(format!(
+                "the store named {} addresses for {blocks} blocks",
+                t.block_addrs.len()
+            ));
+        }
+        let peer = peers.get(&t.worker_address, &t.rkey).await.map_err(|e| e.to_string())?;
+        let pending: Vec<_> = t
+            .block_addrs
+            .iter()
+            .map(|&a| peer.ep.get(self.bytes_per_block, a, &peer.rkey))
+            .collect();
+        let mut out = Vec::with_capacity(blocks);
+        for p in pending {
+            match p.await {
+                Ok(data) => out.push(Bytes::from(data)),
+                Err(e) => {
+                    peers.evict(&peer);
+                    return Err(e.to_string());
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Keeps `blocks`, the prompt's full blocks from `first` on, in the node's tier at once

@@ -66,6 +66,7 @@ pub async fn run(
         config.cache_bytes,
         config.kvstore.as_deref(),
         Duration::from_millis(config.kvstore_timeout_ms),
+        ucx.clone(),
     )
     .map_err(PrefillError::Startup)?
     .map(Arc::new);

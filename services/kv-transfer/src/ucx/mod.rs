@@ -10,6 +10,7 @@
 //! that dies fails its endpoint's operations with UCX's status instead of hanging them.
 
 mod ffi;
+mod peers;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -20,6 +21,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
+
+pub use peers::{Peer, Peers};
 
 use ffi::{Completion, Context, Ep, EpFailure, MemHandle, Rkey, Worker};
 
