@@ -102,13 +102,16 @@ async fn replay(a: &ReplayArgs, trace: &[TraceRequest]) -> anyhow::Result<()> {
     let ideal = ideal_hit_rate(trace);
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(trace.len());
+    // Every prompt sent counts: a failed request cached nothing.
+    let mut prompt = 0u64;
     for r in trace {
         let at = t0 + Duration::from_secs_f64(r.timestamp as f64 * a.time_scale / 1e3);
-        let (prompt, out) = scaled(r, a);
+        let (ids, out) = scaled(r, a);
+        prompt += ids.len() as u64;
         let c = client.clone();
         tasks.push(tokio::spawn(async move {
             tokio::time::sleep_until(at.into()).await;
-            one(c, prompt, out).await
+            one(c, ids, out).await
         }));
     }
     let mut samples: Vec<Sample> = Vec::with_capacity(tasks.len());
@@ -119,10 +122,7 @@ async fn replay(a: &ReplayArgs, trace: &[TraceRequest]) -> anyhow::Result<()> {
         }
     }
     let wall = t0.elapsed().as_secs_f64();
-    let ok = samples.iter().filter(|s| s.ok);
-    let (prompt, cached) = ok.fold((0u64, 0u64), |(p, c), s| {
-        (p + u64::from(s.prompt_tokens), c + u64::from(s.cached_tokens))
-    });
+    let cached: u64 = samples.iter().filter(|s| s.ok).map(|s| u64::from(s.cached_tokens)).sum();
     let hit_rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
     let report = serde_json::json!({
         "trace": a.trace.display().to_string(),
