@@ -33,14 +33,15 @@ impl PrefixIndex {
     pub fn matched(&self, nodes: &[Node], prompt: &[u32]) -> HashMap<String, usize> {
         let mut chains: Vec<(&KvLayout, Vec<BlockHash>)> = Vec::new();
         let mut out = HashMap::new();
-        let mut index = self.lock();
+        let index = self.lock();
         for n in nodes {
-            let Some(held) = index.get_mut(&n.id) else { continue };
+            let Some(held) = index.get(&n.id) else { continue };
             if !chains.iter().any(|(l, _)| **l == n.layout) {
                 chains.push((&n.layout, chain(&n.layout, prompt)));
             }
             let c = &chains.iter().find(|(l, _)| **l == n.layout).expect("just added").1;
-            let blocks = c.iter().take_while(|h| held.get(*h).is_some()).count();
+            // A look does not count as use: only the node a prompt is sent to refreshes it.
+            let blocks = c.iter().take_while(|h| held.contains(*h)).count();
             if blocks > 0 {
                 out.insert(n.id.clone(), blocks * n.layout.block_size as usize);
             }
