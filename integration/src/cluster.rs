@@ -20,6 +20,8 @@ use crate::{model_path, pdmesh_bin};
 pub struct Service {
     pub name: String,
     pub addr: String,
+    /// `host:port` of its `/metrics`, when started with `--metrics-listen`.
+    pub metrics: Option<String>,
     child: Option<Child>,
     stdin: Option<ChildStdin>,
 }
@@ -48,10 +50,20 @@ impl Service {
             .1
             .trim()
             .to_string();
+        let metrics = args.iter().any(|a| a == "--metrics-listen").then(|| {
+            let line = lines
+                .next()
+                .unwrap_or_else(|| panic!("{name} exited before serving metrics"))
+                .expect("reading the child's stdout");
+            line.rsplit_once(" metrics on http://")
+                .and_then(|(_, a)| a.trim().strip_suffix("/metrics"))
+                .unwrap_or_else(|| panic!("{name} printed {line:?}"))
+                .to_string()
+        });
         // Drain anything else so the child never blocks on a full pipe.
         std::thread::spawn(move || lines.for_each(drop));
         let stdin = child.stdin.take();
-        Service { name: name.to_string(), addr, child: Some(child), stdin }
+        Service { name: name.to_string(), addr, metrics, child: Some(child), stdin }
     }
 
     /// SIGKILL: the process dies at once, mid-whatever.
@@ -113,6 +125,7 @@ pub struct ClusterBuilder {
     prefill: usize,
     decode: usize,
     kvstore: bool,
+    kvstore_args: Vec<String>,
     router_args: Vec<String>,
     prefill_args: Vec<String>,
     decode_args: Vec<String>,
@@ -144,6 +157,20 @@ impl ClusterBuilder {
         self.kvstore = true;
         self
     }
+
+    /// Every service serves `/metrics` on a port of its own (`Service::metrics`).
+    pub fn metrics(mut self) -> Self {
+        let m = ["--metrics-listen".to_string(), "127.0.0.1:0".to_string()];
+        for args in [
+            &mut self.router_args,
+            &mut self.prefill_args,
+            &mut self.decode_args,
+            &mut self.kvstore_args,
+        ] {
+            args.extend(m.iter().cloned());
+        }
+        self
+    }
     /// The KV transport both node kinds use ("ucx", "grpc" or "auto").
     pub fn transport(self, t: &str) -> Self {
         self.prefill_args(&["--kv-transport", t]).decode_args(&["--kv-transport", t])
@@ -168,7 +195,10 @@ impl ClusterBuilder {
                 "kvstore",
                 "kvstore",
                 &["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "200000000"]
-                    .map(String::from),
+                    .map(String::from)
+                    .into_iter()
+                    .chain(self.kvstore_args.iter().cloned())
+                    .collect::<Vec<_>>(),
             );
             builder.prefill_args.extend(["--kvstore".to_string(), k.addr.clone()]);
             k
@@ -201,6 +231,7 @@ impl Cluster {
             prefill: 1,
             decode: 1,
             kvstore: false,
+            kvstore_args: Vec::new(),
             router_args: Vec::new(),
             prefill_args: Vec::new(),
             decode_args: Vec::new(),

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
+use pdmesh_common::metrics::Metrics;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Args, Serialize)]
@@ -48,6 +49,10 @@ pub struct NodeFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     listen: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (host:port; port 0 picks a free one).
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metrics_listen: Option<String>,
     /// Address others dial to reach this node (default: the bound address).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -121,6 +126,10 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     listen: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (host:port; port 0 picks a free one).
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metrics_listen: Option<String>,
     /// The GGUF the router validates and tokenizes with.
     #[arg(long, env = "PDMESH_MODEL")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -170,6 +179,10 @@ pub struct KvStoreArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     listen: Option<String>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (host:port; port 0 picks a free one).
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    metrics_listen: Option<String>,
     /// This node's name in statuses and logs.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -287,9 +300,12 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default {
     const ASYNC_THREADS: usize;
     fn check(&self) -> Result<(), String>;
     fn listen(&self) -> &str;
+    /// Where `GET /metrics` is served, if anywhere.
+    fn metrics_listen(&self) -> Option<&str>;
     fn run(
         self,
         l: tokio::net::TcpListener,
+        metrics: Metrics,
         shutdown: Shutdown,
     ) -> impl Future<Output = anyhow::Result<()>>;
 }
@@ -306,8 +322,16 @@ impl Service for pdmesh_decode::DecodeConfig {
     fn listen(&self) -> &str {
         &self.listen
     }
-    async fn run(self, l: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
-        Ok(pdmesh_decode::run(self, l, shutdown).await?)
+    fn metrics_listen(&self) -> Option<&str> {
+        self.metrics_listen.as_deref()
+    }
+    async fn run(
+        self,
+        l: tokio::net::TcpListener,
+        metrics: Metrics,
+        shutdown: Shutdown,
+    ) -> anyhow::Result<()> {
+        Ok(pdmesh_decode::run(self, l, metrics, shutdown).await?)
     }
 }
 
@@ -321,8 +345,16 @@ impl Service for pdmesh_prefill::PrefillConfig {
     fn listen(&self) -> &str {
         &self.listen
     }
-    async fn run(self, l: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
-        Ok(pdmesh_prefill::run(self, l, shutdown).await?)
+    fn metrics_listen(&self) -> Option<&str> {
+        self.metrics_listen.as_deref()
+    }
+    async fn run(
+        self,
+        l: tokio::net::TcpListener,
+        metrics: Metrics,
+        shutdown: Shutdown,
+    ) -> anyhow::Result<()> {
+        Ok(pdmesh_prefill::run(self, l, metrics, shutdown).await?)
     }
 }
 
@@ -336,8 +368,16 @@ impl Service for pdmesh_router::RouterConfig {
     fn listen(&self) -> &str {
         &self.listen
     }
-    async fn run(self, l: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
-        Ok(pdmesh_router::run(self, l, shutdown).await?)
+    fn metrics_listen(&self) -> Option<&str> {
+        self.metrics_listen.as_deref()
+    }
+    async fn run(
+        self,
+        l: tokio::net::TcpListener,
+        metrics: Metrics,
+        shutdown: Shutdown,
+    ) -> anyhow::Result<()> {
+        Ok(pdmesh_router::run(self, l, metrics, shutdown).await?)
     }
 }
 
@@ -353,7 +393,16 @@ fn start<C: Service>(
     cfg.check().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
     runtime(C::ASYNC_THREADS)?.block_on(async {
         let l = bind_and_announce(C::NAME, cfg.listen()).await?;
-        cfg.run(l, Box::pin(shutdown_signal(watch_stdin))).await
+        let metrics = Metrics::default();
+        if let Some(m) = cfg.metrics_listen() {
+            let (ml, addr) =
+                pdmesh_common::bind(m).await.with_context(|| format!("cannot listen on {m}"))?;
+            let mut out = std::io::stdout().lock();
+            writeln!(out, "pdmesh {} metrics on http://{addr}/metrics", C::NAME)?;
+            out.flush()?;
+            tokio::spawn(pdmesh_common::metrics::serve(ml, metrics.clone()));
+        }
+        cfg.run(l, metrics, Box::pin(shutdown_signal(watch_stdin))).await
     })
 }
 
@@ -392,8 +441,16 @@ impl Service for pdmesh_kvstore::KvStoreConfig {
     fn listen(&self) -> &str {
         &self.listen
     }
-    async fn run(self, l: tokio::net::TcpListener, shutdown: Shutdown) -> anyhow::Result<()> {
-        pdmesh_kvstore::run(self, l, shutdown).await.map_err(|e| anyhow::anyhow!(e))
+    fn metrics_listen(&self) -> Option<&str> {
+        self.metrics_listen.as_deref()
+    }
+    async fn run(
+        self,
+        l: tokio::net::TcpListener,
+        metrics: Metrics,
+        shutdown: Shutdown,
+    ) -> anyhow::Result<()> {
+        pdmesh_kvstore::run(self, l, metrics, shutdown).await.map_err(|e| anyhow::anyhow!(e))
     }
 }
 

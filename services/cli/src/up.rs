@@ -146,6 +146,8 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                 model.clone(),
                 "--colocate-below-tokens".into(),
                 a.colocate_below_tokens.to_string(),
+                "--metrics-listen".into(),
+                "127.0.0.1:0".into(),
             ]
             .into_iter()
             .chain(a.prefill_policy.iter().flat_map(|p| ["--prefill-policy".into(), p.clone()]))
@@ -162,6 +164,8 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                 model.clone(),
                 "--budget-bytes".into(),
                 a.kvstore_budget_bytes.to_string(),
+                "--metrics-listen".into(),
+                "127.0.0.1:0".into(),
             ]
             .into_iter()
             .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))
@@ -188,6 +192,8 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                     model.clone(),
                     "--threads".into(),
                     threads.to_string(),
+                    "--metrics-listen".into(),
+                    "127.0.0.1:0".into(),
                 ];
                 if let Some(b) = a.block_size {
                     args.extend(["--block-size".into(), b.to_string()]);

@@ -8,6 +8,7 @@ pub mod convert;
 pub mod deadline;
 pub mod ids;
 pub mod membership;
+pub mod metrics;
 pub mod serve;
 pub mod status;
 pub mod telemetry;

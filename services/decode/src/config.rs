@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 pub struct DecodeConfig {
     /// Address to listen on ("host:port"; port 0 picks a free one).
     pub listen: String,
+    /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
+    /// no metrics endpoint.
+    pub metrics_listen: Option<String>,
     /// Address routers and prefill nodes dial (default: the bound address).
     pub advertise: Option<String>,
     /// Name in statuses, logs and stats (default: "decode@<advertise>").
@@ -33,6 +36,7 @@ impl Default for DecodeConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:50061".into(),
+            metrics_listen: None,
             advertise: None,
             node_id: None,
             routers: Vec::new(),

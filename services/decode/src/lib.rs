@@ -13,6 +13,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use pdmesh_common::metrics::{Family, Kind, Metrics};
 use pdmesh_proto::v1::decode_server::DecodeServer;
 use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
@@ -28,6 +29,7 @@ use crate::service::DecodeService;
 pub async fn run(
     config: DecodeConfig,
     listener: TcpListener,
+    metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), DecodeError> {
     config.validate().map_err(DecodeError::Startup)?;
@@ -60,6 +62,16 @@ pub async fn run(
         })
         .map_err(|e| DecodeError::Startup(format!("starting the engine thread: {e}")))?;
 
+    let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
+    metrics.register_snapshot({
+        let (counts, stats) = (Arc::clone(&counts), Arc::clone(&stats));
+        move || {
+            let c = *counts.lock().expect("never poisoned");
+            let mut v = metric_families(&c);
+            v.extend(stats.metric_families("decode"));
+            v
+        }
+    });
     let service = DecodeService {
         node_id: node_id.clone(),
         address: address.clone(),
@@ -68,7 +80,7 @@ pub async fn run(
         tx,
         counts: Arc::clone(&counts),
         pool,
-        stats: Arc::new(pdmesh_kv_transfer::TransferStats::new()),
+        stats,
     };
     let load_counts = Arc::clone(&counts);
     tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, ucx = service.pool.is_some(), "decode node serving");
@@ -120,4 +132,50 @@ fn register_pool(
             Ok(None)
         }
     }
+}
+
+/// The node's counts as Prometheus families.
+fn metric_families(c: &core::Counts) -> Vec<Family> {
+    use Kind::{Counter, Gauge};
+    let g = |name: &str, help, v: u32| {
+        Family::one(format!("pdmesh_decode_{name}"), help, Gauge, f64::from(v))
+    };
+    vec![
+        g("queued_requests", "Requests waiting for a place in the batch.", c.queued),
+        g(
+            "running_sequences",
+            "Sequences in the batch (decoding or prefilling here).",
+            c.decoding + c.prefilling,
+        ),
+        g(
+            "reservations",
+            "Reservations waiting for their KV (reserved or receiving).",
+            c.reserved + c.transferring,
+        ),
+        g(
+            "kv_blocks_used",
+            "KV blocks promised to reservations and running requests.",
+            c.committed_blocks,
+        ),
+        g("kv_blocks_free", "KV blocks free.", c.total_blocks.saturating_sub(c.committed_blocks)),
+        g(
+            "kv_blocks_quarantined",
+            "Blocks of ended reservations a remote writer may still reach.",
+            c.quarantined,
+        ),
+        Family {
+            name: "pdmesh_decode_requests".into(),
+            help: "Requests ended, by outcome.",
+            kind: Counter,
+            samples: [
+                ("completed", c.completed),
+                ("cancelled", c.cancelled),
+                ("failed", c.failed),
+                ("lease_expired", c.leases_expired),
+            ]
+            .into_iter()
+            .map(|(o, n)| (vec![("outcome", o.to_string())], n as f64))
+            .collect(),
+        },
+    ]
 }

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
+use pdmesh_common::metrics::{Family, Kind};
 use pdmesh_proto::v1::TransportStats;
 
 #[derive(Debug, Default)]
@@ -43,5 +44,30 @@ impl TransferStats {
 
     pub fn snapshot(&self) -> Vec<TransportStats> {
         self.by_transport.lock().expect("stats lock is never poisoned").values().cloned().collect()
+    }
+
+    /// The stats as Prometheus families `pdmesh_<service>_transfer_*`, labelled by transport.
+    pub fn metric_families(&self, service: &str) -> Vec<Family> {
+        let snap = self.snapshot();
+        let fam = |what: &str, help: &'static str, v: &dyn Fn(&TransportStats) -> f64| Family {
+            name: format!("pdmesh_{service}_{what}"),
+            help,
+            kind: Kind::Counter,
+            samples: snap
+                .iter()
+                .map(|t| (vec![("transport", t.transport.clone())], v(t)))
+                .collect(),
+        };
+        vec![
+            fam("transfers", "KV transfers completed.", &|t| t.transfers as f64),
+            fam("transfer_bytes", "KV bytes transferred.", &|t| t.bytes as f64),
+            fam("transfer_seconds", "Time from the first block to the acknowledgement.", &|t| {
+                t.seconds
+            }),
+            fam("transfer_failures", "KV transfers that failed.", &|t| t.failures as f64),
+            fam("transfer_fallbacks", "Transfers that wanted UCX and used gRPC.", &|t| {
+                t.fallbacks as f64
+            }),
+        ]
     }
 }

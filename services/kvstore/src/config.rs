@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 pub struct KvStoreConfig {
     /// Address to listen on ("host:port"; port 0 picks a free one).
     pub listen: String,
+    /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
+    /// no metrics endpoint.
+    pub metrics_listen: Option<String>,
     /// Name in statuses and logs (default: "kvstore@<bound address>").
     pub node_id: Option<String>,
     /// Bytes of KV blocks held; least recently used unpinned blocks go when it is full.
@@ -35,6 +38,7 @@ impl Default for KvStoreConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:50081".into(),
+            metrics_listen: None,
             node_id: None,
             budget_bytes: 1 << 30,
             lease_ms: 10_000,

@@ -16,6 +16,7 @@ pub use store::{Matched, PutSlot, Store, StoreStats};
 use std::future::Future;
 use std::time::Duration;
 
+use pdmesh_common::metrics::{Family, Kind, Metrics};
 use pdmesh_proto::v1::kv_store_server::KvStoreServer;
 use tokio::net::TcpListener;
 
@@ -24,6 +25,7 @@ use tokio::net::TcpListener;
 pub async fn run(
     config: KvStoreConfig,
     listener: TcpListener,
+    metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), String> {
     config.validate()?;
@@ -55,6 +57,10 @@ pub async fn run(
         Duration::from_millis(config.max_lease_ms),
         ucx,
     )?;
+    metrics.register_snapshot({
+        let service = service.clone();
+        move || metric_families(&service.store_stats())
+    });
     tracing::info!(node = node_id, %bound, budget_bytes = config.budget_bytes, kv_transport = %config.kv_transport, "kv-store serving");
     let routes = tonic::service::Routes::new(
         KvStoreServer::new(service)
@@ -70,4 +76,24 @@ pub async fn run(
     )
     .await
     .map_err(|e| format!("serving: {e}"))
+}
+
+/// The store's stats as Prometheus families.
+fn metric_families(s: &StoreStats) -> Vec<Family> {
+    use Kind::{Counter, Gauge};
+    let f = |name: &str, help, kind, v: u64| {
+        Family::one(format!("pdmesh_kvstore_{name}"), help, kind, v as f64)
+    };
+    vec![
+        f("blocks", "Blocks held.", Gauge, s.blocks),
+        f("bytes", "Bytes of blocks held.", Gauge, s.bytes),
+        f("capacity_blocks", "Blocks the budget holds.", Gauge, s.capacity_blocks),
+        f("hit_tokens", "Prompt tokens matched.", Counter, s.hit_tokens),
+        f("miss_tokens", "Prompt tokens asked for and not held.", Counter, s.miss_tokens),
+        f("evictions", "Blocks evicted to make room.", Counter, s.evictions),
+        f("dedup", "Puts of a block already held.", Counter, s.dedup),
+        f("pinned_blocks", "Blocks pinned by leases.", Gauge, s.pinned_blocks),
+        f("leases", "Leases open.", Gauge, s.leases),
+        f("leases_expired", "Leases that expired before their release.", Counter, s.leases_expired),
+    ]
 }

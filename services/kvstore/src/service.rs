@@ -102,6 +102,10 @@ impl KvStoreService {
         })
     }
 
+    pub fn store_stats(&self) -> crate::store::StoreStats {
+        self.state().store.stats()
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().expect("store lock is never poisoned")
     }

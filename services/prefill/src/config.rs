@@ -11,6 +11,9 @@ use serde::{Deserialize, Serialize};
 pub struct PrefillConfig {
     /// Address to listen on ("host:port"; port 0 picks a free one).
     pub listen: String,
+    /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
+    /// no metrics endpoint.
+    pub metrics_listen: Option<String>,
     /// Address routers dial (default: the bound address).
     pub advertise: Option<String>,
     /// Name in statuses, logs and stats (default: "prefill@<advertise>").
@@ -52,6 +55,7 @@ impl Default for PrefillConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:50071".into(),
+            metrics_listen: None,
             advertise: None,
             node_id: None,
             routers: Vec::new(),

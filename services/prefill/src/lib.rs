@@ -14,6 +14,7 @@ use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use pdmesh_common::metrics::{Family, Kind, Metrics};
 use pdmesh_proto::v1::prefill_server::PrefillServer;
 use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
@@ -29,6 +30,7 @@ use crate::service::PrefillService;
 pub async fn run(
     config: PrefillConfig,
     listener: TcpListener,
+    metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), PrefillError> {
     config.validate().map_err(PrefillError::Startup)?;
@@ -71,6 +73,17 @@ pub async fn run(
     .map_err(PrefillError::Startup)?
     .map(Arc::new);
     let cache_blocks = cache.as_ref().map_or(0, |c| c.local_capacity());
+    metrics.register_snapshot({
+        let (counts, transferring) = (Arc::clone(&counts), Arc::clone(&transferring));
+        let (stats, cache) = (Arc::clone(&stats), cache.clone());
+        move || {
+            let c = *counts.lock().expect("never poisoned");
+            let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
+            let mut v = metric_families(&c, t, cache.as_ref().map(|c| c.stats()));
+            v.extend(stats.metric_families("prefill"));
+            v
+        }
+    });
     let transport =
         pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, Arc::clone(&stats));
     let service = PrefillService {
@@ -113,4 +126,75 @@ pub async fn run(
     .await;
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
     served.map_err(|e| PrefillError::Startup(format!("serving: {e}")))
+}
+
+/// The node's counts and prefix-cache stats as Prometheus families.
+fn metric_families(
+    c: &core::Counts,
+    transferring: u32,
+    cache: Option<pdmesh_proto::v1::PrefixCacheStats>,
+) -> Vec<Family> {
+    use Kind::{Counter, Gauge};
+    let g = |name: &str, help, v: u32| {
+        Family::one(format!("pdmesh_prefill_{name}"), help, Gauge, f64::from(v))
+    };
+    let labelled = |name: &str, help, label: &'static str, kind, vals: &[(&str, u64)]| Family {
+        name: format!("pdmesh_prefill_{name}"),
+        help,
+        kind,
+        samples: vals.iter().map(|(l, n)| (vec![(label, l.to_string())], *n as f64)).collect(),
+    };
+    let mut v = vec![
+        g("queued_requests", "Prompts waiting for the engine.", c.queued),
+        g("running_prompts", "Prompts being computed.", c.prefilling),
+        g("transferring_prompts", "Prompts whose KV is still being sent.", transferring),
+        g(
+            "kv_blocks_used",
+            "KV blocks held by prompts.",
+            c.total_blocks.saturating_sub(c.free_blocks),
+        ),
+        g("kv_blocks_free", "KV blocks free.", c.free_blocks),
+        labelled(
+            "requests",
+            "Prompts ended, by outcome.",
+            "outcome",
+            Counter,
+            &[("completed", c.completed), ("cancelled", c.cancelled), ("failed", c.failed)],
+        ),
+    ];
+    if let Some(p) = cache {
+        v.push(labelled(
+            "prefix_hit_tokens",
+            "Prompt tokens whose KV came from a cache, by tier.",
+            "tier",
+            Counter,
+            &[("own", p.local_hit_tokens), ("kvstore", p.store_hit_tokens)],
+        ));
+        v.push(Family::one(
+            "pdmesh_prefill_prefix_miss_tokens",
+            "Prompt tokens computed because no cache held them.",
+            Counter,
+            p.miss_tokens as f64,
+        ));
+        v.push(labelled(
+            "prefix_read_blocks",
+            "Blocks read from the KV-store, by transport.",
+            "transport",
+            Counter,
+            &[("ucx", p.ucx_blocks), ("grpc", p.grpc_blocks)],
+        ));
+        v.push(Family::one(
+            "pdmesh_prefill_prefix_cache_blocks",
+            "Blocks in the node's own prefix cache.",
+            Gauge,
+            p.local_blocks as f64,
+        ));
+        v.push(Family::one(
+            "pdmesh_prefill_kvstore_failures",
+            "Lookups that gave up on the KV-store.",
+            Counter,
+            p.store_failures as f64,
+        ));
+    }
+    v
 }

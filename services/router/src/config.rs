@@ -9,6 +9,9 @@ use crate::placement::PrefillPolicy;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RouterConfig {
+    /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
+    /// no metrics endpoint.
+    pub metrics_listen: Option<String>,
     /// Address clients and nodes dial ("host:port"; port 0 picks a free one).
     pub listen: String,
     /// The GGUF whose tokenizer, chat template and context the router validates against.
@@ -48,6 +51,7 @@ impl Default for RouterConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:50051".into(),
+            metrics_listen: None,
             model: PathBuf::from(pdmesh_engine::DEFAULT_MODEL_PATH),
             max_in_flight: 256,
             retry_after_ms: 500,

@@ -6,6 +6,7 @@
 pub mod config;
 pub mod error;
 pub mod mesh;
+pub mod metrics;
 pub mod placement;
 pub mod prefix;
 pub mod registry;
@@ -32,6 +33,7 @@ use crate::service::RouterService;
 pub async fn run(
     config: RouterConfig,
     listener: TcpListener,
+    metrics: pdmesh_common::metrics::Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RouterError> {
     config.validate().map_err(RouterError::Config)?;
@@ -46,6 +48,7 @@ pub async fn run(
     let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
     let admission = Arc::new(tokio::sync::Semaphore::new(config.max_in_flight));
     let mesh = Arc::new(Mesh::new(config, model));
+    mesh.metrics.register(&metrics, Arc::clone(&mesh), Arc::clone(&admission));
     let reaper = tokio::spawn({
         let mesh = Arc::clone(&mesh);
         async move {

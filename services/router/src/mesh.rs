@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::RouterConfig;
+use crate::metrics::RouterMetrics;
 use crate::prefix::PrefixIndex;
 use crate::registry::{Node, Registry};
 
@@ -24,6 +25,7 @@ pub struct Mesh {
     active: Mutex<HashMap<String, CancellationToken>>,
     /// What each prefill node is thought to hold in its own cache.
     pub prefixes: PrefixIndex,
+    pub metrics: RouterMetrics,
     turn: AtomicUsize,
 }
 
@@ -37,6 +39,7 @@ impl Mesh {
             channels: Mutex::new(HashMap::new()),
             active: Mutex::new(HashMap::new()),
             prefixes: PrefixIndex::default(),
+            metrics: RouterMetrics::default(),
             turn: AtomicUsize::new(0),
         }
     }

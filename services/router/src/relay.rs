@@ -145,6 +145,7 @@ pub async fn run(
     let result = tokio::select! {
         r = attempts => r,
         () = out.closed() => {
+            mesh.metrics.abandoned();
             tracing::info!(request = id, "client went away; aborting both legs");
             return;
         }
@@ -156,6 +157,9 @@ pub async fn run(
                 usage: Some(Usage { prompt_tokens: prep.prompt.len() as u32, ..Default::default() }),
                 timings: Some(timings),
             };
+            if let Some(t) = &fin.timings {
+                mesh.metrics.finished(fin.reason, t, prep.prompt.len() as u32, 0, 0);
+            }
             let _ = out.send(Ok(GenerateResponse { event: Some(generate_response::Event::Finished(fin)) })).await;
             return;
         }
@@ -166,6 +170,7 @@ pub async fn run(
         }
     };
     if let Err(s) = result {
+        mesh.metrics.failed(s.code());
         tracing::warn!(request = id, code = ?s.code(), "request failed: {}", s.message());
         let _ = out.send(Err(s)).await;
     }
@@ -452,6 +457,13 @@ async fn one_attempt(
                     };
                     let (mut timings, cached_tokens) = timings;
                     timings.total_ms = ms(t0.elapsed());
+                    mesh.metrics.finished(
+                        f.reason,
+                        &timings,
+                        prep.prompt.len() as u32,
+                        cached_tokens,
+                        f.completion_tokens,
+                    );
                     let fin = Finished {
                         reason: f.reason,
                         usage: Some(Usage {

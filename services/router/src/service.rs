@@ -33,14 +33,11 @@ pub struct RouterService {
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl Generation for RouterService {
-    type GenerateStream = ResponseStream;
-
-    async fn generate(
+impl RouterService {
+    async fn start_generate(
         &self,
         req: Request<GenerateRequest>,
-    ) -> Result<Response<Self::GenerateStream>, Status> {
+    ) -> Result<Response<ResponseStream>, Status> {
         let cfg = &self.mesh.config;
         let deadline = pdmesh_common::deadline::deadline_of(
             req.metadata(),
@@ -78,6 +75,24 @@ impl Generation for RouterService {
             drop(permit);
         });
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+}
+
+#[tonic::async_trait]
+impl Generation for RouterService {
+    type GenerateStream = ResponseStream;
+
+    async fn generate(
+        &self,
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let started = self.start_generate(req).await;
+        // Refused before it started (invalid, over the limit): counted here; everything later
+        // is counted by the relay.
+        if let Err(s) = &started {
+            self.mesh.metrics.failed(s.code());
+        }
+        started
     }
 
     async fn tokenize(

@@ -1,0 +1,169 @@
+//! Prometheus metrics for every service, served as text at `GET /metrics` on their own port
+//! (`metrics_listen`). Counters a service already keeps (node counts, transfer stats, cache and
+//! store stats) are read at scrape time through a `Snapshot` collector, so nothing on a hot path
+//! changes for them; only what exists nowhere else (the router's latency histograms, requests by
+//! outcome) is recorded as it happens. Names follow `pdmesh_<service>_<what>_<unit>`; counters
+//! get the `_total` suffix from the encoder.
+
+use std::convert::Infallible;
+use std::sync::{Arc, RwLock};
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::{Metric, Registry};
+use tokio::net::TcpListener;
+
+/// A service's metrics registry, shared by the service (which registers) and the HTTP server
+/// (which encodes at each scrape).
+#[derive(Debug, Clone, Default)]
+pub struct Metrics(Arc<RwLock<Registry>>);
+
+impl Metrics {
+    pub fn register(&self, name: &str, help: &str, metric: impl Metric) {
+        self.0.write().expect("metrics lock is never poisoned").register(name, help, metric);
+    }
+
+    /// Families read from the service's own counters at every scrape.
+    pub fn register_snapshot(&self, read: impl Fn() -> Vec<Family> + Send + Sync + 'static) {
+        self.0
+            .write()
+            .expect("metrics lock is never poisoned")
+            .register_collector(Box::new(Snapshot(Box::new(read))));
+    }
+
+    /// The text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let r = self.0.read().expect("metrics lock is never poisoned");
+        prometheus_client::encoding::text::encode(&mut out, &r)
+            .expect("encoding into a String cannot fail");
+        out
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Counter,
+    Gauge,
+}
+
+/// One metric family as read at scrape time: a value per label set.
+#[derive(Debug, Clone)]
+pub struct Family {
+    pub name: String,
+    pub help: &'static str,
+    pub kind: Kind,
+    pub samples: Vec<(Vec<(&'static str, String)>, f64)>,
+}
+
+impl Family {
+    /// A family with one unlabelled value.
+    pub fn one(name: impl Into<String>, help: &'static str, kind: Kind, value: f64) -> Self {
+        Self { name: name.into(), help, kind, samples: vec![(Vec::new(), value)] }
+    }
+}
+
+struct Snapshot(Box<dyn Fn() -> Vec<Family> + Send + Sync>);
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Snapshot")
+    }
+}
+
+impl Collector for Snapshot {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for fam in (self.0)() {
+            let ty = match fam.kind {
+                Kind::Counter => ConstCounter::new(0.0).metric_type(),
+                Kind::Gauge => ConstGauge::new(0.0).metric_type(),
+            };
+            let mut m = encoder.encode_descriptor(&fam.name, fam.help, None, ty)?;
+            for (labels, v) in &fam.samples {
+                let e = m.encode_family(labels)?;
+                match fam.kind {
+                    Kind::Counter => ConstCounter::new(*v).encode(e)?,
+                    Kind::Gauge => ConstGauge::new(*v).encode(e)?,
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Serves `GET /metrics` on `listener` (HTTP/1.1) until the task is dropped; other paths 404.
+pub async fn serve(listener: TcpListener, metrics: Metrics) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else { continue };
+        let metrics = metrics.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
+                let metrics = metrics.clone();
+                async move { Ok::<_, Infallible>(respond(&req, &metrics)) }
+            });
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await
+            {
+                tracing::debug!("metrics connection: {e}");
+            }
+        });
+    }
+}
+
+fn respond(req: &Request<hyper::body::Incoming>, metrics: &Metrics) -> Response<Full<Bytes>> {
+    let mut r = if req.method() == hyper::Method::GET && req.uri().path() == "/metrics" {
+        let mut r = Response::new(Full::new(Bytes::from(metrics.encode())));
+        r.headers_mut().insert(
+            hyper::header::CONTENT_TYPE,
+            hyper::header::HeaderValue::from_static(
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            ),
+        );
+        r
+    } else {
+        Response::new(Full::new(Bytes::from_static(b"metrics are at GET /metrics\n")))
+    };
+    if req.uri().path() != "/metrics" || req.method() != hyper::Method::GET {
+        *r.status_mut() = StatusCode::NOT_FOUND;
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::metrics::counter::Counter;
+
+    #[test]
+    fn snapshots_and_registered_metrics_encode_with_labels() {
+        let m = Metrics::default();
+        let c = Counter::<u64>::default();
+        m.register("pdmesh_test_requests", "Requests.", c.clone());
+        m.register_snapshot(|| {
+            vec![
+                Family::one("pdmesh_test_queue_depth", "Waiting.", Kind::Gauge, 3.0),
+                Family {
+                    name: "pdmesh_test_transfer_bytes".into(),
+                    help: "Bytes moved.",
+                    kind: Kind::Counter,
+                    samples: vec![(vec![("transport", "ucx".into())], 1024.0)],
+                },
+            ]
+        });
+        c.inc();
+        let text = m.encode();
+        assert!(text.contains("pdmesh_test_requests_total 1"), "{text}");
+        assert!(text.contains("pdmesh_test_queue_depth 3"), "{text}");
+        assert!(
+            text.contains("pdmesh_test_transfer_bytes_total{transport=\"ucx\"} 1024"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,121 @@
+//! The router's Prometheus metrics: latency histograms and requests by outcome, recorded as
+//! each request ends, and in-flight requests and registered nodes read at scrape time.
+
+use std::sync::Arc;
+
+use pdmesh_common::metrics::{Family, Kind, Metrics};
+use pdmesh_proto::v1::{FinishReason, Role, Timings};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family as LabelledFamily;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+
+use crate::mesh::Mesh;
+
+type Labels = Vec<(&'static str, String)>;
+
+#[derive(Debug, Clone)]
+pub struct RouterMetrics {
+    ttft: Histogram,
+    tpot: Histogram,
+    e2e: Histogram,
+    requests: LabelledFamily<Labels, Counter>,
+    prompt_tokens: Counter,
+    cached_tokens: Counter,
+}
+
+impl Default for RouterMetrics {
+    fn default() -> Self {
+        // 5 ms .. ~160 s for whole requests and first tokens; 1 ms .. ~8 s per output token.
+        let long = || Histogram::new(exponential_buckets(0.005, 2.0, 16));
+        Self {
+            ttft: long(),
+            tpot: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            e2e: long(),
+            requests: LabelledFamily::default(),
+            prompt_tokens: Counter::default(),
+            cached_tokens: Counter::default(),
+        }
+    }
+}
+
+impl RouterMetrics {
+    /// Registers everything with `m`; in-flight requests and nodes are read from `mesh`.
+    pub fn register(&self, m: &Metrics, mesh: Arc<Mesh>, admission: Arc<tokio::sync::Semaphore>) {
+        m.register("pdmesh_router_ttft_seconds", "Time to first token.", self.ttft.clone());
+        m.register(
+            "pdmesh_router_tpot_seconds",
+            "Time per output token after the first.",
+            self.tpot.clone(),
+        );
+        m.register(
+            "pdmesh_router_e2e_seconds",
+            "Whole request, admission to finish.",
+            self.e2e.clone(),
+        );
+        m.register(
+            "pdmesh_router_requests",
+            "Requests ended, by finish reason (finished) or gRPC code (failed).",
+            self.requests.clone(),
+        );
+        m.register(
+            "pdmesh_router_prompt_tokens",
+            "Prompt tokens of finished requests.",
+            self.prompt_tokens.clone(),
+        );
+        m.register(
+            "pdmesh_router_cached_tokens",
+            "Prompt tokens of finished requests whose KV came from a cache.",
+            self.cached_tokens.clone(),
+        );
+        let max = mesh.config.max_in_flight;
+        m.register_snapshot(move || {
+            let in_flight = max.saturating_sub(admission.available_permits());
+            let nodes = |r: Role| mesh.live(r).len() as f64;
+            vec![
+                Family::one(
+                    "pdmesh_router_in_flight_requests",
+                    "Requests admitted and running.",
+                    Kind::Gauge,
+                    in_flight as f64,
+                ),
+                Family {
+                    name: "pdmesh_router_nodes".into(),
+                    help: "Usable registered nodes, by role.",
+                    kind: Kind::Gauge,
+                    samples: vec![
+                        (vec![("role", "prefill".into())], nodes(Role::Prefill)),
+                        (vec![("role", "decode".into())], nodes(Role::Decode)),
+                    ],
+                },
+            ]
+        });
+    }
+
+    /// A request finished (any reason): its latencies and tokens.
+    pub fn finished(&self, reason: i32, t: &Timings, prompt: u32, cached: u32, completion: u32) {
+        let reason = FinishReason::try_from(reason).unwrap_or(FinishReason::Unspecified);
+        let name = reason.as_str_name().trim_start_matches("FINISH_REASON_").to_ascii_lowercase();
+        self.requests.get_or_create(&vec![("outcome", "finished".into()), ("reason", name)]).inc();
+        // A request cancelled before its first token has no TTFT.
+        if t.ttft_ms > 0.0 {
+            self.ttft.observe(t.ttft_ms / 1e3);
+        }
+        self.e2e.observe(t.total_ms / 1e3);
+        if completion > 1 {
+            self.tpot.observe((t.total_ms - t.ttft_ms) / 1e3 / f64::from(completion - 1));
+        }
+        self.prompt_tokens.inc_by(u64::from(prompt));
+        self.cached_tokens.inc_by(u64::from(cached));
+    }
+
+    /// The client went away before the request ended.
+    pub fn abandoned(&self) {
+        self.requests.get_or_create(&vec![("outcome", "abandoned".into())]).inc();
+    }
+
+    /// A request failed with `code`.
+    pub fn failed(&self, code: tonic::Code) {
+        let code = format!("{code:?}");
+        self.requests.get_or_create(&vec![("outcome", "failed".into()), ("code", code)]).inc();
+    }
+}
