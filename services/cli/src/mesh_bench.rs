@@ -76,8 +76,7 @@ pub struct MeshBenchArgs {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sample {
     pub(crate) ok: bool,
-    /// From the mesh's usage: prompt tokens, and how many came from the prefix cache.
-    pub(crate) prompt_tokens: u32,
+    /// From the mesh's usage: prompt tokens whose KV came from the prefix cache.
     pub(crate) cached_tokens: u32,
     error: Option<String>,
     ttft_ms: f64,
@@ -148,8 +147,7 @@ pub(crate) async fn one(
                     last = Some(now);
                 }
                 Some(generate_response::Event::Finished(f)) => {
-                    let u = f.usage.unwrap_or_default();
-                    (s.prompt_tokens, s.cached_tokens) = (u.prompt_tokens, u.cached_tokens);
+                    s.cached_tokens = f.usage.unwrap_or_default().cached_tokens;
                     let t = f.timings.unwrap_or_default();
                     (s.queue_ms, s.prefill_ms, s.transfer_ms) =
                         (t.queue_ms, t.prefill_ms, t.transfer_ms);

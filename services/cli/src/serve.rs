@@ -312,74 +312,38 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default {
 
 type Shutdown = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
-impl Service for pdmesh_decode::DecodeConfig {
-    const NAME: &'static str = "decode";
-    const ENV_PREFIX: &'static str = "PDMESH_DECODE_";
-    const ASYNC_THREADS: usize = 1;
-    fn check(&self) -> Result<(), String> {
-        self.validate()
-    }
-    fn listen(&self) -> &str {
-        &self.listen
-    }
-    fn metrics_listen(&self) -> Option<&str> {
-        self.metrics_listen.as_deref()
-    }
-    async fn run(
-        self,
-        l: tokio::net::TcpListener,
-        metrics: Metrics,
-        shutdown: Shutdown,
-    ) -> anyhow::Result<()> {
-        Ok(pdmesh_decode::run(self, l, metrics, shutdown).await?)
-    }
+/// The four services differ only in these; everything else goes through `start`.
+macro_rules! service {
+    ($config:ty, $name:literal, $env:literal, $threads:literal, $run:path) => {
+        impl Service for $config {
+            const NAME: &'static str = $name;
+            const ENV_PREFIX: &'static str = $env;
+            const ASYNC_THREADS: usize = $threads;
+            fn check(&self) -> Result<(), String> {
+                self.validate()
+            }
+            fn listen(&self) -> &str {
+                &self.listen
+            }
+            fn metrics_listen(&self) -> Option<&str> {
+                self.metrics_listen.as_deref()
+            }
+            async fn run(
+                self,
+                l: tokio::net::TcpListener,
+                metrics: Metrics,
+                shutdown: Shutdown,
+            ) -> anyhow::Result<()> {
+                $run(self, l, metrics, shutdown).await.map_err(|e| anyhow::anyhow!(e))
+            }
+        }
+    };
 }
 
-impl Service for pdmesh_prefill::PrefillConfig {
-    const NAME: &'static str = "prefill";
-    const ENV_PREFIX: &'static str = "PDMESH_PREFILL_";
-    const ASYNC_THREADS: usize = 1;
-    fn check(&self) -> Result<(), String> {
-        self.validate()
-    }
-    fn listen(&self) -> &str {
-        &self.listen
-    }
-    fn metrics_listen(&self) -> Option<&str> {
-        self.metrics_listen.as_deref()
-    }
-    async fn run(
-        self,
-        l: tokio::net::TcpListener,
-        metrics: Metrics,
-        shutdown: Shutdown,
-    ) -> anyhow::Result<()> {
-        Ok(pdmesh_prefill::run(self, l, metrics, shutdown).await?)
-    }
-}
-
-impl Service for pdmesh_router::RouterConfig {
-    const NAME: &'static str = "router";
-    const ENV_PREFIX: &'static str = "PDMESH_ROUTER_";
-    const ASYNC_THREADS: usize = 2;
-    fn check(&self) -> Result<(), String> {
-        self.validate()
-    }
-    fn listen(&self) -> &str {
-        &self.listen
-    }
-    fn metrics_listen(&self) -> Option<&str> {
-        self.metrics_listen.as_deref()
-    }
-    async fn run(
-        self,
-        l: tokio::net::TcpListener,
-        metrics: Metrics,
-        shutdown: Shutdown,
-    ) -> anyhow::Result<()> {
-        Ok(pdmesh_router::run(self, l, metrics, shutdown).await?)
-    }
-}
+service!(pdmesh_decode::DecodeConfig, "decode", "PDMESH_DECODE_", 1, pdmesh_decode::run);
+service!(pdmesh_prefill::PrefillConfig, "prefill", "PDMESH_PREFILL_", 1, pdmesh_prefill::run);
+service!(pdmesh_router::RouterConfig, "router", "PDMESH_ROUTER_", 2, pdmesh_router::run);
+service!(pdmesh_kvstore::KvStoreConfig, "kvstore", "PDMESH_KVSTORE_", 2, pdmesh_kvstore::run);
 
 /// Loads a service's config (defaults → file → env → `overlay`), binds, announces the address
 /// and runs until a signal.
@@ -429,29 +393,6 @@ pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
 
 pub fn kvstore(a: KvStoreArgs) -> anyhow::Result<()> {
     start::<pdmesh_kvstore::KvStoreConfig>(a.config.as_deref(), &a, a.exit_with_stdin)
-}
-
-impl Service for pdmesh_kvstore::KvStoreConfig {
-    const NAME: &'static str = "kvstore";
-    const ENV_PREFIX: &'static str = "PDMESH_KVSTORE_";
-    const ASYNC_THREADS: usize = 2;
-    fn check(&self) -> Result<(), String> {
-        self.validate()
-    }
-    fn listen(&self) -> &str {
-        &self.listen
-    }
-    fn metrics_listen(&self) -> Option<&str> {
-        self.metrics_listen.as_deref()
-    }
-    async fn run(
-        self,
-        l: tokio::net::TcpListener,
-        metrics: Metrics,
-        shutdown: Shutdown,
-    ) -> anyhow::Result<()> {
-        pdmesh_kvstore::run(self, l, metrics, shutdown).await.map_err(|e| anyhow::anyhow!(e))
-    }
 }
 
 pub fn router(a: RouterArgs) -> anyhow::Result<()> {

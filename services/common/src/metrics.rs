@@ -67,6 +67,18 @@ impl Family {
     pub fn one(name: impl Into<String>, help: &'static str, kind: Kind, value: f64) -> Self {
         Self { name: name.into(), help, kind, samples: vec![(Vec::new(), value)] }
     }
+
+    /// A family with one value per value of a single `label`.
+    pub fn labelled(
+        name: impl Into<String>,
+        help: &'static str,
+        kind: Kind,
+        label: &'static str,
+        values: &[(&str, f64)],
+    ) -> Self {
+        let samples = values.iter().map(|(l, v)| (vec![(label, (*l).to_string())], *v)).collect();
+        Self { name: name.into(), help, kind, samples }
+    }
 }
 
 struct Snapshot(Box<dyn Fn() -> Vec<Family> + Send + Sync>);
@@ -149,12 +161,13 @@ mod tests {
         m.register_snapshot(|| {
             vec![
                 Family::one("pdmesh_test_queue_depth", "Waiting.", Kind::Gauge, 3.0),
-                Family {
-                    name: "pdmesh_test_transfer_bytes".into(),
-                    help: "Bytes moved.",
-                    kind: Kind::Counter,
-                    samples: vec![(vec![("transport", "ucx".into())], 1024.0)],
-                },
+                Family::labelled(
+                    "pdmesh_test_transfer_bytes",
+                    "Bytes moved.",
+                    Kind::Counter,
+                    "transport",
+                    &[("ucx", 1024.0)],
+                ),
             ]
         });
         c.inc();

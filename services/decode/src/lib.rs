@@ -163,19 +163,17 @@ fn metric_families(c: &core::Counts) -> Vec<Family> {
             "Blocks of ended reservations a remote writer may still reach.",
             c.quarantined,
         ),
-        Family {
-            name: "pdmesh_decode_requests".into(),
-            help: "Requests ended, by outcome.",
-            kind: Counter,
-            samples: [
-                ("completed", c.completed),
-                ("cancelled", c.cancelled),
-                ("failed", c.failed),
-                ("lease_expired", c.leases_expired),
-            ]
-            .into_iter()
-            .map(|(o, n)| (vec![("outcome", o.to_string())], n as f64))
-            .collect(),
-        },
+        Family::labelled(
+            "pdmesh_decode_requests",
+            "Requests ended, by outcome.",
+            Counter,
+            "outcome",
+            &[
+                ("completed", c.completed as f64),
+                ("cancelled", c.cancelled as f64),
+                ("failed", c.failed as f64),
+                ("lease_expired", c.leases_expired as f64),
+            ],
+        ),
     ]
 }

@@ -49,14 +49,16 @@ impl TransferStats {
     /// The stats as Prometheus families `pdmesh_<service>_transfer_*`, labelled by transport.
     pub fn metric_families(&self, service: &str) -> Vec<Family> {
         let snap = self.snapshot();
-        let fam = |what: &str, help: &'static str, v: &dyn Fn(&TransportStats) -> f64| Family {
-            name: format!("pdmesh_{service}_{what}"),
-            help,
-            kind: Kind::Counter,
-            samples: snap
-                .iter()
-                .map(|t| (vec![("transport", t.transport.clone())], v(t)))
-                .collect(),
+        let fam = |what: &str, help, v: &dyn Fn(&TransportStats) -> f64| {
+            let vals: Vec<(&str, f64)> =
+                snap.iter().map(|t| (t.transport.as_str(), v(t))).collect();
+            Family::labelled(
+                format!("pdmesh_{service}_{what}"),
+                help,
+                Kind::Counter,
+                "transport",
+                &vals,
+            )
         };
         vec![
             fam("transfers", "KV transfers completed.", &|t| t.transfers as f64),

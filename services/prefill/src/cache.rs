@@ -31,12 +31,11 @@ pub struct Lookup {
     pub cached: Vec<Bytes>,
 }
 
-/// The node's own tier: at most `capacity` blocks, least recently used evicted first. The
+/// The node's own tier: at most the LRU's capacity in blocks, least recently used evicted first. The
 /// bytes are shared (`Bytes`), so a block being read by a job outlives its eviction.
 #[derive(Debug)]
 struct Local {
     blocks: Mutex<LruCache<BlockHash, Bytes>>,
-    capacity: usize,
 }
 
 impl Local {
@@ -107,7 +106,7 @@ impl PrefixCache {
         let local = usize::try_from(local_bytes / bytes_per_block as u64)
             .ok()
             .and_then(NonZeroUsize::new)
-            .map(|n| Local { blocks: Mutex::new(LruCache::new(n)), capacity: n.get() });
+            .map(|n| Local { blocks: Mutex::new(LruCache::new(n)) });
         let store = match store {
             Some(address) => {
                 let ep = Endpoint::from_shared(format!("http://{address}"))
@@ -138,7 +137,7 @@ impl PrefixCache {
 
     /// Blocks the node's own tier holds at most (0: it has none).
     pub fn local_capacity(&self) -> usize {
-        self.local.as_ref().map_or(0, |l| l.capacity)
+        self.local.as_ref().map_or(0, |l| l.blocks.lock().expect("never poisoned").cap().get())
     }
 
     pub fn stats(&self) -> PrefixCacheStats {

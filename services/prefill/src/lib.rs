@@ -138,11 +138,9 @@ fn metric_families(
     let g = |name: &str, help, v: u32| {
         Family::one(format!("pdmesh_prefill_{name}"), help, Gauge, f64::from(v))
     };
-    let labelled = |name: &str, help, label: &'static str, kind, vals: &[(&str, u64)]| Family {
-        name: format!("pdmesh_prefill_{name}"),
-        help,
-        kind,
-        samples: vals.iter().map(|(l, n)| (vec![(label, l.to_string())], *n as f64)).collect(),
+    let labelled = |name: &str, help, label, kind, vals: &[(&str, u64)]| {
+        let vals: Vec<(&str, f64)> = vals.iter().map(|&(l, n)| (l, n as f64)).collect();
+        Family::labelled(format!("pdmesh_prefill_{name}"), help, kind, label, &vals)
     };
     let mut v = vec![
         g("queued_requests", "Prompts waiting for the engine.", c.queued),

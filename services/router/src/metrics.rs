@@ -78,15 +78,13 @@ impl RouterMetrics {
                     Kind::Gauge,
                     in_flight as f64,
                 ),
-                Family {
-                    name: "pdmesh_router_nodes".into(),
-                    help: "Usable registered nodes, by role.",
-                    kind: Kind::Gauge,
-                    samples: vec![
-                        (vec![("role", "prefill".into())], nodes(Role::Prefill)),
-                        (vec![("role", "decode".into())], nodes(Role::Decode)),
-                    ],
-                },
+                Family::labelled(
+                    "pdmesh_router_nodes",
+                    "Usable registered nodes, by role.",
+                    Kind::Gauge,
+                    "role",
+                    &[("prefill", nodes(Role::Prefill)), ("decode", nodes(Role::Decode))],
+                ),
             ]
         });
     }
