@@ -29,7 +29,18 @@ pub struct Service {
 impl Service {
     /// Starts `pdmesh <role> <args>` and waits for its "listening on" line.
     pub fn start(role: &str, name: &str, args: &[String]) -> Service {
+        Self::start_with_env(role, name, args, &[])
+    }
+
+    /// `start`, with these environment variables set for the process.
+    pub fn start_with_env(
+        role: &str,
+        name: &str,
+        args: &[String],
+        env: &[(String, String)],
+    ) -> Service {
         let mut c = Command::new(pdmesh_bin());
+        c.envs(env.iter().map(|(k, v)| (k, v)));
         c.arg(role)
             .args(args)
             .arg("--exit-with-stdin")
@@ -129,9 +140,15 @@ pub struct ClusterBuilder {
     router_args: Vec<String>,
     prefill_args: Vec<String>,
     decode_args: Vec<String>,
+    env: Vec<(String, String)>,
 }
 
 impl ClusterBuilder {
+    /// Sets an environment variable for every service process.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.push((key.to_string(), value.to_string()));
+        self
+    }
     pub fn prefill(mut self, n: usize) -> Self {
         self.prefill = n;
         self
@@ -188,10 +205,10 @@ impl ClusterBuilder {
             "1000".into(),
         ]);
         rargs.extend(self.router_args.iter().cloned());
-        let router = Service::start("router", "router", &rargs);
+        let router = Service::start_with_env("router", "router", &rargs, &self.env);
         let mut builder = self.clone();
         let kvstore = self.kvstore.then(|| {
-            let k = Service::start(
+            let k = Service::start_with_env(
                 "kvstore",
                 "kvstore",
                 &["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "200000000"]
@@ -199,6 +216,7 @@ impl ClusterBuilder {
                     .into_iter()
                     .chain(self.kvstore_args.iter().cloned())
                     .collect::<Vec<_>>(),
+                &self.env,
             );
             builder.prefill_args.extend(["--kvstore".to_string(), k.addr.clone()]);
             k
@@ -235,6 +253,7 @@ impl Cluster {
             router_args: Vec::new(),
             prefill_args: Vec::new(),
             decode_args: Vec::new(),
+            env: Vec::new(),
         }
     }
 
@@ -268,7 +287,7 @@ impl Cluster {
     pub fn add_prefill(&mut self, extra: &[&str]) -> usize {
         let name = format!("prefill-{}", self.prefills.len());
         let args = self.node_args("prefill", &name, extra);
-        self.prefills.push(Service::start("prefill", &name, &args));
+        self.prefills.push(Service::start_with_env("prefill", &name, &args, &self.builder.env));
         self.prefills.len() - 1
     }
 
@@ -276,7 +295,7 @@ impl Cluster {
     pub fn add_decode(&mut self, extra: &[&str]) -> usize {
         let name = format!("decode-{}", self.decodes.len());
         let args = self.node_args("decode", &name, extra);
-        self.decodes.push(Service::start("decode", &name, &args));
+        self.decodes.push(Service::start_with_env("decode", &name, &args, &self.builder.env));
         self.decodes.len() - 1
     }
 

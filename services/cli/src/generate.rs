@@ -57,6 +57,29 @@ pub struct GenerateArgs {
     /// Print one JSON object at the end (tokens, text, finish reason, usage, timings).
     #[arg(long)]
     json: bool,
+    /// Continue this W3C trace (`00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`): the
+    /// request's spans join it when the mesh exports spans.
+    #[arg(long, value_parser = parse_traceparent)]
+    traceparent: Option<String>,
+}
+
+fn parse_traceparent(s: &str) -> Result<String, String> {
+    let parts: Vec<&str> = s.split('-').collect();
+    let hex = |p: &str, n: usize| p.len() == n && p.bytes().all(|b| b.is_ascii_hexdigit());
+    let ok = parts.len() == 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && parts[1].bytes().any(|b| b != b'0')
+        && hex(parts[2], 16)
+        && parts[2].bytes().any(|b| b != b'0')
+        && hex(parts[3], 2);
+    if ok {
+        Ok(s.to_ascii_lowercase())
+    } else {
+        Err("expected 00-<32 hex digits, not all 0>-<16 hex digits, not all 0>-<2 hex digits>"
+            .into())
+    }
 }
 
 pub fn request_of(a: &GenerateArgs) -> GenerateRequest {
@@ -99,13 +122,20 @@ async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         })?;
     let mut req = tonic::Request::new(request_of(&a));
     req.set_timeout(Duration::from_secs(a.timeout_s));
+    if let Some(tp) = &a.traceparent {
+        let v = tp.parse().context("traceparent is not a valid header value")?;
+        req.metadata_mut().insert("traceparent", v);
+    }
     let mut stream = client.generate(req).await.map_err(status_err)?.into_inner();
     let mut out = std::io::stdout().lock();
     let (mut text, mut tokens) = (String::new(), Vec::new());
-    let mut request_id = String::new();
+    let (mut request_id, mut trace_id) = (String::new(), String::new());
     while let Some(msg) = stream.message().await.map_err(status_err)? {
         match msg.event {
-            Some(generate_response::Event::Started(s)) => request_id = s.request_id,
+            Some(generate_response::Event::Started(s)) => {
+                request_id = s.request_id;
+                trace_id = s.trace_id;
+            }
             Some(generate_response::Event::Delta(d)) => {
                 tokens.extend_from_slice(&d.token_ids);
                 text.push_str(&d.text);
@@ -122,6 +152,7 @@ async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
                 if a.json {
                     let j = serde_json::json!({
                         "request_id": request_id,
+                        "trace_id": trace_id,
                         "text": text,
                         "tokens": tokens,
                         "finish_reason": reason,
@@ -152,6 +183,9 @@ async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
                         t.total_ms,
                         t.decode_node
                     );
+                    if !trace_id.is_empty() {
+                        eprintln!("[trace {trace_id}]");
+                    }
                 }
                 return Ok(());
             }

@@ -4,6 +4,7 @@
 
 mod args;
 mod bench;
+mod collect;
 mod generate;
 mod kv_bench;
 mod mesh_bench;
@@ -58,6 +59,9 @@ enum Command {
     /// TPOT, inter-token and end-to-end latency, throughput and goodput; `bench engine`
     /// measures the local engine instead.
     Bench(bench::BenchArgs),
+    /// Receive spans over OTLP/gRPC (what the services export to
+    /// OTEL_EXPORTER_OTLP_ENDPOINT) and print one line per span: Jaeger's job, without Jaeger.
+    Collect(collect::CollectArgs),
     /// Write the logits of every position of a token sequence as raw little-endian f32
     /// (fidelity tooling: compared against llama.cpp by scripts/compare_llamacpp.py).
     #[command(hide = true)]
@@ -77,6 +81,7 @@ fn main() -> std::process::ExitCode {
         Command::Run(a) => run::run(a),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Bench(b) => bench::run(b),
+        Command::Collect(a) => collect::run(a),
         Command::DumpLogits(a) => perplexity::dump_logits(a),
     };
     match result {

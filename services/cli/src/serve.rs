@@ -294,6 +294,8 @@ struct PrefillExtra {
 trait Service: Serialize + serde::de::DeserializeOwned + Default {
     const NAME: &'static str;
     const ENV_PREFIX: &'static str;
+    /// `service.name` in traces, unless OTEL_SERVICE_NAME says otherwise.
+    const TRACE_NAME: &'static str;
     /// Async worker threads: workers only move messages (their compute has its own thread),
     /// and one thread does that without waking a second per token, which on a small machine
     /// steals time from the engine's compute threads.
@@ -318,6 +320,7 @@ macro_rules! service {
         impl Service for $config {
             const NAME: &'static str = $name;
             const ENV_PREFIX: &'static str = $env;
+            const TRACE_NAME: &'static str = concat!("pdmesh-", $name);
             const ASYNC_THREADS: usize = $threads;
             fn check(&self) -> Result<(), String> {
                 self.validate()
@@ -352,10 +355,18 @@ fn start<C: Service>(
     overlay: &impl Serialize,
     watch_stdin: bool,
 ) -> anyhow::Result<()> {
-    pdmesh_common::telemetry::init_logging();
+    let rt = runtime(C::ASYNC_THREADS)?;
+    // The span exporter's channel lives on the runtime.
+    let telemetry = {
+        let _in_runtime = rt.enter();
+        pdmesh_common::telemetry::init(C::TRACE_NAME, None)?
+    };
     let cfg: C = pdmesh_common::load_config(&C::default(), file, C::ENV_PREFIX, overlay)?;
     cfg.check().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
-    runtime(C::ASYNC_THREADS)?.block_on(async {
+    if telemetry.exporting() {
+        tracing::info!(service = C::TRACE_NAME, "exporting spans over OTLP");
+    }
+    let served = rt.block_on(async {
         let l = bind_and_announce(C::NAME, cfg.listen()).await?;
         let metrics = Metrics::default();
         if let Some(m) = cfg.metrics_listen() {
@@ -367,7 +378,10 @@ fn start<C: Service>(
             tokio::spawn(pdmesh_common::metrics::serve(ml, metrics.clone()));
         }
         cfg.run(l, metrics, Box::pin(shutdown_signal(watch_stdin))).await
-    })
+    });
+    // Flushes the last spans while the runtime still drives the exporter's connection.
+    let _ = rt.block_on(tokio::task::spawn_blocking(move || telemetry.shutdown()));
+    served
 }
 
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {

@@ -89,6 +89,12 @@ pub(crate) async fn spawn(
         }
         None => Command::new(&exe),
     };
+    // Tells the processes apart in traces (prefill-0, prefill-1, ...) unless the user did.
+    let attrs = std::env::var("OTEL_RESOURCE_ATTRIBUTES").unwrap_or_default();
+    if !attrs.contains("service.instance.id=") {
+        let sep = if attrs.trim().is_empty() { "" } else { "," };
+        cmd.env("OTEL_RESOURCE_ATTRIBUTES", format!("{attrs}{sep}service.instance.id={name}"));
+    }
     cmd.args(args)
         .arg("--exit-with-stdin")
         .stdin(Stdio::piped())

@@ -50,6 +50,7 @@ pub async fn serve(
         .max_frame_size(Some(1 << 20))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
+        .layer(crate::trace::TraceLayer)
         .add_routes(routes)
         .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
             let _ = stop_rx.await;

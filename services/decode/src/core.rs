@@ -14,7 +14,9 @@ use pdmesh_engine::{
     Engine, FinishReason, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
 };
 
-use pdmesh_common::convert::ms;
+use pdmesh_common::convert::{finish_reason, ms};
+use tracing::Span;
+use tracing::field::Empty;
 
 use crate::error::DecodeError;
 use crate::text::{Piece, Pushed, TextStream};
@@ -51,6 +53,8 @@ pub struct Attach {
     pub stops: Vec<String>,
     pub ignore_eos: bool,
     pub start: Start,
+    /// The request's span: waiting and batching are traced under it.
+    pub span: Span,
 }
 
 /// Phase counts and totals, for stats and heartbeats.
@@ -86,6 +90,12 @@ struct Running {
     prefill_started: Option<Instant>,
     prefill_ms: f64,
     queue_ms: f64,
+    /// `decode.queue_wait` from attach to the first step (the KV's arrival included), then
+    /// `decode.batch` until the request leaves the batch.
+    phase: Span,
+    span: Span,
+    steps: u32,
+    largest_batch: usize,
 }
 
 struct Reservation {
@@ -433,6 +443,14 @@ impl DecodeCore {
             prefill_started: None,
             prefill_ms: 0.0,
             queue_ms: 0.0,
+            phase: tracing::info_span!(
+                parent: &a.span,
+                "decode.queue_wait",
+                kv_complete = r.kv_complete || local,
+            ),
+            span: a.span,
+            steps: 0,
+            largest_batch: 0,
         };
         let prompt_len = r.prompt_len;
         if let Start::FirstToken(t) = a.start {
@@ -511,6 +529,19 @@ impl DecodeCore {
     }
 
     fn finish_with(&mut self, id: u64, outcome: Result<FinishReason, DecodeError>) {
+        if let Some(run) = self.reservations.get(&id).and_then(|r| r.run.as_ref()) {
+            let p = &run.phase;
+            p.record("tokens", run.generated as i64);
+            p.record("steps", i64::from(run.steps));
+            p.record("largest_batch", run.largest_batch as i64);
+            match &outcome {
+                Ok(reason) => p.record("finish_reason", finish_reason(*reason).as_str_name()),
+                Err(e) => {
+                    p.record("otel.status_code", "ERROR");
+                    p.record("otel.status_description", tracing::field::display(e))
+                }
+            };
+        }
         if let Some(r) = self.reservations.get_mut(&id) {
             match (&outcome, r.run.as_mut()) {
                 (Ok(reason), Some(run)) => {
@@ -589,6 +620,20 @@ impl DecodeCore {
         for s in &plan {
             let r = self.reservations.get_mut(&s.id).expect("scheduled requests are reserved");
             let run = r.run.as_mut().expect("scheduled requests are attached");
+            if run.steps == 0 {
+                run.phase = tracing::info_span!(
+                    parent: &run.span,
+                    "decode.batch",
+                    tokens = Empty,
+                    steps = Empty,
+                    largest_batch = Empty,
+                    finish_reason = Empty,
+                    otel.status_code = Empty,
+                    otel.status_description = Empty,
+                );
+            }
+            run.steps += 1;
+            run.largest_batch = run.largest_batch.max(plan.len());
             if matches!(s.work, Work::Prefill { offset: 0, .. }) {
                 run.queue_ms = ms(now - run.attached_at);
                 run.prefill_started = Some(now);

@@ -17,6 +17,10 @@ use pdmesh_proto::v1::{
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
+
+use pdmesh_common::trace;
 
 use crate::core::{Attach, Counts, Event, Start};
 use crate::error::{DecodeError, to_status};
@@ -97,6 +101,27 @@ impl DecodeService {
         let f = from.clone();
         self.call(|reply| Command::KvBegin { id, from: f, writer, reply }).await?;
         Ok((id, from))
+    }
+
+    /// The span of one incoming transfer, a child of the sender's transfer span (named in the
+    /// header: the control messages carry the trace, whatever carries them).
+    fn receive_span(&self, header: Option<&KvHeader>, transport: &'static str) -> Span {
+        let span = pdmesh_common::span!(
+            "decode.kv_receive",
+            transport,
+            reservation_id = Empty,
+            prefill_node = Empty,
+            blocks = Empty,
+            layers = self.layout.layers as i64,
+            bytes = Empty,
+            bandwidth_mb_s = Empty,
+        );
+        if let Some(h) = header {
+            trace::continue_from(&span, &h.traceparent);
+            span.record("reservation_id", h.reservation_id.as_str());
+            span.record("prefill_node", h.prefill_node.as_str());
+        }
+        span
     }
 
     pub fn load(counts: &Counts) -> NodeLoad {
@@ -188,6 +213,7 @@ impl Decode for DecodeService {
             stops: r.stop,
             ignore_eos: r.ignore_eos,
             start,
+            span: Span::current(),
         });
         let (out, rx) = ChannelOutput::channel(max_tokens);
         self.call(|reply| Command::Attach { id, attach, out, reply }).await?;
@@ -223,6 +249,127 @@ impl Decode for DecodeService {
             Some(KvChunk { chunk: Some(Chunk::Header(h)) }) => Some(h),
             _ => None,
         };
+        let span = self.receive_span(header.as_ref(), "grpc");
+        let received = self.receive(s, header).instrument(span.clone()).await;
+        if let Err(st) = &received {
+            trace::fail(&span, st);
+        }
+        received
+    }
+
+    type KvSessionStream = Pin<Box<dyn Stream<Item = Result<KvSessionEvent, Status>> + Send>>;
+
+    async fn kv_session(
+        &self,
+        req: Request<Streaming<KvSessionRequest>>,
+    ) -> Result<Response<Self::KvSessionStream>, Status> {
+        if self.pool.is_none() {
+            return Err(Status::failed_precondition(format!(
+                "node {}: this decode node offers no UCX (kv_transport = grpc)",
+                self.node_id
+            )));
+        }
+        let mut inbound = req.into_inner();
+        let header = match inbound.message().await? {
+            Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Open(h)) }) => Some(h),
+            _ => None,
+        };
+        let span = self.receive_span(header.as_ref(), "ucx");
+        let started = std::time::Instant::now();
+        let (id, from) = match self.begin(header, true).instrument(span.clone()).await {
+            Ok(b) => b,
+            Err(st) => {
+                trace::fail(&span, &st);
+                return Err(st);
+            }
+        };
+        let end = TransferEnd { tx: self.tx.clone(), id };
+        let (events, rx) = mpsc::channel(2);
+        let accepted =
+            KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted {})) };
+        let _ = events.try_send(Ok(accepted));
+        let this = self.clone();
+        let session = async move {
+            // Until the commit (or the end of the stream) the prefill node may be putting.
+            let outcome = match inbound.message().await {
+                Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Commit(e)) })) => {
+                    let (blocks, checksums) = (e.blocks as usize, e.checksums);
+                    let bytes = blocks as u64
+                        * pdmesh_kv_transfer::bytes_per_block(&this.layout).unwrap_or(0) as u64;
+                    let r =
+                        this.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
+                    let secs = started.elapsed().as_secs_f64();
+                    this.stats.record("ucx", r.as_ref().ok().map(|()| bytes), secs);
+                    received(&Span::current(), blocks, bytes, secs);
+                    r.map(|()| bytes)
+                }
+                Ok(Some(_)) => {
+                    Err(Status::invalid_argument("a UCX session takes one commit after its open"))
+                }
+                Ok(None) => Err(Status::cancelled("the session ended before its commit")),
+                Err(s) => Err(s),
+            };
+            match outcome {
+                Ok(bytes) => {
+                    let ev = KvSessionEvent {
+                        event: Some(kv_session_event::Event::Committed(KvCommitted { bytes })),
+                    };
+                    let _ = events.send(Ok(ev)).await;
+                }
+                Err(st) => {
+                    tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
+                    trace::fail(&Span::current(), &st);
+                    let why = DecodeError::TransferBroken { from, why: st.message().to_string() };
+                    let _ = this.tx.send(Command::KvAbort { id, why }).await;
+                    let _ = events.send(Err(st)).await;
+                }
+            }
+            // Dropping `end` reports the writer closed: the prefill node flushed before its
+            // commit, and ended or lost the stream otherwise.
+            drop(end);
+        };
+        tokio::spawn(session.instrument(span));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
+        let c = *self.counts.lock().expect("counts lock is never poisoned");
+        Ok(Response::new(NodeStats {
+            node_id: self.node_id.clone(),
+            role: Role::Decode as i32,
+            load: Some(Self::load(&c)),
+            layout: Some(self.layout.clone()),
+            queued: c.queued,
+            prefilling: c.prefilling,
+            transferring: c.transferring,
+            decoding: c.decoding,
+            reserved: c.reserved,
+            completed: c.completed,
+            cancelled: c.cancelled,
+            failed: c.failed,
+            leases_expired: c.leases_expired,
+            transports: self.stats.snapshot(),
+            prefix_cache: None,
+        }))
+    }
+}
+
+/// Records a completed transfer's size and speed on its span.
+fn received(span: &Span, blocks: usize, bytes: u64, secs: f64) {
+    span.record("blocks", blocks as i64);
+    span.record("bytes", bytes as i64);
+    if secs > 0.0 {
+        span.record("bandwidth_mb_s", bytes as f64 / secs / 1e6);
+    }
+}
+
+impl DecodeService {
+    /// A `PushKv` stream after its header: blocks into the reservation until the end marker.
+    async fn receive(
+        &self,
+        mut s: Streaming<KvChunk>,
+        header: Option<KvHeader>,
+    ) -> Result<Response<PushKvResponse>, Status> {
         let started = std::time::Instant::now();
         let (id, from) = self.begin(header, false).await?;
         let _end = TransferEnd { tx: self.tx.clone(), id };
@@ -258,6 +405,7 @@ impl Decode for DecodeService {
                     let secs = started.elapsed().as_secs_f64();
                     self.stats.record("grpc", r.as_ref().ok().map(|()| bytes), secs);
                     r?;
+                    received(&Span::current(), blocks, bytes, secs);
                     return Ok(Response::new(PushKvResponse { bytes }));
                 }
                 _ => {
@@ -266,94 +414,5 @@ impl Decode for DecodeService {
                 }
             }
         }
-    }
-
-    type KvSessionStream = Pin<Box<dyn Stream<Item = Result<KvSessionEvent, Status>> + Send>>;
-
-    async fn kv_session(
-        &self,
-        req: Request<Streaming<KvSessionRequest>>,
-    ) -> Result<Response<Self::KvSessionStream>, Status> {
-        if self.pool.is_none() {
-            return Err(Status::failed_precondition(format!(
-                "node {}: this decode node offers no UCX (kv_transport = grpc)",
-                self.node_id
-            )));
-        }
-        let mut inbound = req.into_inner();
-        let header = match inbound.message().await? {
-            Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Open(h)) }) => Some(h),
-            _ => None,
-        };
-        let started = std::time::Instant::now();
-        let (id, from) = self.begin(header, true).await?;
-        let end = TransferEnd { tx: self.tx.clone(), id };
-        let (events, rx) = mpsc::channel(2);
-        let accepted =
-            KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted {})) };
-        let _ = events.try_send(Ok(accepted));
-        let this = self.clone();
-        tokio::spawn(async move {
-            // Until the commit (or the end of the stream) the prefill node may be putting.
-            let outcome = match inbound.message().await {
-                Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Commit(e)) })) => {
-                    let (blocks, checksums) = (e.blocks as usize, e.checksums);
-                    let bytes = blocks as u64
-                        * pdmesh_kv_transfer::bytes_per_block(&this.layout).unwrap_or(0) as u64;
-                    let r =
-                        this.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
-                    this.stats.record(
-                        "ucx",
-                        r.as_ref().ok().map(|()| bytes),
-                        started.elapsed().as_secs_f64(),
-                    );
-                    r.map(|()| bytes)
-                }
-                Ok(Some(_)) => {
-                    Err(Status::invalid_argument("a UCX session takes one commit after its open"))
-                }
-                Ok(None) => Err(Status::cancelled("the session ended before its commit")),
-                Err(s) => Err(s),
-            };
-            match outcome {
-                Ok(bytes) => {
-                    let ev = KvSessionEvent {
-                        event: Some(kv_session_event::Event::Committed(KvCommitted { bytes })),
-                    };
-                    let _ = events.send(Ok(ev)).await;
-                }
-                Err(st) => {
-                    tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
-                    let why = DecodeError::TransferBroken { from, why: st.message().to_string() };
-                    let _ = this.tx.send(Command::KvAbort { id, why }).await;
-                    let _ = events.send(Err(st)).await;
-                }
-            }
-            // Dropping `end` reports the writer closed: the prefill node flushed before its
-            // commit, and ended or lost the stream otherwise.
-            drop(end);
-        });
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
-    }
-
-    async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
-        let c = *self.counts.lock().expect("counts lock is never poisoned");
-        Ok(Response::new(NodeStats {
-            node_id: self.node_id.clone(),
-            role: Role::Decode as i32,
-            load: Some(Self::load(&c)),
-            layout: Some(self.layout.clone()),
-            queued: c.queued,
-            prefilling: c.prefilling,
-            transferring: c.transferring,
-            decoding: c.decoding,
-            reserved: c.reserved,
-            completed: c.completed,
-            cancelled: c.cancelled,
-            failed: c.failed,
-            leases_expired: c.leases_expired,
-            transports: self.stats.snapshot(),
-            prefix_cache: None,
-        }))
     }
 }

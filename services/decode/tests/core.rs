@@ -76,6 +76,7 @@ fn attach(prompt: Vec<u32>, max_tokens: usize, start: Start) -> Attach {
         stops: Vec::new(),
         ignore_eos: true,
         start,
+        span: tracing::Span::none(),
     }
 }
 

@@ -7,13 +7,15 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use pdmesh_common::trace::Channel;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk;
 use pdmesh_proto::v1::{KvBlocks, KvChunk, KvEnd, KvHeader, KvTarget};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
+use tracing::Instrument;
 
 use crate::{KvPiece, KvSink, KvTransport, TransferError};
 
@@ -44,7 +46,7 @@ impl GrpcTransport {
             .tcp_nodelay(true)
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20));
-        let c = ep.connect_lazy();
+        let c = pdmesh_common::trace::channel(ep.connect_lazy());
         map.insert(address.to_string(), c.clone());
         Ok(c)
     }
@@ -69,15 +71,19 @@ impl KvTransport for GrpcTransport {
                 reservation_id: target.reservation_id.clone(),
                 layout: target.layout.clone(),
                 prefill_node: prefill_node.to_string(),
+                traceparent: pdmesh_common::trace::traceparent().unwrap_or_default(),
             })),
         };
         tx.send(header).await.map_err(|_| closed(&node))?;
-        let call = tokio::spawn(async move {
-            let mut client = DecodeClient::new(channel)
-                .max_decoding_message_size(64 << 20)
-                .max_encoding_message_size(64 << 20);
-            client.push_kv(ReceiverStream::new(rx)).await.map(|r| r.into_inner().bytes)
-        });
+        let call = tokio::spawn(
+            async move {
+                let mut client = DecodeClient::new(channel)
+                    .max_decoding_message_size(64 << 20)
+                    .max_encoding_message_size(64 << 20);
+                client.push_kv(ReceiverStream::new(rx)).await.map(|r| r.into_inner().bytes)
+            }
+            .in_current_span(),
+        );
         Ok(Box::new(GrpcSink { node, tx: Some(tx), call: Some(call), sent: 0 }))
     }
 }

@@ -95,6 +95,7 @@ impl KvTransport for UcxTransport {
                 reservation_id: target.reservation_id.clone(),
                 layout: Some(layout.clone()),
                 prefill_node: prefill_node.to_string(),
+                traceparent: pdmesh_common::trace::traceparent().unwrap_or_default(),
             })),
         };
         tx.send(open).await.map_err(|_| unreachable(&node, "the session closed"))?;

@@ -3,6 +3,7 @@
 //! matched blocks' addresses in the pool (registered once with UCX) and reads them with
 //! one-sided gets while the match's lease pins them; any other caller streams them with `Read`.
 
+use pdmesh_common::trace;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -166,6 +167,10 @@ impl KvStore for KvStoreService {
             }),
             _ => None,
         };
+        let span = tracing::Span::current();
+        trace::attr(&span, "chain_blocks", chain.len() as i64);
+        trace::attr(&span, "matched_blocks", m.blocks.len() as i64);
+        trace::attr(&span, "ucx", ucx.is_some());
         Ok(Response::new(KvMatchResponse {
             lease: m.lease.unwrap_or(0),
             blocks: m.blocks.len() as u32,
@@ -253,6 +258,11 @@ impl KvStore for KvStoreService {
             }
             n += 1;
         }
+        let span = tracing::Span::current();
+        trace::attr(&span, "from", from.clone());
+        trace::attr(&span, "stored", i64::from(out.stored));
+        trace::attr(&span, "duplicates", i64::from(out.duplicates));
+        trace::attr(&span, "full", i64::from(out.full));
         tracing::debug!(
             from,
             stored = out.stored,

@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use lru::LruCache;
+use pdmesh_common::trace::Channel;
 use pdmesh_kv_transfer::ucx::{Peers, UcxNode};
 use pdmesh_kv_transfer::{BlockHash, BlockHasher};
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
@@ -22,7 +23,9 @@ use pdmesh_proto::v1::{
     KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
     KvWriteHeader, PrefixCacheStats, UcxTarget,
 };
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
 
 /// What a lookup found: the prompt's chain (full blocks) and the cached prefix's bytes.
 #[derive(Debug, Default)]
@@ -113,7 +116,7 @@ impl PrefixCache {
                     .map_err(|e| format!("kvstore address {address:?}: {e}"))?
                     .connect_timeout(timeout)
                     .tcp_nodelay(true);
-                let client = KvStoreClient::new(ep.connect_lazy())
+                let client = KvStoreClient::new(pdmesh_common::trace::channel(ep.connect_lazy()))
                     .max_decoding_message_size(64 << 20)
                     .max_encoding_message_size(64 << 20);
                 Some(Store { client, timeout })
@@ -159,6 +162,20 @@ impl PrefixCache {
     /// The cached prefix of `prompt`, leaving at least its last token to compute (the first
     /// token's logits come from it). Never fails: trouble means less cache.
     pub async fn lookup(&self, prompt: &[u32]) -> Lookup {
+        let span = tracing::info_span!(
+            "prefill.cache_match",
+            prompt_blocks = Empty,
+            own_blocks = Empty,
+            kvstore_blocks = Empty,
+            kvstore_transport = Empty,
+            kvstore_failed = Empty,
+            cached_tokens = Empty,
+        );
+        self.lookup_traced(prompt).instrument(span).await
+    }
+
+    async fn lookup_traced(&self, prompt: &[u32]) -> Lookup {
+        let span = Span::current();
         let chain = self.hasher.chain(prompt);
         let bs = self.hasher.block_size();
         let usable = (prompt.len().saturating_sub(1) / bs).min(chain.len());
@@ -179,10 +196,12 @@ impl PrefixCache {
                 }
                 Ok(Err(e)) => {
                     self.counters.store_failures.fetch_add(1, Relaxed);
+                    span.record("kvstore_failed", true);
                     tracing::warn!("KV-store unavailable, computing the rest of the prompt: {e}");
                 }
                 Err(_) => {
                     self.counters.store_failures.fetch_add(1, Relaxed);
+                    span.record("kvstore_failed", true);
                     tracing::warn!(
                         "KV-store slower than {:?}, computing the rest of the prompt",
                         store.timeout
@@ -194,6 +213,10 @@ impl PrefixCache {
         c.local_hit_tokens.fetch_add((local * bs) as u64, Relaxed);
         c.store_hit_tokens.fetch_add(((cached.len() - local) * bs) as u64, Relaxed);
         c.miss_tokens.fetch_add((prompt.len() - 1 - cached.len() * bs) as u64, Relaxed);
+        span.record("prompt_blocks", chain.len() as i64);
+        span.record("own_blocks", local as i64);
+        span.record("kvstore_blocks", (cached.len() - local) as i64);
+        span.record("cached_tokens", (cached.len() * bs) as i64);
         Lookup { chain, cached }
     }
 
@@ -219,6 +242,7 @@ impl PrefixCache {
                 match self.get(peers, t, m.blocks as usize).await {
                     Ok(blocks) => {
                         self.counters.ucx_blocks.fetch_add(blocks.len() as u64, Relaxed);
+                        Span::current().record("kvstore_transport", "ucx");
                         return Ok(blocks);
                     }
                     Err(e) => {
@@ -245,14 +269,18 @@ impl PrefixCache {
                 out.push(b.data);
             }
             self.counters.grpc_blocks.fetch_add(out.len() as u64, Relaxed);
+            Span::current().record("kvstore_transport", "grpc");
             Ok(out)
         }
         .await;
         // The pins are not needed once the bytes are here (the lease would end them anyway).
         let mut rc = store.client.clone();
-        tokio::spawn(async move {
-            let _ = rc.release_match(KvReleaseMatchRequest { lease }).await;
-        });
+        tokio::spawn(
+            async move {
+                let _ = rc.release_match(KvReleaseMatchRequest { lease }).await;
+            }
+            .in_current_span(),
+        );
         read
     }
 
@@ -305,10 +333,19 @@ impl PrefixCache {
         }
         let mut c = store.client.clone();
         let timeout = store.timeout.max(Duration::from_secs(5));
-        tokio::spawn(async move {
+        let span = pdmesh_common::span!(
+            "prefill.publish",
+            blocks = (msgs.len() - 1) as i64,
+            stored = Empty,
+            duplicates = Empty,
+        );
+        let publish = async move {
+            let span = Span::current();
             match tokio::time::timeout(timeout, c.write(tokio_stream::iter(msgs))).await {
                 Ok(Ok(r)) => {
                     let r = r.into_inner();
+                    span.record("stored", i64::from(r.stored));
+                    span.record("duplicates", i64::from(r.duplicates));
                     tracing::debug!(
                         stored = r.stored,
                         duplicates = r.duplicates,
@@ -316,9 +353,17 @@ impl PrefixCache {
                         "published"
                     );
                 }
-                Ok(Err(e)) => tracing::warn!("publishing to the KV-store failed: {e}"),
-                Err(_) => tracing::warn!("publishing to the KV-store timed out"),
+                Ok(Err(e)) => {
+                    pdmesh_common::trace::fail(&span, &e);
+                    tracing::warn!("publishing to the KV-store failed: {e}");
+                }
+                Err(_) => {
+                    let why = format!("no answer within {timeout:?}");
+                    pdmesh_common::trace::record_status(&span, tonic::Code::DeadlineExceeded, &why);
+                    tracing::warn!("publishing to the KV-store timed out");
+                }
             }
-        });
+        };
+        tokio::spawn(publish.instrument(span));
     }
 }

@@ -15,6 +15,7 @@ use pdmesh_engine::{
 use pdmesh_kv_transfer::KvPiece;
 
 use pdmesh_common::convert::ms;
+use tracing::Span;
 
 use crate::error::PrefillError;
 
@@ -81,6 +82,8 @@ pub struct Job {
     pub cached: Vec<Bytes>,
     /// Return the full blocks this job computed (for publishing to the prefix cache).
     pub publish: bool,
+    /// The request's span: queueing and compute chunks are traced under it.
+    pub span: Span,
 }
 
 struct Active {
@@ -93,6 +96,8 @@ struct Active {
     checksums: Vec<u64>,
     submitted: Instant,
     started: Option<Instant>,
+    /// `prefill.queue_wait` until the first chunk runs.
+    waiting: Span,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -200,6 +205,7 @@ impl PrefillCore {
         }
         let id = self.next_id;
         self.next_id += 1;
+        let span = job.span.clone();
         self.jobs.insert(
             id,
             Active {
@@ -212,6 +218,7 @@ impl PrefillCore {
                 checksums: Vec::new(),
                 submitted: now,
                 started: None,
+                waiting: tracing::info_span!(parent: &span, "prefill.queue_wait"),
             },
         );
         self.waiting.push_back(id);
@@ -284,9 +291,21 @@ impl PrefillCore {
         if plan.is_empty() {
             return;
         }
+        let mut chunk_spans = Vec::with_capacity(plan.len());
         for s in &plan {
             let a = self.jobs.get_mut(&s.id).expect("scheduled jobs exist");
             a.started.get_or_insert(now);
+            a.waiting = Span::none();
+            if let Work::Prefill { offset, len, last } = s.work {
+                chunk_spans.push(tracing::info_span!(
+                    parent: &a.job.span,
+                    "prefill.compute",
+                    offset = offset as i64,
+                    tokens = len as i64,
+                    last,
+                    batch_prompts = plan.len() as i64,
+                ));
+            }
         }
         let bs = self.engine.config().block_size;
         // The chunks' tokens are copied so the layer callback can reach the jobs' outputs
@@ -351,6 +370,7 @@ impl PrefillCore {
             }
         };
         let done_at = Instant::now();
+        drop(chunk_spans);
         let mut finished = Vec::new();
         for (s, row) in plan.iter().zip(rows) {
             let Work::Prefill { offset, len, last } = s.work else { continue };

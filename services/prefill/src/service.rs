@@ -18,6 +18,10 @@ use pdmesh_proto::v1::{
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
+
+use pdmesh_common::trace;
 
 use crate::core::{Counts, Job, Out, PushMode};
 use crate::error::{PrefillError, to_status};
@@ -101,14 +105,34 @@ impl Prefill for PrefillService {
                 r.prompt.len()
             )));
         }
-        let mut sink: Box<dyn KvSink> =
-            self.transport.open(&target, &node).await.map_err(Status::from)?;
+        // The transfer's span runs from opening the sink to the decode node's acknowledgement;
+        // the decode node's side of it is its child, through the control messages.
+        let transfer = pdmesh_common::span!(
+            "prefill.kv_transfer",
+            decode_node = %target.decode_node,
+            reservation_id = %target.reservation_id,
+            transport = Empty,
+            push = Empty,
+            blocks = i64::from(target.blocks),
+            layers = i64::from(self.layout.layers),
+            bytes = Empty,
+            seconds = Empty,
+            bandwidth_mb_s = Empty,
+        );
+        let opened = self.transport.open(&target, &node).instrument(transfer.clone()).await;
+        let mut sink: Box<dyn KvSink> = opened.map_err(|e| {
+            let s = Status::from(e);
+            trace::fail(&transfer, &s);
+            s
+        })?;
+        transfer.record("transport", sink.transport());
 
         let push = match self.push {
             PushMode::Layer if !sink.layered() => PushMode::Chunk,
             p => p,
         };
         // At most one piece per layer per block.
+        transfer.record("push", tracing::field::display(push));
         let pieces = blocks * (self.layout.layers.max(1) as usize);
         let (out, mut block_rx, mut done_rx) = ChannelOutput::channel(pieces);
         let (reply, accepted) = oneshot::channel();
@@ -124,6 +148,7 @@ impl Prefill for PrefillService {
             checksums: self.verify,
             cached: lookup.cached,
             publish: self.cache.is_some(),
+            span: Span::current(),
         };
         let cache = self.cache.clone();
         let chain = lookup.chain;
@@ -137,7 +162,7 @@ impl Prefill for PrefillService {
         let gauge = Arc::clone(&self.transferring);
         let delay = self.fault_delay;
         let request_id = r.request_id;
-        tokio::spawn(async move {
+        let relay_task = async move {
             let relay = async {
                 // Blocks go out as the engine produces them; the first token is reported as
                 // soon as it exists, while the last blocks may still be in flight.
@@ -151,7 +176,8 @@ impl Prefill for PrefillService {
                         }
                     }
                     Ok::<_, Status>(())
-                };
+                }
+                .instrument(transfer.clone());
                 let computed = async {
                     match done_rx.recv().await {
                         Some(Out::Computed {
@@ -187,9 +213,15 @@ impl Prefill for PrefillService {
                     }
                 };
                 let ((), (t0, blocks, checksums, _gauge)) = tokio::try_join!(push, computed)?;
-                let done = sink.finish(blocks, checksums).await;
-                stats.record(transport, done.as_ref().ok().copied(), t0.elapsed().as_secs_f64());
+                let done = sink.finish(blocks, checksums).instrument(transfer.clone()).await;
+                let secs = t0.elapsed().as_secs_f64();
+                stats.record(transport, done.as_ref().ok().copied(), secs);
                 let bytes = done.map_err(Status::from)?;
+                transfer.record("bytes", bytes as i64);
+                transfer.record("seconds", secs);
+                if secs > 0.0 {
+                    transfer.record("bandwidth_mb_s", bytes as f64 / secs / 1e6);
+                }
                 let ev = PrefillTransferred {
                     transfer_ms: ms(t0.elapsed()),
                     bytes,
@@ -211,9 +243,11 @@ impl Prefill for PrefillService {
             };
             if let Err(s) = result {
                 tracing::warn!(request = request_id, "prefill failed: {}", s.message());
+                trace::fail(&transfer, &s);
                 let _ = events.send(Err(s)).await;
             }
-        });
+        };
+        tokio::spawn(relay_task.in_current_span());
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 

@@ -6,10 +6,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pdmesh_common::trace::Channel;
 use pdmesh_engine::Model;
 use pdmesh_proto::v1::Role;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
 use crate::config::RouterConfig;
 use crate::metrics::RouterMetrics;
@@ -62,6 +63,7 @@ impl Mesh {
             .keep_alive_timeout(Duration::from_secs(5))
             .keep_alive_while_idle(true)
             .connect_lazy();
+        let c = pdmesh_common::trace::channel(c);
         map.insert(address.to_string(), c.clone());
         Ok(c)
     }

@@ -19,6 +19,10 @@ use pdmesh_proto::v1::{
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Request, Status, Streaming};
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
+
+use pdmesh_common::trace;
 
 use crate::mesh::Mesh;
 use crate::placement::{Ask, PlaceError, PrefillPolicy, place};
@@ -90,7 +94,12 @@ pub async fn run(
     cancel: CancellationToken,
 ) {
     let t0 = Instant::now();
-    let started = Started { request_id: id.clone(), prompt_tokens: prep.prompt.len() as u32 };
+    let root = Span::current();
+    let started = Started {
+        request_id: id.clone(),
+        prompt_tokens: prep.prompt.len() as u32,
+        trace_id: trace::trace_id().unwrap_or_default(),
+    };
     let msg = GenerateResponse { event: Some(generate_response::Event::Started(started)) };
     if out.send(Ok(msg)).await.is_err() {
         return;
@@ -159,6 +168,7 @@ pub async fn run(
             };
             if let Some(t) = &fin.timings {
                 mesh.metrics.finished(fin.reason, t, prep.prompt.len() as u32, 0, 0);
+                finished_attrs(&root, fin.reason, 0, t);
             }
             let _ = out.send(Ok(GenerateResponse { event: Some(generate_response::Event::Finished(fin)) })).await;
             return;
@@ -174,6 +184,19 @@ pub async fn run(
         tracing::warn!(request = id, code = ?s.code(), "request failed: {}", s.message());
         let _ = out.send(Err(s)).await;
     }
+}
+
+/// What the request's root span says about how it ended.
+fn finished_attrs(root: &Span, reason: i32, completion_tokens: u32, t: &Timings) {
+    let reason = FinishReason::try_from(reason).unwrap_or(FinishReason::Unspecified);
+    trace::attr(root, "finish_reason", reason.as_str_name());
+    trace::attr(root, "completion_tokens", i64::from(completion_tokens));
+    trace::attr(root, "attempts", i64::from(t.attempts));
+    trace::attr(root, "prefill_node", t.prefill_node.clone());
+    trace::attr(root, "decode_node", t.decode_node.clone());
+    trace::attr(root, "kv_transport", t.kv_transport.clone());
+    trace::attr(root, "kv_bytes", t.kv_bytes as i64);
+    trace::attr(root, "ttft_ms", t.ttft_ms);
 }
 
 fn ask_of(mesh: &Mesh, prep: &Prepared, prefill: &[Node]) -> Ask {
@@ -211,7 +234,7 @@ impl Drop for Assigned<'_> {
 
 /// Releases a reservation on drop unless a decode stream took it over.
 struct Reservation {
-    client: DecodeClient<tonic::transport::Channel>,
+    client: DecodeClient<trace::Channel>,
     id: String,
     armed: bool,
 }
@@ -221,12 +244,13 @@ impl Drop for Reservation {
         if self.armed {
             let mut c = self.client.clone();
             let id = self.id.clone();
-            tokio::spawn(async move {
+            let release = async move {
                 let mut r = Request::new(ReleaseRequest { reservation_id: id });
                 r.set_timeout(Duration::from_secs(5));
                 // If the node is gone, so is the reservation; its lease covers the rest.
                 let _ = c.release(r).await;
-            });
+            };
+            tokio::spawn(release.in_current_span());
         }
     }
 }
@@ -245,16 +269,35 @@ async fn one_attempt(
     use pdmesh_proto::v1::Role;
     let cfg = &mesh.config;
     let prefills = mesh.live(Role::Prefill);
-    let ask = ask_of(mesh, prep, &prefills);
-    let placement = place(&prefills, &mesh.live(Role::Decode), &ask, exclude).map_err(|e| {
+    let span = pdmesh_common::span!(
+        "router.placement",
+        policy = %cfg.prefill_policy,
+        attempt = exclude.len() as i64 + 1,
+        prefill_nodes = prefills.len() as i64,
+        prefill_node = Empty,
+        decode_node = Empty,
+        matched_tokens = Empty,
+    );
+    let ask = span.in_scope(|| ask_of(mesh, prep, &prefills));
+    let placed = span.in_scope(|| place(&prefills, &mesh.live(Role::Decode), &ask, exclude));
+    if let Ok(p) = &placed {
+        span.record("decode_node", p.decode.as_str());
+        let prefill = p.prefill.as_deref().unwrap_or("colocated");
+        span.record("prefill_node", prefill);
+        let matched = ask.matched.get(prefill).copied().unwrap_or(0);
+        span.record("matched_tokens", matched as i64);
+    }
+    let placement = placed.map_err(|e| {
         let status = match e {
             PlaceError::NoDecodeNode => Status::unavailable(e.to_string()),
             PlaceError::NoCapacity { .. } => {
                 exhausted(e.to_string(), Duration::from_millis(cfg.retry_after_ms))
             }
         };
+        trace::fail(&span, &status);
         Failure { status, node: None, retry: false }
     })?;
+    drop(span);
     let decode = mesh.node(&placement.decode).ok_or_else(|| Failure {
         status: Status::unavailable(format!("node {} left the mesh", placement.decode)),
         node: None,
@@ -464,6 +507,9 @@ async fn one_attempt(
                         cached_tokens,
                         f.completion_tokens,
                     );
+                    let root = Span::current();
+                    finished_attrs(&root, f.reason, f.completion_tokens, &timings);
+                    trace::attr(&root, "cached_tokens", i64::from(cached_tokens));
                     let fin = Finished {
                         reason: f.reason,
                         usage: Some(Usage {

@@ -17,6 +17,10 @@ use pdmesh_proto::v1::{
 use tokio::sync::{Semaphore, mpsc};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
+use tracing::field::Empty;
+use tracing::{Instrument, Span};
+
+use pdmesh_common::trace;
 
 use crate::mesh::Mesh;
 use crate::relay;
@@ -45,6 +49,24 @@ impl RouterService {
             Duration::from_millis(cfg.request_timeout_ms),
         );
         let r = req.into_inner();
+        let admission = pdmesh_common::span!("router.admission", in_flight = Empty);
+        // The server layer's `router.generate` span: the request's root.
+        let root = Span::current();
+        let admitted = self.admit(r, deadline, root).instrument(admission.clone()).await;
+        if let Err(s) = &admitted {
+            trace::fail(&admission, s);
+        }
+        admitted
+    }
+
+    /// Validates (template, tokenizer, limits), takes an admission permit and starts the relay.
+    async fn admit(
+        &self,
+        r: GenerateRequest,
+        deadline: Instant,
+        root: Span,
+    ) -> Result<Response<ResponseStream>, Status> {
+        let cfg = &self.mesh.config;
         let id = if r.request_id.is_empty() {
             pdmesh_common::ids::new_request_id()
         } else {
@@ -57,6 +79,11 @@ impl RouterService {
             .await
             .map_err(|e| Status::internal(format!("validation task: {e}")))?
             .map_err(Status::invalid_argument)?;
+        trace::attr(&root, "request_id", id.clone());
+        trace::attr(&root, "prompt_tokens", prep.prompt.len() as i64);
+        trace::attr(&root, "max_tokens", prep.max_tokens as i64);
+        let in_flight = cfg.max_in_flight - self.admission.available_permits();
+        Span::current().record("in_flight", in_flight as i64);
         let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
             exhausted(
                 format!("router at its limit of {} requests in flight", cfg.max_in_flight),
@@ -69,11 +96,13 @@ impl RouterService {
             .ok_or_else(|| Status::already_exists(format!("request_id {id} is already running")))?;
         let (tx, rx) = mpsc::channel(CLIENT_BUFFER);
         let mesh = Arc::clone(&self.mesh);
-        tokio::spawn(async move {
+        let relay = async move {
             relay::run(Arc::clone(&mesh), id.clone(), prep, deadline, tx, cancel).await;
             mesh.finish(&id);
             drop(permit);
-        });
+        };
+        // The relay outlives this call; it runs in the request's span, not admission's.
+        tokio::spawn(relay.instrument(root));
         Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 }
