@@ -49,8 +49,9 @@ bench-kv *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli
     python3 scripts/bench_kv.py --model {{model}} {{args}}
 
-# The mesh against the engine alone (TTFT, inter-token latency), and 1 prefill + 1 decode
-# pinned to a core each against one colocated engine under a mixed load, in one run.
+# The mesh against the engine alone (TTFT, inter-token latency); 1 prefill + 1 decode pinned to
+# a core each against one colocated engine under a mixed load; and throughput with tracing off
+# vs on (every span exported); in one run. `--parts tracing` runs only the last.
 bench-mesh *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli
     python3 scripts/bench_mesh.py --model {{model}} {{args}}

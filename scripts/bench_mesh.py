@@ -12,6 +12,11 @@
    it prefills prompts itself) with two threads over both cores. Prints p99 inter-token latency
    of the streams, TTFT of the prompts, and total output throughput of both.
 
+3. Tracing: the same closed-loop load on 1 prefill + 1 decode node with tracing off (no OTLP
+   endpoint) and on (every span exported, 100% sampling, to a `pdmesh collect` receiver on
+   this machine), alternating off/on for --rounds rounds. Prints median throughput and latency
+   of each and the on/off ratios.
+
 Everything runs on this machine's cores; absolute numbers drift between runs, the ratios in one
 run are what to compare. Writes the raw reports to .bench/mesh.json.
 """
@@ -33,10 +38,10 @@ def free_port():
 
 
 class Mesh:
-    def __init__(self, args, model):
+    def __init__(self, args, model, env=None):
         self.addr = f"127.0.0.1:{free_port()}"
         cmd = [BIN, "up", "--listen", self.addr, "--model", model] + args
-        env = dict(os.environ, PDMESH_LOG="warn")
+        env = dict(os.environ, PDMESH_LOG="warn", **(env or {}))
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
         line = self.p.stdout.readline()
         if "ready" not in line:
@@ -67,7 +72,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=6, help="long prompts arriving in part 2")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=0.4, help="long-prompt arrivals per second")
-    ap.add_argument("--parts", default="overhead,mixed", help="which parts to run (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=3, help="off/on rounds in part 3")
+    ap.add_argument("--parts", default="overhead,mixed,tracing", help="which parts to run (comma-separated)")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     report = {}
@@ -76,6 +82,8 @@ def main():
         overhead(a, report)
     if "mixed" in parts:
         mixed_load(a, report)
+    if "tracing" in parts:
+        tracing(a, report)
     os.makedirs(".bench", exist_ok=True)
     with open(".bench/mesh.json", "w") as f:
         json.dump(report, f, indent=1)
@@ -117,6 +125,69 @@ def mixed_load(a, report):
     d, c = disagg, coloc
     print(f"p99 ITL ratio colocated/disaggregated: {c['streams']['itl_ms']['p99'] / d['streams']['itl_ms']['p99']:.2f}; "
           f"throughput ratio disaggregated/colocated: {d['total_output_tok_s'] / c['total_output_tok_s']:.2f}")
+
+
+class Collector:
+    """`pdmesh collect` on a free port, counting the spans it receives."""
+
+    def __enter__(self):
+        self.p = subprocess.Popen([BIN, "collect", "--listen", "127.0.0.1:0", "--quiet", "--exit-with-stdin"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.p.stdout.readline()
+        if "listening on" not in line:
+            self.p.kill()
+            raise SystemExit(f"collector did not start: {line!r}")
+        self.endpoint = "http://" + line.rsplit(" ", 1)[1].strip()
+        return self
+
+    def __exit__(self, *exc):
+        self.p.stdin.close()
+        err = self.p.stderr.read()
+        self.p.wait(timeout=30)
+        self.spans = int(err.split("collect: ")[1].split()[0]) if "collect: " in err else 0
+
+
+def median(v):
+    s = sorted(v)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def tracing(a, report):
+    load = ["--requests", "24", "--concurrency", "4", "--prompt-tokens", "256", "--max-tokens", "32"]
+    print(f"3. tracing off vs on (all spans exported): {' '.join(load)}, {a.rounds} rounds", file=sys.stderr)
+    mesh = ["--prefill", "1", "--decode", "1", "--threads", "1"]
+    runs = {"off": [], "on": []}
+    spans = 0
+    for _ in range(a.rounds):
+        with Mesh(mesh, a.model) as m:
+            bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"])
+            runs["off"].append(bench(load + ["--target", m.addr]))
+        with Collector() as c:
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": c.endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
+            with Mesh(mesh, a.model, env) as m:
+                bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"])
+                runs["on"].append(bench(load + ["--target", m.addr]))
+        spans += c.spans
+    report["tracing"] = {**runs, "spans_exported": spans}
+    if spans == 0:
+        raise SystemExit("tracing on exported no spans: the comparison would be meaningless")
+
+    def med(mode, *path):
+        vals = []
+        for r in runs[mode]:
+            v = r["results"]
+            for k in path:
+                v = v[k]
+            vals.append(v)
+        return median(vals)
+
+    print(f"\n== tracing off vs on ({a.rounds} rounds each, medians; {spans} spans exported) ==")
+    print(f"{'':22} {'off':>10} {'on':>10} {'on/off':>8}")
+    for name, path in (("requests/s", ("req_s",)), ("output tokens/s", ("output_tok_s",)),
+                       ("TTFT p50 ms", ("ttft_ms", "p50")), ("ITL p50 ms", ("itl_ms", "p50")),
+                       ("e2e p50 ms", ("e2e_ms", "p50"))):
+        off, on = med("off", *path), med("on", *path)
+        print(f"{name:22} {off:>10.2f} {on:>10.2f} {on / off:>8.3f}")
 
 
 if __name__ == "__main__":

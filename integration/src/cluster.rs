@@ -107,7 +107,14 @@ impl Service {
             let until = Instant::now() + Duration::from_secs(15);
             loop {
                 match c.try_wait() {
-                    Ok(Some(_)) => return,
+                    Ok(Some(status)) => {
+                        assert!(
+                            status.success(),
+                            "{} exited with {status} on a clean stop",
+                            self.name
+                        );
+                        return;
+                    }
                     _ if Instant::now() > until => {
                         let _ = c.kill();
                         let _ = c.wait();

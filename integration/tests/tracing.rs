@@ -117,7 +117,7 @@ async fn one_request_is_one_trace_across_the_mesh(transport: &str) {
     let endpoint = format!("http://{}", listener.local_addr().unwrap());
     let collector = Collector::default();
     tokio::spawn(collector.clone().serve(listener));
-    let c = Cluster::builder()
+    let mut c = Cluster::builder()
         .prefill(1)
         .decode(1)
         .kvstore()
@@ -265,13 +265,32 @@ async fn one_request_is_one_trace_across_the_mesh(transport: &str) {
     let prefill4 = one(&spans4, "prefill.prefill");
     assert!(prefill4.error, "the prefill leg ended with the request: {prefill4}");
 
+    // A clean stop exports what is still buffered and exits 0 (`stop` asserts it).
+    for s in c.decodes.iter_mut().chain(c.prefills.iter_mut()) {
+        s.stop();
+    }
+    c.kvstore.as_mut().unwrap().stop();
+    c.router.stop();
+
     // Nothing left the trace it belongs to: every span exported anywhere is in the trace of
     // a request the router served (the hop that breaks traces elsewhere).
-    eventually(WAIT, "every node span exported", || async {
-        collector.spans().iter().filter(|s| s.name == "decode.kv_receive").count() >= 3
-    })
-    .await;
     let all = collector.spans();
+    for (trace, ok) in [
+        (&first.trace_id, true),
+        (&second.trace_id, true),
+        (&third.trace_id, true),
+        (&failed.trace_id, false),
+    ] {
+        let received: Vec<&SpanRecord> =
+            all.iter().filter(|s| &s.trace_id == trace && s.name == "decode.kv_receive").collect();
+        if ok {
+            assert_eq!(received.len(), 1, "one transfer in {trace}: {received:#?}");
+            assert!(!received[0].error, "{}", received[0]);
+        } else {
+            // Opened before the deadline passed (or not at all): then it ended in error.
+            assert!(received.iter().all(|s| s.error), "{received:#?}");
+        }
+    }
     let roots: HashSet<&str> =
         all.iter().filter(|s| s.name == "router.generate").map(|s| s.trace_id.as_str()).collect();
     assert_eq!(roots.len(), 4, "four requests, four traces");

@@ -380,7 +380,7 @@ fn start<C: Service>(
         cfg.run(l, metrics, Box::pin(shutdown_signal(watch_stdin))).await
     });
     // Flushes the last spans while the runtime still drives the exporter's connection.
-    let _ = rt.block_on(tokio::task::spawn_blocking(move || telemetry.shutdown()));
+    let _ = rt.block_on(async { tokio::task::spawn_blocking(move || telemetry.shutdown()).await });
     served
 }
 
