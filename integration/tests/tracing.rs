@@ -310,3 +310,73 @@ async fn without_an_endpoint_there_is_no_trace() {
     sent.result.expect("finishes");
     assert_eq!(sent.trace_id, "", "no trace id when nothing is exported");
 }
+
+/// `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES` and `OTEL_TRACES_SAMPLER` apply, and a call
+/// refused at once (a trailers-only error) has its code on its span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn standard_otel_variables_apply() {
+    use pdmesh_integration::cluster::Service;
+    use pdmesh_proto::v1::KvMatchRequest;
+    use pdmesh_proto::v1::kv_store_client::KvStoreClient;
+
+    let _serial = SERIAL.lock().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let collector = Collector::default();
+    tokio::spawn(collector.clone().serve(listener));
+    let model = pdmesh_integration::model_path().display().to_string();
+    let args: Vec<String> =
+        ["--listen", "127.0.0.1:0", "--model", &model].iter().map(|s| s.to_string()).collect();
+    let env = |extra: &[(&str, &str)]| {
+        let mut e = vec![
+            ("OTEL_EXPORTER_OTLP_ENDPOINT".to_string(), endpoint.clone()),
+            ("OTEL_BSP_SCHEDULE_DELAY".to_string(), "100".to_string()),
+        ];
+        e.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        e
+    };
+    let named = Service::start_with_env(
+        "kvstore",
+        "named",
+        &args,
+        &env(&[
+            ("OTEL_SERVICE_NAME", "kv-east"),
+            ("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,service.name=ignored"),
+        ]),
+    );
+    let silent = Service::start_with_env(
+        "kvstore",
+        "silent",
+        &args,
+        &env(&[("OTEL_TRACES_SAMPLER", "always_off")]),
+    );
+    for (s, trace) in [
+        (&named, "0af7651916cd43dd8448eb211c80319c"),
+        (&silent, "1af7651916cd43dd8448eb211c80319c"),
+    ] {
+        let mut client = KvStoreClient::connect(format!("http://{}", s.addr)).await.unwrap();
+        let mut req = tonic::Request::new(KvMatchRequest::default());
+        let tp = format!("00-{trace}-b7ad6b7169203331-01");
+        req.metadata_mut().insert("traceparent", tp.parse().unwrap());
+        let err = client.r#match(req).await.expect_err("a match without a layout is refused");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    }
+    let spans = trace_of(&collector, "0af7651916cd43dd8448eb211c80319c", &["kvstore.match"]).await;
+    let m = one(&spans, "kvstore.match");
+    assert_eq!(m.service, "kv-east", "OTEL_SERVICE_NAME wins over the attribute");
+    assert_eq!(
+        m.resource.get("deployment.environment").map(|a| a.to_string()).as_deref(),
+        Some("test")
+    );
+    assert_eq!(m.parent_id, "b7ad6b7169203331");
+    assert!(m.error, "{m}");
+    assert_eq!(m.int("rpc.grpc.status_code"), Some(tonic::Code::InvalidArgument as i64));
+    // The sampler said no: after a clean stop has flushed everything, nothing came from it.
+    drop(named);
+    let mut silent = silent;
+    silent.stop();
+    assert!(
+        collector.spans().iter().all(|s| s.trace_id != "1af7651916cd43dd8448eb211c80319c"),
+        "always_off exported spans"
+    );
+}

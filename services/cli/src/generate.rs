@@ -199,3 +199,25 @@ async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
 pub fn status_err(s: tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{:?}: {}", s.code(), s.message())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::parse_traceparent;
+
+    #[test]
+    fn traceparents_are_checked() {
+        let ok = "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01";
+        assert_eq!(parse_traceparent(ok).as_deref(), Ok(&*ok.to_ascii_lowercase()));
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01",
+        ] {
+            assert!(parse_traceparent(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}

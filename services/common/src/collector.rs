@@ -61,6 +61,8 @@ fn hex(b: &[u8]) -> String {
 pub struct SpanRecord {
     /// `service.name` of the process that sent it.
     pub service: String,
+    /// Every attribute of the sender's resource (`service.name` included).
+    pub resource: BTreeMap<String, Attr>,
     pub name: String,
     /// Hex, as Jaeger shows them; `parent_id` is empty for a root span.
     pub trace_id: String,
@@ -128,16 +130,13 @@ impl fmt::Display for SpanRecord {
 pub fn records(req: &ExportTraceServiceRequest) -> Vec<SpanRecord> {
     let mut out = Vec::new();
     for rs in &req.resource_spans {
-        let service = rs
-            .resource
-            .as_ref()
-            .and_then(|r| r.attributes.iter().find(|kv| kv.key == "service.name"))
-            .map(|kv| attr(kv.value.as_ref()).to_string())
-            .unwrap_or_default();
+        let resource = rs.resource.as_ref().map(|r| attrs(&r.attributes)).unwrap_or_default();
+        let service = resource.get("service.name").map(Attr::to_string).unwrap_or_default();
         for s in rs.scope_spans.iter().flat_map(|ss| &ss.spans) {
             let status = s.status.as_ref();
             out.push(SpanRecord {
                 service: service.clone(),
+                resource: resource.clone(),
                 name: s.name.clone(),
                 trace_id: hex(&s.trace_id),
                 span_id: hex(&s.span_id),
