@@ -82,7 +82,7 @@ impl RouterService {
         trace::attr(&root, "request_id", id.clone());
         trace::attr(&root, "prompt_tokens", prep.prompt.len() as i64);
         trace::attr(&root, "max_tokens", prep.max_tokens as i64);
-        let in_flight = cfg.max_in_flight - self.admission.available_permits();
+        let in_flight = cfg.max_in_flight.saturating_sub(self.admission.available_permits());
         Span::current().record("in_flight", in_flight as i64);
         let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
             exhausted(
