@@ -31,6 +31,25 @@ pub(crate) fn exporting() -> bool {
 pub enum TelemetryError {
     #[error("OTLP trace exporter: {0}")]
     Exporter(String),
+    #[error(
+        "{var}={value:?} means HTTPS, and this build speaks plain gRPC to the collector only: \
+         use http://{host} (for a schemeless endpoint, OTEL_EXPORTER_OTLP_INSECURE=true also works)"
+    )]
+    Https { var: &'static str, value: String, host: String },
+}
+
+/// Refuses an endpoint the exporter would dial with TLS, which is not built in, with the fix in
+/// the message (the exporter's own error names cargo features). `insecure` is
+/// OTEL_EXPORTER_OTLP_INSECURE; a schemeless endpoint means HTTPS unless it is true.
+fn check_endpoint(var: &'static str, value: &str, insecure: bool) -> Result<(), TelemetryError> {
+    let v = value.trim();
+    let host = match v.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("https") => rest,
+        Some(_) => return Ok(()),
+        None if insecure => return Ok(()),
+        None => v,
+    };
+    Err(TelemetryError::Https { var, value: value.to_string(), host: host.to_string() })
 }
 
 /// The process's tracing state; `shutdown` flushes spans still buffered for export.
@@ -126,6 +145,18 @@ fn provider(
     service: &'static str,
     endpoint: Option<String>,
 ) -> Result<SdkTracerProvider, TelemetryError> {
+    let insecure =
+        std::env::var("OTEL_EXPORTER_OTLP_INSECURE").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
+    // The exporter reads the traces-specific variable first, then the general one.
+    let effective = match &endpoint {
+        Some(e) => Some(("endpoint", e.clone())),
+        None => ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"]
+            .into_iter()
+            .find_map(|v| std::env::var(v).ok().filter(|e| !e.trim().is_empty()).map(|e| (v, e))),
+    };
+    if let Some((var, value)) = effective {
+        check_endpoint(var, &value, insecure)?;
+    }
     let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic();
     if let Some(e) = endpoint {
         exporter = exporter.with_endpoint(e);
@@ -147,4 +178,20 @@ fn provider(
         .with_resource(resource.build())
         .with_batch_exporter(exporter)
         .build())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_endpoint;
+
+    #[test]
+    fn tls_endpoints_are_refused_with_the_fix() {
+        let e = "OTEL_EXPORTER_OTLP_ENDPOINT";
+        assert!(check_endpoint(e, "http://jaeger:4317", false).is_ok());
+        assert!(check_endpoint(e, "jaeger:4317", true).is_ok());
+        for bad in ["jaeger:4317", "https://jaeger:4317", "HTTPS://jaeger:4317"] {
+            let msg = check_endpoint(e, bad, false).expect_err(bad).to_string();
+            assert!(msg.contains("use http://jaeger:4317"), "{msg}");
+        }
+    }
 }
