@@ -207,7 +207,10 @@ async fn one_request_is_one_trace_across_the_mesh(transport: &str) {
     assert_eq!(transfer.int("blocks"), Some(7));
     assert_eq!(transfer.int("layers"), Some(30));
     assert_eq!(transfer.int("bytes"), Some(t.kv_bytes as i64));
-    assert!(transfer.attr("bandwidth_mb_s").is_some(), "{transfer}");
+    assert!(
+        transfer.attr("bandwidth_mb_s").is_some() && transfer.attr("tail_ms").is_some(),
+        "{transfer}"
+    );
     assert_eq!(receive.str("transport"), Some(transport));
     assert_eq!(receive.int("bytes"), Some(t.kv_bytes as i64));
     assert_eq!(receive.str("prefill_node"), Some("prefill-0"));

@@ -205,7 +205,7 @@ impl PrefillCore {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let span = job.span.clone();
+        let waiting = tracing::info_span!(parent: &job.span, "prefill.queue_wait");
         self.jobs.insert(
             id,
             Active {
@@ -218,7 +218,7 @@ impl PrefillCore {
                 checksums: Vec::new(),
                 submitted: now,
                 started: None,
-                waiting: tracing::info_span!(parent: &span, "prefill.queue_wait"),
+                waiting,
             },
         );
         self.waiting.push_back(id);

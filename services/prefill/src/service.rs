@@ -106,7 +106,8 @@ impl Prefill for PrefillService {
             )));
         }
         // The transfer's span runs from opening the sink to the decode node's acknowledgement;
-        // the decode node's side of it is its child, through the control messages.
+        // the decode node's side of it is its child, through the control messages. `tail_ms`
+        // and the bandwidth cover what is left after the first token: what decoding waits for.
         let transfer = pdmesh_common::span!(
             "prefill.kv_transfer",
             decode_node = %target.decode_node,
@@ -116,7 +117,7 @@ impl Prefill for PrefillService {
             blocks = i64::from(target.blocks),
             layers = i64::from(self.layout.layers),
             bytes = Empty,
-            seconds = Empty,
+            tail_ms = Empty,
             bandwidth_mb_s = Empty,
         );
         let opened = self.transport.open(&target, &node).instrument(transfer.clone()).await;
@@ -218,7 +219,7 @@ impl Prefill for PrefillService {
                 stats.record(transport, done.as_ref().ok().copied(), secs);
                 let bytes = done.map_err(Status::from)?;
                 transfer.record("bytes", bytes as i64);
-                transfer.record("seconds", secs);
+                transfer.record("tail_ms", secs * 1e3);
                 if secs > 0.0 {
                     transfer.record("bandwidth_mb_s", bytes as f64 / secs / 1e6);
                 }
