@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -147,11 +148,6 @@ class Collector:
         self.spans = int(err.split("collect: ")[1].split()[0]) if "collect: " in err else 0
 
 
-def median(v):
-    s = sorted(v)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-
-
 def tracing(a, report):
     load = ["--requests", "24", "--concurrency", "4", "--prompt-tokens", "256", "--max-tokens", "32"]
     print(f"3. tracing off vs on (all spans exported): {' '.join(load)}, {a.rounds} rounds", file=sys.stderr)
@@ -179,7 +175,7 @@ def tracing(a, report):
             for k in path:
                 v = v[k]
             vals.append(v)
-        return median(vals)
+        return statistics.median(vals)
 
     print(f"\n== tracing off vs on ({a.rounds} rounds each, medians; {spans} spans exported) ==")
     print(f"{'':22} {'off':>10} {'on':>10} {'on/off':>8}")

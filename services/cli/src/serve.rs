@@ -359,7 +359,7 @@ fn start<C: Service>(
     // The span exporter's channel lives on the runtime.
     let telemetry = {
         let _in_runtime = rt.enter();
-        pdmesh_common::telemetry::init(C::TRACE_NAME, None)?
+        pdmesh_common::telemetry::init(C::TRACE_NAME)?
     };
     let cfg: C = pdmesh_common::load_config(&C::default(), file, C::ENV_PREFIX, overlay)?;
     cfg.check().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;

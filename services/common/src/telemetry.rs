@@ -11,7 +11,6 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_otlp::WithExportConfig as _;
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
@@ -101,23 +100,20 @@ where
         .with_filter(log_filter().and(filter_fn(|m| m.is_event())))
 }
 
-/// Installs logging only (commands that are not services). Later calls do nothing.
-pub fn init_logging() {
-    let _ = Registry::default().with(fmt_layer()).try_init();
-}
-
-/// Installs logging, and span export when an OTLP endpoint is configured (in the
-/// environment, or `endpoint`, which wins). `service` names the process in traces unless
-/// `OTEL_SERVICE_NAME` or a `service.name` in `OTEL_RESOURCE_ATTRIBUTES` does. Must run inside
-/// a Tokio runtime (the exporter's channel spawns on it). A second call in one process keeps
-/// the first subscriber.
-pub fn init(service: &'static str, endpoint: Option<String>) -> Result<Telemetry, TelemetryError> {
+/// Installs logging, and span export when an OTLP endpoint is configured in the environment.
+/// `service` names the process in traces unless `OTEL_SERVICE_NAME` or a `service.name` in
+/// `OTEL_RESOURCE_ATTRIBUTES` does. Must run inside a Tokio runtime (the exporter's channel
+/// spawns on it). A second call in one process keeps the first subscriber.
+pub fn init(service: &'static str) -> Result<Telemetry, TelemetryError> {
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    let configured = |v: &str| std::env::var(v).is_ok_and(|v| !v.trim().is_empty());
-    let wanted = endpoint.is_some()
-        || configured("OTEL_EXPORTER_OTLP_ENDPOINT")
-        || configured("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
-    let provider = if wanted { Some(provider(service, endpoint)?) } else { None };
+    // The exporter reads the traces-specific variable first, then the general one.
+    let endpoint = ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"]
+        .into_iter()
+        .find_map(|v| std::env::var(v).ok().filter(|e| !e.trim().is_empty()).map(|e| (v, e)));
+    let provider = match endpoint {
+        Some((var, value)) => Some(provider(service, var, &value)?),
+        None => None,
+    };
     // The exporter's own HTTP/2 client is traced too; exporting those spans would feed itself.
     let quiet = Targets::new()
         .with_default(LevelFilter::INFO)
@@ -143,25 +139,17 @@ pub fn init(service: &'static str, endpoint: Option<String>) -> Result<Telemetry
 
 fn provider(
     service: &'static str,
-    endpoint: Option<String>,
+    var: &'static str,
+    endpoint: &str,
 ) -> Result<SdkTracerProvider, TelemetryError> {
     let insecure =
         std::env::var("OTEL_EXPORTER_OTLP_INSECURE").is_ok_and(|v| v.eq_ignore_ascii_case("true"));
-    // The exporter reads the traces-specific variable first, then the general one.
-    let effective = match &endpoint {
-        Some(e) => Some(("endpoint", e.clone())),
-        None => ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"]
-            .into_iter()
-            .find_map(|v| std::env::var(v).ok().filter(|e| !e.trim().is_empty()).map(|e| (v, e))),
-    };
-    if let Some((var, value)) = effective {
-        check_endpoint(var, &value, insecure)?;
-    }
-    let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_tonic();
-    if let Some(e) = endpoint {
-        exporter = exporter.with_endpoint(e);
-    }
-    let exporter = exporter.build().map_err(|e| TelemetryError::Exporter(e.to_string()))?;
+    check_endpoint(var, endpoint, insecure)?;
+    // The builder reads the endpoint (and the other OTEL_EXPORTER_OTLP_* variables) itself.
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .build()
+        .map_err(|e| TelemetryError::Exporter(e.to_string()))?;
     // The SDK lets a service.name in OTEL_RESOURCE_ATTRIBUTES beat OTEL_SERVICE_NAME, and a
     // name set in code beat both; the spec orders them OTEL_SERVICE_NAME, then the attribute,
     // then the default.

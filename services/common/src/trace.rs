@@ -23,7 +23,7 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use crate::telemetry::exporting;
 
 /// The W3C header, also the name of the field in KV-transfer control messages.
-pub const TRACEPARENT: &str = "traceparent";
+const TRACEPARENT: &str = "traceparent";
 
 struct MetadataInjector<'a>(&'a mut MetadataMap);
 
@@ -111,9 +111,32 @@ pub fn fail(span: &Span, status: &tonic::Status) {
     record_status(span, status.code(), status.message());
 }
 
-/// An `info` span named `name` that can carry a gRPC status (for [`fail`]), plus `fields`.
+/// Runs `fut` in `span` and marks the span failed if it returns an error status.
+pub async fn in_span<T>(
+    span: &Span,
+    fut: impl Future<Output = Result<T, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    let r = fut.instrument(span.clone()).await;
+    if let Err(s) = &r {
+        fail(span, s);
+    }
+    r
+}
+
+/// An `info` span named `name` that can carry a gRPC status (for [`fail`]), plus `fields`;
+/// `span!(parent: &p, "name", ...)` gives it an explicit parent.
 #[macro_export]
 macro_rules! span {
+    (parent: $parent:expr, $name:literal $(, $($fields:tt)*)?) => {
+        tracing::info_span!(
+            parent: $parent,
+            $name,
+            rpc.grpc.status_code = tracing::field::Empty,
+            otel.status_code = tracing::field::Empty,
+            otel.status_description = tracing::field::Empty,
+            $($($fields)*)?
+        )
+    };
     ($name:literal $(, $($fields:tt)*)?) => {
         tracing::info_span!(
             $name,

@@ -621,15 +621,13 @@ impl DecodeCore {
             let r = self.reservations.get_mut(&s.id).expect("scheduled requests are reserved");
             let run = r.run.as_mut().expect("scheduled requests are attached");
             if run.steps == 0 {
-                run.phase = tracing::info_span!(
+                run.phase = pdmesh_common::span!(
                     parent: &run.span,
                     "decode.batch",
                     tokens = Empty,
                     steps = Empty,
                     largest_batch = Empty,
                     finish_reason = Empty,
-                    otel.status_code = Empty,
-                    otel.status_description = Empty,
                 );
             }
             run.steps += 1;

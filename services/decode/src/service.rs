@@ -250,11 +250,7 @@ impl Decode for DecodeService {
             _ => None,
         };
         let span = self.receive_span(header.as_ref(), "grpc");
-        let received = self.receive(s, header).instrument(span.clone()).await;
-        if let Err(st) = &received {
-            trace::fail(&span, st);
-        }
-        received
+        trace::in_span(&span, self.receive(s, header)).await
     }
 
     type KvSessionStream = Pin<Box<dyn Stream<Item = Result<KvSessionEvent, Status>> + Send>>;
@@ -276,13 +272,7 @@ impl Decode for DecodeService {
         };
         let span = self.receive_span(header.as_ref(), "ucx");
         let started = std::time::Instant::now();
-        let (id, from) = match self.begin(header, true).instrument(span.clone()).await {
-            Ok(b) => b,
-            Err(st) => {
-                trace::fail(&span, &st);
-                return Err(st);
-            }
-        };
+        let (id, from) = trace::in_span(&span, self.begin(header, true)).await?;
         let end = TransferEnd { tx: self.tx.clone(), id };
         let (events, rx) = mpsc::channel(2);
         let accepted =

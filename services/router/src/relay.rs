@@ -188,6 +188,9 @@ pub async fn run(
 
 /// What the request's root span says about how it ended.
 fn finished_attrs(root: &Span, reason: i32, completion_tokens: u32, t: &Timings) {
+    if root.is_disabled() {
+        return; // nothing is exported: skip the copies
+    }
     let reason = FinishReason::try_from(reason).unwrap_or(FinishReason::Unspecified);
     trace::attr(root, "finish_reason", reason.as_str_name());
     trace::attr(root, "completion_tokens", i64::from(completion_tokens));

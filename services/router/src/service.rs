@@ -52,11 +52,7 @@ impl RouterService {
         let admission = pdmesh_common::span!("router.admission", in_flight = Empty);
         // The server layer's `router.generate` span: the request's root.
         let root = Span::current();
-        let admitted = self.admit(r, deadline, root).instrument(admission.clone()).await;
-        if let Err(s) = &admitted {
-            trace::fail(&admission, s);
-        }
-        admitted
+        trace::in_span(&admission, self.admit(r, deadline, root)).await
     }
 
     /// Validates (template, tokenizer, limits), takes an admission permit and starts the relay.
