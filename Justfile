@@ -46,24 +46,24 @@ bench: bench-engine bench-mesh bench-kv bench-prefix
 # KV transfer: UCX vs the gRPC stream vs memcpy for a 4,096-token prompt's KV between two
 # processes; then TTFT of a 2,048-token prompt with layer-wise push against push-after-prefill.
 bench-kv *args="": system-deps fetch-model
-    cargo build --release --locked -q -p pdmesh-cli
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_kv.py --model {{model}} {{args}}
 
 # The mesh against the engine alone (TTFT, inter-token latency); 1 prefill + 1 decode pinned to
 # a core each against one colocated engine under a mixed load; and throughput with tracing off
 # vs on (every span exported); in one run. `--parts tracing` runs only the last.
 bench-mesh *args="": system-deps fetch-model
-    cargo build --release --locked -q -p pdmesh-cli
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_mesh.py --model {{model}} {{args}}
 
 # Engine speed against llama.cpp on the same GGUF and threads, in one run (ratios printed).
 bench-engine threads="2" *args="": system-deps fetch-model _llamacpp
-    cargo build --release --locked -q -p pdmesh-cli
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     {{bench_venv}}/bin/python scripts/bench_engine.py --model {{model}} --threads {{threads}} {{args}}
 
 # Fidelity against llama.cpp: greedy tokens on 12 chat prompts and perplexity.
 compare-llamacpp: system-deps fetch-model _llamacpp
-    cargo build --release --locked -q -p pdmesh-cli
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     {{bench_venv}}/bin/python scripts/compare_llamacpp.py --model {{model}}
 
 # llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv.
@@ -76,5 +76,5 @@ _llamacpp:
 # The prefix cache: TTFT with a 2,000-token system prompt cold vs cached, then the first 1,000
 # requests of the conversation trace per placement policy and KV-store budget (~40 min).
 bench-prefix *args="": system-deps fetch-model
-    cargo build --release --locked -q -p pdmesh-cli
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_prefix.py --model {{model}} {{args}}

@@ -1,7 +1,9 @@
-//! Harness for tests that run `pdmesh` as separate processes: where the binary and the model are,
-//! a runner that captures output, and `Cluster`, a mesh of real service processes.
+//! Harness for tests of the whole mesh: `Cluster`, a mesh of real `pdmesh` processes on the
+//! real model (where the binary and the model are, a runner that captures output), and
+//! `inprocess::Mesh`, the real services started in this process on the tiny model.
 
 pub mod cluster;
+pub mod inprocess;
 
 pub use cluster::{Cluster, eventually};
 

@@ -6,7 +6,7 @@
 use bytes::Bytes;
 use pdmesh_integration::cluster::Service;
 use pdmesh_integration::{Cluster, model_path};
-use pdmesh_kv_transfer::{BlockHasher, bytes_per_block};
+use pdmesh_kv_types::BlockHasher;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
@@ -30,11 +30,12 @@ async fn kvstore_process_shares_the_mesh_layout_and_round_trips_blocks() {
         .max_decoding_message_size(64 << 20);
     let s = k.stats(StatsRequest {}).await.unwrap().into_inner();
     assert_eq!(s.layout.as_ref(), Some(&layout), "the store and the workers disagree on layout");
-    let bpb = bytes_per_block(&layout).unwrap();
+    let domain = pdmesh_proto::layout_from_wire(&layout).unwrap();
+    let bpb = domain.bytes_per_block();
     assert_eq!(s.capacity_blocks, 50_000_000 / bpb as u64);
 
     let tokens: Vec<u32> = (0..40).map(|i| 300 + i).collect();
-    let chain = BlockHasher::new(&layout).unwrap().chain(&tokens);
+    let chain = BlockHasher::new(&domain).unwrap().chain(&tokens);
     assert_eq!(chain.len(), 2, "40 tokens are two full 16-token blocks");
     let data: Vec<Bytes> = (0..2u8).map(|i| Bytes::from(vec![i + 7; bpb])).collect();
     let mut msgs = vec![KvWriteChunk {

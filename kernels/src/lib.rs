@@ -18,5 +18,6 @@ pub mod quant;
 
 pub use backend::{Backend, MatmulJob};
 pub use cpu::{CpuBackend, Simd};
-pub use kv::{AttnQuery, KvBuffer, KvData, KvDtype, KvGeometry, KvSlot, Phase};
+pub use kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvDtype, KvGeometry, KvSlot, Phase};
+pub use pdmesh_kv_types::{MemoryKind, MemoryRegion};
 pub use quant::{Activations, WeightMatrix, WeightType};

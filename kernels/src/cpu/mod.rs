@@ -9,7 +9,7 @@ pub mod portable;
 use half::slice::HalfFloatSliceExt;
 
 use crate::backend::{Backend, MatmulJob};
-use crate::kv::{AttnQuery, KvBuffer, KvData, KvSlot, Phase};
+use crate::kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvSlot, Phase};
 use crate::pool::{SharedMut, ThreadPool, split};
 use crate::quant::{Activations, QK, WeightMatrix};
 use ops::Isa;
@@ -395,6 +395,7 @@ impl Backend for CpuBackend {
         assert!(k.len() == slots.len() * kd && v.len() == k.len(), "kv_write: shape mismatch");
         assert!(layer < g.layers, "kv_write: layer out of range");
         let n_blocks = kv.n_blocks();
+        let mut data = kv.data_mut();
         for (i, s) in slots.iter().enumerate() {
             assert!(
                 (s.block as usize) < n_blocks && (s.slot as usize) < g.block_size,
@@ -404,9 +405,9 @@ impl Backend for CpuBackend {
                 for h in 0..g.kv_heads {
                     let off = g.offset(s.block as usize, layer, which, h, s.slot as usize);
                     let row = &src[i * kd + h * g.head_dim..i * kd + (h + 1) * g.head_dim];
-                    match kv.data_mut() {
-                        KvData::F16(d) => d[off..off + g.head_dim].convert_from_f32_slice(row),
-                        KvData::F32(d) => d[off..off + g.head_dim].copy_from_slice(row),
+                    match &mut data {
+                        KvDataMut::F16(d) => d[off..off + g.head_dim].convert_from_f32_slice(row),
+                        KvDataMut::F32(d) => d[off..off + g.head_dim].copy_from_slice(row),
                     }
                 }
             }
@@ -443,7 +444,7 @@ impl Backend for CpuBackend {
         // One item per (query token, head): even a single decode token spreads over threads.
         let items = queries.len() * heads;
         let o = SharedMut::new(out);
-        let data = kv.data();
+        let data = &kv.data();
         let run = |tid: usize, stride: usize| {
             let mut scratch = ops::AttnScratch::default();
             // Strided so that causal prefill (later tokens cost more) balances across threads.

@@ -1,18 +1,16 @@
-//! `pdmesh`: the one binary of the project. `up` starts a whole mesh on this machine;
-//! `router`, `prefill` and `decode` run one service each; `generate` and `bench` are clients of
-//! a running mesh; `run`, `perplexity` and `bench engine` use the engine in this process.
+//! `pdmesh`: the product's one binary. `up` starts a whole mesh on this machine; `router`,
+//! `prefill`, `decode` and `kvstore` run one service each; `generate` is a client of a running
+//! mesh; `run` and `perplexity` use the engine in this process. The benchmarks, the trace
+//! replay and the trace collector live in the tools binary beside it (`pdmesh-tools`), and
+//! `pdmesh bench|replay|collect` runs them there.
 
-mod args;
-mod bench;
-mod collect;
 mod generate;
-mod kv_bench;
-mod mesh_bench;
 mod perplexity;
-mod replay;
 mod run;
 mod serve;
 mod up;
+
+use std::ffi::OsString;
 
 use clap::{Parser, Subcommand};
 
@@ -24,9 +22,12 @@ use clap::{Parser, Subcommand};
     long_about = "pdmesh serves llama-architecture GGUF models.\n\n\
         `pdmesh up` starts a mesh on this machine and `pdmesh generate` talks to it;\n\
         `pdmesh router|prefill|decode` run one service each (for clusters). Local\n\
-        commands (`run`, `perplexity`, `bench engine`) use the engine in this process.\n\
-        The default model is SmolLM2-135M-Instruct (Q4_1), fetched by `just fetch-model`\n\
-        into models/."
+        commands (`run`, `perplexity`) use the engine in this process. The default model\n\
+        is SmolLM2-135M-Instruct (Q4_1), fetched by `just fetch-model` into models/.",
+    after_help = "Tools (in the pdmesh-tools binary beside this one, run as `pdmesh <tool>`):\n  \
+        bench    Drive a running mesh (TTFT, TPOT, goodput); `bench engine`, `bench kv`\n  \
+        replay   Replay a Mooncake-format trace against a running mesh\n  \
+        collect  Receive OTLP spans and print them (Jaeger's job, without Jaeger)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -48,24 +49,41 @@ enum Command {
     Decode(serve::DecodeArgs),
     /// Run a KV-store: the mesh-wide prefix cache of KV blocks, addressed by content.
     Kvstore(serve::KvStoreArgs),
-    /// Replay a Mooncake-format trace against a running mesh: ideal vs achieved prefix-cache
-    /// hit rate, TTFT/TPOT percentiles and goodput.
-    Replay(replay::ReplayArgs),
     /// Generate text from a prompt on this machine, streaming it to stdout.
     Run(run::RunArgs),
     /// Score a text file: perplexity over non-overlapping windows of --ctx tokens.
     Perplexity(perplexity::PerplexityArgs),
-    /// Drive a running mesh with concurrent or Poisson-arriving requests and report TTFT,
-    /// TPOT, inter-token and end-to-end latency, throughput and goodput; `bench engine`
-    /// measures the local engine instead.
-    Bench(bench::BenchArgs),
-    /// Receive spans over OTLP/gRPC (what the services export to
-    /// OTEL_EXPORTER_OTLP_ENDPOINT) and print one line per span: Jaeger's job, without Jaeger.
-    Collect(collect::CollectArgs),
     /// Write the logits of every position of a token sequence as raw little-endian f32
     /// (fidelity tooling: compared against llama.cpp by scripts/compare_llamacpp.py).
     #[command(hide = true)]
     DumpLogits(perplexity::DumpLogitsArgs),
+    /// A tool of the tools binary (`bench`, `replay`, `collect`).
+    #[command(external_subcommand)]
+    Tool(Vec<OsString>),
+}
+
+/// The commands the tools binary provides.
+const TOOLS: [&str; 3] = ["bench", "replay", "collect"];
+
+/// Runs `pdmesh-tools <args>` in this process's place.
+fn tool(args: Vec<OsString>) -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let name = args.first().and_then(|a| a.to_str()).unwrap_or_default().to_string();
+    anyhow::ensure!(
+        TOOLS.contains(&name.as_str()),
+        "unknown command {name:?} (see `pdmesh --help`)"
+    );
+    let me = std::env::current_exe()?;
+    let tools = me.with_file_name("pdmesh-tools");
+    anyhow::ensure!(
+        tools.exists(),
+        "`pdmesh {name}` is in the tools binary, {}, which is not built: \
+         `cargo build --release -p pdmesh-tools`",
+        tools.display()
+    );
+    // exec returns only if it failed.
+    let e = std::process::Command::new(&tools).args(&args).exec();
+    Err(anyhow::Error::new(e).context(format!("running {}", tools.display())))
 }
 
 fn main() -> std::process::ExitCode {
@@ -77,12 +95,10 @@ fn main() -> std::process::ExitCode {
         Command::Prefill(a) => serve::prefill(a),
         Command::Decode(a) => serve::decode(a),
         Command::Kvstore(a) => serve::kvstore(a),
-        Command::Replay(a) => replay::run(a),
         Command::Run(a) => run::run(a),
         Command::Perplexity(a) => perplexity::run(a),
-        Command::Bench(b) => bench::run(b),
-        Command::Collect(a) => collect::run(a),
         Command::DumpLogits(a) => perplexity::dump_logits(a),
+        Command::Tool(args) => tool(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 
-use crate::args::EngineArgs;
+use pdmesh_cli::args::EngineArgs;
 
 #[derive(Debug, Args)]
 pub struct PerplexityArgs {

@@ -7,7 +7,7 @@ use clap::Args;
 use pdmesh_engine::generate::generate_observed;
 use pdmesh_engine::{GenerateParams, Message, SamplingParams, StreamDecoder};
 
-use crate::args::EngineArgs;
+use pdmesh_cli::args::EngineArgs;
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
@@ -88,8 +88,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let params = GenerateParams {
         sampling,
         max_tokens: a.max_tokens,
-        stop_tokens: Vec::new(),
         ignore_eos: a.ignore_eos,
+        ..Default::default()
     };
     let mut dec = StreamDecoder::new();
     let mut out = std::io::stdout().lock();

@@ -8,7 +8,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
+use pdmesh_cli::process::shutdown_signal;
 use pdmesh_common::metrics::Metrics;
+use pdmesh_kv_transfer::{PushMode, TransportKind};
+use pdmesh_router::placement::PrefillPolicy;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Args, Serialize)]
@@ -72,9 +75,9 @@ pub struct NodeFlags {
     /// How KV moves between prefill and decode nodes: ucx (one-sided RDMA puts; UCX_TLS,
     /// UCX_NET_DEVICES … choose the fabric), grpc (the gRPC stream), auto (UCX when both ends
     /// have it, else gRPC) [default: auto].
-    #[arg(long, value_parser = ["ucx", "grpc", "auto"])]
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    kv_transport: Option<String>,
+    kv_transport: Option<TransportKind>,
     #[command(flatten)]
     engine: EngineFlags,
     /// Stop when stdin closes (used by `pdmesh up` so children never outlive it).
@@ -98,8 +101,8 @@ pub struct PrefillArgs {
     node: NodeFlags,
     /// When KV is pushed: layer (each layer as soon as it is computed, UCX only), chunk (after
     /// each chunk), prompt (after the whole prompt) [default: layer].
-    #[arg(long, value_parser = ["layer", "chunk", "prompt"])]
-    kv_push: Option<String>,
+    #[arg(long)]
+    kv_push: Option<PushMode>,
     /// Send a checksum of every KV block for the decode node to verify.
     #[arg(long)]
     kv_verify: bool,
@@ -144,9 +147,9 @@ pub struct RouterArgs {
     colocate_below_tokens: Option<usize>,
     /// How prefill nodes are chosen: prefix-aware (where the prompt's prefix is cached, within
     /// --prefix-max-imbalance), least-load or round-robin [default: prefix-aware].
-    #[arg(long, value_parser = pdmesh_router::placement::PrefillPolicy::NAMES)]
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    prefill_policy: Option<String>,
+    prefill_policy: Option<PrefillPolicy>,
     /// Most prompts a prefix-aware choice may have above the least-loaded prefill node
     /// [default: 2].
     #[arg(long)]
@@ -205,9 +208,9 @@ pub struct KvStoreArgs {
     block_size: Option<usize>,
     /// How prefill nodes may read blocks: auto (UCX gets from the registered pool when UCX
     /// starts, else the gRPC stream), ucx (UCX must start) or grpc [default: auto].
-    #[arg(long, value_parser = ["ucx", "grpc", "auto"])]
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
-    kv_transport: Option<String>,
+    kv_transport: Option<TransportKind>,
     /// Lease on a match's pins when the caller asks for none, in ms.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -233,34 +236,6 @@ fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-/// Completes on Ctrl-C, SIGTERM, or (with `--exit-with-stdin`) when stdin closes.
-pub async fn shutdown_signal(watch_stdin: bool) {
-    let stdin_closed = async {
-        if watch_stdin {
-            use tokio::io::AsyncReadExt;
-            let mut buf = [0u8; 64];
-            let mut stdin = tokio::io::stdin();
-            while matches!(stdin.read(&mut buf).await, Ok(n) if n > 0) {}
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        () = term => {}
-        () = stdin_closed => {}
-    }
-    tracing::info!("shutting down");
-}
-
 async fn bind_and_announce(service: &str, listen: &str) -> anyhow::Result<tokio::net::TcpListener> {
     let (l, addr) =
         pdmesh_common::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
@@ -279,7 +254,7 @@ struct DecodeExtra {
 #[derive(Serialize)]
 struct PrefillExtra {
     #[serde(skip_serializing_if = "Option::is_none")]
-    kv_push: Option<String>,
+    kv_push: Option<PushMode>,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     kv_verify: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -470,7 +445,9 @@ mod tests {
                     l.trim_start().starts_with(&format!("{key} ="))
                         || l.trim() == format!("[{key}]")
                 });
-                let optional = ["advertise", "node_id"].contains(&key.as_str());
+                // Unset, these have no TOML spelling (and the fault hooks are for tests).
+                let optional =
+                    ["advertise", "node_id", "fault_engine_panic_at_step"].contains(&key.as_str());
                 assert!(spelled || optional, "{name} does not set {key}");
             }
         }

@@ -5,15 +5,16 @@
 //! outlive this process), killing any that do not stop in time.
 
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::Args;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::{ListNodesRequest, Role};
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+
+use pdmesh_cli::process::{Proc, spawn, stop};
+use pdmesh_kv_transfer::{PushMode, TransportKind};
+use pdmesh_router::placement::PrefillPolicy;
 
 #[derive(Debug, Args)]
 pub struct UpArgs {
@@ -49,76 +50,23 @@ pub struct UpArgs {
     #[arg(long)]
     decode_cpus: Option<String>,
     /// How KV moves from prefill to decode nodes: ucx, grpc or auto (see `pdmesh prefill --help`).
-    #[arg(long, value_parser = ["ucx", "grpc", "auto"])]
-    kv_transport: Option<String>,
+    #[arg(long)]
+    kv_transport: Option<TransportKind>,
     /// When prefill nodes push KV: layer, chunk or prompt.
-    #[arg(long, value_parser = ["layer", "chunk", "prompt"])]
-    kv_push: Option<String>,
+    #[arg(long)]
+    kv_push: Option<PushMode>,
     /// Bytes the KV-store (the shared prefix cache) holds; 0 runs the mesh without one.
     #[arg(long, default_value_t = 1 << 30)]
     kvstore_budget_bytes: u64,
     /// How the router chooses prefill nodes: prefix-aware, least-load or round-robin.
-    #[arg(long, value_parser = pdmesh_router::placement::PrefillPolicy::NAMES)]
-    prefill_policy: Option<String>,
+    #[arg(long)]
+    prefill_policy: Option<PrefillPolicy>,
     /// Bytes of recent KV blocks each prefill node keeps itself (0 = none; default 128 MiB).
     #[arg(long, value_name = "BYTES")]
     cache_bytes: Option<u64>,
     /// Give up if the mesh is not ready within this many seconds.
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
-}
-
-/// A child node process; it ends with us (its stdin closes, and it is killed on drop).
-pub(crate) struct Proc {
-    name: String,
-    child: Child,
-}
-
-/// Starts `pdmesh <args>` and returns it with the address it announced.
-pub(crate) async fn spawn(
-    name: &str,
-    cpus: Option<&str>,
-    args: &[String],
-) -> anyhow::Result<(Proc, String)> {
-    let exe = std::env::current_exe().context("finding the pdmesh binary")?;
-    let mut cmd = match cpus {
-        Some(c) => {
-            let mut t = Command::new("taskset");
-            t.arg("-c").arg(c).arg(&exe);
-            t
-        }
-        None => Command::new(&exe),
-    };
-    // Tells the processes apart in traces (prefill-0, prefill-1, ...) unless the user did.
-    let attrs = std::env::var("OTEL_RESOURCE_ATTRIBUTES").unwrap_or_default();
-    if !attrs.contains("service.instance.id=") {
-        let sep = if attrs.trim().is_empty() { "" } else { "," };
-        cmd.env("OTEL_RESOURCE_ATTRIBUTES", format!("{attrs}{sep}service.instance.id={name}"));
-    }
-    cmd.args(args)
-        .arg("--exit-with-stdin")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true);
-    let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
-    let stdout = child.stdout.take().context("child stdout")?;
-    let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-        .await
-        .with_context(|| format!("{name} did not start listening in 60 s"))??
-        .with_context(|| format!("{name} exited before listening (see its log above)"))?;
-    let addr = line
-        .rsplit_once(" listening on ")
-        .map(|(_, a)| a.trim().to_string())
-        .with_context(|| format!("{name} printed {line:?}, not its address"))?;
-    // Anything else the child prints goes to our stderr rather than filling a pipe.
-    tokio::spawn(async move {
-        while let Ok(Some(l)) = lines.next_line().await {
-            eprintln!("{l}");
-        }
-    });
-    Ok((Proc { name: name.to_string(), child }, addr))
 }
 
 pub fn run(a: UpArgs) -> anyhow::Result<()> {
@@ -156,7 +104,7 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                 "127.0.0.1:0".into(),
             ]
             .into_iter()
-            .chain(a.prefill_policy.iter().flat_map(|p| ["--prefill-policy".into(), p.clone()]))
+            .chain(a.prefill_policy.iter().flat_map(|p| ["--prefill-policy".into(), p.to_string()]))
             .collect::<Vec<String>>(),
         )
         .await?;
@@ -175,7 +123,7 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
             ]
             .into_iter()
             .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))
-            .chain(a.kv_transport.iter().flat_map(|t| ["--kv-transport".into(), t.clone()]))
+            .chain(a.kv_transport.iter().flat_map(|t| ["--kv-transport".into(), t.to_string()]))
             .collect::<Vec<String>>();
             let (p, kaddr) = spawn("kvstore", None, &args).await?;
             procs.push(p);
@@ -210,12 +158,12 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                     args.extend(["--kv-blocks".into(), b.to_string()]);
                 }
                 if let Some(t) = &a.kv_transport {
-                    args.extend(["--kv-transport".into(), t.clone()]);
+                    args.extend(["--kv-transport".into(), t.to_string()]);
                 }
                 if role == "prefill"
                     && let Some(p) = &a.kv_push
                 {
-                    args.extend(["--kv-push".into(), p.clone()]);
+                    args.extend(["--kv-push".into(), p.to_string()]);
                 }
                 if role == "prefill"
                     && let Some(b) = a.cache_bytes
@@ -249,15 +197,15 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
     let died = async {
         loop {
             for p in procs.iter_mut() {
-                if let Ok(Some(status)) = p.child.try_wait() {
-                    return format!("{} exited ({status})", p.name);
+                if let Some(why) = p.exited() {
+                    return why;
                 }
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     };
     let outcome = tokio::select! {
-        () = crate::serve::shutdown_signal(false) => None,
+        () = pdmesh_cli::process::shutdown_signal(false) => None,
         d = died => Some(d),
     };
     stop(procs).await;
@@ -293,22 +241,4 @@ async fn wait_ready(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     bail!("mesh not ready after {timeout:?}: {last}")
-}
-
-/// Closes every child's stdin (a clean stop), then kills those still running after 10 s.
-async fn stop(mut procs: Vec<Proc>) {
-    for p in procs.iter_mut() {
-        drop(p.child.stdin.take());
-    }
-    let until = Instant::now() + Duration::from_secs(10);
-    for p in procs.iter_mut() {
-        let left = until.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, p.child.wait()).await {
-            Ok(_) => {}
-            Err(_) => {
-                eprintln!("{} did not stop in time; killing it", p.name);
-                let _ = p.child.kill().await;
-            }
-        }
-    }
 }

@@ -35,9 +35,27 @@ fn help_lists_commands_and_options() {
     ] {
         assert!(out.contains(opt), "run --help lacks {opt}:\n{out}");
     }
+    // The tools run from the tools binary beside this one, as `pdmesh <tool>`.
+    let tools = std::path::Path::new(env!("CARGO_BIN_EXE_pdmesh")).with_file_name("pdmesh-tools");
+    if !tools.exists() {
+        eprintln!(
+            "SKIPPED: `pdmesh bench` (pdmesh-tools is not built; `cargo test --workspace` builds it)"
+        );
+        return;
+    }
     let (code, out, _) = pdmesh(&["bench", "engine", "--help"]);
     assert_eq!(code, 0);
     assert!(out.contains("--threads") && out.contains("--json"), "{out}");
+    let (code, out, _) = pdmesh(&["collect", "--help"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("--listen"), "{out}");
+}
+
+#[test]
+fn an_unknown_command_is_an_error_not_a_tool() {
+    let (code, _, err) = pdmesh(&["frobnicate"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("unknown command") && err.contains("frobnicate"), "{err}");
 }
 
 #[test]

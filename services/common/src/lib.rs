@@ -1,9 +1,10 @@
 //! What every pdmesh service shares: config loading (defaults → TOML → env → flags), serving a
 //! tonic router with health and reflection and a bounded drain, the membership client that
 //! registers a node with its routers and heartbeats its load, deadlines from `grpc-timeout`,
-//! request ids, and telemetry: logging, tracing (W3C propagation, OTLP export, a receiver for
-//! tests) and Prometheus metrics.
+//! request ids, the engine thread every worker node runs, and telemetry: logging, tracing (W3C
+//! propagation, OTLP export, a receiver for tests) and Prometheus metrics.
 
+#[cfg(feature = "collector")]
 pub mod collector;
 pub mod config;
 pub mod convert;
@@ -15,6 +16,7 @@ pub mod serve;
 pub mod status;
 pub mod telemetry;
 pub mod trace;
+pub mod worker;
 
 pub use config::{ConfigError, load_config};
 pub use serve::{bind, serve, serve_node};

@@ -1,12 +1,13 @@
 //! The node side of membership: register with every router, then heartbeat the node's load.
 //! A router that restarted or dropped the node answers `known = false` and the node registers
-//! again; an unreachable router is retried with backoff. Nothing here blocks the node's work.
+//! again; an unreachable router is retried with backoff. A node that dies deregisters at once,
+//! so no router waits for its heartbeats to lapse. Nothing here blocks the node's work.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use pdmesh_proto::v1::membership_client::MembershipClient;
-use pdmesh_proto::v1::{HeartbeatRequest, NodeLoad, RegisterRequest};
+use pdmesh_proto::v1::{DeregisterRequest, HeartbeatRequest, NodeLoad, RegisterRequest};
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Endpoint;
 
@@ -14,26 +15,49 @@ use tonic::transport::Endpoint;
 pub type LoadFn = Arc<dyn Fn() -> NodeLoad + Send + Sync>;
 
 /// Starts one task per router that keeps `registration` registered and heartbeating until
-/// `stop` is cancelled.
+/// `stop` is cancelled, or deregisters it as soon as `died` is.
 pub fn spawn(
     routers: &[String],
     registration: RegisterRequest,
     load: LoadFn,
     stop: CancellationToken,
+    died: CancellationToken,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     routers
         .iter()
         .map(|r| {
-            let (r, reg, load, stop) =
-                (r.clone(), registration.clone(), load.clone(), stop.clone());
+            let (r, reg, load) = (r.clone(), registration.clone(), load.clone());
+            let (stop, died) = (stop.clone(), died.clone());
             tokio::spawn(async move {
                 tokio::select! {
-                    () = keep_registered(&r, reg, load) => {}
+                    () = keep_registered(&r, reg.clone(), load) => {}
                     () = stop.cancelled() => {}
+                    () = died.cancelled() => deregister(&r, &reg.node_id).await,
                 }
             })
         })
         .collect()
+}
+
+/// Tells `router` that `node` is gone (best effort: a router that cannot be reached drops the
+/// node when its heartbeats lapse).
+async fn deregister(router: &str, node: &str) {
+    let call = async {
+        let ep = Endpoint::from_shared(format!("http://{router}"))
+            .map_err(|e| e.to_string())?
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(2));
+        let mut client = MembershipClient::new(ep.connect().await.map_err(|e| e.to_string())?);
+        let req = DeregisterRequest {
+            node_id: node.to_string(),
+            reason: "its engine thread died".into(),
+        };
+        client.deregister(req).await.map_err(|e| e.message().to_string())
+    };
+    match call.await {
+        Ok(_) => tracing::warn!(router, node, "deregistered: the node can no longer serve"),
+        Err(e) => tracing::warn!(router, node, "could not deregister ({e}); heartbeats stop"),
+    }
 }
 
 async fn keep_registered(router: &str, reg: RegisterRequest, load: LoadFn) {

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
@@ -26,6 +27,19 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
     drain: Duration,
+) -> Result<(), tonic::transport::Error> {
+    serve_until(routes, names, listener, shutdown, drain, CancellationToken::new()).await
+}
+
+/// `serve`; once `unhealthy` is cancelled, health reports NOT_SERVING while calls are still
+/// answered (with whatever status the node can give).
+async fn serve_until(
+    routes: Routes,
+    names: &[&str],
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+    drain: Duration,
+    unhealthy: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
     for n in names {
@@ -56,14 +70,28 @@ pub async fn serve(
             let _ = stop_rx.await;
         });
     tokio::pin!(server);
-    tokio::select! {
-        r = &mut server => return r,
-        () = shutdown => {}
+    tokio::pin!(shutdown);
+    let set_all = |status| {
+        let reporter = reporter.clone();
+        async move {
+            for n in names {
+                reporter.set_service_status(*n, status).await;
+            }
+            reporter.set_service_status("", status).await;
+        }
+    };
+    let mut healthy = true;
+    loop {
+        tokio::select! {
+            r = &mut server => return r,
+            () = &mut shutdown => break,
+            () = unhealthy.cancelled(), if healthy => {
+                healthy = false;
+                set_all(ServingStatus::NotServing).await;
+            }
+        }
     }
-    for n in names {
-        reporter.set_service_status(*n, ServingStatus::NotServing).await;
-    }
-    reporter.set_service_status("", ServingStatus::NotServing).await;
+    set_all(ServingStatus::NotServing).await;
     let _ = stop_tx.send(());
     match tokio::time::timeout(drain, &mut server).await {
         Ok(r) => r,
@@ -74,22 +102,45 @@ pub async fn serve(
     }
 }
 
-/// Serves a worker node: keeps it registered with `routers` while it serves, leaves the mesh
-/// (stops heartbeating, so routers stop placing new requests on it) as soon as `shutdown`
-/// completes, then drains in-flight calls for at most `drain`.
-#[allow(clippy::too_many_arguments)]
+/// How a worker node serves and takes part in the mesh.
+#[derive(Clone)]
+pub struct Node<'a> {
+    /// Fully-qualified service names reported healthy.
+    pub names: &'a [&'a str],
+    /// Time in-flight calls get to finish at shutdown.
+    pub drain: Duration,
+    /// Routers to register with.
+    pub routers: &'a [String],
+    pub registration: pdmesh_proto::v1::RegisterRequest,
+    pub load: crate::membership::LoadFn,
+    /// Cancelled when the node can no longer do its work (its engine thread died).
+    pub died: CancellationToken,
+}
+
+impl std::fmt::Debug for Node<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("names", &self.names).field("routers", &self.routers).finish()
+    }
+}
+
+/// Serves a worker node: keeps it registered with its routers while it serves, leaves the
+/// mesh (stops heartbeating, so routers stop placing new requests on it) as soon as
+/// `shutdown` completes, then drains in-flight calls for at most `node.drain`. A node that
+/// dies deregisters at once and reports NOT_SERVING, answering calls until it is stopped.
 pub async fn serve_node(
     routes: Routes,
-    names: &[&str],
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send,
-    drain: Duration,
-    routers: &[String],
-    registration: pdmesh_proto::v1::RegisterRequest,
-    load: crate::membership::LoadFn,
+    node: Node<'_>,
 ) -> Result<(), tonic::transport::Error> {
-    let stop = tokio_util::sync::CancellationToken::new();
-    let _membership = crate::membership::spawn(routers, registration, load, stop.clone());
+    let stop = CancellationToken::new();
+    let _membership = crate::membership::spawn(
+        node.routers,
+        node.registration,
+        node.load,
+        stop.clone(),
+        node.died.clone(),
+    );
     let leave = {
         let stop = stop.clone();
         async move {
@@ -97,7 +148,7 @@ pub async fn serve_node(
             stop.cancel();
         }
     };
-    let served = serve(routes, names, listener, leave, drain).await;
+    let served = serve_until(routes, node.names, listener, leave, node.drain, node.died).await;
     stop.cancel();
     served
 }

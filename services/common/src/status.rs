@@ -27,11 +27,22 @@ pub fn naming(node: &str, message: &str) -> String {
     if message.starts_with(&prefix) { message.to_string() } else { format!("{prefix}{message}") }
 }
 
-fn is_transport_failure(status: &Status) -> bool {
-    let m = status.message().to_ascii_lowercase();
-    ["transport", "connection", "broken pipe", "h2 protocol", "stream closed", "reset", "eof"]
-        .iter()
-        .any(|w| m.contains(w))
+/// Whether the call failed in the transport (the connection broke, the stream was reset)
+/// rather than with a status the node chose: found by walking the status's `source()` chain
+/// for the transport's own error types, as tonic does, never by reading its message.
+pub fn is_transport_failure(status: &Status) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(e) = cause {
+        if e.is::<tonic::transport::Error>()
+            || e.is::<hyper::Error>()
+            || e.is::<h2::Error>()
+            || e.is::<std::io::Error>()
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// RESOURCE_EXHAUSTED with a retry hint in metadata and in the message.
@@ -53,8 +64,12 @@ mod tests {
         let s = from_peer("decode-1", &Status::resource_exhausted("no blocks"));
         assert_eq!(s.code(), Code::ResourceExhausted);
         assert_eq!(s.message(), "node decode-1: no blocks");
-        let s = from_peer("prefill-0", &Status::unknown("transport error: connection reset"));
+        // A broken connection is told by the error the status carries, not by its words.
+        let reset = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "reset by peer");
+        let s = from_peer("prefill-0", &Status::from_error(Box::new(reset)));
         assert_eq!(s.code(), Code::Unavailable);
+        let s = from_peer("prefill-0", &Status::unknown("transport error: connection reset"));
+        assert_eq!(s.code(), Code::Unknown, "a node's own message that mentions a transport");
         let s = from_peer("prefill-0", &Status::unknown("engine bug"));
         assert_eq!(s.code(), Code::Unknown);
         // A status relayed twice from the same node names it once.

@@ -29,6 +29,8 @@ pub struct DecodeConfig {
     /// How prefill nodes may deliver KV here: "ucx" (register the KV pool with UCX; fail to
     /// start without it), "grpc" (the gRPC stream only), "auto" (UCX when it starts).
     pub kv_transport: TransportKind,
+    /// Fault injection for tests: the engine thread panics at this step. None in production.
+    pub fault_engine_panic_at_step: Option<u64>,
     pub engine: EngineSettings,
 }
 
@@ -45,6 +47,7 @@ impl Default for DecodeConfig {
             max_lease_ms: 300_000,
             drain_ms: 5_000,
             kv_transport: TransportKind::Auto,
+            fault_engine_panic_at_step: None,
             engine: EngineSettings { kv_blocks: 1024, ..EngineSettings::default() },
         }
     }

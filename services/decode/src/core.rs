@@ -1,25 +1,26 @@
-//! The decode node's state, free of gRPC and tokio: KV reservations under leases, KV arriving
-//! block by block, requests attached to their reservations, and continuous batching over all of
-//! them with the engine's step API. The worker thread drives it; unit tests drive it directly.
+//! The decode node's state, free of gRPC and tokio: KV reservations under leases, their KV
+//! arriving through the receive connector, requests attached to them, and the batch runner
+//! that generates for all of them. The worker thread drives it; unit tests drive it directly.
 //!
 //! Blocks are promised at reservation (prompt + max_tokens) so a running request never runs
 //! out of KV mid-stream; the engine allocates them as the prompt's KV arrives and tokens are
-//! generated. Every exit path (finish, cancel, failure, lease expiry) frees the sequence.
+//! generated. Every exit path (finish, cancel, failure, lease expiry) frees the sequence, or
+//! quarantines it while a remote writer may still reach its blocks.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
+use pdmesh_common::convert::ms;
 use pdmesh_engine::{
-    Engine, FinishReason, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
+    BatchRunner, End, Engine, Event as RunEvent, FinishReason, GenerateParams, Output as RunOutput,
+    Piece, Release, Role, SamplingParams, SeqId, SeqSpec, SeqStatus, Work,
 };
-
-use pdmesh_common::convert::{finish_reason, ms};
+use pdmesh_kv_transfer::{Receiver, Target};
+use pdmesh_wire::finish_reason;
 use tracing::Span;
 use tracing::field::Empty;
 
 use crate::error::DecodeError;
-use crate::text::{Piece, Pushed, TextStream};
 
 /// Where a request's output goes. `send` returns false when the receiver is gone.
 pub trait Output: Send {
@@ -76,44 +77,44 @@ pub struct Counts {
     pub leases_expired: u64,
 }
 
-struct Running {
-    sampler: Sampler,
-    history: Vec<u32>,
-    max_tokens: usize,
-    ignore_eos: bool,
-    text: TextStream,
+/// A request attached to its reservation: the runner has its sequence.
+struct Attached {
     out: Box<dyn Output>,
-    generated: usize,
-    next: Option<u32>,
     local: bool,
+    /// Until a transfer begins for a request whose first token came from elsewhere.
+    lease: Option<Instant>,
     attached_at: Instant,
     prefill_started: Option<Instant>,
-    prefill_ms: f64,
     queue_ms: f64,
+    prefill_ms: f64,
     /// `decode.queue_wait` from attach to the first step (the KV's arrival included), then
     /// `decode.batch` until the request leaves the batch.
     phase: Span,
     span: Span,
     steps: u32,
-    largest_batch: usize,
+}
+
+/// Where a reservation stands. Each phase holds only what it can have.
+enum Phase {
+    /// Blocks promised, no KV and no request yet: freed at `lease`.
+    Reserved { lease: Instant },
+    /// A transfer is writing the KV and no request is attached; the open transfer holds it
+    /// (its end without the KV fails it).
+    Receiving,
+    /// The KV is complete and waits for its request until `lease`.
+    Ready { lease: Instant },
+    /// A request is attached: running, or waiting in the runner for its KV.
+    Attached(Box<Attached>),
+    /// Ended while a remote writer may still put into its blocks: they stay committed until
+    /// the writer's session ends.
+    Quarantined,
 }
 
 struct Reservation {
     seq: SeqId,
     prompt_len: usize,
     committed: usize,
-    /// Freed at this instant unless a transfer has begun or a local prefill is attached.
-    lease: Option<Instant>,
-    /// Prompt blocks written so far (remote KV), and whether the sender said it is complete.
-    kv_started: bool,
-    kv_blocks: usize,
-    kv_complete: bool,
-    /// The prompt's blocks were allocated at reservation (their addresses went out).
-    preallocated: bool,
-    /// A remote writer (a UCX session) may still put into the blocks.
-    writer: bool,
-    run: Option<Running>,
-    scheduled: bool,
+    phase: Phase,
 }
 
 /// A new reservation.
@@ -129,17 +130,17 @@ pub struct Reserved {
 
 pub struct DecodeCore {
     engine: Engine,
-    model: Arc<Model>,
-    sched: Scheduler,
+    runner: BatchRunner,
+    receiver: Receiver,
     reservations: HashMap<u64, Reservation>,
     next_id: u64,
     committed: usize,
     default_lease: Duration,
     max_lease: Duration,
     counts: Counts,
-    /// Sequences of ended reservations whose remote writer had not closed yet: their blocks
-    /// are reused only when it has (a late put must not land in another request's KV).
-    quarantine: HashMap<u64, (SeqId, usize)>,
+    /// Attached requests being ended with an error of the node's (the runner reports them
+    /// cancelled).
+    failing: HashMap<u64, DecodeError>,
 }
 
 impl std::fmt::Debug for DecodeCore {
@@ -155,19 +156,19 @@ impl DecodeCore {
         default_lease: Duration,
         max_lease: Duration,
     ) -> Self {
-        let model = Arc::clone(engine.model());
-        let sched = Scheduler::new(engine.config().max_batch_tokens, max_running);
+        // Blocks are promised by reservations, not by the runner.
+        let runner = BatchRunner::new(&engine, max_running, false);
         Self {
             engine,
-            model,
-            sched,
+            runner,
+            receiver: Receiver::new(),
             reservations: HashMap::new(),
             next_id: 1,
             committed: 0,
             default_lease,
             max_lease,
             counts: Counts::default(),
-            quarantine: HashMap::new(),
+            failing: HashMap::new(),
         }
     }
 
@@ -208,8 +209,6 @@ impl DecodeCore {
             return Err(DecodeError::NoBlocks { need, free: total - self.committed });
         }
         let lease = lease.unwrap_or(self.default_lease).min(self.max_lease);
-        let id = self.next_id;
-        self.next_id += 1;
         let seq = self.engine.create_sequence();
         let mut pool_blocks = Vec::new();
         if remote_kv {
@@ -224,57 +223,46 @@ impl DecodeCore {
                 }
             }
         }
+        let id = self.next_id;
+        self.next_id += 1;
         self.committed += need;
-        self.reservations.insert(
-            id,
-            Reservation {
-                seq,
-                prompt_len,
-                committed: need,
-                lease: Some(now + lease),
-                kv_started: false,
-                kv_blocks: 0,
-                kv_complete: false,
-                preallocated: remote_kv,
-                writer: false,
-                run: None,
-                scheduled: false,
-            },
-        );
+        let phase = Phase::Reserved { lease: now + lease };
+        self.reservations.insert(id, Reservation { seq, prompt_len, committed: need, phase });
         Ok(Reserved { id, prompt_blocks: self.blocks_for(prompt_len), lease, pool_blocks })
     }
 
-    fn get(&mut self, id: u64) -> Result<&mut Reservation, DecodeError> {
-        self.reservations.get_mut(&id).ok_or(DecodeError::UnknownReservation(id))
+    /// A live reservation (not quarantined).
+    fn live(&self, id: u64) -> Result<&Reservation, DecodeError> {
+        match self.reservations.get(&id) {
+            Some(r) if !matches!(r.phase, Phase::Quarantined) => Ok(r),
+            _ => Err(DecodeError::UnknownReservation(id)),
+        }
+    }
+
+    fn target(r: &Reservation) -> Target {
+        Target { seq: r.seq, prompt_len: r.prompt_len }
     }
 
     /// A transfer into the reservation starts: its prompt's blocks are allocated (if they
     /// were not at reservation). A `writer` puts into them directly (UCX) and needs them
     /// preallocated; until `writer_closed` they are never reused.
     pub fn kv_begin(&mut self, id: u64, writer: bool) -> Result<(), DecodeError> {
-        let r = self.reservations.get(&id).ok_or(DecodeError::UnknownReservation(id))?;
-        if r.kv_started {
-            return Err(DecodeError::Invalid(format!("reservation {id} already receives KV")));
-        }
-        if matches!(r.run.as_ref(), Some(run) if run.local) {
+        let r = self.live(id)?;
+        if let Phase::Attached(a) = &r.phase
+            && a.local
+        {
             return Err(DecodeError::Invalid(format!("reservation {id} prefills locally")));
         }
-        if writer && !r.preallocated {
-            return Err(DecodeError::Invalid(format!(
-                "reservation {id} was made without remote_kv; its blocks have no addresses"
-            )));
-        }
-        let (seq, n) = (r.seq, r.prompt_len);
-        if !r.preallocated {
-            self.engine.extend_sequence(seq, n).map_err(DecodeError::from)?;
-        }
-        let r = self.get(id)?;
-        r.kv_started = true;
-        r.writer = writer;
+        let t = Self::target(r);
+        self.receiver.begin(id, t, writer, &mut self.engine)?;
+        let r = self.reservations.get_mut(&id).expect("checked above");
         // From here the open transfer keeps the reservation: its end without the KV aborts
         // it, and the router's deadline bounds it. A lease would expire prompts that merely
         // wait in a busy prefill node's queue with their stream already open.
-        r.lease = None;
+        match &mut r.phase {
+            Phase::Attached(a) => a.lease = None,
+            p => *p = Phase::Receiving,
+        }
         Ok(())
     }
 
@@ -285,84 +273,32 @@ impl DecodeCore {
         first_block: usize,
         data: &[u8],
     ) -> Result<(), DecodeError> {
-        let bpb = self.engine.kv().geometry().bytes_per_block();
-        let r = self.reservations.get(&id).ok_or(DecodeError::UnknownReservation(id))?;
-        if !r.kv_started || r.kv_complete || r.writer {
-            return Err(DecodeError::Invalid(format!("reservation {id} is not receiving KV")));
-        }
-        if data.is_empty() || !data.len().is_multiple_of(bpb) {
-            return Err(DecodeError::Invalid(format!(
-                "KV data of {} bytes is not whole blocks of {bpb}",
-                data.len()
-            )));
-        }
-        let n = data.len() / bpb;
-        let blocks = self.blocks_for(r.prompt_len);
-        if first_block + n > blocks {
-            return Err(DecodeError::Invalid(format!(
-                "KV blocks {first_block}..{} are past the prompt's {blocks} blocks",
-                first_block + n
-            )));
-        }
-        if first_block != r.kv_blocks {
-            return Err(DecodeError::Invalid(format!(
-                "KV block {first_block} arrived, expected {}",
-                r.kv_blocks
-            )));
-        }
-        let seq = r.seq;
-        for (i, chunk) in data.chunks_exact(bpb).enumerate() {
-            self.engine.write_block(seq, first_block + i, chunk).map_err(DecodeError::from)?;
-        }
-        self.get(id)?.kv_blocks += n;
-        Ok(())
+        let t = Self::target(self.live(id)?);
+        Ok(self.receiver.write(id, t, first_block, data, &mut self.engine)?)
     }
 
-    /// The sender says the KV is complete with `blocks` blocks. A remote writer says so only
-    /// after its writes completed, so its blocks count as written now. Non-empty `checksums`
-    /// (verify mode) are checked against each block; a mismatch fails the reservation.
-    pub fn kv_end(&mut self, id: u64, blocks: usize, checksums: &[u64]) -> Result<(), DecodeError> {
-        let want = self.blocks_for(self.reservations.get(&id).map_or(0, |r| r.prompt_len));
-        let r = self.get(id)?;
-        if !r.kv_started || r.kv_complete {
-            return Err(DecodeError::Invalid(format!("reservation {id} is not receiving KV")));
-        }
-        if r.writer {
-            r.kv_blocks = blocks.min(want);
-            r.writer = false;
-        }
-        if r.kv_blocks != want || blocks != want {
-            return Err(DecodeError::Invalid(format!(
-                "KV ended after {} blocks (sender says {blocks}), the prompt needs {want}",
-                r.kv_blocks
-            )));
-        }
-        let seq = r.seq;
-        if !checksums.is_empty()
-            && let Err(e) = self.verify(seq, checksums, want)
-        {
-            self.kv_abort(id, e.clone());
+    /// The sender says the KV is complete with `blocks` blocks (see `Receiver::end`). A
+    /// checksum mismatch fails the reservation. KV that no request waits for yet is kept until
+    /// a lease from `now`.
+    pub fn kv_end(
+        &mut self,
+        id: u64,
+        blocks: usize,
+        checksums: &[u64],
+        now: Instant,
+    ) -> Result<(), DecodeError> {
+        let t = Self::target(self.live(id)?);
+        if let Err(e) = self.receiver.end(id, t, blocks, checksums, &self.engine) {
+            let e = DecodeError::from(e);
+            if matches!(e, DecodeError::Corrupt { .. }) {
+                self.fail(id, e.clone());
+            }
             return Err(e);
         }
-        self.get(id)?.kv_complete = true;
-        self.maybe_schedule(id);
-        Ok(())
-    }
-
-    fn verify(&self, seq: SeqId, checksums: &[u64], blocks: usize) -> Result<(), DecodeError> {
-        if checksums.len() != blocks {
-            return Err(DecodeError::Invalid(format!(
-                "{} checksums for {blocks} blocks",
-                checksums.len()
-            )));
-        }
-        let mut buf = Vec::new();
-        for (i, &want) in checksums.iter().enumerate() {
-            buf.clear();
-            self.engine.read_block(seq, i, &mut buf).map_err(DecodeError::from)?;
-            if pdmesh_kv_transfer::block_checksum(&buf) != want {
-                return Err(DecodeError::Corrupt { block: i });
-            }
+        let lease = now + self.default_lease;
+        let r = self.reservations.get_mut(&id).expect("checked above");
+        if matches!(r.phase, Phase::Receiving) {
+            r.phase = Phase::Ready { lease };
         }
         Ok(())
     }
@@ -370,27 +306,25 @@ impl DecodeCore {
     /// The remote writer of reservation `id` can write no more (its session ended). Its
     /// quarantined blocks are freed; a reservation still waiting for that writer's KV fails.
     pub fn writer_closed(&mut self, id: u64, from: &str) {
-        if let Some((seq, committed)) = self.quarantine.remove(&id) {
-            self.committed -= committed;
-            self.engine.free_sequence(seq).expect("a quarantined sequence exists");
-            return;
-        }
-        if let Some(r) = self.reservations.get_mut(&id)
-            && r.writer
-        {
-            r.writer = false;
-            let why = DecodeError::TransferBroken {
-                from: from.into(),
-                why: "the UCX session ended before its commit".into(),
-            };
-            self.finish_with(id, Err(why));
+        let broke = self.receiver.writer_closed(id);
+        match self.reservations.get(&id).map(|r| &r.phase) {
+            Some(Phase::Quarantined) => self.free(id),
+            Some(_) if broke => {
+                let why = DecodeError::TransferBroken {
+                    from: from.into(),
+                    why: "the UCX session ended before its commit".into(),
+                };
+                self.fail(id, why);
+            }
+            _ => {}
         }
     }
 
     /// The transfer broke: the reservation fails and its blocks are freed.
     pub fn kv_abort(&mut self, id: u64, why: DecodeError) {
-        if self.reservations.contains_key(&id) {
-            self.finish_with(id, Err(why));
+        if self.live(id).is_ok() {
+            self.receiver.abort(id);
+            self.fail(id, why);
         }
     }
 
@@ -399,14 +333,17 @@ impl DecodeCore {
         &mut self,
         id: u64,
         a: Attach,
-        mut out: Box<dyn Output>,
+        out: Box<dyn Output>,
         now: Instant,
     ) -> Result<(), DecodeError> {
-        let ctx = self.engine.max_seq_len();
-        let r = self.reservations.get(&id).ok_or(DecodeError::UnknownReservation(id))?;
-        if r.run.is_some() {
-            return Err(DecodeError::Invalid(format!("reservation {id} is already attached")));
-        }
+        let r = self.live(id)?;
+        let lease = match r.phase {
+            Phase::Attached(_) => {
+                return Err(DecodeError::Invalid(format!("reservation {id} is already attached")));
+            }
+            Phase::Reserved { lease } => Some(lease),
+            _ => None,
+        };
         if a.prompt.len() != r.prompt_len {
             return Err(DecodeError::Invalid(format!(
                 "prompt has {} tokens, the reservation {}",
@@ -420,95 +357,75 @@ impl DecodeCore {
                 a.max_tokens
             )));
         }
-        if a.start == Start::Local && r.kv_started {
+        let local = a.start == Start::Local;
+        let known = self.receiver.is_receiving(id) || self.receiver.is_complete(id);
+        if local && known {
             return Err(DecodeError::Invalid(format!("reservation {id} already receives KV")));
         }
-        let vocab = self.model.tokenizer.vocab_size() as u32;
-        if let Some(t) = a.prompt.iter().find(|&&t| t >= vocab) {
-            return Err(DecodeError::Invalid(format!("token id {t} is outside the vocabulary")));
+        let first_token = match a.start {
+            Start::FirstToken(t) => Some(t),
+            Start::Local => None,
+        };
+        let spec = SeqSpec {
+            prompt: a.prompt,
+            params: GenerateParams {
+                sampling: a.sampling,
+                max_tokens: a.max_tokens,
+                stop_tokens: Vec::new(),
+                stop_strings: a.stops,
+                ignore_eos: a.ignore_eos,
+            },
+            rng_position: a.rng_position,
+            role: Role::Generate,
+            text: true,
+            first_token,
+            seq: Some(r.seq),
+        };
+        if !local && !known {
+            self.receiver.await_kv(id);
         }
-        let sampler = Sampler::resume(a.sampling, a.rng_position).map_err(DecodeError::from)?;
-        let local = a.start == Start::Local;
-        let mut run = Running {
-            sampler,
-            history: a.prompt,
-            max_tokens: a.max_tokens,
-            ignore_eos: a.ignore_eos,
-            text: TextStream::new(a.stops),
-            out: Box::new(NullOutput),
-            generated: 0,
-            next: None,
+        let added = self.runner.add(&mut self.engine, &mut self.receiver, id, spec);
+        let outputs = match added {
+            Ok(o) => o,
+            Err(e) => {
+                if !local && !known {
+                    self.receiver.abort(id);
+                }
+                return Err(e.into());
+            }
+        };
+        let complete = self.receiver.is_complete(id);
+        let attached = Attached {
+            out,
             local,
+            // A lease holds only while nothing else does: no transfer, no local prefill.
+            lease: lease.filter(|_| !local && !known),
             attached_at: now,
             prefill_started: None,
-            prefill_ms: 0.0,
             queue_ms: 0.0,
+            prefill_ms: 0.0,
             phase: tracing::info_span!(
                 parent: &a.span,
                 "decode.queue_wait",
-                kv_complete = r.kv_complete || local,
+                kv_complete = complete || local,
             ),
             span: a.span,
             steps: 0,
-            largest_batch: 0,
         };
-        let prompt_len = r.prompt_len;
-        if let Start::FirstToken(t) = a.start {
-            if t >= vocab {
-                return Err(DecodeError::Invalid(format!(
-                    "first token {t} is outside the vocabulary"
-                )));
-            }
-            // The first token goes out at once: it does not wait for the KV.
-            match accept(&self.model, &mut run, &mut *out, t, ctx, prompt_len) {
-                None => {}
-                Some(reason) => {
-                    out.send(Event::Finished {
-                        reason,
-                        completion_tokens: run.generated as u32,
-                        queue_ms: 0.0,
-                        prefill_ms: 0.0,
-                    });
-                    self.counts.completed += 1;
-                    self.free(id);
-                    return Ok(());
-                }
-            }
-        }
-        run.out = out;
-        let r = self.get(id)?;
-        r.run = Some(run);
-        if local {
-            r.lease = None;
-        }
-        self.maybe_schedule(id);
+        let r = self.reservations.get_mut(&id).expect("checked above");
+        r.phase = Phase::Attached(Box::new(attached));
+        // The first token goes out at once: it does not wait for the KV.
+        self.deliver(outputs);
         Ok(())
-    }
-
-    fn maybe_schedule(&mut self, id: u64) {
-        let Some(r) = self.reservations.get_mut(&id) else { return };
-        let Some(run) = r.run.as_mut() else { return };
-        if r.scheduled {
-            return;
-        }
-        let ok = if run.local {
-            self.sched.add(id, r.prompt_len)
-        } else if r.kv_complete {
-            self.sched.add_prefilled(id, r.prompt_len)
-        } else {
-            return;
-        };
-        ok.expect("reservation ids are unique and prompts non-empty");
-        r.scheduled = true;
-        r.lease = None;
     }
 
     /// Frees a reservation nobody attached to. Attached requests are cancelled by closing
     /// their output.
     pub fn release(&mut self, id: u64) -> bool {
-        match self.reservations.get(&id) {
-            Some(r) if r.run.is_none() => {
+        match self.reservations.get(&id).map(|r| &r.phase) {
+            Some(Phase::Reserved { .. } | Phase::Receiving | Phase::Ready { .. }) => {
                 self.counts.cancelled += 1;
+                self.receiver.abort(id);
                 self.free(id);
                 true
             }
@@ -516,58 +433,125 @@ impl DecodeCore {
         }
     }
 
+    /// Ends a reservation that is not (or no longer) in the runner: its blocks return to the
+    /// pool, or wait in quarantine while a remote writer may reach them.
     fn free(&mut self, id: u64) {
-        if let Some(r) = self.reservations.remove(&id) {
-            self.sched.remove(id);
-            if r.writer {
-                self.quarantine.insert(id, (r.seq, r.committed));
-                return;
+        let Some(r) = self.reservations.get_mut(&id) else { return };
+        if self.receiver.forget(id) == Release::Keep {
+            r.phase = Phase::Quarantined;
+            return;
+        }
+        let r = self.reservations.remove(&id).expect("looked up above");
+        self.committed -= r.committed;
+        self.engine.free_sequence(r.seq).expect("a reservation's sequence exists");
+    }
+
+    /// Fails a reservation with one of the node's errors.
+    fn fail(&mut self, id: u64, why: DecodeError) {
+        match self.reservations.get(&id).map(|r| &r.phase) {
+            Some(Phase::Attached(_)) => {
+                self.failing.insert(id, why);
+                let out = self.runner.cancel(&mut self.engine, &mut self.receiver, id);
+                self.deliver(out);
             }
-            self.committed -= r.committed;
-            self.engine.free_sequence(r.seq).expect("a reservation's sequence exists");
+            Some(Phase::Quarantined) | None => {}
+            Some(_) => {
+                self.counts.failed += 1;
+                self.free(id);
+            }
         }
     }
 
-    fn finish_with(&mut self, id: u64, outcome: Result<FinishReason, DecodeError>) {
-        if let Some(run) = self.reservations.get(&id).and_then(|r| r.run.as_ref()) {
-            let p = &run.phase;
-            p.record("tokens", run.generated as i64);
-            p.record("steps", i64::from(run.steps));
-            p.record("largest_batch", run.largest_batch as i64);
-            match &outcome {
-                Ok(reason) => p.record("finish_reason", finish_reason(*reason).as_str_name()),
-                Err(e) => {
-                    p.record("otel.status_code", "ERROR");
-                    p.record("otel.status_description", tracing::field::display(e))
-                }
-            };
-        }
-        if let Some(r) = self.reservations.get_mut(&id) {
-            match (&outcome, r.run.as_mut()) {
-                (Ok(reason), Some(run)) => {
-                    let piece = run.text.finish();
-                    if !piece.text.is_empty() || !piece.tokens.is_empty() {
-                        run.out.send(Event::Delta(piece));
+    /// Delivers what the runner produced to the requests' outputs. A request whose output is
+    /// gone is cancelled.
+    fn deliver(&mut self, outputs: Vec<RunOutput>) {
+        let mut queue: VecDeque<RunOutput> = outputs.into();
+        let mut gone = HashSet::new();
+        while let Some(o) = queue.pop_front() {
+            match o.event {
+                RunEvent::Delta(piece) => {
+                    let Some(a) = self.attached(o.id) else { continue };
+                    if !gone.contains(&o.id) && !a.out.send(Event::Delta(piece)) {
+                        gone.insert(o.id);
+                        queue.extend(self.runner.cancel(
+                            &mut self.engine,
+                            &mut self.receiver,
+                            o.id,
+                        ));
                     }
-                    run.out.send(Event::Finished {
-                        reason: *reason,
-                        completion_tokens: run.generated as u32,
-                        queue_ms: run.queue_ms,
-                        prefill_ms: run.prefill_ms,
-                    });
                 }
-                (Err(e), Some(run)) => {
-                    run.out.send(Event::Failed(e.clone()));
+                RunEvent::Done { end, generated, largest_batch, kept, .. } => {
+                    let end = if gone.contains(&o.id) {
+                        End::Finished { reason: FinishReason::Cancelled, stop_token: None }
+                    } else {
+                        end
+                    };
+                    self.finish(o.id, end, generated, largest_batch, kept);
                 }
-                _ => {}
-            }
-            match outcome {
-                Ok(FinishReason::Cancelled) => self.counts.cancelled += 1,
-                Ok(_) => self.counts.completed += 1,
-                Err(_) => self.counts.failed += 1,
             }
         }
-        self.free(id);
+    }
+
+    fn attached(&mut self, id: u64) -> Option<&mut Attached> {
+        match &mut self.reservations.get_mut(&id)?.phase {
+            Phase::Attached(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// A request left the runner: report its end and settle its reservation.
+    fn finish(
+        &mut self,
+        id: u64,
+        end: End,
+        generated: usize,
+        largest_batch: usize,
+        kept: Option<SeqId>,
+    ) {
+        let failing = self.failing.remove(&id);
+        let Some(r) = self.reservations.get_mut(&id) else { return };
+        let phase = std::mem::replace(&mut r.phase, Phase::Quarantined);
+        let Phase::Attached(mut a) = phase else {
+            r.phase = phase;
+            return;
+        };
+        let p = &a.phase;
+        p.record("tokens", generated as i64);
+        p.record("steps", i64::from(a.steps));
+        p.record("largest_batch", largest_batch as i64);
+        let outcome = match (failing, end) {
+            (Some(why), _) => Err(why),
+            (None, End::Finished { reason, .. }) => Ok(reason),
+            (None, End::Failed(e)) => Err(DecodeError::from(e)),
+            (None, End::Prefilled { .. }) => unreachable!("decode requests generate"),
+        };
+        match outcome {
+            Ok(reason) => {
+                p.record("finish_reason", finish_reason(reason).as_str_name());
+                a.out.send(Event::Finished {
+                    reason,
+                    completion_tokens: generated as u32,
+                    queue_ms: a.queue_ms,
+                    prefill_ms: a.prefill_ms,
+                });
+                if reason == FinishReason::Cancelled {
+                    self.counts.cancelled += 1;
+                } else {
+                    self.counts.completed += 1;
+                }
+            }
+            Err(e) => {
+                p.record("otel.status_code", "ERROR");
+                p.record("otel.status_description", tracing::field::display(&e));
+                a.out.send(Event::Failed(e));
+                self.counts.failed += 1;
+            }
+        }
+        // The runner released the sequence; quarantined, it waits for the writer.
+        if kept.is_none() {
+            let r = self.reservations.remove(&id).expect("looked up above");
+            self.committed -= r.committed;
+        }
     }
 
     /// Frees reservations whose lease ran out and requests whose client went away. Returns
@@ -577,13 +561,16 @@ impl DecodeCore {
         let mut gone = Vec::new();
         let mut next: Option<Instant> = None;
         for (&id, r) in &self.reservations {
-            if let Some(run) = &r.run
-                && run.out.is_closed()
-            {
-                gone.push(id);
-                continue;
-            }
-            if let Some(l) = r.lease {
+            let lease = match &r.phase {
+                Phase::Attached(a) if a.out.is_closed() => {
+                    gone.push(id);
+                    continue;
+                }
+                Phase::Reserved { lease } | Phase::Ready { lease } => Some(*lease),
+                Phase::Attached(a) => a.lease,
+                Phase::Receiving | Phase::Quarantined => None,
+            };
+            if let Some(l) = lease {
                 if l <= now {
                     expired.push(id);
                 } else {
@@ -592,37 +579,30 @@ impl DecodeCore {
             }
         }
         for id in gone {
-            self.finish_with(id, Ok(FinishReason::Cancelled));
+            let out = self.runner.cancel(&mut self.engine, &mut self.receiver, id);
+            self.deliver(out);
         }
         for id in expired {
             tracing::warn!(reservation = id, "lease expired before the KV arrived; freeing");
             self.counts.leases_expired += 1;
-            self.finish_with(id, Err(DecodeError::LeaseExpired(id)));
+            self.receiver.abort(id);
+            self.fail(id, DecodeError::LeaseExpired(id));
         }
         next
     }
 
-    pub fn has_work(&self) -> bool {
-        !self.sched.is_empty()
+    pub fn has_work(&mut self) -> bool {
+        self.runner.has_work(&mut self.engine, &mut self.receiver)
     }
 
     /// Runs one engine step over every scheduled request and delivers what it produced.
     pub fn step(&mut self, now: Instant) -> Result<(), DecodeError> {
-        let plan = self.sched.plan();
-        if plan.is_empty() {
-            return Ok(());
-        }
-        let ctx = self.engine.max_seq_len();
-        let toks: Vec<[u32; 1]> = plan
-            .iter()
-            .map(|s| [self.reservations[&s.id].run.as_ref().and_then(|r| r.next).unwrap_or(0)])
-            .collect();
+        let plan = self.runner.plan(&mut self.engine, &mut self.receiver);
         for s in &plan {
-            let r = self.reservations.get_mut(&s.id).expect("scheduled requests are reserved");
-            let run = r.run.as_mut().expect("scheduled requests are attached");
-            if run.steps == 0 {
-                run.phase = pdmesh_common::span!(
-                    parent: &run.span,
+            let Some(a) = self.attached(s.id) else { continue };
+            if a.steps == 0 {
+                a.phase = pdmesh_common::span!(
+                    parent: &a.span,
                     "decode.batch",
                     tokens = Empty,
                     steps = Empty,
@@ -630,66 +610,33 @@ impl DecodeCore {
                     finish_reason = Empty,
                 );
             }
-            run.steps += 1;
-            run.largest_batch = run.largest_batch.max(plan.len());
+            a.steps += 1;
             if matches!(s.work, Work::Prefill { offset: 0, .. }) {
-                run.queue_ms = ms(now - run.attached_at);
-                run.prefill_started = Some(now);
+                a.queue_ms = ms(now - a.attached_at);
+                a.prefill_started = Some(now);
             }
         }
-        let items: Vec<StepItem<'_>> = plan
-            .iter()
-            .zip(&toks)
-            .map(|(s, tok)| {
-                let r = &self.reservations[&s.id];
-                match s.work {
-                    Work::Prefill { offset, len, last } => StepItem::prefill(
-                        r.seq,
-                        &r.run.as_ref().expect("attached").history[offset..offset + len],
-                        if last { Logits::Last } else { Logits::None },
-                    ),
-                    Work::Decode => StepItem::decode(r.seq, tok),
-                }
-            })
-            .collect();
-        let logits = match self.engine.step(&items) {
-            Ok(l) => l,
-            Err(e) => {
-                // A step fails as a whole and changes nothing; fail its requests rather than
-                // retrying forever.
-                drop(items);
-                let e = DecodeError::from(e);
-                for s in &plan {
-                    self.finish_with(s.id, Err(e.clone()));
-                }
-                return Err(e);
-            }
-        };
-        let rows: Vec<Option<Vec<f32>>> =
-            (0..plan.len()).map(|k| logits.last_of(k).map(<[f32]>::to_vec)).collect();
-        drop(items);
+        let ran = self.runner.run(&plan, &mut self.engine, &mut self.receiver, &mut |_, _| {});
         let done_at = Instant::now();
-        let mut finished = Vec::new();
-        for (s, row) in plan.iter().zip(rows) {
-            let Some(row) = row else { continue };
-            let r = self.reservations.get_mut(&s.id).expect("scheduled requests are reserved");
-            let prompt_len = r.prompt_len;
-            let run = r.run.as_mut().expect("attached");
-            if let (Work::Prefill { .. }, Some(t0)) = (s.work, run.prefill_started) {
-                run.prefill_ms = ms(done_at - t0);
-            }
-            let tok = run.sampler.sample(&row, &run.history);
-            let mut out = std::mem::replace(&mut run.out, Box::new(NullOutput));
-            let end = accept(&self.model, run, &mut *out, tok, ctx, prompt_len);
-            run.out = out;
-            if let Some(reason) = end {
-                finished.push((s.id, reason));
+        for s in &plan {
+            if let (Work::Prefill { last: true, .. }, Some(a)) = (s.work, self.attached(s.id))
+                && let Some(t0) = a.prefill_started
+            {
+                a.prefill_ms = ms(done_at - t0);
             }
         }
-        for (id, reason) in finished {
-            self.finish_with(id, Ok(reason));
+        match ran {
+            Ok(outputs) => {
+                self.deliver(outputs);
+                Ok(())
+            }
+            // A step fails as a whole and changes nothing; its requests fail rather than
+            // retrying forever.
+            Err(f) => {
+                self.deliver(f.outputs);
+                Err(f.error.into())
+            }
         }
-        Ok(())
     }
 
     pub fn counts(&self) -> Counts {
@@ -699,68 +646,23 @@ impl DecodeCore {
         c.queued = 0;
         c.prefilling = 0;
         c.decoding = 0;
-        for r in self.reservations.values() {
-            match &r.run {
-                None if r.kv_started && !r.kv_complete => c.transferring += 1,
-                None => c.reserved += 1,
-                Some(run) if run.local && run.prefill_started.is_none() => c.queued += 1,
-                Some(run) if run.local && run.generated == 0 => c.prefilling += 1,
-                Some(_) if !r.scheduled => c.transferring += 1,
-                Some(_) => c.decoding += 1,
+        c.quarantined = 0;
+        for (&id, r) in &self.reservations {
+            match &r.phase {
+                Phase::Reserved { .. } | Phase::Ready { .. } => c.reserved += 1,
+                Phase::Receiving => c.transferring += 1,
+                Phase::Quarantined => c.quarantined += 1,
+                Phase::Attached(a) => match self.runner.status(id) {
+                    Some(SeqStatus::Waiting) if a.local => c.queued += 1,
+                    Some(SeqStatus::Waiting) | None => c.transferring += 1,
+                    Some(SeqStatus::Prefilling) => c.prefilling += 1,
+                    Some(SeqStatus::Decoding) => c.decoding += 1,
+                },
             }
         }
         c.committed_blocks = self.committed as u32;
-        c.quarantined = self.quarantine.len() as u32;
         c.free_blocks = self.engine.kv().free_blocks() as u32;
         c.total_blocks = self.engine.kv().total_blocks() as u32;
         c
-    }
-}
-
-/// Takes a sampled token into a request: sends its text, and says whether the request ends.
-fn accept(
-    model: &Model,
-    run: &mut Running,
-    out: &mut dyn Output,
-    tok: u32,
-    ctx: usize,
-    prompt_len: usize,
-) -> Option<FinishReason> {
-    if !run.ignore_eos && model.tokenizer.is_eog(tok) {
-        return Some(FinishReason::Eos);
-    }
-    run.generated += 1;
-    run.history.push(tok);
-    match run.text.push(&model.tokenizer, tok) {
-        Pushed::Stopped(piece) => {
-            if !piece.text.is_empty() || !piece.tokens.is_empty() {
-                out.send(Event::Delta(piece));
-            }
-            return Some(FinishReason::Stop);
-        }
-        Pushed::Text(piece) => {
-            if (!piece.text.is_empty() || !piece.tokens.is_empty())
-                && !out.send(Event::Delta(piece))
-            {
-                return Some(FinishReason::Cancelled);
-            }
-        }
-    }
-    if run.generated >= run.max_tokens || prompt_len + run.generated >= ctx {
-        return Some(FinishReason::Length);
-    }
-    run.next = Some(tok);
-    None
-}
-
-/// Placeholder output while a request's real output is borrowed.
-struct NullOutput;
-
-impl Output for NullOutput {
-    fn send(&mut self, _: Event) -> bool {
-        true
-    }
-    fn is_closed(&self) -> bool {
-        false
     }
 }

@@ -1,7 +1,10 @@
-//! The decode node's one error type and its mapping to gRPC statuses.
+//! The decode node's errors: `DecodeError` for requests, each variant mapped to the gRPC status
+//! a caller gets (naming this node), and `StartError` for a node that cannot start.
 
+use pdmesh_kv_transfer::ReceiveError;
 use tonic::Status;
 
+/// Why a request (or a reservation) failed.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum DecodeError {
     #[error("invalid request: {0}")]
@@ -17,17 +20,26 @@ pub enum DecodeError {
     #[error("KV block {block} failed its checksum: the transfer corrupted it")]
     Corrupt { block: usize },
     #[error("engine: {0}")]
-    Engine(std::sync::Arc<pdmesh_engine::Error>),
-    /// The node could not start or keep serving (bad config, engine load, listener).
-    #[error("startup: {0}")]
-    Startup(String),
-    #[error("the decode node is shutting down")]
-    ShuttingDown,
+    Engine(#[from] pdmesh_engine::Error),
+    /// The engine thread is gone (it died, or the node is stopping).
+    #[error("the engine thread has stopped")]
+    EngineStopped,
 }
 
-impl From<pdmesh_engine::Error> for DecodeError {
-    fn from(e: pdmesh_engine::Error) -> Self {
-        DecodeError::Engine(std::sync::Arc::new(e))
+impl From<ReceiveError> for DecodeError {
+    fn from(e: ReceiveError) -> Self {
+        match e {
+            ReceiveError::Corrupt { block } => DecodeError::Corrupt { block },
+            ReceiveError::Engine(e) => DecodeError::Engine(e),
+            ReceiveError::AlreadyReceiving(_)
+            | ReceiveError::NotReceiving(_)
+            | ReceiveError::NotPreallocated(_)
+            | ReceiveError::PartialBlock { .. }
+            | ReceiveError::PastPrompt { .. }
+            | ReceiveError::OutOfOrder { .. }
+            | ReceiveError::Incomplete { .. }
+            | ReceiveError::Checksums { .. } => DecodeError::Invalid(e.to_string()),
+        }
     }
 }
 
@@ -49,7 +61,25 @@ pub fn to_status(e: &DecodeError, node: &str) -> Status {
             ErrorClass::CapacityExhausted => Status::resource_exhausted(msg),
             ErrorClass::FailedPrecondition => Status::failed_precondition(msg),
         },
-        DecodeError::Startup(_) => Status::internal(msg),
-        DecodeError::ShuttingDown => Status::unavailable(msg),
+        DecodeError::EngineStopped => Status::unavailable(msg),
     }
+}
+
+/// Why a decode node could not start or keep serving.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid config: {0}")]
+    Config(String),
+    #[error("the listener: {0}")]
+    Listener(#[source] std::io::Error),
+    #[error("loading the engine: {0}")]
+    Engine(#[from] pdmesh_engine::Error),
+    #[error("the engine load task: {0}")]
+    Load(#[from] tokio::task::JoinError),
+    #[error("kv_transport = ucx: {0}")]
+    Ucx(#[from] pdmesh_kv_transfer::ucx::UcxError),
+    #[error("starting the engine thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("serving: {0}")]
+    Serve(#[from] tonic::transport::Error),
 }

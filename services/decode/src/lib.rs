@@ -6,7 +6,6 @@ pub mod config;
 pub mod core;
 pub mod error;
 pub mod service;
-pub mod text;
 pub mod worker;
 
 use std::future::Future;
@@ -14,12 +13,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_common::metrics::{Family, Kind, Metrics};
+use pdmesh_common::worker::{COMMAND_QUEUE, Faults};
 use pdmesh_proto::v1::decode_server::DecodeServer;
 use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 pub use config::DecodeConfig;
-pub use error::DecodeError;
+pub use error::{DecodeError, StartError};
 
 use crate::core::DecodeCore;
 use crate::service::DecodeService;
@@ -31,19 +32,18 @@ pub async fn run(
     listener: TcpListener,
     metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), DecodeError> {
-    config.validate().map_err(DecodeError::Startup)?;
-    let bound = listener.local_addr().map_err(|e| DecodeError::Startup(e.to_string()))?;
+) -> Result<(), StartError> {
+    config.validate().map_err(StartError::Config)?;
+    let bound = listener.local_addr().map_err(StartError::Listener)?;
     let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("decode@{address}"));
-    let mut engine = tokio::task::spawn_blocking({
+    let engine = tokio::task::spawn_blocking({
         let s = config.engine.clone();
         move || s.load()
     })
-    .await
-    .map_err(|e| DecodeError::Startup(format!("loading the engine: {e}")))??;
-    let pool = register_pool(config.kv_transport, &node_id, &mut engine)?;
-    let layout = pdmesh_kv_transfer::layout_of(&engine);
+    .await??;
+    let pool = register_pool(config.kv_transport, &node_id, &engine)?;
+    let layout = engine.kv_layout();
     let context = engine.max_seq_len();
     let core = DecodeCore::new(
         engine,
@@ -52,15 +52,18 @@ pub async fn run(
         Duration::from_millis(config.max_lease_ms),
     );
     let counts = Arc::new(Mutex::new(core.counts()));
-    let (tx, rx) = tokio::sync::mpsc::channel(worker::COMMAND_QUEUE);
-    let rt = tokio::runtime::Handle::current();
-    let worker = std::thread::Builder::new()
-        .name("decode-engine".into())
-        .spawn({
-            let counts = Arc::clone(&counts);
-            move || worker::run(core, rx, rt, counts)
-        })
-        .map_err(|e| DecodeError::Startup(format!("starting the engine thread: {e}")))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(COMMAND_QUEUE);
+    let died = CancellationToken::new();
+    let faults = Faults { panic_at_step: config.fault_engine_panic_at_step };
+    let worker = pdmesh_common::worker::spawn(
+        "decode-engine",
+        worker::Worker::new(core),
+        rx,
+        Arc::clone(&counts),
+        died.clone(),
+        faults,
+    )
+    .map_err(StartError::Thread)?;
 
     let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
     metrics.register_snapshot({
@@ -72,15 +75,13 @@ pub async fn run(
             v
         }
     });
+    let inbox = service::Inbox { node_id: node_id.clone(), layout, tx, stats };
     let service = DecodeService {
-        node_id: node_id.clone(),
+        inbox: Arc::new(inbox),
         address: address.clone(),
-        layout: layout.clone(),
         context,
-        tx,
         counts: Arc::clone(&counts),
         pool,
-        stats,
     };
     let load_counts = Arc::clone(&counts);
     tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, ucx = service.pool.is_some(), "decode node serving");
@@ -93,40 +94,36 @@ pub async fn run(
         node_id: node_id.clone(),
         role: Role::Decode as i32,
         address,
-        layout: Some(layout),
+        layout: Some(layout.into()),
         load: None,
     };
-    let served = pdmesh_common::serve_node(
-        routes,
-        &["pdmesh.v1.Decode"],
-        listener,
-        shutdown,
-        Duration::from_millis(config.drain_ms),
-        &config.routers,
+    let node = pdmesh_common::serve::Node {
+        names: &["pdmesh.v1.Decode"],
+        drain: Duration::from_millis(config.drain_ms),
+        routers: &config.routers,
         registration,
-        Arc::new(move || DecodeService::load(&load_counts.lock().expect("never poisoned"))),
-    )
-    .await;
+        load: Arc::new(move || DecodeService::load(&load_counts.lock().expect("never poisoned"))),
+        died,
+    };
+    let served = pdmesh_common::serve_node(routes, listener, shutdown, node).await;
     // The service (and with it the command sender) is gone; the thread ends once in-flight
     // requests are done or cancelled.
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
-    served.map_err(|e| DecodeError::Startup(format!("serving: {e}")))
+    Ok(served?)
 }
 
 /// Registers the KV pool with UCX as `kind` asks: required for `ucx`, tried for `auto`.
 fn register_pool(
     kind: pdmesh_kv_transfer::TransportKind,
     node_id: &str,
-    engine: &mut pdmesh_engine::Engine,
-) -> Result<Option<pdmesh_kv_transfer::KvPool>, DecodeError> {
+    engine: &pdmesh_engine::Engine,
+) -> Result<Option<pdmesh_kv_transfer::KvPool>, StartError> {
     use pdmesh_kv_transfer::TransportKind;
-    let startup = |e: pdmesh_kv_transfer::ucx::UcxError| {
-        DecodeError::Startup(format!("kv_transport = ucx: {e}"))
-    };
-    let Some(node) = kind.start_ucx(node_id).map_err(startup)? else { return Ok(None) };
-    match pdmesh_kv_transfer::register_kv_pool(&node, engine) {
+    let Some(node) = kind.start_ucx(node_id)? else { return Ok(None) };
+    let memory = engine.kv_memory();
+    match pdmesh_kv_transfer::register_kv_pool(&node, &memory, engine.kv().geometry()) {
         Ok(pool) => Ok(Some(pool)),
-        Err(e) if kind == TransportKind::Ucx => Err(startup(e)),
+        Err(e) if kind == TransportKind::Ucx => Err(e.into()),
         Err(e) => {
             tracing::warn!("cannot register the KV pool with UCX, KV arrives over gRPC: {e}");
             Ok(None)

@@ -1,53 +1,90 @@
-//! The `pdmesh.v1.Decode` service: validate, hand to the engine thread, map the result.
+//! The `pdmesh.v1.Decode` service: validate, hand to the engine thread, map the result. The KV
+//! a transfer brings is taken in by the transports' receiving halves (`pdmesh_kv_transfer`),
+//! which deliver into this node through `Inbox`.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use pdmesh_common::convert::{finish_reason, sampling_from};
-use pdmesh_kv_transfer::{KvPool, TransferStats};
+use bytes::Bytes;
+use pdmesh_kv_transfer::{KvInbox, KvPool, TransferStats};
+use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::decode_server::Decode;
-use pdmesh_proto::v1::kv_chunk::Chunk;
 use pdmesh_proto::v1::{
-    DecodeEvent, DecodeFinished, DecodeRequest, Delta, KvAccepted, KvChunk, KvCommitted, KvHeader,
-    KvLayout, KvSessionEvent, KvSessionRequest, KvTarget, NodeLoad, NodeStats, PushKvResponse,
-    ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest,
-    decode_event, decode_request, kv_session_event, kv_session_request,
+    DecodeEvent, DecodeFinished, DecodeRequest, Delta, KvChunk, KvSessionRequest, KvTarget,
+    NodeLoad, NodeStats, PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest,
+    ReserveResponse, Role, StatsRequest, decode_event, decode_request,
 };
+use pdmesh_wire::{finish_reason, sampling_from};
 use tokio::sync::{mpsc, oneshot};
-use tokio_stream::{Stream, StreamExt};
+use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
-use tracing::field::Empty;
-use tracing::{Instrument, Span};
-
-use pdmesh_common::trace;
+use tracing::Span;
 
 use crate::core::{Attach, Counts, Event, Start};
 use crate::error::{DecodeError, to_status};
 use crate::worker::{ChannelOutput, Command};
 
+/// The engine thread as the async side reaches it.
 #[derive(Debug, Clone)]
-pub struct DecodeService {
+pub struct Inbox {
     pub node_id: String,
-    pub address: String,
     pub layout: KvLayout,
-    pub context: usize,
     pub tx: mpsc::Sender<Command>,
-    pub counts: Arc<Mutex<Counts>>,
-    /// The registered KV pool when this node offers UCX.
-    pub pool: Option<KvPool>,
     pub stats: Arc<TransferStats>,
 }
 
-/// Tells the engine thread a transfer's stream ended, however the handler exits.
-struct TransferEnd {
-    tx: mpsc::Sender<Command>,
-    id: u64,
+impl Inbox {
+    fn status(&self, e: &DecodeError) -> Status {
+        to_status(e, &self.node_id)
+    }
+
+    async fn call<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T, DecodeError>>) -> Command,
+    ) -> Result<T, Status> {
+        let (reply, rx) = oneshot::channel();
+        let stopped = || self.status(&DecodeError::EngineStopped);
+        self.tx.send(make(reply)).await.map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())?.map_err(|e| self.status(&e))
+    }
 }
 
-impl Drop for TransferEnd {
-    fn drop(&mut self) {
-        let (tx, id) = (self.tx.clone(), self.id);
+#[async_trait::async_trait]
+impl KvInbox for Inbox {
+    fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    fn stats(&self) -> &TransferStats {
+        &self.stats
+    }
+
+    async fn begin(&self, id: u64, from: &str, writer: bool) -> Result<(), Status> {
+        let from = from.to_string();
+        self.call(|reply| Command::KvBegin { id, from, writer, reply }).await
+    }
+
+    async fn write(&self, id: u64, first_block: usize, data: Bytes) -> Result<(), Status> {
+        let cmd = Command::KvWrite { id, first_block, data };
+        self.tx.send(cmd).await.map_err(|_| self.status(&DecodeError::EngineStopped))
+    }
+
+    async fn end(&self, id: u64, blocks: usize, checksums: Vec<u64>) -> Result<(), Status> {
+        self.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await
+    }
+
+    async fn abort(&self, id: u64, from: &str, why: String) {
+        let why = DecodeError::TransferBroken { from: from.to_string(), why };
+        let _ = self.tx.send(Command::KvAbort { id, why }).await;
+    }
+
+    fn closed(&self, id: u64) {
+        let tx = self.tx.clone();
         if tx.try_send(Command::WriterClosed { id }).is_err() {
             // The queue is full: send from a task rather than lose the notice (it frees blocks).
             if let Ok(h) = tokio::runtime::Handle::try_current() {
@@ -59,69 +96,25 @@ impl Drop for TransferEnd {
     }
 }
 
+#[derive(Debug, Clone)]
+pub struct DecodeService {
+    pub inbox: Arc<Inbox>,
+    pub address: String,
+    pub context: usize,
+    pub counts: Arc<Mutex<Counts>>,
+    /// The registered KV pool when this node offers UCX.
+    pub pool: Option<KvPool>,
+}
+
 type EventStream = Pin<Box<dyn Stream<Item = Result<DecodeEvent, Status>> + Send>>;
 
 impl DecodeService {
-    fn status(&self, e: &DecodeError) -> Status {
-        to_status(e, &self.node_id)
-    }
-
-    async fn call<T>(
-        &self,
-        make: impl FnOnce(oneshot::Sender<Result<T, DecodeError>>) -> Command,
-    ) -> Result<T, Status> {
-        let (reply, rx) = oneshot::channel();
-        self.tx.send(make(reply)).await.map_err(|_| self.status(&DecodeError::ShuttingDown))?;
-        let r = rx.await.map_err(|_| self.status(&DecodeError::ShuttingDown))?;
-        r.map_err(|e| self.status(&e))
+    fn node_id(&self) -> &str {
+        &self.inbox.node_id
     }
 
     fn parse_id(&self, s: &str) -> Result<u64, Status> {
-        s.parse().map_err(|_| {
-            Status::invalid_argument(format!(
-                "node {}: reservation_id {s:?} is not a reservation id",
-                self.node_id
-            ))
-        })
-    }
-
-    /// Checks a transfer's header and tells the engine thread it starts.
-    async fn begin(&self, header: Option<KvHeader>, writer: bool) -> Result<(u64, String), Status> {
-        let header =
-            header.ok_or_else(|| Status::invalid_argument("a KV stream starts with a header"))?;
-        let from = if header.prefill_node.is_empty() {
-            "a prefill node".into()
-        } else {
-            header.prefill_node.clone()
-        };
-        pdmesh_kv_transfer::check_layout(&self.layout, header.layout.as_ref(), &from).map_err(
-            |s| Status::new(s.code(), format!("node {}: {}", self.node_id, s.message())),
-        )?;
-        let id = self.parse_id(&header.reservation_id)?;
-        let f = from.clone();
-        self.call(|reply| Command::KvBegin { id, from: f, writer, reply }).await?;
-        Ok((id, from))
-    }
-
-    /// The span of one incoming transfer, a child of the sender's transfer span (named in the
-    /// header: the control messages carry the trace, whatever carries them).
-    fn receive_span(&self, header: Option<&KvHeader>, transport: &'static str) -> Span {
-        let span = pdmesh_common::span!(
-            "decode.kv_receive",
-            transport,
-            reservation_id = Empty,
-            prefill_node = Empty,
-            blocks = Empty,
-            layers = self.layout.layers as i64,
-            bytes = Empty,
-            bandwidth_mb_s = Empty,
-        );
-        if let Some(h) = header {
-            trace::continue_from(&span, &h.traceparent);
-            span.record("reservation_id", h.reservation_id.as_str());
-            span.record("prefill_node", h.prefill_node.as_str());
-        }
-        span
+        pdmesh_kv_transfer::parse_reservation(self.node_id(), s)
     }
 
     pub fn load(counts: &Counts) -> NodeLoad {
@@ -136,6 +129,58 @@ impl DecodeService {
     }
 }
 
+/// A request's events as the wire carries them. A stream that ends without its end event (the
+/// engine thread died and dropped it) ends with UNAVAILABLE naming the node.
+struct Events {
+    rx: mpsc::Receiver<Event>,
+    node: String,
+    /// The end event went out (or the missing one was reported).
+    ended: bool,
+}
+
+impl Stream for Events {
+    type Item = Result<DecodeEvent, Status>;
+
+    fn poll_next(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let ev = match self.rx.poll_recv(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(None) if self.ended => return Poll::Ready(None),
+            Poll::Ready(None) => {
+                self.ended = true;
+                return Poll::Ready(Some(Err(to_status(&DecodeError::EngineStopped, &self.node))));
+            }
+            Poll::Ready(Some(ev)) => ev,
+        };
+        Poll::Ready(Some(match ev {
+            Event::Delta(p) => Ok(DecodeEvent {
+                event: Some(decode_event::Event::Delta(Delta {
+                    text: p.text,
+                    token_ids: p.tokens,
+                })),
+            }),
+            Event::Finished { reason, completion_tokens, queue_ms, prefill_ms } => {
+                self.ended = true;
+                Ok(DecodeEvent {
+                    event: Some(decode_event::Event::Finished(DecodeFinished {
+                        reason: finish_reason(reason) as i32,
+                        completion_tokens,
+                        queue_ms,
+                        prefill_ms,
+                    })),
+                })
+            }
+            Event::Failed(e) => {
+                self.ended = true;
+                Err(to_status(&e, &self.node))
+            }
+        }))
+    }
+}
+
 #[tonic::async_trait]
 impl Decode for DecodeService {
     async fn reserve(
@@ -147,6 +192,7 @@ impl Decode for DecodeService {
         let (prompt_len, max_tokens) = (r.prompt_tokens as usize, r.max_tokens as usize);
         let remote_kv = r.remote_kv;
         let res = self
+            .inbox
             .call(|reply| Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply })
             .await?;
         tracing::debug!(
@@ -162,9 +208,9 @@ impl Decode for DecodeService {
         Ok(Response::new(ReserveResponse {
             target: Some(KvTarget {
                 reservation_id: res.id.to_string(),
-                decode_node: self.node_id.clone(),
+                decode_node: self.node_id().to_string(),
                 address: self.address.clone(),
-                layout: Some(self.layout.clone()),
+                layout: Some(self.inbox.layout.into()),
                 blocks: res.prompt_blocks as u32,
                 prompt_tokens: r.prompt_tokens,
                 ucx,
@@ -179,11 +225,9 @@ impl Decode for DecodeService {
     ) -> Result<Response<ReleaseResponse>, Status> {
         let id = self.parse_id(&req.into_inner().reservation_id)?;
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(Command::Release { id, reply })
-            .await
-            .map_err(|_| self.status(&DecodeError::ShuttingDown))?;
-        let released = rx.await.map_err(|_| self.status(&DecodeError::ShuttingDown))?;
+        let stopped = || self.inbox.status(&DecodeError::EngineStopped);
+        self.inbox.tx.send(Command::Release { id, reply }).await.map_err(|_| stopped())?;
+        let released = rx.await.map_err(|_| stopped())?;
         Ok(Response::new(ReleaseResponse { released }))
     }
 
@@ -216,44 +260,19 @@ impl Decode for DecodeService {
             span: Span::current(),
         });
         let (out, rx) = ChannelOutput::channel(max_tokens);
-        self.call(|reply| Command::Attach { id, attach, out, reply }).await?;
-        let node = self.node_id.clone();
-        let stream = tokio_stream::wrappers::ReceiverStream::new(rx).map(move |ev| match ev {
-            Event::Delta(p) => Ok(DecodeEvent {
-                event: Some(decode_event::Event::Delta(Delta {
-                    text: p.text,
-                    token_ids: p.tokens,
-                })),
-            }),
-            Event::Finished { reason, completion_tokens, queue_ms, prefill_ms } => {
-                Ok(DecodeEvent {
-                    event: Some(decode_event::Event::Finished(DecodeFinished {
-                        reason: finish_reason(reason) as i32,
-                        completion_tokens,
-                        queue_ms,
-                        prefill_ms,
-                    })),
-                })
-            }
-            Event::Failed(e) => Err(to_status(&e, &node)),
-        });
-        Ok(Response::new(Box::pin(stream)))
+        self.inbox.call(|reply| Command::Attach { id, attach, out, reply }).await?;
+        let events = Events { rx, node: self.node_id().to_string(), ended: false };
+        Ok(Response::new(Box::pin(events)))
     }
 
     async fn push_kv(
         &self,
         req: Request<Streaming<KvChunk>>,
     ) -> Result<Response<PushKvResponse>, Status> {
-        let mut s = req.into_inner();
-        let header = match s.message().await? {
-            Some(KvChunk { chunk: Some(Chunk::Header(h)) }) => Some(h),
-            _ => None,
-        };
-        let span = self.receive_span(header.as_ref(), "grpc");
-        trace::in_span(&span, self.receive(s, header)).await
+        pdmesh_kv_transfer::receive_push(self.inbox.clone(), req).await
     }
 
-    type KvSessionStream = Pin<Box<dyn Stream<Item = Result<KvSessionEvent, Status>> + Send>>;
+    type KvSessionStream = pdmesh_kv_transfer::SessionEvents;
 
     async fn kv_session(
         &self,
@@ -262,73 +281,19 @@ impl Decode for DecodeService {
         if self.pool.is_none() {
             return Err(Status::failed_precondition(format!(
                 "node {}: this decode node offers no UCX (kv_transport = grpc)",
-                self.node_id
+                self.node_id()
             )));
         }
-        let mut inbound = req.into_inner();
-        let header = match inbound.message().await? {
-            Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Open(h)) }) => Some(h),
-            _ => None,
-        };
-        let span = self.receive_span(header.as_ref(), "ucx");
-        let started = std::time::Instant::now();
-        let (id, from) = trace::in_span(&span, self.begin(header, true)).await?;
-        let end = TransferEnd { tx: self.tx.clone(), id };
-        let (events, rx) = mpsc::channel(2);
-        let accepted =
-            KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted {})) };
-        let _ = events.try_send(Ok(accepted));
-        let this = self.clone();
-        let session = async move {
-            // Until the commit (or the end of the stream) the prefill node may be putting.
-            let outcome = match inbound.message().await {
-                Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Commit(e)) })) => {
-                    let (blocks, checksums) = (e.blocks as usize, e.checksums);
-                    let bytes = blocks as u64
-                        * pdmesh_kv_transfer::bytes_per_block(&this.layout).unwrap_or(0) as u64;
-                    let r =
-                        this.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
-                    let secs = started.elapsed().as_secs_f64();
-                    this.stats.record("ucx", r.as_ref().ok().map(|()| bytes), secs);
-                    received(&Span::current(), blocks, bytes, secs);
-                    r.map(|()| bytes)
-                }
-                Ok(Some(_)) => {
-                    Err(Status::invalid_argument("a UCX session takes one commit after its open"))
-                }
-                Ok(None) => Err(Status::cancelled("the session ended before its commit")),
-                Err(s) => Err(s),
-            };
-            match outcome {
-                Ok(bytes) => {
-                    let ev = KvSessionEvent {
-                        event: Some(kv_session_event::Event::Committed(KvCommitted { bytes })),
-                    };
-                    let _ = events.send(Ok(ev)).await;
-                }
-                Err(st) => {
-                    tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
-                    trace::fail(&Span::current(), &st);
-                    let why = DecodeError::TransferBroken { from, why: st.message().to_string() };
-                    let _ = this.tx.send(Command::KvAbort { id, why }).await;
-                    let _ = events.send(Err(st)).await;
-                }
-            }
-            // Dropping `end` reports the writer closed: the prefill node flushed before its
-            // commit, and ended or lost the stream otherwise.
-            drop(end);
-        };
-        tokio::spawn(session.instrument(span));
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        pdmesh_kv_transfer::accept_session(self.inbox.clone(), req).await
     }
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
         let c = *self.counts.lock().expect("counts lock is never poisoned");
         Ok(Response::new(NodeStats {
-            node_id: self.node_id.clone(),
+            node_id: self.node_id().to_string(),
             role: Role::Decode as i32,
             load: Some(Self::load(&c)),
-            layout: Some(self.layout.clone()),
+            layout: Some(self.inbox.layout.into()),
             queued: c.queued,
             prefilling: c.prefilling,
             transferring: c.transferring,
@@ -338,71 +303,8 @@ impl Decode for DecodeService {
             cancelled: c.cancelled,
             failed: c.failed,
             leases_expired: c.leases_expired,
-            transports: self.stats.snapshot(),
+            transports: self.inbox.stats.snapshot(),
             prefix_cache: None,
         }))
-    }
-}
-
-/// Records a completed transfer's size and speed on its span.
-fn received(span: &Span, blocks: usize, bytes: u64, secs: f64) {
-    span.record("blocks", blocks as i64);
-    span.record("bytes", bytes as i64);
-    if secs > 0.0 {
-        span.record("bandwidth_mb_s", bytes as f64 / secs / 1e6);
-    }
-}
-
-impl DecodeService {
-    /// A `PushKv` stream after its header: blocks into the reservation until the end marker.
-    async fn receive(
-        &self,
-        mut s: Streaming<KvChunk>,
-        header: Option<KvHeader>,
-    ) -> Result<Response<PushKvResponse>, Status> {
-        let started = std::time::Instant::now();
-        let (id, from) = self.begin(header, false).await?;
-        let _end = TransferEnd { tx: self.tx.clone(), id };
-        let mut bytes = 0u64;
-        let abort = |why: String| Command::KvAbort {
-            id,
-            why: DecodeError::TransferBroken { from: from.clone(), why },
-        };
-        loop {
-            let msg = match s.message().await {
-                Ok(Some(m)) => m,
-                Ok(None) => {
-                    let _ =
-                        self.tx.send(abort("the stream ended before the end marker".into())).await;
-                    return Err(Status::invalid_argument("KV stream ended without an end marker"));
-                }
-                Err(st) => {
-                    let _ = self.tx.send(abort(st.message().to_string())).await;
-                    return Err(st);
-                }
-            };
-            match msg.chunk {
-                Some(Chunk::Blocks(b)) => {
-                    bytes += b.data.len() as u64;
-                    let cmd =
-                        Command::KvWrite { id, first_block: b.first_block as usize, data: b.data };
-                    self.tx.send(cmd).await.map_err(|_| self.status(&DecodeError::ShuttingDown))?;
-                }
-                Some(Chunk::End(e)) => {
-                    let (blocks, checksums) = (e.blocks as usize, e.checksums);
-                    let r =
-                        self.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await;
-                    let secs = started.elapsed().as_secs_f64();
-                    self.stats.record("grpc", r.as_ref().ok().map(|()| bytes), secs);
-                    r?;
-                    received(&Span::current(), blocks, bytes, secs);
-                    return Ok(Response::new(PushKvResponse { bytes }));
-                }
-                _ => {
-                    let _ = self.tx.send(abort("unexpected message in the KV stream".into())).await;
-                    return Err(Status::invalid_argument("unexpected message in the KV stream"));
-                }
-            }
-        }
     }
 }

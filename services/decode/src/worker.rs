@@ -1,21 +1,15 @@
-//! The engine thread: owns the `DecodeCore`, takes commands from the async side through a
-//! bounded channel, and steps the continuous batch whenever there is work. Between steps it
-//! drains every waiting command (so KV writes never wait behind more than one step), frees
-//! expired leases, and notices outputs whose client went away.
+//! What the decode node's engine thread (`pdmesh_common::worker`) runs: the commands the
+//! async side sends the `DecodeCore`, and the output channel each request's tokens go to.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use pdmesh_common::worker::Core;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::core::{Attach, Counts, DecodeCore, Event, Output, Reserved};
 use crate::error::DecodeError;
-
-/// Most commands queued for the engine thread.
-pub const COMMAND_QUEUE: usize = 64;
-/// Longest the idle thread sleeps before checking leases and closed outputs again.
-const IDLE_TICK: Duration = Duration::from_millis(20);
 
 pub type Reply<T> = oneshot::Sender<Result<T, DecodeError>>;
 
@@ -94,100 +88,90 @@ impl Output for ChannelOutput {
     }
 }
 
-/// Runs until every command sender is dropped and no request is left.
-pub fn run(
-    mut core: DecodeCore,
-    mut rx: mpsc::Receiver<Command>,
-    rt: tokio::runtime::Handle,
-    counts: Arc<Mutex<Counts>>,
-) {
-    // Where each transfer comes from, to name the prefill node when it breaks.
-    let mut sources: std::collections::HashMap<u64, String> = Default::default();
-    let mut open = true;
-    loop {
-        let now = Instant::now();
-        let next_lease = core.sweep(now);
-        if !core.has_work() {
-            if !open && {
-                let c = core.counts();
-                c.reserved + c.transferring + c.quarantined == 0
-            } {
-                break;
-            }
-            let wait =
-                next_lease.map_or(IDLE_TICK, |d| d.saturating_duration_since(now)).min(IDLE_TICK);
-            if open {
-                match rt.block_on(async { tokio::time::timeout(wait, rx.recv()).await }) {
-                    Ok(Some(cmd)) => handle(&mut core, cmd, &mut sources),
-                    Ok(None) => open = false,
-                    Err(_) => {}
-                }
-            } else {
-                std::thread::sleep(wait);
-            }
-        }
-        while open {
-            match rx.try_recv() {
-                Ok(cmd) => handle(&mut core, cmd, &mut sources),
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => open = false,
-            }
-        }
-        if core.has_work()
-            && let Err(e) = core.step(Instant::now())
-        {
-            tracing::error!("engine step failed: {e}");
-        }
-        *counts.lock().expect("counts lock is never poisoned") = core.counts();
+/// The decode node's core with what the engine thread keeps beside it.
+#[derive(Debug)]
+pub struct Worker {
+    core: DecodeCore,
+    /// Where each transfer comes from, to name the prefill node when it breaks.
+    sources: HashMap<u64, String>,
+}
+
+impl Worker {
+    pub fn new(core: DecodeCore) -> Self {
+        Self { core, sources: HashMap::new() }
     }
 }
 
-fn handle(
-    core: &mut DecodeCore,
-    cmd: Command,
-    sources: &mut std::collections::HashMap<u64, String>,
-) {
-    let now = Instant::now();
-    match cmd {
-        Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply } => {
-            let _ = reply.send(core.reserve(prompt_len, max_tokens, lease, remote_kv, now));
-        }
-        Command::Release { id, reply } => {
-            sources.remove(&id);
-            let _ = reply.send(core.release(id));
-        }
-        Command::KvBegin { id, from, writer, reply } => {
-            let r = core.kv_begin(id, writer);
-            if r.is_ok() {
-                sources.insert(id, from);
+impl Core for Worker {
+    type Command = Command;
+    type Counts = Counts;
+
+    fn handle(&mut self, cmd: Command, now: Instant) {
+        let (core, sources) = (&mut self.core, &mut self.sources);
+        match cmd {
+            Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply } => {
+                let _ = reply.send(core.reserve(prompt_len, max_tokens, lease, remote_kv, now));
             }
-            let _ = reply.send(r);
-        }
-        Command::KvWrite { id, first_block, data } => {
-            if let Err(e) = core.kv_write(id, first_block, &data) {
-                tracing::warn!(reservation = id, "bad KV write: {e}");
-                core.kv_abort(id, e);
+            Command::Release { id, reply } => {
+                sources.remove(&id);
+                let _ = reply.send(core.release(id));
             }
-        }
-        Command::KvEnd { id, blocks, checksums, reply } => {
-            let _ = reply.send(core.kv_end(id, blocks, &checksums));
-        }
-        Command::WriterClosed { id } => {
-            let from = sources.remove(&id).unwrap_or_else(|| "the prefill node".into());
-            core.writer_closed(id, &from);
-        }
-        Command::KvAbort { id, why } => {
-            let from = sources.remove(&id).unwrap_or_default();
-            let why = match why {
-                DecodeError::TransferBroken { why, .. } => {
-                    DecodeError::TransferBroken { from, why }
+            Command::KvBegin { id, from, writer, reply } => {
+                let r = core.kv_begin(id, writer);
+                if r.is_ok() {
+                    sources.insert(id, from);
                 }
-                other => other,
-            };
-            core.kv_abort(id, why);
+                let _ = reply.send(r);
+            }
+            Command::KvWrite { id, first_block, data } => {
+                if let Err(e) = core.kv_write(id, first_block, &data) {
+                    tracing::warn!(reservation = id, "bad KV write: {e}");
+                    core.kv_abort(id, e);
+                }
+            }
+            Command::KvEnd { id, blocks, checksums, reply } => {
+                let _ = reply.send(core.kv_end(id, blocks, &checksums, now));
+            }
+            Command::WriterClosed { id } => {
+                let from = sources.remove(&id).unwrap_or_else(|| "the prefill node".into());
+                core.writer_closed(id, &from);
+            }
+            Command::KvAbort { id, why } => {
+                let from = sources.remove(&id).unwrap_or_default();
+                let why = match why {
+                    DecodeError::TransferBroken { why, .. } => {
+                        DecodeError::TransferBroken { from, why }
+                    }
+                    other => other,
+                };
+                core.kv_abort(id, why);
+            }
+            Command::Attach { id, attach, out, reply } => {
+                let _ = reply.send(core.attach(id, *attach, Box::new(out), now));
+            }
         }
-        Command::Attach { id, attach, out, reply } => {
-            let _ = reply.send(core.attach(id, *attach, Box::new(out), now));
+    }
+
+    fn sweep(&mut self, now: Instant) -> Option<Instant> {
+        self.core.sweep(now)
+    }
+
+    fn has_work(&mut self) -> bool {
+        self.core.has_work()
+    }
+
+    fn step(&mut self, now: Instant) {
+        if let Err(e) = self.core.step(now) {
+            tracing::error!("engine step failed: {e}");
         }
+    }
+
+    fn is_idle(&self) -> bool {
+        let c = self.core.counts();
+        c.reserved + c.transferring + c.quarantined == 0
+    }
+
+    fn counts(&self) -> Counts {
+        self.core.counts()
     }
 }

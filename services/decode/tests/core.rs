@@ -1,26 +1,21 @@
-//! The decode node's core and text streaming on the real model, without any network: local
-//! prefill gives `generate`'s tokens, stop strings never leak, leases free reservations, bad KV
-//! is refused, and a closed output frees the request.
+//! The decode node's core and text streaming on the tiny seeded model, without any network:
+//! local prefill gives `generate`'s tokens, stop strings never leak, leases free reservations,
+//! bad KV is refused, and a closed output frees the request.
 
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_decode::core::{Attach, DecodeCore, Event, Output, Reserved, Start};
 use pdmesh_decode::error::DecodeError;
-use pdmesh_decode::text::{Pushed, TextStream};
-use pdmesh_engine::{Engine, EngineConfig, GenerateParams, Model, SamplingParams, generate};
+use pdmesh_engine::testing::tiny_model;
+use pdmesh_engine::{
+    Engine, EngineConfig, GenerateParams, Model, Pushed, SamplingParams, TextStream, generate,
+};
 
 fn model() -> Arc<Model> {
-    static M: OnceLock<Arc<Model>> = OnceLock::new();
-    Arc::clone(M.get_or_init(|| {
-        let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-            .join("../..")
-            .join(pdmesh_engine::DEFAULT_MODEL_PATH);
-        Arc::new(Model::load(&p).expect("run `just fetch-model`"))
-    }))
+    tiny_model()
 }
 
 fn engine(blocks: usize) -> Engine {
@@ -165,9 +160,9 @@ fn bad_kv_is_refused_and_frees_nothing_twice() {
     assert!(c.kv_write(id, 1, &vec![0; bpb]).is_err(), "out of order");
     assert!(c.kv_write(id, 2, &vec![0; 2 * bpb]).is_err(), "past the prompt");
     c.kv_write(id, 0, &vec![0; 2 * bpb]).unwrap();
-    assert!(c.kv_end(id, 3, &[]).is_err(), "ended one block short");
+    assert!(c.kv_end(id, 3, &[], t0).is_err(), "ended one block short");
     c.kv_write(id, 2, &vec![0; bpb]).unwrap();
-    c.kv_end(id, 3, &[]).unwrap();
+    c.kv_end(id, 3, &[], t0).unwrap();
     let sink = Sink::default();
     let p = vec![1u32; 40];
     assert!(
@@ -227,18 +222,18 @@ fn verify_mode_catches_a_corrupted_block() {
     let t0 = Instant::now();
     let bpb = c.engine().kv().geometry().bytes_per_block();
     let data: Vec<u8> = (0..2 * bpb).map(|i| (i % 251) as u8).collect();
-    let sums: Vec<u64> = data.chunks(bpb).map(pdmesh_kv_transfer::block_checksum).collect();
+    let sums: Vec<u64> = data.chunks(bpb).map(pdmesh_kv_types::block_checksum).collect();
     let r = c.reserve(20, 4, None, true, t0).unwrap();
     c.kv_begin(r.id, false).unwrap();
     c.kv_write(r.id, 0, &data).unwrap();
-    c.kv_end(r.id, 2, &sums).unwrap();
+    c.kv_end(r.id, 2, &sums, t0).unwrap();
 
     let r = c.reserve(20, 4, None, true, t0).unwrap();
     c.kv_begin(r.id, false).unwrap();
     let mut bad = data.clone();
     bad[bpb + 7] ^= 0x40;
     c.kv_write(r.id, 0, &bad).unwrap();
-    assert!(matches!(c.kv_end(r.id, 2, &sums), Err(DecodeError::Corrupt { block: 1 })));
+    assert!(matches!(c.kv_end(r.id, 2, &sums, t0), Err(DecodeError::Corrupt { block: 1 })));
     let k = c.counts();
     // The good reservation (24 tokens, 2 blocks) is still held; the bad one is freed.
     assert_eq!((k.failed, k.committed_blocks), (1, 2));
@@ -299,4 +294,22 @@ fn stop_strings_across_tokens_never_leak() {
     toks.extend(tail.tokens);
     assert_eq!(out, text);
     assert_eq!(toks, ids);
+}
+
+#[test]
+fn complete_kv_that_no_request_attaches_to_is_freed_at_its_lease() {
+    // A router that died between the KV's commit and its Decode call must not strand the
+    // blocks: complete KV waits for its request only a lease long.
+    let mut c = core(16);
+    let t0 = Instant::now();
+    let bpb = c.engine().kv().geometry().bytes_per_block();
+    let r = c.reserve(8, 4, None, false, t0).unwrap();
+    c.kv_begin(r.id, false).unwrap();
+    c.kv_write(r.id, 0, &vec![0; bpb]).unwrap();
+    c.kv_end(r.id, 1, &[], t0).unwrap();
+    assert_eq!(c.sweep(t0 + Duration::from_millis(100)), Some(t0 + Duration::from_millis(200)));
+    assert_eq!(c.counts().reserved, 1, "held until the lease runs out");
+    c.sweep(t0 + Duration::from_millis(201));
+    let k = c.counts();
+    assert_eq!((k.reserved, k.leases_expired, k.free_blocks, k.committed_blocks), (0, 1, 16, 0));
 }

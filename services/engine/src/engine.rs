@@ -5,8 +5,10 @@
 use std::sync::Arc;
 
 use pdmesh_kernels::{
-    Activations, AttnQuery, Backend, CpuBackend, KvDtype, KvSlot, MatmulJob, Phase, Simd,
+    Activations, AttnQuery, Backend, CpuBackend, KvDtype, KvSlot, MatmulJob, MemoryRegion, Phase,
+    Simd,
 };
+use pdmesh_kv_types::KvLayout;
 
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, SeqId};
@@ -157,9 +159,6 @@ fn fit(v: &mut Vec<f32>, n: usize) {
 /// Runs a model over a paged KV cache.
 #[derive(Debug)]
 pub struct Engine {
-    /// Whatever gives other parties access to the KV pool's memory (a UCX registration):
-    /// declared before `kv` so it is dropped first, while the memory still exists.
-    kv_guard: Option<Box<dyn std::fmt::Debug + Send>>,
     model: Arc<Model>,
     backend: Box<dyn Backend>,
     kv: KvCache,
@@ -183,15 +182,7 @@ impl Engine {
         let kv = KvCache::new(geom, config.kv_blocks)?;
         let c = &model.config;
         let theta_scale = c.rope_base.powf(-2.0 / c.head_dim as f32);
-        Ok(Self {
-            kv_guard: None,
-            model,
-            backend,
-            kv,
-            config,
-            scratch: Scratch::default(),
-            theta_scale,
-        })
+        Ok(Self { model, backend, kv, config, scratch: Scratch::default(), theta_scale })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -210,21 +201,21 @@ impl Engine {
         &self.kv
     }
 
-    /// The KV pool's memory as `(address, bytes)`. It is one allocation that never moves
-    /// or grows while the engine lives; block `b` starts at `address + b * bytes_per_block`.
-    pub fn kv_region(&self) -> (usize, usize) {
+    /// The KV pool's memory, for a transport to register: one allocation that never moves or
+    /// grows, kept alive by the region itself; block `b` starts at
+    /// `addr + b * bytes_per_block`.
+    pub fn kv_memory(&self) -> MemoryRegion {
         self.kv.buffer.region()
     }
 
-    /// Keeps `guard` alive exactly as long as the KV pool, and drops it first: for a
-    /// registration that lets another process write into the pool.
-    pub fn hold_kv_guard(&mut self, guard: Box<dyn std::fmt::Debug + Send>) {
-        self.kv_guard = Some(guard);
+    /// The layout of this engine's KV blocks: what a peer must match to exchange them.
+    pub fn kv_layout(&self) -> KvLayout {
+        KvLayout { model_fingerprint: self.model.fingerprint, geometry: *self.kv.geometry() }
     }
 
     /// Physical pool block of the sequence's `index`-th block.
     pub fn pool_block(&self, seq: SeqId, index: usize) -> Result<u32> {
-        self.block_of(seq, index).map(|b| b as u32)
+        self.kv.block(seq, index).map(|b| b as u32)
     }
 
     /// The model's context length, the most tokens one sequence may hold.
@@ -267,24 +258,14 @@ impl Engine {
 
     /// Appends the bytes of the sequence's `index`-th block to `out`.
     pub fn read_block(&self, seq: SeqId, index: usize, out: &mut Vec<u8>) -> Result<()> {
-        let block = self.block_of(seq, index)?;
-        self.kv.buffer.read_block_bytes(block, out);
-        Ok(())
+        self.kv.read_block(seq, index, out)
     }
 
     /// Overwrites the sequence's `index`-th block with bytes from `read_block` on an engine of
     /// the same KV layout.
     pub fn write_block(&mut self, seq: SeqId, index: usize, data: &[u8]) -> Result<()> {
-        let block = self.block_of(seq, index)?;
+        let block = self.kv.block(seq, index)?;
         self.kv.buffer.write_block_bytes(block, data).map_err(Error::invalid)
-    }
-
-    fn block_of(&self, seq: SeqId, index: usize) -> Result<usize> {
-        let blocks = self.kv.blocks(seq)?;
-        let b = blocks.get(index).ok_or_else(|| {
-            Error::invalid(format!("sequence {seq} has {} blocks, not {}", blocks.len(), index + 1))
-        })?;
-        Ok(*b as usize)
     }
 
     /// Checks a step without changing anything.

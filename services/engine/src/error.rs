@@ -2,12 +2,14 @@
 //! services map to a gRPC status (invalid request, capacity exhausted, failed precondition).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
-/// Everything that can go wrong in the engine.
-#[derive(Debug, thiserror::Error)]
+/// Everything that can go wrong in the engine. Cloneable: one failed step fails every
+/// sequence in it with the same error.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum Error {
     #[error("cannot open model file {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io { path: PathBuf, source: Arc<std::io::Error> },
 
     /// The file is not a GGUF file we can read, or is damaged. `context` names the header field,
     /// metadata key or tensor where reading failed.

@@ -1,65 +1,13 @@
-//! Local generation: drives the engine with the continuous-batching scheduler for one or many
-//! prompts, sampling each sequence with its own sampler. Used by `pdmesh run`, the engine
-//! benchmark and the tests; the decode service drives the same pieces over the network.
+//! Local generation: the batch runner with no connector, for one or many prompts. Used by
+//! `pdmesh run`, the tests and the benchmarks; prefill and decode nodes drive the same runner.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::engine::{Engine, Logits, StepItem};
+use crate::connector::NoConnector;
+use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::kv_cache::SeqId;
-use crate::sampler::{Sampler, SamplingParams};
-use crate::scheduler::{Scheduler, Work};
-
-/// What to generate for one prompt.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GenerateParams {
-    pub sampling: SamplingParams,
-    /// Most tokens to generate (≥ 1).
-    pub max_tokens: usize,
-    /// Extra token ids that end generation.
-    pub stop_tokens: Vec<u32>,
-    /// Keep going past end-of-generation tokens (benchmarks).
-    pub ignore_eos: bool,
-}
-
-impl Default for GenerateParams {
-    fn default() -> Self {
-        Self {
-            sampling: SamplingParams::default(),
-            max_tokens: 128,
-            stop_tokens: Vec::new(),
-            ignore_eos: false,
-        }
-    }
-}
-
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// The model produced an end-of-generation token.
-    Eos,
-    /// One of `stop_tokens` was produced.
-    Stop,
-    /// `max_tokens` were generated.
-    Length,
-    /// The sequence filled the model's context.
-    ContextFull,
-    /// The caller's callback asked to stop.
-    Cancelled,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Eos => "eos",
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::ContextFull => "context_full",
-            FinishReason::Cancelled => "cancelled",
-        }
-    }
-}
+use crate::runner::{BatchRunner, End, Event, FinishReason, GenerateParams, SeqSpec};
 
 /// The result for one prompt.
 #[derive(Debug, Clone, PartialEq)]
@@ -75,16 +23,6 @@ pub struct Generation {
     pub total_time: Duration,
 }
 
-struct Running {
-    seq: SeqId,
-    sampler: Sampler,
-    history: Vec<u32>,
-    prompt_len: usize,
-    next: Option<u32>,
-    out: Vec<u32>,
-    ttft: Option<Duration>,
-}
-
 /// Generates for every request; `on_token(i, id)` sees each new token of request `i` as it is
 /// produced and returns `false` to stop that request. Sequences are freed however this ends.
 pub fn generate_batch(
@@ -96,6 +34,11 @@ pub fn generate_batch(
     generate_batch_observed(engine, requests, max_running, |_, _| {}, on_token)
 }
 
+struct Progress {
+    tokens: Vec<u32>,
+    ttft: Option<Duration>,
+}
+
 /// `generate_batch`, also showing `on_logits(i, logits)` the logits each token is sampled from.
 pub fn generate_batch_observed(
     engine: &mut Engine,
@@ -105,120 +48,84 @@ pub fn generate_batch_observed(
     mut on_token: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Generation>> {
     let start = Instant::now();
-    let mut sched = Scheduler::new(engine.config().max_batch_tokens, max_running);
-    let mut running: HashMap<u64, Running> = HashMap::new();
+    let mut runner = BatchRunner::new(engine, max_running, false);
+    let mut none = NoConnector;
+    let mut progress: HashMap<u64, Progress> = HashMap::new();
     let mut done: Vec<Option<Generation>> = vec![None; requests.len()];
-    for (i, (prompt, p)) in requests.iter().enumerate() {
-        if p.max_tokens == 0 {
-            return Err(Error::invalid(format!("request {i}: max_tokens must be at least 1")));
-        }
-        if prompt.len() >= engine.max_seq_len() {
-            return Err(Error::invalid(format!(
-                "request {i}: prompt of {} tokens leaves no room in the context of {}",
-                prompt.len(),
-                engine.max_seq_len()
-            )));
-        }
-        sched.add(i as u64, prompt.len()).map_err(|e| Error::invalid(e.to_string()))?;
-    }
     let result = (|| -> Result<()> {
-        while !sched.is_empty() {
-            let plan = sched.plan();
-            for s in &plan {
-                if let std::collections::hash_map::Entry::Vacant(e) = running.entry(s.id) {
-                    let i = s.id as usize;
-                    let (prompt, p) = &requests[i];
-                    e.insert(Running {
-                        seq: engine.create_sequence(),
-                        sampler: Sampler::new(p.sampling.clone())?,
-                        history: prompt.clone(),
-                        prompt_len: prompt.len(),
-                        next: None,
-                        out: Vec::new(),
-                        ttft: None,
-                    });
-                }
-            }
-            let decode_tokens: Vec<[u32; 1]> =
-                plan.iter().map(|s| [running[&s.id].next.unwrap_or(0)]).collect();
-            let items: Vec<StepItem<'_>> = plan
-                .iter()
-                .zip(&decode_tokens)
-                .map(|(s, tok)| {
-                    let r = &running[&s.id];
-                    match s.work {
-                        Work::Prefill { offset, len, last } => StepItem::prefill(
-                            r.seq,
-                            &requests[s.id as usize].0[offset..offset + len],
-                            if last { Logits::Last } else { Logits::None },
-                        ),
-                        Work::Decode => StepItem::decode(r.seq, tok),
-                    }
-                })
-                .collect();
-            let ctx = engine.max_seq_len();
-            let model = std::sync::Arc::clone(engine.model());
-            let logits = engine.step(&items)?;
-            let mut finished = Vec::new();
-            for (k, s) in plan.iter().enumerate() {
-                let Some(row) = logits.last_of(k) else { continue };
-                let i = s.id as usize;
-                let p = &requests[i].1;
-                let r = running.get_mut(&s.id).expect("scheduled sequences are running");
-                on_logits(i, row);
-                let tok = r.sampler.sample(row, &r.history);
-                r.ttft.get_or_insert_with(|| start.elapsed());
-                let stop = if !p.ignore_eos && model.tokenizer.is_eog(tok) {
-                    Some(FinishReason::Eos)
-                } else if p.stop_tokens.contains(&tok) {
-                    Some(FinishReason::Stop)
-                } else {
-                    None
-                };
-                let reason = match stop {
-                    Some(reason) => Some((reason, Some(tok))),
-                    None => {
-                        r.out.push(tok);
-                        r.history.push(tok);
-                        if !on_token(i, tok) {
-                            Some((FinishReason::Cancelled, None))
-                        } else if r.out.len() >= p.max_tokens {
-                            Some((FinishReason::Length, None))
-                        } else if r.prompt_len + r.out.len() >= ctx {
-                            Some((FinishReason::ContextFull, None))
-                        } else {
-                            r.next = Some(tok);
-                            None
+        for (i, (prompt, p)) in requests.iter().enumerate() {
+            let spec = SeqSpec::generate(prompt.clone(), p.clone());
+            runner
+                .add(engine, &mut none, i as u64, spec)
+                .map_err(|e| Error::invalid(format!("request {i}: {e}")))?;
+            progress.insert(i as u64, Progress { tokens: Vec::new(), ttft: None });
+        }
+        let mut stopped = std::collections::HashSet::new();
+        while !runner.is_empty() {
+            let plan = runner.plan(engine, &mut none);
+            let mut observe = |id: u64, row: &[f32]| on_logits(id as usize, row);
+            let outputs =
+                runner.run(&plan, engine, &mut none, &mut observe).map_err(|f| f.error)?;
+            for o in outputs {
+                let i = o.id as usize;
+                let p = progress.get_mut(&o.id).expect("every request has progress");
+                match o.event {
+                    Event::Delta(piece) => {
+                        p.ttft.get_or_insert_with(|| start.elapsed());
+                        for t in piece.tokens {
+                            p.tokens.push(t);
+                            if !stopped.contains(&o.id) && !on_token(i, t) {
+                                stopped.insert(o.id);
+                            }
                         }
                     }
-                };
-                if let Some((finish, stop_token)) = reason {
-                    finished.push((s.id, finish, stop_token));
+                    Event::Done { end, .. } => {
+                        let (finish, stop_token) = match end {
+                            // The caller's stop wins over a rule that ended it in the same step.
+                            _ if stopped.contains(&o.id) => (FinishReason::Cancelled, None),
+                            End::Finished { reason, stop_token } => (reason, stop_token),
+                            End::Failed(e) => return Err(e),
+                            End::Prefilled { .. } => unreachable!("generation has no prefill role"),
+                        };
+                        done[i] = Some(Generation {
+                            tokens: std::mem::take(&mut p.tokens),
+                            finish,
+                            stop_token,
+                            prompt_tokens: requests[i].0.len(),
+                            time_to_first_token: p.ttft.unwrap_or_else(|| start.elapsed()),
+                            total_time: start.elapsed(),
+                        });
+                    }
                 }
             }
-            for (id, finish, stop_token) in finished {
-                sched.remove(id);
-                let r = running.remove(&id).expect("finished sequences are running");
-                engine.free_sequence(r.seq)?;
-                done[id as usize] = Some(Generation {
-                    tokens: r.out,
-                    finish,
-                    stop_token,
-                    prompt_tokens: r.prompt_len,
-                    time_to_first_token: r.ttft.unwrap_or_default(),
-                    total_time: start.elapsed(),
-                });
+            for &id in &stopped {
+                if runner.contains(id) {
+                    // Without text there is no tail to deliver; its end is recorded here.
+                    runner.cancel(engine, &mut none, id);
+                    let p = progress.get_mut(&id).expect("every request has progress");
+                    done[id as usize] = Some(Generation {
+                        tokens: std::mem::take(&mut p.tokens),
+                        finish: FinishReason::Cancelled,
+                        stop_token: None,
+                        prompt_tokens: requests[id as usize].0.len(),
+                        time_to_first_token: p.ttft.unwrap_or_default(),
+                        total_time: start.elapsed(),
+                    });
+                }
             }
         }
         Ok(())
     })();
-    for (_, r) in running.drain() {
-        let _ = engine.free_sequence(r.seq);
+    // Whatever is left (an error ended the loop) is cancelled, which frees its sequence.
+    for id in 0..requests.len() as u64 {
+        if runner.contains(id) {
+            runner.cancel(engine, &mut none, id);
+        }
     }
     result?;
     Ok(done
         .into_iter()
-        .map(|g| g.expect("every request finishes before the scheduler empties"))
+        .map(|g| g.expect("every request finishes before the runner empties"))
         .collect())
 }
 

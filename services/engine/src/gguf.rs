@@ -151,7 +151,8 @@ impl Bytes {
 impl GgufFile {
     /// Maps and parses the file at `path`.
     pub fn open(path: &Path) -> Result<Self> {
-        let io = |source| Error::Io { path: path.to_path_buf(), source };
+        let io =
+            |source| Error::Io { path: path.to_path_buf(), source: std::sync::Arc::new(source) };
         let file = std::fs::File::open(path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
         if !meta.is_file() {

@@ -104,6 +104,22 @@ impl KvCache {
         &self.buffer
     }
 
+    /// The pool block of the sequence's `index`-th block.
+    pub(crate) fn block(&self, id: SeqId, index: usize) -> Result<usize> {
+        let blocks = self.blocks(id)?;
+        let b = *blocks.get(index).ok_or_else(|| {
+            Error::invalid(format!("sequence {id} has {} blocks, not {}", blocks.len(), index + 1))
+        })?;
+        Ok(b as usize)
+    }
+
+    /// Appends the bytes of the sequence's `index`-th block to `out`.
+    pub fn read_block(&self, id: SeqId, index: usize, out: &mut Vec<u8>) -> Result<()> {
+        let b = self.block(id, index)?;
+        self.buffer.read_block_bytes(b, out);
+        Ok(())
+    }
+
     /// Appends layer `layer`'s part of the sequence's `index`-th block to `out`.
     pub fn read_block_layer(
         &self,
@@ -112,14 +128,11 @@ impl KvCache {
         layer: usize,
         out: &mut Vec<u8>,
     ) -> Result<()> {
-        let blocks = self.blocks(id)?;
-        let b = *blocks.get(index).ok_or_else(|| {
-            Error::invalid(format!("sequence {id} has {} blocks, not {}", blocks.len(), index + 1))
-        })?;
+        let b = self.block(id, index)?;
         if layer >= self.buffer.geometry().layers {
             return Err(Error::invalid(format!("layer {layer} is past the model's layers")));
         }
-        self.buffer.read_layer_bytes(b as usize, layer, out);
+        self.buffer.read_layer_bytes(b, layer, out);
         Ok(())
     }
 

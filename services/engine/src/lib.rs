@@ -7,6 +7,7 @@
 //! was chunked; the disaggregated mesh relies on that to prove it matches a single engine.
 
 pub mod chat;
+pub mod connector;
 pub mod engine;
 pub mod error;
 pub mod eval;
@@ -14,21 +15,31 @@ pub mod generate;
 pub mod gguf;
 pub mod kv_cache;
 pub mod model;
+pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod settings;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
+pub mod text;
 pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
+pub use connector::{KvConnector, NoConnector, Release, Saved};
 pub use engine::{Engine, EngineConfig, Logits, StepItem, StepLogits};
 pub use error::{Error, ErrorClass, Result};
-pub use generate::{FinishReason, GenerateParams, Generation, generate, generate_batch};
+pub use generate::{Generation, generate, generate_batch};
 pub use kv_cache::{BlockAllocator, KvCache, SeqId};
 pub use model::{Model, ModelConfig};
 pub use pdmesh_kernels::Phase;
+pub use runner::{
+    BatchRunner, End, Event, FinishReason, GenerateParams, Output, Role, SeqSpec, SeqStatus,
+    StepFailed,
+};
 pub use sampler::{Sampler, SamplingParams};
-pub use scheduler::{Scheduler, Work};
+pub use scheduler::{Scheduled, Scheduler, Work};
 pub use settings::EngineSettings;
+pub use text::{Piece, Pushed, TextStream};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 
 /// Where `just fetch-model` puts the default model, relative to the repository root.

@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use pdmesh_kernels::{KvDtype, KvGeometry, WeightMatrix, WeightType};
+use pdmesh_kv_types::{KvLayout, KvShape};
 
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, TensorInfo};
@@ -28,14 +29,13 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// What one token's KV is made of.
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape { layers: self.layers, kv_heads: self.kv_heads, head_dim: self.head_dim }
+    }
+
     pub fn kv_geometry(&self, block_size: usize, dtype: KvDtype) -> KvGeometry {
-        KvGeometry {
-            layers: self.layers,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            block_size,
-            dtype,
-        }
+        KvGeometry::new(self.kv_shape(), block_size, dtype)
     }
 }
 
@@ -217,6 +217,15 @@ impl Model {
             fingerprint,
             gguf,
         })
+    }
+
+    /// The layout of this model's KV in blocks of `block_size` tokens of `dtype`: what an engine
+    /// of these settings holds, and what a KV-store of the mesh stores.
+    pub fn kv_layout(&self, block_size: usize, dtype: KvDtype) -> KvLayout {
+        KvLayout {
+            model_fingerprint: self.fingerprint,
+            geometry: self.config.kv_geometry(block_size, dtype),
+        }
     }
 
     /// A view of a weight's bytes.

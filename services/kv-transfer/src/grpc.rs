@@ -1,22 +1,25 @@
-//! The gRPC KV transport: one client stream per transfer into the decode node's `PushKv`
-//! (a header with the reservation and layout, block data, an end marker). Channels are cached
-//! per decode address. The call runs in its own task that is aborted when the sink is dropped,
-//! so an abandoned transfer resets the stream and the decode node frees the reservation.
+//! The gRPC KV transport, both halves. Sending: one client stream per transfer into the decode
+//! node's `PushKv` (a header with the reservation and layout, block data, an end marker), on
+//! channels cached per decode address; the call runs in its own task that is aborted when the
+//! sink is dropped, so an abandoned transfer resets the stream. Receiving: `receive_push`
+//! writes the blocks into the reservation and fails it when the stream ends early.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_common::trace::Channel;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk;
-use pdmesh_proto::v1::{KvBlocks, KvChunk, KvEnd, KvHeader, KvTarget};
+use pdmesh_proto::v1::{KvBlocks, KvChunk, KvEnd, KvHeader, KvTarget, PushKvResponse};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::Streaming;
 use tonic::transport::Endpoint;
 use tracing::Instrument;
 
+use crate::inbox::{self, ClosedOnDrop, KvInbox};
 use crate::{KvPiece, KvSink, KvTransport, TransferError};
 
 /// Messages buffered per transfer before `send` waits for the network.
@@ -161,6 +164,65 @@ impl Drop for GrpcSink {
     fn drop(&mut self) {
         if let Some(call) = self.call.take() {
             call.abort();
+        }
+    }
+}
+
+/// The receiving half: a `PushKv` stream into `inbox`'s reservation — a header, blocks until
+/// the end marker. A stream that ends or breaks before it fails the reservation.
+pub async fn receive_push(
+    inbox: Arc<dyn KvInbox>,
+    req: tonic::Request<Streaming<KvChunk>>,
+) -> Result<tonic::Response<PushKvResponse>, tonic::Status> {
+    let mut s = req.into_inner();
+    let header = match s.message().await? {
+        Some(KvChunk { chunk: Some(Chunk::Header(h)) }) => Some(h),
+        _ => None,
+    };
+    let span = inbox::receive_span(&*inbox, header.as_ref(), "grpc");
+    pdmesh_common::trace::in_span(&span, receive(inbox, s, header)).await
+}
+
+async fn receive(
+    inbox: Arc<dyn KvInbox>,
+    mut s: Streaming<KvChunk>,
+    header: Option<KvHeader>,
+) -> Result<tonic::Response<PushKvResponse>, tonic::Status> {
+    use tonic::Status;
+    let started = std::time::Instant::now();
+    let (id, from) = inbox::open(&*inbox, header, false).await?;
+    let _closed = ClosedOnDrop { inbox: Arc::clone(&inbox), id };
+    let mut bytes = 0u64;
+    loop {
+        let msg = match s.message().await {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                inbox.abort(id, &from, "the stream ended before the end marker".into()).await;
+                return Err(Status::invalid_argument("KV stream ended without an end marker"));
+            }
+            Err(st) => {
+                inbox.abort(id, &from, st.message().to_string()).await;
+                return Err(st);
+            }
+        };
+        match msg.chunk {
+            Some(Chunk::Blocks(b)) => {
+                bytes += b.data.len() as u64;
+                inbox.write(id, b.first_block as usize, b.data).await?;
+            }
+            Some(Chunk::End(e)) => {
+                let blocks = e.blocks as usize;
+                let r = inbox.end(id, blocks, e.checksums).await;
+                let secs = started.elapsed().as_secs_f64();
+                inbox.stats().record("grpc", r.as_ref().ok().map(|()| bytes), secs);
+                r?;
+                inbox::received(&tracing::Span::current(), blocks, bytes, secs);
+                return Ok(tonic::Response::new(PushKvResponse { bytes }));
+            }
+            _ => {
+                inbox.abort(id, &from, "unexpected message in the KV stream".into()).await;
+                return Err(Status::invalid_argument("unexpected message in the KV stream"));
+            }
         }
     }
 }

@@ -1,14 +1,21 @@
-//! Moving KV blocks from a prefill node into a decode node's reservation. The KV layout
-//! handshake lives here (both ends check it; a mismatch is FAILED_PRECONDITION, never silently
-//! wrong output), along with the `KvTransport` trait the prefill node pushes through and its
-//! two implementations: the gRPC stream, and UCX one-sided puts straight into the decode
-//! node's registered KV pool (with `auto` choosing UCX and falling back to gRPC).
+//! Moving KV between nodes, as the engine's `KvConnector`s see it. On a prefill node, `push`
+//! loads a prompt's cached prefix (from `prefix_cache`: the node's own tier, then the KV-store)
+//! and hands what the engine computes to the prompt's transfer; on a decode node, `receive`
+//! takes the arriving KV into a reservation and tells the batch runner when it is complete.
+//! The transfers themselves go through the `KvTransport` trait and its two implementations,
+//! each owning both its halves: the gRPC stream (`grpc`), and UCX one-sided puts straight
+//! into the decode node's registered KV pool (`ucx_transport`), with `auto` choosing UCX and
+//! falling back to gRPC. Both ends check the KV layout handshake; a mismatch is
+//! FAILED_PRECONDITION, never silently wrong output.
 
 pub mod auto;
-pub mod block_hash;
 pub mod grpc;
+pub mod inbox;
 pub mod layout;
 pub mod pool;
+pub mod prefix_cache;
+pub mod push;
+pub mod receive;
 pub mod stats;
 pub mod ucx;
 pub mod ucx_transport;
@@ -20,17 +27,15 @@ use pdmesh_proto::v1::KvTarget;
 use tonic::Status;
 
 pub use auto::{AutoTransport, TransportKind};
-pub use block_hash::{BlockHash, BlockHasher};
-pub use grpc::GrpcTransport;
-pub use layout::{bytes_per_block, check_layout, layout_mismatch, layout_of};
+pub use grpc::{GrpcTransport, receive_push};
+pub use inbox::{KvInbox, parse_reservation};
+pub use layout::check_layout;
 pub use pool::{KvPool, register_kv_pool};
+pub use prefix_cache::{Lookup, PrefixCache};
+pub use push::{Export, PushConnector, PushJob, PushMode};
+pub use receive::{ReceiveError, Receiver, Target};
 pub use stats::TransferStats;
-pub use ucx_transport::UcxTransport;
-
-/// The checksum of one KV block in verify mode (xxh3-64 of its bytes).
-pub fn block_checksum(block: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(block)
-}
+pub use ucx_transport::{SessionEvents, UcxTransport, accept_session};
 
 /// Why a transfer failed.
 #[derive(Debug, thiserror::Error)]
@@ -126,4 +131,39 @@ pub trait KvSink: Send {
         blocks: u32,
         checksums: Vec<u64>,
     ) -> Result<u64, TransferError>;
+}
+
+/// `sink`, waiting `delay` before each piece: test-only fault injection that keeps a transfer
+/// in flight long enough to be interrupted.
+pub fn delayed(sink: Box<dyn KvSink>, delay: std::time::Duration) -> Box<dyn KvSink> {
+    Box::new(Delayed { inner: sink, delay })
+}
+
+struct Delayed {
+    inner: Box<dyn KvSink>,
+    delay: std::time::Duration,
+}
+
+#[async_trait::async_trait]
+impl KvSink for Delayed {
+    fn transport(&self) -> &'static str {
+        self.inner.transport()
+    }
+
+    fn layered(&self) -> bool {
+        self.inner.layered()
+    }
+
+    async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.send(piece).await
+    }
+
+    async fn finish(
+        self: Box<Self>,
+        blocks: u32,
+        checksums: Vec<u64>,
+    ) -> Result<u64, TransferError> {
+        self.inner.finish(blocks, checksums).await
+    }
 }

@@ -1,18 +1,19 @@
 //! The decode node's side of UCX: its whole KV pool registered once at startup, and the
 //! `UcxTarget` each reservation hands out (the pool's key and its blocks' addresses).
-#![allow(unsafe_code)]
 
 use bytes::Bytes;
-use pdmesh_engine::Engine;
+use pdmesh_kv_types::{KvGeometry, MemoryRegion};
 use pdmesh_proto::v1::UcxTarget;
 
-use crate::ucx::{UcxError, UcxNode};
+use crate::ucx::{Region, UcxError, UcxNode};
 
 /// A registered KV pool.
 #[derive(Debug, Clone)]
 pub struct KvPool {
     /// Keeps the worker (and its progress thread, which serves incoming puts) alive.
     _node: UcxNode,
+    /// The registration, which keeps the pool's memory allocated while peers may reach it.
+    _region: std::sync::Arc<Region>,
     worker_address: Bytes,
     rkey: Bytes,
     base: u64,
@@ -20,31 +21,29 @@ pub struct KvPool {
     blocks: u32,
 }
 
-/// Registers `engine`'s KV pool with `node`. The registration is handed to the engine, which
-/// drops it before the pool's memory, so peers can never be given a key to freed memory.
+/// Registers the KV pool in `memory` (blocks of `geometry`) with `node`.
 ///
 /// Peers then write into the pool while the engine thread owns it, as a NIC's DMA would. The
 /// protocol confines those writes to a reservation's blocks between its session's accept and
 /// commit, which the engine neither reads nor writes in that window (and the commit reaches
 /// the engine thread through a channel, which orders the writes before any read). Rust's
 /// memory model does not describe memory written by another process; that is the trade.
-pub fn register_kv_pool(node: &UcxNode, engine: &mut Engine) -> Result<KvPool, UcxError> {
-    let (addr, len) = engine.kv_region();
-    let geometry = *engine.kv().geometry();
-    // SAFETY: the pool is one allocation that never moves or grows while the engine lives
-    // (`Engine::kv_region`), and the region is stored in the engine, which drops it before
-    // the pool (`Engine::hold_kv_guard`).
-    let region = unsafe { node.register(addr, len)? };
-    let pool = KvPool {
+pub fn register_kv_pool(
+    node: &UcxNode,
+    memory: &MemoryRegion,
+    geometry: &KvGeometry,
+) -> Result<KvPool, UcxError> {
+    let region = node.register(memory)?;
+    let bytes_per_block = geometry.bytes_per_block() as u64;
+    Ok(KvPool {
         _node: node.clone(),
         worker_address: node.address().clone(),
         rkey: region.rkey().clone(),
         base: region.base(),
-        bytes_per_block: geometry.bytes_per_block() as u64,
-        blocks: engine.kv().total_blocks() as u32,
-    };
-    engine.hold_kv_guard(Box::new(region));
-    Ok(pool)
+        bytes_per_block,
+        blocks: (memory.len() as u64 / bytes_per_block.max(1)) as u32,
+        _region: std::sync::Arc::new(region),
+    })
 }
 
 impl KvPool {

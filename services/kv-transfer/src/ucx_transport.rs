@@ -1,4 +1,4 @@
-//! The UCX KV transport. The data path is one-sided: the prefill node puts each block (or each
+//! The UCX KV transport, both halves. The data path is one-sided: the prefill node puts each block (or each
 //! layer of each block, while later layers still compute) straight into the decode node's
 //! registered KV pool at the addresses its reservation named. The control path is the decode
 //! node's `KvSession` gRPC stream: open (the decode node accepts before any byte moves), then
@@ -14,16 +14,17 @@ use std::sync::Arc;
 
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::{
-    KvEnd, KvHeader, KvSessionEvent, KvSessionRequest, KvTarget, kv_session_event,
-    kv_session_request,
+    KvAccepted, KvCommitted, KvEnd, KvHeader, KvSessionEvent, KvSessionRequest, KvTarget,
+    kv_session_event, kv_session_request,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
 use crate::grpc::GrpcTransport;
+use crate::inbox::{self, ClosedOnDrop, KvInbox};
 use crate::ucx::{Peer, Peers, Pending, UcxError, UcxNode};
-use crate::{KvPiece, KvSink, KvTransport, TransferError, bytes_per_block};
+use crate::{KvPiece, KvSink, KvTransport, TransferError};
 
 /// Puts a transfer keeps in flight before it waits for the oldest ones.
 const MAX_PENDING: usize = 1024;
@@ -65,11 +66,11 @@ impl KvTransport for UcxTransport {
             .ucx
             .as_ref()
             .ok_or_else(|| no_endpoint(&node, "the decode node offers no UCX target"))?;
-        let layout = target.layout.clone().unwrap_or_default();
-        let bpb = bytes_per_block(&layout).ok_or_else(|| TransferError::Invalid {
-            node: node.clone(),
-            reason: "the target's KV layout has no block size".into(),
-        })? as u64;
+        let wire_layout = target.layout.clone().unwrap_or_default();
+        let layout = pdmesh_proto::layout_from_wire(&wire_layout).map_err(|e| {
+            TransferError::Invalid { node: node.clone(), reason: format!("the target's {e}") }
+        })?;
+        let bpb = layout.bytes_per_block() as u64;
         if ucx.block_addrs.len() != target.blocks as usize {
             return Err(TransferError::Invalid {
                 node,
@@ -93,7 +94,7 @@ impl KvTransport for UcxTransport {
         let open = KvSessionRequest {
             msg: Some(kv_session_request::Msg::Open(KvHeader {
                 reservation_id: target.reservation_id.clone(),
-                layout: Some(layout.clone()),
+                layout: Some(wire_layout),
                 prefill_node: prefill_node.to_string(),
                 traceparent: pdmesh_common::trace::traceparent().unwrap_or_default(),
             })),
@@ -116,7 +117,7 @@ impl KvTransport for UcxTransport {
             peer,
             addrs: ucx.block_addrs.clone(),
             bpb,
-            layers: u64::from(layout.layers.max(1)),
+            layers: layout.geometry.layers as u64,
             session: Some((tx, events)),
             pending: Vec::new(),
             bytes: 0,
@@ -264,4 +265,72 @@ impl Drop for UcxSink {
             ),
         }
     }
+}
+
+/// The events a decode node's side of a UCX session sends.
+pub type SessionEvents = std::pin::Pin<
+    Box<dyn tokio_stream::Stream<Item = Result<KvSessionEvent, tonic::Status>> + Send>,
+>;
+
+/// The receiving half: a `KvSession` into `inbox`'s reservation. The session is accepted
+/// before any byte moves; the prefill node then puts into the reservation's blocks and
+/// commits; the end of the stream (however it ends) tells the node the writer can put no
+/// more, and an end before the commit fails the reservation.
+pub async fn accept_session(
+    inbox: Arc<dyn KvInbox>,
+    req: tonic::Request<Streaming<KvSessionRequest>>,
+) -> Result<tonic::Response<SessionEvents>, tonic::Status> {
+    use tonic::Status;
+    use tracing::Instrument;
+    let mut inbound = req.into_inner();
+    let header = match inbound.message().await? {
+        Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Open(h)) }) => Some(h),
+        _ => None,
+    };
+    let span = inbox::receive_span(&*inbox, header.as_ref(), "ucx");
+    let started = std::time::Instant::now();
+    let (id, from) =
+        pdmesh_common::trace::in_span(&span, inbox::open(&*inbox, header, true)).await?;
+    let closed = ClosedOnDrop { inbox: Arc::clone(&inbox), id };
+    let (events, rx) = mpsc::channel(2);
+    let accepted = KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted {})) };
+    let _ = events.try_send(Ok(accepted));
+    let session = async move {
+        // Until the commit (or the end of the stream) the prefill node may be putting.
+        let outcome = match inbound.message().await {
+            Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Commit(e)) })) => {
+                let blocks = e.blocks as usize;
+                let bytes = blocks as u64 * inbox.layout().bytes_per_block() as u64;
+                let r = inbox.end(id, blocks, e.checksums).await;
+                let secs = started.elapsed().as_secs_f64();
+                inbox.stats().record("ucx", r.as_ref().ok().map(|()| bytes), secs);
+                inbox::received(&tracing::Span::current(), blocks, bytes, secs);
+                r.map(|()| bytes)
+            }
+            Ok(Some(_)) => {
+                Err(Status::invalid_argument("a UCX session takes one commit after its open"))
+            }
+            Ok(None) => Err(Status::cancelled("the session ended before its commit")),
+            Err(s) => Err(s),
+        };
+        match outcome {
+            Ok(bytes) => {
+                let ev = KvSessionEvent {
+                    event: Some(kv_session_event::Event::Committed(KvCommitted { bytes })),
+                };
+                let _ = events.send(Ok(ev)).await;
+            }
+            Err(st) => {
+                tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
+                pdmesh_common::trace::fail(&tracing::Span::current(), &st);
+                inbox.abort(id, &from, st.message().to_string()).await;
+                let _ = events.send(Err(st)).await;
+            }
+        }
+        // Dropping `closed` reports the writer closed: the prefill node flushed before its
+        // commit, and ended or lost the stream otherwise.
+        drop(closed);
+    };
+    tokio::spawn(session.instrument(span));
+    Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
 }

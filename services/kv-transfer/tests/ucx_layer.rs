@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pdmesh_kv_transfer::ucx::{UcxError, UcxNode};
+use pdmesh_kv_types::HostMemory;
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
@@ -15,10 +16,8 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 async fn put_flush_get_round_trip() {
     let a = UcxNode::start("a").expect("ucx a");
     let b = UcxNode::start("b").expect("ucx b");
-    let mut target = vec![0u8; 1 << 20];
-    #[allow(unsafe_code)]
-    // SAFETY: `target` outlives `region` (dropped at the end of the scope, region first).
-    let region = unsafe { b.register(target.as_mut_ptr() as usize, target.len()) }.expect("map");
+    let target = HostMemory::zeroed(1 << 20).expect("1 MiB");
+    let region = b.register(&target.region()).expect("map");
     let ep = a.connect(b.address().clone()).await.expect("connect");
     let rkey = ep.remote_key(region.rkey().clone()).await.expect("rkey");
 
@@ -29,6 +28,7 @@ async fn put_flush_get_round_trip() {
     p1.await.expect("put 1");
     p2.await.expect("put 2");
     ep.flush().await.expect("flush");
+    let target = target.bytes();
     assert_eq!(&target[1000..301_000], &one[..]);
     assert_eq!(&target[500_000..504_096], &two[..]);
     assert!(target[..1000].iter().all(|&x| x == 0), "bytes before the put are untouched");
@@ -62,10 +62,8 @@ async fn garbage_is_refused_with_ucx_status() {
 async fn a_key_from_another_endpoint_is_refused() {
     let a = UcxNode::start("a").expect("ucx a");
     let b = UcxNode::start("b").expect("ucx b");
-    let mut target = vec![0u8; 4096];
-    #[allow(unsafe_code)]
-    // SAFETY: `target` outlives `region`.
-    let region = unsafe { b.register(target.as_mut_ptr() as usize, target.len()) }.expect("map");
+    let target = HostMemory::zeroed(4096).expect("4 KiB");
+    let region = b.register(&target.region()).expect("map");
     let ep1 = a.connect(b.address().clone()).await.expect("connect");
     let ep2 = a.connect(b.address().clone()).await.expect("connect");
     let k1 = ep1.remote_key(region.rkey().clone()).await.expect("rkey");
@@ -73,7 +71,24 @@ async fn a_key_from_another_endpoint_is_refused() {
     assert!(matches!(err, UcxError::Usage(_)), "{err}");
     drop(k1);
     drop(region);
-    target[0] = 1;
+}
+
+#[tokio::test]
+async fn a_registration_keeps_its_memory_after_the_owner_lets_go() {
+    let a = UcxNode::start("a").expect("ucx a");
+    let b = UcxNode::start("b").expect("ucx b");
+    let target = HostMemory::zeroed(4096).expect("4 KiB");
+    let region = b.register(&target.region()).expect("map");
+    // The pool's owner goes away first (an engine shutting down): a late put must still land
+    // in memory the registration holds, never in freed memory.
+    drop(target);
+    let ep = a.connect(b.address().clone()).await.expect("connect");
+    let rkey = ep.remote_key(region.rkey().clone()).await.expect("rkey");
+    ep.put(Bytes::from_static(b"late"), region.base() + 8, &rkey).await.expect("put");
+    ep.flush().await.expect("flush");
+    let back = ep.get(4, region.base() + 8, &rkey).await.expect("get");
+    assert_eq!(back, b"late");
+    assert!(b.register(&HostMemory::zeroed(0).expect("empty").region()).is_err());
 }
 
 #[tokio::test]

@@ -63,7 +63,7 @@ impl KvStoreConfig {
         if self.block_size == 0 {
             return Err("block_size must be at least 1".into());
         }
-        self.kv_dtype.parse::<pdmesh_kernels::KvDtype>()?;
+        self.kv_dtype.parse::<pdmesh_kv_types::KvDtype>()?;
         Ok(())
     }
 }

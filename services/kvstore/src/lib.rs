@@ -1,5 +1,5 @@
 //! The KV-store service: holds the KV blocks of shared prompt prefixes once for the whole mesh,
-//! addressed by content (`pdmesh_kv_transfer::BlockHash`). `store` is its state: a byte budget
+//! addressed by content (`pdmesh_kv_types::BlockHash`). `store` is its state: a byte budget
 //! of block slots, matching of hash chains with pins under leases, deduplicating puts, and LRU
 //! eviction of what no lease pins. `trace` reads Mooncake workload traces and computes their
 //! ideal hit rate.
@@ -31,20 +31,14 @@ pub async fn run(
     config.validate()?;
     let bound = listener.local_addr().map_err(|e| e.to_string())?;
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("kvstore@{bound}"));
-    // A one-block engine: the layout is the model's fingerprint and shape with the mesh's
-    // block size and dtype, exactly as the workers compute it.
-    let settings = pdmesh_engine::EngineSettings {
-        model: config.model.clone(),
-        threads: 1,
-        kv_dtype: config.kv_dtype.clone(),
-        block_size: config.block_size,
-        kv_blocks: 1,
-        ..Default::default()
-    };
-    let layout = tokio::task::spawn_blocking(move || settings.load())
+    // The layout is the model's fingerprint and shape with the mesh's block size and dtype,
+    // exactly as the workers compute it; no engine is needed to know it.
+    let dtype: pdmesh_kv_types::KvDtype = config.kv_dtype.parse()?;
+    let (model, block_size) = (config.model.clone(), config.block_size);
+    let layout = tokio::task::spawn_blocking(move || pdmesh_engine::Model::load(&model))
         .await
         .map_err(|e| format!("loading the model: {e}"))?
-        .map(|e| pdmesh_kv_transfer::layout_of(&e))
+        .map(|m| m.kv_layout(block_size, dtype))
         .map_err(|e| format!("loading the model: {e}"))?;
     let budget = usize::try_from(config.budget_bytes).map_err(|_| "budget_bytes is too large")?;
     let ucx =

@@ -9,14 +9,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use pdmesh_kv_transfer::check_layout;
 use pdmesh_kv_transfer::ucx::{Region, UcxNode};
-use pdmesh_kv_transfer::{BlockHash, check_layout};
+use pdmesh_kv_types::{BlockHash, HostMemory, KvLayout};
 use pdmesh_proto::v1::kv_store_server::KvStore;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
-    KvLayout, KvMatchRequest, KvMatchResponse, KvReadRequest, KvReleaseMatchRequest,
-    KvReleaseMatchResponse, KvStoreBlock, KvStoreStats, KvWriteChunk, KvWriteResponse,
-    StatsRequest, UcxTarget,
+    KvMatchRequest, KvMatchResponse, KvReadRequest, KvReleaseMatchRequest, KvReleaseMatchResponse,
+    KvStoreBlock, KvStoreStats, KvWriteChunk, KvWriteResponse, StatsRequest, UcxTarget,
 };
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -29,9 +29,9 @@ pub const MAX_CHAIN: usize = 65_536;
 #[derive(Debug)]
 struct State {
     store: Store,
-    /// The pool's UCX registration; declared before `pool` so it is unmapped first.
+    /// The pool's UCX registration (which keeps the pool's memory while peers may reach it).
     _region: Option<Region>,
-    pool: Vec<u8>,
+    pool: HostMemory,
 }
 
 #[derive(Debug, Clone)]
@@ -67,20 +67,15 @@ impl KvStoreService {
         max_lease: Duration,
         ucx: Option<UcxNode>,
     ) -> Result<Self, String> {
-        let block_bytes = pdmesh_kv_transfer::bytes_per_block(&layout)
-            .filter(|&b| b > 0)
-            .ok_or("the KV layout has no block size")?;
-        let store = Store::new(budget_bytes, block_bytes, layout.block_size as usize);
+        layout.validate()?;
+        let block_bytes = layout.bytes_per_block();
+        let store = Store::new(budget_bytes, block_bytes, layout.block_size());
         let len = store.capacity() * block_bytes;
-        let mut pool = Vec::new();
-        pool.try_reserve_exact(len).map_err(|e| format!("cannot allocate {len} bytes: {e}"))?;
-        pool.resize(len, 0);
+        let pool = HostMemory::zeroed(len)?;
         let (ucx, region) = match ucx {
             Some(node) if len > 0 => {
-                // SAFETY: the pool is never resized, so its buffer stays at this address; the
-                // region is dropped before it (field order of `State`).
-                #[allow(unsafe_code)]
-                let region = unsafe { node.register(pool.as_ptr() as usize, len) }
+                let region = node
+                    .register(&pool.region())
                     .map_err(|e| format!("registering the pool with UCX: {e}"))?;
                 let u = UcxPool {
                     worker: node.address().clone(),
@@ -111,7 +106,7 @@ impl KvStoreService {
         self.state.lock().expect("store lock is never poisoned")
     }
 
-    fn check(&self, theirs: Option<&KvLayout>, from: &str) -> Result<(), Status> {
+    fn check(&self, theirs: Option<&pdmesh_proto::v1::KvLayout>, from: &str) -> Result<(), Status> {
         check_layout(&self.layout, theirs, from)
             .map_err(|s| Status::new(s.code(), format!("node {}: {}", self.node_id, s.message())))
     }
@@ -207,7 +202,7 @@ impl KvStore for KvStoreService {
         let stream = tokio_stream::iter(blocks).map(move |(h, slot)| {
             let st = this.state();
             let at = slot as usize * this.block_bytes;
-            let data = Bytes::copy_from_slice(&st.pool[at..at + this.block_bytes]);
+            let data = Bytes::copy_from_slice(&st.pool.bytes()[at..at + this.block_bytes]);
             Ok(KvStoreBlock { hash: Bytes::copy_from_slice(&h.to_bytes()), data })
         });
         Ok(Response::new(Box::pin(stream)))
@@ -249,7 +244,7 @@ impl KvStore for KvStoreService {
             match st.store.reserve_put(h) {
                 PutSlot::Write(slot) => {
                     let at = slot as usize * self.block_bytes;
-                    st.pool[at..at + self.block_bytes].copy_from_slice(&b.data);
+                    st.pool.bytes_mut()[at..at + self.block_bytes].copy_from_slice(&b.data);
                     st.store.commit_put(h);
                     out.stored += 1;
                 }
@@ -276,7 +271,7 @@ impl KvStore for KvStoreService {
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<KvStoreStats>, Status> {
         let s = self.state().store.stats();
         Ok(Response::new(KvStoreStats {
-            layout: Some(self.layout.clone()),
+            layout: Some(self.layout.into()),
             blocks: s.blocks,
             bytes: s.bytes,
             capacity_blocks: s.capacity_blocks,

@@ -10,7 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use pdmesh_kv_transfer::BlockHash;
+use pdmesh_kv_types::BlockHash;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {

@@ -7,14 +7,14 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdmesh_kv_transfer::BlockHasher;
 use pdmesh_kv_transfer::ucx::{Peers, UcxNode};
+use pdmesh_kv_types::{BlockHasher, KvDtype, KvGeometry, KvLayout};
 use pdmesh_kvstore::KvStoreService;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_store_server::KvStoreServer;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
-    KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
+    KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
     KvWriteHeader, StatsRequest,
 };
 use tonic::Code;
@@ -22,14 +22,13 @@ use tonic::transport::Channel;
 
 fn layout() -> KvLayout {
     // Small blocks: 2 layers × K|V × 1 head × 4 slots × 8 dims × 2 bytes = 256 bytes.
-    KvLayout {
-        model_fingerprint: 42,
-        dtype: "f16".into(),
-        block_size: 4,
-        layers: 2,
-        kv_heads: 1,
-        head_dim: 8,
-    }
+    let geometry =
+        KvGeometry { dtype: KvDtype::F16, block_size: 4, layers: 2, kv_heads: 1, head_dim: 8 };
+    KvLayout { model_fingerprint: 42, geometry }
+}
+
+fn wire() -> pdmesh_proto::v1::KvLayout {
+    layout().into()
 }
 
 async fn serve(budget_blocks: usize) -> KvStoreClient<Channel> {
@@ -62,7 +61,7 @@ fn block(i: u8) -> Bytes {
 
 fn write_msgs(hashes: &[Bytes], blocks: &[Bytes]) -> Vec<KvWriteChunk> {
     let mut v = vec![KvWriteChunk {
-        chunk: Some(Chunk::Header(KvWriteHeader { layout: Some(layout()), from: "p".into() })),
+        chunk: Some(Chunk::Header(KvWriteHeader { layout: Some(wire()), from: "p".into() })),
     }];
     for (h, d) in hashes.iter().zip(blocks) {
         v.push(KvWriteChunk {
@@ -94,7 +93,7 @@ async fn blocks_written_twice_are_stored_once_and_read_back() {
     longer.extend(100..104);
     let m = c
         .r#match(KvMatchRequest {
-            layout: Some(layout()),
+            layout: Some(wire()),
             hashes: chain(&longer),
             lease_ms: 0,
             want_ucx: false,
@@ -121,7 +120,7 @@ async fn blocks_written_twice_are_stored_once_and_read_back() {
 #[tokio::test]
 async fn bad_input_gets_a_precise_status() {
     let mut c = serve(2).await;
-    let other = KvLayout { dtype: "f32".into(), ..layout() };
+    let other = pdmesh_proto::v1::KvLayout { dtype: "f32".into(), ..wire() };
     let err = c
         .r#match(KvMatchRequest {
             layout: Some(other.clone()),
@@ -135,7 +134,7 @@ async fn bad_input_gets_a_precise_status() {
     assert!(err.message().contains("dtype"), "{err:?}");
     let err = c
         .r#match(KvMatchRequest {
-            layout: Some(layout()),
+            layout: Some(wire()),
             hashes: vec![Bytes::from_static(&[0; 16]), Bytes::from_static(&[1; 3])],
             lease_ms: 0,
             want_ucx: false,
@@ -169,17 +168,13 @@ async fn bad_input_gets_a_precise_status() {
     // With both stored blocks pinned by a match, a new block finds no room: refused, not
     // failed, and nothing pinned is dropped.
     let tail = chain(&[50, 51, 52, 53]);
-    let tail_match = KvMatchRequest {
-        layout: Some(layout()),
-        hashes: tail.clone(),
-        lease_ms: 0,
-        want_ucx: false,
-    };
+    let tail_match =
+        KvMatchRequest { layout: Some(wire()), hashes: tail.clone(), lease_ms: 0, want_ucx: false };
     let r = c.write(tokio_stream::iter(write_msgs(&tail, &[block(4)]))).await.unwrap();
     assert_eq!(r.into_inner().stored, 1, "evicts the older of the two");
     let pin = c.r#match(tail_match).await.unwrap().into_inner();
     let last = KvMatchRequest {
-        layout: Some(layout()),
+        layout: Some(wire()),
         hashes: hashes.clone(),
         lease_ms: 0,
         want_ucx: false,
@@ -191,7 +186,7 @@ async fn bad_input_gets_a_precise_status() {
     assert_eq!(r.into_inner().stored, 1, "one slot was still unpinned");
     let again = chain(&[70, 71, 72, 73]);
     let pin2 = KvMatchRequest {
-        layout: Some(layout()),
+        layout: Some(wire()),
         hashes: other.clone(),
         lease_ms: 0,
         want_ucx: false,
@@ -212,7 +207,7 @@ async fn matched_blocks_are_read_by_ucx_get() {
     let data: Vec<Bytes> = (1..=4).map(block).collect();
     c.write(tokio_stream::iter(write_msgs(&hashes, &data))).await.unwrap();
     let ask = |want_ucx| KvMatchRequest {
-        layout: Some(layout()),
+        layout: Some(wire()),
         hashes: hashes[..3].to_vec(),
         lease_ms: 0,
         want_ucx,

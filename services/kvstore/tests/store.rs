@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use pdmesh_kv_transfer::BlockHash;
+use pdmesh_kv_types::BlockHash;
 use pdmesh_kvstore::{PutSlot, Store};
 
 const LEASE: Duration = Duration::from_secs(10);

@@ -1,9 +1,8 @@
 //! The prefill node's config: defaults → TOML file → `PDMESH_PREFILL_*` → flags.
 
 use pdmesh_engine::EngineSettings;
-use pdmesh_kv_transfer::TransportKind;
+use pdmesh_kv_transfer::{PushMode, TransportKind};
 
-use crate::core::PushMode;
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -48,6 +47,8 @@ pub struct PrefillConfig {
     /// Fault injection for tests: wait this long before sending each KV message, so a
     /// transfer stays in flight long enough to be interrupted. 0 in production.
     pub fault_transfer_delay_ms: u64,
+    /// Fault injection for tests: the engine thread panics at this step. None in production.
+    pub fault_engine_panic_at_step: Option<u64>,
     pub engine: EngineSettings,
 }
 
@@ -70,6 +71,7 @@ impl Default for PrefillConfig {
             cache_bytes: 128 << 20,
             kvstore_timeout_ms: 500,
             fault_transfer_delay_ms: 0,
+            fault_engine_panic_at_step: None,
             engine: EngineSettings::default(),
         }
     }

@@ -1,72 +1,51 @@
-//! The prefill node's engine loop, free of gRPC and tokio: prompts wait in a queue until the KV
-//! pool can hold them, then run as chunks under the step's token budget (chunked prefill, many
-//! prompts per step). After each step the blocks each prompt completed are copied out for the
-//! transport, and the last chunk's logits give the first token. A prompt whose output closes is
-//! dropped and its blocks freed.
+//! The prefill node's state, free of gRPC and tokio: the batch runner in its prefill role
+//! (stop at the first token) with the push connector, which loads each prompt's cached prefix
+//! and hands its KV to its transfer as it is computed. Prompts wait until the KV pool can hold
+//! them, then run as chunks under the step's token budget (many prompts per step). A prompt
+//! whose caller goes away is dropped and its blocks freed.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::time::Instant;
 
 use bytes::Bytes;
-use pdmesh_engine::{
-    Engine, Logits, Model, Sampler, SamplingParams, Scheduler, SeqId, StepItem, Work,
-};
-use pdmesh_kv_transfer::KvPiece;
-
 use pdmesh_common::convert::ms;
+use pdmesh_engine::{
+    BatchRunner, End, Engine, Event as RunEvent, GenerateParams, Output as RunOutput, Role,
+    SamplingParams, SeqSpec, Work,
+};
+use pdmesh_kv_transfer::{Export, KvPiece, PushConnector, PushJob, PushMode};
+use tokio::sync::mpsc;
 use tracing::Span;
 
 use crate::error::PrefillError;
 
-/// When a prompt's KV is handed to the transport.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PushMode {
-    /// Each layer's part of the blocks a chunk completes, as soon as that layer is computed
-    /// (while the next layers compute). Needs a layered transport (UCX); else `chunk`.
-    #[default]
-    Layer,
-    /// The blocks each chunk completes, after its step.
-    Chunk,
-    /// Everything after the last chunk (no overlap; the reference for the other two).
-    Prompt,
-}
-
-impl std::fmt::Display for PushMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            PushMode::Layer => "layer",
-            PushMode::Chunk => "chunk",
-            PushMode::Prompt => "prompt",
-        })
-    }
-}
-
-/// What a prompt produces, in order: KV pieces (as they are computed), then `Computed`.
+/// How a prompt ends: its first token (the KV having gone to the transfer), or a failure.
 #[derive(Debug, Clone)]
-pub enum Out {
-    Blocks(KvPiece),
+pub enum Done {
     Computed {
         first_token: u32,
         rng_position: u128,
         queue_ms: f64,
         prefill_ms: f64,
         blocks: u32,
-        /// Verify mode: each block's checksum; else empty.
-        checksums: Vec<u64>,
-        /// Prompt tokens whose KV came from the cache.
-        cached_tokens: u32,
-        /// With `publish`: the full blocks computed here (after the cached ones), in order.
-        computed_blocks: Vec<Bytes>,
+        export: Export,
     },
     Failed(PrefillError),
 }
 
-pub trait JobOutput: Send {
-    /// Returns false when the receiver is gone.
-    fn send(&mut self, out: Out) -> bool;
+/// Where a prompt's end goes. `send` returns false when the receiver is gone.
+pub trait DoneOutput: Send {
+    fn send(&mut self, done: Done) -> bool;
     fn is_closed(&self) -> bool;
+}
+
+impl DoneOutput for mpsc::Sender<Done> {
+    fn send(&mut self, done: Done) -> bool {
+        self.try_send(done).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        mpsc::Sender::is_closed(self)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -87,15 +66,11 @@ pub struct Job {
 }
 
 struct Active {
-    job: Job,
-    out: Box<dyn JobOutput>,
-    seq: Option<SeqId>,
+    done: Box<dyn DoneOutput>,
     blocks: usize,
-    cached_blocks: usize,
-    sent_blocks: usize,
-    checksums: Vec<u64>,
     submitted: Instant,
     started: Option<Instant>,
+    span: Span,
     /// `prefill.queue_wait` until the first chunk runs.
     waiting: Span,
 }
@@ -113,13 +88,10 @@ pub struct Counts {
 
 pub struct PrefillCore {
     engine: Engine,
-    model: Arc<Model>,
-    sched: Scheduler,
-    waiting: VecDeque<u64>,
+    runner: BatchRunner,
+    push: PushConnector,
     jobs: HashMap<u64, Active>,
-    promised: usize,
     max_queued: usize,
-    blocks_per_message: usize,
     next_id: u64,
     counts: Counts,
 }
@@ -137,17 +109,15 @@ impl PrefillCore {
         max_queued: usize,
         blocks_per_message: usize,
     ) -> Self {
-        let model = Arc::clone(engine.model());
-        let sched = Scheduler::new(engine.config().max_batch_tokens, max_running);
+        // A prompt is admitted only once the pool can hold all of its blocks.
+        let runner = BatchRunner::new(&engine, max_running, true);
+        let push = PushConnector::new(&engine, blocks_per_message);
         Self {
             engine,
-            model,
-            sched,
-            waiting: VecDeque::new(),
+            runner,
+            push,
             jobs: HashMap::new(),
-            promised: 0,
             max_queued,
-            blocks_per_message: blocks_per_message.max(1),
             next_id: 1,
             counts: Counts::default(),
         }
@@ -157,11 +127,18 @@ impl PrefillCore {
         &self.engine
     }
 
-    /// Queues a prompt. Checked here so a bad job never reaches a step.
+    /// Room a prompt of `prompt_len` tokens needs for its pieces (see `submit`).
+    pub fn piece_capacity(&self, prompt_len: usize) -> usize {
+        self.push.piece_capacity(prompt_len)
+    }
+
+    /// Queues a prompt: its KV goes to `pieces` (of `piece_capacity`), its end to `done`.
+    /// Checked here so a bad job never reaches a step.
     pub fn submit(
         &mut self,
         job: Job,
-        out: Box<dyn JobOutput>,
+        pieces: mpsc::Sender<KvPiece>,
+        done: Box<dyn DoneOutput>,
         now: Instant,
     ) -> Result<u64, PrefillError> {
         let ctx = self.engine.max_seq_len();
@@ -174,131 +151,74 @@ impl PrefillCore {
                 job.prompt.len()
             )));
         }
-        let vocab = self.model.tokenizer.vocab_size() as u32;
-        if let Some(t) = job.prompt.iter().find(|&&t| t >= vocab) {
-            return Err(PrefillError::Invalid(format!("token id {t} is outside the vocabulary")));
-        }
-        // Checked now so the first token's sampler cannot fail later.
-        Sampler::resume(job.sampling.clone(), job.rng_position)?;
-        let bs = self.engine.config().block_size;
-        let bpb = self.engine.kv().geometry().bytes_per_block();
-        if job.cached.len() * bs >= job.prompt.len() {
-            return Err(PrefillError::Invalid(format!(
-                "{} cached blocks leave nothing of a {}-token prompt to compute",
-                job.cached.len(),
-                job.prompt.len()
-            )));
-        }
-        if let Some((i, b)) = job.cached.iter().enumerate().find(|(_, b)| b.len() != bpb) {
-            return Err(PrefillError::Invalid(format!(
-                "cached block {i} has {} bytes, a block is {bpb}",
-                b.len()
-            )));
-        }
-        let blocks = job.prompt.len().div_ceil(bs);
+        let blocks = job.prompt.len().div_ceil(self.engine.config().block_size);
         let total = self.engine.kv().total_blocks();
         if blocks > total {
             return Err(PrefillError::TooLong { need: blocks, total });
         }
-        if self.waiting.len() >= self.max_queued {
-            return Err(PrefillError::QueueFull(self.waiting.len()));
+        if self.runner.waiting() >= self.max_queued {
+            return Err(PrefillError::QueueFull(self.runner.waiting()));
         }
         let id = self.next_id;
+        let push = PushJob {
+            mode: job.push,
+            checksums: job.checksums,
+            cached: job.cached,
+            publish: job.publish,
+            pieces,
+        };
+        let bpb = self.engine.kv().geometry().bytes_per_block();
+        self.push.add(id, job.prompt.len(), push, bpb).map_err(PrefillError::Invalid)?;
+        let spec = SeqSpec {
+            prompt: job.prompt,
+            params: GenerateParams { sampling: job.sampling, max_tokens: 1, ..Default::default() },
+            rng_position: job.rng_position,
+            role: Role::Prefill,
+            text: false,
+            first_token: None,
+            seq: None,
+        };
+        if let Err(e) = self.runner.add(&mut self.engine, &mut self.push, id, spec) {
+            self.push.remove(id);
+            return Err(e.into());
+        }
         self.next_id += 1;
         let waiting = tracing::info_span!(parent: &job.span, "prefill.queue_wait");
-        self.jobs.insert(
-            id,
-            Active {
-                job,
-                out,
-                seq: None,
-                blocks,
-                cached_blocks: 0,
-                sent_blocks: 0,
-                checksums: Vec::new(),
-                submitted: now,
-                started: None,
-                waiting,
-            },
-        );
-        self.waiting.push_back(id);
+        let active =
+            Active { done, blocks, submitted: now, started: None, span: job.span, waiting };
+        self.jobs.insert(id, active);
         Ok(id)
     }
 
-    /// Moves waiting prompts to the scheduler while the pool can hold all of their blocks.
-    fn admit(&mut self) {
-        let total = self.engine.kv().total_blocks();
-        while let Some(&id) = self.waiting.front() {
-            let a = &self.jobs[&id];
-            if self.promised + a.blocks > total {
-                break;
-            }
-            self.waiting.pop_front();
-            self.promised += a.blocks;
-            let len = a.job.prompt.len();
-            let seq = self.engine.create_sequence();
-            let a = self.jobs.get_mut(&id).expect("waiting jobs exist");
-            a.seq = Some(seq);
-            let cached = std::mem::take(&mut a.job.cached);
-            let done = cached.len() * self.engine.config().block_size;
-            // The pool has room (checked above) and the blocks' sizes were checked at submit.
-            let written = self.engine.extend_sequence(seq, done).and_then(|()| {
-                cached.iter().enumerate().try_for_each(|(i, b)| self.engine.write_block(seq, i, b))
-            });
-            if let Err(e) = written {
-                let a = self.jobs.get_mut(&id).expect("waiting jobs exist");
-                a.out.send(Out::Failed(PrefillError::from(e)));
-                self.counts.failed += 1;
-                self.drop_job(id);
-                continue;
-            }
-            self.jobs.get_mut(&id).expect("waiting jobs exist").cached_blocks = cached.len();
-            self.sched.add_from(id, len, done).expect("ids are unique and prompts non-empty");
-        }
-    }
-
-    fn drop_job(&mut self, id: u64) {
-        if let Some(a) = self.jobs.remove(&id) {
-            self.waiting.retain(|&w| w != id);
-            self.sched.remove(id);
-            if let Some(seq) = a.seq {
-                self.promised -= a.blocks;
-                self.engine.free_sequence(seq).expect("a job's sequence exists");
-            }
-        }
-    }
-
-    /// Drops prompts whose receiver went away.
+    /// Drops prompts whose caller went away.
     pub fn sweep(&mut self) {
         let gone: Vec<u64> =
-            self.jobs.iter().filter(|(_, a)| a.out.is_closed()).map(|(&id, _)| id).collect();
+            self.jobs.iter().filter(|(_, a)| a.done.is_closed()).map(|(&id, _)| id).collect();
         for id in gone {
+            self.runner.cancel(&mut self.engine, &mut self.push, id);
+            self.push.remove(id);
+            self.jobs.remove(&id);
             self.counts.cancelled += 1;
-            self.drop_job(id);
         }
     }
 
     pub fn has_work(&mut self) -> bool {
-        self.admit();
-        !self.sched.is_empty()
+        self.runner.has_work(&mut self.engine, &mut self.push)
     }
 
-    /// One engine step over the scheduled chunks; ships completed blocks and first tokens.
+    /// One engine step over the scheduled chunks; the connector ships completed blocks, and
+    /// finished prompts report their first token.
     pub fn step(&mut self, now: Instant) {
-        self.admit();
-        let plan = self.sched.plan();
+        let plan = self.runner.plan(&mut self.engine, &mut self.push);
         tracing::debug!(?plan, "prefill step");
-        if plan.is_empty() {
-            return;
-        }
         let mut chunk_spans = Vec::with_capacity(plan.len());
         for s in &plan {
-            let a = self.jobs.get_mut(&s.id).expect("scheduled jobs exist");
+            let Some(a) = self.jobs.get_mut(&s.id) else { continue };
             a.started.get_or_insert(now);
             a.waiting = Span::none();
             if let Work::Prefill { offset, len, last } = s.work {
                 chunk_spans.push(tracing::info_span!(
-                    parent: &a.job.span,
+                    parent: &a.span,
                     "prefill.compute",
                     offset = offset as i64,
                     tokens = len as i64,
@@ -307,154 +227,60 @@ impl PrefillCore {
                 ));
             }
         }
-        let bs = self.engine.config().block_size;
-        // The chunks' tokens are copied so the layer callback can reach the jobs' outputs
-        // while the engine runs; and what each job ships after this step is fixed up front.
-        let mut chunks = Vec::with_capacity(plan.len());
-        let mut layered = Vec::new();
-        for s in &plan {
-            let a = &self.jobs[&s.id];
-            let Work::Prefill { offset, len, last } = s.work else {
-                unreachable!(
-                    "prefill jobs never decode: they leave the scheduler at their last chunk"
-                )
-            };
-            let seq = a.seq.expect("scheduled jobs have sequences");
-            chunks.push((
-                seq,
-                a.job.prompt[offset..offset + len].to_vec(),
-                if last { Logits::Last } else { Logits::None },
-            ));
-            let ready = ready_blocks(a, offset + len, last, bs);
-            if a.job.push == PushMode::Layer && ready > a.sent_blocks {
-                layered.push((s.id, seq, a.sent_blocks, ready));
-            }
-        }
-        let items: Vec<StepItem<'_>> =
-            chunks.iter().map(|(seq, t, l)| StepItem::prefill(*seq, t, *l)).collect();
-        let jobs = &mut self.jobs;
-        let result = self.engine.step_observed(&items, &mut |layer, kv| {
-            for &(id, seq, from, to) in &layered {
-                let mut buf = Vec::new();
-                for i in from..to {
-                    kv.read_block_layer(seq, i, layer, &mut buf)
-                        .expect("blocks of a live sequence");
-                }
-                if let Some(a) = jobs.get_mut(&id) {
-                    let piece = KvPiece {
-                        first_block: from as u32,
-                        layer: Some(layer as u32),
-                        data: buf.into(),
-                    };
-                    // A closed output is noticed after the step.
-                    a.out.send(Out::Blocks(piece));
-                }
-            }
-        });
-        let rows: Result<Vec<Option<Vec<f32>>>, _> =
-            result.map(|l| (0..plan.len()).map(|k| l.last_of(k).map(<[f32]>::to_vec)).collect());
-        drop(items);
-        let rows = match rows {
-            Ok(r) => r,
-            Err(e) => {
-                let e = PrefillError::from(e);
-                tracing::error!("prefill step failed: {e}");
-                for s in &plan {
-                    if let Some(a) = self.jobs.get_mut(&s.id) {
-                        a.out.send(Out::Failed(e.clone()));
-                    }
-                    self.counts.failed += 1;
-                    self.drop_job(s.id);
-                }
-                return;
+        let outputs = match self.runner.run(&plan, &mut self.engine, &mut self.push, &mut |_, _| {})
+        {
+            Ok(o) => o,
+            Err(f) => {
+                tracing::error!("prefill step failed: {}", f.error);
+                f.outputs
             }
         };
-        let done_at = Instant::now();
         drop(chunk_spans);
-        let mut finished = Vec::new();
-        for (s, row) in plan.iter().zip(rows) {
-            let Work::Prefill { offset, len, last } = s.work else { continue };
-            let a = self.jobs.get_mut(&s.id).expect("scheduled jobs exist");
-            let seq = a.seq.expect("scheduled jobs have sequences");
-            let ready = ready_blocks(a, offset + len, last, bs);
-            if a.job.checksums {
-                let mut buf = Vec::new();
-                for i in a.sent_blocks..ready {
-                    buf.clear();
-                    self.engine.read_block(seq, i, &mut buf).expect("blocks of a live sequence");
-                    a.checksums.push(pdmesh_kv_transfer::block_checksum(&buf));
-                }
-            }
-            let mut ok = !a.out.is_closed();
-            if a.job.push == PushMode::Layer {
-                a.sent_blocks = ready;
-            }
-            while ok && a.sent_blocks < ready {
-                let n = (ready - a.sent_blocks).min(self.blocks_per_message);
-                let mut buf = Vec::new();
-                for i in a.sent_blocks..a.sent_blocks + n {
-                    self.engine.read_block(seq, i, &mut buf).expect("blocks of a live sequence");
-                }
-                let piece =
-                    KvPiece { first_block: a.sent_blocks as u32, layer: None, data: buf.into() };
-                ok = a.out.send(Out::Blocks(piece));
-                a.sent_blocks += n;
-            }
-            if let (true, Some(row)) = (ok && last, row) {
-                let mut sampler = Sampler::resume(a.job.sampling.clone(), a.job.rng_position)
-                    .expect("checked at submit");
-                let mut computed_blocks = Vec::new();
-                if a.job.publish {
-                    for i in a.cached_blocks..a.job.prompt.len() / bs {
-                        let mut buf = Vec::new();
-                        self.engine
-                            .read_block(seq, i, &mut buf)
-                            .expect("blocks of a live sequence");
-                        computed_blocks.push(Bytes::from(buf));
+        self.deliver(outputs, Instant::now());
+    }
+
+    fn deliver(&mut self, outputs: Vec<RunOutput>, done_at: Instant) {
+        for o in outputs {
+            let RunEvent::Done { end, .. } = o.event else { continue };
+            let Some(mut a) = self.jobs.remove(&o.id) else { continue };
+            let export = self.push.take_export(o.id).unwrap_or_default();
+            let done = match end {
+                End::Prefilled { first_token, rng_position } => {
+                    let started = a.started.unwrap_or(done_at);
+                    Done::Computed {
+                        first_token,
+                        rng_position,
+                        queue_ms: ms(started - a.submitted),
+                        prefill_ms: ms(done_at - started),
+                        blocks: a.blocks as u32,
+                        export,
                     }
                 }
-                let first_token = sampler.sample(&row, &a.job.prompt);
-                let started = a.started.unwrap_or(now);
-                a.out.send(Out::Computed {
-                    first_token,
-                    rng_position: sampler.rng_position(),
-                    queue_ms: ms(started - a.submitted),
-                    prefill_ms: ms(done_at - started),
-                    blocks: a.blocks as u32,
-                    checksums: std::mem::take(&mut a.checksums),
-                    cached_tokens: (a.cached_blocks * bs) as u32,
-                    computed_blocks,
-                });
-                self.counts.completed += 1;
-                finished.push(s.id);
-            } else if !ok {
-                self.counts.cancelled += 1;
-                finished.push(s.id);
+                End::Failed(e) => Done::Failed(e.into()),
+                End::Finished { .. } => unreachable!("prefill sequences end at their first token"),
+            };
+            let computed = matches!(done, Done::Computed { .. });
+            match (computed, a.done.send(done)) {
+                (true, true) => self.counts.completed += 1,
+                (true, false) => self.counts.cancelled += 1,
+                (false, _) => self.counts.failed += 1,
             }
-        }
-        for id in finished {
-            self.drop_job(id);
         }
     }
 
     pub fn counts(&self) -> Counts {
         let mut c = self.counts;
-        c.queued = self.jobs.values().filter(|a| a.started.is_none()).count() as u32;
-        c.prefilling = self.jobs.len() as u32 - c.queued;
+        c.queued = 0;
+        c.prefilling = 0;
+        for a in self.jobs.values() {
+            if a.started.is_none() {
+                c.queued += 1;
+            } else {
+                c.prefilling += 1;
+            }
+        }
         c.free_blocks = self.engine.kv().free_blocks() as u32;
         c.total_blocks = self.engine.kv().total_blocks() as u32;
         c
-    }
-}
-
-/// Blocks of a job that can be shipped once its prompt is computed up to `done` tokens: the
-/// full blocks (none before the end in `prompt` mode), and on the last chunk the tail block.
-fn ready_blocks(a: &Active, done: usize, last: bool, block_size: usize) -> usize {
-    if last {
-        a.blocks
-    } else if a.job.push == PushMode::Prompt {
-        a.sent_blocks
-    } else {
-        done / block_size
     }
 }

@@ -1,4 +1,5 @@
-//! The prefill node's one error type and its mapping to gRPC statuses.
+//! The prefill node's errors: `PrefillError` for requests, each variant mapped to the gRPC
+//! status a caller gets (naming this node), and `StartError` for a node that cannot start.
 
 use tonic::Status;
 
@@ -11,18 +12,10 @@ pub enum PrefillError {
     #[error("prompt needs {need} KV blocks, the pool has {total}")]
     TooLong { need: usize, total: usize },
     #[error("engine: {0}")]
-    Engine(std::sync::Arc<pdmesh_engine::Error>),
-    /// The node could not start or keep serving (bad config, engine load, listener).
-    #[error("startup: {0}")]
-    Startup(String),
-    #[error("the prefill node is shutting down")]
+    Engine(#[from] pdmesh_engine::Error),
+    /// The engine thread is gone (it died, or the node is stopping).
+    #[error("the engine thread has stopped")]
     ShuttingDown,
-}
-
-impl From<pdmesh_engine::Error> for PrefillError {
-    fn from(e: pdmesh_engine::Error) -> Self {
-        PrefillError::Engine(std::sync::Arc::new(e))
-    }
 }
 
 /// The status a caller gets, naming this node.
@@ -40,7 +33,27 @@ pub fn to_status(e: &PrefillError, node: &str) -> Status {
             ErrorClass::CapacityExhausted => Status::resource_exhausted(msg),
             ErrorClass::FailedPrecondition => Status::failed_precondition(msg),
         },
-        PrefillError::Startup(_) => Status::internal(msg),
         PrefillError::ShuttingDown => Status::unavailable(msg),
     }
+}
+
+/// Why a prefill node could not start or keep serving.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid config: {0}")]
+    Config(String),
+    #[error("the listener: {0}")]
+    Listener(#[source] std::io::Error),
+    #[error("loading the engine: {0}")]
+    Engine(#[from] pdmesh_engine::Error),
+    #[error("the engine load task: {0}")]
+    Load(#[from] tokio::task::JoinError),
+    #[error("kv_transport = ucx: {0}")]
+    Ucx(#[from] pdmesh_kv_transfer::ucx::UcxError),
+    #[error("the prefix cache: {0}")]
+    Cache(String),
+    #[error("starting the engine thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("serving: {0}")]
+    Serve(#[from] tonic::transport::Error),
 }

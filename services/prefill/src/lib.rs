@@ -2,7 +2,6 @@
 //! computes their KV, pushes each completed block to the decode node's reservation while the
 //! rest of the prompt is still computing, and samples the first token.
 
-pub mod cache;
 pub mod config;
 pub mod core;
 pub mod error;
@@ -15,12 +14,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_common::metrics::{Family, Kind, Metrics};
+use pdmesh_common::worker::{COMMAND_QUEUE, Faults};
+use pdmesh_kv_transfer::PrefixCache;
 use pdmesh_proto::v1::prefill_server::PrefillServer;
 use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 pub use config::PrefillConfig;
-pub use error::PrefillError;
+pub use error::{PrefillError, StartError};
 
 use crate::core::PrefillCore;
 use crate::service::PrefillService;
@@ -32,45 +34,44 @@ pub async fn run(
     listener: TcpListener,
     metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), PrefillError> {
-    config.validate().map_err(PrefillError::Startup)?;
-    let bound = listener.local_addr().map_err(|e| PrefillError::Startup(e.to_string()))?;
+) -> Result<(), StartError> {
+    config.validate().map_err(StartError::Config)?;
+    let bound = listener.local_addr().map_err(StartError::Listener)?;
     let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("prefill@{address}"));
     let engine = tokio::task::spawn_blocking({
         let s = config.engine.clone();
         move || s.load()
     })
-    .await
-    .map_err(|e| PrefillError::Startup(format!("loading the engine: {e}")))??;
-    let layout = pdmesh_kv_transfer::layout_of(&engine);
+    .await??;
+    let layout = engine.kv_layout();
     let core =
         PrefillCore::new(engine, config.max_running, config.max_queued, config.blocks_per_message);
     let counts = Arc::new(Mutex::new(core.counts()));
-    let (tx, rx) = tokio::sync::mpsc::channel(worker::COMMAND_QUEUE);
-    let rt = tokio::runtime::Handle::current();
-    let worker = std::thread::Builder::new()
-        .name("prefill-engine".into())
-        .spawn({
-            let counts = Arc::clone(&counts);
-            move || worker::run(core, rx, rt, counts)
-        })
-        .map_err(|e| PrefillError::Startup(format!("starting the engine thread: {e}")))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(COMMAND_QUEUE);
+    let died = CancellationToken::new();
+    let faults = Faults { panic_at_step: config.fault_engine_panic_at_step };
+    let worker = pdmesh_common::worker::spawn(
+        "prefill-engine",
+        core,
+        rx,
+        Arc::clone(&counts),
+        died.clone(),
+        faults,
+    )
+    .map_err(StartError::Thread)?;
     let transferring = Arc::new(AtomicU32::new(0));
-    let ucx = config
-        .kv_transport
-        .start_ucx(&node_id)
-        .map_err(|e| PrefillError::Startup(format!("kv_transport = ucx: {e}")))?;
+    let ucx = config.kv_transport.start_ucx(&node_id)?;
     let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
-    let cache = cache::PrefixCache::new(
-        layout.clone(),
+    let cache = PrefixCache::new(
+        layout,
         &node_id,
         config.cache_bytes,
         config.kvstore.as_deref(),
         Duration::from_millis(config.kvstore_timeout_ms),
         ucx.clone(),
     )
-    .map_err(PrefillError::Startup)?
+    .map_err(StartError::Cache)?
     .map(Arc::new);
     let cache_blocks = cache.as_ref().map_or(0, |c| c.local_capacity());
     metrics.register_snapshot({
@@ -88,7 +89,7 @@ pub async fn run(
         pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, Arc::clone(&stats));
     let service = PrefillService {
         node_id: node_id.clone(),
-        layout: layout.clone(),
+        layout,
         tx,
         transport: Arc::new(transport),
         stats,
@@ -106,26 +107,24 @@ pub async fn run(
         node_id: node_id.clone(),
         role: Role::Prefill as i32,
         address,
-        layout: Some(layout),
+        layout: Some(layout.into()),
         load: None,
     };
-    let served = pdmesh_common::serve_node(
-        routes,
-        &["pdmesh.v1.Prefill"],
-        listener,
-        shutdown,
-        Duration::from_millis(config.drain_ms),
-        &config.routers,
+    let node = pdmesh_common::serve::Node {
+        names: &["pdmesh.v1.Prefill"],
+        drain: Duration::from_millis(config.drain_ms),
+        routers: &config.routers,
         registration,
-        Arc::new(move || {
+        load: Arc::new(move || {
             let c = *load_counts.lock().expect("never poisoned");
             let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
             PrefillService::load(&c, t, cache_blocks)
         }),
-    )
-    .await;
+        died,
+    };
+    let served = pdmesh_common::serve_node(routes, listener, shutdown, node).await;
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
-    served.map_err(|e| PrefillError::Startup(format!("serving: {e}")))
+    Ok(served?)
 }
 
 /// The node's counts and prefix-cache stats as Prometheus families.

@@ -1,92 +1,53 @@
-//! The engine thread of a prefill node: takes prompts from a bounded channel, steps the engine
-//! while there is work, and notices prompts whose caller went away.
+//! What the prefill node's engine thread (`pdmesh_common::worker`) runs: prompts submitted by
+//! the async side to the `PrefillCore`.
 
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use pdmesh_common::worker::Core;
+use pdmesh_kv_transfer::KvPiece;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::core::{Counts, Job, JobOutput, Out, PrefillCore};
+use crate::core::{Counts, Done, Job, PrefillCore};
 use crate::error::PrefillError;
 
-pub const COMMAND_QUEUE: usize = 64;
-const IDLE_TICK: Duration = Duration::from_millis(20);
-
+/// A prompt for the engine thread: its KV goes to `pieces`, its end to `done`, and whether it
+/// was accepted to `reply`.
 #[derive(Debug)]
 pub struct Submit {
     pub job: Job,
-    pub out: ChannelOutput,
+    pub pieces: mpsc::Sender<KvPiece>,
+    pub done: mpsc::Sender<Done>,
     pub reply: oneshot::Sender<Result<u64, PrefillError>>,
 }
 
-/// A prompt's output: blocks go to one channel, sized to hold every block message so the
-/// engine thread never waits on a slow transport; the first token (or the failure) to another,
-/// so the caller learns of it at once even while blocks are still being sent.
-#[derive(Debug)]
-pub struct ChannelOutput {
-    blocks: mpsc::Sender<Out>,
-    done: mpsc::Sender<Out>,
-}
+impl Core for PrefillCore {
+    type Command = Submit;
+    type Counts = Counts;
 
-impl ChannelOutput {
-    pub fn channel(blocks: usize) -> (Self, mpsc::Receiver<Out>, mpsc::Receiver<Out>) {
-        let (btx, brx) = mpsc::channel(blocks + 1);
-        let (dtx, drx) = mpsc::channel(1);
-        (Self { blocks: btx, done: dtx }, brx, drx)
+    fn handle(&mut self, s: Submit, now: Instant) {
+        let r = self.submit(s.job, s.pieces, Box::new(s.done), now);
+        let _ = s.reply.send(r);
     }
-}
 
-impl JobOutput for ChannelOutput {
-    fn send(&mut self, out: Out) -> bool {
-        let tx = match out {
-            Out::Blocks { .. } => &self.blocks,
-            Out::Computed { .. } | Out::Failed(_) => &self.done,
-        };
-        match tx.try_send(out) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                tracing::error!("prefill output channel full; the capacity bound is wrong");
-                false
-            }
-        }
+    fn sweep(&mut self, _now: Instant) -> Option<Instant> {
+        PrefillCore::sweep(self);
+        None
     }
-    fn is_closed(&self) -> bool {
-        self.done.is_closed()
-    }
-}
 
-pub fn run(
-    mut core: PrefillCore,
-    mut rx: mpsc::Receiver<Submit>,
-    rt: tokio::runtime::Handle,
-    counts: Arc<Mutex<Counts>>,
-) {
-    let mut open = true;
-    while open || core.has_work() {
-        core.sweep();
-        if !core.has_work() && open {
-            match rt.block_on(async { tokio::time::timeout(IDLE_TICK, rx.recv()).await }) {
-                Ok(Some(s)) => submit(&mut core, s),
-                Ok(None) => open = false,
-                Err(_) => {}
-            }
-        }
-        while open {
-            match rx.try_recv() {
-                Ok(s) => submit(&mut core, s),
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => open = false,
-            }
-        }
-        if core.has_work() {
-            core.step(Instant::now());
-        }
-        *counts.lock().expect("counts lock is never poisoned") = core.counts();
+    fn has_work(&mut self) -> bool {
+        PrefillCore::has_work(self)
     }
-}
 
-fn submit(core: &mut PrefillCore, s: Submit) {
-    let r = core.submit(s.job, Box::new(s.out), Instant::now());
-    let _ = s.reply.send(r);
+    fn step(&mut self, now: Instant) {
+        PrefillCore::step(self, now);
+    }
+
+    fn is_idle(&self) -> bool {
+        let c = PrefillCore::counts(self);
+        c.queued + c.prefilling == 0
+    }
+
+    fn counts(&self) -> Counts {
+        PrefillCore::counts(self)
+    }
 }

@@ -1,8 +1,11 @@
 //! The router: the public `pdmesh.v1.Generation` API. It validates and tokenizes requests,
 //! sheds load beyond a bounded in-flight budget, places each request on a prefill and a decode
 //! node, relays the token stream with the client's deadline, and keeps the membership of the
-//! mesh from node registrations and heartbeats.
+//! mesh from node registrations and heartbeats. `api::Router` is the request path as a library
+//! (a prepared request in, plain events out); the gRPC service is one adapter over it.
 
+pub mod api;
+mod attempt;
 pub mod config;
 pub mod error;
 pub mod mesh;
@@ -10,7 +13,7 @@ pub mod metrics;
 pub mod placement;
 pub mod prefix;
 pub mod registry;
-pub mod relay;
+mod relay;
 pub mod request;
 pub mod service;
 
@@ -23,8 +26,9 @@ use pdmesh_proto::v1::generation_server::GenerationServer;
 use pdmesh_proto::v1::membership_server::MembershipServer;
 use tokio::net::TcpListener;
 
+pub use api::{Event, Events, Finished, Router, Timings, Usage};
 pub use config::RouterConfig;
-pub use error::RouterError;
+pub use error::{RequestError, RouterError};
 
 use crate::mesh::Mesh;
 use crate::service::RouterService;
@@ -46,9 +50,9 @@ pub async fn run(
     let model = Arc::new(Model::load(&config.model)?);
     let drain = Duration::from_millis(config.drain_ms);
     let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
-    let admission = Arc::new(tokio::sync::Semaphore::new(config.max_in_flight));
     let mesh = Arc::new(Mesh::new(config, model));
-    mesh.metrics.register(&metrics, Arc::clone(&mesh), Arc::clone(&admission));
+    let router = Router::new(Arc::clone(&mesh));
+    mesh.metrics.register(&metrics, Arc::clone(&mesh), Arc::clone(router.admission()));
     let reaper = tokio::spawn({
         let mesh = Arc::clone(&mesh);
         async move {
@@ -63,7 +67,7 @@ pub async fn run(
             }
         }
     });
-    let service = RouterService { mesh, admission };
+    let service = RouterService { router };
     let routes = tonic::service::Routes::new(GenerationServer::new(service.clone()))
         .add_service(MembershipServer::new(service));
     let bound = listener.local_addr().ok();

@@ -4,11 +4,12 @@
 use std::sync::Arc;
 
 use pdmesh_common::metrics::{Family, Kind, Metrics};
-use pdmesh_proto::v1::{FinishReason, Role, Timings};
+use pdmesh_proto::v1::Role;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family as LabelledFamily;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 
+use crate::api::Finished;
 use crate::mesh::Mesh;
 
 type Labels = Vec<(&'static str, String)>;
@@ -90,8 +91,9 @@ impl RouterMetrics {
     }
 
     /// A request finished (any reason): its latencies and tokens.
-    pub fn finished(&self, reason: i32, t: &Timings, prompt: u32, cached: u32, completion: u32) {
-        let reason = FinishReason::try_from(reason).unwrap_or(FinishReason::Unspecified);
+    pub fn finished(&self, f: &Finished) {
+        let (t, completion) = (&f.timings, f.usage.completion_tokens);
+        let reason = pdmesh_wire::finish_reason(f.reason);
         let name = reason.as_str_name().trim_start_matches("FINISH_REASON_").to_ascii_lowercase();
         self.requests.get_or_create(&vec![("outcome", "finished".into()), ("reason", name)]).inc();
         // A request cancelled before its first token has no TTFT.
@@ -102,8 +104,8 @@ impl RouterMetrics {
         if completion > 1 {
             self.tpot.observe((t.total_ms - t.ttft_ms) / 1e3 / f64::from(completion - 1));
         }
-        self.prompt_tokens.inc_by(u64::from(prompt));
-        self.cached_tokens.inc_by(u64::from(cached));
+        self.prompt_tokens.inc_by(u64::from(f.usage.prompt_tokens));
+        self.cached_tokens.inc_by(u64::from(f.usage.cached_tokens));
     }
 
     /// The client went away before the request ended.

@@ -31,8 +31,18 @@ pub enum PrefillPolicy {
     PrefixAware,
 }
 
-impl PrefillPolicy {
-    pub const NAMES: [&str; 3] = ["round-robin", "least-load", "prefix-aware"];
+impl std::str::FromStr for PrefillPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "round-robin" => Ok(Self::RoundRobin),
+            "least-load" => Ok(Self::LeastLoad),
+            "prefix-aware" => Ok(Self::PrefixAware),
+            other => Err(format!(
+                "unknown prefill policy {other:?} (expected prefix-aware, least-load or round-robin)"
+            )),
+        }
+    }
 }
 
 impl std::fmt::Display for PrefillPolicy {
@@ -82,7 +92,7 @@ fn free_blocks(n: &Node) -> usize {
 
 /// Blocks a request needs on its decode node, for the node's block size.
 pub fn blocks_needed(n: &Node, ask: &Ask) -> usize {
-    (ask.prompt_tokens + ask.max_tokens).div_ceil(n.layout.block_size.max(1) as usize)
+    (ask.prompt_tokens + ask.max_tokens).div_ceil(n.layout.block_size().max(1))
 }
 
 /// Picks nodes for `ask`, never one in `exclude` (nodes that already failed this request).
@@ -161,7 +171,7 @@ fn pick_prefill<'a>(nodes: &[&'a Node], ask: &Ask) -> Option<&'a Node> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdmesh_proto::v1::{KvLayout, NodeLoad};
+    use pdmesh_proto::v1::NodeLoad;
     use std::time::Instant;
 
     fn node(id: &str, role: Role, free: u32, running: u32) -> Node {
@@ -169,12 +179,13 @@ mod tests {
             id: id.into(),
             role,
             address: String::new(),
-            layout: KvLayout { block_size: 16, ..Default::default() },
+            layout: crate::registry::tests::layout(0, 16),
             load: NodeLoad { free_blocks: free, total_blocks: 100, running, ..Default::default() },
             last_seen: Instant::now(),
             assigned: 0,
             pending_blocks: 0,
             suspect_until: None,
+            left: Default::default(),
         }
     }
 

@@ -8,8 +8,7 @@ use std::num::NonZeroUsize;
 use std::sync::Mutex;
 
 use lru::LruCache;
-use pdmesh_kv_transfer::{BlockHash, BlockHasher};
-use pdmesh_proto::v1::KvLayout;
+use pdmesh_kv_types::{BlockHash, BlockHasher, KvLayout};
 
 use crate::registry::Node;
 
@@ -43,7 +42,7 @@ impl PrefixIndex {
             // A look does not count as use: only the node a prompt is sent to refreshes it.
             let blocks = c.iter().take_while(|h| held.contains(*h)).count();
             if blocks > 0 {
-                out.insert(n.id.clone(), blocks * n.layout.block_size as usize);
+                out.insert(n.id.clone(), blocks * n.layout.block_size());
             }
         }
         out
@@ -82,12 +81,13 @@ mod tests {
             id: id.into(),
             role: Role::Prefill,
             address: String::new(),
-            layout: KvLayout { block_size: 4, model_fingerprint: 7, ..Default::default() },
+            layout: crate::registry::tests::layout(7, 4),
             load: NodeLoad { cache_blocks, ..Default::default() },
             last_seen: Instant::now(),
             assigned: 0,
             pending_blocks: 0,
             suspect_until: None,
+            left: Default::default(),
         }
     }
 

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use pdmesh_proto::v1::{KvLayout, NodeLoad, Role};
+use pdmesh_kv_types::KvLayout;
+use pdmesh_proto::v1::{NodeLoad, Role};
+use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Clone)]
 pub struct Node {
@@ -21,6 +23,9 @@ pub struct Node {
     pub pending_blocks: u32,
     /// Set when a call to the node failed as unreachable: skipped until then.
     pub suspect_until: Option<Instant>,
+    /// Cancelled when the node leaves the mesh (deregistered, or its heartbeats lapsed): the
+    /// requests running on it fail at once, without polling the registry.
+    pub left: CancellationToken,
 }
 
 #[derive(Debug, Default)]
@@ -45,6 +50,9 @@ impl Registry {
         now: Instant,
     ) {
         let assigned = self.nodes.get(id).map_or(0, |n| n.assigned);
+        // A node registering again (its session with this router broke) is the same node:
+        // what runs on it keeps running.
+        let left = self.nodes.get(id).map_or_else(CancellationToken::new, |n| n.left.clone());
         self.nodes.insert(
             id.to_string(),
             Node {
@@ -57,6 +65,7 @@ impl Registry {
                 assigned,
                 pending_blocks: 0,
                 suspect_until: None,
+                left,
             },
         );
     }
@@ -85,9 +94,20 @@ impl Registry {
             .map(|n| n.id.clone())
             .collect();
         for id in &dead {
-            self.nodes.remove(id);
+            self.remove(id);
         }
         dead
+    }
+
+    /// Takes a node out of the mesh; false if it was unknown.
+    pub fn remove(&mut self, id: &str) -> bool {
+        match self.nodes.remove(id) {
+            Some(n) => {
+                n.left.cancel();
+                true
+            }
+            None => false,
+        }
     }
 
     /// A call to the node failed as unreachable: avoid it until it heartbeats again (or for
@@ -135,8 +155,16 @@ impl Registry {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+    use pdmesh_kv_types::{KvDtype, KvGeometry};
+
+    /// A node's layout in tests: SmolLM2's shape under `fingerprint` and `block_size`.
+    pub(crate) fn layout(fingerprint: u64, block_size: usize) -> KvLayout {
+        let geometry =
+            KvGeometry { layers: 30, kv_heads: 3, head_dim: 64, block_size, dtype: KvDtype::F16 };
+        KvLayout { model_fingerprint: fingerprint, geometry }
+    }
 
     fn load() -> NodeLoad {
         NodeLoad { free_blocks: 10, total_blocks: 10, ..Default::default() }
@@ -146,29 +174,39 @@ mod tests {
     fn silent_nodes_expire_and_late_nodes_join() {
         let t0 = Instant::now();
         let mut r = Registry::new(Duration::from_secs(2));
-        r.register("d1", Role::Decode, "a:1", KvLayout::default(), load(), t0);
+        r.register("d1", Role::Decode, "a:1", layout(0, 16), load(), t0);
         assert_eq!(r.live(Role::Decode, t0).len(), 1);
         assert!(r.heartbeat("d1", load(), t0 + Duration::from_secs(1)));
         assert!(r.expire(t0 + Duration::from_millis(2500)).is_empty());
         assert_eq!(r.expire(t0 + Duration::from_millis(3100)), vec!["d1".to_string()]);
         assert!(!r.heartbeat("d1", load(), t0 + Duration::from_secs(4)), "dropped node known");
-        r.register(
-            "d2",
-            Role::Decode,
-            "a:2",
-            KvLayout::default(),
-            load(),
-            t0 + Duration::from_secs(4),
-        );
+        r.register("d2", Role::Decode, "a:2", layout(0, 16), load(), t0 + Duration::from_secs(4));
         assert_eq!(r.live(Role::Decode, t0 + Duration::from_secs(4))[0].id, "d2");
         assert!(r.live(Role::Prefill, t0).is_empty());
+    }
+
+    #[test]
+    fn a_node_that_leaves_cancels_its_token_and_one_that_registers_again_keeps_it() {
+        let t0 = Instant::now();
+        let mut r = Registry::new(Duration::from_secs(2));
+        r.register("d1", Role::Decode, "a:1", layout(0, 16), load(), t0);
+        let left = r.get("d1").expect("registered").left.clone();
+        r.register("d1", Role::Decode, "a:1", layout(0, 16), load(), t0);
+        assert!(!left.is_cancelled(), "registering again is not leaving");
+        assert!(r.remove("d1"));
+        assert!(left.is_cancelled());
+        assert!(!r.remove("d1"));
+        r.register("d2", Role::Decode, "a:2", layout(0, 16), load(), t0);
+        let left = r.get("d2").expect("registered").left.clone();
+        assert_eq!(r.expire(t0 + Duration::from_secs(3)), vec!["d2".to_string()]);
+        assert!(left.is_cancelled(), "lapsed heartbeats are leaving");
     }
 
     #[test]
     fn suspect_nodes_are_skipped_until_they_heartbeat() {
         let t0 = Instant::now();
         let mut r = Registry::new(Duration::from_secs(2));
-        r.register("p1", Role::Prefill, "a:1", KvLayout::default(), load(), t0);
+        r.register("p1", Role::Prefill, "a:1", layout(0, 16), load(), t0);
         r.suspect("p1", t0);
         assert!(r.live(Role::Prefill, t0 + Duration::from_millis(10)).is_empty());
         r.heartbeat("p1", load(), t0 + Duration::from_millis(20));

@@ -1,48 +1,47 @@
-//! The router's gRPC services: the public `Generation` API and the `Membership` nodes call.
-//! Validate, admit, hand to the relay; nothing else happens here.
+//! The router's gRPC services: the public `Generation` API, an adapter over the library API
+//! (`api::Router`: a prepared request in, plain events out), and the `Membership` nodes call.
+//! Validate, hand over, map; nothing else happens here.
 
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdmesh_common::status::exhausted;
 use pdmesh_proto::v1::generation_server::Generation;
 use pdmesh_proto::v1::membership_server::Membership;
 use pdmesh_proto::v1::{
-    CancelRequest, CancelResponse, GenerateRequest, GenerateResponse, HeartbeatRequest,
-    HeartbeatResponse, ListNodesRequest, ListNodesResponse, ModelInfoRequest, ModelInfoResponse,
-    NodeStatus, RegisterRequest, RegisterResponse, Role, TokenizeRequest, TokenizeResponse,
-    generate_request, tokenize_request,
+    CancelRequest, CancelResponse, DeregisterRequest, DeregisterResponse, GenerateRequest,
+    GenerateResponse, HeartbeatRequest, HeartbeatResponse, ListNodesRequest, ListNodesResponse,
+    ModelInfoRequest, ModelInfoResponse, NodeStatus, RegisterRequest, RegisterResponse, Role,
+    TokenizeRequest, TokenizeResponse, generate_request, generate_response, tokenize_request,
 };
-use tokio::sync::{Semaphore, mpsc};
-use tokio_stream::Stream;
+use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
+use tracing::Span;
 use tracing::field::Empty;
-use tracing::{Instrument, Span};
 
 use pdmesh_common::trace;
 
+use crate::api::{Event, Router, Timings};
 use crate::mesh::Mesh;
-use crate::relay;
 use crate::request::{prepare, tokenize};
-
-/// Messages buffered towards a slow client before the relay waits.
-const CLIENT_BUFFER: usize = 32;
 
 #[derive(Debug, Clone)]
 pub struct RouterService {
-    pub mesh: Arc<Mesh>,
-    pub admission: Arc<Semaphore>,
+    pub router: Router,
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 impl RouterService {
+    fn mesh(&self) -> &Arc<Mesh> {
+        self.router.mesh()
+    }
+
     async fn start_generate(
         &self,
         req: Request<GenerateRequest>,
     ) -> Result<Response<ResponseStream>, Status> {
-        let cfg = &self.mesh.config;
+        let cfg = &self.mesh().config;
         let deadline = pdmesh_common::deadline::deadline_of(
             req.metadata(),
             Instant::now(),
@@ -55,51 +54,82 @@ impl RouterService {
         trace::in_span(&admission, self.admit(r, deadline, root)).await
     }
 
-    /// Validates (template, tokenizer, limits), takes an admission permit and starts the relay.
+    /// Validates (template, tokenizer, limits) and starts the request on the library API.
     async fn admit(
         &self,
         r: GenerateRequest,
         deadline: Instant,
         root: Span,
     ) -> Result<Response<ResponseStream>, Status> {
-        let cfg = &self.mesh.config;
-        let id = if r.request_id.is_empty() {
-            pdmesh_common::ids::new_request_id()
-        } else {
-            pdmesh_common::ids::check_request_id(&r.request_id)
-                .map_err(Status::invalid_argument)?;
-            r.request_id.clone()
-        };
-        let model = Arc::clone(&self.mesh.model);
+        let model = Arc::clone(&self.mesh().model);
+        let request_id = (!r.request_id.is_empty()).then(|| r.request_id.clone());
+        if let Some(id) = &request_id {
+            pdmesh_common::ids::check_request_id(id).map_err(Status::invalid_argument)?;
+        }
         let prep = tokio::task::spawn_blocking(move || prepare(&model, &r))
             .await
             .map_err(|e| Status::internal(format!("validation task: {e}")))?
             .map_err(Status::invalid_argument)?;
-        trace::attr(&root, "request_id", id.clone());
         trace::attr(&root, "prompt_tokens", prep.prompt.len() as i64);
         trace::attr(&root, "max_tokens", prep.max_tokens as i64);
-        let in_flight = cfg.max_in_flight.saturating_sub(self.admission.available_permits());
-        Span::current().record("in_flight", in_flight as i64);
-        let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
-            exhausted(
-                format!("router at its limit of {} requests in flight", cfg.max_in_flight),
-                Duration::from_millis(cfg.retry_after_ms),
-            )
-        })?;
-        let cancel = self
-            .mesh
-            .start(&id)
-            .ok_or_else(|| Status::already_exists(format!("request_id {id} is already running")))?;
-        let (tx, rx) = mpsc::channel(CLIENT_BUFFER);
-        let mesh = Arc::clone(&self.mesh);
-        let relay = async move {
-            relay::run(Arc::clone(&mesh), id.clone(), prep, deadline, tx, cancel).await;
-            mesh.finish(&id);
-            drop(permit);
-        };
-        // The relay outlives this call; it runs in the request's span, not admission's.
-        tokio::spawn(relay.instrument(root));
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+        Span::current().record("in_flight", self.router.in_flight() as i64);
+        let (id, events) = self.router.generate(request_id, prep, deadline, root.clone())?;
+        trace::attr(&root, "request_id", id);
+        let stream = tokio_stream::wrappers::ReceiverStream::new(events).map(|ev| {
+            ev.map(|e| GenerateResponse { event: Some(to_wire(e)) }).map_err(Status::from)
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+}
+
+/// A library event as the wire carries it.
+fn to_wire(e: Event) -> generate_response::Event {
+    use pdmesh_proto::v1 as w;
+    match e {
+        Event::Started { request_id, prompt_tokens, trace_id } => {
+            generate_response::Event::Started(w::Started {
+                request_id,
+                prompt_tokens,
+                trace_id: trace_id.unwrap_or_default(),
+            })
+        }
+        Event::Delta { text, tokens } => {
+            generate_response::Event::Delta(w::Delta { text, token_ids: tokens })
+        }
+        Event::Finished(f) => {
+            let Timings {
+                queue_ms,
+                prefill_ms,
+                transfer_ms,
+                ttft_ms,
+                total_ms,
+                prefill_node,
+                decode_node,
+                kv_transport,
+                kv_bytes,
+                attempts,
+            } = f.timings;
+            generate_response::Event::Finished(w::Finished {
+                reason: pdmesh_wire::finish_reason(f.reason) as i32,
+                usage: Some(w::Usage {
+                    prompt_tokens: f.usage.prompt_tokens,
+                    cached_tokens: f.usage.cached_tokens,
+                    completion_tokens: f.usage.completion_tokens,
+                }),
+                timings: Some(w::Timings {
+                    queue_ms,
+                    prefill_ms,
+                    transfer_ms,
+                    ttft_ms,
+                    total_ms,
+                    prefill_node,
+                    decode_node,
+                    kv_transport,
+                    kv_bytes,
+                    attempts,
+                }),
+            })
+        }
     }
 }
 
@@ -113,9 +143,9 @@ impl Generation for RouterService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let started = self.start_generate(req).await;
         // Refused before it started (invalid, over the limit): counted here; everything later
-        // is counted by the relay.
+        // is counted as the request ends.
         if let Err(s) = &started {
-            self.mesh.metrics.failed(s.code());
+            self.mesh().metrics.failed(s.code());
         }
         started
     }
@@ -128,7 +158,7 @@ impl Generation for RouterService {
             tokenize_request::Input::Prompt(p) => generate_request::Input::Prompt(p),
             tokenize_request::Input::Chat(c) => generate_request::Input::Chat(c),
         });
-        let model = Arc::clone(&self.mesh.model);
+        let model = Arc::clone(&self.mesh().model);
         let ids = tokio::task::spawn_blocking(move || tokenize(&model, input.as_ref()))
             .await
             .map_err(|e| Status::internal(format!("tokenize task: {e}")))?
@@ -140,7 +170,7 @@ impl Generation for RouterService {
         &self,
         _: Request<ModelInfoRequest>,
     ) -> Result<Response<ModelInfoResponse>, Status> {
-        let m = &self.mesh.model;
+        let m = &self.mesh().model;
         Ok(Response::new(ModelInfoResponse {
             name: m.config.name.clone(),
             architecture: m.config.arch.clone(),
@@ -158,7 +188,7 @@ impl Generation for RouterService {
         req: Request<CancelRequest>,
     ) -> Result<Response<CancelResponse>, Status> {
         let id = req.into_inner().request_id;
-        if self.mesh.cancel(&id) {
+        if self.router.cancel(&id) {
             Ok(Response::new(CancelResponse {}))
         } else {
             Err(Status::not_found(format!("request_id {id} is not running")))
@@ -181,32 +211,34 @@ impl Membership for RouterService {
             return Err(Status::invalid_argument("node_id and address are required"));
         }
         let layout = r.layout.ok_or_else(|| Status::invalid_argument("layout is required"))?;
-        if layout.model_fingerprint != self.mesh.model.fingerprint {
+        let layout = pdmesh_proto::layout_from_wire(&layout)
+            .map_err(|e| Status::invalid_argument(format!("layout: {e}")))?;
+        if layout.model_fingerprint != self.mesh().model.fingerprint {
             tracing::warn!(
                 node = r.node_id,
                 "node serves model {:016x}, this router validates for {:016x}",
                 layout.model_fingerprint,
-                self.mesh.model.fingerprint
+                self.mesh().model.fingerprint
             );
         }
         let now = Instant::now();
         {
-            let mut reg = self.mesh.registry();
+            let mut reg = self.mesh().registry();
             // A new node at an address that a departed node used: its old channel is stale.
             if reg.get(&r.node_id).is_none() {
-                self.mesh.drop_channel(&r.address);
+                self.mesh().drop_channel(&r.address);
             }
             reg.register(&r.node_id, role, &r.address, layout, r.load.unwrap_or_default(), now);
         }
         // Registering (first or again after a restart) means an empty cache.
-        self.mesh.prefixes.forget(&r.node_id);
+        self.mesh().prefixes.forget(&r.node_id);
         tracing::info!(
             node = r.node_id,
             role = role.as_str_name(),
             address = r.address,
             "node joined"
         );
-        let cfg = &self.mesh.config;
+        let cfg = &self.mesh().config;
         Ok(Response::new(RegisterResponse {
             heartbeat_interval_ms: cfg.heartbeat_interval_ms,
             node_ttl_ms: cfg.node_ttl_ms,
@@ -218,9 +250,25 @@ impl Membership for RouterService {
         req: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
         let r = req.into_inner();
-        let known =
-            self.mesh.registry().heartbeat(&r.node_id, r.load.unwrap_or_default(), Instant::now());
+        let known = self.mesh().registry().heartbeat(
+            &r.node_id,
+            r.load.unwrap_or_default(),
+            Instant::now(),
+        );
         Ok(Response::new(HeartbeatResponse { known }))
+    }
+
+    async fn deregister(
+        &self,
+        req: Request<DeregisterRequest>,
+    ) -> Result<Response<DeregisterResponse>, Status> {
+        let r = req.into_inner();
+        let known = self.mesh().registry().remove(&r.node_id);
+        if known {
+            self.mesh().prefixes.forget(&r.node_id);
+            tracing::warn!(node = r.node_id, reason = r.reason, "node left the mesh");
+        }
+        Ok(Response::new(DeregisterResponse { known }))
     }
 
     async fn list_nodes(
@@ -229,7 +277,7 @@ impl Membership for RouterService {
     ) -> Result<Response<ListNodesResponse>, Status> {
         let now = Instant::now();
         let nodes = self
-            .mesh
+            .mesh()
             .registry()
             .all()
             .into_iter()
@@ -237,7 +285,7 @@ impl Membership for RouterService {
                 node_id: n.id,
                 role: n.role as i32,
                 address: n.address,
-                layout: Some(n.layout),
+                layout: Some(n.layout.into()),
                 load: Some(n.load),
                 since_heartbeat_ms: now.duration_since(n.last_seen).as_millis() as u64,
             })

@@ -20,6 +20,7 @@ use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use pdmesh_kv_types::{MemoryKind, MemoryRegion};
 use tokio::sync::{mpsc, oneshot};
 
 pub use peers::{Peer, Peers};
@@ -154,26 +155,30 @@ impl UcxNode {
         Ok(Endpoint { node: self.clone(), id })
     }
 
-    /// Registers `[addr, addr + len)` so peers can put into and get from it; the region's
-    /// packed remote key is what they need.
-    ///
-    /// # Safety
-    /// The memory must stay allocated at the same address for as long as the returned
-    /// `Region` lives: peers write into it.
-    #[allow(unsafe_code)]
-    pub unsafe fn register(&self, addr: usize, len: usize) -> Result<Region, UcxError> {
-        if len == 0 {
+    /// Registers `memory` so peers can put into and get from it; the region's packed remote
+    /// key is what they need. The registration keeps the memory allocated (the region holds
+    /// it) and is undone before the region lets go of it.
+    pub fn register(&self, memory: &MemoryRegion) -> Result<Region, UcxError> {
+        if memory.is_empty() {
             return Err(UcxError::Usage("cannot register an empty region".into()));
         }
-        // SAFETY: forwarded from this function's contract.
-        let (memh, rkey) = unsafe { self.inner.ctx.map(addr, len)? };
+        if memory.kind() != MemoryKind::Host {
+            return Err(UcxError::Usage(format!(
+                "this UCX build registers host memory, not {} memory",
+                memory.kind().name()
+            )));
+        }
+        // SAFETY: a `MemoryRegion` names one fixed allocation that stays allocated while it
+        // lives; `Region` holds it until after the unmap.
+        #[allow(unsafe_code)]
+        let (memh, rkey) = unsafe { self.inner.ctx.map(memory.addr(), memory.len())? };
         let rkey = seal(&rkey);
         Ok(Region {
             ctx: Arc::clone(&self.inner.ctx),
             memh: Some(memh),
             rkey,
-            base: addr as u64,
-            len,
+            base: memory.addr() as u64,
+            _memory: memory.clone(),
         })
     }
 
@@ -216,12 +221,18 @@ pub struct Region {
     memh: Option<MemHandle>,
     rkey: Bytes,
     base: u64,
-    len: usize,
+    /// Dropped after `Drop::drop` has unmapped it.
+    _memory: MemoryRegion,
 }
+
+// SAFETY: no `&self` method touches the memory handle (only `Drop`, which has `&mut self`);
+// shared access reads the sealed key and base address, plain data.
+#[allow(unsafe_code)]
+unsafe impl Sync for Region {}
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Region").field("base", &self.base).field("len", &self.len).finish()
+        f.debug_struct("Region").field("base", &self.base).field("memory", &self._memory).finish()
     }
 }
 

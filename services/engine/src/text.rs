@@ -1,14 +1,22 @@
 //! Turns generated tokens into the text deltas a client sees: whole UTF-8 characters only, and
 //! stop strings found across token boundaries without ever sending any part of one. Text that
-//! could still turn out to begin a stop string is held back until it cannot.
+//! could still turn out to begin a stop string is held back until it cannot. The batch runner
+//! keeps one per sequence that wants text, so stop strings are a finish rule like any other.
 
-use pdmesh_engine::{StreamDecoder, Tokenizer};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
 
-/// One piece of output.
+/// One piece of output: text and the tokens that produced it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Piece {
     pub text: String,
     pub tokens: Vec<u32>,
+}
+
+impl Piece {
+    /// Whether there is nothing to send.
+    pub fn is_empty(&self) -> bool {
+        self.text.is_empty() && self.tokens.is_empty()
+    }
 }
 
 /// What pushing a token produced.
@@ -20,7 +28,7 @@ pub enum Pushed {
     Stopped(Piece),
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct TextStream {
     decoder: StreamDecoder,
     stops: Vec<String>,

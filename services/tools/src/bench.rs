@@ -8,7 +8,7 @@ use anyhow::bail;
 use clap::{Args, Subcommand};
 use pdmesh_engine::{Engine, Logits, SeqId, StepItem};
 
-use crate::args::EngineArgs;
+use pdmesh_cli::args::EngineArgs;
 
 /// `pdmesh bench` drives a running mesh; `pdmesh bench engine` measures the local engine.
 #[derive(Debug, Args)]

@@ -47,7 +47,7 @@ pub fn run(a: CollectArgs) -> anyhow::Result<()> {
         let served = collector.clone().serve(listener);
         tokio::select! {
             r = served => r.context("serving OTLP")?,
-            () = crate::serve::shutdown_signal(a.exit_with_stdin) => {}
+            () = pdmesh_cli::process::shutdown_signal(a.exit_with_stdin) => {}
         }
         eprintln!("pdmesh collect: {} spans received", collector.received());
         Ok(())

@@ -16,7 +16,7 @@ use pdmesh_proto::v1::{GenerateRequest, TokenIds, generate_request, generate_res
 use rand::{Rng, SeedableRng};
 use tonic::transport::Channel;
 
-use crate::args::EngineArgs;
+use pdmesh_cli::args::EngineArgs;
 
 #[derive(Debug, Args)]
 pub struct MeshBenchArgs {

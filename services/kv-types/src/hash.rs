@@ -7,8 +7,9 @@
 //! Hashes are 128-bit (xxh3-128): a collision would serve one prompt another's KV silently,
 //! and at 64 bits a mesh storing a billion blocks would see one with a few percent chance.
 
-use pdmesh_proto::v1::KvLayout;
 use xxhash_rust::xxh3::xxh3_128;
+
+use crate::KvLayout;
 
 /// A block's content address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -41,19 +42,20 @@ pub struct BlockHasher {
 impl BlockHasher {
     /// `None` when the layout has no block size.
     pub fn new(layout: &KvLayout) -> Option<Self> {
-        let block_size = layout.block_size as usize;
-        if block_size == 0 {
+        let g = &layout.geometry;
+        if g.block_size == 0 {
             return None;
         }
         let mut s = Vec::with_capacity(64);
         s.extend_from_slice(b"pdmesh-kv-block-v1");
         s.extend_from_slice(&layout.model_fingerprint.to_le_bytes());
-        s.extend_from_slice(&(layout.dtype.len() as u32).to_le_bytes());
-        s.extend_from_slice(layout.dtype.as_bytes());
-        for v in [layout.block_size, layout.layers, layout.kv_heads, layout.head_dim] {
-            s.extend_from_slice(&v.to_le_bytes());
+        let dtype = g.dtype.name();
+        s.extend_from_slice(&(dtype.len() as u32).to_le_bytes());
+        s.extend_from_slice(dtype.as_bytes());
+        for v in [g.block_size, g.layers, g.kv_heads, g.head_dim] {
+            s.extend_from_slice(&(v as u32).to_le_bytes());
         }
-        Some(Self { seed: BlockHash(xxh3_128(&s)), block_size })
+        Some(Self { seed: BlockHash(xxh3_128(&s)), block_size: g.block_size })
     }
 
     pub fn block_size(&self) -> usize {
@@ -88,16 +90,25 @@ impl BlockHasher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{KvDtype, KvGeometry};
 
     fn layout() -> KvLayout {
         KvLayout {
             model_fingerprint: 0x5eed,
-            dtype: "f16".into(),
-            block_size: 4,
-            layers: 30,
-            kv_heads: 3,
-            head_dim: 64,
+            geometry: KvGeometry {
+                dtype: KvDtype::F16,
+                block_size: 4,
+                layers: 30,
+                kv_heads: 3,
+                head_dim: 64,
+            },
         }
+    }
+
+    fn with(f: impl FnOnce(&mut KvLayout)) -> KvLayout {
+        let mut l = layout();
+        f(&mut l);
+        l
     }
 
     #[test]
@@ -130,15 +141,15 @@ mod tests {
         let t: Vec<u32> = (0..8).collect();
         let base = BlockHasher::new(&layout()).expect("block size").chain(&t);
         for other in [
-            KvLayout { model_fingerprint: 0x5eee, ..layout() },
-            KvLayout { dtype: "f32".into(), ..layout() },
-            KvLayout { layers: 29, ..layout() },
-            KvLayout { head_dim: 32, ..layout() },
+            with(|l| l.model_fingerprint = 0x5eee),
+            with(|l| l.geometry.dtype = KvDtype::F32),
+            with(|l| l.geometry.layers = 29),
+            with(|l| l.geometry.head_dim = 32),
         ] {
             let c = BlockHasher::new(&other).expect("block size").chain(&t);
             assert_ne!(base, c, "{other:?} shares addresses with {:?}", layout());
         }
-        assert!(BlockHasher::new(&KvLayout { block_size: 0, ..layout() }).is_none());
+        assert!(BlockHasher::new(&with(|l| l.geometry.block_size = 0)).is_none());
     }
 
     #[test]

@@ -15,12 +15,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use lru::LruCache;
 use pdmesh_common::trace::Channel;
-use pdmesh_kv_transfer::ucx::{Peers, UcxNode};
-use pdmesh_kv_transfer::{BlockHash, BlockHasher};
+use pdmesh_kv_types::{BlockHash, BlockHasher, KvLayout};
+
+use crate::ucx::{Peers, UcxNode};
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
-    KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
+    KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
     KvWriteHeader, PrefixCacheStats, UcxTarget,
 };
 use tonic::transport::Endpoint;
@@ -104,8 +105,7 @@ impl PrefixCache {
         ucx: Option<UcxNode>,
     ) -> Result<Option<Self>, String> {
         let hasher = BlockHasher::new(&layout).ok_or("the KV layout has no block size")?;
-        let bytes_per_block =
-            pdmesh_kv_transfer::bytes_per_block(&layout).ok_or("the KV layout has no size")?;
+        let bytes_per_block = layout.bytes_per_block();
         let local = usize::try_from(local_bytes / bytes_per_block as u64)
             .ok()
             .and_then(NonZeroUsize::new)
@@ -227,7 +227,7 @@ impl PrefixCache {
         let mut c = store.client.clone();
         let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
         let req = KvMatchRequest {
-            layout: Some(self.layout.clone()),
+            layout: Some(self.layout.into()),
             hashes,
             lease_ms: 0,
             want_ucx: self.ucx.is_some(),
@@ -323,7 +323,7 @@ impl PrefixCache {
         let Some(store) = &self.store else { return };
         let mut msgs = vec![KvWriteChunk {
             chunk: Some(Chunk::Header(KvWriteHeader {
-                layout: Some(self.layout.clone()),
+                layout: Some(self.layout.into()),
                 from: self.node_id.clone(),
             })),
         }];

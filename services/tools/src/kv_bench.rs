@@ -12,16 +12,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Args;
-use pdmesh_kv_transfer::{
-    AutoTransport, KvPiece, KvTransport, TransferStats, TransportKind, block_checksum,
-    bytes_per_block,
-};
+use pdmesh_kv_transfer::{AutoTransport, KvPiece, KvTransport, TransferStats, TransportKind};
+use pdmesh_kv_types::block_checksum;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::{ReleaseRequest, ReserveRequest, StatsRequest};
 use serde::Serialize;
 
 use crate::bench::median;
-use crate::up::spawn;
+use pdmesh_cli::process::spawn;
 
 #[derive(Debug, Args)]
 pub struct KvBenchArgs {
@@ -135,7 +133,10 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         .into_inner()
         .layout
         .context("the decode node reports no KV layout")?;
-    let bpb = bytes_per_block(&layout).context("bad KV layout")?;
+    let bpb = pdmesh_proto::layout_from_wire(&layout)
+        .map_err(anyhow::Error::msg)
+        .context("the decode node's KV layout")?
+        .bytes_per_block();
     let bytes = (blocks * bpb) as u64;
 
     // Deterministic, incompressible-looking KV.

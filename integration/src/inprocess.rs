@@ -1,0 +1,156 @@
+//! A whole mesh in this process, on the tiny seeded model: the real router, prefill and decode
+//! services (their `run` functions, real gRPC on loopback, real KV transfer), started in
+//! milliseconds. The fast tier of the relay's and the nodes' tests runs on it; the real-model,
+//! real-process tests run on `Cluster`.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pdmesh_common::metrics::Metrics;
+use pdmesh_decode::DecodeConfig;
+use pdmesh_engine::EngineSettings;
+use pdmesh_engine::testing::TinyModel;
+use pdmesh_prefill::PrefillConfig;
+use pdmesh_proto::v1::generation_client::GenerationClient;
+use pdmesh_proto::v1::membership_client::MembershipClient;
+use pdmesh_proto::v1::{ListNodesRequest, NodeStatus};
+use pdmesh_router::RouterConfig;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::Channel;
+
+/// Settings for a mesh; change what a test needs before `start`.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub router: RouterConfig,
+    pub prefill: Vec<PrefillConfig>,
+    pub decode: Vec<DecodeConfig>,
+}
+
+/// A running in-process mesh. Dropping it stops every service.
+#[derive(Debug)]
+pub struct Mesh {
+    pub router: String,
+    pub decode: Vec<String>,
+    pub prefill: Vec<String>,
+    stop: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// The tiny model's GGUF, written where every service can load it.
+fn tiny_gguf(dir: &std::path::Path) -> PathBuf {
+    let path = dir.join("tiny.gguf");
+    std::fs::write(&path, TinyModel::default().gguf()).expect("the tiny model is written");
+    path
+}
+
+fn engine(model: &std::path::Path) -> EngineSettings {
+    EngineSettings {
+        model: model.to_path_buf(),
+        threads: 1,
+        block_size: 4,
+        kv_blocks: 256,
+        max_batch_tokens: 32,
+        ..Default::default()
+    }
+}
+
+impl Settings {
+    /// A router with `prefill` prefill and `decode` decode nodes (ids `prefill-i`, `decode-i`),
+    /// with timeouts short enough for tests.
+    pub fn new(prefill: usize, decode: usize) -> Self {
+        let router = RouterConfig {
+            listen: "127.0.0.1:0".into(),
+            heartbeat_interval_ms: 50,
+            node_ttl_ms: 400,
+            ..Default::default()
+        };
+        let node = |role: &str, i: usize| (format!("{role}-{i}"), "127.0.0.1:0".to_string());
+        let prefill = (0..prefill)
+            .map(|i| {
+                let (id, listen) = node("prefill", i);
+                PrefillConfig { node_id: Some(id), listen, ..Default::default() }
+            })
+            .collect();
+        let decode = (0..decode)
+            .map(|i| {
+                let (id, listen) = node("decode", i);
+                DecodeConfig { node_id: Some(id), listen, lease_ms: 5_000, ..Default::default() }
+            })
+            .collect();
+        Self { router, prefill, decode }
+    }
+
+    /// Starts every service and waits until each node has registered.
+    pub async fn start(mut self) -> Mesh {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        let model = tiny_gguf(dir.path());
+        let stop = CancellationToken::new();
+        let mut tasks = Vec::new();
+        let (listener, addr) = pdmesh_common::bind(&self.router.listen).await.expect("binds");
+        let router = addr.to_string();
+        self.router.model = model.clone();
+        let done = stop.clone();
+        let cfg = self.router.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = pdmesh_router::run(cfg, listener, Metrics::default(), done.cancelled_owned());
+            r.await.expect("the router runs");
+        }));
+        let mut decode = Vec::new();
+        for mut c in self.decode {
+            let (listener, addr) = pdmesh_common::bind(&c.listen).await.expect("binds");
+            c.routers = vec![router.clone()];
+            c.engine = engine(&model);
+            decode.push(addr.to_string());
+            let done = stop.clone();
+            tasks.push(tokio::spawn(async move {
+                let r = pdmesh_decode::run(c, listener, Metrics::default(), done.cancelled_owned());
+                r.await.expect("the decode node runs");
+            }));
+        }
+        let mut prefill = Vec::new();
+        for mut c in self.prefill {
+            let (listener, addr) = pdmesh_common::bind(&c.listen).await.expect("binds");
+            c.routers = vec![router.clone()];
+            c.engine = engine(&model);
+            prefill.push(addr.to_string());
+            let done = stop.clone();
+            tasks.push(tokio::spawn(async move {
+                let r =
+                    pdmesh_prefill::run(c, listener, Metrics::default(), done.cancelled_owned());
+                r.await.expect("the prefill node runs");
+            }));
+        }
+        let mesh = Mesh { router, decode, prefill, stop, tasks, _dir: dir };
+        let want = mesh.decode.len() + mesh.prefill.len();
+        crate::eventually(Duration::from_secs(20), "every node registers", || async {
+            mesh.nodes().await.len() == want
+        })
+        .await;
+        mesh
+    }
+}
+
+impl Mesh {
+    pub async fn client(&self) -> GenerationClient<Channel> {
+        GenerationClient::connect(format!("http://{}", self.router)).await.expect("router")
+    }
+
+    /// The nodes the router knows.
+    pub async fn nodes(&self) -> Vec<NodeStatus> {
+        let Ok(mut m) = MembershipClient::connect(format!("http://{}", self.router)).await else {
+            return Vec::new();
+        };
+        m.list_nodes(ListNodesRequest {}).await.map(|r| r.into_inner().nodes).unwrap_or_default()
+    }
+}

@@ -1,0 +1,250 @@
+//! The router's request path on an in-process mesh of the real services and the tiny model
+//! (seconds, not minutes): requests flow through the library API and the gRPC adapter with the
+//! tokens one engine gives, an unreachable node before the first token is retried elsewhere, a
+//! failure after it is not, and a node whose engine thread dies leaves the mesh at once — its
+//! requests fail with a status naming it and no more work goes to it.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdmesh_engine::testing::TinyModel;
+use pdmesh_engine::{Engine, EngineConfig, GenerateParams, SamplingParams};
+use pdmesh_integration::eventually;
+use pdmesh_integration::inprocess::{Mesh, Settings};
+use pdmesh_proto::v1::generate_response::Event as Wire;
+use pdmesh_proto::v1::membership_client::MembershipClient;
+use pdmesh_proto::v1::{
+    FinishReason, Finished, GenerateRequest, GenerateResponse, RegisterRequest, Role, TokenIds,
+    generate_request,
+};
+use pdmesh_router::api::{Event, Router};
+use pdmesh_router::request::Prepared;
+use tonic::Code;
+
+fn prompt() -> Vec<u32> {
+    (0..21u32).map(|i| 33 + (i * 11) % 150).collect()
+}
+
+fn req(max_tokens: u32) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt() })),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// What one engine generates for `prompt()`, greedily.
+fn reference(n: usize) -> Vec<u32> {
+    let cfg = EngineConfig { threads: 1, kv_blocks: 64, ..Default::default() };
+    let mut e = Engine::new(TinyModel::default().build(), cfg).unwrap();
+    let p = GenerateParams { max_tokens: n, ignore_eos: true, ..Default::default() };
+    pdmesh_engine::generate(&mut e, &prompt(), &p, |_| true).unwrap().tokens
+}
+
+/// Runs a request to its end: its tokens and `Finished`, or its status.
+async fn generate(m: &Mesh, r: GenerateRequest) -> Result<(Vec<u32>, Finished), tonic::Status> {
+    let mut s = m.client().await.generate(r).await?.into_inner();
+    let mut tokens = Vec::new();
+    while let Some(GenerateResponse { event }) = s.message().await? {
+        match event {
+            Some(Wire::Delta(d)) => tokens.extend(d.token_ids),
+            Some(Wire::Finished(f)) => return Ok((tokens, f)),
+            _ => {}
+        }
+    }
+    panic!("the stream ended without a finish");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_give_one_engines_tokens_disaggregated_and_colocated() {
+    let want = reference(12);
+    let m = Settings::new(1, 1).start().await;
+    let (tokens, f) = generate(&m, req(12)).await.unwrap();
+    assert_eq!(tokens, want, "disaggregated");
+    let t = f.timings.unwrap();
+    assert_eq!(
+        (t.prefill_node.as_str(), t.decode_node.as_str(), t.attempts),
+        ("prefill-0", "decode-0", 1)
+    );
+    assert_eq!(f.reason, FinishReason::Length as i32);
+    // Without a prefill node the decode node prefills it itself: the same tokens.
+    let m = Settings::new(0, 1).start().await;
+    let (tokens, f) = generate(&m, req(12)).await.unwrap();
+    assert_eq!(tokens, want, "colocated");
+    assert_eq!(f.timings.unwrap().prefill_node, "colocated");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_library_api_yields_plain_events() {
+    let m = Settings::new(1, 1).start().await;
+    // A second router, as a library: its mesh knows the same nodes.
+    let model = TinyModel::default().build();
+    let mesh = Arc::new(pdmesh_router::mesh::Mesh::new(Default::default(), model));
+    for n in m.nodes().await {
+        let layout = pdmesh_proto::layout_from_wire(&n.layout.unwrap()).unwrap();
+        let role = Role::try_from(n.role).unwrap();
+        mesh.registry().register(
+            &n.node_id,
+            role,
+            &n.address,
+            layout,
+            n.load.unwrap(),
+            Instant::now(),
+        );
+    }
+    let router = Router::new(mesh);
+    let prep = Prepared {
+        prompt: prompt(),
+        max_tokens: 8,
+        sampling: SamplingParams::default(),
+        stop: Vec::new(),
+        ignore_eos: true,
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (id, mut events) = router
+        .generate(Some("lib-1".into()), prep.clone(), deadline, tracing::Span::none())
+        .unwrap();
+    assert_eq!(id, "lib-1");
+    let dup = router.generate(Some("lib-1".into()), prep, deadline, tracing::Span::none());
+    assert_eq!(dup.unwrap_err().code(), Code::AlreadyExists, "one id, one request");
+    let mut tokens = Vec::new();
+    let mut seen = Vec::new();
+    while let Some(ev) = events.recv().await {
+        match ev.unwrap() {
+            Event::Started { request_id, prompt_tokens, .. } => {
+                assert_eq!((request_id.as_str(), prompt_tokens), ("lib-1", 21));
+                seen.push("started");
+            }
+            Event::Delta { tokens: t, .. } => tokens.extend(t),
+            Event::Finished(f) => {
+                assert_eq!(f.reason, pdmesh_engine::FinishReason::Length);
+                assert_eq!(f.usage.completion_tokens, 8);
+                seen.push("finished");
+            }
+        }
+    }
+    assert_eq!(seen, ["started", "finished"]);
+    assert_eq!(tokens, reference(8));
+}
+
+/// Registers a prefill node at an address where nothing listens.
+async fn register_dead_prefill(m: &Mesh, id: &str) {
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let nodes = m.nodes().await;
+    let layout = nodes.iter().find(|n| n.role == Role::Prefill as i32).unwrap().layout.clone();
+    let mut c = MembershipClient::connect(format!("http://{}", m.router)).await.unwrap();
+    let reg = RegisterRequest {
+        node_id: id.into(),
+        role: Role::Prefill as i32,
+        address: dead.to_string(),
+        layout,
+        load: Some(Default::default()),
+    };
+    c.register(reg).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_prefill_node_is_retried_on_another_before_the_first_token() {
+    let mut s = Settings::new(1, 1);
+    s.router.prefill_policy = pdmesh_router::placement::PrefillPolicy::RoundRobin;
+    s.router.node_ttl_ms = 60_000; // only the failure can take it out of rotation
+    let m = s.start().await;
+    register_dead_prefill(&m, "prefill-dead").await;
+    let want = reference(6);
+    let mut retried = 0;
+    for _ in 0..4 {
+        let (tokens, f) = generate(&m, req(6)).await.unwrap();
+        assert_eq!(tokens, want);
+        let t = f.timings.unwrap();
+        assert_eq!(t.prefill_node, "prefill-0", "the dead node never serves");
+        if t.attempts == 2 {
+            retried += 1;
+        }
+    }
+    // Round-robin sends one of the first two requests there; once it failed it is suspect and
+    // skipped, so exactly one request needed its retry.
+    assert_eq!(retried, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_node_whose_engine_dies_leaves_the_mesh_at_once() {
+    let mut s = Settings::new(1, 2);
+    // Heartbeats would take a minute to lapse: only deregistration can be this quick.
+    s.router.node_ttl_ms = 60_000;
+    s.decode[0].fault_engine_panic_at_step = Some(5);
+    let m = s.start().await;
+    // Requests go to both decode nodes until decode-0's engine panics mid-stream.
+    let mut failed = None;
+    for _ in 0..6 {
+        match generate(&m, req(16)).await {
+            Ok((tokens, _)) => assert_eq!(tokens, reference(16)),
+            Err(st) => {
+                failed = Some(st);
+                break;
+            }
+        }
+    }
+    let st = failed.expect("a request ran into the panic");
+    assert_eq!(st.code(), Code::Unavailable, "{st:?}");
+    assert!(st.message().contains("decode-0"), "the status names the node: {}", st.message());
+    eventually(Duration::from_secs(5), "decode-0 deregisters", || async {
+        !m.nodes().await.iter().any(|n| n.node_id == "decode-0")
+    })
+    .await;
+    // No more work goes to it: every request now lands on decode-1 and finishes.
+    for _ in 0..4 {
+        let (tokens, f) = generate(&m, req(8)).await.unwrap();
+        assert_eq!(tokens, reference(8));
+        assert_eq!(f.timings.unwrap().decode_node, "decode-1");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_node_whose_engine_dies_before_the_first_token_is_retried_elsewhere() {
+    let mut s = Settings::new(2, 1);
+    s.router.prefill_policy = pdmesh_router::placement::PrefillPolicy::RoundRobin;
+    s.router.node_ttl_ms = 60_000;
+    s.prefill[0].fault_engine_panic_at_step = Some(1);
+    let m = s.start().await;
+    let want = reference(6);
+    for _ in 0..3 {
+        let (tokens, f) = generate(&m, req(6)).await.unwrap();
+        assert_eq!(tokens, want, "a prefill failure before the first token costs a retry only");
+        assert_eq!(f.timings.unwrap().prefill_node, "prefill-1");
+    }
+    eventually(Duration::from_secs(5), "prefill-0 deregisters", || async {
+        !m.nodes().await.iter().any(|n| n.node_id == "prefill-0")
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_and_cancel_end_requests_with_their_status() {
+    let mut s = Settings::new(1, 1);
+    s.router.max_in_flight = 1;
+    let m = s.start().await;
+    let mut c = m.client().await;
+    let r = GenerateRequest { request_id: "long".into(), ..req(200) };
+    let mut long = c.generate(r).await.unwrap().into_inner();
+    let first = long.message().await.unwrap();
+    assert!(matches!(first, Some(GenerateResponse { event: Some(Wire::Started(_)) })));
+    let over = generate(&m, req(4)).await.unwrap_err();
+    assert_eq!(over.code(), Code::ResourceExhausted);
+    assert!(over.metadata().get(pdmesh_common::status::RETRY_AFTER_MS).is_some());
+    c.cancel(pdmesh_proto::v1::CancelRequest { request_id: "long".into() }).await.unwrap();
+    let mut end = None;
+    while let Some(GenerateResponse { event }) = long.message().await.unwrap() {
+        if let Some(Wire::Finished(f)) = event {
+            end = Some(f);
+        }
+    }
+    assert_eq!(end.unwrap().reason, FinishReason::Cancelled as i32);
+    // The permit came back with the cancelled request.
+    eventually(Duration::from_secs(5), "the router admits again", || async {
+        generate(&m, req(4)).await.is_ok()
+    })
+    .await;
+}

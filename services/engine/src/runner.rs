@@ -1,0 +1,611 @@
+//! The one batch loop. A `BatchRunner` holds every sequence's state (history, sampler, next
+//! token, text and stop-string state), admits sequences as their KV becomes available and the
+//! pool can hold them, plans each step with the continuous-batching scheduler, runs it on the
+//! engine with a `KvConnector` moving KV in and out, samples, and applies one set of finish
+//! rules. Prefill, decode and local generation are this runner plus a policy: prefill stops at
+//! the first token (`Role::Prefill`), decode loads its KV through a connector and may start
+//! from a token sampled elsewhere, generate uses no connector.
+//!
+//! The runner does no I/O and reads no clock: what it produces comes back as `Output`s for
+//! the caller to deliver, so every rule is testable in microseconds on a tiny model.
+
+use std::collections::{HashMap, VecDeque};
+
+use crate::connector::{KvConnector, Release, Saved};
+use crate::engine::{Engine, Logits, StepItem};
+use crate::error::{Error, Result};
+use crate::kv_cache::SeqId;
+use crate::model::Model;
+use crate::sampler::{Sampler, SamplingParams};
+use crate::scheduler::{Scheduled, Scheduler, Work};
+use crate::text::{Piece, Pushed, TextStream};
+
+/// What to generate for one prompt, and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateParams {
+    pub sampling: SamplingParams,
+    /// Most tokens to generate (≥ 1).
+    pub max_tokens: usize,
+    /// Token ids that end generation (not emitted).
+    pub stop_tokens: Vec<u32>,
+    /// Strings that end generation; no part of one is ever emitted. Needs text output.
+    pub stop_strings: Vec<String>,
+    /// Keep going past end-of-generation tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl Default for GenerateParams {
+    fn default() -> Self {
+        Self {
+            sampling: SamplingParams::default(),
+            max_tokens: 128,
+            stop_tokens: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The model produced an end-of-generation token.
+    Eos,
+    /// One of the stop tokens or stop strings was produced.
+    Stop,
+    /// `max_tokens` were generated.
+    Length,
+    /// The sequence filled the model's context.
+    ContextFull,
+    /// The caller stopped it.
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Eos => "eos",
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::ContextFull => "context_full",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What a sequence is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Compute the prompt's KV and sample the first token, then leave (a prefill node).
+    Prefill,
+    /// Generate until a finish rule ends it (a decode node, local generation).
+    Generate,
+}
+
+/// One sequence for the runner.
+#[derive(Debug, Clone)]
+pub struct SeqSpec {
+    pub prompt: Vec<u32>,
+    pub params: GenerateParams,
+    /// Where the sampler's random stream starts (a request continued from another node).
+    pub rng_position: u128,
+    pub role: Role,
+    /// Whether outputs carry text (and stop strings apply); without it, pieces carry tokens.
+    pub text: bool,
+    /// A first token sampled elsewhere (by a prefill node): emitted at once, decoding starts
+    /// from it once the prompt's KV is complete.
+    pub first_token: Option<u32>,
+    /// An engine sequence the caller made for it (a decode reservation, whose blocks may
+    /// already hold KV); the runner makes one otherwise. Either way the runner owns it now.
+    pub seq: Option<SeqId>,
+}
+
+impl SeqSpec {
+    /// A prompt to generate from, computed here.
+    pub fn generate(prompt: Vec<u32>, params: GenerateParams) -> Self {
+        Self {
+            prompt,
+            params,
+            rng_position: 0,
+            role: Role::Generate,
+            text: false,
+            first_token: None,
+            seq: None,
+        }
+    }
+}
+
+/// How a sequence left the runner.
+#[derive(Debug, Clone)]
+pub enum End {
+    /// A finish rule (or the caller) ended generation. `stop_token` is the EOS or stop token
+    /// that did, which is not part of the output.
+    Finished { reason: FinishReason, stop_token: Option<u32> },
+    /// A prefill sequence is done: its first token and where its sampler's stream stands.
+    Prefilled { first_token: u32, rng_position: u128 },
+    /// It failed (the step it was in failed, or its KV could not be loaded).
+    Failed(Error),
+}
+
+/// What the runner produced for a sequence.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Output to deliver (text, when asked for, with the tokens that made it).
+    Delta(Piece),
+    /// The sequence left; `kept` is its engine sequence when the connector said its blocks
+    /// must not be freed yet (the caller frees it later).
+    Done { end: End, generated: usize, steps: u32, largest_batch: usize, kept: Option<SeqId> },
+}
+
+#[derive(Debug, Clone)]
+pub struct Output {
+    pub id: u64,
+    pub event: Event,
+}
+
+/// Where a sequence stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqStatus {
+    /// Waiting for its KV (from the connector) or for room in the pool.
+    Waiting,
+    /// Admitted; its prompt is being computed.
+    Prefilling,
+    /// Generating.
+    Decoding,
+}
+
+/// A step that failed: it changed no KV, and every planned sequence failed with its error.
+#[derive(Debug)]
+pub struct StepFailed {
+    pub error: Error,
+    pub outputs: Vec<Output>,
+}
+
+struct Slot {
+    seq: Option<SeqId>,
+    admitted: bool,
+    history: Vec<u32>,
+    prompt_len: usize,
+    sampler: Sampler,
+    params: GenerateParams,
+    role: Role,
+    text: Option<TextStream>,
+    next: Option<u32>,
+    generated: usize,
+    /// Blocks counted against the pool while admitted (with `promise_blocks`).
+    promised: usize,
+    steps: u32,
+    largest_batch: usize,
+}
+
+/// The batch loop's state: every sequence it runs, and the scheduler that plans their steps.
+pub struct BatchRunner {
+    sched: Scheduler,
+    slots: HashMap<u64, Slot>,
+    /// Sequences not yet admitted, in arrival order.
+    waiting: VecDeque<u64>,
+    /// Admit a sequence only when the pool can hold all of its blocks (prompt, plus
+    /// `max_tokens` for generation) besides those of every admitted one. Off when blocks are
+    /// promised elsewhere (a decode node's reservations).
+    promise_blocks: bool,
+    promised: usize,
+    /// Outputs of sequences that failed at admission, delivered with the next step's.
+    pending: Vec<Output>,
+    model: std::sync::Arc<Model>,
+}
+
+impl std::fmt::Debug for BatchRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchRunner")
+            .field("sequences", &self.slots.len())
+            .field("waiting", &self.waiting.len())
+            .finish()
+    }
+}
+
+impl BatchRunner {
+    /// A runner for `engine`'s model with at most `max_running` sequences admitted at once.
+    pub fn new(engine: &Engine, max_running: usize, promise_blocks: bool) -> Self {
+        Self {
+            sched: Scheduler::new(engine.config().max_batch_tokens, max_running),
+            slots: HashMap::new(),
+            waiting: VecDeque::new(),
+            promise_blocks,
+            promised: 0,
+            pending: Vec::new(),
+            model: std::sync::Arc::clone(engine.model()),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Sequences not admitted yet.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn contains(&self, id: u64) -> bool {
+        self.slots.contains_key(&id)
+    }
+
+    pub fn status(&self, id: u64) -> Option<SeqStatus> {
+        let s = self.slots.get(&id)?;
+        Some(if !s.admitted {
+            SeqStatus::Waiting
+        } else if s.role == Role::Generate && (s.generated > 0 || s.next.is_some()) {
+            SeqStatus::Decoding
+        } else {
+            SeqStatus::Prefilling
+        })
+    }
+
+    /// Blocks promised to admitted sequences (with `promise_blocks`).
+    pub fn promised_blocks(&self) -> usize {
+        self.promised
+    }
+
+    /// Adds a sequence. Checked here, so a bad one never reaches a step. A first token sampled
+    /// elsewhere is accepted at once: its output (and, if it already ends generation, the
+    /// sequence's end) comes back now.
+    pub fn add(
+        &mut self,
+        engine: &mut Engine,
+        connector: &mut dyn KvConnector,
+        id: u64,
+        spec: SeqSpec,
+    ) -> Result<Vec<Output>> {
+        let ctx = engine.max_seq_len();
+        let vocab = self.model.config.vocab as u32;
+        if self.slots.contains_key(&id) {
+            return Err(Error::invalid(format!("sequence {id} is already running")));
+        }
+        if spec.prompt.is_empty() {
+            return Err(Error::invalid("the prompt is empty"));
+        }
+        if spec.prompt.len() >= ctx {
+            return Err(Error::invalid(format!(
+                "a prompt of {} tokens leaves no room in the context of {ctx}",
+                spec.prompt.len()
+            )));
+        }
+        if spec.params.max_tokens == 0 {
+            return Err(Error::invalid("max_tokens must be at least 1"));
+        }
+        if let Some(t) = spec.prompt.iter().chain(&spec.first_token).find(|&&t| t >= vocab) {
+            return Err(Error::invalid(format!("token id {t} is outside the vocabulary")));
+        }
+        // A prefill sequence ends at its first token whatever the rules say; they apply where
+        // it is decoded.
+        if spec.role == Role::Generate && !spec.text && !spec.params.stop_strings.is_empty() {
+            return Err(Error::invalid("stop strings need text output"));
+        }
+        if spec.first_token.is_some() && spec.role == Role::Prefill {
+            return Err(Error::invalid("a prefill sequence samples its own first token"));
+        }
+        let sampler = Sampler::resume(spec.params.sampling.clone(), spec.rng_position)?;
+        let blocks = match spec.role {
+            Role::Prefill => spec.prompt.len(),
+            Role::Generate => (spec.prompt.len() + spec.params.max_tokens).min(ctx),
+        }
+        .div_ceil(engine.config().block_size);
+        if self.promise_blocks && blocks > engine.kv().total_blocks() {
+            return Err(Error::KvExhausted { needed: blocks, free: engine.kv().total_blocks() });
+        }
+        let mut slot = Slot {
+            seq: spec.seq,
+            admitted: false,
+            prompt_len: spec.prompt.len(),
+            history: spec.prompt,
+            sampler,
+            text: spec.text.then(|| TextStream::new(spec.params.stop_strings.clone())),
+            params: spec.params,
+            role: spec.role,
+            next: None,
+            generated: 0,
+            promised: blocks,
+            steps: 0,
+            largest_batch: 0,
+        };
+        let mut out = Vec::new();
+        if let Some(t) = spec.first_token
+            && let Some(end) = accept(&self.model, ctx, &mut slot, t, id, &mut out)
+        {
+            self.slots.insert(id, slot);
+            out.extend(self.leave(engine, connector, id, end));
+            return Ok(out);
+        }
+        self.slots.insert(id, slot);
+        self.waiting.push_back(id);
+        Ok(out)
+    }
+
+    /// Ends a sequence at the caller's request (its client left): `Finished(Cancelled)`.
+    pub fn cancel(
+        &mut self,
+        engine: &mut Engine,
+        connector: &mut dyn KvConnector,
+        id: u64,
+    ) -> Vec<Output> {
+        let end = End::Finished { reason: FinishReason::Cancelled, stop_token: None };
+        self.leave(engine, connector, id, end)
+    }
+
+    /// Ends a sequence with an error (its KV transfer broke).
+    pub fn fail(
+        &mut self,
+        engine: &mut Engine,
+        connector: &mut dyn KvConnector,
+        id: u64,
+        error: Error,
+    ) -> Vec<Output> {
+        self.leave(engine, connector, id, End::Failed(error))
+    }
+
+    /// Whether a step would do anything (after admitting what can be admitted).
+    pub fn has_work(&mut self, engine: &mut Engine, connector: &mut dyn KvConnector) -> bool {
+        self.admit(engine, connector);
+        !self.sched.is_empty() || !self.pending.is_empty()
+    }
+
+    /// Admits what can be admitted and plans the next step (empty: nothing to compute).
+    pub fn plan(&mut self, engine: &mut Engine, connector: &mut dyn KvConnector) -> Vec<Scheduled> {
+        self.admit(engine, connector);
+        self.sched.plan()
+    }
+
+    /// `plan` then `run`.
+    pub fn step(
+        &mut self,
+        engine: &mut Engine,
+        connector: &mut dyn KvConnector,
+    ) -> Result<Vec<Output>, StepFailed> {
+        let plan = self.plan(engine, connector);
+        self.run(&plan, engine, connector, &mut |_, _| {})
+    }
+
+    /// Runs a planned step: computes it (the connector saving each layer as it is written),
+    /// samples every sequence whose logits it produced, applies the finish rules, and returns
+    /// what came out, in plan order. `on_logits` sees each row sampled from. A failed step
+    /// changes no KV; every sequence in it fails.
+    pub fn run(
+        &mut self,
+        plan: &[Scheduled],
+        engine: &mut Engine,
+        connector: &mut dyn KvConnector,
+        on_logits: &mut dyn FnMut(u64, &[f32]),
+    ) -> Result<Vec<Output>, StepFailed> {
+        let mut out = std::mem::take(&mut self.pending);
+        if plan.is_empty() {
+            return Ok(out);
+        }
+        let ctx = engine.max_seq_len();
+        let toks: Vec<[u32; 1]> =
+            plan.iter().map(|s| [self.slots[&s.id].next.unwrap_or(0)]).collect();
+        let mut saved = Vec::new();
+        for s in plan {
+            let slot = self.slots.get_mut(&s.id).expect("planned sequences are running");
+            slot.steps += 1;
+            slot.largest_batch = slot.largest_batch.max(plan.len());
+            if let Work::Prefill { offset, len, last } = s.work {
+                saved.push(Saved {
+                    id: s.id,
+                    seq: slot.seq.expect("admitted sequences have one"),
+                    computed: offset + len,
+                    prompt_len: slot.prompt_len,
+                    last,
+                });
+            }
+        }
+        let items: Vec<StepItem<'_>> = plan
+            .iter()
+            .zip(&toks)
+            .map(|(s, tok)| {
+                let slot = &self.slots[&s.id];
+                let seq = slot.seq.expect("admitted sequences have one");
+                match s.work {
+                    Work::Prefill { offset, len, last } => StepItem::prefill(
+                        seq,
+                        &slot.history[offset..offset + len],
+                        if last { Logits::Last } else { Logits::None },
+                    ),
+                    Work::Decode => StepItem::decode(seq, tok),
+                }
+            })
+            .collect();
+        let stepped =
+            engine.step_observed(&items, &mut |l, kv| connector.save_layer(l, kv, &saved));
+        drop(items);
+        let logits = match stepped {
+            Ok(l) => l,
+            Err(e) => {
+                let error = e;
+                for s in plan {
+                    out.extend(self.leave(engine, connector, s.id, End::Failed(error.clone())));
+                }
+                return Err(StepFailed { error, outputs: out });
+            }
+        };
+        let mut ends = Vec::new();
+        for (k, s) in plan.iter().enumerate() {
+            let Some(row) = logits.last_of(k) else { continue };
+            let slot = self.slots.get_mut(&s.id).expect("planned sequences are running");
+            on_logits(s.id, row);
+            let tok = slot.sampler.sample(row, &slot.history);
+            match slot.role {
+                Role::Prefill => ends.push((
+                    s.id,
+                    End::Prefilled { first_token: tok, rng_position: slot.sampler.rng_position() },
+                )),
+                Role::Generate => {
+                    if let Some(end) = accept(&self.model, ctx, slot, tok, s.id, &mut out) {
+                        ends.push((s.id, end));
+                    }
+                }
+            }
+        }
+        connector.save(engine.kv(), &saved);
+        for (id, end) in ends {
+            out.extend(self.leave(engine, connector, id, end));
+        }
+        Ok(out)
+    }
+
+    /// Moves waiting sequences into the scheduler, in arrival order: a sequence whose KV is
+    /// still arriving is passed over, one the pool cannot hold yet holds back those behind it.
+    fn admit(&mut self, engine: &mut Engine, connector: &mut dyn KvConnector) {
+        let total = engine.kv().total_blocks();
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let id = self.waiting[i];
+            let slot = &self.slots[&id];
+            let Some(available) = connector.available(id, &slot.history[..slot.prompt_len]) else {
+                i += 1;
+                continue;
+            };
+            if self.promise_blocks && self.promised + slot.promised > total {
+                break;
+            }
+            self.waiting.remove(i);
+            if let Err(e) = self.start(engine, connector, id, available) {
+                let failed = self.leave(engine, connector, id, End::Failed(e));
+                self.pending.extend(failed);
+            }
+        }
+    }
+
+    /// Gives an admitted sequence its engine sequence and KV, and schedules the rest.
+    fn start(
+        &mut self,
+        engine: &mut Engine,
+        connector: &mut dyn KvConnector,
+        id: u64,
+        available: usize,
+    ) -> Result<()> {
+        let slot = self.slots.get_mut(&id).expect("waiting sequences exist");
+        let seq = *slot.seq.get_or_insert_with(|| engine.create_sequence());
+        slot.admitted = true;
+        if self.promise_blocks {
+            self.promised += slot.promised;
+        }
+        connector.load(id, seq, engine)?;
+        let have = engine.seq_len(seq)?;
+        let slot = &self.slots[&id];
+        if have != available {
+            return Err(Error::invalid(format!(
+                "the connector loaded {have} tokens of KV for sequence {id}, not {available}"
+            )));
+        }
+        let scheduled = match (have == slot.prompt_len, slot.next) {
+            (true, Some(_)) => self.sched.add_prefilled(id, slot.prompt_len),
+            (false, None) if have < slot.prompt_len => {
+                self.sched.add_from(id, slot.prompt_len, have)
+            }
+            (true, None) => {
+                return Err(Error::invalid(format!(
+                    "sequence {id} has its whole prompt's KV but no first token to decode from"
+                )));
+            }
+            _ => {
+                return Err(Error::invalid(format!(
+                    "sequence {id} has {have} of {} prompt tokens' KV and a first token; it needs all of them",
+                    slot.prompt_len
+                )));
+            }
+        };
+        scheduled.map_err(|e| Error::invalid(e.to_string()))
+    }
+
+    /// Takes a sequence out of the runner: its remaining text, then its end.
+    fn leave(
+        &mut self,
+        engine: &mut Engine,
+        connector: &mut dyn KvConnector,
+        id: u64,
+        end: End,
+    ) -> Vec<Output> {
+        let Some(mut slot) = self.slots.remove(&id) else { return Vec::new() };
+        self.sched.remove(id);
+        self.waiting.retain(|&w| w != id);
+        if slot.admitted && self.promise_blocks {
+            self.promised -= slot.promised;
+        }
+        let mut out = Vec::new();
+        if let (End::Finished { .. }, Some(text)) = (&end, &mut slot.text) {
+            let tail = text.finish();
+            if !tail.is_empty() {
+                out.push(Output { id, event: Event::Delta(tail) });
+            }
+        }
+        let kept = slot.seq.and_then(|seq| match connector.finished(id, seq, engine.kv()) {
+            Release::Free => {
+                engine.free_sequence(seq).expect("the runner's sequences exist");
+                None
+            }
+            Release::Keep => Some(seq),
+        });
+        let event = Event::Done {
+            end,
+            generated: slot.generated,
+            steps: slot.steps,
+            largest_batch: slot.largest_batch,
+            kept,
+        };
+        out.push(Output { id, event });
+        out
+    }
+}
+
+/// Takes a sampled token into a generating sequence: emits its output and says whether a
+/// finish rule ends the sequence. The one set of finish rules, for every role that generates.
+fn accept(
+    model: &Model,
+    ctx: usize,
+    s: &mut Slot,
+    tok: u32,
+    id: u64,
+    out: &mut Vec<Output>,
+) -> Option<End> {
+    let stop = |reason| Some(End::Finished { reason, stop_token: Some(tok) });
+    if !s.params.ignore_eos && model.tokenizer.is_eog(tok) {
+        return stop(FinishReason::Eos);
+    }
+    if s.params.stop_tokens.contains(&tok) {
+        return stop(FinishReason::Stop);
+    }
+    s.generated += 1;
+    s.history.push(tok);
+    let piece = match &mut s.text {
+        Some(text) => match text.push(&model.tokenizer, tok) {
+            Pushed::Stopped(piece) => {
+                if !piece.is_empty() {
+                    out.push(Output { id, event: Event::Delta(piece) });
+                }
+                return Some(End::Finished { reason: FinishReason::Stop, stop_token: None });
+            }
+            Pushed::Text(piece) => piece,
+        },
+        None => Piece { text: String::new(), tokens: vec![tok] },
+    };
+    if !piece.is_empty() {
+        out.push(Output { id, event: Event::Delta(piece) });
+    }
+    let finished = |reason| Some(End::Finished { reason, stop_token: None });
+    if s.generated >= s.params.max_tokens {
+        return finished(FinishReason::Length);
+    }
+    if s.prompt_len + s.generated >= ctx {
+        return finished(FinishReason::ContextFull);
+    }
+    s.next = Some(tok);
+    None
+}
+
+#[cfg(test)]
+#[path = "runner_tests.rs"]
+mod tests;

@@ -1,0 +1,418 @@
+//! The batch runner's finish rules, as one table run in all three roles on the tiny model:
+//! local generation, decode (KV pushed from a prefill run, first token sampled there) and
+//! prefill (which stops at the first token whatever the rules say). Decode must end exactly
+//! as generation does — same tokens, same reason — because it is the same runner.
+
+use std::collections::HashMap;
+
+use super::*;
+use crate::connector::NoConnector;
+use crate::engine::EngineConfig;
+use crate::kv_cache::KvCache;
+use crate::testing::TinyModel;
+
+fn engine(model: &std::sync::Arc<Model>) -> Engine {
+    // Small blocks and budget: the prompt spans blocks and is chunked over several steps.
+    let cfg = EngineConfig {
+        threads: 1,
+        block_size: 4,
+        kv_blocks: 64,
+        max_batch_tokens: 8,
+        ..Default::default()
+    };
+    Engine::new(std::sync::Arc::clone(model), cfg).expect("engine")
+}
+
+const PROMPT: &str = "<|im_start|>user\nthe one and the two and the one<|im_end|>\n";
+
+/// What a run ended with.
+#[derive(Debug, Clone, PartialEq)]
+enum Ended {
+    Finished { tokens: Vec<u32>, reason: FinishReason, stop_token: Option<u32> },
+    Prefilled { first_token: u32 },
+}
+
+/// A prefill run's export: the prompt's KV blocks, read as the sequence left.
+#[derive(Default)]
+struct Export {
+    blocks: HashMap<u64, Vec<Vec<u8>>>,
+}
+
+impl KvConnector for Export {
+    fn finished(&mut self, id: u64, seq: SeqId, kv: &KvCache) -> Release {
+        let n = kv.blocks(seq).expect("live").len();
+        let blocks = (0..n)
+            .map(|i| {
+                let mut b = Vec::new();
+                kv.read_block(seq, i, &mut b).expect("live");
+                b
+            })
+            .collect();
+        self.blocks.insert(id, blocks);
+        Release::Free
+    }
+}
+
+/// Decode's side in miniature: a prompt's KV that arrived from elsewhere, whole.
+struct Pushed {
+    prompt_len: usize,
+    blocks: Vec<Vec<u8>>,
+}
+
+impl KvConnector for Pushed {
+    fn available(&mut self, _: u64, prompt: &[u32]) -> Option<usize> {
+        assert_eq!(prompt.len(), self.prompt_len);
+        Some(self.prompt_len)
+    }
+
+    fn load(&mut self, _: u64, seq: SeqId, engine: &mut Engine) -> Result<()> {
+        engine.extend_sequence(seq, self.prompt_len)?;
+        for (i, b) in self.blocks.iter().enumerate() {
+            engine.write_block(seq, i, b)?;
+        }
+        Ok(())
+    }
+}
+
+fn spec(prompt: &[u32], params: &GenerateParams, role: Role) -> SeqSpec {
+    SeqSpec {
+        prompt: prompt.to_vec(),
+        params: params.clone(),
+        rng_position: 0,
+        role,
+        text: role == Role::Generate,
+        first_token: None,
+        seq: None,
+    }
+}
+
+/// Steps `runner` until sequence 1 is done, cancelling it once `cancel_after` tokens came out.
+fn drive(
+    runner: &mut BatchRunner,
+    engine: &mut Engine,
+    connector: &mut dyn KvConnector,
+    mut outputs: Vec<Output>,
+    cancel_after: Option<usize>,
+) -> Ended {
+    let mut tokens = Vec::new();
+    for _ in 0..1000 {
+        for o in outputs.drain(..) {
+            assert_eq!(o.id, 1);
+            match o.event {
+                Event::Delta(p) => tokens.extend(p.tokens),
+                Event::Done { end, generated, kept, .. } => {
+                    assert!(kept.is_none());
+                    assert!(runner.is_empty());
+                    assert_eq!(engine.kv().free_blocks(), engine.kv().total_blocks(), "leak");
+                    return match end {
+                        End::Finished { reason, stop_token } => {
+                            assert_eq!(generated, tokens.len());
+                            Ended::Finished { tokens, reason, stop_token }
+                        }
+                        End::Prefilled { first_token, .. } => Ended::Prefilled { first_token },
+                        End::Failed(e) => panic!("failed: {e}"),
+                    };
+                }
+            }
+        }
+        if cancel_after.is_some_and(|n| tokens.len() >= n) {
+            outputs = runner.cancel(engine, connector, 1);
+            continue;
+        }
+        outputs = runner.step(engine, connector).expect("step");
+    }
+    panic!("the sequence never ended");
+}
+
+fn generate_run(model: &std::sync::Arc<Model>, prompt: &[u32], c: &Case) -> Ended {
+    let mut e = engine(model);
+    let mut runner = BatchRunner::new(&e, 4, true);
+    let out = runner
+        .add(&mut e, &mut NoConnector, 1, spec(prompt, &c.params, Role::Generate))
+        .expect("add");
+    drive(&mut runner, &mut e, &mut NoConnector, out, c.cancel_after)
+}
+
+/// Prefill on one engine, then decode from its first token and KV on another.
+fn prefill_run(model: &std::sync::Arc<Model>, prompt: &[u32], c: &Case) -> (Ended, Vec<Vec<u8>>) {
+    let mut e = engine(model);
+    let mut runner = BatchRunner::new(&e, 4, true);
+    let mut export = Export::default();
+    let out =
+        runner.add(&mut e, &mut export, 1, spec(prompt, &c.params, Role::Prefill)).expect("add");
+    let ended = drive(&mut runner, &mut e, &mut export, out, c.cancel_after);
+    (ended, export.blocks.remove(&1).expect("exported"))
+}
+
+fn decode_run(model: &std::sync::Arc<Model>, prompt: &[u32], c: &Case) -> Ended {
+    let (Ended::Prefilled { first_token }, blocks) = prefill_run(model, prompt, c) else {
+        panic!("prefill did not prefill");
+    };
+    let mut e = engine(model);
+    let mut runner = BatchRunner::new(&e, 4, false);
+    let mut pushed = Pushed { prompt_len: prompt.len(), blocks };
+    let s = SeqSpec {
+        first_token: Some(first_token),
+        text: true,
+        ..spec(prompt, &c.params, Role::Generate)
+    };
+    let out = runner.add(&mut e, &mut pushed, 1, s).expect("add");
+    drive(&mut runner, &mut e, &mut pushed, out, c.cancel_after)
+}
+
+struct Case {
+    name: &'static str,
+    model: std::sync::Arc<Model>,
+    params: GenerateParams,
+    cancel_after: Option<usize>,
+    /// What generation and decode end with.
+    want: Ended,
+}
+
+fn params(max_tokens: usize) -> GenerateParams {
+    GenerateParams { max_tokens, ignore_eos: true, ..Default::default() }
+}
+
+fn finished(tokens: &[u32], reason: FinishReason, stop_token: Option<u32>) -> Ended {
+    Ended::Finished { tokens: tokens.to_vec(), reason, stop_token }
+}
+
+#[test]
+fn one_set_of_finish_rules_for_every_role() {
+    let base = TinyModel::default();
+    let model = base.build();
+    let prompt = model.tokenizer.encode(PROMPT).expect("tokenizes");
+    assert!(prompt.len() > 8, "the prompt spans several blocks and steps");
+    // The reference: what the model generates, greedily, with no rule but a length.
+    let Ended::Finished { tokens: t, .. } = generate_run(
+        &model,
+        &prompt,
+        &Case {
+            name: "reference",
+            model: model.clone(),
+            params: params(8),
+            cancel_after: None,
+            want: finished(&[], FinishReason::Length, None),
+        },
+    ) else {
+        panic!("no reference");
+    };
+    assert_eq!(t.len(), 8);
+    // A later token that differs from every one before it, to be made EOS or a stop token.
+    let k = (1..8).find(|&k| !t[..k].contains(&t[k])).expect("the model repeats itself");
+    // A token whose text is one plain character, to be a stop string.
+    let text = |id: u32| model.tokenizer.decode(&[id]);
+    let s = (1..8)
+        .find(|&s| {
+            let x = text(t[s]);
+            x.len() == 1 && x.is_ascii() && !model.tokenizer.decode(&t[..s]).contains(&x)
+        })
+        .expect("a token that is one plain character");
+    let with_eos = |eos| TinyModel { eos: Some(eos), ..base }.build();
+    let short = TinyModel { context: prompt.len() + 3, ..base }.build();
+
+    let cases = vec![
+        Case {
+            name: "length",
+            model: model.clone(),
+            params: params(5),
+            cancel_after: None,
+            want: finished(&t[..5], FinishReason::Length, None),
+        },
+        Case {
+            name: "eos ends it and is not output",
+            model: with_eos(t[k]),
+            params: GenerateParams { ignore_eos: false, ..params(8) },
+            cancel_after: None,
+            want: finished(&t[..k], FinishReason::Eos, Some(t[k])),
+        },
+        Case {
+            name: "eos as the very first token",
+            model: with_eos(t[0]),
+            params: GenerateParams { ignore_eos: false, ..params(8) },
+            cancel_after: None,
+            want: finished(&[], FinishReason::Eos, Some(t[0])),
+        },
+        Case {
+            name: "ignore_eos generates through it",
+            model: with_eos(t[k]),
+            params: params(8),
+            cancel_after: None,
+            want: finished(&t, FinishReason::Length, None),
+        },
+        Case {
+            name: "stop token",
+            model: model.clone(),
+            params: GenerateParams { stop_tokens: vec![t[k]], ..params(8) },
+            cancel_after: None,
+            want: finished(&t[..k], FinishReason::Stop, Some(t[k])),
+        },
+        Case {
+            name: "stop string (its token is output, its text never)",
+            model: model.clone(),
+            params: GenerateParams { stop_strings: vec![text(t[s])], ..params(8) },
+            cancel_after: None,
+            want: finished(&t[..=s], FinishReason::Stop, None),
+        },
+        Case {
+            name: "context full",
+            model: short,
+            params: params(8),
+            cancel_after: None,
+            want: finished(&t[..3], FinishReason::ContextFull, None),
+        },
+        Case {
+            name: "cancelled",
+            model: model.clone(),
+            params: params(8),
+            cancel_after: Some(2),
+            want: finished(&t[..2], FinishReason::Cancelled, None),
+        },
+        Case {
+            name: "max_tokens 1",
+            model: model.clone(),
+            params: params(1),
+            cancel_after: None,
+            want: finished(&t[..1], FinishReason::Length, None),
+        },
+    ];
+    for c in &cases {
+        assert_eq!(generate_run(&c.model, &prompt, c), c.want, "generate: {}", c.name);
+        assert_eq!(decode_run(&c.model, &prompt, c), c.want, "decode: {}", c.name);
+        let (prefilled, _) = prefill_run(&c.model, &prompt, c);
+        assert_eq!(prefilled, Ended::Prefilled { first_token: t[0] }, "prefill: {}", c.name);
+    }
+}
+
+#[test]
+fn stop_string_text_never_leaks_and_the_tail_is_flushed() {
+    let model = TinyModel::default().build();
+    let prompt = model.tokenizer.encode(PROMPT).expect("tokenizes");
+    let mut e = engine(&model);
+    let mut runner = BatchRunner::new(&e, 4, true);
+    let run = |runner: &mut BatchRunner, e: &mut Engine, p: GenerateParams| {
+        let out =
+            runner.add(e, &mut NoConnector, 1, spec(&prompt, &p, Role::Generate)).expect("add");
+        let mut text = String::new();
+        let mut outs = out;
+        loop {
+            for o in outs.drain(..) {
+                match o.event {
+                    Event::Delta(p) => text.push_str(&p.text),
+                    Event::Done { end, .. } => return (text, end),
+                }
+            }
+            outs = runner.step(e, &mut NoConnector).expect("step");
+        }
+    };
+    let (all, _) = run(&mut runner, &mut e, params(8));
+    assert_eq!(all, model.tokenizer.decode(&generate_tokens(&model, &prompt, 8)));
+    // Any two characters of the output as a stop string: everything before it, nothing of it.
+    let chars: Vec<char> = all.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let (text, end) =
+        run(&mut runner, &mut e, GenerateParams { stop_strings: vec![stop.clone()], ..params(8) });
+    assert_eq!(text, all[..all.find(&stop).expect("in the output")]);
+    assert!(matches!(end, End::Finished { reason: FinishReason::Stop, .. }), "{end:?}");
+}
+
+fn generate_tokens(model: &std::sync::Arc<Model>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut e = engine(model);
+    crate::generate(&mut e, prompt, &params(n), |_| true).expect("generates").tokens
+}
+
+#[test]
+fn waiting_sequences_do_not_hold_back_others_and_the_pool_bounds_admission() {
+    let model = TinyModel::default().build();
+    let prompt = model.tokenizer.encode(PROMPT).expect("tokenizes");
+    let mut e = engine(&model);
+    /// KV for sequence 1 never arrives.
+    struct Never;
+    impl KvConnector for Never {
+        fn available(&mut self, id: u64, _: &[u32]) -> Option<usize> {
+            (id != 1).then_some(0)
+        }
+    }
+    let mut runner = BatchRunner::new(&e, 4, true);
+    // 64 blocks of 4 tokens: each sequence promises (prompt + 100) / 4 blocks.
+    let p = params(100);
+    let per = (prompt.len() + 100).div_ceil(4);
+    assert!(2 * per <= 64 && 3 * per > 64);
+    for id in 1..=4 {
+        runner.add(&mut e, &mut Never, id, spec(&prompt, &p, Role::Generate)).expect("add");
+    }
+    let plan = runner.plan(&mut e, &mut Never);
+    // 1 waits for its KV without holding back 2 and 3; 4 waits for room in the pool.
+    let status: Vec<_> = (1..=4).map(|id| runner.status(id)).collect();
+    use SeqStatus::{Prefilling, Waiting};
+    assert_eq!(status, [Some(Waiting), Some(Prefilling), Some(Prefilling), Some(Waiting)]);
+    assert_eq!(runner.promised_blocks(), 2 * per);
+    runner.run(&plan, &mut e, &mut Never, &mut |_, _| {}).expect("step");
+    runner.cancel(&mut e, &mut Never, 2);
+    runner.plan(&mut e, &mut Never);
+    assert_eq!(runner.status(4), Some(Prefilling), "room made, 4 admitted");
+    for id in 1..=4 {
+        runner.cancel(&mut e, &mut Never, id);
+    }
+    assert!(runner.is_empty());
+    assert_eq!(e.kv().free_blocks(), 64);
+    assert_eq!(runner.promised_blocks(), 0);
+}
+
+#[test]
+fn bad_sequences_are_refused_before_any_step() {
+    let model = TinyModel::default().build();
+    let mut e = engine(&model);
+    let mut runner = BatchRunner::new(&e, 4, true);
+    let ok = spec(&[1, 2, 3], &params(4), Role::Generate);
+    let mut add = |s: SeqSpec| runner.add(&mut e, &mut NoConnector, 9, s).map(|_| ()).unwrap_err();
+    let vocab = model.config.vocab as u32;
+    for (s, want) in [
+        (SeqSpec { prompt: vec![], ..ok.clone() }, "empty"),
+        (SeqSpec { prompt: vec![vocab], ..ok.clone() }, "outside the vocabulary"),
+        (SeqSpec { first_token: Some(vocab + 1), ..ok.clone() }, "outside the vocabulary"),
+        (SeqSpec { params: params(0), ..ok.clone() }, "max_tokens"),
+        (SeqSpec { prompt: vec![1; 256], ..ok.clone() }, "context"),
+        (
+            SeqSpec {
+                params: GenerateParams { stop_strings: vec!["x".into()], ..params(4) },
+                text: false,
+                ..ok.clone()
+            },
+            "text",
+        ),
+        (SeqSpec { role: Role::Prefill, first_token: Some(1), ..ok.clone() }, "first token"),
+    ] {
+        let e = add(s).to_string();
+        assert!(e.contains(want), "{e} lacks {want:?}");
+    }
+}
+
+#[test]
+fn a_failed_load_fails_only_its_sequence() {
+    let model = TinyModel::default().build();
+    let mut e = engine(&model);
+    struct Broken;
+    impl KvConnector for Broken {
+        fn available(&mut self, id: u64, _: &[u32]) -> Option<usize> {
+            Some(if id == 1 { 4 } else { 0 })
+        }
+        fn load(&mut self, id: u64, _: SeqId, _: &mut Engine) -> Result<()> {
+            if id == 1 { Err(Error::invalid("the cache went away")) } else { Ok(()) }
+        }
+    }
+    let mut runner = BatchRunner::new(&e, 4, true);
+    for id in [1, 2] {
+        runner
+            .add(&mut e, &mut Broken, id, spec(&[5, 6, 7, 8, 9], &params(2), Role::Generate))
+            .expect("add");
+    }
+    let out = runner.step(&mut e, &mut Broken).expect("step");
+    let failed: Vec<u64> = out
+        .iter()
+        .filter(|o| matches!(&o.event, Event::Done { end: End::Failed(_), .. }))
+        .map(|o| o.id)
+        .collect();
+    assert_eq!(failed, vec![1]);
+    assert!(runner.contains(2) && !runner.contains(1));
+}

@@ -1,0 +1,266 @@
+//! A tiny llama model with seeded random weights, built in memory with the GGUF writer: the
+//! fast tier of tests (cores, batch runner, relay, prefill) runs on it in milliseconds, with
+//! the same loader, tokenizer, chat template and forward pass as the real model. Its outputs
+//! mean nothing; they are deterministic for a seed, which is all a test of the machinery
+//! needs. Enabled for tests and by the `testing` feature.
+
+use std::sync::Arc;
+
+use half::f16;
+use pdmesh_kernels::WeightType;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::gguf::writer::GgufBuilder;
+use crate::gguf::{GgufFile, Value};
+use crate::model::Model;
+
+/// Hidden size of the tiny model (4 heads of 16, 2 KV heads).
+pub const HIDDEN: usize = 64;
+const HEADS: u32 = 4;
+const KV_HEADS: u32 = 2;
+const FFN: usize = 128;
+const LAYERS: u32 = 2;
+
+/// Words the vocabulary merges into single tokens, so prompts tokenize to fewer ids than bytes.
+const WORDS: [&str; 8] = ["the", "ing", "and", "one", "two", "Ġthe", "Ġand", "Ġone"];
+/// Special tokens, after the byte tokens and the merged words.
+pub const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + \
+    message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}\
+    {{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// How to build a tiny model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TinyModel {
+    /// Seeds every weight.
+    pub seed: u64,
+    /// The end-of-generation token (default `<|im_end|>`); any id, so that a test can make a
+    /// token the model is known to produce end generation.
+    pub eos: Option<u32>,
+    /// The context length.
+    pub context: usize,
+}
+
+impl Default for TinyModel {
+    fn default() -> Self {
+        Self { seed: 7, eos: None, context: 256 }
+    }
+}
+
+/// GPT-2's byte-level alphabet: each byte as the printable character that spells it.
+fn byte_chars() -> Vec<char> {
+    let printable = |b: u32| {
+        (u32::from('!')..=u32::from('~')).contains(&b)
+            || (0xA1..=0xAC).contains(&b)
+            || (0xAE..=0xFF).contains(&b)
+    };
+    let mut next = 256u32;
+    (0..256u32)
+        .map(|b| {
+            let c = if printable(b) {
+                b
+            } else {
+                next += 1;
+                next - 1
+            };
+            char::from_u32(c).expect("a valid code point")
+        })
+        .collect()
+}
+
+fn q8_0(rng: &mut ChaCha8Rng, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows * cols / 32 * 34);
+    for _ in 0..rows * cols / 32 {
+        let d = f16::from_f32(rng.random_range(0.5..1.0) * scale);
+        out.extend_from_slice(&d.to_bits().to_le_bytes());
+        out.extend((0..32).map(|_| rng.random_range(-127i32..=127) as i8 as u8));
+    }
+    out
+}
+
+fn q4_1(rng: &mut ChaCha8Rng, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(rows * cols / 32 * 20);
+    for _ in 0..rows * cols / 32 {
+        let d = f16::from_f32(rng.random_range(0.5..1.0) * scale);
+        let m = f16::from_f32(-7.5 * d.to_f32());
+        out.extend_from_slice(&d.to_bits().to_le_bytes());
+        out.extend_from_slice(&m.to_bits().to_le_bytes());
+        out.extend((0..16).map(|_| rng.random::<u8>()));
+    }
+    out
+}
+
+fn norm(rng: &mut ChaCha8Rng) -> Vec<u8> {
+    (0..HIDDEN).flat_map(|_| rng.random_range(0.8f32..1.2).to_le_bytes()).collect()
+}
+
+impl TinyModel {
+    /// Every prefix (of two characters or more) of every merged word, each built by one merge
+    /// from the prefix before it: `("th", "t h")`, `("the", "th e")` …
+    fn pieces() -> Vec<(String, String)> {
+        let mut out: Vec<(String, String)> = Vec::new();
+        for w in WORDS {
+            let chars: Vec<char> = w.chars().collect();
+            for n in 2..=chars.len() {
+                let piece: String = chars[..n].iter().collect();
+                let left: String = chars[..n - 1].iter().collect();
+                if !out.iter().any(|(p, _)| *p == piece) {
+                    out.push((piece, format!("{left} {}", chars[n - 1])));
+                }
+            }
+        }
+        out
+    }
+
+    /// The model's vocabulary: 256 byte tokens, the merged pieces, then the special tokens.
+    pub fn vocab() -> Vec<String> {
+        let mut v: Vec<String> = byte_chars().into_iter().map(String::from).collect();
+        v.extend(Self::pieces().into_iter().map(|(p, _)| p));
+        v.extend(SPECIALS.iter().map(|s| s.to_string()));
+        v
+    }
+
+    /// The GGUF image.
+    pub fn gguf(&self) -> Vec<u8> {
+        let s = |x: &str| Value::String(x.into());
+        let vocab = Self::vocab();
+        let n = vocab.len();
+        let id = |t: &str| vocab.iter().position(|v| v == t).expect("in the vocabulary") as u32;
+        let merges: Vec<Value> = Self::pieces().iter().map(|(_, m)| s(m)).collect();
+        let types: Vec<Value> =
+            (0..n).map(|i| Value::I32(if i >= n - 3 { 3 } else { 1 })).collect();
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
+        let kv_dim = HIDDEN / HEADS as usize * KV_HEADS as usize;
+        let hidden = HIDDEN as u64;
+        let mut b = GgufBuilder::default()
+            .kv("general.architecture", s("llama"))
+            .kv("general.name", s("pdmesh-tiny"))
+            .kv("llama.block_count", Value::U32(LAYERS))
+            .kv("llama.context_length", Value::U32(self.context as u32))
+            .kv("llama.embedding_length", Value::U32(HIDDEN as u32))
+            .kv("llama.feed_forward_length", Value::U32(FFN as u32))
+            .kv("llama.attention.head_count", Value::U32(HEADS))
+            .kv("llama.attention.head_count_kv", Value::U32(KV_HEADS))
+            .kv("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
+            .kv("llama.rope.freq_base", Value::F32(10_000.0))
+            .kv("tokenizer.ggml.model", s("gpt2"))
+            .kv("tokenizer.ggml.tokens", Value::Array(vocab.iter().map(|t| s(t)).collect()))
+            .kv("tokenizer.ggml.token_type", Value::Array(types))
+            .kv("tokenizer.ggml.merges", Value::Array(merges))
+            .kv("tokenizer.ggml.bos_token_id", Value::U32(id("<|im_start|>")))
+            .kv("tokenizer.ggml.eos_token_id", Value::U32(self.eos.unwrap_or(id("<|im_end|>"))))
+            .kv("tokenizer.chat_template", s(CHATML))
+            .tensor(
+                "token_embd.weight",
+                &[hidden, n as u64],
+                WeightType::Q8_0,
+                q8_0(&mut rng, n, HIDDEN, 0.02),
+            )
+            .tensor("output_norm.weight", &[hidden], WeightType::F32, norm(&mut rng))
+            // Untied: with tied embeddings a random model just repeats the prompt's last token.
+            .tensor(
+                "output.weight",
+                &[hidden, n as u64],
+                WeightType::Q8_0,
+                q8_0(&mut rng, n, HIDDEN, 0.0025),
+            );
+        for l in 0..LAYERS {
+            let t = |x: &str| format!("blk.{l}.{x}.weight");
+            let (h, k, f) = (hidden, kv_dim as u64, FFN as u64);
+            b = b
+                .tensor(&t("attn_norm"), &[h], WeightType::F32, norm(&mut rng))
+                .tensor(
+                    &t("attn_q"),
+                    &[h, h],
+                    WeightType::Q4_1,
+                    q4_1(&mut rng, HIDDEN, HIDDEN, 0.035),
+                )
+                .tensor(
+                    &t("attn_k"),
+                    &[h, k],
+                    WeightType::Q4_1,
+                    q4_1(&mut rng, kv_dim, HIDDEN, 0.035),
+                )
+                .tensor(
+                    &t("attn_v"),
+                    &[h, k],
+                    WeightType::Q8_0,
+                    q8_0(&mut rng, kv_dim, HIDDEN, 0.0025),
+                )
+                .tensor(
+                    &t("attn_output"),
+                    &[h, h],
+                    WeightType::Q8_0,
+                    q8_0(&mut rng, HIDDEN, HIDDEN, 0.0025),
+                )
+                .tensor(&t("ffn_norm"), &[h], WeightType::F32, norm(&mut rng))
+                .tensor(
+                    &t("ffn_gate"),
+                    &[h, f],
+                    WeightType::Q4_1,
+                    q4_1(&mut rng, FFN, HIDDEN, 0.035),
+                )
+                .tensor(
+                    &t("ffn_up"),
+                    &[h, f],
+                    WeightType::Q8_0,
+                    q8_0(&mut rng, FFN, HIDDEN, 0.0025),
+                )
+                .tensor(
+                    &t("ffn_down"),
+                    &[f, h],
+                    WeightType::Q8_0,
+                    q8_0(&mut rng, HIDDEN, FFN, 0.0025),
+                );
+        }
+        b.build()
+    }
+
+    /// The loaded model.
+    pub fn build(&self) -> Arc<Model> {
+        let g = GgufFile::from_bytes(self.gguf()).expect("the tiny GGUF parses");
+        Arc::new(Model::from_gguf(g, "tiny.gguf".into()).expect("the tiny model loads"))
+    }
+}
+
+/// The default tiny model, built once per process.
+pub fn tiny_model() -> Arc<Model> {
+    static M: std::sync::OnceLock<Arc<Model>> = std::sync::OnceLock::new();
+    Arc::clone(M.get_or_init(|| TinyModel::default().build()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Engine, EngineConfig, GenerateParams, generate};
+
+    #[test]
+    fn the_tiny_model_loads_tokenizes_and_generates_deterministically() {
+        let m = tiny_model();
+        assert_eq!((m.config.layers, m.config.hidden, m.config.head_dim), (2, 64, 16));
+        let ids = m.tokenizer.encode("the one and the two").expect("encodes");
+        assert!(ids.len() < "the one and the two".len(), "merges make words single tokens");
+        assert_eq!(m.tokenizer.decode(&ids), "the one and the two");
+        let chat = m.tokenizer.chat_template().expect("a template");
+        let text =
+            chat.render(&[crate::Message::new("user", "hi".to_string())], true).expect("renders");
+        assert!(text.ends_with("<|im_start|>assistant\n"), "{text:?}");
+        let run = |seed| {
+            let mut e = Engine::new(
+                TinyModel { seed, ..Default::default() }.build(),
+                EngineConfig { threads: 1, kv_blocks: 32, ..Default::default() },
+            )
+            .expect("engine");
+            let p = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
+            generate(&mut e, &ids, &p, |_| true).expect("generates").tokens
+        };
+        let a = run(7);
+        assert_eq!(a.len(), 12);
+        assert_eq!(a, run(7), "one seed, one output");
+        assert_ne!(a, run(8), "another seed, other weights");
+        let distinct: std::collections::HashSet<_> = a.iter().collect();
+        assert!(distinct.len() > 1, "the model is not stuck on one token: {a:?}");
+    }
+}

@@ -1,0 +1,120 @@
+//! What a transport's receiving half delivers into: the decode node's reservations, behind an
+//! async interface (`KvInbox`) the node implements over its engine thread. Each transport's
+//! receiving half (`grpc::receive_push`, `ucx_transport::accept_session`) lives next to its
+//! sending half; what they share — the header check, the span, the end-of-session notice —
+//! is here.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use pdmesh_common::trace;
+use pdmesh_kv_types::KvLayout;
+use pdmesh_proto::v1::KvHeader;
+use tonic::Status;
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::stats::TransferStats;
+
+/// The decode node as the receiving halves see it. Errors are statuses that already name the
+/// node.
+#[async_trait::async_trait]
+pub trait KvInbox: Send + Sync + 'static {
+    fn node_id(&self) -> &str;
+    fn layout(&self) -> &KvLayout;
+    fn stats(&self) -> &TransferStats;
+    /// A transfer into `reservation` from `from` begins; a `remote` sender puts the blocks
+    /// itself.
+    async fn begin(&self, reservation: u64, from: &str, remote: bool) -> Result<(), Status>;
+    /// Whole blocks of a streamed transfer.
+    async fn write(&self, reservation: u64, first_block: usize, data: Bytes) -> Result<(), Status>;
+    /// The sender says the KV is complete.
+    async fn end(&self, reservation: u64, blocks: usize, checksums: Vec<u64>)
+    -> Result<(), Status>;
+    /// The transfer broke; `why` says how.
+    async fn abort(&self, reservation: u64, from: &str, why: String);
+    /// A transfer's stream ended (a remote writer can put no more), however it ended.
+    fn closed(&self, reservation: u64);
+}
+
+/// Reports a transfer's stream closed when dropped, however the handler exits.
+pub(crate) struct ClosedOnDrop {
+    pub inbox: Arc<dyn KvInbox>,
+    pub id: u64,
+}
+
+impl Drop for ClosedOnDrop {
+    fn drop(&mut self) {
+        self.inbox.closed(self.id);
+    }
+}
+
+/// Who sent a header, for statuses.
+pub(crate) fn sender(header: &KvHeader) -> String {
+    if header.prefill_node.is_empty() {
+        "a prefill node".into()
+    } else {
+        header.prefill_node.clone()
+    }
+}
+
+/// Checks a transfer's header (its layout against ours, its reservation id) and begins the
+/// transfer. Returns the reservation and the sender.
+pub(crate) async fn open(
+    inbox: &dyn KvInbox,
+    header: Option<KvHeader>,
+    remote: bool,
+) -> Result<(u64, String), Status> {
+    let header =
+        header.ok_or_else(|| Status::invalid_argument("a KV stream starts with a header"))?;
+    let from = sender(&header);
+    let node = inbox.node_id();
+    crate::check_layout(inbox.layout(), header.layout.as_ref(), &from)
+        .map_err(|s| Status::new(s.code(), format!("node {node}: {}", s.message())))?;
+    let id = parse_reservation(node, &header.reservation_id)?;
+    inbox.begin(id, &from, remote).await?;
+    Ok((id, from))
+}
+
+/// A reservation id from the wire.
+pub fn parse_reservation(node: &str, s: &str) -> Result<u64, Status> {
+    s.parse().map_err(|_| {
+        Status::invalid_argument(format!(
+            "node {node}: reservation_id {s:?} is not a reservation id"
+        ))
+    })
+}
+
+/// The span of one incoming transfer, a child of the sender's transfer span (named in the
+/// header: the control messages carry the trace, whatever carries them).
+pub(crate) fn receive_span(
+    inbox: &dyn KvInbox,
+    header: Option<&KvHeader>,
+    transport: &'static str,
+) -> Span {
+    let span = pdmesh_common::span!(
+        "decode.kv_receive",
+        transport,
+        reservation_id = Empty,
+        prefill_node = Empty,
+        blocks = Empty,
+        layers = inbox.layout().geometry.layers as i64,
+        bytes = Empty,
+        bandwidth_mb_s = Empty,
+    );
+    if let Some(h) = header {
+        trace::continue_from(&span, &h.traceparent);
+        span.record("reservation_id", h.reservation_id.as_str());
+        span.record("prefill_node", h.prefill_node.as_str());
+    }
+    span
+}
+
+/// Records a completed transfer's size and speed on its span.
+pub(crate) fn received(span: &Span, blocks: usize, bytes: u64, secs: f64) {
+    span.record("blocks", blocks as i64);
+    span.record("bytes", bytes as i64);
+    if secs > 0.0 {
+        span.record("bandwidth_mb_s", bytes as f64 / secs / 1e6);
+    }
+}

@@ -1,0 +1,146 @@
+//! The router as a library: a prepared request in, plain Rust events out. The gRPC
+//! `Generation` service is one adapter over it (`service.rs`); an HTTP frontend is another,
+//! never a copy of the request path. Admission (the in-flight bound, unique request ids), the
+//! request's life on the mesh and its cancellation all live behind `Router`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use pdmesh_engine::FinishReason;
+use tokio::sync::{Semaphore, mpsc};
+use tracing::{Instrument, Span};
+
+use crate::error::RequestError;
+use crate::mesh::Mesh;
+use crate::request::Prepared;
+
+/// Events buffered towards a slow client before the request waits for it.
+const CLIENT_BUFFER: usize = 32;
+
+/// What a request produces, in order: `Started`, `Delta`s, then `Finished` (or an error).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Started {
+        request_id: String,
+        prompt_tokens: u32,
+        trace_id: Option<String>,
+    },
+    /// New text (never part of a stop string, never a broken character) and its tokens.
+    Delta {
+        text: String,
+        tokens: Vec<u32>,
+    },
+    Finished(Finished),
+}
+
+/// How a request ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub usage: Usage,
+    pub timings: Timings,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    /// Prompt tokens whose KV came from a cache instead of being computed.
+    pub cached_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+/// Where a request's time went, and which nodes served it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Timings {
+    /// Admission to the start of prefill compute.
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    /// End of prefill compute to the KV being complete on the decode node.
+    pub transfer_ms: f64,
+    /// Admission to the first token leaving the router.
+    pub ttft_ms: f64,
+    pub total_ms: f64,
+    /// "colocated" when the decode node prefilled the prompt itself.
+    pub prefill_node: String,
+    pub decode_node: String,
+    /// How the KV moved: "ucx", "grpc", or "local" when colocated.
+    pub kv_transport: String,
+    pub kv_bytes: u64,
+    /// Attempts it took (2 when a failure before the first token was retried).
+    pub attempts: u32,
+}
+
+/// A request's events; dropping it cancels the request on every node.
+pub type Events = mpsc::Receiver<Result<Event, RequestError>>;
+
+/// The router's library API.
+#[derive(Debug, Clone)]
+pub struct Router {
+    pub(crate) mesh: Arc<Mesh>,
+    admission: Arc<Semaphore>,
+}
+
+impl Router {
+    pub fn new(mesh: Arc<Mesh>) -> Self {
+        let admission = Arc::new(Semaphore::new(mesh.config.max_in_flight));
+        Self { mesh, admission }
+    }
+
+    pub fn mesh(&self) -> &Arc<Mesh> {
+        &self.mesh
+    }
+
+    /// Requests admitted and not yet ended.
+    pub fn in_flight(&self) -> usize {
+        self.mesh.config.max_in_flight.saturating_sub(self.admission.available_permits())
+    }
+
+    pub(crate) fn admission(&self) -> &Arc<Semaphore> {
+        &self.admission
+    }
+
+    /// Admits a prepared request and starts it on the mesh, running until `deadline`; its
+    /// events come back on the returned receiver, under `span` (the request's root span).
+    /// Refused at once (never queued without bound) when the router is full or the id runs.
+    pub fn generate(
+        &self,
+        request_id: Option<String>,
+        prep: Prepared,
+        deadline: Instant,
+        span: Span,
+    ) -> Result<(String, Events), RequestError> {
+        let cfg = &self.mesh.config;
+        let id = match request_id {
+            Some(id) => {
+                pdmesh_common::ids::check_request_id(&id)
+                    .map_err(|e| RequestError::Invalid(format!("request_id: {e}")))?;
+                id
+            }
+            None => pdmesh_common::ids::new_request_id(),
+        };
+        let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
+            RequestError::Overloaded {
+                message: format!("router at its limit of {} requests in flight", cfg.max_in_flight),
+                retry_after: Duration::from_millis(cfg.retry_after_ms),
+            }
+        })?;
+        let cancel = self.mesh.start(&id).ok_or_else(|| RequestError::Duplicate(id.clone()))?;
+        let (tx, rx) = mpsc::channel(CLIENT_BUFFER);
+        let mesh = Arc::clone(&self.mesh);
+        let run_id = id.clone();
+        let run = async move {
+            crate::relay::run(&mesh, run_id.clone(), prep, deadline, tx, cancel).await;
+            mesh.finish(&run_id);
+            drop(permit);
+        };
+        // The request outlives the call that started it; it runs in the request's span.
+        tokio::spawn(run.instrument(span));
+        Ok((id, rx))
+    }
+
+    /// Cancels a running request: it ends with `Finished(Cancelled)` and frees its KV on
+    /// every node. False when no request has this id.
+    pub fn cancel(&self, request_id: &str) -> bool {
+        self.mesh.cancel(request_id)
+    }
+}

@@ -1,0 +1,433 @@
+//! One attempt at a request on the nodes placement chose: reserve its KV on the decode node,
+//! have the prefill node compute it (or the decode node, colocated) and push its KV, then
+//! relay the decode node's stream. Each step returns a typed `Failure`; whether to try again
+//! elsewhere is decided once, by the caller, from it. Every wait is bounded by the request's
+//! deadline, its cancellation, its client, and the nodes it runs on: one that leaves the mesh
+//! fails the attempt at once, through its cancellation token.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use pdmesh_common::convert::ms;
+use pdmesh_common::status::from_peer;
+use pdmesh_common::trace;
+use pdmesh_proto::v1::decode_client::DecodeClient;
+use pdmesh_proto::v1::prefill_client::PrefillClient;
+use pdmesh_proto::v1::{
+    DecodeRequest, KvTarget, PrefillRequest, ReleaseRequest, ReserveRequest, decode_event,
+    decode_request, prefill_event,
+};
+use pdmesh_wire::sampler_state;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::{Code, Status};
+use tracing::Instrument;
+
+use crate::api::{Event, Timings};
+use crate::error::RequestError;
+use crate::mesh::Mesh;
+use crate::placement::PlaceError;
+use crate::registry::Node;
+use crate::request::Prepared;
+
+/// Where a request stands, for deadline messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    Queued,
+    Prefilling,
+    Transferring,
+    Decoding,
+}
+
+impl Phase {
+    fn name(self) -> &'static str {
+        match self {
+            Phase::Queued => "queued",
+            Phase::Prefilling => "prefilling",
+            Phase::Transferring => "transferring",
+            Phase::Decoding => "decoding",
+        }
+    }
+}
+
+/// Why an attempt ended without finishing the request.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// Placement found no node that can take it.
+    Place(PlaceError),
+    /// A node answered with a status of its own (kept, naming the node).
+    Refused { node: String, status: Status },
+    /// A node could not be reached, broke or stalled its stream, or left the mesh.
+    Lost { node: String, why: String },
+    /// The deadline passed in `phase`, on `node`.
+    Deadline { phase: Phase, node: Option<String> },
+    /// `Cancel` was called for it.
+    Cancelled,
+    /// Its client went away.
+    Abandoned,
+}
+
+impl Failure {
+    /// A status from `node`: lost when the node is unreachable (the call broke in the
+    /// transport, or the node said UNAVAILABLE), refused otherwise.
+    fn from_node(node: &str, status: &Status) -> Self {
+        let s = from_peer(node, status);
+        if s.code() == Code::Unavailable {
+            Failure::Lost { node: node.to_string(), why: s.message().to_string() }
+        } else {
+            Failure::Refused { node: node.to_string(), status: s }
+        }
+    }
+
+    fn lost(node: &str, why: impl Into<String>) -> Self {
+        Failure::Lost { node: node.to_string(), why: why.into() }
+    }
+
+    /// The node that failed, if one did.
+    pub fn node(&self) -> Option<&str> {
+        match self {
+            Failure::Refused { node, .. } | Failure::Lost { node, .. } => Some(node),
+            _ => None,
+        }
+    }
+
+    /// Whether trying again on other nodes makes sense: only before the client saw a token,
+    /// and only for a node that is gone or full.
+    pub fn retryable(&self, first_sent: bool) -> bool {
+        !first_sent
+            && match self {
+                Failure::Lost { .. } => true,
+                Failure::Refused { status, .. } => status.code() == Code::ResourceExhausted,
+                _ => false,
+            }
+    }
+
+    /// What the client is told.
+    pub fn into_error(self, retry_after: Duration) -> RequestError {
+        match self {
+            Failure::Place(e @ PlaceError::NoDecodeNode) => {
+                RequestError::Unavailable(e.to_string())
+            }
+            Failure::Place(e @ PlaceError::NoCapacity { .. }) => {
+                RequestError::Overloaded { message: e.to_string(), retry_after }
+            }
+            Failure::Refused { status, .. } => RequestError::Node(status),
+            Failure::Lost { node, why } => {
+                RequestError::Unavailable(pdmesh_common::status::naming(&node, &why))
+            }
+            Failure::Deadline { phase, node } => {
+                let at = node.map(|n| format!(" on node {n}")).unwrap_or_default();
+                RequestError::Deadline(format!("deadline passed while {}{at}", phase.name()))
+            }
+            Failure::Cancelled => RequestError::Unavailable("cancelled".into()),
+            Failure::Abandoned => RequestError::Unavailable("the client went away".into()),
+        }
+    }
+}
+
+/// What every attempt of one request shares.
+pub(crate) struct Request<'a> {
+    pub mesh: &'a Mesh,
+    pub id: &'a str,
+    pub prep: &'a Prepared,
+    pub deadline: Instant,
+    pub t0: Instant,
+    pub out: &'a mpsc::Sender<Result<Event, RequestError>>,
+    pub cancel: &'a CancellationToken,
+}
+
+/// What the request has learned so far (it carries over a retry only as `attempts`).
+#[derive(Debug, Default)]
+pub(crate) struct Report {
+    pub timings: Timings,
+    /// Prompt tokens the prefill node took from the prefix cache.
+    pub cached_tokens: u32,
+    pub first_sent: bool,
+}
+
+/// How decoding ended: the decode node's finish.
+#[derive(Debug)]
+pub(crate) struct Decoded {
+    pub reason: i32,
+    pub completion_tokens: u32,
+}
+
+/// Releases a reservation on drop unless a decode stream took it over.
+struct Reservation {
+    client: DecodeClient<trace::Channel>,
+    target: KvTarget,
+    armed: bool,
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if self.armed {
+            let mut c = self.client.clone();
+            let id = self.target.reservation_id.clone();
+            let release = async move {
+                let mut r = tonic::Request::new(ReleaseRequest { reservation_id: id });
+                r.set_timeout(Duration::from_secs(5));
+                // If the node is gone, so is the reservation; its lease covers the rest.
+                let _ = c.release(r).await;
+            };
+            tokio::spawn(release.in_current_span());
+        }
+    }
+}
+
+/// Undoes the router-side load accounting of a node when its part of the attempt ends.
+struct Assigned<'a> {
+    mesh: &'a Mesh,
+    node: String,
+}
+
+impl<'a> Assigned<'a> {
+    fn new(mesh: &'a Mesh, node: &Node, blocks: u32) -> Self {
+        mesh.registry().assign(&node.id, blocks);
+        Self { mesh, node: node.id.clone() }
+    }
+}
+
+impl Drop for Assigned<'_> {
+    fn drop(&mut self) {
+        self.mesh.registry().unassign(&self.node);
+    }
+}
+
+fn with_timeout<T>(msg: T, until: Instant) -> tonic::Request<T> {
+    let mut r = tonic::Request::new(msg);
+    r.set_timeout(until.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
+    r
+}
+
+/// One attempt on a decode node and, unless colocated, a prefill node.
+pub(crate) struct Attempt<'a> {
+    pub req: &'a Request<'a>,
+    pub report: &'a mut Report,
+    pub decode: Node,
+    pub prefill: Option<Node>,
+    /// Blocks the decode node was counted for.
+    pub blocks: u32,
+}
+
+impl Attempt<'_> {
+    /// Waits for `fut`, or fails when the deadline passes (in `phase` on `node`), the request
+    /// is cancelled, its client leaves, or one of `watched` leaves the mesh.
+    async fn bounded<T>(
+        &self,
+        phase: Phase,
+        node: &Node,
+        watched: &[&Node],
+        fut: impl Future<Output = Result<T, Failure>>,
+    ) -> Result<T, Failure> {
+        tokio::select! {
+            r = fut => r,
+            () = tokio::time::sleep_until(self.req.deadline.into()) => {
+                Err(Failure::Deadline { phase, node: Some(node.id.clone()) })
+            }
+            () = self.req.cancel.cancelled() => Err(Failure::Cancelled),
+            () = self.req.out.closed() => Err(Failure::Abandoned),
+            gone = first_to_leave(watched) => Err(Failure::lost(
+                &gone,
+                "left the mesh (deregistered, or its heartbeats stopped)",
+            )),
+        }
+    }
+
+    /// Runs the attempt to the decode node's finish.
+    pub async fn run(mut self) -> Result<Decoded, Failure> {
+        let mesh = self.req.mesh;
+        let decode = self.decode.clone();
+        let _decode_assigned = Assigned::new(mesh, &decode, self.blocks);
+        let mut dclient = DecodeClient::new(channel(mesh, &decode)?);
+        self.report.timings.decode_node = decode.id.clone();
+        // A retry starts over: what an earlier attempt took from the cache is not what this one
+        // does.
+        self.report.cached_tokens = 0;
+        let mut reservation = self.reserve(&mut dclient).await?;
+        let start = match self.prefill.clone() {
+            Some(p) => self.prefill(&p, &reservation.target).await?,
+            None => {
+                self.report.timings.prefill_node = "colocated".into();
+                self.report.timings.kv_transport = "local".into();
+                (decode_request::Start::PrefillLocally(true), 0)
+            }
+        };
+        self.decode(&mut dclient, &mut reservation, start).await
+    }
+
+    /// Reserves the request's KV blocks on the decode node.
+    async fn reserve(
+        &mut self,
+        client: &mut DecodeClient<trace::Channel>,
+    ) -> Result<Reservation, Failure> {
+        let (req, d) = (self.req, &self.decode);
+        let cfg = &req.mesh.config;
+        let until =
+            req.deadline.min(Instant::now() + Duration::from_millis(cfg.node_call_timeout_ms));
+        let msg = ReserveRequest {
+            request_id: req.id.to_string(),
+            prompt_tokens: req.prep.prompt.len() as u32,
+            max_tokens: req.prep.max_tokens as u32,
+            lease_ms: cfg.lease_ms,
+            remote_kv: self.prefill.is_some(),
+        };
+        let call = async {
+            let answer =
+                tokio::time::timeout_at(until.into(), client.reserve(with_timeout(msg, until)))
+                    .await
+                    .map_err(|_| Failure::lost(&d.id, "no answer to Reserve in time"))?
+                    .map_err(|s| Failure::from_node(&d.id, &s))?;
+            answer.into_inner().target.ok_or_else(|| {
+                Failure::from_node(&d.id, &Status::internal("Reserve answered without a target"))
+            })
+        };
+        let target = self.bounded(Phase::Queued, d, &[d], call).await?;
+        Ok(Reservation { client: client.clone(), target, armed: true })
+    }
+
+    /// Has the prefill node compute the prompt and push its KV into the reservation; returns
+    /// how decoding starts (the first token and the sampler's position).
+    async fn prefill(
+        &mut self,
+        p: &Node,
+        target: &KvTarget,
+    ) -> Result<(decode_request::Start, u128), Failure> {
+        let req = self.req;
+        let cfg = &req.mesh.config;
+        // The prefill node's share ends with its part (the KV is complete), not the request's.
+        let _assigned = Assigned::new(req.mesh, p, 0);
+        req.mesh.prefixes.record(p, &req.prep.prompt);
+        self.report.timings.prefill_node = p.id.clone();
+        let mut client = PrefillClient::new(channel(req.mesh, p)?);
+        let msg = PrefillRequest {
+            request_id: req.id.to_string(),
+            prompt: req.prep.prompt.clone(),
+            sampler: Some(sampler_state(&req.prep.sampling, 0)),
+            target: Some(target.clone()),
+        };
+        let queued_at_router = req.t0.elapsed();
+        let watched = [p, &self.decode];
+        let fail = |s: &Status| Failure::from_node(&p.id, s);
+        let opened =
+            async { client.prefill(with_timeout(msg, req.deadline)).await.map_err(|s| fail(&s)) };
+        let mut events = self.bounded(Phase::Prefilling, p, &watched, opened).await?.into_inner();
+        let first = async {
+            match events.message().await.map_err(|s| fail(&s))? {
+                Some(pdmesh_proto::v1::PrefillEvent {
+                    event: Some(prefill_event::Event::Computed(c)),
+                }) => Ok(c),
+                _ => Err(Failure::lost(&p.id, "prefill stream ended before the first token")),
+            }
+        };
+        let computed = self.bounded(Phase::Prefilling, p, &watched, first).await?;
+        let t = &mut self.report.timings;
+        t.queue_ms = ms(queued_at_router) + computed.queue_ms;
+        t.prefill_ms = computed.prefill_ms;
+        self.report.cached_tokens = computed.cached_tokens;
+        let until =
+            req.deadline.min(Instant::now() + Duration::from_millis(cfg.transfer_timeout_ms));
+        let transferred = async {
+            let next = tokio::time::timeout_at(until.into(), events.message())
+                .await
+                .map_err(|_| Failure::lost(&p.id, "KV transfer did not complete in time"))?
+                .map_err(|s| fail(&s))?;
+            match next {
+                Some(pdmesh_proto::v1::PrefillEvent {
+                    event: Some(prefill_event::Event::Transferred(t)),
+                }) => Ok(t),
+                _ => Err(Failure::lost(&p.id, "prefill stream ended before the KV was complete")),
+            }
+        };
+        let t = self.bounded(Phase::Transferring, p, &watched, transferred).await?;
+        let timings = &mut self.report.timings;
+        timings.transfer_ms = t.transfer_ms;
+        timings.kv_bytes = t.bytes;
+        timings.kv_transport = t.transport;
+        let pos = pdmesh_wire::rng_position(&computed.rng_position).map_err(|s| fail(&s))?;
+        Ok((decode_request::Start::FirstToken(computed.first_token), pos))
+    }
+
+    /// Attaches to the reservation and relays the decode node's stream to the client until it
+    /// finishes.
+    async fn decode(
+        &mut self,
+        client: &mut DecodeClient<trace::Channel>,
+        reservation: &mut Reservation,
+        (start, rng_position): (decode_request::Start, u128),
+    ) -> Result<Decoded, Failure> {
+        let req = self.req;
+        let d = self.decode.clone();
+        let fail = |s: &Status| Failure::from_node(&d.id, s);
+        let msg = DecodeRequest {
+            reservation_id: reservation.target.reservation_id.clone(),
+            prompt: req.prep.prompt.clone(),
+            sampler: Some(sampler_state(&req.prep.sampling, rng_position)),
+            max_tokens: req.prep.max_tokens as u32,
+            stop: req.prep.stop.clone(),
+            ignore_eos: req.prep.ignore_eos,
+            start: Some(start),
+        };
+        let opened =
+            async { client.decode(with_timeout(msg, req.deadline)).await.map_err(|s| fail(&s)) };
+        let mut stream = self.bounded(Phase::Decoding, &d, &[&d], opened).await?.into_inner();
+        // The stream owns the reservation now: dropping it cancels the request on the node.
+        reservation.armed = false;
+        let stall = Duration::from_millis(req.mesh.config.stall_timeout_ms);
+        loop {
+            let next = async {
+                tokio::time::timeout(stall, stream.message())
+                    .await
+                    .map_err(|_| Failure::lost(&d.id, format!("no token for {stall:?}")))?
+                    .map_err(|s| fail(&s))?
+                    .ok_or_else(|| Failure::lost(&d.id, "decode stream ended without a finish"))
+            };
+            let ev = self.bounded(Phase::Decoding, &d, &[&d], next).await?;
+            match ev.event {
+                Some(decode_event::Event::Delta(delta)) => {
+                    if !self.report.first_sent {
+                        self.report.first_sent = true;
+                        self.report.timings.ttft_ms = ms(req.t0.elapsed());
+                    }
+                    let ev = Event::Delta { text: delta.text, tokens: delta.token_ids };
+                    let sent = async { req.out.send(Ok(ev)).await.map_err(|_| Failure::Abandoned) };
+                    self.bounded(Phase::Decoding, &d, &[&d], sent).await?;
+                }
+                Some(decode_event::Event::Finished(f)) => {
+                    if self.prefill.is_none() {
+                        self.report.timings.queue_ms = f.queue_ms;
+                        self.report.timings.prefill_ms = f.prefill_ms;
+                    }
+                    return Ok(Decoded {
+                        reason: f.reason,
+                        completion_tokens: f.completion_tokens,
+                    });
+                }
+                None => return Err(fail(&Status::internal("empty decode event"))),
+            }
+        }
+    }
+}
+
+/// The shared channel to `node`.
+fn channel(mesh: &Mesh, node: &Node) -> Result<trace::Channel, Failure> {
+    mesh.channel(&node.address).map_err(|e| Failure::lost(&node.id, e))
+}
+
+/// The id of the first of `watched` (a request's one or two nodes) to leave the mesh.
+async fn first_to_leave(watched: &[&Node]) -> String {
+    debug_assert!(watched.len() <= 2, "a request runs on at most two nodes");
+    let leaves = |i: usize| async move {
+        match watched.get(i) {
+            Some(n) => {
+                n.left.cancelled().await;
+                n.id.clone()
+            }
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        id = leaves(0) => id,
+        id = leaves(1) => id,
+    }
+}

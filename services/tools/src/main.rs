@@ -1,0 +1,53 @@
+//! `pdmesh-tools`: what measures and observes a mesh, kept out of the product binary. The
+//! `pdmesh` binary runs it for `pdmesh bench`, `pdmesh replay` and `pdmesh collect`, so the
+//! commands are the same whichever binary is called.
+
+mod bench;
+mod collect;
+mod kv_bench;
+mod mesh_bench;
+mod replay;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "pdmesh",
+    bin_name = "pdmesh",
+    version,
+    about = "pdmesh tools: benchmarks, trace replay and a trace collector (run as `pdmesh <tool>`)"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Drive a running mesh with concurrent or Poisson-arriving requests and report TTFT,
+    /// TPOT, inter-token and end-to-end latency, throughput and goodput; `bench engine`
+    /// measures the local engine instead, `bench kv` KV transfer bandwidth.
+    Bench(Box<bench::BenchArgs>),
+    /// Replay a Mooncake-format trace against a running mesh: ideal vs achieved prefix-cache
+    /// hit rate, TTFT/TPOT percentiles and goodput.
+    Replay(replay::ReplayArgs),
+    /// Receive spans over OTLP/gRPC (what the services export to
+    /// OTEL_EXPORTER_OTLP_ENDPOINT) and print one line per span: Jaeger's job, without Jaeger.
+    Collect(collect::CollectArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(b) => bench::run(*b),
+        Command::Replay(a) => replay::run(a),
+        Command::Collect(a) => collect::run(a),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
