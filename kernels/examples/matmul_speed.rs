@@ -2,7 +2,11 @@
 //! batches, relative to the portable reference measured in the same run:
 //! `cargo run --release -p pdmesh-kernels --example matmul_speed [threads]`.
 
-use pdmesh_kernels::{Activations, Backend, CpuBackend, MatmulJob, Simd, WeightMatrix, WeightType};
+use std::sync::Arc;
+
+use pdmesh_kernels::{
+    Activations, Backend, CpuBackend, HostWeight, MatmulJob, SharedBytes, Simd, WeightType,
+};
 use std::time::Instant;
 
 fn main() {
@@ -16,7 +20,10 @@ fn main() {
         x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
         *b = if i % 20 < 4 { [0x00, 0x20, 0x00, 0xa0][i % 4] } else { (x >> 24) as u8 };
     }
-    let w = WeightMatrix::new(WeightType::Q4_1, rows, cols, &data).expect("sizes match");
+    let len = data.len();
+    let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(data);
+    let bytes = SharedBytes::new(owner, 0..len).expect("in range");
+    let w = HostWeight::new(WeightType::Q4_1, rows, cols, bytes).expect("sizes match");
     println!(
         "Q4_1 {rows}x{cols}, {threads} thread(s): ns per 32-element block dot (speed-up vs portable)"
     );
@@ -33,7 +40,7 @@ fn main() {
             let iters = (if simd == Simd::Portable { 2000 } else { 20000 } / tokens).max(5);
             let t = Instant::now();
             for _ in 0..iters {
-                be.matmul(&acts, &mut [MatmulJob { weight: w, out: &mut out }]);
+                be.matmul(&acts, &mut [MatmulJob { weight: &w, out: &mut out }]);
             }
             let ns = t.elapsed().as_secs_f64() / (rows * tokens * cols / 32 * iters) as f64 * 1e9;
             let r = *reference.get_or_insert(ns);

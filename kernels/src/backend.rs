@@ -1,64 +1,147 @@
-//! The one interface the engine computes through. The CPU backend implements it today; a CUDA
-//! backend will implement the same operations on device buffers.
+//! The one interface the engine computes through, for any device. A backend owns its memory:
+//! activation buffers, quantized activations, the paged KV pool and the weights are its own
+//! associated types (as candle's `BackendStorage`), made by the backend, so a device backend
+//! keeps them in device memory and the engine never touches them directly. The host only
+//! hands over token ids, RoPE tables and KV slot lists, and reads logits back.
 //!
 //! Every operation computes each output element with a fixed sequence of floating-point
 //! operations that does not depend on how many tokens share the call or how work is split
 //! across threads: that is what makes a sequence's logits bit-identical whatever else is in its
 //! batch and however its prompt was chunked.
 
-use crate::kv::{AttnQuery, KvBuffer, KvSlot};
-use crate::quant::{Activations, WeightMatrix};
+use pdmesh_kv_types::{KvGeometry, MemoryRegion};
+
+use crate::kv::{AttnQuery, KvSlot};
+use crate::quant::HostWeight;
 
 /// One weight matrix applied to the shared activations: `out[t * rows + r] = W[r] · x[t]`.
 #[derive(Debug)]
-pub struct MatmulJob<'w, 'o> {
-    pub weight: WeightMatrix<'w>,
-    pub out: &'o mut [f32],
+pub struct MatmulJob<'a, W, O> {
+    pub weight: &'a W,
+    pub out: &'a mut O,
 }
 
-/// Compute operations of the llama forward pass.
-pub trait Backend: Send + Sync + std::fmt::Debug {
+/// Why a KV pool cannot be made or written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    #[error("cannot allocate the KV pool: {0}")]
+    Alloc(String),
+    #[error("a KV block is {want} bytes, got {got}")]
+    BlockSize { want: usize, got: usize },
+    #[error("block {block} is outside a pool of {blocks}")]
+    NoSuchBlock { block: usize, blocks: usize },
+}
+
+/// A paged KV pool in some backend's memory, as everything outside the kernels sees it: whole
+/// blocks and layers of blocks in and out as the bytes of the wire format (`KvGeometry`), and
+/// the memory region a transport registers.
+pub trait KvStorage: Send + std::fmt::Debug {
+    fn geometry(&self) -> &KvGeometry;
+    fn n_blocks(&self) -> usize;
+    /// Appends block `block`'s bytes to `out`.
+    fn read_block(&self, block: usize, out: &mut Vec<u8>);
+    /// Appends layer `layer`'s part of block `block` to `out`.
+    fn read_layer(&self, block: usize, layer: usize, out: &mut Vec<u8>);
+    /// Overwrites block `block` with one block's bytes; on error nothing changed.
+    fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), KvError>;
+    /// Copies block `src` over block `dst` (copy-on-write of a shared partial block).
+    fn copy_block(&mut self, src: usize, dst: usize);
+    /// The pool's memory, kept alive by the region.
+    fn region(&self) -> MemoryRegion;
+}
+
+/// Compute operations of the llama forward pass, on the backend's own memory.
+pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
+    /// A buffer of f32 values.
+    type Buffer: Send + std::fmt::Debug;
+    /// A batch of activation rows prepared for the matmuls (quantized for integer dot
+    /// products when the weights are).
+    type Activations: Send + std::fmt::Debug;
+    /// The paged KV pool.
+    type Kv: KvStorage;
+    /// A weight matrix as this backend computes with it.
+    type Weight: Send + Sync + std::fmt::Debug;
+
     /// A short description, e.g. `cpu/avx2 x2`.
     fn describe(&self) -> String;
 
-    /// Threads this backend computes with.
+    /// Threads (or streams) this backend computes with.
     fn threads(&self) -> usize;
+
+    /// An empty buffer.
+    fn buffer(&self) -> Self::Buffer;
+
+    /// Empty activations.
+    fn activations(&self) -> Self::Activations;
+
+    /// Makes `buf` hold `len` values (contents unspecified), keeping its memory when it can.
+    fn resize(&self, buf: &mut Self::Buffer, len: usize);
+
+    /// Copies host values into `buf`, sizing it.
+    fn upload(&self, host: &[f32], buf: &mut Self::Buffer);
+
+    /// The values of `buf` on the host: a view when they are there already, else copied into
+    /// `host`.
+    fn read<'a>(&self, buf: &'a Self::Buffer, host: &'a mut Vec<f32>) -> &'a [f32];
+
+    /// A zeroed KV pool of `blocks` blocks.
+    fn kv(&self, geometry: KvGeometry, blocks: usize) -> Result<Self::Kv, KvError>;
+
+    /// A weight ready to compute with (a device backend uploads it here, once).
+    fn weight(&self, w: &HostWeight) -> Self::Weight;
 
     /// Stores `x` (`rows × cols`) in `out`, quantizing it for integer dot products when `cols`
     /// is a whole number of blocks.
-    fn quantize(&self, x: &[f32], rows: usize, cols: usize, out: &mut Activations);
+    fn quantize(&self, x: &Self::Buffer, rows: usize, cols: usize, out: &mut Self::Activations);
 
     /// Runs every job against `x` in one parallel region (q/k/v or gate/up share an input).
-    fn matmul(&self, x: &Activations, jobs: &mut [MatmulJob<'_, '_>]);
+    fn matmul(&self, x: &Self::Activations, jobs: &mut [MatmulJob<'_, Self::Weight, Self::Buffer>]);
 
-    /// `out[t] = x[t] / rms(x[t]) * weight` for each row of `weight.len()` elements.
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
+    /// `out[t] = x[t] / rms(x[t]) * weight` for each row of `weight`'s length.
+    fn rms_norm(&self, x: &Self::Buffer, weight: &Self::Buffer, eps: f32, out: &mut Self::Buffer);
 
     /// Rotates adjacent pairs of each head of each token (llama.cpp's "normal" RoPE, which is
     /// what GGUF llama weights expect). `cos`/`sin` hold `head_dim / 2` entries per token.
-    fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]);
+    fn rope(
+        &self,
+        x: &mut Self::Buffer,
+        heads: usize,
+        head_dim: usize,
+        cos: &Self::Buffer,
+        sin: &Self::Buffer,
+    );
 
     /// `out = silu(gate) * up`.
-    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]);
+    fn swiglu(&self, gate: &Self::Buffer, up: &Self::Buffer, out: &mut Self::Buffer);
 
     /// `x += y`.
-    fn add_assign(&self, x: &mut [f32], y: &[f32]);
+    fn add_assign(&self, x: &mut Self::Buffer, y: &Self::Buffer);
 
     /// Writes one token's K and V rows (`kv_heads × head_dim` each) per slot into layer `layer`.
-    fn kv_write(&self, kv: &mut KvBuffer, layer: usize, k: &[f32], v: &[f32], slots: &[KvSlot]);
+    fn kv_write(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        k: &Self::Buffer,
+        v: &Self::Buffer,
+        slots: &[KvSlot],
+    );
 
     /// Causal attention of each query token (`heads × head_dim` in `q`) over its sequence's
     /// paged KV in layer `layer`; writes `heads × head_dim` per token to `out`.
     fn attention(
         &self,
-        kv: &KvBuffer,
+        kv: &Self::Kv,
         layer: usize,
         heads: usize,
-        q: &[f32],
+        q: &Self::Buffer,
         queries: &[AttnQuery<'_>],
-        out: &mut [f32],
+        out: &mut Self::Buffer,
     );
 
     /// Looks up (dequantizes) embedding rows.
-    fn embed(&self, table: &WeightMatrix<'_>, tokens: &[u32], out: &mut [f32]);
+    fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Self::Buffer);
+
+    /// Copies rows `rows` (each `width` values) of `x` into `out`, in that order.
+    fn gather_rows(&self, x: &Self::Buffer, rows: &[usize], width: usize, out: &mut Self::Buffer);
 }

@@ -7,6 +7,8 @@
 use half::f16;
 use pdmesh_kv_types::{HostMemory, MemoryRegion};
 
+use crate::backend::{KvError, KvStorage};
+
 pub use pdmesh_kv_types::{KvDtype, KvGeometry};
 
 /// Where one token's K/V goes: a block of the pool and a slot in it.
@@ -40,13 +42,11 @@ pub struct KvBuffer {
 
 impl KvBuffer {
     /// Allocates `n_blocks` zeroed blocks. Fails rather than aborting when memory is short.
-    pub fn new(geometry: KvGeometry, n_blocks: usize) -> Result<Self, String> {
-        let bytes = geometry
-            .bytes_per_block()
-            .checked_mul(n_blocks)
-            .ok_or_else(|| format!("{n_blocks} KV blocks overflow the address space"))?;
-        let memory =
-            HostMemory::zeroed(bytes).map_err(|e| format!("cannot allocate the KV pool: {e}"))?;
+    pub fn new(geometry: KvGeometry, n_blocks: usize) -> Result<Self, KvError> {
+        let bytes = geometry.bytes_per_block().checked_mul(n_blocks).ok_or_else(|| {
+            KvError::Alloc(format!("{n_blocks} KV blocks overflow the address space"))
+        })?;
+        let memory = HostMemory::zeroed(bytes).map_err(KvError::Alloc)?;
         Ok(Self { geometry, n_blocks, memory })
     }
 
@@ -109,13 +109,13 @@ impl KvBuffer {
 
     /// Overwrites block `block` with bytes made by `read_block_bytes` on a pool of the same
     /// geometry. Fails, changing nothing, when `data` is not exactly one block.
-    pub fn write_block_bytes(&mut self, block: usize, data: &[u8]) -> Result<(), String> {
+    pub fn write_block_bytes(&mut self, block: usize, data: &[u8]) -> Result<(), KvError> {
         let want = self.geometry.bytes_per_block();
         if data.len() != want {
-            return Err(format!("a KV block is {want} bytes, got {}", data.len()));
+            return Err(KvError::BlockSize { want, got: data.len() });
         }
         if block >= self.n_blocks {
-            return Err(format!("block {block} is outside a pool of {}", self.n_blocks));
+            return Err(KvError::NoSuchBlock { block, blocks: self.n_blocks });
         }
         self.memory.bytes_mut()[block * want..(block + 1) * want].copy_from_slice(data);
         Ok(())
@@ -127,6 +127,30 @@ impl KvBuffer {
             KvData::F16(v) => v[idx].to_f32(),
             KvData::F32(v) => v[idx],
         }
+    }
+}
+
+impl KvStorage for KvBuffer {
+    fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+    fn n_blocks(&self) -> usize {
+        self.n_blocks
+    }
+    fn read_block(&self, block: usize, out: &mut Vec<u8>) {
+        self.read_block_bytes(block, out);
+    }
+    fn read_layer(&self, block: usize, layer: usize, out: &mut Vec<u8>) {
+        self.read_layer_bytes(block, layer, out);
+    }
+    fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), KvError> {
+        self.write_block_bytes(block, data)
+    }
+    fn copy_block(&mut self, src: usize, dst: usize) {
+        KvBuffer::copy_block(self, src, dst);
+    }
+    fn region(&self) -> MemoryRegion {
+        KvBuffer::region(self)
     }
 }
 

@@ -128,6 +128,63 @@ impl<'a> WeightMatrix<'a> {
     }
 }
 
+/// Bytes that share their owner (a model file's map) with whoever else reads it: a weight keeps
+/// the file it views alive, wherever it is moved.
+#[derive(Clone)]
+pub struct SharedBytes {
+    owner: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>,
+    range: std::ops::Range<usize>,
+}
+
+impl std::fmt::Debug for SharedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedBytes").field("range", &self.range).finish()
+    }
+}
+
+impl SharedBytes {
+    /// `range` of `owner`'s bytes; None when it is out of bounds.
+    pub fn new(
+        owner: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>,
+        range: std::ops::Range<usize>,
+    ) -> Option<Self> {
+        let len = (*owner).as_ref().len();
+        (range.start <= range.end && range.end <= len).then_some(Self { owner, range })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.range.clone()]
+    }
+}
+
+/// A weight matrix in host memory, sharing the bytes of its source: what a host backend
+/// computes with directly and a device backend uploads.
+#[derive(Debug, Clone)]
+pub struct HostWeight {
+    pub ty: WeightType,
+    pub rows: usize,
+    pub cols: usize,
+    bytes: SharedBytes,
+}
+
+impl HostWeight {
+    /// Checks that `bytes` hold exactly a `rows × cols` matrix of `ty`.
+    pub fn new(
+        ty: WeightType,
+        rows: usize,
+        cols: usize,
+        bytes: SharedBytes,
+    ) -> Result<Self, LayoutError> {
+        WeightMatrix::new(ty, rows, cols, bytes.bytes())?;
+        Ok(Self { ty, rows, cols, bytes })
+    }
+
+    /// The matrix as the kernels read it.
+    pub fn matrix(&self) -> WeightMatrix<'_> {
+        WeightMatrix { ty: self.ty, rows: self.rows, cols: self.cols, data: self.bytes.bytes() }
+    }
+}
+
 /// Reads a little-endian f16 at `b[0..2]` as f32.
 #[inline(always)]
 pub fn f16_at(b: &[u8]) -> f32 {

@@ -5,9 +5,11 @@
 #![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
 
 use half::f16;
+use std::sync::Arc;
+
 use pdmesh_kernels::{
-    Activations, AttnQuery, Backend, CpuBackend, KvBuffer, KvDtype, KvGeometry, KvSlot, MatmulJob,
-    Phase, Simd, WeightMatrix, WeightType,
+    Activations, AttnQuery, Backend, CpuBackend, HostWeight, KvBuffer, KvDtype, KvGeometry, KvSlot,
+    MatmulJob, Phase, SharedBytes, Simd, WeightMatrix, WeightType,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -75,11 +77,18 @@ fn random_vec(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-scale..scale)).collect()
 }
 
+/// A weight the backend computes with, over a copy of `w`'s bytes.
+fn host(w: &WeightMatrix<'_>) -> HostWeight {
+    let owner: Arc<dyn AsRef<[u8]> + Send + Sync> = Arc::new(w.data.to_vec());
+    let bytes = SharedBytes::new(owner, 0..w.data.len()).unwrap();
+    HostWeight::new(w.ty, w.rows, w.cols, bytes).unwrap()
+}
+
 fn matmul(b: &CpuBackend, w: &WeightMatrix<'_>, x: &[f32], tokens: usize) -> Vec<f32> {
     let mut acts = Activations::default();
-    b.quantize(x, tokens, w.cols, &mut acts);
+    b.quantize(&x.to_vec(), tokens, w.cols, &mut acts);
     let mut out = vec![f32::NAN; tokens * w.rows];
-    b.matmul(&acts, &mut [MatmulJob { weight: *w, out: &mut out }]);
+    b.matmul(&acts, &mut [MatmulJob { weight: &host(w), out: &mut out }]);
     out
 }
 
@@ -339,7 +348,7 @@ fn embed_dequantizes_rows() {
     let w = WeightMatrix::new(WeightType::Q8_0, 10, 64, &data).unwrap();
     let b = CpuBackend::new(1);
     let mut out = vec![0f32; 2 * 64];
-    b.embed(&w, &[3, 9], &mut out);
+    b.embed(&host(&w), &[3, 9], &mut out);
     let mut row = vec![0f32; 64];
     w.dequantize_row(9, &mut row);
     assert_eq!(&out[64..], &row[..]);

@@ -8,10 +8,10 @@ pub mod portable;
 
 use half::slice::HalfFloatSliceExt;
 
-use crate::backend::{Backend, MatmulJob};
-use crate::kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvSlot, Phase};
+use crate::backend::{Backend, KvError, MatmulJob};
+use crate::kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvGeometry, KvSlot, Phase};
 use crate::pool::{SharedMut, ThreadPool, split};
-use crate::quant::{Activations, QK, WeightMatrix};
+use crate::quant::{Activations, HostWeight, QK, WeightMatrix};
 use ops::Isa;
 
 /// Which kernels the CPU backend runs.
@@ -155,7 +155,7 @@ mod avx2_ops {
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn attend(
         isa: Avx2Isa,
-        geom: &crate::kv::KvGeometry,
+        geom: &KvGeometry,
         kv: &KvData,
         layer: usize,
         kv_head: usize,
@@ -260,6 +260,11 @@ impl CpuBackend {
 }
 
 impl Backend for CpuBackend {
+    type Buffer = Vec<f32>;
+    type Activations = Activations;
+    type Kv = KvBuffer;
+    type Weight = HostWeight;
+
     fn describe(&self) -> String {
         format!("cpu/{} x{}", self.simd.name(), self.pool.threads())
     }
@@ -268,7 +273,43 @@ impl Backend for CpuBackend {
         self.pool.threads()
     }
 
-    fn quantize(&self, x: &[f32], rows: usize, cols: usize, out: &mut Activations) {
+    fn buffer(&self) -> Vec<f32> {
+        Vec::new()
+    }
+
+    fn activations(&self) -> Activations {
+        Activations::default()
+    }
+
+    fn resize(&self, buf: &mut Vec<f32>, len: usize) {
+        buf.resize(len, 0.0);
+    }
+
+    fn upload(&self, host: &[f32], buf: &mut Vec<f32>) {
+        buf.clear();
+        buf.extend_from_slice(host);
+    }
+
+    fn read<'a>(&self, buf: &'a Vec<f32>, _host: &'a mut Vec<f32>) -> &'a [f32] {
+        buf
+    }
+
+    fn kv(&self, geometry: KvGeometry, blocks: usize) -> Result<KvBuffer, KvError> {
+        KvBuffer::new(geometry, blocks)
+    }
+
+    fn weight(&self, w: &HostWeight) -> HostWeight {
+        w.clone()
+    }
+
+    fn gather_rows(&self, x: &Vec<f32>, rows: &[usize], width: usize, out: &mut Vec<f32>) {
+        out.resize(rows.len() * width, 0.0);
+        for (o, &r) in out.chunks_exact_mut(width.max(1)).zip(rows) {
+            o.copy_from_slice(&x[r * width..(r + 1) * width]);
+        }
+    }
+
+    fn quantize(&self, x: &Vec<f32>, rows: usize, cols: usize, out: &mut Activations) {
         assert_eq!(x.len(), rows * cols, "quantize: input is not rows × cols");
         out.resize(rows, cols);
         out.f32.copy_from_slice(x);
@@ -292,7 +333,7 @@ impl Backend for CpuBackend {
         });
     }
 
-    fn matmul(&self, x: &Activations, jobs: &mut [MatmulJob<'_, '_>]) {
+    fn matmul(&self, x: &Activations, jobs: &mut [MatmulJob<'_, HostWeight, Vec<f32>>]) {
         for j in jobs.iter() {
             assert_eq!(
                 j.weight.cols, x.cols,
@@ -313,7 +354,7 @@ impl Backend for CpuBackend {
             return;
         }
         let outs: Vec<(WeightMatrix<'_>, SharedMut<f32>)> =
-            jobs.iter_mut().map(|j| (j.weight, SharedMut::new(j.out))).collect();
+            jobs.iter_mut().map(|j| (j.weight.matrix(), SharedMut::new(j.out))).collect();
         // Rows of all jobs form one index space, cut into units and split evenly over threads.
         let units: Vec<usize> = outs.iter().map(|(w, _)| w.rows.div_ceil(MATMUL_UNIT)).collect();
         let total: usize = units.iter().sum();
@@ -342,7 +383,7 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    fn rms_norm(&self, x: &Vec<f32>, weight: &Vec<f32>, eps: f32, out: &mut Vec<f32>) {
         let n = weight.len();
         assert!(
             n > 0 && x.len().is_multiple_of(n) && out.len() == x.len(),
@@ -357,7 +398,14 @@ impl Backend for CpuBackend {
         });
     }
 
-    fn rope(&self, x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        heads: usize,
+        head_dim: usize,
+        cos: &Vec<f32>,
+        sin: &Vec<f32>,
+    ) {
         let row = heads * head_dim;
         let half = head_dim / 2;
         assert!(head_dim.is_multiple_of(2) && x.len().is_multiple_of(row), "rope: shape mismatch");
@@ -372,7 +420,7 @@ impl Backend for CpuBackend {
         });
     }
 
-    fn swiglu(&self, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    fn swiglu(&self, gate: &Vec<f32>, up: &Vec<f32>, out: &mut Vec<f32>) {
         assert!(gate.len() == up.len() && up.len() == out.len(), "swiglu: shape mismatch");
         const CHUNK: usize = 1024;
         let o = SharedMut::new(out);
@@ -384,12 +432,19 @@ impl Backend for CpuBackend {
         });
     }
 
-    fn add_assign(&self, x: &mut [f32], y: &[f32]) {
+    fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) {
         assert_eq!(x.len(), y.len(), "add_assign: shape mismatch");
         dispatch!(self, add_assign(x, y))
     }
 
-    fn kv_write(&self, kv: &mut KvBuffer, layer: usize, k: &[f32], v: &[f32], slots: &[KvSlot]) {
+    fn kv_write(
+        &self,
+        kv: &mut KvBuffer,
+        layer: usize,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        slots: &[KvSlot],
+    ) {
         let g = *kv.geometry();
         let kd = g.kv_dim();
         assert!(k.len() == slots.len() * kd && v.len() == k.len(), "kv_write: shape mismatch");
@@ -419,9 +474,9 @@ impl Backend for CpuBackend {
         kv: &KvBuffer,
         layer: usize,
         heads: usize,
-        q: &[f32],
+        q: &Vec<f32>,
         queries: &[AttnQuery<'_>],
-        out: &mut [f32],
+        out: &mut Vec<f32>,
     ) {
         let g = kv.geometry();
         let hd = g.head_dim;
@@ -491,7 +546,8 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn embed(&self, table: &WeightMatrix<'_>, tokens: &[u32], out: &mut [f32]) {
+    fn embed(&self, table: &HostWeight, tokens: &[u32], out: &mut Vec<f32>) {
+        let table = table.matrix();
         let d = table.cols;
         assert_eq!(out.len(), tokens.len() * d, "embed: output has the wrong size");
         for (t, o) in tokens.iter().zip(out.chunks_exact_mut(d)) {

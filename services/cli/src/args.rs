@@ -41,7 +41,7 @@ impl EngineArgs {
             kv_dtype: self.kv_dtype,
             kv_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
-            simd: self.simd,
+            backend: pdmesh_engine::BackendKind::Cpu { simd: self.simd },
         }
     }
 
@@ -67,12 +67,12 @@ impl EngineArgs {
             engine.model().config.name,
             engine.model().config.layers,
             engine.model().file_size() / 1_000_000,
-            engine.backend().describe(),
+            engine.describe_backend(),
             g.dtype,
             g.bytes_per_token(),
             g.bytes_per_block() / 1024,
             engine.kv().total_blocks(),
-            engine.kv().buffer().size_bytes() / 1_000_000,
+            engine.kv_bytes() / 1_000_000,
         );
         Ok(engine)
     }

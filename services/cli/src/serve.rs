@@ -20,6 +20,10 @@ pub struct EngineFlags {
     #[arg(long, env = "PDMESH_MODEL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     model: Option<PathBuf>,
+    /// What computes: cpu [default: cpu].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backend: Option<pdmesh_engine::BackendName>,
     /// Compute threads (0 = one per core).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -275,7 +279,7 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default {
     /// and one thread does that without waking a second per token, which on a small machine
     /// steals time from the engine's compute threads.
     const ASYNC_THREADS: usize;
-    fn check(&self) -> Result<(), String>;
+    fn check(&self) -> Result<(), pdmesh_common::InvalidConfig>;
     fn listen(&self) -> &str;
     /// Where `GET /metrics` is served, if anywhere.
     fn metrics_listen(&self) -> Option<&str>;
@@ -297,7 +301,7 @@ macro_rules! service {
             const ENV_PREFIX: &'static str = $env;
             const TRACE_NAME: &'static str = concat!("pdmesh-", $name);
             const ASYNC_THREADS: usize = $threads;
-            fn check(&self) -> Result<(), String> {
+            fn check(&self) -> Result<(), pdmesh_common::InvalidConfig> {
                 self.validate()
             }
             fn listen(&self) -> &str {

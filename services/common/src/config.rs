@@ -9,6 +9,20 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+/// A config value out of range: which key, and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {problem}")]
+pub struct InvalidConfig {
+    pub key: &'static str,
+    pub problem: String,
+}
+
+impl InvalidConfig {
+    pub fn new(key: &'static str, problem: impl Into<String>) -> Self {
+        Self { key, problem: problem.into() }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("config file {0} does not exist")]

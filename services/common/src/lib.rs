@@ -18,5 +18,5 @@ pub mod telemetry;
 pub mod trace;
 pub mod worker;
 
-pub use config::{ConfigError, load_config};
+pub use config::{ConfigError, InvalidConfig, load_config};
 pub use serve::{bind, serve, serve_node};

@@ -1,5 +1,6 @@
 //! The decode node's config: defaults → TOML file → `PDMESH_DECODE_*` → flags.
 
+use pdmesh_common::InvalidConfig;
 use pdmesh_engine::EngineSettings;
 use pdmesh_kv_transfer::TransportKind;
 use serde::{Deserialize, Serialize};
@@ -54,17 +55,18 @@ impl Default for DecodeConfig {
 }
 
 impl DecodeConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
         if self.max_running == 0 {
-            return Err("max_running must be at least 1".into());
+            return Err(InvalidConfig::new("max_running", "must be at least 1"));
         }
         if self.lease_ms == 0 || self.lease_ms > self.max_lease_ms {
-            return Err(format!(
-                "lease_ms must be in 1..=max_lease_ms ({}), got {}",
+            let why = format!(
+                "must be in 1..=max_lease_ms ({}), got {}",
                 self.max_lease_ms, self.lease_ms
-            ));
+            );
+            return Err(InvalidConfig::new("lease_ms", why));
         }
-        self.engine.engine_config().map_err(|e| e.to_string())?;
+        self.engine.engine_config().map_err(|e| InvalidConfig::new("engine", e.to_string()))?;
         Ok(())
     }
 }

@@ -69,7 +69,7 @@ pub fn to_status(e: &DecodeError, node: &str) -> Status {
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("invalid config: {0}")]
-    Config(String),
+    Config(#[from] pdmesh_common::InvalidConfig),
     #[error("the listener: {0}")]
     Listener(#[source] std::io::Error),
     #[error("loading the engine: {0}")]

@@ -33,7 +33,7 @@ pub async fn run(
     metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), StartError> {
-    config.validate().map_err(StartError::Config)?;
+    config.validate()?;
     let bound = listener.local_addr().map_err(StartError::Listener)?;
     let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("decode@{address}"));

@@ -8,7 +8,7 @@
 
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::kv_cache::{KvCache, SeqId};
+use crate::kv_cache::{KvView, SeqId};
 
 /// A sequence's share of a step, as the connector sees it: its prompt's KV is computed up to
 /// `computed` tokens once the step is done (`last` when that is the whole prompt).
@@ -49,14 +49,14 @@ pub trait KvConnector {
 
     /// Worker side: layer `layer` of the step is written for every sequence of `batch` (and
     /// the next layer not yet computed): ship it while the rest computes.
-    fn save_layer(&mut self, _layer: usize, _kv: &KvCache, _batch: &[Saved]) {}
+    fn save_layer(&mut self, _layer: usize, _kv: &KvView<'_>, _batch: &[Saved]) {}
 
     /// Worker side: the step is done for `batch`.
-    fn save(&mut self, _kv: &KvCache, _batch: &[Saved]) {}
+    fn save(&mut self, _kv: &KvView<'_>, _batch: &[Saved]) {}
 
     /// The sequence leaves the runner (finished, failed or cancelled) with its KV still in
     /// `seq`: export what should outlive it, and say whether its blocks can be freed.
-    fn finished(&mut self, _id: u64, _seq: SeqId, _kv: &KvCache) -> Release {
+    fn finished(&mut self, _id: u64, _seq: SeqId, _kv: &KvView<'_>) -> Release {
         Release::Free
     }
 }

@@ -4,15 +4,26 @@
 
 use std::sync::Arc;
 
-use pdmesh_kernels::{
-    Activations, AttnQuery, Backend, CpuBackend, KvDtype, KvSlot, MatmulJob, MemoryRegion, Phase,
-    Simd,
-};
+use pdmesh_kernels::{CpuBackend, KvDtype, KvSlot, MemoryRegion, Phase, Simd};
 use pdmesh_kv_types::KvLayout;
 
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvCache, SeqId};
+use crate::kv_cache::{KvCache, KvView, SeqId};
 use crate::model::Model;
+use crate::runtime::{Batch, Device, Runtime};
+
+/// Which backend computes, with its own options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The host CPU; `simd` forces a kernel set (default: the best the CPU supports).
+    Cpu { simd: Option<Simd> },
+}
+
+impl Default for BackendKind {
+    fn default() -> Self {
+        BackendKind::Cpu { simd: None }
+    }
+}
 
 /// Engine settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,8 +37,8 @@ pub struct EngineConfig {
     pub kv_blocks: usize,
     /// Most tokens one step may process (the continuous-batching token budget).
     pub max_batch_tokens: usize,
-    /// Force a kernel set (default: the best the CPU supports).
-    pub simd: Option<Simd>,
+    /// The backend that computes.
+    pub backend: BackendKind,
 }
 
 impl Default for EngineConfig {
@@ -38,7 +49,7 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::F16,
             kv_blocks: 1024,
             max_batch_tokens: 512,
-            simd: None,
+            backend: BackendKind::default(),
         }
     }
 }
@@ -126,63 +137,35 @@ impl<'a> StepLogits<'a> {
     }
 }
 
-/// Reusable activation buffers, sized to the largest step seen.
-#[derive(Default)]
-struct Scratch {
-    x: Vec<f32>,
-    xn: Vec<f32>,
-    acts: Activations,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    attn: Vec<f32>,
-    proj: Vec<f32>,
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    ffn: Vec<f32>,
-    cos: Vec<f32>,
-    sin: Vec<f32>,
-    logits: Vec<f32>,
-    logit_rows: Vec<(usize, usize)>,
-}
-
-impl std::fmt::Debug for Scratch {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Scratch").finish_non_exhaustive()
-    }
-}
-
-fn fit(v: &mut Vec<f32>, n: usize) {
-    v.resize(n, 0.0);
-}
-
-/// Runs a model over a paged KV cache.
+/// Runs a model over a paged KV cache, on the backend its config names.
 #[derive(Debug)]
 pub struct Engine {
     model: Arc<Model>,
-    backend: Box<dyn Backend>,
+    /// The pool's bookkeeping; its memory is the device's.
     kv: KvCache,
+    device: Box<dyn Device>,
     config: EngineConfig,
-    scratch: Scratch,
-    /// Ratio between the rotation angles of consecutive rotary pairs.
-    theta_scale: f32,
+    /// `(item index, token index within the item)` of each logits row of the last step.
+    logit_rows: Vec<(usize, usize)>,
 }
 
 impl Engine {
     pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Self> {
         config.validate()?;
-        let backend: Box<dyn Backend> = match config.simd {
-            None => Box::new(CpuBackend::new(config.threads)),
-            Some(simd) => Box::new(
-                CpuBackend::with_simd(config.threads, simd)
-                    .map_err(|e| Error::invalid(e.to_string()))?,
-            ),
-        };
         let geom = model.config.kv_geometry(config.block_size, config.kv_dtype);
         let kv = KvCache::new(geom, config.kv_blocks)?;
-        let c = &model.config;
-        let theta_scale = c.rope_base.powf(-2.0 / c.head_dim as f32);
-        Ok(Self { model, backend, kv, config, scratch: Scratch::default(), theta_scale })
+        let device: Box<dyn Device> = match config.backend {
+            BackendKind::Cpu { simd: None } => {
+                let be = CpuBackend::new(config.threads);
+                Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
+            }
+            BackendKind::Cpu { simd: Some(simd) } => {
+                let be = CpuBackend::with_simd(config.threads, simd)
+                    .map_err(|e| Error::invalid(e.to_string()))?;
+                Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
+            }
+        };
+        Ok(Self { model, kv, device, config, logit_rows: Vec::new() })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -193,19 +176,31 @@ impl Engine {
         &self.config
     }
 
-    pub fn backend(&self) -> &dyn Backend {
-        self.backend.as_ref()
+    /// What computes, e.g. `cpu/avx2 x2`.
+    pub fn describe_backend(&self) -> String {
+        self.device.describe()
     }
 
+    /// The KV pool's bookkeeping (blocks, sequences, geometry).
     pub fn kv(&self) -> &KvCache {
         &self.kv
+    }
+
+    /// The KV of every sequence, for reading.
+    pub fn kv_view(&self) -> KvView<'_> {
+        KvView::new(&self.kv, self.device.store())
+    }
+
+    /// Bytes of KV memory the pool holds.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.total_blocks() * self.kv.geometry().bytes_per_block()
     }
 
     /// The KV pool's memory, for a transport to register: one allocation that never moves or
     /// grows, kept alive by the region itself; block `b` starts at
     /// `addr + b * bytes_per_block`.
     pub fn kv_memory(&self) -> MemoryRegion {
-        self.kv.buffer.region()
+        self.device.store().region()
     }
 
     /// The layout of this engine's KV blocks: what a peer must match to exchange them.
@@ -248,7 +243,7 @@ impl Engine {
                 self.max_seq_len()
             )));
         }
-        self.kv.append(seq, n).map(|_| ())
+        self.kv.append(seq, n, self.device.store_mut()).map(|_| ())
     }
 
     /// Blocks the sequence holds.
@@ -258,14 +253,14 @@ impl Engine {
 
     /// Appends the bytes of the sequence's `index`-th block to `out`.
     pub fn read_block(&self, seq: SeqId, index: usize, out: &mut Vec<u8>) -> Result<()> {
-        self.kv.read_block(seq, index, out)
+        self.kv_view().read_block(seq, index, out)
     }
 
     /// Overwrites the sequence's `index`-th block with bytes from `read_block` on an engine of
     /// the same KV layout.
     pub fn write_block(&mut self, seq: SeqId, index: usize, data: &[u8]) -> Result<()> {
         let block = self.kv.block(seq, index)?;
-        self.kv.buffer.write_block_bytes(block, data).map_err(Error::invalid)
+        self.device.store_mut().write_block(block, data).map_err(|e| Error::invalid(e.to_string()))
     }
 
     /// Checks a step without changing anything.
@@ -331,7 +326,7 @@ impl Engine {
     pub fn step_observed(
         &mut self,
         items: &[StepItem<'_>],
-        on_layer: &mut dyn FnMut(usize, &KvCache),
+        on_layer: &mut dyn FnMut(usize, &KvView<'_>),
     ) -> Result<StepLogits<'_>> {
         self.validate(items)?;
         let n: usize = items.iter().map(|it| it.tokens.len()).sum();
@@ -340,12 +335,12 @@ impl Engine {
         let mut slots: Vec<KvSlot> = Vec::with_capacity(n);
         let mut owner = Vec::with_capacity(n);
         let mut phases = Vec::with_capacity(n);
-        let mut logit_rows = std::mem::take(&mut self.scratch.logit_rows);
+        let mut logit_rows = std::mem::take(&mut self.logit_rows);
         logit_rows.clear();
         let mut logit_tokens = Vec::new();
         for (i, it) in items.iter().enumerate() {
             let start = self.kv.len(it.seq)?;
-            let s = self.kv.append(it.seq, it.tokens.len())?;
+            let s = self.kv.append(it.seq, it.tokens.len(), self.device.store_mut())?;
             for (j, &t) in it.tokens.iter().enumerate() {
                 let want = match it.logits {
                     Logits::None => false,
@@ -363,124 +358,16 @@ impl Engine {
             }
             slots.extend(s);
         }
-        self.forward(&tokens, &positions, &slots, &owner, &phases, &logit_tokens, on_layer);
-        self.scratch.logit_rows = logit_rows;
-        Ok(StepLogits {
-            data: &self.scratch.logits,
-            vocab: self.model.config.vocab,
-            rows: &self.scratch.logit_rows,
-        })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn forward(
-        &mut self,
-        tokens: &[u32],
-        positions: &[usize],
-        slots: &[KvSlot],
-        owner: &[SeqId],
-        phases: &[Phase],
-        logit_tokens: &[usize],
-        on_layer: &mut dyn FnMut(usize, &KvCache),
-    ) {
-        let model = &*self.model;
-        let c = &model.config;
-        let be = self.backend.as_ref();
-        let s = &mut self.scratch;
-        let n = tokens.len();
-        let (d, hd, qd) = (c.hidden, c.head_dim, c.heads * c.head_dim);
-        let kvd = c.kv_heads * hd;
-        let half = hd / 2;
-        fit(&mut s.x, n * d);
-        fit(&mut s.xn, n * d);
-        fit(&mut s.q, n * qd);
-        fit(&mut s.k, n * kvd);
-        fit(&mut s.v, n * kvd);
-        fit(&mut s.attn, n * qd);
-        fit(&mut s.proj, n * d);
-        fit(&mut s.gate, n * c.ffn);
-        fit(&mut s.up, n * c.ffn);
-        fit(&mut s.ffn, n * c.ffn);
-        fit(&mut s.cos, n * half);
-        fit(&mut s.sin, n * half);
-        for (t, &p) in positions.iter().enumerate() {
-            // Angles by repeated multiplication, as llama.cpp computes them, so both round alike.
-            let mut theta = p as f32;
-            for i in 0..half {
-                s.cos[t * half + i] = theta.cos();
-                s.sin[t * half + i] = theta.sin();
-                theta *= self.theta_scale;
-            }
-        }
-
-        be.embed(&model.weight(&model.token_embd), tokens, &mut s.x);
-
-        // The queries borrow the block tables, the kernels the pool: separate fields, so the
-        // whole cache can still be lent (shared) to `on_layer` between layers.
-        let seqs = &self.kv.seqs;
-        let queries: Vec<AttnQuery<'_>> = positions
-            .iter()
-            .zip(owner)
-            .zip(phases)
-            .map(|((&pos, id), &phase)| AttnQuery { pos, blocks: &seqs[id].blocks, phase })
-            .collect();
-
-        for (li, l) in model.layers.iter().enumerate() {
-            be.rms_norm(&s.x, &l.attn_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, n, d, &mut s.acts);
-            be.matmul(
-                &s.acts,
-                &mut [
-                    MatmulJob { weight: model.weight(&l.wq), out: &mut s.q },
-                    MatmulJob { weight: model.weight(&l.wk), out: &mut s.k },
-                    MatmulJob { weight: model.weight(&l.wv), out: &mut s.v },
-                ],
-            );
-            be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin);
-            be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin);
-            be.kv_write(&mut self.kv.buffer, li, &s.k, &s.v, slots);
-            on_layer(li, &self.kv);
-            be.attention(&self.kv.buffer, li, c.heads, &s.q, &queries, &mut s.attn);
-            be.quantize(&s.attn, n, qd, &mut s.acts);
-            be.matmul(&s.acts, &mut [MatmulJob { weight: model.weight(&l.wo), out: &mut s.proj }]);
-            be.add_assign(&mut s.x, &s.proj);
-
-            be.rms_norm(&s.x, &l.ffn_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, n, d, &mut s.acts);
-            be.matmul(
-                &s.acts,
-                &mut [
-                    MatmulJob { weight: model.weight(&l.w_gate), out: &mut s.gate },
-                    MatmulJob { weight: model.weight(&l.w_up), out: &mut s.up },
-                ],
-            );
-            be.swiglu(&s.gate, &s.up, &mut s.ffn);
-            be.quantize(&s.ffn, n, c.ffn, &mut s.acts);
-            be.matmul(
-                &s.acts,
-                &mut [MatmulJob { weight: model.weight(&l.w_down), out: &mut s.proj }],
-            );
-            be.add_assign(&mut s.x, &s.proj);
-        }
-
-        let m = logit_tokens.len();
-        fit(&mut s.logits, m * c.vocab);
-        if m == 0 {
-            return;
-        }
-        // Only the rows whose logits were asked for go through the output head.
-        let mut sel = std::mem::take(&mut s.proj);
-        fit(&mut sel, m * d);
-        for (r, &t) in logit_tokens.iter().enumerate() {
-            sel[r * d..(r + 1) * d].copy_from_slice(&s.x[t * d..(t + 1) * d]);
-        }
-        fit(&mut s.xn, m * d);
-        be.rms_norm(&sel, &model.output_norm, c.rms_eps, &mut s.xn);
-        be.quantize(&s.xn, m, d, &mut s.acts);
-        be.matmul(
-            &s.acts,
-            &mut [MatmulJob { weight: model.weight(&model.output), out: &mut s.logits }],
-        );
-        s.proj = sel;
+        let batch = Batch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            owner: &owner,
+            phases: &phases,
+            logit_tokens: &logit_tokens,
+        };
+        let data = self.device.forward(&self.kv, &batch, on_layer);
+        self.logit_rows = logit_rows;
+        Ok(StepLogits { data, vocab: self.model.config.vocab, rows: &self.logit_rows })
     }
 }

@@ -116,7 +116,8 @@ impl TensorInfo {
 
 /// An opened GGUF file: parsed header and tables over the mapped bytes.
 pub struct GgufFile {
-    map: Bytes,
+    /// Shared: the weights views the backends compute with keep the file alive.
+    map: std::sync::Arc<Bytes>,
     pub version: u32,
     pub alignment: u64,
     pub metadata: BTreeMap<String, Value>,
@@ -145,6 +146,12 @@ impl Bytes {
             Bytes::Mapped(m) => m,
             Bytes::Owned(v) => v,
         }
+    }
+}
+
+impl AsRef<[u8]> for Bytes {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice()
     }
 }
 
@@ -304,12 +311,19 @@ impl GgufFile {
                 size: size as usize,
             });
         }
+        let map = std::sync::Arc::new(map);
         Ok(Self { map, version, alignment, metadata, tensors, by_name })
     }
 
     /// The whole file.
     pub fn bytes(&self) -> &[u8] {
         self.map.as_slice()
+    }
+
+    /// `range` of the file's bytes, shared: it keeps the file mapped while it lives.
+    pub fn shared(&self, range: std::ops::Range<usize>) -> Option<pdmesh_kernels::SharedBytes> {
+        let owner: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync> = self.map.clone();
+        pdmesh_kernels::SharedBytes::new(owner, range)
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {

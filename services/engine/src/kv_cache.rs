@@ -1,10 +1,11 @@
-//! The paged KV cache: a block pool, one allocator with reference counts (so sequences can share
-//! a prefix's blocks), and per-sequence block tables. Every block is handed out and returned
+//! The paged KV cache's bookkeeping: one allocator with reference counts over the pool's blocks
+//! (so sequences can share a prefix's blocks), and per-sequence block tables. The blocks' memory
+//! belongs to the backend. Every block is handed out and returned
 //! through `BlockAllocator`, whose free count tests assert to prove nothing leaks.
 
 use std::collections::HashMap;
 
-use pdmesh_kernels::{KvBuffer, KvGeometry, KvSlot};
+use pdmesh_kernels::{KvGeometry, KvSlot, KvStorage};
 
 use crate::error::{Error, Result};
 
@@ -78,10 +79,12 @@ pub(crate) struct Sequence {
     pub len: usize,
 }
 
-/// KV memory plus the bookkeeping of which sequence owns which blocks.
+/// The bookkeeping of a paged KV pool: which sequence owns which blocks, and how many of its
+/// tokens they hold. The pool's memory is the backend's (`KvStorage`); what needs it takes it
+/// as an argument, and `KvView` pairs the two for readers.
 #[derive(Debug)]
 pub struct KvCache {
-    pub(crate) buffer: KvBuffer,
+    geometry: KvGeometry,
     pub(crate) alloc: BlockAllocator,
     pub(crate) seqs: HashMap<SeqId, Sequence>,
     next_id: u64,
@@ -92,16 +95,16 @@ impl KvCache {
         if n_blocks == 0 || n_blocks > u32::MAX as usize {
             return Err(Error::KvAlloc(format!("{n_blocks} blocks is out of range")));
         }
-        let buffer = KvBuffer::new(geometry, n_blocks).map_err(Error::KvAlloc)?;
-        Ok(Self { buffer, alloc: BlockAllocator::new(n_blocks), seqs: HashMap::new(), next_id: 0 })
+        Ok(Self {
+            geometry,
+            alloc: BlockAllocator::new(n_blocks),
+            seqs: HashMap::new(),
+            next_id: 0,
+        })
     }
 
     pub fn geometry(&self) -> &KvGeometry {
-        self.buffer.geometry()
-    }
-
-    pub fn buffer(&self) -> &KvBuffer {
-        &self.buffer
+        &self.geometry
     }
 
     /// The pool block of the sequence's `index`-th block.
@@ -111,29 +114,6 @@ impl KvCache {
             Error::invalid(format!("sequence {id} has {} blocks, not {}", blocks.len(), index + 1))
         })?;
         Ok(b as usize)
-    }
-
-    /// Appends the bytes of the sequence's `index`-th block to `out`.
-    pub fn read_block(&self, id: SeqId, index: usize, out: &mut Vec<u8>) -> Result<()> {
-        let b = self.block(id, index)?;
-        self.buffer.read_block_bytes(b, out);
-        Ok(())
-    }
-
-    /// Appends layer `layer`'s part of the sequence's `index`-th block to `out`.
-    pub fn read_block_layer(
-        &self,
-        id: SeqId,
-        index: usize,
-        layer: usize,
-        out: &mut Vec<u8>,
-    ) -> Result<()> {
-        let b = self.block(id, index)?;
-        if layer >= self.buffer.geometry().layers {
-            return Err(Error::invalid(format!("layer {layer} is past the model's layers")));
-        }
-        self.buffer.read_layer_bytes(b, layer, out);
-        Ok(())
     }
 
     pub fn free_blocks(&self) -> usize {
@@ -198,7 +178,7 @@ impl KvCache {
         if n == 0 {
             return 0;
         }
-        let bs = self.geometry().block_size;
+        let bs = self.geometry.block_size;
         let fresh = (s.len + n).div_ceil(bs).saturating_sub(s.blocks.len());
         let cow = usize::from(
             !s.len.is_multiple_of(bs)
@@ -207,21 +187,27 @@ impl KvCache {
         fresh + cow
     }
 
-    /// Reserves room for `n` more tokens of `id` and returns where each goes. The sequence's
-    /// length advances; the caller must write the KV of those slots.
-    pub fn append(&mut self, id: SeqId, n: usize) -> Result<Vec<KvSlot>> {
+    /// Reserves room for `n` more tokens of `id` and returns where each goes (copying a shared
+    /// partial block in `store` first). The sequence's length advances; the caller must write
+    /// the KV of those slots.
+    pub fn append(
+        &mut self,
+        id: SeqId,
+        n: usize,
+        store: &mut dyn KvStorage,
+    ) -> Result<Vec<KvSlot>> {
         let s = self.seq(id)?;
         let needed = self.needed(s, n);
         if needed > self.alloc.free_count() {
             return Err(Error::KvExhausted { needed, free: self.alloc.free_count() });
         }
-        let bs = self.geometry().block_size;
+        let bs = self.geometry.block_size;
         let mut s = self.seqs.remove(&id).expect("sequence checked above");
         if n > 0 && !s.len.is_multiple_of(bs) {
             let last = *s.blocks.last().expect("a partial block exists");
             if self.alloc.refcount(last) > 1 {
                 let fresh = self.alloc.alloc().expect("counted in `needed`");
-                self.buffer.copy_block(last as usize, fresh as usize);
+                store.copy_block(last as usize, fresh as usize);
                 self.alloc.release(last);
                 *s.blocks.last_mut().expect("non-empty") = fresh;
             }
@@ -239,16 +225,94 @@ impl KvCache {
     }
 }
 
+/// The KV of the pool's sequences, for reading: the bookkeeping with the backend's memory.
+#[derive(Clone, Copy)]
+pub struct KvView<'a> {
+    cache: &'a KvCache,
+    store: &'a dyn KvStorage,
+}
+
+impl std::fmt::Debug for KvView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvView").field("cache", self.cache).finish_non_exhaustive()
+    }
+}
+
+impl<'a> KvView<'a> {
+    pub fn new(cache: &'a KvCache, store: &'a dyn KvStorage) -> Self {
+        Self { cache, store }
+    }
+
+    pub fn geometry(&self) -> &KvGeometry {
+        self.cache.geometry()
+    }
+
+    pub fn len(&self, id: SeqId) -> Result<usize> {
+        self.cache.len(id)
+    }
+
+    pub fn blocks(&self, id: SeqId) -> Result<&'a [u32]> {
+        self.cache.blocks(id)
+    }
+
+    /// Appends the bytes of the sequence's `index`-th block to `out`.
+    pub fn read_block(&self, id: SeqId, index: usize, out: &mut Vec<u8>) -> Result<()> {
+        self.store.read_block(self.cache.block(id, index)?, out);
+        Ok(())
+    }
+
+    /// Appends layer `layer`'s part of the sequence's `index`-th block to `out`.
+    pub fn read_block_layer(
+        &self,
+        id: SeqId,
+        index: usize,
+        layer: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        let b = self.cache.block(id, index)?;
+        if layer >= self.geometry().layers {
+            return Err(Error::invalid(format!("layer {layer} is past the model's layers")));
+        }
+        self.store.read_layer(b, layer, out);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pdmesh_kernels::KvDtype;
+    use pdmesh_kernels::{KvBuffer, KvDtype};
     use rand::{Rng, SeedableRng};
 
-    fn cache(blocks: usize) -> KvCache {
+    /// The bookkeeping with a host pool for its copies.
+    struct Cache {
+        c: KvCache,
+        store: KvBuffer,
+    }
+
+    impl std::ops::Deref for Cache {
+        type Target = KvCache;
+        fn deref(&self) -> &KvCache {
+            &self.c
+        }
+    }
+
+    impl std::ops::DerefMut for Cache {
+        fn deref_mut(&mut self) -> &mut KvCache {
+            &mut self.c
+        }
+    }
+
+    impl Cache {
+        fn append(&mut self, id: SeqId, n: usize) -> Result<Vec<KvSlot>> {
+            self.c.append(id, n, &mut self.store)
+        }
+    }
+
+    fn cache(blocks: usize) -> Cache {
         let g =
             KvGeometry { layers: 1, kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F32 };
-        KvCache::new(g, blocks).unwrap()
+        Cache { c: KvCache::new(g, blocks).unwrap(), store: KvBuffer::new(g, blocks).unwrap() }
     }
 
     #[test]

@@ -16,6 +16,7 @@ pub mod gguf;
 pub mod kv_cache;
 pub mod model;
 pub mod runner;
+mod runtime;
 pub mod sampler;
 pub mod scheduler;
 pub mod settings;
@@ -26,10 +27,10 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
 pub use connector::{KvConnector, NoConnector, Release, Saved};
-pub use engine::{Engine, EngineConfig, Logits, StepItem, StepLogits};
+pub use engine::{BackendKind, Engine, EngineConfig, Logits, StepItem, StepLogits};
 pub use error::{Error, ErrorClass, Result};
 pub use generate::{Generation, generate, generate_batch};
-pub use kv_cache::{BlockAllocator, KvCache, SeqId};
+pub use kv_cache::{BlockAllocator, KvCache, KvView, SeqId};
 pub use model::{Model, ModelConfig};
 pub use pdmesh_kernels::Phase;
 pub use runner::{
@@ -38,7 +39,7 @@ pub use runner::{
 };
 pub use sampler::{Sampler, SamplingParams};
 pub use scheduler::{Scheduled, Scheduler, Work};
-pub use settings::EngineSettings;
+pub use settings::{BackendName, EngineSettings};
 pub use text::{Piece, Pushed, TextStream};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use pdmesh_kernels::{KvDtype, KvGeometry, WeightMatrix, WeightType};
+use pdmesh_kernels::{HostWeight, KvDtype, KvGeometry, WeightMatrix, WeightType};
 use pdmesh_kv_types::{KvLayout, KvShape};
 
 use crate::error::{Error, Result};
@@ -226,6 +226,12 @@ impl Model {
             model_fingerprint: self.fingerprint,
             geometry: self.config.kv_geometry(block_size, dtype),
         }
+    }
+
+    /// A weight as a backend takes it: a view that shares (and keeps alive) the file's bytes.
+    pub fn host_weight(&self, w: &WeightRef) -> HostWeight {
+        let bytes = self.gguf.shared(w.offset..w.offset + w.size).expect("checked at load");
+        HostWeight::new(w.ty, w.rows, w.cols, bytes).expect("shapes checked at load")
     }
 
     /// A view of a weight's bytes.

@@ -449,7 +449,7 @@ impl BatchRunner {
                 }
             }
         }
-        connector.save(engine.kv(), &saved);
+        connector.save(&engine.kv_view(), &saved);
         for (id, end) in ends {
             out.extend(self.leave(engine, connector, id, end));
         }
@@ -542,7 +542,7 @@ impl BatchRunner {
                 out.push(Output { id, event: Event::Delta(tail) });
             }
         }
-        let kept = slot.seq.and_then(|seq| match connector.finished(id, seq, engine.kv()) {
+        let kept = slot.seq.and_then(|seq| match connector.finished(id, seq, &engine.kv_view()) {
             Release::Free => {
                 engine.free_sequence(seq).expect("the runner's sequences exist");
                 None

@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use super::*;
 use crate::connector::NoConnector;
 use crate::engine::EngineConfig;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::KvView;
 use crate::testing::TinyModel;
 
 fn engine(model: &std::sync::Arc<Model>) -> Engine {
@@ -39,7 +39,7 @@ struct Export {
 }
 
 impl KvConnector for Export {
-    fn finished(&mut self, id: u64, seq: SeqId, kv: &KvCache) -> Release {
+    fn finished(&mut self, id: u64, seq: SeqId, kv: &KvView<'_>) -> Release {
         let n = kv.blocks(seq).expect("live").len();
         let blocks = (0..n)
             .map(|i| {

@@ -11,11 +11,41 @@ use crate::engine::{Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::model::Model;
 
+/// The backend a config file names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendName {
+    /// The host CPU, with the best kernels it supports.
+    #[default]
+    Cpu,
+}
+
+impl std::str::FromStr for BackendName {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "cpu" => Ok(BackendName::Cpu),
+            "cuda" => Err("backend \"cuda\": this build has no CUDA backend yet (cpu only)".into()),
+            other => Err(format!("unknown backend {other:?} (expected cpu)")),
+        }
+    }
+}
+
+impl std::fmt::Display for BackendName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendName::Cpu => "cpu",
+        })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSettings {
     /// A llama-architecture GGUF.
     pub model: PathBuf,
+    /// What computes: "cpu".
+    pub backend: BackendName,
     /// Compute threads (0 = one per core).
     pub threads: usize,
     /// KV element type: "f16" or "f32".
@@ -33,6 +63,7 @@ impl Default for EngineSettings {
         let d = EngineConfig::default();
         Self {
             model: PathBuf::from(crate::DEFAULT_MODEL_PATH),
+            backend: BackendName::Cpu,
             threads: d.threads,
             kv_dtype: d.kv_dtype.name().into(),
             block_size: d.block_size,
@@ -55,7 +86,9 @@ impl EngineSettings {
             kv_dtype,
             kv_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
-            simd: None,
+            backend: match self.backend {
+                BackendName::Cpu => crate::engine::BackendKind::Cpu { simd: None },
+            },
         };
         c.validate().map_err(|e| Error::invalid(format!("engine: {e}")))?;
         Ok(c)

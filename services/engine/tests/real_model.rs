@@ -26,8 +26,13 @@ fn model() -> Arc<Model> {
 }
 
 fn engine(threads: usize, simd: Option<Simd>) -> Engine {
-    let cfg =
-        EngineConfig { threads, kv_blocks: 128, max_batch_tokens: 256, simd, ..Default::default() };
+    let cfg = EngineConfig {
+        threads,
+        kv_blocks: 128,
+        max_batch_tokens: 256,
+        backend: pdmesh_engine::BackendKind::Cpu { simd },
+        ..Default::default()
+    };
     Engine::new(model(), cfg).unwrap()
 }
 

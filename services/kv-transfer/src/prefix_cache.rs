@@ -28,6 +28,15 @@ use tonic::transport::Endpoint;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
+/// Why a prefix cache cannot be made.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    #[error("the KV layout has no block size")]
+    NoBlockSize,
+    #[error("kvstore address {address:?}: {source}")]
+    Address { address: String, source: tonic::transport::Error },
+}
+
 /// What a lookup found: the prompt's chain (full blocks) and the cached prefix's bytes.
 #[derive(Debug, Default)]
 pub struct Lookup {
@@ -103,8 +112,8 @@ impl PrefixCache {
         store: Option<&str>,
         timeout: Duration,
         ucx: Option<UcxNode>,
-    ) -> Result<Option<Self>, String> {
-        let hasher = BlockHasher::new(&layout).ok_or("the KV layout has no block size")?;
+    ) -> Result<Option<Self>, CacheError> {
+        let hasher = BlockHasher::new(&layout).ok_or(CacheError::NoBlockSize)?;
         let bytes_per_block = layout.bytes_per_block();
         let local = usize::try_from(local_bytes / bytes_per_block as u64)
             .ok()
@@ -113,7 +122,7 @@ impl PrefixCache {
         let store = match store {
             Some(address) => {
                 let ep = Endpoint::from_shared(format!("http://{address}"))
-                    .map_err(|e| format!("kvstore address {address:?}: {e}"))?
+                    .map_err(|source| CacheError::Address { address: address.into(), source })?
                     .connect_timeout(timeout)
                     .tcp_nodelay(true);
                 let client = KvStoreClient::new(pdmesh_common::trace::channel(ep.connect_lazy()))

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 
 use bytes::Bytes;
-use pdmesh_engine::{Engine, KvCache, KvConnector, Release, Saved, SeqId};
+use pdmesh_engine::{Engine, KvConnector, KvView, Release, Saved, SeqId};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -51,6 +51,15 @@ impl std::str::FromStr for PushMode {
             other => Err(format!("unknown kv_push {other:?} (expected layer, chunk or prompt)")),
         }
     }
+}
+
+/// Why a push job is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PushError {
+    #[error("{cached} cached blocks leave nothing of a {prompt_len}-token prompt to compute")]
+    NothingToCompute { cached: usize, prompt_len: usize },
+    #[error("cached block {index} has {got} bytes, a block is {want}")]
+    BlockSize { index: usize, got: usize, want: usize },
 }
 
 /// One prompt's push.
@@ -125,18 +134,15 @@ impl PushConnector {
         prompt_len: usize,
         job: PushJob,
         block_bytes: usize,
-    ) -> Result<(), String> {
-        if job.cached.len() * self.block_size >= prompt_len {
-            return Err(format!(
-                "{} cached blocks leave nothing of a {prompt_len}-token prompt to compute",
-                job.cached.len()
-            ));
+    ) -> Result<(), PushError> {
+        let cached = job.cached.len();
+        if cached * self.block_size >= prompt_len {
+            return Err(PushError::NothingToCompute { cached, prompt_len });
         }
-        if let Some((i, b)) = job.cached.iter().enumerate().find(|(_, b)| b.len() != block_bytes) {
-            return Err(format!(
-                "cached block {i} has {} bytes, a block is {block_bytes}",
-                b.len()
-            ));
+        if let Some((index, b)) =
+            job.cached.iter().enumerate().find(|(_, b)| b.len() != block_bytes)
+        {
+            return Err(PushError::BlockSize { index, got: b.len(), want: block_bytes });
         }
         let blocks = prompt_len.div_ceil(self.block_size);
         let cached_blocks = job.cached.len();
@@ -169,7 +175,7 @@ impl PushConnector {
     }
 }
 
-fn read_blocks(kv: &KvCache, seq: SeqId, blocks: std::ops::Range<usize>, out: &mut Vec<u8>) {
+fn read_blocks(kv: &KvView<'_>, seq: SeqId, blocks: std::ops::Range<usize>, out: &mut Vec<u8>) {
     for i in blocks {
         kv.read_block(seq, i, out).expect("blocks of a live sequence");
     }
@@ -190,7 +196,7 @@ impl KvConnector for PushConnector {
         Ok(())
     }
 
-    fn save_layer(&mut self, layer: usize, kv: &KvCache, batch: &[Saved]) {
+    fn save_layer(&mut self, layer: usize, kv: &KvView<'_>, batch: &[Saved]) {
         for s in batch {
             let Some(a) = self.jobs.get(&s.id) else { continue };
             let ready = self.ready(a, s);
@@ -208,7 +214,7 @@ impl KvConnector for PushConnector {
         }
     }
 
-    fn save(&mut self, kv: &KvCache, batch: &[Saved]) {
+    fn save(&mut self, kv: &KvView<'_>, batch: &[Saved]) {
         for s in batch {
             let Some(a) = self.jobs.get(&s.id) else { continue };
             let ready = self.ready(a, s);
@@ -238,7 +244,7 @@ impl KvConnector for PushConnector {
         }
     }
 
-    fn finished(&mut self, id: u64, seq: SeqId, kv: &KvCache) -> Release {
+    fn finished(&mut self, id: u64, seq: SeqId, kv: &KvView<'_>) -> Release {
         let Some(a) = self.jobs.remove(&id) else { return Release::Free };
         let mut computed_blocks = Vec::new();
         if a.job.publish {

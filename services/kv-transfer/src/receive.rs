@@ -7,7 +7,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use pdmesh_engine::{Engine, KvCache, KvConnector, Release, SeqId};
+use pdmesh_engine::{Engine, KvConnector, KvView, Release, SeqId};
 
 /// Why KV could not be taken in.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -243,7 +243,7 @@ impl KvConnector for Receiver {
         }
     }
 
-    fn finished(&mut self, id: u64, _seq: SeqId, _kv: &KvCache) -> Release {
+    fn finished(&mut self, id: u64, _seq: SeqId, _kv: &KvView<'_>) -> Release {
         self.forget(id)
     }
 }
@@ -293,7 +293,7 @@ mod tests {
         r.write(1, t, 2, &data[2 * bpb..], &mut e).expect("the tail block");
         r.end(1, t, 3, &sums, &e).expect("complete and verified");
         assert_eq!(r.available(1, &[0; 10]), Some(10));
-        assert_eq!(r.finished(1, seq, e.kv()), Release::Free);
+        assert_eq!(r.finished(1, seq, &e.kv_view()), Release::Free);
         assert_eq!(r.available(1, &[0; 10]), Some(0), "forgotten");
     }
 
@@ -340,7 +340,7 @@ mod tests {
         r.begin(4, t, true, &mut e).expect("begin");
         r.end(4, t, 2, &[], &e).expect("committed: every put has landed");
         assert!(!r.session_open(4));
-        assert_eq!(r.finished(4, seq, e.kv()), Release::Free);
+        assert_eq!(r.finished(4, seq, &e.kv_view()), Release::Free);
         assert!(!r.writer_closed(4), "it had committed");
         // A session that ends before its commit broke the transfer.
         let seq = e.create_sequence();

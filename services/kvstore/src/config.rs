@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use pdmesh_common::InvalidConfig;
 use pdmesh_kv_transfer::TransportKind;
 use serde::{Deserialize, Serialize};
 
@@ -53,17 +54,20 @@ impl Default for KvStoreConfig {
 }
 
 impl KvStoreConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
         if self.lease_ms == 0 || self.lease_ms > self.max_lease_ms {
-            return Err(format!(
-                "lease_ms must be in 1..=max_lease_ms ({}), got {}",
+            let why = format!(
+                "must be in 1..=max_lease_ms ({}), got {}",
                 self.max_lease_ms, self.lease_ms
-            ));
+            );
+            return Err(InvalidConfig::new("lease_ms", why));
         }
         if self.block_size == 0 {
-            return Err("block_size must be at least 1".into());
+            return Err(InvalidConfig::new("block_size", "must be at least 1"));
         }
-        self.kv_dtype.parse::<pdmesh_kv_types::KvDtype>()?;
+        self.kv_dtype
+            .parse::<pdmesh_kv_types::KvDtype>()
+            .map_err(|e| InvalidConfig::new("kv_dtype", e))?;
         Ok(())
     }
 }

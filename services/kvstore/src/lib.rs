@@ -5,11 +5,13 @@
 //! ideal hit rate.
 
 pub mod config;
+pub mod error;
 pub mod service;
 pub mod store;
 pub mod trace;
 
 pub use config::KvStoreConfig;
+pub use error::StartError;
 pub use service::KvStoreService;
 pub use store::{Matched, PutSlot, Store, StoreStats};
 
@@ -27,22 +29,21 @@ pub async fn run(
     listener: TcpListener,
     metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send,
-) -> Result<(), String> {
+) -> Result<(), StartError> {
     config.validate()?;
-    let bound = listener.local_addr().map_err(|e| e.to_string())?;
+    let bound = listener.local_addr().map_err(StartError::Listener)?;
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("kvstore@{bound}"));
     // The layout is the model's fingerprint and shape with the mesh's block size and dtype,
     // exactly as the workers compute it; no engine is needed to know it.
-    let dtype: pdmesh_kv_types::KvDtype = config.kv_dtype.parse()?;
+    let dtype: pdmesh_kv_types::KvDtype =
+        config.kv_dtype.parse().map_err(|e| pdmesh_common::InvalidConfig::new("kv_dtype", e))?;
     let (model, block_size) = (config.model.clone(), config.block_size);
     let layout = tokio::task::spawn_blocking(move || pdmesh_engine::Model::load(&model))
-        .await
-        .map_err(|e| format!("loading the model: {e}"))?
-        .map(|m| m.kv_layout(block_size, dtype))
-        .map_err(|e| format!("loading the model: {e}"))?;
-    let budget = usize::try_from(config.budget_bytes).map_err(|_| "budget_bytes is too large")?;
-    let ucx =
-        config.kv_transport.start_ucx(&node_id).map_err(|e| format!("kv_transport = ucx: {e}"))?;
+        .await??
+        .kv_layout(block_size, dtype);
+    let budget = usize::try_from(config.budget_bytes)
+        .map_err(|_| pdmesh_common::InvalidConfig::new("budget_bytes", "is too large"))?;
+    let ucx = config.kv_transport.start_ucx(&node_id)?;
     let service = KvStoreService::new(
         &node_id,
         layout,
@@ -68,8 +69,8 @@ pub async fn run(
         shutdown,
         Duration::from_millis(config.drain_ms),
     )
-    .await
-    .map_err(|e| format!("serving: {e}"))
+    .await?;
+    Ok(())
 }
 
 /// The store's stats as Prometheus families.

@@ -21,6 +21,7 @@ use pdmesh_proto::v1::{
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::error::StartError;
 use crate::store::{PutSlot, Store};
 
 /// Most hashes one Match may carry (a 128k-token prompt in 16-token blocks is 8,192).
@@ -66,17 +67,15 @@ impl KvStoreService {
         default_lease: Duration,
         max_lease: Duration,
         ucx: Option<UcxNode>,
-    ) -> Result<Self, String> {
-        layout.validate()?;
+    ) -> Result<Self, StartError> {
+        layout.validate().map_err(StartError::Layout)?;
         let block_bytes = layout.bytes_per_block();
         let store = Store::new(budget_bytes, block_bytes, layout.block_size());
         let len = store.capacity() * block_bytes;
-        let pool = HostMemory::zeroed(len)?;
+        let pool = HostMemory::zeroed(len).map_err(StartError::Pool)?;
         let (ucx, region) = match ucx {
             Some(node) if len > 0 => {
-                let region = node
-                    .register(&pool.region())
-                    .map_err(|e| format!("registering the pool with UCX: {e}"))?;
+                let region = node.register(&pool.region())?;
                 let u = UcxPool {
                     worker: node.address().clone(),
                     rkey: region.rkey().clone(),

@@ -1,5 +1,6 @@
 //! The prefill node's config: defaults → TOML file → `PDMESH_PREFILL_*` → flags.
 
+use pdmesh_common::InvalidConfig;
 use pdmesh_engine::EngineSettings;
 use pdmesh_kv_transfer::{PushMode, TransportKind};
 
@@ -78,17 +79,18 @@ impl Default for PrefillConfig {
 }
 
 impl PrefillConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
         if self.max_running == 0 {
-            return Err("max_running must be at least 1".into());
+            return Err(InvalidConfig::new("max_running", "must be at least 1"));
         }
         if self.blocks_per_message == 0 || self.blocks_per_message > 64 {
-            return Err(format!(
-                "blocks_per_message must be in 1..=64, got {}",
-                self.blocks_per_message
+            let got = self.blocks_per_message;
+            return Err(InvalidConfig::new(
+                "blocks_per_message",
+                format!("must be in 1..=64, got {got}"),
             ));
         }
-        self.engine.engine_config().map_err(|e| e.to_string())?;
+        self.engine.engine_config().map_err(|e| InvalidConfig::new("engine", e.to_string()))?;
         Ok(())
     }
 }

@@ -168,7 +168,9 @@ impl PrefillCore {
             pieces,
         };
         let bpb = self.engine.kv().geometry().bytes_per_block();
-        self.push.add(id, job.prompt.len(), push, bpb).map_err(PrefillError::Invalid)?;
+        self.push
+            .add(id, job.prompt.len(), push, bpb)
+            .map_err(|e| PrefillError::Invalid(e.to_string()))?;
         let spec = SeqSpec {
             prompt: job.prompt,
             params: GenerateParams { sampling: job.sampling, max_tokens: 1, ..Default::default() },

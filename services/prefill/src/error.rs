@@ -41,7 +41,7 @@ pub fn to_status(e: &PrefillError, node: &str) -> Status {
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
     #[error("invalid config: {0}")]
-    Config(String),
+    Config(#[from] pdmesh_common::InvalidConfig),
     #[error("the listener: {0}")]
     Listener(#[source] std::io::Error),
     #[error("loading the engine: {0}")]
@@ -51,7 +51,7 @@ pub enum StartError {
     #[error("kv_transport = ucx: {0}")]
     Ucx(#[from] pdmesh_kv_transfer::ucx::UcxError),
     #[error("the prefix cache: {0}")]
-    Cache(String),
+    Cache(#[from] pdmesh_kv_transfer::CacheError),
     #[error("starting the engine thread: {0}")]
     Thread(#[source] std::io::Error),
     #[error("serving: {0}")]

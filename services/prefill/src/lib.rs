@@ -35,7 +35,7 @@ pub async fn run(
     metrics: Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), StartError> {
-    config.validate().map_err(StartError::Config)?;
+    config.validate()?;
     let bound = listener.local_addr().map_err(StartError::Listener)?;
     let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("prefill@{address}"));
@@ -70,8 +70,7 @@ pub async fn run(
         config.kvstore.as_deref(),
         Duration::from_millis(config.kvstore_timeout_ms),
         ucx.clone(),
-    )
-    .map_err(StartError::Cache)?
+    )?
     .map(Arc::new);
     let cache_blocks = cache.as_ref().map_or(0, |c| c.local_capacity());
     metrics.register_snapshot({

@@ -411,7 +411,8 @@ impl Attempt<'_> {
 
 /// The shared channel to `node`.
 fn channel(mesh: &Mesh, node: &Node) -> Result<trace::Channel, Failure> {
-    mesh.channel(&node.address).map_err(|e| Failure::lost(&node.id, e))
+    mesh.channel(&node.address)
+        .map_err(|e| Failure::lost(&node.id, format!("bad address {}: {e}", node.address)))
 }
 
 /// The id of the first of `watched` (a request's one or two nodes) to leave the mesh.

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use pdmesh_common::InvalidConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::placement::PrefillPolicy;
@@ -71,15 +72,16 @@ impl Default for RouterConfig {
 }
 
 impl RouterConfig {
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidConfig> {
         if self.max_in_flight == 0 {
-            return Err("max_in_flight must be at least 1".into());
+            return Err(InvalidConfig::new("max_in_flight", "must be at least 1"));
         }
         if self.heartbeat_interval_ms == 0 || self.node_ttl_ms <= self.heartbeat_interval_ms {
-            return Err(format!(
-                "node_ttl_ms ({}) must exceed heartbeat_interval_ms ({}), which must be > 0",
+            let why = format!(
+                "{} must exceed heartbeat_interval_ms ({}), which must be > 0",
                 self.node_ttl_ms, self.heartbeat_interval_ms
-            ));
+            );
+            return Err(InvalidConfig::new("node_ttl_ms", why));
         }
         for (name, v) in [
             ("request_timeout_ms", self.request_timeout_ms),
@@ -89,7 +91,7 @@ impl RouterConfig {
             ("lease_ms", u64::from(self.lease_ms)),
         ] {
             if v == 0 {
-                return Err(format!("{name} must be at least 1"));
+                return Err(InvalidConfig::new(name, "must be at least 1"));
             }
         }
         Ok(())

@@ -64,7 +64,7 @@ impl From<RequestError> for Status {
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {
     #[error("invalid config: {0}")]
-    Config(String),
+    Config(#[from] pdmesh_common::InvalidConfig),
     #[error("loading the model: {0}")]
     Model(#[from] pdmesh_engine::Error),
     #[error("serving: {0}")]

@@ -40,12 +40,13 @@ pub async fn run(
     metrics: pdmesh_common::metrics::Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RouterError> {
-    config.validate().map_err(RouterError::Config)?;
+    config.validate()?;
     if !config.model.exists() {
-        return Err(RouterError::Config(format!(
-            "model: {} not found (run `just fetch-model` or set the path)",
+        let problem = format!(
+            "{} not found (run `just fetch-model` or set the path)",
             config.model.display()
-        )));
+        );
+        return Err(pdmesh_common::InvalidConfig::new("model", problem).into());
     }
     let model = Arc::new(Model::load(&config.model)?);
     let drain = Duration::from_millis(config.drain_ms);

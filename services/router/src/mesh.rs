@@ -50,13 +50,12 @@ impl Mesh {
     }
 
     /// A lazily connected channel to `address`, shared by every request to that node.
-    pub fn channel(&self, address: &str) -> Result<Channel, String> {
+    pub fn channel(&self, address: &str) -> Result<Channel, tonic::transport::Error> {
         let mut map = self.channels.lock().expect("channel map lock is never poisoned");
         if let Some(c) = map.get(address) {
             return Ok(c.clone());
         }
-        let c = Endpoint::from_shared(format!("http://{address}"))
-            .map_err(|e| format!("bad node address {address}: {e}"))?
+        let c = Endpoint::from_shared(format!("http://{address}"))?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))

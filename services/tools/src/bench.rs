@@ -128,7 +128,7 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     let mut engine = ea.engine()?;
     let rss_loaded = rss_bytes("VmRSS:").unwrap_or(0);
     let model_bytes = engine.model().file_size();
-    let kv_bytes = engine.kv().buffer().size_bytes();
+    let kv_bytes = engine.kv_bytes();
 
     // Prefill: one step with the whole prompt, logits for its last token only.
     let prompt = tokens(&engine, a.prompt_tokens)?;
@@ -199,13 +199,13 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
             "rss_after_load_bytes": rss_loaded,
             "model_file_bytes": model_bytes,
             "kv_pool_bytes": kv_bytes,
-            "backend": engine.backend().describe(),
+            "backend": engine.describe_backend(),
             "prompt_tokens": a.prompt_tokens,
             "decode_tokens": a.decode_tokens,
         });
         println!("{obj}");
     } else {
-        println!("backend            {}", engine.backend().describe());
+        println!("backend            {}", engine.describe_backend());
         println!(
             "prefill            {prefill_tok_s:>9.1} tok/s  ({}-token prompt)",
             a.prompt_tokens

@@ -1,0 +1,263 @@
+//! The llama forward pass on one backend: the model's weights prepared for it, its KV pool and
+//! its scratch buffers, all in the backend's own memory types. `Runtime<B>` is generic (every
+//! kernel call is static), and the engine holds it as a `Device` trait object chosen from its
+//! config, so nothing above this file names a backend.
+
+use std::sync::Arc;
+
+use pdmesh_kernels::{AttnQuery, Backend, KvGeometry, KvSlot, KvStorage, MatmulJob, Phase};
+
+use crate::error::{Error, Result};
+use crate::kv_cache::{KvCache, KvView, SeqId};
+use crate::model::Model;
+
+/// One step's tokens, in the order the step items listed them.
+#[derive(Debug)]
+pub(crate) struct Batch<'a> {
+    pub tokens: &'a [u32],
+    pub positions: &'a [usize],
+    pub slots: &'a [KvSlot],
+    pub owner: &'a [SeqId],
+    pub phases: &'a [Phase],
+    /// Indexes (into `tokens`) of the tokens whose logits are wanted.
+    pub logit_tokens: &'a [usize],
+}
+
+/// A backend with its KV pool and the model's weights: what the engine runs steps on.
+pub(crate) trait Device: Send + std::fmt::Debug {
+    fn describe(&self) -> String;
+    fn store(&self) -> &dyn KvStorage;
+    fn store_mut(&mut self) -> &mut dyn KvStorage;
+    /// Computes `batch` (its KV already has slots in `cache`), calling `on_layer(l, kv)` as soon
+    /// as layer `l`'s KV is written; returns the wanted logits, row by row.
+    fn forward(
+        &mut self,
+        cache: &KvCache,
+        batch: &Batch<'_>,
+        on_layer: &mut dyn FnMut(usize, &KvView<'_>),
+    ) -> &[f32];
+}
+
+struct LayerWeights<B: Backend> {
+    attn_norm: B::Buffer,
+    wq: B::Weight,
+    wk: B::Weight,
+    wv: B::Weight,
+    wo: B::Weight,
+    ffn_norm: B::Buffer,
+    w_gate: B::Weight,
+    w_up: B::Weight,
+    w_down: B::Weight,
+}
+
+/// Reusable buffers, sized to the largest step seen.
+struct Scratch<B: Backend> {
+    x: B::Buffer,
+    xn: B::Buffer,
+    acts: B::Activations,
+    q: B::Buffer,
+    k: B::Buffer,
+    v: B::Buffer,
+    attn: B::Buffer,
+    proj: B::Buffer,
+    gate: B::Buffer,
+    up: B::Buffer,
+    ffn: B::Buffer,
+    cos: B::Buffer,
+    sin: B::Buffer,
+    sel: B::Buffer,
+    logits: B::Buffer,
+    /// Host side: the RoPE tables before upload, the logits after download.
+    host_cos: Vec<f32>,
+    host_sin: Vec<f32>,
+    host_logits: Vec<f32>,
+}
+
+/// The forward pass of one model on backend `B`.
+pub(crate) struct Runtime<B: Backend> {
+    backend: B,
+    model: Arc<Model>,
+    kv: B::Kv,
+    token_embd: B::Weight,
+    output: B::Weight,
+    output_norm: B::Buffer,
+    layers: Vec<LayerWeights<B>>,
+    scratch: Scratch<B>,
+    /// Ratio between the rotation angles of consecutive rotary pairs.
+    theta_scale: f32,
+}
+
+impl<B: Backend> std::fmt::Debug for Runtime<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").field("backend", &self.backend).finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> Runtime<B> {
+    /// Prepares `model`'s weights for `backend` and allocates a pool of `blocks` KV blocks.
+    pub fn new(backend: B, model: Arc<Model>, geometry: KvGeometry, blocks: usize) -> Result<Self> {
+        let kv = backend.kv(geometry, blocks).map_err(|e| Error::KvAlloc(e.to_string()))?;
+        let vector = |v: &[f32]| {
+            let mut b = backend.buffer();
+            backend.upload(v, &mut b);
+            b
+        };
+        let weight = |w| backend.weight(&model.host_weight(w));
+        let layers = model
+            .layers
+            .iter()
+            .map(|l| LayerWeights {
+                attn_norm: vector(&l.attn_norm),
+                wq: weight(&l.wq),
+                wk: weight(&l.wk),
+                wv: weight(&l.wv),
+                wo: weight(&l.wo),
+                ffn_norm: vector(&l.ffn_norm),
+                w_gate: weight(&l.w_gate),
+                w_up: weight(&l.w_up),
+                w_down: weight(&l.w_down),
+            })
+            .collect();
+        let scratch = Scratch {
+            x: backend.buffer(),
+            xn: backend.buffer(),
+            acts: backend.activations(),
+            q: backend.buffer(),
+            k: backend.buffer(),
+            v: backend.buffer(),
+            attn: backend.buffer(),
+            proj: backend.buffer(),
+            gate: backend.buffer(),
+            up: backend.buffer(),
+            ffn: backend.buffer(),
+            cos: backend.buffer(),
+            sin: backend.buffer(),
+            sel: backend.buffer(),
+            logits: backend.buffer(),
+            host_cos: Vec::new(),
+            host_sin: Vec::new(),
+            host_logits: Vec::new(),
+        };
+        let c = &model.config;
+        Ok(Self {
+            token_embd: weight(&model.token_embd),
+            output: weight(&model.output),
+            output_norm: vector(&model.output_norm),
+            layers,
+            scratch,
+            theta_scale: c.rope_base.powf(-2.0 / c.head_dim as f32),
+            kv,
+            backend,
+            model,
+        })
+    }
+}
+
+impl<B: Backend> Device for Runtime<B> {
+    fn describe(&self) -> String {
+        self.backend.describe()
+    }
+
+    fn store(&self) -> &dyn KvStorage {
+        &self.kv
+    }
+
+    fn store_mut(&mut self) -> &mut dyn KvStorage {
+        &mut self.kv
+    }
+
+    fn forward(
+        &mut self,
+        cache: &KvCache,
+        batch: &Batch<'_>,
+        on_layer: &mut dyn FnMut(usize, &KvView<'_>),
+    ) -> &[f32] {
+        let c = &self.model.config;
+        let be = &self.backend;
+        let s = &mut self.scratch;
+        let n = batch.tokens.len();
+        let (d, hd, qd) = (c.hidden, c.head_dim, c.heads * c.head_dim);
+        let kvd = c.kv_heads * hd;
+        let half = hd / 2;
+        be.resize(&mut s.x, n * d);
+        be.resize(&mut s.xn, n * d);
+        be.resize(&mut s.q, n * qd);
+        be.resize(&mut s.k, n * kvd);
+        be.resize(&mut s.v, n * kvd);
+        be.resize(&mut s.attn, n * qd);
+        be.resize(&mut s.proj, n * d);
+        be.resize(&mut s.gate, n * c.ffn);
+        be.resize(&mut s.up, n * c.ffn);
+        be.resize(&mut s.ffn, n * c.ffn);
+        s.host_cos.resize(n * half, 0.0);
+        s.host_sin.resize(n * half, 0.0);
+        for (t, &p) in batch.positions.iter().enumerate() {
+            // Angles by repeated multiplication, as llama.cpp computes them, so both round alike.
+            let mut theta = p as f32;
+            for i in 0..half {
+                s.host_cos[t * half + i] = theta.cos();
+                s.host_sin[t * half + i] = theta.sin();
+                theta *= self.theta_scale;
+            }
+        }
+        be.upload(&s.host_cos, &mut s.cos);
+        be.upload(&s.host_sin, &mut s.sin);
+
+        be.embed(&self.token_embd, batch.tokens, &mut s.x);
+
+        let queries: Vec<AttnQuery<'_>> = batch
+            .positions
+            .iter()
+            .zip(batch.owner)
+            .zip(batch.phases)
+            .map(|((&pos, id), &phase)| AttnQuery { pos, blocks: &cache.seqs[id].blocks, phase })
+            .collect();
+
+        for (li, l) in self.layers.iter().enumerate() {
+            be.rms_norm(&s.x, &l.attn_norm, c.rms_eps, &mut s.xn);
+            be.quantize(&s.xn, n, d, &mut s.acts);
+            be.matmul(
+                &s.acts,
+                &mut [
+                    MatmulJob { weight: &l.wq, out: &mut s.q },
+                    MatmulJob { weight: &l.wk, out: &mut s.k },
+                    MatmulJob { weight: &l.wv, out: &mut s.v },
+                ],
+            );
+            be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin);
+            be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin);
+            be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
+            on_layer(li, &KvView::new(cache, &self.kv));
+            be.attention(&self.kv, li, c.heads, &s.q, &queries, &mut s.attn);
+            be.quantize(&s.attn, n, qd, &mut s.acts);
+            be.matmul(&s.acts, &mut [MatmulJob { weight: &l.wo, out: &mut s.proj }]);
+            be.add_assign(&mut s.x, &s.proj);
+
+            be.rms_norm(&s.x, &l.ffn_norm, c.rms_eps, &mut s.xn);
+            be.quantize(&s.xn, n, d, &mut s.acts);
+            be.matmul(
+                &s.acts,
+                &mut [
+                    MatmulJob { weight: &l.w_gate, out: &mut s.gate },
+                    MatmulJob { weight: &l.w_up, out: &mut s.up },
+                ],
+            );
+            be.swiglu(&s.gate, &s.up, &mut s.ffn);
+            be.quantize(&s.ffn, n, c.ffn, &mut s.acts);
+            be.matmul(&s.acts, &mut [MatmulJob { weight: &l.w_down, out: &mut s.proj }]);
+            be.add_assign(&mut s.x, &s.proj);
+        }
+
+        let m = batch.logit_tokens.len();
+        be.resize(&mut s.logits, m * c.vocab);
+        if m > 0 {
+            // Only the rows whose logits were asked for go through the output head.
+            be.gather_rows(&s.x, batch.logit_tokens, d, &mut s.sel);
+            be.resize(&mut s.xn, m * d);
+            be.rms_norm(&s.sel, &self.output_norm, c.rms_eps, &mut s.xn);
+            be.quantize(&s.xn, m, d, &mut s.acts);
+            be.matmul(&s.acts, &mut [MatmulJob { weight: &self.output, out: &mut s.logits }]);
+        }
+        be.read(&s.logits, &mut s.host_logits)
+    }
+}
