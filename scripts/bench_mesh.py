@@ -64,6 +64,7 @@ def bench(args):
 
 
 def main():
+    global BIN
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per engine in part 1")
@@ -75,7 +76,10 @@ def main():
     ap.add_argument("--rate", type=float, default=0.4, help="long-prompt arrivals per second")
     ap.add_argument("--rounds", type=int, default=3, help="off/on rounds in part 3")
     ap.add_argument("--parts", default="overhead,mixed,tracing", help="which parts to run (comma-separated)")
+    ap.add_argument("--pdmesh", default=BIN,
+                    help="the pdmesh binary (e.g. another build's, to compare with the same script)")
     a = ap.parse_args()
+    BIN = a.pdmesh
     parts = set(a.parts.split(","))
     report = {}
 

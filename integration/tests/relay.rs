@@ -248,3 +248,43 @@ async fn overload_and_cancel_end_requests_with_their_status() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_node_that_leaves_after_its_part_does_not_fail_the_decode() {
+    let mut s = Settings::new(1, 1);
+    s.router.node_ttl_ms = 60_000;
+    // The second prompt it computes kills its engine.
+    s.prefill[0].fault_engine_panic_at_step = Some(2);
+    // A slow decode node: A is still decoding when the prefill node goes.
+    s.decode[0].fault_step_delay_ms = 20;
+    let m = s.start().await;
+    let mut c = m.client().await;
+    let mut a = c.generate(req(100)).await.unwrap().into_inner();
+    let mut tokens = Vec::new();
+    // A's first token arrived: its prefill node's part is done.
+    while tokens.is_empty() {
+        if let Some(GenerateResponse { event: Some(Wire::Delta(d)) }) = a.message().await.unwrap() {
+            tokens.extend(d.token_ids);
+        }
+    }
+    // B's prompt kills the prefill node's engine: B is retried without it (colocated) ...
+    let (b, f) = generate(&m, req(6)).await.unwrap();
+    assert_eq!(b, reference(6));
+    let t = f.timings.unwrap();
+    assert_eq!((t.prefill_node.as_str(), t.attempts), ("colocated", 2));
+    eventually(Duration::from_secs(5), "prefill-0 deregisters", || async {
+        !m.nodes().await.iter().any(|n| n.node_id == "prefill-0")
+    })
+    .await;
+    // ... and A, which needs only its decode node now, finishes.
+    let mut end = None;
+    while let Some(GenerateResponse { event }) = a.message().await.unwrap() {
+        match event {
+            Some(Wire::Delta(d)) => tokens.extend(d.token_ids),
+            Some(Wire::Finished(f)) => end = Some(f),
+            _ => {}
+        }
+    }
+    assert_eq!(end.unwrap().reason, FinishReason::Length as i32);
+    assert_eq!(tokens, reference(100));
+}

@@ -38,10 +38,13 @@ pub trait Core: Send + 'static {
     fn counts(&self) -> Self::Counts;
 }
 
-/// Test-only fault injection: the core panics at this step (counted from 1).
+/// Test-only fault injection (none in production).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Faults {
+    /// The core panics at this step (counted from 1).
     pub panic_at_step: Option<u64>,
+    /// Each step waits this long first: a slow engine, so a test can act mid-request.
+    pub step_delay: Duration,
 }
 
 /// Starts the engine thread. It runs until every command sender is dropped and nothing is in
@@ -111,6 +114,9 @@ fn run<C: Core>(
             if faults.panic_at_step == Some(steps) {
                 panic!("fault injection: the engine panics at step {steps}");
             }
+            if !faults.step_delay.is_zero() {
+                std::thread::sleep(faults.step_delay);
+            }
             core.step(Instant::now());
         }
         *counts.lock().expect("counts lock is never poisoned") = core.counts();
@@ -175,7 +181,7 @@ mod tests {
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
         let died = CancellationToken::new();
         let core = Counter { work: 0, handled: 0, stepped: 0 };
-        let faults = Faults { panic_at_step: Some(2) };
+        let faults = Faults { panic_at_step: Some(2), ..Faults::default() };
         let t = spawn("test", core, rx, Arc::new(Mutex::new((0, 0))), died.clone(), faults)
             .expect("spawns");
         tx.send(5).await.expect("sent");

@@ -32,6 +32,8 @@ pub struct DecodeConfig {
     pub kv_transport: TransportKind,
     /// Fault injection for tests: the engine thread panics at this step. None in production.
     pub fault_engine_panic_at_step: Option<u64>,
+    /// Fault injection for tests: each engine step waits this long first. 0 in production.
+    pub fault_step_delay_ms: u64,
     pub engine: EngineSettings,
 }
 
@@ -49,6 +51,7 @@ impl Default for DecodeConfig {
             drain_ms: 5_000,
             kv_transport: TransportKind::Auto,
             fault_engine_panic_at_step: None,
+            fault_step_delay_ms: 0,
             engine: EngineSettings { kv_blocks: 1024, ..EngineSettings::default() },
         }
     }

@@ -54,7 +54,10 @@ pub async fn run(
     let counts = Arc::new(Mutex::new(core.counts()));
     let (tx, rx) = tokio::sync::mpsc::channel(COMMAND_QUEUE);
     let died = CancellationToken::new();
-    let faults = Faults { panic_at_step: config.fault_engine_panic_at_step };
+    let faults = Faults {
+        panic_at_step: config.fault_engine_panic_at_step,
+        step_delay: Duration::from_millis(config.fault_step_delay_ms),
+    };
     let worker = pdmesh_common::worker::spawn(
         "decode-engine",
         worker::Worker::new(core),

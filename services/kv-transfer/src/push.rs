@@ -246,6 +246,10 @@ impl KvConnector for PushConnector {
 
     fn finished(&mut self, id: u64, seq: SeqId, kv: &KvView<'_>) -> Release {
         let Some(a) = self.jobs.remove(&id) else { return Release::Free };
+        // Nobody is left to take the export of a prompt whose transfer is gone.
+        if a.job.pieces.is_closed() {
+            return Release::Free;
+        }
         let mut computed_blocks = Vec::new();
         if a.job.publish {
             let full = kv.len(seq).unwrap_or(0) / self.block_size;

@@ -50,7 +50,7 @@ pub async fn run(
     let counts = Arc::new(Mutex::new(core.counts()));
     let (tx, rx) = tokio::sync::mpsc::channel(COMMAND_QUEUE);
     let died = CancellationToken::new();
-    let faults = Faults { panic_at_step: config.fault_engine_panic_at_step };
+    let faults = Faults { panic_at_step: config.fault_engine_panic_at_step, ..Faults::default() };
     let worker = pdmesh_common::worker::spawn(
         "prefill-engine",
         core,

@@ -21,7 +21,7 @@ use tracing::field::Empty;
 
 use pdmesh_common::trace;
 
-use crate::api::{Event, Router, Timings};
+use crate::api::{Event, Router};
 use crate::mesh::Mesh;
 use crate::request::{prepare, tokenize};
 
@@ -97,18 +97,7 @@ fn to_wire(e: Event) -> generate_response::Event {
             generate_response::Event::Delta(w::Delta { text, token_ids: tokens })
         }
         Event::Finished(f) => {
-            let Timings {
-                queue_ms,
-                prefill_ms,
-                transfer_ms,
-                ttft_ms,
-                total_ms,
-                prefill_node,
-                decode_node,
-                kv_transport,
-                kv_bytes,
-                attempts,
-            } = f.timings;
+            let t = f.timings;
             generate_response::Event::Finished(w::Finished {
                 reason: pdmesh_wire::finish_reason(f.reason) as i32,
                 usage: Some(w::Usage {
@@ -117,16 +106,16 @@ fn to_wire(e: Event) -> generate_response::Event {
                     completion_tokens: f.usage.completion_tokens,
                 }),
                 timings: Some(w::Timings {
-                    queue_ms,
-                    prefill_ms,
-                    transfer_ms,
-                    ttft_ms,
-                    total_ms,
-                    prefill_node,
-                    decode_node,
-                    kv_transport,
-                    kv_bytes,
-                    attempts,
+                    queue_ms: t.queue_ms,
+                    prefill_ms: t.prefill_ms,
+                    transfer_ms: t.transfer_ms,
+                    ttft_ms: t.ttft_ms,
+                    total_ms: t.total_ms,
+                    prefill_node: t.prefill_node,
+                    decode_node: t.decode_node,
+                    kv_transport: t.kv_transport,
+                    kv_bytes: t.kv_bytes,
+                    attempts: t.attempts,
                 }),
             })
         }
