@@ -55,9 +55,10 @@ pub fn generate_batch_observed(
     let result = (|| -> Result<()> {
         for (i, (prompt, p)) in requests.iter().enumerate() {
             let spec = SeqSpec::generate(prompt.clone(), p.clone());
-            runner
-                .add(engine, &mut none, i as u64, spec)
-                .map_err(|e| Error::invalid(format!("request {i}: {e}")))?;
+            runner.add(engine, &mut none, i as u64, spec).map_err(|e| match e {
+                Error::InvalidRequest(m) => Error::invalid(format!("request {i}: {m}")),
+                other => other,
+            })?;
             progress.insert(i as u64, Progress { tokens: Vec::new(), ttft: None });
         }
         let mut stopped = std::collections::HashSet::new();
@@ -151,4 +152,23 @@ pub fn generate_observed(
     let mut out =
         generate_batch_observed(engine, &reqs, 1, |_, l| on_logits(l), |_, t| on_token(t))?;
     Ok(out.remove(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::EngineConfig;
+    use crate::testing::tiny_model;
+
+    #[test]
+    fn a_bad_request_is_named_once_and_frees_everything() {
+        let cfg = EngineConfig { threads: 1, kv_blocks: 64, ..Default::default() };
+        let mut e = Engine::new(tiny_model(), cfg).expect("engine");
+        let ok = (vec![1, 2, 3], GenerateParams { max_tokens: 4, ..Default::default() });
+        let long = (vec![1; 300], GenerateParams::default());
+        let err = generate_batch(&mut e, &[ok, long], 4, |_, _| true).expect_err("too long");
+        let msg = err.to_string();
+        assert!(msg.starts_with("invalid request: request 1: a prompt of 300 tokens"), "{msg}");
+        assert_eq!(e.kv().free_blocks(), 64, "the request admitted before it was freed");
+    }
 }
