@@ -106,31 +106,26 @@ impl Settings {
             let r = pdmesh_router::run(cfg, listener, Metrics::default(), done.cancelled_owned());
             r.await.expect("the router runs");
         }));
-        let mut decode = Vec::new();
-        for mut c in self.decode {
-            let (listener, addr) = pdmesh_common::bind(&c.listen).await.expect("binds");
-            c.routers = vec![router.clone()];
-            c.engine = engine(&model);
-            decode.push(addr.to_string());
-            let done = stop.clone();
-            tasks.push(tokio::spawn(async move {
-                let r = pdmesh_decode::run(c, listener, Metrics::default(), done.cancelled_owned());
-                r.await.expect("the decode node runs");
-            }));
+        // Each node: bound, pointed at the router and the tiny model, and run until `stop`.
+        macro_rules! start_nodes {
+            ($configs:expr, $run:path) => {{
+                let mut addrs = Vec::new();
+                for mut c in $configs {
+                    let (listener, addr) = pdmesh_common::bind(&c.listen).await.expect("binds");
+                    c.routers = vec![router.clone()];
+                    c.engine = engine(&model);
+                    addrs.push(addr.to_string());
+                    let done = stop.clone();
+                    tasks.push(tokio::spawn(async move {
+                        let r = $run(c, listener, Metrics::default(), done.cancelled_owned());
+                        r.await.expect("the node runs");
+                    }));
+                }
+                addrs
+            }};
         }
-        let mut prefill = Vec::new();
-        for mut c in self.prefill {
-            let (listener, addr) = pdmesh_common::bind(&c.listen).await.expect("binds");
-            c.routers = vec![router.clone()];
-            c.engine = engine(&model);
-            prefill.push(addr.to_string());
-            let done = stop.clone();
-            tasks.push(tokio::spawn(async move {
-                let r =
-                    pdmesh_prefill::run(c, listener, Metrics::default(), done.cancelled_owned());
-                r.await.expect("the prefill node runs");
-            }));
-        }
+        let decode = start_nodes!(self.decode, pdmesh_decode::run);
+        let prefill = start_nodes!(self.prefill, pdmesh_prefill::run);
         let mesh = Mesh { router, decode, prefill, stop, tasks, _dir: dir };
         let want = mesh.decode.len() + mesh.prefill.len();
         crate::eventually(Duration::from_secs(20), "every node registers", || async {
