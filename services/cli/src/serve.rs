@@ -10,9 +10,18 @@ use anyhow::Context;
 use clap::Args;
 use pdmesh_cli::process::shutdown_signal;
 use pdmesh_common::metrics::Metrics;
+use pdmesh_kernels::KvDtype;
 use pdmesh_kv_transfer::{PushMode, TransportKind};
 use pdmesh_router::placement::PrefillPolicy;
 use serde::Serialize;
+
+/// A flag's value as its config file spells it (the KV dtype by name).
+fn by_name<S: serde::Serializer>(v: &Option<KvDtype>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(d) => s.serialize_str(d.name()),
+        None => s.serialize_none(),
+    }
+}
 
 #[derive(Debug, Clone, Args, Serialize)]
 pub struct EngineFlags {
@@ -30,8 +39,8 @@ pub struct EngineFlags {
     threads: Option<usize>,
     /// KV cache element type: f16 or f32.
     #[arg(long)]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_dtype: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "by_name")]
+    kv_dtype: Option<KvDtype>,
     /// Tokens per KV block.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -203,9 +212,9 @@ pub struct KvStoreArgs {
     #[serde(skip_serializing_if = "Option::is_none")]
     model: Option<PathBuf>,
     /// KV element type of the mesh: f16 or f32.
-    #[arg(long, value_parser = ["f16", "f32"])]
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_dtype: Option<String>,
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none", serialize_with = "by_name")]
+    kv_dtype: Option<KvDtype>,
     /// Tokens per KV block of the mesh.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
