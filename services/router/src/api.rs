@@ -112,8 +112,7 @@ impl Router {
         let cfg = &self.mesh.config;
         let id = match request_id {
             Some(id) => {
-                pdmesh_common::ids::check_request_id(&id)
-                    .map_err(|e| RequestError::Invalid(format!("request_id: {e}")))?;
+                pdmesh_common::ids::check_request_id(&id).map_err(RequestError::Invalid)?;
                 id
             }
             None => pdmesh_common::ids::new_request_id(),

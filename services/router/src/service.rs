@@ -62,10 +62,8 @@ impl RouterService {
         root: Span,
     ) -> Result<Response<ResponseStream>, Status> {
         let model = Arc::clone(&self.mesh().model);
+        // Checked, with everything else about admission, by the library.
         let request_id = (!r.request_id.is_empty()).then(|| r.request_id.clone());
-        if let Some(id) = &request_id {
-            pdmesh_common::ids::check_request_id(id).map_err(Status::invalid_argument)?;
-        }
         let prep = tokio::task::spawn_blocking(move || prepare(&model, &r))
             .await
             .map_err(|e| Status::internal(format!("validation task: {e}")))?
