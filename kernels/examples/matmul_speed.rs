@@ -35,7 +35,13 @@ fn main() {
         for simd in Simd::available() {
             let be = CpuBackend::with_simd(threads, simd).expect("available levels are supported");
             let mut acts = Activations::default();
-            be.quantize(&xs, tokens, cols, &mut acts);
+            be.quantize(
+                &xs,
+                tokens,
+                cols,
+                pdmesh_kernels::ActNeeds::of([WeightType::Q4_1]),
+                &mut acts,
+            );
             let mut out = vec![0f32; tokens * rows];
             let iters = (if simd == Simd::Portable { 2000 } else { 20000 } / tokens).max(5);
             let t = Instant::now();

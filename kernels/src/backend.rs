@@ -12,7 +12,7 @@
 use pdmesh_kv_types::{KvGeometry, MemoryRegion};
 
 use crate::kv::{AttnQuery, KvSlot};
-use crate::quant::HostWeight;
+use crate::quant::{ActNeeds, HostWeight};
 
 /// One weight matrix applied to the shared activations: `out[t * rows + r] = W[r] · x[t]`.
 #[derive(Debug)]
@@ -90,9 +90,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// A weight ready to compute with (a device backend uploads it here, once).
     fn weight(&self, w: &HostWeight) -> Self::Weight;
 
-    /// Stores `x` (`rows × cols`) in `out`, quantizing it for integer dot products when `cols`
-    /// is a whole number of blocks.
-    fn quantize(&self, x: &Self::Buffer, rows: usize, cols: usize, out: &mut Self::Activations);
+    /// Stores `x` (`rows × cols`) in `out`, quantized into the forms `needs` names (those the
+    /// weights it will be multiplied with consume).
+    fn quantize(
+        &self,
+        x: &Self::Buffer,
+        rows: usize,
+        cols: usize,
+        needs: ActNeeds,
+        out: &mut Self::Activations,
+    );
 
     /// Runs every job against `x` in one parallel region (q/k/v or gate/up share an input).
     fn matmul(&self, x: &Self::Activations, jobs: &mut [MatmulJob<'_, Self::Weight, Self::Buffer>]);

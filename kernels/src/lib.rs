@@ -12,12 +12,14 @@ compile_error!("pdmesh assumes a little-endian target (KV blocks travel as raw b
 
 pub mod backend;
 pub mod cpu;
+pub mod formats;
 pub mod kv;
 pub mod pool;
 pub mod quant;
 
 pub use backend::{Backend, KvError, KvStorage, MatmulJob};
 pub use cpu::{CpuBackend, Simd};
+pub use formats::ActForm;
 pub use kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvDtype, KvGeometry, KvSlot, Phase};
 pub use pdmesh_kv_types::{MemoryKind, MemoryRegion};
-pub use quant::{Activations, HostWeight, SharedBytes, WeightMatrix, WeightType};
+pub use quant::{ActNeeds, Activations, HostWeight, SharedBytes, WeightMatrix, WeightType};

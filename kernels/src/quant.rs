@@ -7,43 +7,114 @@
 
 use half::f16;
 
-/// Elements in one quantization block for every block format here.
-pub const QK: usize = 32;
+use crate::formats::{self, ActForm, FloatFormat, Format, QuantFormat};
 
-/// How the elements of a weight matrix are stored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum WeightType {
-    F32,
-    F16,
-    BF16,
-    /// 32 weights: f16 scale, 32 × i8.
-    Q8_0,
-    /// 32 weights: f16 scale, 32 × 4-bit (value − 8).
-    Q4_0,
-    /// 32 weights: f16 scale, f16 min, 32 × 4-bit.
-    Q4_1,
+/// Elements in one block of the 32-element formats (and of Q8 activations).
+pub const QK: usize = 32;
+/// Elements in one K-quant super-block (and of Q8K activations).
+pub const QK_K: usize = 256;
+
+/// The registry: every storage format pdmesh computes with, each implemented once in
+/// `formats`. `WeightType` and every dispatch over it are generated from this list.
+macro_rules! registry {
+    (float: $($fv:ident),* ; quant: $($qv:ident),* $(;)?) => {
+        /// How the elements of a weight matrix are stored.
+        #[allow(non_camel_case_types)]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum WeightType { $($fv,)* $($qv,)* }
+
+        impl WeightType {
+            /// Every format, floats first.
+            pub const ALL: &'static [WeightType] = &[$(WeightType::$fv,)* $(WeightType::$qv,)*];
+
+            /// Elements per storage block (1 for the float types).
+            pub const fn block_elems(self) -> usize {
+                match self {
+                    $(WeightType::$fv => <formats::$fv as Format>::BLOCK_ELEMS,)*
+                    $(WeightType::$qv => <formats::$qv as Format>::BLOCK_ELEMS,)*
+                }
+            }
+
+            /// Bytes per storage block.
+            pub const fn block_bytes(self) -> usize {
+                match self {
+                    $(WeightType::$fv => <formats::$fv as Format>::BLOCK_BYTES,)*
+                    $(WeightType::$qv => <formats::$qv as Format>::BLOCK_BYTES,)*
+                }
+            }
+
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(WeightType::$fv => <formats::$fv as Format>::NAME,)*
+                    $(WeightType::$qv => <formats::$qv as Format>::NAME,)*
+                }
+            }
+
+            /// The `ggml_type` id GGUF stores for this format.
+            pub const fn gguf_id(self) -> u32 {
+                match self {
+                    $(WeightType::$fv => <formats::$fv as Format>::GGUF_ID,)*
+                    $(WeightType::$qv => <formats::$qv as Format>::GGUF_ID,)*
+                }
+            }
+
+            /// The format GGUF type `id` names, or `Err` with that type's name when pdmesh
+            /// does not compute with it.
+            pub fn from_gguf_id(id: u32) -> Result<Self, &'static str> {
+                $(if id == <formats::$fv as Format>::GGUF_ID { return Ok(WeightType::$fv); })*
+                $(if id == <formats::$qv as Format>::GGUF_ID { return Ok(WeightType::$qv); })*
+                Err(formats::unsupported_type_name(id))
+            }
+
+            /// The activation form matmuls against this format consume (`None`: f32).
+            pub const fn act_form(self) -> Option<ActForm> {
+                match self {
+                    $(WeightType::$fv => None,)*
+                    $(WeightType::$qv => Some(<formats::$qv as QuantFormat>::ACT),)*
+                }
+            }
+        }
+
+        /// Dequantizes one row of `ty` blocks into f32.
+        pub fn dequantize_row(ty: WeightType, row: &[u8], out: &mut [f32]) {
+            match ty {
+                $(WeightType::$fv => dequantize_with::<formats::$fv>(row, out),)*
+                $(WeightType::$qv => dequantize_with::<formats::$qv>(row, out),)*
+            }
+        }
+
+        impl WeightType {
+            /// Calls the visitor's method for this format's type.
+            #[inline(always)]
+            pub fn visit<V: FormatVisitor>(self, v: V) -> V::Out {
+                match self {
+                    $(WeightType::$fv => v.float::<formats::$fv>(),)*
+                    $(WeightType::$qv => v.quant::<formats::$qv>(),)*
+                }
+            }
+        }
+    };
+}
+
+registry! {
+    float: F32, F16, BF16;
+    quant: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K;
+}
+
+/// Code generic over the format, run for a `WeightType` known only at run time.
+pub trait FormatVisitor {
+    type Out;
+    fn float<F: FloatFormat>(self) -> Self::Out;
+    fn quant<F: QuantFormat>(self) -> Self::Out;
+}
+
+fn dequantize_with<F: Format>(row: &[u8], out: &mut [f32]) {
+    for (o, b) in out.chunks_exact_mut(F::BLOCK_ELEMS).zip(row.chunks_exact(F::BLOCK_BYTES)) {
+        F::dequantize(b, o);
+    }
 }
 
 impl WeightType {
-    /// Elements per storage block (1 for the float types).
-    pub const fn block_elems(self) -> usize {
-        match self {
-            WeightType::F32 | WeightType::F16 | WeightType::BF16 => 1,
-            WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q4_1 => QK,
-        }
-    }
-
-    /// Bytes per storage block.
-    pub const fn block_bytes(self) -> usize {
-        match self {
-            WeightType::F32 => 4,
-            WeightType::F16 | WeightType::BF16 => 2,
-            WeightType::Q8_0 => 2 + QK,
-            WeightType::Q4_0 => 2 + QK / 2,
-            WeightType::Q4_1 => 4 + QK / 2,
-        }
-    }
-
     /// Bytes taken by a row of `cols` elements, or `None` when `cols` is not a whole number of
     /// blocks (or overflows).
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
@@ -55,24 +126,54 @@ impl WeightType {
 
     /// Whether matmuls against this type run on quantized (int8) activations.
     pub const fn is_quantized(self) -> bool {
-        matches!(self, WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q4_1)
-    }
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            WeightType::F32 => "F32",
-            WeightType::F16 => "F16",
-            WeightType::BF16 => "BF16",
-            WeightType::Q8_0 => "Q8_0",
-            WeightType::Q4_0 => "Q4_0",
-            WeightType::Q4_1 => "Q4_1",
-        }
+        self.act_form().is_some()
     }
 }
 
 impl std::fmt::Display for WeightType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for WeightType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        WeightType::ALL.iter().copied().find(|t| t.name().eq_ignore_ascii_case(s)).ok_or_else(
+            || {
+                let known: Vec<&str> = WeightType::ALL.iter().map(|t| t.name()).collect();
+                format!("unknown weight format {s:?} (known: {})", known.join(", "))
+            },
+        )
+    }
+}
+
+/// Which quantized forms of an activation batch the matmuls that read it need.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ActNeeds {
+    pub q8: bool,
+    pub q8k: bool,
+}
+
+impl ActNeeds {
+    /// What matmuls against weights of these types consume.
+    pub fn of(types: impl IntoIterator<Item = WeightType>) -> Self {
+        let mut n = ActNeeds::default();
+        for t in types {
+            match t.act_form() {
+                Some(ActForm::Q8) => n.q8 = true,
+                Some(ActForm::Q8K) => n.q8k = true,
+                None => {}
+            }
+        }
+        n
+    }
+
+    pub fn has(self, form: ActForm) -> bool {
+        match form {
+            ActForm::Q8 => self.q8,
+            ActForm::Q8K => self.q8k,
+        }
     }
 }
 
@@ -197,69 +298,29 @@ pub fn round_f16(x: f32) -> f32 {
     f16::from_f32(x).to_f32()
 }
 
-/// Dequantizes one row of `ty` blocks into f32.
-pub fn dequantize_row(ty: WeightType, row: &[u8], out: &mut [f32]) {
-    match ty {
-        WeightType::F32 => {
-            for (o, c) in out.iter_mut().zip(row.chunks_exact(4)) {
-                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
-        }
-        WeightType::F16 => {
-            for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
-                *o = f16_at(c);
-            }
-        }
-        WeightType::BF16 => {
-            for (o, c) in out.iter_mut().zip(row.chunks_exact(2)) {
-                *o = half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
-            }
-        }
-        WeightType::Q8_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(ty.block_bytes())) {
-                let d = f16_at(b);
-                for (o, &q) in o.iter_mut().zip(&b[2..]) {
-                    *o = f32::from(q as i8) * d;
-                }
-            }
-        }
-        WeightType::Q4_0 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(ty.block_bytes())) {
-                let d = f16_at(b);
-                for (j, &q) in b[2..].iter().enumerate() {
-                    o[j] = f32::from((q & 0xF) as i8 - 8) * d;
-                    o[j + QK / 2] = f32::from((q >> 4) as i8 - 8) * d;
-                }
-            }
-        }
-        WeightType::Q4_1 => {
-            for (o, b) in out.chunks_exact_mut(QK).zip(row.chunks_exact(ty.block_bytes())) {
-                let d = f16_at(b);
-                let m = f16_at(&b[2..]);
-                for (j, &q) in b[4..].iter().enumerate() {
-                    o[j] = f32::from(q & 0xF) * d + m;
-                    o[j + QK / 2] = f32::from(q >> 4) * d + m;
-                }
-            }
-        }
-    }
-}
-
-/// A batch of activation rows (one per token), kept as f32 and, when the row length is a whole
-/// number of blocks, also quantized to int8 blocks for the integer dot products.
+/// A batch of activation rows (one per token), kept as f32 and quantized into the forms the
+/// matmuls reading it need: 32-element Q8 blocks and/or 256-element Q8K super-blocks.
 #[derive(Debug, Default, Clone)]
 pub struct Activations {
     pub rows: usize,
     pub cols: usize,
     /// `rows × cols` original values (used by float weights).
     pub f32: Vec<f32>,
-    /// `rows × cols` int8 quants.
+    /// Q8: `rows × cols` int8 quants.
     pub qs: Vec<i8>,
-    /// `rows × cols/32` block scales (already rounded through f16).
+    /// Q8: `rows × cols/32` block scales (already rounded through f16).
     pub d: Vec<f32>,
-    /// Scale × sum of quants per block (rounded through f16), for Q4_1's min term; stored
-    /// block-major (`[block][row]`) so a tile loads consecutive tokens' terms at once.
+    /// Q8: scale × sum of quants per block (rounded through f16), for the Q4_1/Q5_1 min term;
+    /// stored block-major (`[block][row]`) so a tile loads consecutive tokens' terms at once.
     pub s: Vec<f32>,
+    /// Q8K: `rows × cols` int8 quants.
+    pub kqs: Vec<i8>,
+    /// Q8K: `rows × cols/256` super-block scales (f32, `1 / iscale` as llama.cpp stores it).
+    pub kd: Vec<f32>,
+    /// Q8K: `rows × cols/16` sums of each 16 quants (the K-quants' mins and Q6_K's offset).
+    pub ksums: Vec<i16>,
+    /// Which forms the buffers currently hold.
+    pub forms: ActNeeds,
 }
 
 impl Activations {
@@ -267,16 +328,22 @@ impl Activations {
         self.cols / QK
     }
 
-    pub fn is_quantized(&self) -> bool {
-        self.cols.is_multiple_of(QK) && self.qs.len() == self.rows * self.cols
+    /// Whether the batch holds the quantized form `form`.
+    pub fn has(&self, form: ActForm) -> bool {
+        self.forms.has(form)
     }
 
-    /// Sizes the buffers for `rows × cols` without shrinking capacity.
-    pub fn resize(&mut self, rows: usize, cols: usize) {
+    /// Sizes the buffers for `rows × cols` and the forms in `needs` (those whose block does not
+    /// divide `cols` are left out), without shrinking capacity.
+    pub fn resize(&mut self, rows: usize, cols: usize, needs: ActNeeds) {
         self.rows = rows;
         self.cols = cols;
         self.f32.resize(rows * cols, 0.0);
-        if cols.is_multiple_of(QK) {
+        self.forms = ActNeeds {
+            q8: needs.q8 && cols.is_multiple_of(QK),
+            q8k: needs.q8k && cols.is_multiple_of(QK_K),
+        };
+        if self.forms.q8 {
             self.qs.resize(rows * cols, 0);
             self.d.resize(rows * cols / QK, 0.0);
             self.s.resize(rows * cols / QK, 0.0);
@@ -285,7 +352,51 @@ impl Activations {
             self.d.clear();
             self.s.clear();
         }
+        if self.forms.q8k {
+            self.kqs.resize(rows * cols, 0);
+            self.kd.resize(rows * cols / QK_K, 0.0);
+            self.ksums.resize(rows * cols / 16, 0);
+        } else {
+            self.kqs.clear();
+            self.kd.clear();
+            self.ksums.clear();
+        }
     }
+}
+
+/// `round(a·b)` the way llama.cpp's `nearest_int(a * b)` comes out of GCC: the product and
+/// the 1.5·2²³ rounding constant contract into one FMA, so the exact product is rounded once,
+/// straight to an integer (ties to even), without first rounding it to f32.
+#[inline(always)]
+fn nearest_int_fused(a: f32, b: f32) -> i32 {
+    let v = a.mul_add(b, 12_582_912.0);
+    (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+/// Quantizes one super-block of 256 values: llama.cpp's `quantize_row_q8_K_ref`, which every
+/// CPU build of it uses (scale from the signed value of largest magnitude, first one wins).
+/// Writes the quants and the sixteen 16-element sums; returns the scale.
+pub fn quantize_block_k(x: &[f32], qs: &mut [i8], sums: &mut [i16]) -> f32 {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    if amax == 0.0 {
+        qs.fill(0);
+        sums.fill(0);
+        return 0.0;
+    }
+    let iscale = -127.0 / max;
+    for (q, &v) in qs.iter_mut().zip(x) {
+        *q = nearest_int_fused(iscale, v).min(127) as i8;
+    }
+    for (s, run) in sums.iter_mut().zip(qs.chunks_exact(16)) {
+        *s = run.iter().map(|&q| i16::from(q)).sum();
+    }
+    1.0 / iscale
 }
 
 /// Quantizes one block of 32 values: llama.cpp's `quantize_row_q8_1` semantics.
@@ -339,6 +450,19 @@ mod tests {
         let sum: i32 = q.iter().map(|&q| i32::from(q)).sum();
         assert!((s - d * sum as f32).abs() <= s.abs() * 1e-3 + 1e-3);
         assert_eq!(q.iter().map(|q| q.unsigned_abs()).max(), Some(127));
+    }
+
+    #[test]
+    fn quantize_block_k_takes_the_sign_of_the_first_largest() {
+        let mut x = [0.5f32; 256];
+        x[3] = -2.0;
+        x[9] = 2.0;
+        let (mut q, mut sums) = ([0i8; 256], [0i16; 16]);
+        let d = quantize_block_k(&x, &mut q, &mut sums);
+        // max = -2 → iscale = 63.5, so -2 ↦ -127 and d = 1/63.5.
+        assert_eq!((q[3], q[9], q[0]), (-127, 127, 32));
+        assert_eq!(d, 1.0 / 63.5);
+        assert_eq!(sums[0], 14 * 32);
     }
 
     #[test]

@@ -7,9 +7,11 @@
 use half::f16;
 use std::sync::Arc;
 
+use pdmesh_kernels::formats::{FloatFormat, MinTerm, QuantFormat};
+use pdmesh_kernels::quant::FormatVisitor;
 use pdmesh_kernels::{
-    Activations, AttnQuery, Backend, CpuBackend, HostWeight, KvBuffer, KvDtype, KvGeometry, KvSlot,
-    MatmulJob, Phase, SharedBytes, Simd, WeightMatrix, WeightType,
+    ActNeeds, Activations, AttnQuery, Backend, CpuBackend, HostWeight, KvBuffer, KvDtype,
+    KvGeometry, KvSlot, MatmulJob, Phase, SharedBytes, Simd, WeightMatrix, WeightType,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -29,48 +31,48 @@ fn f16_bytes(x: f32) -> [u8; 2] {
 }
 
 fn random_weights(rng: &mut ChaCha8Rng, ty: WeightType, rows: usize, cols: usize) -> Vec<u8> {
-    let mut out = Vec::new();
-    for _ in 0..rows {
-        match ty {
-            WeightType::F32 => {
-                for _ in 0..cols {
-                    out.extend_from_slice(&rng.random_range(-1.0f32..1.0).to_le_bytes());
+    ty.visit(RandomWeights { rng, n_blocks: rows * cols / ty.block_elems() })
+}
+
+/// Random blocks of one format: random bytes (every bit pattern of quants, scales and high bits
+/// is legal) with sane f16 scales and mins written over them.
+struct RandomWeights<'a> {
+    rng: &'a mut ChaCha8Rng,
+    n_blocks: usize,
+}
+
+impl FormatVisitor for RandomWeights<'_> {
+    type Out = Vec<u8>;
+    fn float<F: FloatFormat>(self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for _ in 0..self.n_blocks {
+            let v: f32 = self.rng.random_range(-1.0..1.0);
+            match F::BLOCK_BYTES {
+                4 => out.extend_from_slice(&v.to_le_bytes()),
+                _ if F::NAME == "BF16" => {
+                    out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes())
                 }
-            }
-            WeightType::F16 => {
-                for _ in 0..cols {
-                    out.extend_from_slice(&f16_bytes(rng.random_range(-1.0..1.0)));
-                }
-            }
-            WeightType::BF16 => {
-                for _ in 0..cols {
-                    let b = half::bf16::from_f32(rng.random_range(-1.0..1.0));
-                    out.extend_from_slice(&b.to_bits().to_le_bytes());
-                }
-            }
-            WeightType::Q8_0 => {
-                for _ in 0..cols / 32 {
-                    out.extend_from_slice(&f16_bytes(rng.random_range(0.001..0.05)));
-                    // Include -128, the value that breaks naive sign tricks.
-                    out.extend((0..32).map(|_| rng.random_range(-128i32..=127) as i8 as u8));
-                }
-            }
-            WeightType::Q4_0 => {
-                for _ in 0..cols / 32 {
-                    out.extend_from_slice(&f16_bytes(rng.random_range(0.001..0.1)));
-                    out.extend((0..16).map(|_| rng.random::<u8>()));
-                }
-            }
-            WeightType::Q4_1 => {
-                for _ in 0..cols / 32 {
-                    out.extend_from_slice(&f16_bytes(rng.random_range(0.001..0.1)));
-                    out.extend_from_slice(&f16_bytes(rng.random_range(-0.5..0.5)));
-                    out.extend((0..16).map(|_| rng.random::<u8>()));
-                }
+                _ => out.extend_from_slice(&f16_bytes(v)),
             }
         }
+        out
     }
-    out
+    fn quant<F: QuantFormat>(self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for _ in 0..self.n_blocks {
+            // Random bytes include i8 -128 for Q8_0, the value that breaks naive sign tricks.
+            let mut b: Vec<u8> = (0..F::BLOCK_BYTES).map(|_| self.rng.random::<u8>()).collect();
+            let scale = if F::BLOCK_ELEMS == 32 { 0.05 } else { 0.002 };
+            b[F::SCALE_AT..F::SCALE_AT + 2]
+                .copy_from_slice(&f16_bytes(self.rng.random_range(scale / 50.0..scale)));
+            if F::MIN != MinTerm::None {
+                b[F::MIN_AT..F::MIN_AT + 2]
+                    .copy_from_slice(&f16_bytes(self.rng.random_range(-scale * 4.0..scale * 4.0)));
+            }
+            out.extend(b);
+        }
+        out
+    }
 }
 
 fn random_vec(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
@@ -86,27 +88,18 @@ fn host(w: &WeightMatrix<'_>) -> HostWeight {
 
 fn matmul(b: &CpuBackend, w: &WeightMatrix<'_>, x: &[f32], tokens: usize) -> Vec<f32> {
     let mut acts = Activations::default();
-    b.quantize(&x.to_vec(), tokens, w.cols, &mut acts);
+    b.quantize(&x.to_vec(), tokens, w.cols, ActNeeds::of([w.ty]), &mut acts);
     let mut out = vec![f32::NAN; tokens * w.rows];
     b.matmul(&acts, &mut [MatmulJob { weight: &host(w), out: &mut out }]);
     out
 }
 
-const TYPES: [WeightType; 6] = [
-    WeightType::Q4_1,
-    WeightType::Q4_0,
-    WeightType::Q8_0,
-    WeightType::F32,
-    WeightType::F16,
-    WeightType::BF16,
-];
-
 #[test]
 fn matmul_simd_equals_portable_and_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
-    for ty in TYPES {
+    for &ty in WeightType::ALL {
         // Odd row and token counts exercise every tile edge.
-        for (rows, cols, tokens) in [(37, 96, 1), (9, 64, 3), (70, 256, 13), (5, 32, 64)] {
+        for (rows, cols, tokens) in [(37, 256, 1), (9, 512, 3), (70, 256, 13), (5, 768, 64)] {
             let data = random_weights(&mut rng, ty, rows, cols);
             let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
             let x = random_vec(&mut rng, tokens * cols, 2.0);
@@ -148,8 +141,8 @@ fn matmul_simd_equals_portable_and_reference() {
 #[test]
 fn matmul_is_batch_and_thread_invariant() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
-    for ty in [WeightType::Q4_1, WeightType::Q8_0, WeightType::Q4_0, WeightType::F16] {
-        let (rows, cols, tokens) = (45, 128, 23);
+    for &ty in WeightType::ALL {
+        let (rows, cols, tokens) = (45, 256, 23);
         let data = random_weights(&mut rng, ty, rows, cols);
         let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
         let x = random_vec(&mut rng, tokens * cols, 1.0);
@@ -179,7 +172,7 @@ fn matmul_is_batch_and_thread_invariant() {
 #[test]
 fn quantize_simd_equals_portable() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    let (rows, cols) = (17, 576);
+    let (rows, cols) = (17, 768);
     let mut x = random_vec(&mut rng, rows * cols, 3.0);
     x[0..32].fill(0.0); // an all-zero block
     x[40] = 1e-30; // a denormal-scale value
@@ -187,7 +180,7 @@ fn quantize_simd_equals_portable() {
         .iter()
         .map(|b| {
             let mut a = Activations::default();
-            b.quantize(&x, rows, cols, &mut a);
+            b.quantize(&x, rows, cols, ActNeeds { q8: true, q8k: true }, &mut a);
             a
         })
         .collect();
@@ -195,6 +188,12 @@ fn quantize_simd_equals_portable() {
         assert_eq!(a.qs, all[0].qs);
         assert_eq!(a.d, all[0].d);
         assert_eq!(a.s, all[0].s);
+        assert_eq!(a.kqs, all[0].kqs);
+        assert_eq!(
+            a.kd.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            all[0].kd.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(a.ksums, all[0].ksums);
     }
 }
 

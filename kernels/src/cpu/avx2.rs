@@ -8,9 +8,10 @@
 
 use std::arch::x86_64::*;
 
+use crate::formats::{ActForm, FloatFormat, MinTerm, QuantFormat};
 use crate::kv::{KvData, Phase};
 use crate::pool::SharedMut;
-use crate::quant::{Activations, QK, WeightMatrix, WeightType, round_f16};
+use crate::quant::{Activations, FormatVisitor, QK, QK_K, WeightMatrix, round_f16};
 
 use super::portable;
 
@@ -30,119 +31,6 @@ unsafe fn f16_to_f32(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees two readable bytes at `p`.
     let bits = unsafe { p.cast::<u16>().read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
-
-/// A quantized weight block format as the tile kernel sees it.
-trait Format {
-    const BYTES: usize;
-    /// Whether blocks carry a min (Q4_1's `+ m` term).
-    const HAS_MIN: bool;
-    /// The 32 weights of the block at `p`, as bytes ready for `dot`.
-    unsafe fn unpack(p: *const u8) -> __m256i;
-    /// Eight i32 lane sums of weight × activation over four elements each.
-    unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i;
-    /// The same sums with one AVX512-VNNI instruction (bit-identical: exact integers).
-    unsafe fn dot_vnni(w: __m256i, a: __m256i) -> __m256i;
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nibbles(p: *const u8) -> __m256i {
-    // SAFETY: the caller guarantees 16 readable bytes at `p`.
-    let tmp = unsafe { _mm_loadu_si128(p.cast()) };
-    let bytes = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
-    _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_unsigned(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones)
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-fn dot_unsigned_vnni(w: __m256i, a: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a)
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-fn dot_signed_vnni(w: __m256i, a: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn dot_signed(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
-    // maddubs needs an unsigned operand: move w's sign onto a.
-    let aw = _mm256_sign_epi8(w, w);
-    let sa = _mm256_sign_epi8(a, w);
-    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones)
-}
-
-struct Q41;
-struct Q40;
-struct Q80;
-
-impl Format for Q41 {
-    const BYTES: usize = 20;
-    const HAS_MIN: bool = true;
-    #[inline(always)]
-    unsafe fn unpack(p: *const u8) -> __m256i {
-        // SAFETY: a Q4_1 block has 16 quant bytes at offset 4.
-        unsafe { nibbles(p.add(4)) }
-    }
-    #[inline(always)]
-    unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
-        // SAFETY: only called from the tile kernel, which requires AVX2.
-        unsafe { dot_unsigned(w, a, ones) }
-    }
-    #[inline(always)]
-    unsafe fn dot_vnni(w: __m256i, a: __m256i) -> __m256i {
-        // SAFETY: only called from VNNI kernels, whose callers checked the CPU features.
-        unsafe { dot_unsigned_vnni(w, a) }
-    }
-}
-
-impl Format for Q40 {
-    const BYTES: usize = 18;
-    const HAS_MIN: bool = false;
-    #[inline(always)]
-    unsafe fn unpack(p: *const u8) -> __m256i {
-        // SAFETY: a Q4_0 block has 16 quant bytes at offset 2; AVX2 is enabled by the caller.
-        unsafe { _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)) }
-    }
-    #[inline(always)]
-    unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
-        // SAFETY: only called from the tile kernel, which requires AVX2.
-        unsafe { dot_signed(w, a, ones) }
-    }
-    #[inline(always)]
-    unsafe fn dot_vnni(w: __m256i, a: __m256i) -> __m256i {
-        // SAFETY: only called from VNNI kernels, whose callers checked the CPU features.
-        unsafe { dot_signed_vnni(w, a) }
-    }
-}
-
-impl Format for Q80 {
-    const BYTES: usize = 34;
-    const HAS_MIN: bool = false;
-    #[inline(always)]
-    unsafe fn unpack(p: *const u8) -> __m256i {
-        // SAFETY: a Q8_0 block has 32 quant bytes at offset 2.
-        unsafe { _mm256_loadu_si256(p.add(2).cast()) }
-    }
-    #[inline(always)]
-    unsafe fn dot(w: __m256i, a: __m256i, ones: __m256i) -> __m256i {
-        // SAFETY: only called from the tile kernel, which requires AVX2.
-        unsafe { dot_signed(w, a, ones) }
-    }
-    #[inline(always)]
-    unsafe fn dot_vnni(w: __m256i, a: __m256i) -> __m256i {
-        // SAFETY: only called from VNNI kernels, whose callers checked the CPU features.
-        unsafe { dot_signed_vnni(w, a) }
-    }
 }
 
 /// Loads `T` (≤ 8) consecutive floats into the low lanes of a vector.
@@ -166,10 +54,11 @@ unsafe fn load_partial<const T: usize>(p: *const f32) -> __m256 {
 /// How far ahead (in weight rows) the decode kernel prefetches.
 const PREFETCH_ROWS: usize = 8;
 
-/// Computes the `R × T` outputs for weight rows `r0..r0+R` and tokens `t0..t0+T`.
+/// Computes the `R × T` outputs for weight rows `r0..r0+R` and tokens `t0..t0+T`, in the
+/// order `portable::dot_quantized` spells out.
 #[inline(always)]
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-unsafe fn tile<F: Format, const VNNI: bool, const R: usize, const T: usize>(
+unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>(
     w: &WeightMatrix<'_>,
     r0: usize,
     acts: &Activations,
@@ -179,50 +68,80 @@ unsafe fn tile<F: Format, const VNNI: bool, const R: usize, const T: usize>(
     col0: usize,
     prefetch: bool,
 ) {
-    let nb = acts.cols / QK;
+    let be = F::BLOCK_ELEMS;
+    let nb = acts.cols / be;
     let rb = w.row_bytes();
     debug_assert!(r0 + R <= w.rows && t0 + T <= acts.rows && T <= 8);
-    debug_assert_eq!(rb, nb * F::BYTES);
+    debug_assert_eq!(rb, nb * F::BLOCK_BYTES);
     let base = w.data.as_ptr();
-    let aq = acts.qs.as_ptr();
-    let ad = acts.d.as_ptr();
+    let (aq, ad) = match F::ACT {
+        ActForm::Q8 => (acts.qs.as_ptr(), acts.d.as_ptr()),
+        ActForm::Q8K => (acts.kqs.as_ptr(), acts.kd.as_ptr()),
+    };
     let as_ = acts.s.as_ptr();
+    let ks = acts.ksums.as_ptr();
+    let k_min = matches!(F::MIN, MinTerm::SuperQuad | MinTerm::SuperScalar);
     // SAFETY: (whole body) every pointer offset below stays inside `w.data` (rows r0..r0+R,
     // blocks 0..nb of `rb` bytes each) or inside the activation buffers (tokens t0..t0+T,
-    // sized by `Activations::resize`); AVX2/FMA/F16C are enabled by the calling kernel.
+    // sized by `Activations::resize` for this format's form); AVX2/FMA/F16C are enabled by
+    // the calling kernel.
     unsafe {
         let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         let mut summ = [_mm256_setzero_ps(); R];
+        let mut acc_m = [[_mm_setzero_ps(); T]; R];
+        let mut summs = [[0f32; T]; R];
         for b in 0..nb {
-            let mut wv = [_mm256_setzero_si256(); R];
+            let row0 = base.add(r0 * rb + b * F::BLOCK_BYTES);
+            let mut wv = [F::unpack(row0); R];
             let mut wd = [_mm256_setzero_ps(); R];
-            let mut wm = [_mm256_setzero_ps(); R];
+            let mut wm = [0f32; R];
             for r in 0..R {
-                let blk = base.add((r0 + r) * rb + b * F::BYTES);
+                let blk = row0.add(r * rb);
                 if prefetch {
                     // Weights stream from memory once per step: fetch rows ahead while computing.
                     _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH_ROWS * rb).cast());
                 }
-                wv[r] = F::unpack(blk);
-                wd[r] = _mm256_set1_ps(f16_to_f32(blk));
-                if F::HAS_MIN {
-                    wm[r] = _mm256_set1_ps(f16_to_f32(blk.add(2)));
+                if r > 0 {
+                    wv[r] = F::unpack(blk);
+                }
+                wd[r] = _mm256_set1_ps(f16_to_f32(blk.add(F::SCALE_AT)));
+                if !matches!(F::MIN, MinTerm::None) {
+                    wm[r] = f16_to_f32(blk.add(F::MIN_AT));
                 }
             }
             for t in 0..T {
-                let a = _mm256_loadu_si256(aq.add((t0 + t) * acts.cols + b * QK).cast());
-                let da = _mm256_broadcast_ss(&*ad.add((t0 + t) * nb + b));
+                let a = aq.add((t0 + t) * acts.cols + b * be);
+                let dat = *ad.add((t0 + t) * nb + b);
+                let da = _mm256_set1_ps(dat);
+                let sums = match F::ACT {
+                    ActForm::Q8 => std::ptr::null(),
+                    ActForm::Q8K => ks.add(((t0 + t) * nb + b) * (QK_K / 16)),
+                };
                 for r in 0..R {
-                    let sumi = if VNNI { F::dot_vnni(wv[r], a) } else { F::dot(wv[r], a, ones) };
+                    let sumi = if VNNI {
+                        F::dot_vnni(&wv[r], a, sums)
+                    } else {
+                        F::dot(&wv[r], a, sums, ones)
+                    };
                     let dd = _mm256_mul_ps(wd[r], da);
                     acc[r][t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[r][t]);
+                    if k_min {
+                        let prod = F::min_prod(row0.add(r * rb), sums);
+                        let dmin = -(dat * wm[r]);
+                        if matches!(F::MIN, MinTerm::SuperQuad) {
+                            acc_m[r][t] =
+                                _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r][t]);
+                        } else {
+                            summs[r][t] = dmin.mul_add(hsum_i32_4(prod) as f32, summs[r][t]);
+                        }
+                    }
                 }
             }
-            if F::HAS_MIN {
+            if matches!(F::MIN, MinTerm::PerBlock) {
                 let s = load_partial::<T>(as_.add(b * acts.rows + t0));
                 for r in 0..R {
-                    summ[r] = _mm256_fmadd_ps(wm[r], s, summ[r]);
+                    summ[r] = _mm256_fmadd_ps(_mm256_set1_ps(wm[r]), s, summ[r]);
                 }
             }
         }
@@ -230,15 +149,35 @@ unsafe fn tile<F: Format, const VNNI: bool, const R: usize, const T: usize>(
             let mut sm = [0f32; 8];
             _mm256_storeu_ps(sm.as_mut_ptr(), summ[r]);
             for t in 0..T {
-                let v = hsum8(acc[r][t]) + sm[t];
+                let h = hsum8(acc[r][t]);
+                let v = match F::MIN {
+                    MinTerm::None => h,
+                    MinTerm::PerBlock => h + sm[t],
+                    MinTerm::SuperQuad => {
+                        let m = acc_m[r][t];
+                        let m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+                        h + _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)))
+                    }
+                    MinTerm::SuperScalar => h + summs[r][t],
+                };
                 out.write((t0 + t) * ldo + col0 + r0 + r, v);
             }
         }
     }
 }
 
+/// The sum of four i32 lanes (exact: the order is immaterial).
 #[inline(always)]
-unsafe fn matmul_format<F: Format, const VNNI: bool>(
+unsafe fn hsum_i32_4(x: __m128i) -> i32 {
+    // SAFETY: register-only SSE2 operations.
+    unsafe {
+        let s = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01)))
+    }
+}
+
+#[inline(always)]
+unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
     w: &WeightMatrix<'_>,
     acts: &Activations,
     rows: std::ops::Range<usize>,
@@ -292,7 +231,7 @@ unsafe fn matmul_format<F: Format, const VNNI: bool>(
 
 /// One group of `T` tokens against every row of `rows`, `R` rows at a time.
 #[inline(always)]
-unsafe fn rows_pass<F: Format, const VNNI: bool, const R: usize, const T: usize>(
+unsafe fn rows_pass<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>(
     w: &WeightMatrix<'_>,
     rows: std::ops::Range<usize>,
     acts: &Activations,
@@ -316,9 +255,35 @@ unsafe fn rows_pass<F: Format, const VNNI: bool, const R: usize, const T: usize>
     }
 }
 
-/// Picks the tile kernel for the weight format; float weights fall back to the shared code.
+/// The tile kernels for one weight format; float weights take the shared code.
+struct Dispatch<'a, 'w, const VNNI: bool> {
+    w: &'a WeightMatrix<'w>,
+    acts: &'a Activations,
+    rows: std::ops::Range<usize>,
+    out: &'a SharedMut<f32>,
+    ldo: usize,
+    col0: usize,
+}
+
+impl<const VNNI: bool> FormatVisitor for Dispatch<'_, '_, VNNI> {
+    type Out = ();
+    #[inline(always)]
+    fn float<F: FloatFormat>(self) {
+        portable::matmul_rows(self.w, self.acts, self.rows, self.out, self.ldo, self.col0)
+    }
+    #[inline(always)]
+    fn quant<F: QuantFormat>(self) {
+        debug_assert!(self.acts.has(F::ACT));
+        // SAFETY: only reached from the `#[target_feature]` kernels below, whose callers
+        // checked the CPU features; bounds are their callers' contract.
+        unsafe {
+            matmul_format::<F, VNNI>(self.w, self.acts, self.rows, self.out, self.ldo, self.col0)
+        }
+    }
+}
+
 #[inline(always)]
-unsafe fn matmul_dispatch<const VNNI: bool>(
+fn matmul_dispatch<const VNNI: bool>(
     w: &WeightMatrix<'_>,
     acts: &Activations,
     rows: std::ops::Range<usize>,
@@ -326,18 +291,7 @@ unsafe fn matmul_dispatch<const VNNI: bool>(
     ldo: usize,
     col0: usize,
 ) {
-    debug_assert!(!w.ty.is_quantized() || acts.is_quantized());
-    // SAFETY: the calling kernel enabled the features; bounds are the caller's contract.
-    unsafe {
-        match w.ty {
-            WeightType::Q4_1 => matmul_format::<Q41, VNNI>(w, acts, rows, out, ldo, col0),
-            WeightType::Q4_0 => matmul_format::<Q40, VNNI>(w, acts, rows, out, ldo, col0),
-            WeightType::Q8_0 => matmul_format::<Q80, VNNI>(w, acts, rows, out, ldo, col0),
-            WeightType::F32 | WeightType::F16 | WeightType::BF16 => {
-                portable::matmul_rows(w, acts, rows, out, ldo, col0)
-            }
-        }
-    }
+    w.ty.visit(Dispatch::<VNNI> { w, acts, rows, out, ldo, col0 });
 }
 
 /// AVX2 version of `portable::matmul_rows`.
@@ -353,8 +307,7 @@ pub unsafe fn matmul_rows(
     ldo: usize,
     col0: usize,
 ) {
-    // SAFETY: features enabled on this function; bounds are the caller's contract.
-    unsafe { matmul_dispatch::<false>(w, acts, rows, out, ldo, col0) }
+    matmul_dispatch::<false>(w, acts, rows, out, ldo, col0)
 }
 
 /// `matmul_rows` with the integer dot products done by AVX512-VNNI (256-bit forms).
@@ -370,8 +323,7 @@ pub unsafe fn matmul_rows_vnni(
     ldo: usize,
     col0: usize,
 ) {
-    // SAFETY: features enabled on this function; bounds are the caller's contract.
-    unsafe { matmul_dispatch::<true>(w, acts, rows, out, ldo, col0) }
+    matmul_dispatch::<true>(w, acts, rows, out, ldo, col0)
 }
 
 /// AVX2 version of `portable::quantize_rows`.

@@ -11,7 +11,7 @@ use half::slice::HalfFloatSliceExt;
 use crate::backend::{Backend, KvError, MatmulJob};
 use crate::kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvGeometry, KvSlot, Phase};
 use crate::pool::{SharedMut, ThreadPool, split};
-use crate::quant::{Activations, HostWeight, QK, WeightMatrix};
+use crate::quant::{ActNeeds, Activations, HostWeight, WeightMatrix};
 use ops::Isa;
 
 /// Which kernels the CPU backend runs.
@@ -309,28 +309,40 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn quantize(&self, x: &Vec<f32>, rows: usize, cols: usize, out: &mut Activations) {
+    fn quantize(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        cols: usize,
+        needs: ActNeeds,
+        out: &mut Activations,
+    ) {
         assert_eq!(x.len(), rows * cols, "quantize: input is not rows × cols");
-        out.resize(rows, cols);
+        out.resize(rows, cols, needs);
         out.f32.copy_from_slice(x);
-        if !cols.is_multiple_of(QK) {
-            return;
+        if out.forms.q8 {
+            let qs = SharedMut::new(&mut out.qs);
+            let d = SharedMut::new(&mut out.d);
+            let s = SharedMut::new(&mut out.s);
+            self.rows_par(rows, cols, |r| match self.simd {
+                Simd::Portable => portable::quantize_rows(x, cols, &qs, &d, &s, rows, r),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 verified at construction; buffers sized by `resize` above.
+                Simd::Avx2 | Simd::Avx512Vnni => unsafe {
+                    avx2::quantize_rows(x, cols, &qs, &d, &s, rows, r)
+                },
+                #[cfg(not(target_arch = "x86_64"))]
+                Simd::Avx2 | Simd::Avx512Vnni => {
+                    unreachable!("x86 kernels are never selected off x86-64")
+                }
+            });
         }
-        let qs = SharedMut::new(&mut out.qs);
-        let d = SharedMut::new(&mut out.d);
-        let s = SharedMut::new(&mut out.s);
-        self.rows_par(rows, cols, |r| match self.simd {
-            Simd::Portable => portable::quantize_rows(x, cols, &qs, &d, &s, rows, r),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: AVX2 verified at construction; buffers sized by `resize` above.
-            Simd::Avx2 | Simd::Avx512Vnni => unsafe {
-                avx2::quantize_rows(x, cols, &qs, &d, &s, rows, r)
-            },
-            #[cfg(not(target_arch = "x86_64"))]
-            Simd::Avx2 | Simd::Avx512Vnni => {
-                unreachable!("x86 kernels are never selected off x86-64")
-            }
-        });
+        if out.forms.q8k {
+            let qs = SharedMut::new(&mut out.kqs);
+            let d = SharedMut::new(&mut out.kd);
+            let sums = SharedMut::new(&mut out.ksums);
+            self.rows_par(rows, cols, |r| portable::quantize_rows_k(x, cols, &qs, &d, &sums, r));
+        }
     }
 
     fn matmul(&self, x: &Activations, jobs: &mut [MatmulJob<'_, HostWeight, Vec<f32>>]) {
@@ -345,10 +357,9 @@ impl Backend for CpuBackend {
                 x.rows * j.weight.rows,
                 "matmul: output buffer has the wrong size"
             );
-            assert!(
-                !j.weight.ty.is_quantized() || x.is_quantized(),
-                "matmul: input was not quantized"
-            );
+            if let Some(form) = j.weight.ty.act_form() {
+                assert!(x.has(form), "matmul: input was not quantized to {form:?}");
+            }
         }
         if x.rows == 0 {
             return;

@@ -2,9 +2,12 @@
 //! tested against. They reproduce the SIMD lane structure (eight partial sums per block, then a
 //! fixed pairwise horizontal sum) so both give bit-identical results.
 
+use crate::formats::{ActForm, FloatFormat, MinTerm, QuantFormat};
 use crate::kv::{KvData, Phase};
 use crate::pool::SharedMut;
-use crate::quant::{Activations, QK, WeightMatrix, WeightType, f16_at, quantize_block};
+use crate::quant::{
+    Activations, FormatVisitor, QK, QK_K, WeightMatrix, f16_at, quantize_block, quantize_block_k,
+};
 
 /// The horizontal sum order of an 8-lane AVX register used throughout (as llama.cpp's
 /// `hsum_float_8`): `((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))`.
@@ -40,95 +43,137 @@ pub fn quantize_rows(
     }
 }
 
-/// Integer dot products of one weight block against 32 activation quants, as eight lane sums of
-/// four consecutive elements each.
-#[inline(always)]
-fn lanes_q4_1(qs: &[u8], a: &[i8]) -> [i32; 8] {
-    let mut lanes = [0i32; 8];
-    for j in 0..QK / 2 {
-        lanes[j / 4] += i32::from(qs[j] & 0xF) * i32::from(a[j]);
-        lanes[(j + QK / 2) / 4] += i32::from(qs[j] >> 4) * i32::from(a[j + QK / 2]);
+/// Quantizes rows `rows` of `x` (`n_rows × cols`) into Q8K super-blocks. Every SIMD level
+/// runs this same code: it is cheap next to the matmuls and its rounding must match llama.cpp's
+/// reference quantizer, which every CPU build of llama.cpp runs too.
+pub fn quantize_rows_k(
+    x: &[f32],
+    cols: usize,
+    kqs: &SharedMut<i8>,
+    kd: &SharedMut<f32>,
+    ksums: &SharedMut<i16>,
+    rows: std::ops::Range<usize>,
+) {
+    let nb = cols / QK_K;
+    for t in rows {
+        for b in 0..nb {
+            let o = t * cols + b * QK_K;
+            let s = (t * nb + b) * (QK_K / 16);
+            // SAFETY: each row is quantized by exactly one thread; indices are bounds-checked.
+            let d = unsafe {
+                quantize_block_k(
+                    &x[o..o + QK_K],
+                    kqs.slice(o..o + QK_K),
+                    ksums.slice(s..s + QK_K / 16),
+                )
+            };
+            // SAFETY: as above.
+            unsafe { kd.write(t * nb + b, d) };
+        }
     }
-    lanes
 }
 
-#[inline(always)]
-fn lanes_q4_0(qs: &[u8], a: &[i8]) -> [i32; 8] {
-    let mut lanes = [0i32; 8];
-    for j in 0..QK / 2 {
-        lanes[j / 4] += (i32::from(qs[j] & 0xF) - 8) * i32::from(a[j]);
-        lanes[(j + QK / 2) / 4] += (i32::from(qs[j] >> 4) - 8) * i32::from(a[j + QK / 2]);
-    }
-    lanes
-}
-
-#[inline(always)]
-fn lanes_q8_0(qs: &[u8], a: &[i8]) -> [i32; 8] {
-    let mut lanes = [0i32; 8];
-    for j in 0..QK {
-        lanes[j / 4] += i32::from(qs[j] as i8) * i32::from(a[j]);
-    }
-    lanes
-}
-
-/// `W[r] · x[t]` for a quantized weight row.
-pub fn dot_quantized(ty: WeightType, row: &[u8], acts: &Activations, t: usize) -> f32 {
-    let nb = acts.blocks_per_row();
-    let a = &acts.qs[t * acts.cols..(t + 1) * acts.cols];
-    let d = &acts.d[t * nb..(t + 1) * nb];
+/// `W[r] · x[t]` for a quantized weight row: per block, one FMA per lane with the product of
+/// the two scales, then the format's min term, in llama.cpp's order (see `formats`).
+pub fn dot_quantized<F: QuantFormat>(row: &[u8], acts: &Activations, t: usize) -> f32 {
+    let be = F::BLOCK_ELEMS;
+    let nb = acts.cols / be;
+    let (q, d) = match F::ACT {
+        ActForm::Q8 => (&acts.qs, &acts.d),
+        ActForm::Q8K => (&acts.kqs, &acts.kd),
+    };
+    let q = &q[t * acts.cols..(t + 1) * acts.cols];
+    let d = &d[t * nb..(t + 1) * nb];
     let mut acc = [0f32; 8];
     let mut summs = 0f32;
-    for (b, blk) in row.chunks_exact(ty.block_bytes()).enumerate() {
-        let ab = &a[b * QK..(b + 1) * QK];
-        let lanes = match ty {
-            WeightType::Q4_1 => lanes_q4_1(&blk[4..], ab),
-            WeightType::Q4_0 => lanes_q4_0(&blk[2..], ab),
-            WeightType::Q8_0 => lanes_q8_0(&blk[2..], ab),
-            WeightType::F32 | WeightType::F16 | WeightType::BF16 => {
-                unreachable!("float weights take dot_float")
-            }
+    let mut acc_m = [0f32; 4];
+    for (b, blk) in row.chunks_exact(F::BLOCK_BYTES).enumerate() {
+        let sums: &[i16] = match F::ACT {
+            ActForm::Q8 => &[],
+            ActForm::Q8K => &acts.ksums[(t * nb + b) * (QK_K / 16)..(t * nb + b + 1) * (QK_K / 16)],
         };
-        let dd = f16_at(blk) * d[b];
+        let lanes = F::lanes(blk, &q[b * be..(b + 1) * be], sums);
+        let dd = f16_at(&blk[F::SCALE_AT..]) * d[b];
         for l in 0..8 {
             acc[l] = dd.mul_add(lanes[l] as f32, acc[l]);
         }
-        if ty == WeightType::Q4_1 {
-            summs = f16_at(&blk[2..]).mul_add(acts.s[b * acts.rows + t], summs);
+        let min = || f16_at(&blk[F::MIN_AT..]);
+        let mins = || F::min_lanes(blk, sums);
+        match F::MIN {
+            MinTerm::None => {}
+            MinTerm::PerBlock => summs = min().mul_add(acts.s[b * acts.rows + t], summs),
+            MinTerm::SuperQuad => {
+                let dmin = -(d[b] * min());
+                for (a, p) in acc_m.iter_mut().zip(mins()) {
+                    *a = dmin.mul_add(p as f32, *a);
+                }
+            }
+            MinTerm::SuperScalar => {
+                let p = mins();
+                let dmin = -(d[b] * min());
+                summs = dmin.mul_add(((p[0] + p[1]) + (p[2] + p[3])) as f32, summs);
+            }
         }
     }
-    hsum8(acc) + summs
+    match F::MIN {
+        MinTerm::None => hsum8(acc),
+        MinTerm::PerBlock | MinTerm::SuperScalar => hsum8(acc) + summs,
+        MinTerm::SuperQuad => hsum8(acc) + ((acc_m[0] + acc_m[2]) + (acc_m[1] + acc_m[3])),
+    }
 }
 
 /// `W[r] · x[t]` for a float weight row against the f32 activations.
 #[inline(always)]
-pub fn dot_float(ty: WeightType, row: &[u8], x: &[f32]) -> f32 {
-    let width = ty.block_bytes();
+pub fn dot_float<F: FloatFormat>(row: &[u8], x: &[f32]) -> f32 {
+    let width = F::BLOCK_BYTES;
     let mut acc = [0f32; 8];
     let mut chunks = x.chunks_exact(8);
     let mut i = 0;
     for c in chunks.by_ref() {
         for l in 0..8 {
-            acc[l] = weight_at(ty, &row[(i + l) * width..]).mul_add(c[l], acc[l]);
+            acc[l] = F::at(&row[(i + l) * width..]).mul_add(c[l], acc[l]);
         }
         i += 8;
     }
     let mut tail = 0f32;
     for &xv in chunks.remainder() {
-        tail = weight_at(ty, &row[i * width..]).mul_add(xv, tail);
+        tail = F::at(&row[i * width..]).mul_add(xv, tail);
         i += 1;
     }
     hsum8(acc) + tail
 }
 
-#[inline(always)]
-fn weight_at(ty: WeightType, b: &[u8]) -> f32 {
-    match ty {
-        WeightType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        WeightType::F16 => f16_at(b),
-        WeightType::BF16 => half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-        WeightType::Q8_0 | WeightType::Q4_0 | WeightType::Q4_1 => {
-            unreachable!("quantized weights take dot_quantized")
+/// `out[t * ldo + col0 + r]` for `r` in `rows`, every token `t`, for one weight format.
+struct Rows<'a, 'w> {
+    w: &'a WeightMatrix<'w>,
+    acts: &'a Activations,
+    rows: std::ops::Range<usize>,
+    out: &'a SharedMut<f32>,
+    ldo: usize,
+    col0: usize,
+}
+
+impl Rows<'_, '_> {
+    fn each(self, dot: impl Fn(&[u8], usize) -> f32) {
+        for r in self.rows.clone() {
+            let row = self.w.row(r);
+            for t in 0..self.acts.rows {
+                // SAFETY: threads own disjoint row ranges, so each element has one writer.
+                unsafe { self.out.write(t * self.ldo + self.col0 + r, dot(row, t)) };
+            }
         }
+    }
+}
+
+impl FormatVisitor for Rows<'_, '_> {
+    type Out = ();
+    fn float<F: FloatFormat>(self) {
+        let acts = self.acts;
+        self.each(|row, t| dot_float::<F>(row, &acts.f32[t * acts.cols..(t + 1) * acts.cols]));
+    }
+    fn quant<F: QuantFormat>(self) {
+        let acts = self.acts;
+        self.each(|row, t| dot_quantized::<F>(row, acts, t));
     }
 }
 
@@ -141,18 +186,7 @@ pub fn matmul_rows(
     ldo: usize,
     col0: usize,
 ) {
-    for r in rows {
-        let row = w.row(r);
-        for t in 0..acts.rows {
-            let v = if w.ty.is_quantized() {
-                dot_quantized(w.ty, row, acts, t)
-            } else {
-                dot_float(w.ty, row, &acts.f32[t * acts.cols..(t + 1) * acts.cols])
-            };
-            // SAFETY: threads own disjoint row ranges, so each element has one writer.
-            unsafe { out.write(t * ldo + col0 + r, v) };
-        }
-    }
+    w.ty.visit(Rows { w, acts, rows, out, ldo, col0 });
 }
 
 /// `q · k` over one head (`q.len()` elements) of KV at element offset `off`.

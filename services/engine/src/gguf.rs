@@ -397,38 +397,9 @@ fn align_up(x: u64, a: u64) -> Option<u64> {
 
 /// Maps a GGML type id to a supported weight type, or says which type it is and that it is not.
 fn weight_type(id: u32) -> std::result::Result<WeightType, String> {
-    Ok(match id {
-        0 => WeightType::F32,
-        1 => WeightType::F16,
-        2 => WeightType::Q4_0,
-        3 => WeightType::Q4_1,
-        8 => WeightType::Q8_0,
-        30 => WeightType::BF16,
-        other => {
-            let name = match other {
-                6 => "Q5_0",
-                7 => "Q5_1",
-                9 => "Q8_1",
-                10 => "Q2_K",
-                11 => "Q3_K",
-                12 => "Q4_K",
-                13 => "Q5_K",
-                14 => "Q6_K",
-                15 => "Q8_K",
-                16..=23 | 29 => "an IQ type",
-                24 => "I8",
-                25 => "I16",
-                26 => "I32",
-                27 => "I64",
-                28 => "F64",
-                34 => "TQ1_0",
-                35 => "TQ2_0",
-                _ => "unknown",
-            };
-            return Err(format!(
-                "tensor type {other} ({name}) is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"
-            ));
-        }
+    WeightType::from_gguf_id(id).map_err(|name| {
+        let known: Vec<&str> = WeightType::ALL.iter().map(|t| t.name()).collect();
+        format!("tensor type {id} ({name}) is not supported (supported: {})", known.join(", "))
     })
 }
 
@@ -643,13 +614,17 @@ mod tests {
         let b = GgufBuilder::default()
             .tensor("blk.0.ffn_down.weight", &[256], WeightType::F32, vec![0; 1024])
             .build();
-        // Patch the type id (after name, n_dims, one dim) to 12 = Q4_K.
+        // Patch the type id (after name, n_dims, one dim): Q2_K, Q3_K and the IQ types are
+        // refused by name.
         let name_end = 24 + 8 + "blk.0.ffn_down.weight".len();
         let ty_at = name_end + 4 + 8;
-        let mut b2 = b.clone();
-        b2[ty_at..ty_at + 4].copy_from_slice(&12u32.to_le_bytes());
-        let e = err(b2);
-        assert!(e.contains("blk.0.ffn_down.weight") && e.contains("Q4_K"), "{e}");
+        for (id, name) in [(10u32, "Q2_K"), (11, "Q3_K"), (23, "IQ4_XS"), (99, "unknown")] {
+            let mut b2 = b.clone();
+            b2[ty_at..ty_at + 4].copy_from_slice(&id.to_le_bytes());
+            let e = err(b2);
+            assert!(e.contains("blk.0.ffn_down.weight") && e.contains(name), "{e}");
+            assert!(e.contains("Q4_K") && e.contains("Q6_K"), "lists what is supported: {e}");
+        }
     }
 
     #[test]

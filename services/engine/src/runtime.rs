@@ -5,7 +5,9 @@
 
 use std::sync::Arc;
 
-use pdmesh_kernels::{AttnQuery, Backend, KvGeometry, KvSlot, KvStorage, MatmulJob, Phase};
+use pdmesh_kernels::{
+    ActNeeds, AttnQuery, Backend, KvGeometry, KvSlot, KvStorage, MatmulJob, Phase,
+};
 
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvView, SeqId};
@@ -39,6 +41,11 @@ pub(crate) trait Device: Send + std::fmt::Debug {
 }
 
 struct LayerWeights<B: Backend> {
+    /// Which activation forms each matmul group's weights consume.
+    needs_qkv: ActNeeds,
+    needs_o: ActNeeds,
+    needs_gate_up: ActNeeds,
+    needs_down: ActNeeds,
     attn_norm: B::Buffer,
     wq: B::Weight,
     wk: B::Weight,
@@ -80,6 +87,7 @@ pub(crate) struct Runtime<B: Backend> {
     kv: B::Kv,
     token_embd: B::Weight,
     output: B::Weight,
+    needs_output: ActNeeds,
     output_norm: B::Buffer,
     layers: Vec<LayerWeights<B>>,
     scratch: Scratch<B>,
@@ -107,6 +115,10 @@ impl<B: Backend> Runtime<B> {
             .layers
             .iter()
             .map(|l| LayerWeights {
+                needs_qkv: ActNeeds::of([l.wq.ty, l.wk.ty, l.wv.ty]),
+                needs_o: ActNeeds::of([l.wo.ty]),
+                needs_gate_up: ActNeeds::of([l.w_gate.ty, l.w_up.ty]),
+                needs_down: ActNeeds::of([l.w_down.ty]),
                 attn_norm: vector(&l.attn_norm),
                 wq: weight(&l.wq),
                 wk: weight(&l.wk),
@@ -142,6 +154,7 @@ impl<B: Backend> Runtime<B> {
         Ok(Self {
             token_embd: weight(&model.token_embd),
             output: weight(&model.output),
+            needs_output: ActNeeds::of([model.output.ty]),
             output_norm: vector(&model.output_norm),
             layers,
             scratch,
@@ -215,7 +228,7 @@ impl<B: Backend> Device for Runtime<B> {
 
         for (li, l) in self.layers.iter().enumerate() {
             be.rms_norm(&s.x, &l.attn_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, n, d, &mut s.acts);
+            be.quantize(&s.xn, n, d, l.needs_qkv, &mut s.acts);
             be.matmul(
                 &s.acts,
                 &mut [
@@ -229,12 +242,12 @@ impl<B: Backend> Device for Runtime<B> {
             be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
             on_layer(li, &KvView::new(cache, &self.kv));
             be.attention(&self.kv, li, c.heads, &s.q, &queries, &mut s.attn);
-            be.quantize(&s.attn, n, qd, &mut s.acts);
+            be.quantize(&s.attn, n, qd, l.needs_o, &mut s.acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &l.wo, out: &mut s.proj }]);
             be.add_assign(&mut s.x, &s.proj);
 
             be.rms_norm(&s.x, &l.ffn_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, n, d, &mut s.acts);
+            be.quantize(&s.xn, n, d, l.needs_gate_up, &mut s.acts);
             be.matmul(
                 &s.acts,
                 &mut [
@@ -243,7 +256,7 @@ impl<B: Backend> Device for Runtime<B> {
                 ],
             );
             be.swiglu(&s.gate, &s.up, &mut s.ffn);
-            be.quantize(&s.ffn, n, c.ffn, &mut s.acts);
+            be.quantize(&s.ffn, n, c.ffn, l.needs_down, &mut s.acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &l.w_down, out: &mut s.proj }]);
             be.add_assign(&mut s.x, &s.proj);
         }
@@ -255,7 +268,7 @@ impl<B: Backend> Device for Runtime<B> {
             be.gather_rows(&s.x, batch.logit_tokens, d, &mut s.sel);
             be.resize(&mut s.xn, m * d);
             be.rms_norm(&s.sel, &self.output_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, m, d, &mut s.acts);
+            be.quantize(&s.xn, m, d, self.needs_output, &mut s.acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &self.output, out: &mut s.logits }]);
         }
         be.read(&s.logits, &mut s.host_logits)

@@ -10,17 +10,6 @@ pub struct GgufBuilder {
     tensors: Vec<(String, Vec<u64>, u32, Vec<u8>)>,
 }
 
-fn type_id(ty: WeightType) -> u32 {
-    match ty {
-        WeightType::F32 => 0,
-        WeightType::F16 => 1,
-        WeightType::Q4_0 => 2,
-        WeightType::Q4_1 => 3,
-        WeightType::Q8_0 => 8,
-        WeightType::BF16 => 30,
-    }
-}
-
 impl GgufBuilder {
     pub fn kv(mut self, key: &str, v: Value) -> Self {
         self.kv.push((key.to_string(), v));
@@ -28,7 +17,7 @@ impl GgufBuilder {
     }
 
     pub fn tensor(mut self, name: &str, dims: &[u64], ty: WeightType, data: Vec<u8>) -> Self {
-        self.tensors.push((name.to_string(), dims.to_vec(), type_id(ty), data));
+        self.tensors.push((name.to_string(), dims.to_vec(), ty.gguf_id(), data));
         self
     }
 
