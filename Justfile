@@ -32,8 +32,17 @@ run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
     cargo run --release --locked -q -p pdmesh-cli -- run --model {{model}} --prompt "{{prompt}}" {{args}}
 
 # Run the whole test suite (unit, kernel, engine on the real model, CLI processes).
-test: system-deps fetch-model
+test: system-deps fetch-model vocab-fixtures
     cargo test --workspace --locked
+
+# The tokenizer's vocabulary fixtures in models/test/: vocab-only GGUFs (SentencePiece, and
+# byte-level BPE under each pre-tokenizer) with llama.cpp's token ids for them. Rebuilt when the
+# script or the test text is newer; needs llama-cpp-python (built the first time, ~15 min).
+vocab-fixtures: fetch-model _llamacpp
+    @[ models/test/vocab_fixtures.json -nt scripts/make_vocab_fixtures.py ] && \
+        [ models/test/vocab_fixtures.json -nt tests/data/multilingual.txt ] || { \
+        {{bench_venv}}/bin/pip install --quiet gguf==0.19.0 sentencepiece==0.2.3 && \
+        {{bench_venv}}/bin/python scripts/make_vocab_fixtures.py; }
 
 # Formatting and lints, as CI wants them.
 check: system-deps

@@ -362,7 +362,9 @@ mod tests {
     fn unsupported_architecture_and_tokenizer() {
         let e = load(base("gemma", "gpt2"));
         assert!(e.contains("gemma") && e.contains("llama-architecture"), "{e}");
-        let e = load(base("llama", "llama"));
-        assert!(e.contains("tokenizer.ggml.model"), "{e}");
+        for kind in ["bert", "t5", "rwkv"] {
+            let e = load(base("llama", kind));
+            assert!(e.contains("tokenizer.ggml.model") && e.contains(&format!("{kind:?}")), "{e}");
+        }
     }
 }

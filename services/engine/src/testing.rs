@@ -146,6 +146,7 @@ impl TinyModel {
             .kv("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
             .kv("llama.rope.freq_base", Value::F32(10_000.0))
             .kv("tokenizer.ggml.model", s("gpt2"))
+            .kv("tokenizer.ggml.pre", s("gpt-2"))
             .kv("tokenizer.ggml.tokens", Value::Array(vocab.iter().map(|t| s(t)).collect()))
             .kv("tokenizer.ggml.token_type", Value::Array(types))
             .kv("tokenizer.ggml.merges", Value::Array(merges))

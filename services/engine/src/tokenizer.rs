@@ -1,54 +1,201 @@
-//! The model's tokenizer, rebuilt from GGUF metadata on top of the `tokenizers` crate (GPT-2
-//! style byte-level BPE with the pre-tokenizer the metadata names), plus the pieces a streaming
-//! server needs: the exact bytes of every token and a decoder that never splits a UTF-8
-//! character across two chunks.
+//! The model's tokenizer, rebuilt from GGUF metadata so that token ids are llama.cpp's: GPT-2
+//! style byte-level BPE (`tokenizer.ggml.model = "gpt2"`, on the `tokenizers` crate, with the
+//! pre-tokenizer `tokenizer.ggml.pre` names) and SentencePiece (`"llama"`, hand-written after
+//! llama.cpp's). Also the pieces a streaming server needs: the exact bytes of every token and a
+//! decoder that never splits a UTF-8 character across two chunks.
+//!
+//! Around both models sits what llama.cpp does with a vocabulary: token attributes from
+//! `tokenizer.ggml.token_type` amended by token text (end-of-turn and fill-in-the-middle
+//! markers become control tokens), special tokens written in the text split out before the
+//! model sees it, BOS/EOS added as the metadata says, and the set of tokens that end generation.
 
-use std::collections::HashMap;
+mod bpe;
+mod spm;
+#[cfg(test)]
+mod tests;
 
-use tokenizers::models::bpe::BPE;
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior};
+use aho_corasick::AhoCorasick;
 
 use crate::chat::ChatTemplate;
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, Value};
 
-/// GGUF token types (`tokenizer.ggml.token_type`).
-const TOKEN_CONTROL: i64 = 3;
-const TOKEN_USER_DEFINED: i64 = 4;
+/// A token's attributes, llama.cpp's `llama_token_attr` bits that tokenizing and decoding read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Attr(u8);
 
-/// Texts of control tokens that end a turn in the chat formats we know (llama.cpp treats the
-/// same set as end-of-generation).
-const EOG_TEXTS: &[&str] =
-    &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>"];
+impl Attr {
+    const UNDEFINED: Attr = Attr(0);
+    const NORMAL: Attr = Attr(1);
+    const UNKNOWN: Attr = Attr(2);
+    const CONTROL: Attr = Attr(4);
+    const USER_DEFINED: Attr = Attr(8);
+    const UNUSED: Attr = Attr(16);
+    const BYTE: Attr = Attr(32);
 
-/// The llama-3 pre-tokenizer split (used by `llama-bpe` vocabularies).
-const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    /// From a GGUF token type (`tokenizer.ggml.token_type`).
+    fn from_type(t: i64) -> Attr {
+        match t {
+            1 => Attr::NORMAL,
+            2 => Attr::UNKNOWN,
+            3 => Attr::CONTROL,
+            4 => Attr::USER_DEFINED,
+            5 => Attr::UNUSED,
+            6 => Attr::BYTE,
+            _ => Attr::UNDEFINED,
+        }
+    }
+
+    fn has(self, other: Attr) -> bool {
+        self.0 & other.0 != 0
+    }
+
+    fn with(self, other: Attr) -> Attr {
+        Attr(self.0 | other.0)
+    }
+
+    /// Tokens written in a prompt stand for themselves, and decode to their own text.
+    fn is_special(self) -> bool {
+        self.has(Attr::UNKNOWN) || self.has(Attr::CONTROL) || self.has(Attr::USER_DEFINED)
+    }
+}
+
+/// Texts llama.cpp takes for end-of-generation tokens whatever their type (it makes them
+/// control tokens).
+const EOG_TEXTS: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<|call|>",
+    "<|flush|>",
+    "<|calls|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "</s>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "[EOT]",
+    "[EOS]",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+    "<eos>",
+    "<turn|>",
+    "<|tool_response>",
+    "<｜end▁of▁sentence｜>",
+    "[e~[",
+];
+
+/// Fill-in-the-middle markers llama.cpp looks for by text when the GGUF names none of a kind
+/// (metadata keys first): the one found becomes a control token, and pad, repo and file
+/// separator markers end generation.
+const FIM: &[(&[&str], &[&str], bool)] = &[
+    (
+        &["tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"],
+        &[
+            "<|fim_prefix|>",
+            "<fim-prefix>",
+            "<fim_prefix>",
+            "<｜fim▁begin｜>",
+            "<PRE>",
+            "▁<PRE>",
+            "<|code_prefix|>",
+            "<|prefix|>",
+        ],
+        false,
+    ),
+    (
+        &["tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"],
+        &[
+            "<|fim_suffix|>",
+            "<fim-suffix>",
+            "<fim_suffix>",
+            "<｜fim▁hole｜>",
+            "<SUF>",
+            "▁<SUF>",
+            "<|code_suffix|>",
+            "<|suffix|>",
+        ],
+        false,
+    ),
+    (
+        &["tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"],
+        &[
+            "<|fim_middle|>",
+            "<fim-middle>",
+            "<fim_middle>",
+            "<｜fim▁end｜>",
+            "<MID>",
+            "▁<MID>",
+            "<|code_middle|>",
+            "<|middle|>",
+        ],
+        false,
+    ),
+    (
+        &["tokenizer.ggml.fim_pad_token_id"],
+        &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"],
+        true,
+    ),
+    (
+        &["tokenizer.ggml.fim_rep_token_id"],
+        &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"],
+        true,
+    ),
+    (&["tokenizer.ggml.fim_sep_token_id"], &["<|file_sep|>"], true),
+];
+
+/// gpt-oss's message-structure tokens, which llama.cpp always renders (user-defined).
+const ALWAYS_RENDERED: &[&str] = &["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"];
+
+enum Model {
+    Bpe(bpe::Bpe),
+    Spm {
+        spm: spm::Spm,
+        /// A space before text at the start and after each special token.
+        add_space_prefix: bool,
+    },
+}
 
 /// A tokenizer built from a GGUF file.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
-    /// Raw bytes each token stands for (specials: their text).
+    model: Model,
+    /// Special tokens (control, user-defined, unknown) matched in prompts, longest text first,
+    /// and a searcher over their texts (same order) to find which a prompt contains.
+    specials: Vec<(u32, String)>,
+    special_finder: Option<AhoCorasick>,
+    /// Raw bytes each token stands for (llama.cpp's piece; specials: their text).
     token_bytes: Vec<Vec<u8>>,
     bos: Option<u32>,
     eos: Option<u32>,
     add_bos: bool,
+    add_eos: bool,
     eog: Vec<u32>,
     chat: std::result::Result<ChatTemplate, String>,
 }
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match self.model {
+            Model::Bpe(_) => "bpe",
+            Model::Spm { .. } => "spm",
+        };
         f.debug_struct("Tokenizer")
+            .field("kind", &kind)
             .field("vocab", &self.token_bytes.len())
             .field("bos", &self.bos)
             .field("eos", &self.eos)
             .field("add_bos", &self.add_bos)
+            .field("add_eos", &self.add_eos)
             .finish()
     }
+}
+
+/// A stretch of prompt: text for the model, or a special token written in it.
+enum Fragment<'a> {
+    Text(&'a str),
+    Token(u32),
 }
 
 fn meta_err(key: &str, problem: impl Into<String>) -> Error {
@@ -66,148 +213,161 @@ fn string_array<'a>(gguf: &'a GgufFile, key: &str) -> Result<Vec<&'a str>> {
         .collect()
 }
 
-/// GPT-2's reversible map from bytes to printable characters, inverted.
-fn unicode_to_byte() -> HashMap<char, u8> {
-    let mut map = HashMap::new();
-    let mut n = 0u32;
-    for b in 0..=255u8 {
-        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-        let c = if printable {
-            char::from(b)
-        } else {
-            n += 1;
-            char::from_u32(255 + n).unwrap_or('\u{FFFD}')
-        };
-        map.insert(c, b);
+/// A per-token array that must cover every token, or `None` when the key is absent.
+fn token_array<T>(
+    gguf: &GgufFile,
+    key: &str,
+    n: usize,
+    each: impl Fn(&Value) -> Option<T>,
+) -> Result<Option<Vec<T>>> {
+    let Some(a) = gguf.get_array(key)? else { return Ok(None) };
+    if a.len() < n {
+        return Err(meta_err(key, format!("{} entries for {n} tokens", a.len())));
     }
-    map
+    a[..n]
+        .iter()
+        .map(|v| each(v).ok_or_else(|| meta_err(key, "an element of the wrong type")))
+        .collect::<Result<Vec<T>>>()
+        .map(Some)
+}
+
+/// The byte a byte token such as `<0x0A>` stands for, read as llama.cpp reads it (the hex
+/// digits after `<0x`).
+fn byte_of(text: &str) -> u8 {
+    let hex: String = text.chars().skip(3).take(2).take_while(char::is_ascii_hexdigit).collect();
+    u8::from_str_radix(&hex, 16).unwrap_or(0)
 }
 
 impl Tokenizer {
     pub fn from_gguf(gguf: &GgufFile) -> Result<Self> {
-        let model = gguf.require("tokenizer.ggml.model", gguf.get_str("tokenizer.ggml.model"))?;
-        if model != "gpt2" {
-            return Err(Error::UnsupportedModel(format!(
-                "tokenizer model {model:?} (tokenizer.ggml.model): only GPT-2 style byte-level BPE is supported"
-            )));
-        }
-        let tokens = string_array(gguf, "tokenizer.ggml.tokens")?;
-        let merges_raw = string_array(gguf, "tokenizer.ggml.merges")?;
-        let types: Vec<i64> = match gguf.get_array("tokenizer.ggml.token_type")? {
-            Some(a) => a
-                .iter()
-                .map(|v| {
-                    v.as_i64()
-                        .ok_or_else(|| meta_err("tokenizer.ggml.token_type", "non-integer element"))
-                })
-                .collect::<Result<_>>()?,
-            None => vec![1; tokens.len()],
+        let kind = gguf.require("tokenizer.ggml.model", gguf.get_str("tokenizer.ggml.model"))?;
+        let is_spm = match kind {
+            "gpt2" => false,
+            "llama" => true,
+            other => {
+                return Err(Error::UnsupportedModel(format!(
+                    "tokenizer model {other:?} (tokenizer.ggml.model) is not supported; known: \
+                     \"gpt2\" (byte-level BPE), \"llama\" (SentencePiece)"
+                )));
+            }
         };
-        if types.len() != tokens.len() {
-            return Err(meta_err(
-                "tokenizer.ggml.token_type",
-                format!("{} entries for {} tokens", types.len(), tokens.len()),
-            ));
-        }
-        let id = |key: &str| -> Result<Option<u32>> {
+        // Resolved before anything else so that an unknown one is what a load reports.
+        let pre = if is_spm {
+            None
+        } else {
+            Some(bpe::pre_tokenizer(gguf.get_str("tokenizer.ggml.pre")?)?)
+        };
+
+        // llama.cpp renames empty tokens, which would otherwise all be one map key.
+        let tokens: Vec<String> = string_array(gguf, "tokenizer.ggml.tokens")?
+            .iter()
+            .enumerate()
+            .map(|(i, t)| if t.is_empty() { format!("[EMPTY_{i}]") } else { (*t).to_string() })
+            .collect();
+        let n = tokens.len();
+        let mut attrs: Vec<Attr> =
+            token_array(gguf, "tokenizer.ggml.token_type", n, |v| v.as_i64().map(Attr::from_type))?
+                .unwrap_or_else(|| vec![Attr::NORMAL; n]);
+
+        let id_key = |key: &str| -> Result<Option<u32>> {
             match gguf.get_u64(key)? {
                 None => Ok(None),
-                Some(v) if (v as usize) < tokens.len() => Ok(Some(v as u32)),
+                Some(v) if (v as usize) < n => Ok(Some(v as u32)),
                 Some(v) => Err(meta_err(key, format!("token id {v} is outside the vocabulary"))),
             }
         };
-        let bos = id("tokenizer.ggml.bos_token_id")?;
-        let eos = id("tokenizer.ggml.eos_token_id")?;
-        let eot = id("tokenizer.ggml.eot_token_id")?;
-        let add_bos = gguf.get_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
+        // SentencePiece vocabularies that name none have llama's <unk>, <s>, </s> at 0, 1, 2.
+        let spm_default = |id: u32| (is_spm && (id as usize) < n).then_some(id);
+        let bos = id_key("tokenizer.ggml.bos_token_id")?.or(spm_default(1));
+        let eos = id_key("tokenizer.ggml.eos_token_id")?.or(spm_default(2));
+        let unk = id_key("tokenizer.ggml.unknown_token_id")?.or(spm_default(0));
+        let eot = id_key("tokenizer.ggml.eot_token_id")?;
+        let eom = id_key("tokenizer.ggml.eom_token_id")?;
+
+        let add_bos = gguf
+            .get_bool("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(is_spm || pre.is_some_and(|p| p.add_bos));
+        let add_eos = gguf.get_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
+        let add_space_prefix = gguf.get_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(is_spm);
         if add_bos && bos.is_none() {
             return Err(meta_err(
                 "tokenizer.ggml.add_bos_token",
                 "set but there is no bos_token_id",
             ));
         }
-
-        let mut vocab = tokenizers::models::bpe::Vocab::default();
-        for (i, t) in tokens.iter().enumerate() {
-            vocab.insert((*t).to_string(), i as u32);
+        if add_eos && eos.is_none() {
+            return Err(meta_err(
+                "tokenizer.ggml.add_eos_token",
+                "set but there is no eos_token_id",
+            ));
         }
-        let mut merges = Vec::with_capacity(merges_raw.len());
-        for (i, m) in merges_raw.iter().enumerate() {
-            let (a, b) = m.split_once(' ').ok_or_else(|| {
-                meta_err("tokenizer.ggml.merges", format!("entry {i} ({m:?}) is not \"a b\""))
-            })?;
-            merges.push((a.to_string(), b.to_string()));
-        }
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| Error::Tokenizer(format!("building BPE: {e}")))?;
-        let mut inner = tokenizers::Tokenizer::new(bpe);
 
-        let pre = gguf.get_str("tokenizer.ggml.pre")?.unwrap_or("default");
-        let byte_level = ByteLevel::new(false, true, true);
-        let pre_tok: PreTokenizerWrapper = match pre {
-            "default" | "gpt2" | "gpt-2" => byte_level.into(),
-            "smollm" | "starcoder" => {
-                Sequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
+        let eog = amend_attrs(gguf, &tokens, &mut attrs, [eos, eot, eom])?;
+
+        let model = match pre {
+            Some(pre) => {
+                let merges = string_array(gguf, "tokenizer.ggml.merges")?;
+                Model::Bpe(bpe::Bpe::new(&tokens, &merges, pre)?)
             }
-            "llama-bpe" | "llama3" => {
-                let split = Split::new(
-                    SplitPattern::Regex(LLAMA3_SPLIT.to_string()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .map_err(|e| Error::Tokenizer(format!("llama3 split regex: {e}")))?;
-                Sequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into()
-            }
-            other => {
-                return Err(Error::UnsupportedModel(format!(
-                    "pre-tokenizer {other:?} (tokenizer.ggml.pre) is not supported (known: default, gpt2, smollm, starcoder, llama-bpe)"
-                )));
+            None => {
+                // Converters write f32; llama.cpp also reads i32 scores.
+                let scores = token_array(gguf, "tokenizer.ggml.scores", n, |v| {
+                    v.as_f64().or_else(|| v.as_i64().map(|i| i as f64)).map(|s| s as f32)
+                })?
+                .unwrap_or_else(|| vec![0.0; n]);
+                Model::Spm { spm: spm::Spm::new(&tokens, scores, unk), add_space_prefix }
             }
         };
-        inner.with_pre_tokenizer(Some(pre_tok));
 
-        let special: Vec<bool> =
-            types.iter().map(|&t| t == TOKEN_CONTROL || t == TOKEN_USER_DEFINED).collect();
-        let added: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&special)
-            .filter(|(_, s)| **s)
-            .map(|(t, _)| AddedToken::from((*t).to_string(), true).normalized(false))
+        let mut specials: Vec<(u32, String)> = (0..n)
+            .filter(|&i| attrs[i].is_special())
+            .map(|i| (i as u32, tokens[i].clone()))
             .collect();
-        inner.add_special_tokens(&added);
+        specials.sort_by_key(|(_, t)| std::cmp::Reverse(t.len()));
+        let special_finder = if specials.is_empty() {
+            None
+        } else {
+            Some(
+                AhoCorasick::new(specials.iter().map(|(_, t)| t))
+                    .map_err(|e| Error::Tokenizer(format!("special tokens: {e}")))?,
+            )
+        };
 
-        let table = unicode_to_byte();
+        let gpt2_bytes = bpe::unicode_to_byte();
         let token_bytes: Vec<Vec<u8>> = tokens
             .iter()
-            .zip(&special)
-            .map(|(t, &s)| {
-                if s {
+            .zip(&attrs)
+            .map(|(t, &a)| {
+                if a.is_special() {
                     t.as_bytes().to_vec()
-                } else {
-                    // Byte-level tokens spell bytes with GPT-2's printable alphabet; anything
-                    // outside it is kept as its UTF-8 (some vocabularies mix in raw text).
-                    let mut out = Vec::with_capacity(t.len());
-                    for c in t.chars() {
-                        match table.get(&c) {
-                            Some(&b) => out.push(b),
-                            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                } else if a.has(Attr::NORMAL) {
+                    if is_spm {
+                        t.replace(spm::SPACE, " ").into_bytes()
+                    } else {
+                        // Byte-level tokens spell bytes with GPT-2's printable alphabet. Some
+                        // vocabularies mix in raw text: that is kept as its UTF-8, where
+                        // llama.cpp would print an "[UNK_BYTE_…]" marker instead.
+                        let mut out = Vec::with_capacity(t.len());
+                        for c in t.chars() {
+                            match gpt2_bytes.get(&c) {
+                                Some(&b) => out.push(b),
+                                None => {
+                                    out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes())
+                                }
+                            }
                         }
+                        out
                     }
-                    out
+                } else if a.has(Attr::BYTE) {
+                    vec![byte_of(t)]
+                } else {
+                    // Unused and undefined tokens yield nothing, as in llama.cpp.
+                    Vec::new()
                 }
             })
             .collect();
 
-        let mut eog: Vec<u32> = eos.into_iter().chain(eot).collect();
-        for (i, (t, &s)) in tokens.iter().zip(&special).enumerate() {
-            if s && EOG_TEXTS.contains(t) && !eog.contains(&(i as u32)) {
-                eog.push(i as u32);
-            }
-        }
-
-        let text = |id: Option<u32>| id.map(|i| tokens[i as usize].to_string()).unwrap_or_default();
+        let text = |id: Option<u32>| id.map(|i| tokens[i as usize].clone()).unwrap_or_default();
         let chat = match gguf.get_str("tokenizer.chat_template")? {
             Some(src) => ChatTemplate::new(src, &text(bos), &text(eos)).map_err(|e| e.to_string()),
             None => {
@@ -216,7 +376,18 @@ impl Tokenizer {
             }
         };
 
-        Ok(Self { inner, token_bytes, bos, eos, add_bos, eog, chat })
+        Ok(Self {
+            model,
+            specials,
+            special_finder,
+            token_bytes,
+            bos,
+            eos,
+            add_bos,
+            add_eos,
+            eog,
+            chat,
+        })
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -231,7 +402,8 @@ impl Tokenizer {
         self.eos
     }
 
-    /// Tokens that end generation (EOS, EOT and the known end-of-turn tokens).
+    /// Tokens that end generation, as llama.cpp decides: EOS, EOT and EOM, the end-of-turn texts
+    /// it knows, and fill-in-the-middle pad, repo and file-separator markers.
     pub fn eog_tokens(&self) -> &[u32] {
         &self.eog
     }
@@ -240,26 +412,85 @@ impl Tokenizer {
         self.eog.contains(&id)
     }
 
-    /// Tokenizes `text`, recognising special tokens written in it (`<|im_start|>` …) and adding
-    /// BOS when the model asks for it.
+    /// Tokenizes `text` as llama.cpp does with special-token parsing on: special tokens written
+    /// in it (`<|im_start|>` …) are recognised, and BOS/EOS are added when the model asks.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| Error::Tokenizer(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut ids = Vec::with_capacity(text.len() / 3 + 2);
         if self.add_bos
             && let Some(b) = self.bos
         {
             ids.push(b);
         }
-        ids.extend_from_slice(enc.get_ids());
+        let mut after_special = true;
+        for fragment in self.partition(text) {
+            match fragment {
+                Fragment::Token(id) => {
+                    ids.push(id);
+                    after_special = true;
+                }
+                Fragment::Text(t) => {
+                    match &self.model {
+                        Model::Bpe(bpe) => bpe.tokenize(t, &mut ids)?,
+                        Model::Spm { spm, add_space_prefix } => {
+                            spm.tokenize(t, *add_space_prefix && after_special, &mut ids)?;
+                        }
+                    }
+                    after_special = false;
+                }
+            }
+        }
+        if self.add_eos
+            && let Some(e) = self.eos
+        {
+            ids.push(e);
+        }
         Ok(ids)
     }
 
-    /// The bytes a token stands for, or `None` for an id outside the vocabulary.
+    /// Splits special tokens out of `text` the way llama.cpp does: each special in turn, longest
+    /// first, is cut out of every stretch of text still left, left to right.
+    fn partition<'a>(&self, text: &'a str) -> Vec<Fragment<'a>> {
+        if text.is_empty() {
+            return Vec::new();
+        }
+        let mut fragments = vec![Fragment::Text(text)];
+        let Some(finder) = &self.special_finder else { return fragments };
+        // Only specials the text contains can be cut out of any part of it.
+        let mut present = vec![false; self.specials.len()];
+        for m in finder.find_overlapping_iter(text) {
+            present[m.pattern().as_usize()] = true;
+        }
+        for ((id, special), _) in self.specials.iter().zip(&present).filter(|(_, p)| **p) {
+            let mut next = Vec::with_capacity(fragments.len() + 2);
+            for fragment in fragments {
+                let Fragment::Text(mut rest) = fragment else {
+                    next.push(fragment);
+                    continue;
+                };
+                while let Some(at) = rest.find(special.as_str()) {
+                    if at > 0 {
+                        next.push(Fragment::Text(&rest[..at]));
+                    }
+                    next.push(Fragment::Token(*id));
+                    rest = &rest[at + special.len()..];
+                }
+                if !rest.is_empty() {
+                    next.push(Fragment::Text(rest));
+                }
+            }
+            fragments = next;
+        }
+        fragments
+    }
+
+    /// The bytes a token stands for when generated (llama.cpp's piece with specials rendered),
+    /// or `None` for an id outside the vocabulary.
     pub fn token_bytes(&self, id: u32) -> Option<&[u8]> {
         self.token_bytes.get(id as usize).map(Vec::as_slice)
     }
 
-    /// Decodes ids to text (invalid UTF-8 becomes U+FFFD; out-of-range ids are skipped).
+    /// The pieces of `ids` concatenated (invalid UTF-8 becomes U+FFFD; out-of-range ids are
+    /// skipped). A SentencePiece prompt decodes with the space its first word was given.
     pub fn decode(&self, ids: &[u32]) -> String {
         let bytes: Vec<u8> =
             ids.iter().filter_map(|&i| self.token_bytes(i)).flatten().copied().collect();
@@ -270,6 +501,90 @@ impl Tokenizer {
     pub fn chat_template(&self) -> Result<&ChatTemplate> {
         self.chat.as_ref().map_err(|e| Error::Template(e.clone()))
     }
+}
+
+/// Amends token attributes by token text as llama.cpp does after loading a vocabulary, and
+/// returns the tokens that end generation: the end-of-turn texts, fill-in-the-middle pad/repo/
+/// separator markers, and the EOS/EOT/EOM ids the metadata names.
+fn amend_attrs(
+    gguf: &GgufFile,
+    tokens: &[String],
+    attrs: &mut [Attr],
+    eos_eot_eom: [Option<u32>; 3],
+) -> Result<Vec<u32>> {
+    let n = tokens.len();
+    let find = |text: &str| tokens.iter().position(|t| t == text).map(|i| i as u32);
+    let mut eog: Vec<u32> = Vec::new();
+    let add = |eog: &mut Vec<u32>, id: u32| {
+        if !eog.contains(&id) {
+            eog.push(id);
+        }
+    };
+
+    for (keys, texts, ends) in FIM {
+        let mut named = None;
+        for key in *keys {
+            if let Some(v) = gguf.get_u64(key)?
+                && (v as usize) < n
+            {
+                named = Some(v as u32);
+            }
+        }
+        let id = match named {
+            Some(id) => Some(id),
+            None => {
+                // llama.cpp takes the first it meets in a hash map; with one candidate (the
+                // usual case) that is the same token.
+                let found = (0..n).find(|&i| texts.contains(&tokens[i].as_str())).map(|i| i as u32);
+                if let Some(i) = found {
+                    attrs[i as usize] = attrs[i as usize].with(Attr::CONTROL);
+                }
+                found
+            }
+        };
+        if *ends && let Some(id) = id {
+            add(&mut eog, id);
+        }
+    }
+    for (i, t) in tokens.iter().enumerate() {
+        if EOG_TEXTS.contains(&t.as_str()) {
+            add(&mut eog, i as u32);
+            attrs[i] = attrs[i].with(Attr::CONTROL);
+        }
+    }
+    for text in ALWAYS_RENDERED {
+        if let Some(i) = find(text) {
+            attrs[i as usize] = Attr::USER_DEFINED;
+        }
+    }
+    for id in eos_eot_eom.into_iter().flatten() {
+        add(&mut eog, id);
+    }
+
+    // gpt-oss and solar-open end a message with <|end|> but stop generating at <|return|> or
+    // <|call|> (<|calls|>, <|flush|>): there <|end|> is an ordinary rendered token.
+    let in_eog = |eog: &[u32], text: &str| eog.iter().any(|&i| tokens[i as usize] == text);
+    let (ret, call, calls, flush) = (
+        in_eog(&eog, "<|return|>"),
+        in_eog(&eog, "<|call|>"),
+        in_eog(&eog, "<|calls|>"),
+        in_eog(&eog, "<|flush|>"),
+    );
+    if (call || calls)
+        && (ret || flush)
+        && let Some(pos) = eog.iter().position(|&i| tokens[i as usize] == "<|end|>")
+    {
+        let end = eog.remove(pos);
+        attrs[end as usize] = Attr::USER_DEFINED;
+    }
+    // Where another token ends a turn (gemma4, plamo), </s> is plain text.
+    if (in_eog(&eog, "<|tool_response>") || in_eog(&eog, "<|plamo:eos|>"))
+        && let Some(pos) = eog.iter().position(|&i| tokens[i as usize] == "</s>")
+    {
+        let s = eog.remove(pos);
+        attrs[s as usize] = Attr::NORMAL;
+    }
+    Ok(eog)
 }
 
 /// Turns a stream of token ids into text chunks that are always whole UTF-8: bytes of a
