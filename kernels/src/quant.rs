@@ -364,15 +364,6 @@ impl Activations {
     }
 }
 
-/// `round(a·b)` the way llama.cpp's `nearest_int(a * b)` comes out of GCC: the product and
-/// the 1.5·2²³ rounding constant contract into one FMA, so the exact product is rounded once,
-/// straight to an integer (ties to even), without first rounding it to f32.
-#[inline(always)]
-fn nearest_int_fused(a: f32, b: f32) -> i32 {
-    let v = a.mul_add(b, 12_582_912.0);
-    (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
-}
-
 /// Quantizes one super-block of 256 values: llama.cpp's `quantize_row_q8_K_ref`, which every
 /// CPU build of it uses (scale from the signed value of largest magnitude, first one wins).
 /// Writes the quants and the sixteen 16-element sums; returns the scale.
@@ -391,7 +382,9 @@ pub fn quantize_block_k(x: &[f32], qs: &mut [i8], sums: &mut [i16]) -> f32 {
     }
     let iscale = -127.0 / max;
     for (q, &v) in qs.iter_mut().zip(x) {
-        *q = nearest_int_fused(iscale, v).min(127) as i8;
+        // The product is rounded to f32 before it is rounded to an integer: llama.cpp's
+        // `nearest_int(iscale * x)` is not contracted into one FMA (checked against its build).
+        *q = ((iscale * v).round_ties_even() as i32).min(127) as i8;
     }
     for (s, run) in sums.iter_mut().zip(qs.chunks_exact(16)) {
         *s = run.iter().map(|&q| i16::from(q)).sum();
@@ -463,6 +456,18 @@ mod tests {
         assert_eq!((q[3], q[9], q[0]), (-127, 127, 32));
         assert_eq!(d, 1.0 / 63.5);
         assert_eq!(sums[0], 14 * 32);
+    }
+
+    #[test]
+    fn quantize_block_k_rounds_the_f32_product() {
+        // iscale · v is exactly -43.5 in f32 (ties to even: -44) but -43.4999989 exactly, which
+        // a fused multiply-round would give -43; llama.cpp's quantizer gives -44.
+        let mut x = [0.0f32; 256];
+        x[0] = f32::from_bits(1_077_642_548); // 2.930005, the largest magnitude
+        x[1] = f32::from_bits(1_065_383_284); // 1.0035844
+        let (mut q, mut sums) = ([0i8; 256], [0i16; 16]);
+        quantize_block_k(&x, &mut q, &mut sums);
+        assert_eq!((q[0], q[1]), (-127, -44));
     }
 
     #[test]

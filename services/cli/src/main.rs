@@ -5,6 +5,7 @@
 //! `pdmesh bench|replay|collect` runs them there.
 
 mod generate;
+mod models;
 mod perplexity;
 mod run;
 mod serve;
@@ -53,6 +54,9 @@ enum Command {
     Run(run::RunArgs),
     /// Score a text file: perplexity over non-overlapping windows of --ctx tokens.
     Perplexity(perplexity::PerplexityArgs),
+    /// Look inside model files: `models inspect FILE` prints architecture, formats per
+    /// tensor, context, vocabulary and the KV ledger, and whether pdmesh serves the file.
+    Models(models::ModelsArgs),
     /// Write the logits of every position of a token sequence as raw little-endian f32
     /// (fidelity tooling: compared against llama.cpp by scripts/compare_llamacpp.py).
     #[command(hide = true)]
@@ -97,6 +101,7 @@ fn main() -> std::process::ExitCode {
         Command::Kvstore(a) => serve::kvstore(a),
         Command::Run(a) => run::run(a),
         Command::Perplexity(a) => perplexity::run(a),
+        Command::Models(a) => models::run(a),
         Command::DumpLogits(a) => perplexity::dump_logits(a),
         Command::Tool(args) => tool(args),
     };

@@ -91,3 +91,64 @@ fn a_corrupt_model_file_is_reported_not_a_crash() {
     assert!(err.contains("invalid GGUF") && err.contains("tensor_count"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// The default model, as `just fetch-model` places it (the workspace root is two levels up).
+fn default_model() -> String {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    root.join("models/SmolLM2-135M-Instruct.Q4_1.gguf").to_string_lossy().into_owned()
+}
+
+#[test]
+fn models_inspect_reports_formats_vocabulary_and_ledger() {
+    let model = default_model();
+    let (code, out, err) = pdmesh(&["models", "inspect", &model, "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["architecture"], "llama");
+    assert_eq!(v["loads"], true);
+    assert_eq!(v["vocabulary"]["model"], "gpt2");
+    assert_eq!(v["vocabulary"]["tokens"], 49152);
+    assert_eq!(v["formats"]["Q4_1"]["tensors"], 210);
+    assert_eq!(v["formats"]["Q8_0"]["tensors"], 1);
+    assert_eq!(v["formats"]["F32"]["tensors"], 61);
+    // 2 × 30 layers × 3 KV heads × 64 dims × 2 bytes.
+    assert_eq!(v["kv_ledger"]["f16"]["bytes_per_token"], 23040);
+    assert_eq!(v["kv_ledger"]["f32"]["bytes_per_block"], 16 * 46080);
+    assert_eq!(v["kv_ledger"]["f16"]["bytes_full_context"], 23040 * 8192);
+
+    let (code, out, _) = pdmesh(&["models", "inspect", &model, "--tensors"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("serves:        yes") && out.contains("Q4_1 ×210"), "{out}");
+    assert!(out.contains("blk.29.ffn_down.weight"), "--tensors lists every tensor: {out}");
+}
+
+#[test]
+fn models_inspect_of_a_bad_file_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.gguf");
+    std::fs::write(&path, b"GGUF\x03\x00\x00\x00\xff\xff").unwrap();
+    let (code, _, err) = pdmesh(&["models", "inspect", path.to_str().unwrap()]);
+    assert_ne!(code, 0);
+    assert!(err.contains("invalid GGUF") && !err.contains("panicked"), "{err}");
+    let (code, _, err) = pdmesh(&["models", "inspect", "/nonexistent.gguf"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("/nonexistent.gguf"), "{err}");
+}
+
+#[test]
+fn models_inspect_says_why_a_model_is_refused() {
+    use pdmesh_engine::gguf::Value;
+    use pdmesh_engine::gguf::writer::GgufBuilder;
+    let bytes = GgufBuilder::default()
+        .kv("general.architecture", Value::String("gemma".into()))
+        .kv("tokenizer.ggml.model", Value::String("llama".into()))
+        .tensor("token_embd.weight", &[256, 4], pdmesh_kernels::WeightType::Q4_K, vec![0; 4 * 144])
+        .build();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("gemma.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    let (code, out, err) = pdmesh(&["models", "inspect", path.to_str().unwrap()]);
+    assert_eq!(code, 0, "inspecting a refused model is not an error: {err}");
+    assert!(out.contains("serves:        no") && out.contains("gemma"), "{out}");
+    assert!(out.contains("Q4_K ×1"), "{out}");
+}
