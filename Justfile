@@ -75,6 +75,14 @@ compare-llamacpp: system-deps fetch-model _llamacpp
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     {{bench_venv}}/bin/python scripts/compare_llamacpp.py --model {{model}}
 
+# Test models in models/test/: SmolLM2 re-quantized by llama.cpp to 11 formats, seeded random
+# Llama 3 / Qwen2 / Qwen3 / Mistral models in the same formats and a 1B-shaped one, each with
+# llama.cpp's reference logits and tokens (X.ref.json). Cached: a second run takes seconds.
+# `--only 'synth-qwen3-*'` builds a subset.
+fetch-test-models *args="": fetch-model _llamacpp
+    {{bench_venv}}/bin/pip install --quiet --disable-pip-version-check gguf==0.19.0 sentencepiece==0.2.3
+    {{bench_venv}}/bin/python scripts/make_test_models.py {{args}}
+
 # llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv.
 _llamacpp:
     @[ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null || { \
