@@ -364,12 +364,13 @@ impl Activations {
     }
 }
 
-/// `round(a·b)` the way llama.cpp's `nearest_int(a * b)` comes out of GCC: the product and
-/// the 1.5·2²³ rounding constant contract into one FMA, so the exact product is rounded once,
-/// straight to an integer (ties to even), without first rounding it to f32.
+/// `round(a·b)` as llama.cpp's `nearest_int(a * b)` computes it: the product rounded to f32,
+/// then rounded to an integer (ties to even) by adding 1.5·2²³. Not one FMA: the function is in
+/// ggml-base, which is built without FMA (its x86 code is SSE2 `mulps` then `addps`), so a
+/// product just off a half (-50.50000026) first rounds onto it (-50.5) and then to even (-50).
 #[inline(always)]
-fn nearest_int_fused(a: f32, b: f32) -> i32 {
-    let v = a.mul_add(b, 12_582_912.0);
+fn nearest_int(a: f32, b: f32) -> i32 {
+    let v = a * b + 12_582_912.0;
     (v.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
@@ -391,7 +392,7 @@ pub fn quantize_block_k(x: &[f32], qs: &mut [i8], sums: &mut [i16]) -> f32 {
     }
     let iscale = -127.0 / max;
     for (q, &v) in qs.iter_mut().zip(x) {
-        *q = nearest_int_fused(iscale, v).min(127) as i8;
+        *q = nearest_int(iscale, v).min(127) as i8;
     }
     for (s, run) in sums.iter_mut().zip(qs.chunks_exact(16)) {
         *s = run.iter().map(|&q| i16::from(q)).sum();
@@ -463,6 +464,18 @@ mod tests {
         assert_eq!((q[3], q[9], q[0]), (-127, 127, 32));
         assert_eq!(d, 1.0 / 63.5);
         assert_eq!(sums[0], 14 * 32);
+    }
+
+    #[test]
+    fn quantize_block_k_rounds_the_product_before_the_integer() {
+        // From a Qwen2 attention output: iscale · x is -50.50000026 exactly, -50.5 in f32,
+        // and llama.cpp (no FMA there) rounds that tie to even: -50, where one FMA gives -51.
+        let mut x = [0.0f32; 256];
+        x[138] = f32::from_bits(0xbf7a_ec73);
+        x[71] = f32::from_bits(0xbec7_8dae);
+        let (mut q, mut sums) = ([0i8; 256], [0i16; 16]);
+        quantize_block_k(&x, &mut q, &mut sums);
+        assert_eq!((q[138], q[71]), (-127, -50));
     }
 
     #[test]
