@@ -75,6 +75,11 @@ compare-llamacpp: system-deps fetch-model _llamacpp
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     {{bench_venv}}/bin/python scripts/compare_llamacpp.py --model {{model}}
 
+# llama.cpp's prompt logits (micro-batches of 4) for the synth-* models in models/test/, which
+# services/engine/tests/architectures.rs compares with pdmesh's bit for bit.
+arch-references *models="": _llamacpp
+    {{bench_venv}}/bin/python scripts/arch_reference.py {{models}}
+
 # llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv.
 _llamacpp:
     @[ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null || { \
