@@ -4,11 +4,13 @@ services/engine/tests/architectures.rs.
 
 For each models/test/synth-ARCH-FMT.gguf given (default: every llama3, qwen2, qwen3 and mistral
 one present), writes next to it
-  X.ubatch4.f32   every prompt position's logits (raw little-endian float32, n_vocab each)
-  X.ubatch4.json  the prompt's text and token ids, n_vocab, the settings and the model's size
-                  and sha256
-from one llama_decode of the whole prompt with n_ubatch = 4, flash attention off, f16 KV,
-2 threads and weight repacking off.
+  X.ubatch4.f32         every prompt position's logits (raw little-endian float32, n_vocab
+                        each), from one llama_decode of the whole prompt with n_ubatch = 4
+  X.ubatch4.decode.f32  the logits of the next DECODE_STEPS greedy tokens, each fed alone
+                        (llama.cpp's single-token path, which sums attention in another order)
+  X.ubatch4.json        the prompt's text and token ids, the greedy tokens, n_vocab, the
+                        settings and the model's size and sha256
+with flash attention off, f16 KV, 2 threads and weight repacking off.
 
 Why n_ubatch 4: llama.cpp picks its matmul kernels by micro-batch size. With 2 to 4 rows it
 runs the per-row dot products pdmesh reproduces; from 8 rows on, K-quant weights go through a
@@ -43,6 +45,7 @@ PROMPT = ("The old lighthouse keeper climbed the stairs every evening at seven, 
 THREADS = 2
 N_UBATCH = 4
 N_CTX = 256
+DECODE_STEPS = 8
 
 
 def sha256_file(path):
@@ -113,15 +116,33 @@ def reference(path):
                 batch.n_tokens = len(tokens)
                 if llama_cpp.llama_decode(ctx, batch):
                     raise RuntimeError(f"llama_decode failed:\n{LOG.tail()}")
-                rows = [np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i),
-                                              shape=(n_vocab,)).copy() for i in range(len(tokens))]
+                rows = [logits_row(ctx, i, n_vocab) for i in range(len(tokens))]
             finally:
                 llama_cpp.llama_batch_free(batch)
+            # Greedy continuation, one token per llama_decode; ties go to the lowest id.
+            greedy, decoded = [int(np.argmax(rows[-1]))], []
+            for _ in range(DECODE_STEPS):
+                one = (llama_cpp.llama_token * 1)(greedy[-1])
+                if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(one, 1)):
+                    raise RuntimeError(f"llama_decode failed:\n{LOG.tail()}")
+                decoded.append(logits_row(ctx, -1, n_vocab))
+                greedy.append(int(np.argmax(decoded[-1])))
         finally:
             llama_cpp.llama_free(ctx)
     finally:
         llama_cpp.llama_model_free(model)
-    return tokens, n_vocab, np.stack(rows).astype("<f4")
+    return (tokens, n_vocab, np.stack(rows).astype("<f4"), greedy[:DECODE_STEPS],
+            np.stack(decoded).astype("<f4"))
+
+
+def logits_row(ctx, i, n_vocab):
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+
+
+def write(path, array):
+    tmp = path.with_suffix(".tmp")
+    array.tofile(tmp)
+    os.replace(tmp, path)
 
 
 def main():
@@ -136,11 +157,11 @@ def main():
     llama_cpp.llama_backend_init()
     for path in models:
         stem = path.name.removesuffix(".gguf")
-        tokens, n_vocab, logits = reference(path)
+        tokens, n_vocab, logits, greedy, decoded = reference(path)
         out = path.with_name(f"{stem}.ubatch4.f32")
-        tmp = out.with_suffix(".tmp")
-        logits.tofile(tmp)
-        os.replace(tmp, out)
+        write(out, logits)
+        decode_out = path.with_name(f"{stem}.ubatch4.decode.f32")
+        write(decode_out, decoded)
         meta = {
             "model": path.name,
             "model_sha256": sha256_file(path),
@@ -151,6 +172,9 @@ def main():
             "n_vocab": n_vocab,
             "logits": out.name,
             "argmax": [int(a) for a in logits.argmax(axis=1)],
+            # Fed one at a time after the prompt; decode row i is the logits after greedy[i].
+            "greedy": greedy,
+            "decode_logits": decode_out.name,
             "settings": {"n_ctx": N_CTX, "n_batch": N_CTX, "n_ubatch": N_UBATCH,
                          "n_threads": THREADS, "flash_attn": False, "type_k": "f16",
                          "type_v": "f16", "use_extra_bufts": False},
@@ -159,7 +183,8 @@ def main():
         jtmp = path.with_name(f"{stem}.ubatch4.json.tmp")
         jtmp.write_text(json.dumps(meta, indent=1) + "\n")
         os.replace(jtmp, path.with_name(f"{stem}.ubatch4.json"))
-        print(f"{stem}: {len(tokens)} positions x {n_vocab}", file=sys.stderr)
+        print(f"{stem}: {len(tokens)} prompt positions and {len(greedy)} decoded x {n_vocab}",
+              file=sys.stderr)
 
 
 if __name__ == "__main__":
