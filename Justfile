@@ -32,7 +32,7 @@ run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
     cargo run --release --locked -q -p pdmesh-cli -- run --model {{model}} --prompt "{{prompt}}" {{args}}
 
 # Run the whole test suite (unit, kernel, engine on the real model, CLI processes).
-test: system-deps fetch-model vocab-fixtures
+test: system-deps fetch-model vocab-fixtures test-models
     cargo test --workspace --locked
 
 # The tokenizer's vocabulary fixtures in models/test/: vocab-only GGUFs (SentencePiece, and
@@ -82,6 +82,17 @@ compare-llamacpp: system-deps fetch-model _llamacpp
 fetch-test-models *args="": fetch-model _llamacpp
     {{bench_venv}}/bin/pip install --quiet --disable-pip-version-check gguf==0.19.0 sentencepiece==0.2.3
     {{bench_venv}}/bin/python scripts/make_test_models.py {{args}}
+
+# The quantized test models the tests read (not the floats or the 1B one), with references.
+test-models: _llamacpp
+    just fetch-test-models --only 'smollm2-Q*,synth-llama3-Q*,synth-qwen2-Q*,synth-qwen3-Q*,synth-mistral-Q*'
+    {{bench_venv}}/bin/python scripts/arch_reference.py $(ls models/test/smollm2-Q*.gguf models/test/synth-{llama3,qwen2,qwen3,mistral}-Q*.gguf)
+
+# llama.cpp's prompt and decode logits (vec_dot path: micro-batches of 4, no repacking) for the
+# smollm2-* and synth-* models in models/test/, which services/engine/tests/architectures.rs
+# compares with pdmesh's bit for bit.
+arch-references *models="": _llamacpp
+    {{bench_venv}}/bin/python scripts/arch_reference.py {{models}}
 
 # llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv.
 _llamacpp:

@@ -21,6 +21,17 @@ pub struct MatmulJob<'a, W, O> {
     pub out: &'a mut O,
 }
 
+/// Which dimensions of a head RoPE rotates together (llama.cpp's rope types). The type belongs
+/// to the architecture, not the file: conversion lays out Q and K for the one its family uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RopeMode {
+    /// Adjacent pairs `(2i, 2i + 1)`: `LLAMA_ROPE_TYPE_NORM` (llama; its conversion permutes
+    /// the Q and K rows from Hugging Face's half-split order into this one).
+    Normal,
+    /// Pairs `(i, i + head_dim / 2)`: `LLAMA_ROPE_TYPE_NEOX` (Qwen2, Qwen3 and most others).
+    Neox,
+}
+
 /// Why a KV pool cannot be made or written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvError {
@@ -107,8 +118,8 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// `out[t] = x[t] / rms(x[t]) * weight` for each row of `weight`'s length.
     fn rms_norm(&self, x: &Self::Buffer, weight: &Self::Buffer, eps: f32, out: &mut Self::Buffer);
 
-    /// Rotates adjacent pairs of each head of each token (llama.cpp's "normal" RoPE, which is
-    /// what GGUF llama weights expect). `cos`/`sin` hold `head_dim / 2` entries per token.
+    /// Rotates the pairs `mode` names in each head of each token by the angles whose cosines
+    /// and sines `cos`/`sin` hold (`head_dim / 2` entries per token, pair `i` at entry `i`).
     fn rope(
         &self,
         x: &mut Self::Buffer,
@@ -116,6 +127,7 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         head_dim: usize,
         cos: &Self::Buffer,
         sin: &Self::Buffer,
+        mode: RopeMode,
     );
 
     /// `out = silu(gate) * up`.
@@ -123,6 +135,9 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
 
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Buffer, y: &Self::Buffer);
+
+    /// Adds `bias` to every row of `x` (rows of `bias`'s length): a linear layer's bias.
+    fn add_rows(&self, x: &mut Self::Buffer, bias: &Self::Buffer);
 
     /// Writes one token's K and V rows (`kv_heads × head_dim` each) per slot into layer `layer`.
     fn kv_write(

@@ -17,7 +17,7 @@ pub mod kv;
 pub mod pool;
 pub mod quant;
 
-pub use backend::{Backend, KvError, KvStorage, MatmulJob};
+pub use backend::{Backend, KvError, KvStorage, MatmulJob, RopeMode};
 pub use cpu::{CpuBackend, Simd};
 pub use formats::ActForm;
 pub use kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvDtype, KvGeometry, KvSlot, Phase};

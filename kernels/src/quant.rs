@@ -471,6 +471,18 @@ mod tests {
     }
 
     #[test]
+    fn quantize_block_k_rounds_the_product_before_the_integer() {
+        // From a Qwen2 attention output: iscale · x is -50.50000026 exactly, -50.5 in f32,
+        // and llama.cpp (no FMA there) rounds that tie to even: -50, where one FMA gives -51.
+        let mut x = [0.0f32; 256];
+        x[138] = f32::from_bits(0xbf7a_ec73);
+        x[71] = f32::from_bits(0xbec7_8dae);
+        let (mut q, mut sums) = ([0i8; 256], [0i16; 16]);
+        quantize_block_k(&x, &mut q, &mut sums);
+        assert_eq!((q[138], q[71]), (-127, -50));
+    }
+
+    #[test]
     fn quantize_zero_block() {
         let mut q = [1i8; 32];
         assert_eq!(quantize_block(&[0.0; 32], &mut q), (0.0, 0.0));

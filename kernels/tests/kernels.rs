@@ -11,7 +11,7 @@ use pdmesh_kernels::formats::{FloatFormat, MinTerm, QuantFormat};
 use pdmesh_kernels::quant::FormatVisitor;
 use pdmesh_kernels::{
     ActNeeds, Activations, AttnQuery, Backend, CpuBackend, HostWeight, KvBuffer, KvDtype,
-    KvGeometry, KvSlot, MatmulJob, Phase, SharedBytes, Simd, WeightMatrix, WeightType,
+    KvGeometry, KvSlot, MatmulJob, Phase, RopeMode, SharedBytes, Simd, WeightMatrix, WeightType,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -330,13 +330,70 @@ fn elementwise_ops_match_reference() {
         let angles: Vec<f32> = (0..tokens * hd / 2).map(|i| i as f32 * 0.3).collect();
         let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
         let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
-        b.rope(&mut x, heads, hd, &cos, &sin);
+        b.rope(&mut x, heads, hd, &cos, &sin, RopeMode::Normal);
         let (t, h, i) = (1, 2, 3);
         let base = (t * heads + h) * hd;
         let a = angles[t * hd / 2 + i];
         let (x0, x1) = (orig[base + 2 * i], orig[base + 2 * i + 1]);
         assert!((x[base + 2 * i] - (x0 * a.cos() - x1 * a.sin())).abs() < 1e-6);
         assert!((x[base + 2 * i + 1] - (x0 * a.sin() + x1 * a.cos())).abs() < 1e-6);
+
+        // NEOX pairs dimension i with i + head_dim / 2.
+        let mut x = orig.clone();
+        b.rope(&mut x, heads, hd, &cos, &sin, RopeMode::Neox);
+        let (x0, x1) = (orig[base + i], orig[base + i + hd / 2]);
+        assert!((x[base + i] - (x0 * a.cos() - x1 * a.sin())).abs() < 1e-6);
+        assert!((x[base + i + hd / 2] - (x0 * a.sin() + x1 * a.cos())).abs() < 1e-6);
+
+        let mut x = random_vec(&mut rng, 5 * 12, 1.0);
+        let bias = random_vec(&mut rng, 12, 1.0);
+        let before = x.clone();
+        b.add_rows(&mut x, &bias);
+        for (j, (&got, &was)) in x.iter().zip(&before).enumerate() {
+            assert_eq!(got.to_bits(), (was + bias[j % 12]).to_bits());
+        }
+    }
+}
+
+#[test]
+fn rope_simd_equals_portable_in_both_modes() {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    // Enough tokens to run in parallel; head_dim 128 as Qwen3's.
+    let (heads, hd, tokens) = (8, 128, 48);
+    let x = random_vec(&mut rng, tokens * heads * hd, 3.0);
+    let angles: Vec<f32> = (0..tokens * hd / 2).map(|_| rng.random_range(-40.0f32..40.0)).collect();
+    let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+    let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+    for mode in [RopeMode::Normal, RopeMode::Neox] {
+        let outs: Vec<Vec<u32>> = backends(2)
+            .iter()
+            .map(|b| {
+                let mut y = x.clone();
+                b.rope(&mut y, heads, hd, &cos, &sin, mode);
+                y.iter().map(|v| v.to_bits()).collect()
+            })
+            .collect();
+        for o in &outs[1..] {
+            assert!(*o == outs[0], "{mode:?}: a SIMD rope differs from the portable one");
+        }
+        // Rotation of x0 by angle a: each pair rotated once, every other value untouched.
+        let mut y = x.clone();
+        CpuBackend::with_simd(1, Simd::Portable).unwrap().rope(&mut y, heads, hd, &cos, &sin, mode);
+        let pair = |i: usize| match mode {
+            RopeMode::Normal => (2 * i, 2 * i + 1),
+            RopeMode::Neox => (i, i + hd / 2),
+        };
+        for t in [0, 47] {
+            for i in [0, 31, 63] {
+                let (a, b) = pair(i);
+                let base = t * heads * hd + 5 * hd;
+                let (x0, x1) = (f64::from(x[base + a]), f64::from(x[base + b]));
+                let th = f64::from(angles[t * hd / 2 + i]);
+                let (c, s) = (f64::from(th.cos() as f32), f64::from(th.sin() as f32));
+                assert!((f64::from(y[base + a]) - (x0 * c - x1 * s)).abs() < 1e-5);
+                assert!((f64::from(y[base + b]) - (x0 * s + x1 * c)).abs() < 1e-5);
+            }
+        }
     }
 }
 

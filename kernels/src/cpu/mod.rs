@@ -8,7 +8,7 @@ pub mod portable;
 
 use half::slice::HalfFloatSliceExt;
 
-use crate::backend::{Backend, KvError, MatmulJob};
+use crate::backend::{Backend, KvError, MatmulJob, RopeMode};
 use crate::kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvGeometry, KvSlot, Phase};
 use crate::pool::{SharedMut, ThreadPool, split};
 use crate::quant::{ActNeeds, Activations, HostWeight, WeightMatrix};
@@ -146,7 +146,10 @@ mod avx2_ops {
         rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
         swiglu(gate: &[f32], up: &[f32], out: &mut [f32]);
         add_assign(x: &mut [f32], y: &[f32]);
-        rope_rows(x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]);
+        add_rows(x: &mut [f32], bias: &[f32]);
+        rope_rows(
+            x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32], mode: RopeMode
+        );
     }
 
     /// # Safety
@@ -416,6 +419,7 @@ impl Backend for CpuBackend {
         head_dim: usize,
         cos: &Vec<f32>,
         sin: &Vec<f32>,
+        mode: RopeMode,
     ) {
         let row = heads * head_dim;
         let half = head_dim / 2;
@@ -427,7 +431,7 @@ impl Backend for CpuBackend {
             // SAFETY: token ranges are disjoint.
             let xr = unsafe { xs.slice(r.start * row..r.end * row) };
             let (c, s) = (&cos[r.start * half..r.end * half], &sin[r.start * half..r.end * half]);
-            dispatch!(self, rope_rows(xr, heads, head_dim, c, s))
+            dispatch!(self, rope_rows(xr, heads, head_dim, c, s, mode))
         });
     }
 
@@ -446,6 +450,11 @@ impl Backend for CpuBackend {
     fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) {
         assert_eq!(x.len(), y.len(), "add_assign: shape mismatch");
         dispatch!(self, add_assign(x, y))
+    }
+
+    fn add_rows(&self, x: &mut Vec<f32>, bias: &Vec<f32>) {
+        assert!(!bias.is_empty() && x.len().is_multiple_of(bias.len()), "add_rows: shape mismatch");
+        dispatch!(self, add_rows(x, bias))
     }
 
     fn kv_write(

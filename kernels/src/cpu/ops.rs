@@ -8,6 +8,7 @@
 //! logits bit for bit on the same GGUF; `scripts/compare_llamacpp.py` checks it.
 
 use super::portable::hsum8;
+use crate::backend::RopeMode;
 use crate::kv::{AttnQuery, KvData, KvGeometry, Phase};
 
 /// The primitives that differ per instruction set.
@@ -129,20 +130,50 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// Rotates adjacent pairs of each head; `cos`/`sin` have `head_dim / 2` entries per token.
-/// The first products are fused, the second rounded (llama.cpp's compiled form).
+/// Adds `bias` to every row of `x` (rows of `bias`'s length).
 #[inline(always)]
-pub fn rope_rows(x: &mut [f32], heads: usize, head_dim: usize, cos: &[f32], sin: &[f32]) {
+pub fn add_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add_assign(row, bias);
+    }
+}
+
+/// One pair's rotation. The first products are fused, the second rounded: the form GCC
+/// compiles llama.cpp's `rotate_pairs` (`x0*cos - x1*sin`, `x0*sin + x1*cos`) into, for both
+/// pairings.
+#[inline(always)]
+fn rotate(x0: f32, x1: f32, c: f32, s: f32) -> (f32, f32) {
+    (x0.mul_add(c, -(x1 * s)), x0.mul_add(s, x1 * c))
+}
+
+/// Rotates the pairs of each head that `mode` names; `cos`/`sin` have `head_dim / 2` entries
+/// per token, pair `i`'s at entry `i`.
+#[inline(always)]
+pub fn rope_rows(
+    x: &mut [f32],
+    heads: usize,
+    head_dim: usize,
+    cos: &[f32],
+    sin: &[f32],
+    mode: RopeMode,
+) {
     let half = head_dim / 2;
     for (t, row) in x.chunks_exact_mut(heads * head_dim).enumerate() {
         let c = &cos[t * half..(t + 1) * half];
         let s = &sin[t * half..(t + 1) * half];
         for head in row.chunks_exact_mut(head_dim) {
-            for i in 0..half {
-                let x0 = head[2 * i];
-                let x1 = head[2 * i + 1];
-                head[2 * i] = x0.mul_add(c[i], -(x1 * s[i]));
-                head[2 * i + 1] = x0.mul_add(s[i], x1 * c[i]);
+            match mode {
+                RopeMode::Normal => {
+                    for (i, pair) in head.chunks_exact_mut(2).enumerate() {
+                        (pair[0], pair[1]) = rotate(pair[0], pair[1], c[i], s[i]);
+                    }
+                }
+                RopeMode::Neox => {
+                    let (lo, hi) = head.split_at_mut(half);
+                    for (i, (a, b)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+                        (*a, *b) = rotate(*a, *b, c[i], s[i]);
+                    }
+                }
             }
         }
     }

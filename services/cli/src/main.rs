@@ -20,7 +20,7 @@ use clap::{Parser, Subcommand};
     name = "pdmesh",
     version,
     about = "pdmesh: disaggregated LLM serving (prefill and decode pools, shared prefix cache)",
-    long_about = "pdmesh serves llama-architecture GGUF models.\n\n\
+    long_about = "pdmesh serves GGUF models of the llama, qwen2 and qwen3 architectures.\n\n\
         `pdmesh up` starts a mesh on this machine and `pdmesh generate` talks to it;\n\
         `pdmesh router|prefill|decode` run one service each (for clusters). Local\n\
         commands (`run`, `perplexity`) use the engine in this process. The default model\n\

@@ -25,7 +25,7 @@ fn by_name<S: serde::Serializer>(v: &Option<KvDtype>, s: S) -> Result<S::Ok, S::
 
 #[derive(Debug, Clone, Args, Serialize)]
 pub struct EngineFlags {
-    /// A llama-architecture GGUF model.
+    /// A GGUF model (llama, qwen2 or qwen3 architecture).
     #[arg(long, env = "PDMESH_MODEL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     model: Option<PathBuf>,

@@ -27,7 +27,7 @@ pub struct UpArgs {
     /// Where the router listens.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: String,
-    /// A llama-architecture GGUF model.
+    /// A GGUF model (llama, qwen2 or qwen3 architecture).
     #[arg(long, env = "PDMESH_MODEL", default_value = pdmesh_engine::DEFAULT_MODEL_PATH)]
     model: PathBuf,
     /// Compute threads per node (default: the machine's cores shared among the nodes).

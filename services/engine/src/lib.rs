@@ -1,4 +1,4 @@
-//! The pdmesh engine: loads a llama-architecture model from GGUF (weights stay quantized in a
+//! The pdmesh engine: loads a llama, qwen2 or qwen3 model from GGUF (weights stay quantized in a
 //! memory map), tokenizes with the model's own vocabulary and chat template, and runs the
 //! forward pass over a paged KV cache through one batched `step` that mixes prompt chunks and
 //! decode tokens from many sequences. Prefill and decode workers both drive this crate.

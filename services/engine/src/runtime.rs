@@ -1,7 +1,8 @@
-//! The llama forward pass on one backend: the model's weights prepared for it, its KV pool and
-//! its scratch buffers, all in the backend's own memory types. `Runtime<B>` is generic (every
-//! kernel call is static), and the engine holds it as a `Device` trait object chosen from its
-//! config, so nothing above this file names a backend.
+//! The forward pass of the llama block (llama, qwen2, qwen3) on one backend: the model's
+//! weights prepared for it, its KV pool and its scratch buffers, all in the backend's own
+//! memory types. `Runtime<B>` is generic (every kernel call is static), and the engine holds it
+//! as a `Device` trait object chosen from its config, so nothing above this file names a
+//! backend.
 
 use std::sync::Arc;
 
@@ -50,6 +51,11 @@ struct LayerWeights<B: Backend> {
     wq: B::Weight,
     wk: B::Weight,
     wv: B::Weight,
+    bq: Option<B::Buffer>,
+    bk: Option<B::Buffer>,
+    bv: Option<B::Buffer>,
+    q_norm: Option<B::Buffer>,
+    k_norm: Option<B::Buffer>,
     wo: B::Weight,
     ffn_norm: B::Buffer,
     w_gate: B::Weight,
@@ -65,6 +71,8 @@ struct Scratch<B: Backend> {
     q: B::Buffer,
     k: B::Buffer,
     v: B::Buffer,
+    /// The Q or K heads' norms are written here, then swapped in.
+    normed: B::Buffer,
     attn: B::Buffer,
     proj: B::Buffer,
     gate: B::Buffer,
@@ -93,6 +101,8 @@ pub(crate) struct Runtime<B: Backend> {
     scratch: Scratch<B>,
     /// Ratio between the rotation angles of consecutive rotary pairs.
     theta_scale: f32,
+    /// Each pair's divisor of its angle (Llama 3's frequency factors; all 1 without them).
+    freq_factors: Vec<f32>,
 }
 
 impl<B: Backend> std::fmt::Debug for Runtime<B> {
@@ -111,6 +121,7 @@ impl<B: Backend> Runtime<B> {
             b
         };
         let weight = |w| backend.weight(&model.host_weight(w));
+        let opt_vector = |v: &Option<Vec<f32>>| v.as_deref().map(vector);
         let layers = model
             .layers
             .iter()
@@ -123,6 +134,11 @@ impl<B: Backend> Runtime<B> {
                 wq: weight(&l.wq),
                 wk: weight(&l.wk),
                 wv: weight(&l.wv),
+                bq: opt_vector(&l.bq),
+                bk: opt_vector(&l.bk),
+                bv: opt_vector(&l.bv),
+                q_norm: opt_vector(&l.q_norm),
+                k_norm: opt_vector(&l.k_norm),
                 wo: weight(&l.wo),
                 ffn_norm: vector(&l.ffn_norm),
                 w_gate: weight(&l.w_gate),
@@ -137,6 +153,7 @@ impl<B: Backend> Runtime<B> {
             q: backend.buffer(),
             k: backend.buffer(),
             v: backend.buffer(),
+            normed: backend.buffer(),
             attn: backend.buffer(),
             proj: backend.buffer(),
             gate: backend.buffer(),
@@ -159,6 +176,7 @@ impl<B: Backend> Runtime<B> {
             layers,
             scratch,
             theta_scale: c.rope_base.powf(-2.0 / c.head_dim as f32),
+            freq_factors: model.rope_freqs.clone().unwrap_or_else(|| vec![1.0; c.head_dim / 2]),
             kv,
             backend,
             model,
@@ -205,11 +223,14 @@ impl<B: Backend> Device for Runtime<B> {
         s.host_cos.resize(n * half, 0.0);
         s.host_sin.resize(n * half, 0.0);
         for (t, &p) in batch.positions.iter().enumerate() {
-            // Angles by repeated multiplication, as llama.cpp computes them, so both round alike.
+            // Angles by repeated multiplication, divided by the pair's frequency factor and
+            // then scaled, in the order llama.cpp's `ggml_rope_cache_init` and `rope_yarn`
+            // take them, so both round alike (a factor and a scale of 1 change no bit).
             let mut theta = p as f32;
-            for i in 0..half {
-                s.host_cos[t * half + i] = theta.cos();
-                s.host_sin[t * half + i] = theta.sin();
+            for (i, &ff) in self.freq_factors.iter().enumerate() {
+                let angle = c.rope_freq_scale * (theta / ff);
+                s.host_cos[t * half + i] = angle.cos();
+                s.host_sin[t * half + i] = angle.sin();
                 theta *= self.theta_scale;
             }
         }
@@ -237,8 +258,22 @@ impl<B: Backend> Device for Runtime<B> {
                     MatmulJob { weight: &l.wv, out: &mut s.v },
                 ],
             );
-            be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin);
-            be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin);
+            // Biases as llama.cpp's `ggml_add` after each projection, then the per-head
+            // norms (Qwen3) before RoPE, as its graphs order them.
+            for (x, b) in [(&mut s.q, &l.bq), (&mut s.k, &l.bk), (&mut s.v, &l.bv)] {
+                if let Some(b) = b {
+                    be.add_rows(x, b);
+                }
+            }
+            for (x, w, len) in [(&mut s.q, &l.q_norm, n * qd), (&mut s.k, &l.k_norm, n * kvd)] {
+                if let Some(w) = w {
+                    be.resize(&mut s.normed, len);
+                    be.rms_norm(x, w, c.rms_eps, &mut s.normed);
+                    std::mem::swap(x, &mut s.normed);
+                }
+            }
+            be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin, c.rope_mode);
+            be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin, c.rope_mode);
             be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
             on_layer(li, &KvView::new(cache, &self.kv));
             be.attention(&self.kv, li, c.heads, &s.q, &queries, &mut s.attn);
@@ -274,3 +309,7 @@ impl<B: Backend> Device for Runtime<B> {
         be.read(&s.logits, &mut s.host_logits)
     }
 }
+
+#[cfg(test)]
+#[path = "runtime_tests.rs"]
+mod tests;

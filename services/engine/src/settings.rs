@@ -42,7 +42,7 @@ impl std::fmt::Display for BackendName {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSettings {
-    /// A llama-architecture GGUF.
+    /// A GGUF model (llama, qwen2 or qwen3 architecture).
     pub model: PathBuf,
     /// What computes: "cpu".
     pub backend: BackendName,

@@ -2,7 +2,8 @@
 //! fast tier of tests (cores, batch runner, relay, prefill) runs on it in milliseconds, with
 //! the same loader, tokenizer, chat template and forward pass as the real model. Its outputs
 //! mean nothing; they are deterministic for a seed, which is all a test of the machinery
-//! needs. Enabled for tests and by the `testing` feature.
+//! needs. Variants in the other architectures' forms (`TinyArch`) exercise their options.
+//! Enabled for tests and by the `testing` feature.
 
 use std::sync::Arc;
 
@@ -31,6 +32,40 @@ const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['r
     message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}\
     {{ '<|im_start|>assistant\\n' }}{% endif %}";
 
+/// Which architecture's form a tiny model takes. The weights every form shares are the same
+/// for one seed; each form's extras come from a stream of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TinyArch {
+    /// Plain llama.
+    #[default]
+    Llama,
+    /// Llama 3: llama with RoPE frequency factors (`rope_freqs.weight`).
+    Llama3,
+    /// Qwen2: NEOX RoPE and Q/K/V biases.
+    Qwen2,
+    /// Qwen3: NEOX RoPE, per-head Q/K norms, and heads of 32 (`key_length`) where hidden /
+    /// heads is 16.
+    Qwen3,
+}
+
+impl TinyArch {
+    fn name(self) -> &'static str {
+        match self {
+            TinyArch::Llama | TinyArch::Llama3 => "llama",
+            TinyArch::Qwen2 => "qwen2",
+            TinyArch::Qwen3 => "qwen3",
+        }
+    }
+
+    /// Size of one head.
+    pub fn head_dim(self) -> usize {
+        match self {
+            TinyArch::Qwen3 => 32,
+            _ => HIDDEN / HEADS as usize,
+        }
+    }
+}
+
 /// How to build a tiny model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TinyModel {
@@ -41,11 +76,12 @@ pub struct TinyModel {
     pub eos: Option<u32>,
     /// The context length.
     pub context: usize,
+    pub arch: TinyArch,
 }
 
 impl Default for TinyModel {
     fn default() -> Self {
-        Self { seed: 7, eos: None, context: 256 }
+        Self { seed: 7, eos: None, context: 256, arch: TinyArch::Llama }
     }
 }
 
@@ -92,8 +128,12 @@ fn q4_1(rng: &mut ChaCha8Rng, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
     out
 }
 
+fn f32s(rng: &mut ChaCha8Rng, n: usize, range: std::ops::Range<f32>) -> Vec<u8> {
+    (0..n).flat_map(|_| rng.random_range(range.clone()).to_le_bytes()).collect()
+}
+
 fn norm(rng: &mut ChaCha8Rng) -> Vec<u8> {
-    (0..HIDDEN).flat_map(|_| rng.random_range(0.8f32..1.2).to_le_bytes()).collect()
+    f32s(rng, HIDDEN, 0.8..1.2)
 }
 
 impl TinyModel {
@@ -124,6 +164,11 @@ impl TinyModel {
 
     /// The GGUF image.
     pub fn gguf(&self) -> Vec<u8> {
+        self.builder().build()
+    }
+
+    /// The GGUF image under construction, for a test to vary before building.
+    pub fn builder(&self) -> GgufBuilder {
         let s = |x: &str| Value::String(x.into());
         let vocab = Self::vocab();
         let n = vocab.len();
@@ -132,19 +177,23 @@ impl TinyModel {
         let types: Vec<Value> =
             (0..n).map(|i| Value::I32(if i >= n - 3 { 3 } else { 1 })).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(self.seed);
-        let kv_dim = HIDDEN / HEADS as usize * KV_HEADS as usize;
+        let mut extra = ChaCha8Rng::seed_from_u64(self.seed ^ 0x5eed_e57a);
+        let arch = self.arch.name();
+        let hd = self.arch.head_dim();
+        let (q_dim, kv_dim) = (HEADS as usize * hd, KV_HEADS as usize * hd);
         let hidden = HIDDEN as u64;
+        let key = |k: &str| format!("{arch}.{k}");
         let mut b = GgufBuilder::default()
-            .kv("general.architecture", s("llama"))
+            .kv("general.architecture", s(arch))
             .kv("general.name", s("pdmesh-tiny"))
-            .kv("llama.block_count", Value::U32(LAYERS))
-            .kv("llama.context_length", Value::U32(self.context as u32))
-            .kv("llama.embedding_length", Value::U32(HIDDEN as u32))
-            .kv("llama.feed_forward_length", Value::U32(FFN as u32))
-            .kv("llama.attention.head_count", Value::U32(HEADS))
-            .kv("llama.attention.head_count_kv", Value::U32(KV_HEADS))
-            .kv("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5))
-            .kv("llama.rope.freq_base", Value::F32(10_000.0))
+            .kv(&key("block_count"), Value::U32(LAYERS))
+            .kv(&key("context_length"), Value::U32(self.context as u32))
+            .kv(&key("embedding_length"), Value::U32(HIDDEN as u32))
+            .kv(&key("feed_forward_length"), Value::U32(FFN as u32))
+            .kv(&key("attention.head_count"), Value::U32(HEADS))
+            .kv(&key("attention.head_count_kv"), Value::U32(KV_HEADS))
+            .kv(&key("attention.layer_norm_rms_epsilon"), Value::F32(1e-5))
+            .kv(&key("rope.freq_base"), Value::F32(10_000.0))
             .kv("tokenizer.ggml.model", s("gpt2"))
             .kv("tokenizer.ggml.pre", s("gpt-2"))
             .kv("tokenizer.ggml.tokens", Value::Array(vocab.iter().map(|t| s(t)).collect()))
@@ -167,16 +216,25 @@ impl TinyModel {
                 WeightType::Q8_0,
                 q8_0(&mut rng, n, HIDDEN, 0.0025),
             );
+        if self.arch == TinyArch::Qwen3 {
+            b = b
+                .kv(&key("attention.key_length"), Value::U32(hd as u32))
+                .kv(&key("attention.value_length"), Value::U32(hd as u32));
+        }
+        if self.arch == TinyArch::Llama3 {
+            let factors = f32s(&mut extra, hd / 2, 1.0..8.0);
+            b = b.tensor("rope_freqs.weight", &[hd as u64 / 2], WeightType::F32, factors);
+        }
         for l in 0..LAYERS {
             let t = |x: &str| format!("blk.{l}.{x}.weight");
-            let (h, k, f) = (hidden, kv_dim as u64, FFN as u64);
+            let (h, q, k, f) = (hidden, q_dim as u64, kv_dim as u64, FFN as u64);
             b = b
                 .tensor(&t("attn_norm"), &[h], WeightType::F32, norm(&mut rng))
                 .tensor(
                     &t("attn_q"),
-                    &[h, h],
+                    &[h, q],
                     WeightType::Q4_1,
-                    q4_1(&mut rng, HIDDEN, HIDDEN, 0.035),
+                    q4_1(&mut rng, q_dim, HIDDEN, 0.035),
                 )
                 .tensor(
                     &t("attn_k"),
@@ -192,9 +250,9 @@ impl TinyModel {
                 )
                 .tensor(
                     &t("attn_output"),
-                    &[h, h],
+                    &[q, h],
                     WeightType::Q8_0,
-                    q8_0(&mut rng, HIDDEN, HIDDEN, 0.0025),
+                    q8_0(&mut rng, HIDDEN, q_dim, 0.0025),
                 )
                 .tensor(&t("ffn_norm"), &[h], WeightType::F32, norm(&mut rng))
                 .tensor(
@@ -215,8 +273,28 @@ impl TinyModel {
                     WeightType::Q8_0,
                     q8_0(&mut rng, HIDDEN, FFN, 0.0025),
                 );
+            match self.arch {
+                TinyArch::Llama | TinyArch::Llama3 => {}
+                TinyArch::Qwen2 => {
+                    for (name, n) in [("attn_q", q_dim), ("attn_k", kv_dim), ("attn_v", kv_dim)] {
+                        let bias = f32s(&mut extra, n, -0.5..0.5);
+                        b = b.tensor(
+                            &format!("blk.{l}.{name}.bias"),
+                            &[n as u64],
+                            WeightType::F32,
+                            bias,
+                        );
+                    }
+                }
+                TinyArch::Qwen3 => {
+                    for name in ["attn_q_norm", "attn_k_norm"] {
+                        let w = f32s(&mut extra, hd, 0.5..1.5);
+                        b = b.tensor(&t(name), &[hd as u64], WeightType::F32, w);
+                    }
+                }
+            }
         }
-        b.build()
+        b
     }
 
     /// The loaded model.

@@ -21,6 +21,29 @@ impl GgufBuilder {
         self
     }
 
+    /// Sets `key`, replacing its value when it is there already.
+    pub fn set_kv(mut self, key: &str, v: Value) -> Self {
+        match self.kv.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = v,
+            None => self.kv.push((key.to_string(), v)),
+        }
+        self
+    }
+
+    /// Changes the bytes of tensor `name` in place (a test varying one weight); no-op when absent.
+    pub fn map_tensor(mut self, name: &str, f: impl FnOnce(&mut Vec<u8>)) -> Self {
+        if let Some(t) = self.tensors.iter_mut().find(|t| t.0 == name) {
+            f(&mut t.3);
+        }
+        self
+    }
+
+    /// Drops every tensor whose name `drop` accepts.
+    pub fn remove_tensors(mut self, drop: impl Fn(&str) -> bool) -> Self {
+        self.tensors.retain(|t| !drop(&t.0));
+        self
+    }
+
     fn put_str(out: &mut Vec<u8>, s: &str) {
         out.extend_from_slice(&(s.len() as u64).to_le_bytes());
         out.extend_from_slice(s.as_bytes());

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""llama.cpp's prompt logits on the synthetic architecture models, for
+services/engine/tests/architectures.rs.
+
+For each models/test/synth-ARCH-FMT.gguf given (default: every llama3, qwen2, qwen3 and mistral
+one present), writes next to it
+  X.ubatch4.f32         every prompt position's logits (raw little-endian float32, n_vocab
+                        each), from one llama_decode of the whole prompt with n_ubatch = 4
+  X.ubatch4.decode.f32  the logits of the next DECODE_STEPS greedy tokens, each fed alone
+                        (llama.cpp's single-token path, which sums attention in another order)
+  X.ubatch4.json        the prompt's text and token ids, the greedy tokens, n_vocab, the
+                        settings and the model's size and sha256
+with flash attention off, f16 KV, 2 threads and weight repacking off.
+
+Why n_ubatch 4: llama.cpp picks its matmul kernels by micro-batch size. With 2 to 4 rows it
+runs the per-row dot products pdmesh reproduces; from 8 rows on, K-quant weights go through a
+tiled kernel that sums in another order, and a micro-batch of 1 takes yet another path. The
+X.ref.batch/single files of make_test_models.py are those other paths, so they are not bit
+targets for pdmesh. Why repacking off: with it (the high-level `Llama` class's default) llama.cpp
+rewrites Q4_0 and Q4_K weights into interleaved layouts with kernels of their own on AVX-512.
+
+Usage: .bench/venv/bin/python scripts/arch_reference.py [MODEL.gguf ...]
+"""
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+try:
+    import llama_cpp
+    import numpy as np
+except ImportError as e:
+    sys.exit(f"error: {e.name} is missing; run this with .bench/venv/bin/python "
+             "(`just compare-llamacpp` installs llama-cpp-python there)")
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models" / "test"
+FAMILIES = ("smollm2", "synth-llama3", "synth-qwen2", "synth-qwen3", "synth-mistral")
+# The prompt of make_test_models.py, so that both scripts' files describe the same tokens.
+PROMPT = ("The old lighthouse keeper climbed the stairs every evening at seven, counting all "
+          "1,234 steps, because he believed the ships at sea depended on him alone.")
+THREADS = 2
+N_UBATCH = 4
+N_CTX = 256
+DECODE_STEPS = 8
+
+
+def sha256_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Log:
+    """Keeps llama.cpp's log to show on failure instead of flooding stderr."""
+
+    def __init__(self):
+        self.lines = []
+        # ctypes drops the callback when its Python object dies: keep it on self.
+        self._cb = llama_cpp.llama_log_callback(
+            lambda level, text, user: self.lines.append(text.decode("utf-8", "replace")))
+        llama_cpp.llama_log_set(self._cb, ctypes.c_void_p(0))
+
+    def tail(self, n=30):
+        return "".join(self.lines[-n:])
+
+
+LOG = Log()
+
+
+def reference(path):
+    params = llama_cpp.llama_model_default_params()
+    params.n_gpu_layers = 0
+    params.use_extra_bufts = False
+    LOG.lines.clear()
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}:\n{LOG.tail()}")
+    if any("REPACK" in ln for ln in LOG.lines):
+        raise RuntimeError(f"weight repacking is not off for {path}")
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        data = PROMPT.encode()
+        buf = (llama_cpp.llama_token * (len(data) + 8))()
+        n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(buf), True, True)
+        if n <= 0:
+            raise RuntimeError(f"llama_tokenize returned {n}")
+        tokens = list(buf[:n])
+
+        p = llama_cpp.llama_context_default_params()
+        p.n_ctx = N_CTX
+        p.n_batch = N_CTX
+        p.n_ubatch = N_UBATCH
+        p.n_seq_max = 1
+        p.n_threads = p.n_threads_batch = THREADS
+        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k = p.type_v = llama_cpp.GGML_TYPE_F16
+        ctx = llama_cpp.llama_init_from_model(model, p)
+        if not ctx:
+            raise RuntimeError(f"llama_init_from_model failed:\n{LOG.tail()}")
+        try:
+            batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
+            try:
+                for i, t in enumerate(tokens):
+                    batch.token[i] = t
+                    batch.pos[i] = i
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = 0
+                    batch.logits[i] = True
+                batch.n_tokens = len(tokens)
+                if llama_cpp.llama_decode(ctx, batch):
+                    raise RuntimeError(f"llama_decode failed:\n{LOG.tail()}")
+                rows = [logits_row(ctx, i, n_vocab) for i in range(len(tokens))]
+            finally:
+                llama_cpp.llama_batch_free(batch)
+            # Greedy continuation, one token per llama_decode; ties go to the lowest id.
+            greedy, decoded = [int(np.argmax(rows[-1]))], []
+            for _ in range(DECODE_STEPS):
+                one = (llama_cpp.llama_token * 1)(greedy[-1])
+                if llama_cpp.llama_decode(ctx, llama_cpp.llama_batch_get_one(one, 1)):
+                    raise RuntimeError(f"llama_decode failed:\n{LOG.tail()}")
+                decoded.append(logits_row(ctx, -1, n_vocab))
+                greedy.append(int(np.argmax(decoded[-1])))
+        finally:
+            llama_cpp.llama_free(ctx)
+    finally:
+        llama_cpp.llama_model_free(model)
+    return (tokens, n_vocab, np.stack(rows).astype("<f4"), greedy[:DECODE_STEPS],
+            np.stack(decoded).astype("<f4"))
+
+
+def logits_row(ctx, i, n_vocab):
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,)).copy()
+
+
+def write(path, array):
+    tmp = path.with_suffix(".tmp")
+    array.tofile(tmp)
+    os.replace(tmp, path)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="*", type=Path)
+    args = ap.parse_args()
+    models = args.models or sorted(p for f in FAMILIES for p in MODELS.glob(f"{f}-*.gguf"))
+    if not models:
+        sys.exit(f"error: no synth-* models in {MODELS}; make them first "
+                 "(scripts/make_test_models.py)")
+    llama_cpp.llama_backend_init()
+    for path in models:
+        stem = path.name.removesuffix(".gguf")
+        tokens, n_vocab, logits, greedy, decoded = reference(path)
+        out = path.with_name(f"{stem}.ubatch4.f32")
+        write(out, logits)
+        decode_out = path.with_name(f"{stem}.ubatch4.decode.f32")
+        write(decode_out, decoded)
+        meta = {
+            "model": path.name,
+            "model_sha256": sha256_file(path),
+            # The test's check that this reference is for the file there now.
+            "model_size": path.stat().st_size,
+            "prompt_text": PROMPT,
+            "prompt_tokens": tokens,
+            "n_vocab": n_vocab,
+            "logits": out.name,
+            "argmax": [int(a) for a in logits.argmax(axis=1)],
+            # Fed one at a time after the prompt; decode row i is the logits after greedy[i].
+            "greedy": greedy,
+            "decode_logits": decode_out.name,
+            "settings": {"n_ctx": N_CTX, "n_batch": N_CTX, "n_ubatch": N_UBATCH,
+                         "n_threads": THREADS, "flash_attn": False, "type_k": "f16",
+                         "type_v": "f16", "use_extra_bufts": False},
+            "llama_cpp_version": llama_cpp.__version__,
+        }
+        jtmp = path.with_name(f"{stem}.ubatch4.json.tmp")
+        jtmp.write_text(json.dumps(meta, indent=1) + "\n")
+        os.replace(jtmp, path.with_name(f"{stem}.ubatch4.json"))
+        print(f"{stem}: {len(tokens)} prompt positions and {len(greedy)} decoded x {n_vocab}",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+//! The architectures' options on the tiny model, each pinned by a property that needs no
+//! reference implementation: an option set to its identity (factors of 1, zero biases) changes
+//! no bit, two spellings of one rotation (frequency factors of 2, linear scaling by 2) agree bit
+//! for bit, a zero norm weight cuts its projection out of the result, and NEOX RoPE on Hugging
+//! Face's row order is normal RoPE on the rows as llama's conversion permutes them.
+//! `tests/architectures.rs` checks the same code against llama.cpp on real-sized files.
+
+use std::sync::Arc;
+
+use crate::gguf::writer::GgufBuilder;
+use crate::gguf::{GgufFile, Value};
+use crate::testing::{TinyArch, TinyModel};
+use crate::{Engine, EngineConfig, Logits, Model, StepItem};
+
+/// A change to one tensor's bytes.
+type Edit = Box<dyn FnOnce(&mut Vec<u8>)>;
+
+fn load(b: GgufBuilder) -> Arc<Model> {
+    let g = GgufFile::from_bytes(b.build()).expect("the GGUF parses");
+    Arc::new(Model::from_gguf(g, "tiny.gguf".into()).expect("the model loads"))
+}
+
+fn tiny(arch: TinyArch) -> GgufBuilder {
+    TinyModel { arch, ..Default::default() }.builder()
+}
+
+/// Every position's logits for a prompt long enough that RoPE turns through many angles.
+fn logits(m: Arc<Model>) -> Vec<f32> {
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 250).collect();
+    let cfg = EngineConfig { threads: 1, kv_blocks: 32, ..Default::default() };
+    let mut e = Engine::new(m, cfg).expect("engine");
+    let seq = e.create_sequence();
+    let l = e.step(&[StepItem::prefill(seq, &prompt, Logits::All)]).expect("step");
+    (0..l.len()).flat_map(|i| l.row(i).1.to_vec()).collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn f32_bytes(n: usize, v: f32) -> Vec<u8> {
+    (0..n).flat_map(|_| v.to_le_bytes()).collect()
+}
+
+/// Sets every f32 of a tensor's data to `v`.
+fn fill(v: f32) -> impl FnOnce(&mut Vec<u8>) {
+    move |d: &mut Vec<u8>| *d = f32_bytes(d.len() / 4, v)
+}
+
+fn per_layer(mut b: GgufBuilder, name: &str, f: impl Fn() -> Edit) -> GgufBuilder {
+    for l in 0..2 {
+        b = b.map_tensor(&format!("blk.{l}.{name}"), f());
+    }
+    b
+}
+
+#[test]
+fn freq_factors_divide_each_pairs_angle() {
+    let plain = logits(load(tiny(TinyArch::Llama)));
+    let ones = logits(load(tiny(TinyArch::Llama3).map_tensor("rope_freqs.weight", fill(1.0))));
+    assert_eq!(bits(&ones), bits(&plain), "factors of 1 change nothing");
+
+    // Dividing every angle by 2 is linear scaling by 2 (a freq_scale of 0.5): both exact.
+    let twos = logits(load(tiny(TinyArch::Llama3).map_tensor("rope_freqs.weight", fill(2.0))));
+    let linear = logits(load(
+        tiny(TinyArch::Llama)
+            .kv("llama.rope.scaling.type", Value::String("linear".into()))
+            .kv("llama.rope.scaling.factor", Value::F32(2.0)),
+    ));
+    assert_eq!(bits(&twos), bits(&linear));
+    assert_ne!(bits(&twos), bits(&plain));
+    // Without a type, llama.cpp's default is linear: the factor alone scales.
+    let untyped =
+        logits(load(tiny(TinyArch::Llama).kv("llama.rope.scaling.factor", Value::F32(2.0))));
+    assert_eq!(bits(&untyped), bits(&linear));
+    // `none` ignores the factor.
+    let none = logits(load(
+        tiny(TinyArch::Llama)
+            .kv("llama.rope.scaling.type", Value::String("none".into()))
+            .kv("llama.rope.scaling.factor", Value::F32(2.0)),
+    ));
+    assert_eq!(bits(&none), bits(&plain));
+
+    let llama3 = load(tiny(TinyArch::Llama3));
+    assert!(llama3.rope_freqs.is_some());
+    assert_ne!(bits(&logits(llama3)), bits(&plain), "the random factors rotate otherwise");
+}
+
+#[test]
+fn qkv_biases_are_added_after_the_projections() {
+    let with = logits(load(tiny(TinyArch::Qwen2)));
+    let without = logits(load(tiny(TinyArch::Qwen2).remove_tensors(|n| n.ends_with(".bias"))));
+    let zero = tiny(TinyArch::Qwen2);
+    let zero = ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        .into_iter()
+        .fold(zero, |b, name| per_layer(b, name, || Box::new(fill(0.0))));
+    assert_eq!(bits(&logits(load(zero))), bits(&without), "zero biases change nothing");
+    assert_ne!(bits(&with), bits(&without));
+    // Each bias on its own matters.
+    for name in ["attn_q.bias", "attn_k.bias", "attn_v.bias"] {
+        let one = per_layer(tiny(TinyArch::Qwen2), name, || Box::new(fill(0.0)));
+        assert_ne!(bits(&logits(load(one))), bits(&with), "{name}");
+    }
+}
+
+#[test]
+fn qk_norms_weigh_every_head_before_attention() {
+    let m = load(tiny(TinyArch::Qwen3));
+    let c = &m.config;
+    assert_eq!((c.hidden, c.heads, c.head_dim, c.q_dim()), (64, 4, 32, 128));
+    assert_eq!(m.kv_layout(16, pdmesh_kernels::KvDtype::F16).geometry.head_dim, 32);
+    let base = logits(m);
+
+    // Swapping two rows of attn_k changes K, so it changes the logits...
+    let row = 64 / 32 * 20; // a Q4_1 row of 64 columns
+    let swap = || -> Edit {
+        Box::new(move |d: &mut Vec<u8>| {
+            let (a, b) = d.split_at_mut(row);
+            a.swap_with_slice(&mut b[..row]);
+        })
+    };
+    let swapped = logits(load(per_layer(tiny(TinyArch::Qwen3), "attn_k.weight", swap)));
+    assert_ne!(bits(&swapped), bits(&base));
+    // ...unless a zero norm weight on K, or on Q, makes every score zero whatever K is.
+    for norm in ["attn_k_norm.weight", "attn_q_norm.weight"] {
+        let zeroed = per_layer(tiny(TinyArch::Qwen3), norm, || Box::new(fill(0.0)));
+        let a = logits(load(zeroed));
+        let zeroed = per_layer(tiny(TinyArch::Qwen3), norm, || Box::new(fill(0.0)));
+        let b = logits(load(per_layer(zeroed, "attn_k.weight", swap)));
+        assert_eq!(bits(&a), bits(&b), "{norm}");
+        assert_ne!(bits(&a), bits(&base), "{norm}");
+    }
+}
+
+#[test]
+fn neox_rope_is_normal_rope_on_conversions_permuted_rows() {
+    // convert_hf_to_gguf.py permutes llama's Q and K rows so that normal RoPE's adjacent pairs
+    // are Hugging Face's (i, i + head_dim / 2): GGUF row 2j + s of a head is HF row
+    // s * head_dim / 2 + j. Qwen keeps HF's order and rotates with NEOX instead.
+    let hd = TinyArch::Llama.head_dim();
+    let row = 64 / 32 * 20; // a Q4_1 row of 64 columns
+    let permute = || -> Edit {
+        Box::new(move |d: &mut Vec<u8>| {
+            let src = d.clone();
+            for (r, out) in d.chunks_exact_mut(row).enumerate() {
+                let (head, within) = (r / hd, r % hd);
+                let (j, s) = (within / 2, within % 2);
+                let from = head * hd + s * hd / 2 + j;
+                out.copy_from_slice(&src[from * row..(from + 1) * row]);
+            }
+        })
+    };
+    let qwen = logits(load(tiny(TinyArch::Qwen2).remove_tensors(|n| n.ends_with(".bias"))));
+    let llama = tiny(TinyArch::Llama);
+    let llama = per_layer(per_layer(llama, "attn_q.weight", permute), "attn_k.weight", permute);
+    let llama = logits(load(llama));
+    let unpermuted = logits(load(tiny(TinyArch::Llama)));
+    // Within a tolerance only: the attention's dot products add a head's dimensions in another
+    // order, which may round otherwise.
+    let (same, other) = (max_diff(&qwen, &llama), max_diff(&qwen, &unpermuted));
+    assert!(same < 1e-4 && other > 1e-2, "permuted {same}, unpermuted {other}");
+}
