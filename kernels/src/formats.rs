@@ -577,6 +577,41 @@ impl Format for Q6_K {
     }
 }
 
+/// The K-quant kernels read their super-block in place: the AVX2 tile keeps a pointer, and
+/// VNNI would form the same exact integer sums, so it takes the AVX2 `dot`.
+macro_rules! k_block_is_its_own_unpacking {
+    () => {
+        #[cfg(target_arch = "x86_64")]
+        type Unpacked = *const u8;
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn unpack(p: *const u8) -> *const u8 {
+            p
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn dot_vnni(p: &*const u8, a: *const i8, sums: *const i16) -> x86::I {
+            // SAFETY: the caller's contract.
+            unsafe { Self::dot(p, a, sums, std::arch::x86_64::_mm256_set1_epi16(1)) }
+        }
+    };
+}
+
+/// Q4_K and Q5_K share the packed 6-bit mins and so their min term.
+macro_rules! k4_mins {
+    () => {
+        fn min_lanes(b: &[u8], sums: &[i16]) -> [i32; 4] {
+            k4_min_lanes(b, sums)
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn min_prod(p: *const u8, sums: *const i16) -> std::arch::x86_64::__m128i {
+            // SAFETY: the caller's contract.
+            unsafe { x86::k4_min_prod(p, sums) }
+        }
+    };
+}
+
 impl QuantFormat for Q4_K {
     const ACT: ActForm = ActForm::Q8K;
     const MIN: MinTerm = MinTerm::SuperQuad;
@@ -586,16 +621,7 @@ impl QuantFormat for Q4_K {
             i32::from(if sub.is_multiple_of(2) { q & 0xF } else { q >> 4 })
         })
     }
-    fn min_lanes(b: &[u8], sums: &[i16]) -> [i32; 4] {
-        k4_min_lanes(b, sums)
-    }
-    #[cfg(target_arch = "x86_64")]
-    type Unpacked = *const u8;
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn unpack(p: *const u8) -> *const u8 {
-        p
-    }
+    k_block_is_its_own_unpacking!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn dot(p: &*const u8, a: *const i8, _sums: *const i16, _ones: x86::I) -> x86::I {
@@ -623,18 +649,7 @@ impl QuantFormat for Q4_K {
             sumi
         }
     }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn dot_vnni(p: &*const u8, a: *const i8, sums: *const i16) -> x86::I {
-        // SAFETY: the caller's contract (the AVX2 sums are exact; VNNI would give the same).
-        unsafe { Self::dot(p, a, sums, std::arch::x86_64::_mm256_set1_epi16(1)) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn min_prod(p: *const u8, sums: *const i16) -> std::arch::x86_64::__m128i {
-        // SAFETY: the caller's contract.
-        unsafe { x86::k4_min_prod(p, sums) }
-    }
+    k4_mins!();
 }
 
 impl QuantFormat for Q5_K {
@@ -643,16 +658,7 @@ impl QuantFormat for Q5_K {
     fn lanes(b: &[u8], a: &[i8], _sums: &[i16]) -> [i32; 8] {
         k4_lanes(b, a, |sub, e| i32::from(q5k_value(b, sub, e)))
     }
-    fn min_lanes(b: &[u8], sums: &[i16]) -> [i32; 4] {
-        k4_min_lanes(b, sums)
-    }
-    #[cfg(target_arch = "x86_64")]
-    type Unpacked = *const u8;
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn unpack(p: *const u8) -> *const u8 {
-        p
-    }
+    k_block_is_its_own_unpacking!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn dot(p: &*const u8, a: *const i8, _sums: *const i16, _ones: x86::I) -> x86::I {
@@ -686,18 +692,7 @@ impl QuantFormat for Q5_K {
             sumi
         }
     }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn dot_vnni(p: &*const u8, a: *const i8, sums: *const i16) -> x86::I {
-        // SAFETY: the caller's contract.
-        unsafe { Self::dot(p, a, sums, std::arch::x86_64::_mm256_set1_epi16(1)) }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn min_prod(p: *const u8, sums: *const i16) -> std::arch::x86_64::__m128i {
-        // SAFETY: the caller's contract.
-        unsafe { x86::k4_min_prod(p, sums) }
-    }
+    k4_mins!();
 }
 
 impl QuantFormat for Q6_K {
@@ -724,13 +719,7 @@ impl QuantFormat for Q6_K {
         }
         lanes
     }
-    #[cfg(target_arch = "x86_64")]
-    type Unpacked = *const u8;
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn unpack(p: *const u8) -> *const u8 {
-        p
-    }
+    k_block_is_its_own_unpacking!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn dot(p: &*const u8, a: *const i8, sums: *const i16, _ones: x86::I) -> x86::I {
@@ -772,12 +761,6 @@ impl QuantFormat for Q6_K {
             let offset = _mm256_madd_epi16(_mm256_loadu_si256(sums.cast()), scales16);
             _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5))
         }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn dot_vnni(p: &*const u8, a: *const i8, sums: *const i16) -> x86::I {
-        // SAFETY: the caller's contract.
-        unsafe { Self::dot(p, a, sums, std::arch::x86_64::_mm256_set1_epi16(1)) }
     }
 }
 
