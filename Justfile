@@ -83,10 +83,10 @@ fetch-test-models *args="": fetch-model _llamacpp
     {{bench_venv}}/bin/pip install --quiet --disable-pip-version-check gguf==0.19.0 sentencepiece==0.2.3
     {{bench_venv}}/bin/python scripts/make_test_models.py {{args}}
 
-# The quantized test models the tests read (not the floats or the 1B one), with references.
+# The test models the tests read (all but the 1B one), with their llama.cpp references.
 test-models: _llamacpp
-    just fetch-test-models --only 'smollm2-Q*,synth-llama3-Q*,synth-qwen2-Q*,synth-qwen3-Q*,synth-mistral-Q*'
-    {{bench_venv}}/bin/python scripts/arch_reference.py $(ls models/test/smollm2-Q*.gguf models/test/synth-{llama3,qwen2,qwen3,mistral}-Q*.gguf)
+    just fetch-test-models --only 'smollm2-*,synth-llama3-[QFB]*,synth-qwen2-*,synth-qwen3-*,synth-mistral-*'
+    {{bench_venv}}/bin/python scripts/arch_reference.py $(ls models/test/smollm2-*.gguf models/test/synth-{llama3-[QFB],qwen2-,qwen3-,mistral-}*.gguf)
 
 # llama.cpp's prompt and decode logits (vec_dot path: micro-batches of 4, no repacking) for the
 # smollm2-* and synth-* models in models/test/, which services/engine/tests/architectures.rs

@@ -170,6 +170,11 @@ def main():
     print(f"{'tok/s, ' + str(args.threads) + ' threads':<24}{'pdmesh':>10}{'llama.cpp':>12}{'ratio':>8}")
     for name, o, r in rows:
         print(f"{name:<24}{o:>10.1f}{r:>12.1f}{o / r:>7.2f}x")
+    wb, bw = ours["decode_weight_bytes_per_token"], ours["read_bandwidth_gb_s"]
+    for name, tok_s in (("pdmesh", ours["decode_tok_s"]), ("llama.cpp", ref["decode_tok_s"])):
+        gb_s = wb * tok_s / 1e9
+        print(f"decode bandwidth {name:<10}{gb_s:>6.2f} GB/s of weights ({wb / 1e6:.1f} MB/token) = "
+              f"{100 * gb_s / bw:.0f}% of the measured read bandwidth {bw:.2f} GB/s ({args.threads} threads)")
     print(f"pdmesh peak RSS {ours['peak_rss_bytes'] / 1e6:.1f} MB (model file {ours['model_file_bytes'] / 1e6:.1f} MB"
           f" + KV pool {ours['kv_pool_bytes'] / 1e6:.1f} MB); RSS after load {ours['rss_after_load_bytes'] / 1e6:.1f} MB")
 

@@ -148,9 +148,21 @@ pub struct ClusterBuilder {
     prefill_args: Vec<String>,
     decode_args: Vec<String>,
     env: Vec<(String, String)>,
+    /// The GGUF every service loads (default: `model_path()`).
+    model: Option<std::path::PathBuf>,
 }
 
 impl ClusterBuilder {
+    /// Serves this GGUF instead of the default model.
+    pub fn model(mut self, path: &std::path::Path) -> Self {
+        self.model = Some(path.to_path_buf());
+        self
+    }
+
+    fn model_arg(&self) -> String {
+        self.model.clone().unwrap_or_else(model_path).display().to_string()
+    }
+
     /// Sets an environment variable for every service process.
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.push((key.to_string(), value.to_string()));
@@ -202,7 +214,7 @@ impl ClusterBuilder {
 
     /// Starts the router and the nodes, and waits until every node has registered.
     pub async fn start(self) -> Cluster {
-        let model = model_path().display().to_string();
+        let model = self.model_arg();
         let mut rargs: Vec<String> =
             ["--listen", "127.0.0.1:0", "--model", &model].iter().map(|s| s.to_string()).collect();
         rargs.extend([
@@ -261,11 +273,12 @@ impl Cluster {
             prefill_args: Vec::new(),
             decode_args: Vec::new(),
             env: Vec::new(),
+            model: None,
         }
     }
 
     fn node_args(&self, role: &str, name: &str, extra: &[&str]) -> Vec<String> {
-        let model = model_path().display().to_string();
+        let model = self.builder.model_arg();
         let mut a: Vec<String> = [
             "--listen",
             "127.0.0.1:0",

@@ -1,14 +1,15 @@
 //! The disaggregation contract end to end: prompts through a mesh of 2 prefill and 2 decode
 //! processes, 8 at a time, give exactly the tokens `pdmesh run` gives on one engine — greedy and
 //! seeded sampling — over each KV transport (with every block checksummed and verified), and
-//! every node's KV blocks are back to free afterwards.
+//! every node's KV blocks are back to free afterwards. The same holds for the models people
+//! run: SmolLM2 in llama.cpp's `Q4_K_M` and a model of Llama 3.2 1B's shapes.
 
 #![allow(clippy::unwrap_used)]
 
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use pdmesh_integration::{Cluster, eventually, pdmesh, per_transport, run};
+use pdmesh_integration::{Cluster, eventually, pdmesh, pdmesh_bin, per_transport, repo_root, run};
 use pdmesh_proto::v1::{
     Chat, ChatMessage, FinishReason, GenerateRequest, SamplingParams, generate_request,
     generate_response,
@@ -159,5 +160,59 @@ async fn disaggregated_mesh_gives_the_tokens_of_one_engine(transport: &str) {
             }
         })
         .await;
+    }
+}
+
+/// Greedy tokens of `pdmesh run --raw` on one engine for `model`.
+fn run_raw(model: &std::path::Path, prompt: &str) -> Vec<u32> {
+    let mut c = std::process::Command::new(pdmesh_bin());
+    c.args(["run", "--raw", "--prompt", prompt, "--max-tokens", &MAX_TOKENS.to_string()])
+        .args(["--temperature", "0", "--json", "--threads", "2", "--model"])
+        .arg(model);
+    let (code, out, err) = run(c);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// SmolLM2 re-quantized to `Q4_K_M` by llama.cpp (Q5_0, Q8_0, Q4_K and Q6_K tensors) and the
+/// synthetic model with Llama 3.2 1B's shapes (16 layers, 2,048 wide, 32 KB of f16 KV per
+/// token; both from `just test-models`): two raw prompts each through 1 prefill and 1 decode
+/// node give `pdmesh run`'s greedy tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k_quant_and_1b_models_through_the_mesh() {
+    let _serial = SERIAL.lock().await;
+    let prompts = ["The lighthouse keeper climbed the stairs and", "fn main() {\n    let x ="];
+    for name in ["smollm2-Q4_K_M", "synth-llama3-1b-Q4_K_M"] {
+        let model = repo_root().join(format!("models/test/{name}.gguf"));
+        assert!(model.exists(), "{} is missing: run `just test-models`", model.display());
+        let m = model.clone();
+        let expected = tokio::task::spawn_blocking(move || {
+            prompts.iter().map(|p| run_raw(&m, p)).collect::<Vec<_>>()
+        })
+        .await
+        .unwrap();
+        let cluster = Cluster::builder().prefill(1).decode(1).model(&model).start().await;
+        let mut client = cluster.client().await;
+        for (prompt, want) in prompts.iter().zip(&expected) {
+            let req = GenerateRequest {
+                input: Some(generate_request::Input::Prompt((*prompt).into())),
+                max_tokens: MAX_TOKENS,
+                sampling: Some(SamplingParams { temperature: 0.0, ..Default::default() }),
+                ..Default::default()
+            };
+            let mut s = client.generate(req).await.unwrap().into_inner();
+            let mut tokens = Vec::new();
+            while let Some(m) = s.message().await.unwrap() {
+                if let generate_response::Event::Delta(d) = m.event.unwrap() {
+                    tokens.extend(d.token_ids);
+                }
+            }
+            assert!(!want.is_empty(), "{name}: `pdmesh run` generated nothing for {prompt:?}");
+            assert_eq!(
+                &tokens, want,
+                "{name}: {prompt:?} through the mesh differs from `pdmesh run`"
+            );
+        }
     }
 }

@@ -40,7 +40,9 @@ fn main() {
         for simd in Simd::available() {
             let be = CpuBackend::with_simd(threads, simd).expect("available levels are supported");
             let mut acts = Activations::default();
-            be.quantize(&xs, tokens, cols, pdmesh_kernels::ActNeeds::of([ty]), &mut acts);
+            let needs = pdmesh_kernels::ActNeeds::of([ty]);
+            let phases = vec![pdmesh_kernels::Phase::Prefill; tokens];
+            be.quantize(&xs, tokens, cols, needs, &phases, &mut acts);
             let mut out = vec![0f32; tokens * rows];
             let iters = (if simd == Simd::Portable { 2000 } else { 20000 } / tokens).max(5);
             let t = Instant::now();

@@ -11,7 +11,7 @@
 
 use pdmesh_kv_types::{KvGeometry, MemoryRegion};
 
-use crate::kv::{AttnQuery, KvSlot};
+use crate::kv::{AttnQuery, KvSlot, Phase};
 use crate::quant::{ActNeeds, HostWeight};
 
 /// One weight matrix applied to the shared activations: `out[t * rows + r] = W[r] · x[t]`.
@@ -101,14 +101,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// A weight ready to compute with (a device backend uploads it here, once).
     fn weight(&self, w: &HostWeight) -> Self::Weight;
 
-    /// Stores `x` (`rows × cols`) in `out`, quantized into the forms `needs` names (those the
-    /// weights it will be multiplied with consume).
+    /// Stores `x` (`rows × cols`) in `out`, quantized or rounded into the forms `needs` names
+    /// (those the weights it will be multiplied with consume); `phases` holds each row's token
+    /// phase, which picks the summation order of float weights.
     fn quantize(
         &self,
         x: &Self::Buffer,
         rows: usize,
         cols: usize,
         needs: ActNeeds,
+        phases: &[Phase],
         out: &mut Self::Activations,
     );
 

@@ -54,8 +54,19 @@ pub trait Format {
     fn dequantize(block: &[u8], out: &mut [f32]);
 }
 
-/// A float format: matmuls read its elements directly against f32 activations.
+/// Which of llama.cpp's float paths a float format takes: the activations are rounded to the
+/// weight's own type first (`vec_dot_type`), and the summation order is that of its AVX-512
+/// kernels (see `cpu::portable::dot_float`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatKind {
+    F32,
+    F16,
+    BF16,
+}
+
+/// A float format: matmuls read its elements directly against activations rounded to it.
 pub trait FloatFormat: Format {
+    const KIND: FloatKind;
     fn at(b: &[u8]) -> f32;
 }
 
@@ -157,7 +168,7 @@ pub struct F16;
 pub struct BF16;
 
 macro_rules! float_format {
-    ($t:ty, $name:literal, $id:literal, $bytes:literal, |$b:ident| $at:expr) => {
+    ($t:ident, $name:literal, $id:literal, $bytes:literal, |$b:ident| $at:expr) => {
         impl Format for $t {
             const NAME: &'static str = $name;
             const GGUF_ID: u32 = $id;
@@ -168,6 +179,7 @@ macro_rules! float_format {
             }
         }
         impl FloatFormat for $t {
+            const KIND: FloatKind = FloatKind::$t;
             #[inline(always)]
             fn at($b: &[u8]) -> f32 {
                 $at

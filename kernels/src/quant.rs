@@ -7,7 +7,8 @@
 
 use half::f16;
 
-use crate::formats::{self, ActForm, FloatFormat, Format, QuantFormat};
+use crate::formats::{self, ActForm, FloatFormat, FloatKind, Format, QuantFormat};
+use crate::kv::Phase;
 
 /// Elements in one block of the 32-element formats (and of Q8 activations).
 pub const QK: usize = 32;
@@ -66,11 +67,19 @@ macro_rules! registry {
                 Err(formats::unsupported_type_name(id))
             }
 
-            /// The activation form matmuls against this format consume (`None`: f32).
+            /// The activation form matmuls against this format consume (`None`: a float one).
             pub const fn act_form(self) -> Option<ActForm> {
                 match self {
                     $(WeightType::$fv => None,)*
                     $(WeightType::$qv => Some(<formats::$qv as QuantFormat>::ACT),)*
+                }
+            }
+
+            /// For the float formats, which float path they take.
+            pub const fn float_kind(self) -> Option<FloatKind> {
+                match self {
+                    $(WeightType::$fv => Some(<formats::$fv as FloatFormat>::KIND),)*
+                    $(WeightType::$qv => None,)*
                 }
             }
         }
@@ -148,11 +157,15 @@ impl std::str::FromStr for WeightType {
     }
 }
 
-/// Which quantized forms of an activation batch the matmuls that read it need.
+/// Which forms of an activation batch the matmuls that read it need (f32 is always kept).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ActNeeds {
     pub q8: bool,
     pub q8k: bool,
+    /// Rounded to f16 (F16 weights).
+    pub f16: bool,
+    /// Rounded to bf16 (BF16 weights).
+    pub bf16: bool,
 }
 
 impl ActNeeds {
@@ -165,6 +178,11 @@ impl ActNeeds {
                 Some(ActForm::Q8K) => n.q8k = true,
                 None => {}
             }
+            match t.float_kind() {
+                Some(FloatKind::F16) => n.f16 = true,
+                Some(FloatKind::BF16) => n.bf16 = true,
+                Some(FloatKind::F32) | None => {}
+            }
         }
         n
     }
@@ -173,6 +191,15 @@ impl ActNeeds {
         match form {
             ActForm::Q8 => self.q8,
             ActForm::Q8K => self.q8k,
+        }
+    }
+
+    /// Whether the rounded form float weights of `kind` read is present (f32 always is).
+    pub fn has_float(self, kind: FloatKind) -> bool {
+        match kind {
+            FloatKind::F32 => true,
+            FloatKind::F16 => self.f16,
+            FloatKind::BF16 => self.bf16,
         }
     }
 }
@@ -319,6 +346,13 @@ pub struct Activations {
     pub kd: Vec<f32>,
     /// Q8K: `rows × cols/16` sums of each 16 quants (the K-quants' mins and Q6_K's offset).
     pub ksums: Vec<i16>,
+    /// F16 weights: `rows × cols` values rounded to f16 (ties to even), held as f32.
+    pub h: Vec<f32>,
+    /// BF16 weights: `rows × cols` values rounded to bf16 (ties to even), as bf16 bits.
+    pub bh: Vec<u16>,
+    /// Each row's phase: float weights sum prompt and decode tokens in different orders, as
+    /// llama.cpp's batched and single-token kernels do.
+    pub phases: Vec<Phase>,
     /// Which forms the buffers currently hold.
     pub forms: ActNeeds,
 }
@@ -339,10 +373,16 @@ impl Activations {
         self.rows = rows;
         self.cols = cols;
         self.f32.resize(rows * cols, 0.0);
+        self.phases.resize(rows, Phase::Prefill);
         self.forms = ActNeeds {
             q8: needs.q8 && cols.is_multiple_of(QK),
             q8k: needs.q8k && cols.is_multiple_of(QK_K),
+            f16: needs.f16,
+            bf16: needs.bf16,
         };
+        let sized = |on: bool| if on { rows * cols } else { 0 };
+        self.h.resize(sized(self.forms.f16), 0.0);
+        self.bh.resize(sized(self.forms.bf16), 0);
         if self.forms.q8 {
             self.qs.resize(rows * cols, 0);
             self.d.resize(rows * cols / QK, 0.0);

@@ -7,7 +7,7 @@
 use half::f16;
 use std::sync::Arc;
 
-use pdmesh_kernels::formats::{FloatFormat, MinTerm, QuantFormat};
+use pdmesh_kernels::formats::{FloatFormat, FloatKind, MinTerm, QuantFormat};
 use pdmesh_kernels::quant::FormatVisitor;
 use pdmesh_kernels::{
     ActNeeds, Activations, AttnQuery, Backend, CpuBackend, HostWeight, KvBuffer, KvDtype,
@@ -86,9 +86,22 @@ fn host(w: &WeightMatrix<'_>) -> HostWeight {
     HostWeight::new(w.ty, w.rows, w.cols, bytes).unwrap()
 }
 
-fn matmul(b: &CpuBackend, w: &WeightMatrix<'_>, x: &[f32], tokens: usize) -> Vec<f32> {
+/// The phase test token `t` has: a mix, so float weights run both summation orders.
+fn phase_of(t: usize) -> Phase {
+    if t % 3 == 2 { Phase::Decode } else { Phase::Prefill }
+}
+
+/// `w · x` for `tokens` rows of `x`, which are tokens `first..` (for their phases).
+fn matmul(
+    b: &CpuBackend,
+    w: &WeightMatrix<'_>,
+    x: &[f32],
+    tokens: usize,
+    first: usize,
+) -> Vec<f32> {
     let mut acts = Activations::default();
-    b.quantize(&x.to_vec(), tokens, w.cols, ActNeeds::of([w.ty]), &mut acts);
+    let phases: Vec<Phase> = (first..first + tokens).map(phase_of).collect();
+    b.quantize(&x.to_vec(), tokens, w.cols, ActNeeds::of([w.ty]), &phases, &mut acts);
     let mut out = vec![f32::NAN; tokens * w.rows];
     b.matmul(&acts, &mut [MatmulJob { weight: &host(w), out: &mut out }]);
     out
@@ -98,13 +111,20 @@ fn matmul(b: &CpuBackend, w: &WeightMatrix<'_>, x: &[f32], tokens: usize) -> Vec
 fn matmul_simd_equals_portable_and_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     for &ty in WeightType::ALL {
-        // Odd row and token counts exercise every tile edge.
-        for (rows, cols, tokens) in [(37, 256, 1), (9, 512, 3), (70, 256, 13), (5, 768, 64)] {
+        // Odd row and token counts exercise every tile edge; row counts of 4 and column counts
+        // that are not whole 64s (or 32s) take the float formats down both of llama.cpp's
+        // paths and their tails.
+        let shapes: [(usize, usize, usize); 5] =
+            [(37, 256, 1), (9, 512, 3), (72, 256, 13), (5, 768, 64), (12, 272, 4)];
+        for (rows, cols, tokens) in shapes {
+            if !cols.is_multiple_of(ty.block_elems()) {
+                continue;
+            }
             let data = random_weights(&mut rng, ty, rows, cols);
             let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
             let x = random_vec(&mut rng, tokens * cols, 2.0);
             let results: Vec<Vec<f32>> =
-                backends(2).iter().map(|b| matmul(b, &w, &x, tokens)).collect();
+                backends(2).iter().map(|b| matmul(b, &w, &x, tokens, 0)).collect();
             for r in &results[1..] {
                 assert_eq!(
                     r.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
@@ -113,7 +133,8 @@ fn matmul_simd_equals_portable_and_reference() {
                 );
             }
             // Naive reference: dequantized weights against unquantized activations. Int8
-            // activations cost ~1% of each dot's magnitude; allow for that.
+            // activations cost ~1% of each dot's magnitude, f16 and bf16 ones 2^-11 and 2^-8
+            // of each product; allow for that.
             let mut row = vec![0f32; cols];
             for r in 0..rows {
                 w.dequantize_row(r, &mut row);
@@ -127,7 +148,13 @@ fn matmul_simd_equals_portable_and_reference() {
                         .map(|(&a, &b)| (f64::from(a) * f64::from(b)).abs())
                         .sum();
                     let got = f64::from(results[0][t * rows + r]);
-                    let tol = if ty.is_quantized() { 0.02 * mag + 1e-3 } else { 1e-5 * mag + 1e-5 };
+                    let rel = match ty.float_kind() {
+                        None => 0.02,
+                        Some(FloatKind::F32) => 1e-5,
+                        Some(FloatKind::F16) => 1e-3,
+                        Some(FloatKind::BF16) => 8e-3,
+                    };
+                    let tol = rel * mag + 1e-3;
                     assert!(
                         (got - exact).abs() <= tol,
                         "{ty} r{r} t{t}: {got} vs {exact} (tol {tol})"
@@ -148,10 +175,10 @@ fn matmul_is_batch_and_thread_invariant() {
         let x = random_vec(&mut rng, tokens * cols, 1.0);
         for threads in [1, 2, 3] {
             for b in backends(threads) {
-                let full = matmul(&b, &w, &x, tokens);
+                let full = matmul(&b, &w, &x, tokens, 0);
                 // Each token alone, and in a batch with a few neighbours.
                 for t in 0..tokens {
-                    let one = matmul(&b, &w, &x[t * cols..(t + 1) * cols], 1);
+                    let one = matmul(&b, &w, &x[t * cols..(t + 1) * cols], 1, t);
                     assert_eq!(
                         one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                         full[t * rows..(t + 1) * rows]
@@ -162,7 +189,7 @@ fn matmul_is_batch_and_thread_invariant() {
                         b.describe()
                     );
                 }
-                let part = matmul(&b, &w, &x[5 * cols..10 * cols], 5);
+                let part = matmul(&b, &w, &x[5 * cols..10 * cols], 5, 5);
                 assert_eq!(part, full[5 * rows..10 * rows], "{ty} 5-token batch differs");
             }
         }
@@ -180,7 +207,8 @@ fn quantize_simd_equals_portable() {
         .iter()
         .map(|b| {
             let mut a = Activations::default();
-            b.quantize(&x, rows, cols, ActNeeds { q8: true, q8k: true }, &mut a);
+            let needs = ActNeeds { q8: true, q8k: true, f16: true, bf16: true };
+            b.quantize(&x, rows, cols, needs, &vec![Phase::Prefill; rows], &mut a);
             a
         })
         .collect();

@@ -318,11 +318,25 @@ impl Backend for CpuBackend {
         rows: usize,
         cols: usize,
         needs: ActNeeds,
+        phases: &[Phase],
         out: &mut Activations,
     ) {
         assert_eq!(x.len(), rows * cols, "quantize: input is not rows × cols");
+        assert_eq!(phases.len(), rows, "quantize: one phase per row");
         out.resize(rows, cols, needs);
         out.f32.copy_from_slice(x);
+        out.phases.copy_from_slice(phases);
+        // Rounded as llama.cpp's `ggml_cpu_fp32_to_fp16`/`_bf16` do: to nearest, ties to even.
+        if out.forms.f16 {
+            for (h, &v) in out.h.iter_mut().zip(x) {
+                *h = half::f16::from_f32(v).to_f32();
+            }
+        }
+        if out.forms.bf16 {
+            for (h, &v) in out.bh.iter_mut().zip(x) {
+                *h = half::bf16::from_f32(v).to_bits();
+            }
+        }
         if out.forms.q8 {
             let qs = SharedMut::new(&mut out.qs);
             let d = SharedMut::new(&mut out.d);

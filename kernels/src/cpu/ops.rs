@@ -35,38 +35,112 @@ pub fn reduce16(v: &[f32; 16]) -> f32 {
 /// `q · k` for one head, in the summation order of `phase` (see `Phase`).
 #[inline(always)]
 pub fn qk_dot_lanes(q: &[f32], k: impl Fn(usize) -> f32, phase: Phase) -> f32 {
-    let n = q.len();
     match phase {
-        Phase::Prefill => {
-            let mut c = [0f32; 16];
-            for l in (0..n).step_by(16) {
-                for t in 0..16 {
-                    c[t] = k(l + t).mul_add(q[l + t], c[t]);
-                }
-            }
-            reduce16(&c)
+        Phase::Prefill => lanes16(q.len(), k, |i| q[i]),
+        Phase::Decode => lanes16x4(q.len(), k, |i| q[i], Tail::F64),
+    }
+}
+
+/// How `lanes16x4` adds the elements past the last whole 64 (llama.cpp's `ggml_vec_dot_f16`
+/// sums them in `ggml_float`, `ggml_vec_dot_f32` in float).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tail {
+    F64,
+    F32,
+}
+
+/// `Σ w(i)·x(i)` as llama.cpp's batched tinyBLAS kernel on AVX-512 sums it (F32 and F16
+/// weights): one FMA accumulator per lane `i % 16`, then `reduce16`.
+#[inline(always)]
+pub fn lanes16(n: usize, w: impl Fn(usize) -> f32, x: impl Fn(usize) -> f32) -> f32 {
+    debug_assert!(n.is_multiple_of(16));
+    let mut c = [0f32; 16];
+    for l in (0..n).step_by(16) {
+        for (t, c) in c.iter_mut().enumerate() {
+            *c = w(l + t).mul_add(x(l + t), *c);
         }
-        Phase::Decode => {
-            let mut s = [[0f32; 16]; 4];
-            let np = n & !63;
-            for i in (0..np).step_by(64) {
-                for (j, sj) in s.iter_mut().enumerate() {
-                    for t in 0..16 {
-                        sj[t] = k(i + 16 * j + t).mul_add(q[i + 16 * j + t], sj[t]);
-                    }
-                }
+    }
+    reduce16(&c)
+}
+
+/// `Σ w(i)·x(i)` as llama.cpp's AVX-512 `ggml_vec_dot_f16`/`_f32` sum it (single tokens):
+/// four 16-lane FMA accumulators over each 64 elements, folded `(s0+s2)+(s1+s3)`, `reduce16`,
+/// then the tail element by element.
+#[inline(always)]
+pub fn lanes16x4(n: usize, w: impl Fn(usize) -> f32, x: impl Fn(usize) -> f32, tail: Tail) -> f32 {
+    let mut s = [[0f32; 16]; 4];
+    let np = n & !63;
+    for i in (0..np).step_by(64) {
+        for (j, sj) in s.iter_mut().enumerate() {
+            for (t, a) in sj.iter_mut().enumerate() {
+                *a = w(i + 16 * j + t).mul_add(x(i + 16 * j + t), *a);
             }
-            let mut u = [0f32; 16];
-            for t in 0..16 {
-                u[t] = (s[0][t] + s[2][t]) + (s[1][t] + s[3][t]);
-            }
-            let mut sum = f64::from(reduce16(&u));
-            for (i, &qi) in q.iter().enumerate().skip(np) {
-                sum += f64::from(k(i) * qi);
+        }
+    }
+    let mut u = [0f32; 16];
+    for t in 0..16 {
+        u[t] = (s[0][t] + s[2][t]) + (s[1][t] + s[3][t]);
+    }
+    let head = reduce16(&u);
+    match tail {
+        Tail::F64 => {
+            let mut sum = f64::from(head);
+            for i in np..n {
+                sum += f64::from(w(i) * x(i));
             }
             sum as f32
         }
+        Tail::F32 => {
+            let mut sum = head;
+            for i in np..n {
+                // Not contracted into an FMA, like the rest of ggml's scalar code.
+                sum += w(i) * x(i);
+            }
+            sum
+        }
     }
+}
+
+/// One `_mm512_dpbf16_ps` over the 32 elements at `base`: lane `t` adds the product of
+/// elements `2t+1` and then that of `2t`, each rounded once (bf16 products are exact in f32,
+/// so each step is an FMA; the instruction's flushing of denormals is not reproduced).
+#[inline(always)]
+fn dpbf16(acc: &mut [f32; 16], base: usize, w: &impl Fn(usize) -> f32, x: &impl Fn(usize) -> f32) {
+    for (t, a) in acc.iter_mut().enumerate() {
+        let (o, e) = (base + 2 * t + 1, base + 2 * t);
+        *a = w(e).mul_add(x(e), w(o).mul_add(x(o), *a));
+    }
+}
+
+/// `Σ w(i)·x(i)` for BF16 weights as llama.cpp's batched tinyBLAS kernel sums it on AVX-512
+/// BF16: `dpbf16` over each 32 elements into one set of 16 lanes, then `reduce16`.
+#[inline(always)]
+pub fn bf16_lanes16(n: usize, w: impl Fn(usize) -> f32, x: impl Fn(usize) -> f32) -> f32 {
+    debug_assert!(n.is_multiple_of(32));
+    let mut c = [0f32; 16];
+    for l in (0..n).step_by(32) {
+        dpbf16(&mut c, l, &w, &x);
+    }
+    reduce16(&c)
+}
+
+/// `Σ w(i)·x(i)` as llama.cpp's `ggml_vec_dot_bf16` sums it on AVX-512 BF16: two lane sets
+/// over alternate 32-element halves of each 64, each reduced and added in `ggml_float`, then the
+/// tail.
+#[inline(always)]
+pub fn bf16_lanes16x2(n: usize, w: impl Fn(usize) -> f32, x: impl Fn(usize) -> f32) -> f32 {
+    let (mut c1, mut c2) = ([0f32; 16], [0f32; 16]);
+    let np = n & !63;
+    for i in (0..np).step_by(64) {
+        dpbf16(&mut c1, i, &w, &x);
+        dpbf16(&mut c2, i + 32, &w, &x);
+    }
+    let mut sum = f64::from(reduce16(&c1));
+    sum += f64::from(reduce16(&c2));
+    for i in np..n {
+        sum += f64::from(w(i) * x(i));
+    }
+    sum as f32
 }
 
 /// llama.cpp's vectorised `expf` (its AVX-512 `ggml_v_expf`): a range reduction by `ln 2`, a
@@ -285,5 +359,38 @@ pub(crate) fn attend<I: Isa>(
         for (d, o) in o.iter_mut().enumerate() {
             *o = rows[d] + rows[hd + d];
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `_mm512_dpbf16_ps` adds a lane's odd product before its even one, rounding after each
+    /// (measured on an AVX-512 BF16 CPU): with 1 in the lane, `+2^24` then `-2^24` leaves 0,
+    /// the other order or one rounding would leave 1.
+    #[test]
+    fn dpbf16_adds_the_odd_product_first() {
+        let mut w = [0f32; 64];
+        let mut x = [1f32; 64];
+        w[0] = 1.0; // lane 0 holds 1 after the first 32
+        w[33] = 4096.0;
+        x[33] = 4096.0;
+        w[32] = -4096.0;
+        x[32] = 4096.0;
+        assert_eq!(bf16_lanes16(64, |i| w[i], |i| x[i]), 0.0);
+        assert_eq!(bf16_lanes16x2(64, |i| w[i], |i| x[i]), 1.0); // in separate lane sets
+    }
+
+    /// The vec_dot order folds its four accumulators `(s0+s2)+(s1+s3)`: with 2^24 in s0 and
+    /// s2 = -2^24, the 1s in s1 and s3 survive; summed in index order they would not.
+    #[test]
+    fn vec_dot_folds_accumulators_pairwise() {
+        let mut w = [0f32; 64];
+        w[0] = 16_777_216.0;
+        w[16] = 1.0;
+        w[32] = -16_777_216.0;
+        w[48] = 1.0;
+        assert_eq!(lanes16x4(64, |i| w[i], |_| 1.0, Tail::F32), 2.0);
     }
 }

@@ -2,7 +2,10 @@
 //! tested against. They reproduce the SIMD lane structure (eight partial sums per block, then a
 //! fixed pairwise horizontal sum) so both give bit-identical results.
 
-use crate::formats::{ActForm, FloatFormat, MinTerm, QuantFormat};
+use half::bf16;
+
+use super::ops::{self, Tail};
+use crate::formats::{ActForm, FloatFormat, FloatKind, MinTerm, QuantFormat};
 use crate::kv::{KvData, Phase};
 use crate::pool::SharedMut;
 use crate::quant::{
@@ -122,25 +125,45 @@ pub fn dot_quantized<F: QuantFormat>(row: &[u8], acts: &Activations, t: usize) -
     }
 }
 
-/// `W[r] · x[t]` for a float weight row against the f32 activations.
+/// Whether llama.cpp would compute a float matmul of a `rows × cols` weight for a token of
+/// `phase` with its batched tinyBLAS kernel (prompt micro-batches; `cols` a multiple of its
+/// vector width, `rows` of 4) rather than `ggml_vec_dot_*` (single tokens, or shapes tinyBLAS
+/// refuses). pdmesh decides by the token's phase, never by the batch, so a sequence's logits do
+/// not depend on what it was batched with.
 #[inline(always)]
-pub fn dot_float<F: FloatFormat>(row: &[u8], x: &[f32]) -> f32 {
-    let width = F::BLOCK_BYTES;
-    let mut acc = [0f32; 8];
-    let mut chunks = x.chunks_exact(8);
-    let mut i = 0;
-    for c in chunks.by_ref() {
-        for l in 0..8 {
-            acc[l] = F::at(&row[(i + l) * width..]).mul_add(c[l], acc[l]);
+pub fn float_tiled<F: FloatFormat>(phase: Phase, rows: usize, cols: usize) -> bool {
+    let width = match F::KIND {
+        FloatKind::BF16 => 32,
+        FloatKind::F32 | FloatKind::F16 => 16,
+    };
+    phase == Phase::Prefill && cols.is_multiple_of(width) && rows.is_multiple_of(4)
+}
+
+/// `W[r] · x[t]` for a float weight row, in the order of the llama.cpp kernel `tiled` names
+/// (`float_tiled`), against the activations rounded to the weight's type as llama.cpp rounds
+/// them.
+#[inline(always)]
+pub fn dot_float<F: FloatFormat>(row: &[u8], acts: &Activations, t: usize, tiled: bool) -> f32 {
+    let n = acts.cols;
+    let w = |i: usize| F::at(&row[i * F::BLOCK_BYTES..]);
+    let x = &acts.f32[t * n..(t + 1) * n];
+    match F::KIND {
+        FloatKind::F32 if tiled => ops::lanes16(n, w, |i| x[i]),
+        FloatKind::F32 => ops::lanes16x4(n, w, |i| x[i], Tail::F32),
+        FloatKind::F16 => {
+            let x = &acts.h[t * n..(t + 1) * n];
+            if tiled {
+                ops::lanes16(n, w, |i| x[i])
+            } else {
+                ops::lanes16x4(n, w, |i| x[i], Tail::F64)
+            }
         }
-        i += 8;
+        FloatKind::BF16 => {
+            let x = &acts.bh[t * n..(t + 1) * n];
+            let x = |i: usize| bf16::from_bits(x[i]).to_f32();
+            if tiled { ops::bf16_lanes16(n, w, x) } else { ops::bf16_lanes16x2(n, w, x) }
+        }
     }
-    let mut tail = 0f32;
-    for &xv in chunks.remainder() {
-        tail = F::at(&row[i * width..]).mul_add(xv, tail);
-        i += 1;
-    }
-    hsum8(acc) + tail
 }
 
 /// `out[t * ldo + col0 + r]` for `r` in `rows`, every token `t`, for one weight format.
@@ -168,8 +191,11 @@ impl Rows<'_, '_> {
 impl FormatVisitor for Rows<'_, '_> {
     type Out = ();
     fn float<F: FloatFormat>(self) {
-        let acts = self.acts;
-        self.each(|row, t| dot_float::<F>(row, &acts.f32[t * acts.cols..(t + 1) * acts.cols]));
+        let (acts, w) = (self.acts, self.w);
+        debug_assert!(acts.forms.has_float(F::KIND));
+        self.each(|row, t| {
+            dot_float::<F>(row, acts, t, float_tiled::<F>(acts.phases[t], w.rows, w.cols))
+        });
     }
     fn quant<F: QuantFormat>(self) {
         let acts = self.acts;
@@ -195,11 +221,11 @@ pub fn qk_dot(q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32 {
     match kv {
         KvData::F16(v) => {
             let k = &v[off..off + q.len()];
-            super::ops::qk_dot_lanes(q, |i| k[i].to_f32(), phase)
+            ops::qk_dot_lanes(q, |i| k[i].to_f32(), phase)
         }
         KvData::F32(v) => {
             let k = &v[off..off + q.len()];
-            super::ops::qk_dot_lanes(q, |i| k[i], phase)
+            ops::qk_dot_lanes(q, |i| k[i], phase)
         }
     }
 }

@@ -301,6 +301,19 @@ impl Model {
     pub fn file_size(&self) -> usize {
         self.gguf.bytes().len()
     }
+
+    /// Bytes of weights one forward pass reads through matmuls (every layer's projections and
+    /// the output head; the embedding table is only indexed, unless it is the head too): what a
+    /// decode step streams from memory besides the KV.
+    pub fn matmul_bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .map(|w| w.size)
+            .sum();
+        layers + self.output.size
+    }
 }
 
 /// A stable identity for the model: FNV-1a over the hyperparameters, the tensor table and a

@@ -86,6 +86,8 @@ struct Scratch<B: Backend> {
     host_cos: Vec<f32>,
     host_sin: Vec<f32>,
     host_logits: Vec<f32>,
+    /// The phases of the rows `sel` gathered.
+    sel_phases: Vec<Phase>,
 }
 
 /// The forward pass of one model on backend `B`.
@@ -166,6 +168,7 @@ impl<B: Backend> Runtime<B> {
             host_cos: Vec::new(),
             host_sin: Vec::new(),
             host_logits: Vec::new(),
+            sel_phases: Vec::new(),
         };
         let c = &model.config;
         Ok(Self {
@@ -249,7 +252,7 @@ impl<B: Backend> Device for Runtime<B> {
 
         for (li, l) in self.layers.iter().enumerate() {
             be.rms_norm(&s.x, &l.attn_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, n, d, l.needs_qkv, &mut s.acts);
+            be.quantize(&s.xn, n, d, l.needs_qkv, batch.phases, &mut s.acts);
             be.matmul(
                 &s.acts,
                 &mut [
@@ -277,12 +280,12 @@ impl<B: Backend> Device for Runtime<B> {
             be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
             on_layer(li, &KvView::new(cache, &self.kv));
             be.attention(&self.kv, li, c.heads, &s.q, &queries, &mut s.attn);
-            be.quantize(&s.attn, n, qd, l.needs_o, &mut s.acts);
+            be.quantize(&s.attn, n, qd, l.needs_o, batch.phases, &mut s.acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &l.wo, out: &mut s.proj }]);
             be.add_assign(&mut s.x, &s.proj);
 
             be.rms_norm(&s.x, &l.ffn_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, n, d, l.needs_gate_up, &mut s.acts);
+            be.quantize(&s.xn, n, d, l.needs_gate_up, batch.phases, &mut s.acts);
             be.matmul(
                 &s.acts,
                 &mut [
@@ -291,7 +294,7 @@ impl<B: Backend> Device for Runtime<B> {
                 ],
             );
             be.swiglu(&s.gate, &s.up, &mut s.ffn);
-            be.quantize(&s.ffn, n, c.ffn, l.needs_down, &mut s.acts);
+            be.quantize(&s.ffn, n, c.ffn, l.needs_down, batch.phases, &mut s.acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &l.w_down, out: &mut s.proj }]);
             be.add_assign(&mut s.x, &s.proj);
         }
@@ -303,7 +306,9 @@ impl<B: Backend> Device for Runtime<B> {
             be.gather_rows(&s.x, batch.logit_tokens, d, &mut s.sel);
             be.resize(&mut s.xn, m * d);
             be.rms_norm(&s.sel, &self.output_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, m, d, self.needs_output, &mut s.acts);
+            s.sel_phases.clear();
+            s.sel_phases.extend(batch.logit_tokens.iter().map(|&t| batch.phases[t]));
+            be.quantize(&s.xn, m, d, self.needs_output, &s.sel_phases, &mut s.acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &self.output, out: &mut s.logits }]);
         }
         be.read(&s.logits, &mut s.host_logits)

@@ -4,8 +4,7 @@
 //! NEOX RoPE, tied), `synth-qwen3` (per-head Q/K norms, heads of 128 with hidden / heads = 64)
 //! and `synth-mistral` (arch llama, SentencePiece).
 //!
-//! The Q8_0 file of each family is required; the other quantized formats are compared when
-//! present and reported as skipped when not. The references are llama.cpp's logits for every
+//! Every format of every family is required (`just test-models` makes them). The references are llama.cpp's logits for every
 //! prompt position, computed in micro-batches of 4 (`scripts/arch_reference.py` says why that
 //! size), and for greedy tokens fed one at a time after it: prompt and generated tokens sum
 //! attention in different orders, and both are compared.
@@ -17,10 +16,20 @@ use std::sync::Arc;
 
 use pdmesh_engine::{Engine, EngineConfig, Logits, Model, StepItem};
 
-/// Formats compared when their files are present, after the required Q8_0. F16, BF16 and F32
-/// weights are left out: llama.cpp converts the activations to f16 for F16 weights, which
-/// pdmesh does not reproduce yet.
-const OPTIONAL_FORMATS: [&str; 7] = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K"];
+/// Every format `just test-models` makes of each family.
+const FORMATS: [&str; 11] =
+    ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_M", "Q5_K_M", "Q6_K", "F16", "BF16", "F32"];
+
+/// What the reference's llama.cpp build needs for pdmesh to match it bit for bit: pdmesh
+/// follows llama.cpp's AVX-512 kernels (its attention and float sums are 16 lanes wide) and,
+/// for BF16 weights, its `vdpbf16ps` kernels. llama.cpp built without them computes in other
+/// orders (its AVX2 build agrees with its AVX-512 build on only ~88% of SmolLM2 Q4_K_M's
+/// prompt argmaxes); against such a reference the test checks top-1 agreement instead.
+fn bit_target_needs(fmt: &str) -> &'static [&'static str] {
+    if fmt == "BF16" { &["AVX512 = 1", "AVX512_BF16 = 1"] } else { &["AVX512 = 1"] }
+}
+/// The share of rows whose argmax must agree with a reference from another llama.cpp build.
+const MIN_TOP1_AGREEMENT: f64 = 0.8;
 
 const HOW: &str = "run `just test-models` (the models by scripts/make_test_models.py, their \
      references by scripts/arch_reference.py)";
@@ -38,6 +47,8 @@ struct Reference {
     /// llama.cpp's greedy tokens after the prompt, and the logits after feeding each alone.
     greedy: Vec<u32>,
     decode: Vec<f32>,
+    /// `llama_print_system_info()` of the build that made it.
+    system_info: String,
 }
 
 fn floats(path: &Path) -> Vec<f32> {
@@ -55,6 +66,7 @@ fn reference(model: &Path) -> Reference {
     let stale = |what: &str| format!("{} is stale ({what}): {HOW}", json.display());
     assert_eq!(meta["model_size"].as_u64(), Some(size), "{}", stale("another model's"));
     assert!(meta["greedy"].is_array(), "{}", stale("no decode steps"));
+    assert!(meta["system_info"].is_string(), "{}", stale("no llama.cpp build info"));
     let ids = |key: &str| -> Vec<u32> {
         meta[key].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
     };
@@ -65,13 +77,20 @@ fn reference(model: &Path) -> Reference {
         logits: floats(&model.with_file_name(format!("{stem}.ubatch4.f32"))),
         greedy: ids("greedy"),
         decode: floats(&model.with_file_name(format!("{stem}.ubatch4.decode.f32"))),
+        system_info: meta["system_info"].as_str().unwrap().to_string(),
     }
 }
 
-/// Rows bit-identical to llama.cpp's, and rows compared: prompt positions, then decode steps.
+/// Rows bit-identical to llama.cpp's, and rows compared: prompt positions, then decode steps;
+/// and the largest difference of any logit.
 struct Matched {
     prompt: (usize, usize),
     decode: (usize, usize),
+    max_diff: f32,
+    /// Rows whose argmax agrees with the reference's.
+    top1: f64,
+    /// The feature the reference's llama.cpp build lacked for a bit-for-bit comparison.
+    lacks: Option<&'static str>,
 }
 
 fn compare(model: &Path) -> Matched {
@@ -101,7 +120,36 @@ fn compare(model: &Path) -> Matched {
             (0..rows).filter(|&i| bits(&a[i * n..(i + 1) * n]) == bits(&b[i * n..(i + 1) * n]));
         (eq.count(), rows)
     };
-    Matched { prompt: same(&whole, &r.logits), decode: same(&decoded, &r.decode) }
+    let argmax =
+        |row: &[f32]| row.iter().enumerate().fold(0, |b, (j, &v)| if v > row[b] { j } else { b });
+    let fmt = model.file_stem().unwrap().to_string_lossy();
+    let fmt = fmt.rsplit('-').next().unwrap();
+    let lacks = bit_target_needs(fmt).iter().copied().find(|need| !r.system_info.contains(need));
+    if lacks.is_none() {
+        // Greedy decoding: each step's argmax (lowest id on ties, as the sampler and the
+        // reference script break them) is the token llama.cpp generated next.
+        let steps = decoded.chunks_exact(n).take(r.greedy.len().saturating_sub(1));
+        for (i, row) in steps.enumerate() {
+            let want = r.greedy[i + 1];
+            assert_eq!(argmax(row) as u32, want, "{}: greedy token {}", model.display(), i + 1);
+        }
+    }
+    let ours = whole.chunks_exact(n).chain(decoded.chunks_exact(n));
+    let theirs = r.logits.chunks_exact(n).chain(r.decode.chunks_exact(n));
+    let agree = ours.clone().zip(theirs.clone()).filter(|(a, b)| argmax(a) == argmax(b)).count();
+    let max_diff = whole
+        .iter()
+        .zip(&r.logits)
+        .chain(decoded.iter().zip(&r.decode))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    Matched {
+        prompt: same(&whole, &r.logits),
+        decode: same(&decoded, &r.decode),
+        max_diff,
+        top1: agree as f64 / ours.count() as f64,
+        lacks,
+    }
 }
 
 /// Every prompt position's logits, the prompt computed in steps of `chunk` tokens, then the
@@ -134,28 +182,31 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 fn check_family(family: &str) {
-    check(family, &["Q8_0"], &OPTIONAL_FORMATS);
+    check(family, &FORMATS);
 }
 
-/// Compares the `required` formats of `family` (failing when absent) and the `optional` ones
-/// that are present.
-fn check(family: &str, required: &[&str], optional: &[&str]) {
+/// Compares the `formats` of `family`, failing when one is absent.
+fn check(family: &str, formats: &[&str]) {
     let dir = models_dir();
-    for fmt in required {
+    for fmt in formats {
         let path = dir.join(format!("{family}-{fmt}.gguf"));
         assert!(path.exists(), "{} is missing: {HOW}", path.display());
     }
     let mut failed = Vec::new();
-    for fmt in required.iter().chain(optional) {
+    for fmt in formats {
         let path = dir.join(format!("{family}-{fmt}.gguf"));
-        if !path.exists() {
-            eprintln!("SKIPPED: {} is absent", path.display());
-            continue;
-        }
-        let Matched { prompt: (p, pn), decode: (d, dn) } = compare(&path);
-        let line = format!("{fmt}: prompt {p}/{pn}, decode {d}/{dn}");
+        let Matched { prompt: (p, pn), decode: (d, dn), max_diff, top1, lacks } = compare(&path);
+        let line = format!("{fmt}: prompt {p}/{pn}, decode {d}/{dn}, max |diff| {max_diff:e}");
         eprintln!("{family}-{line} rows bit-identical to llama.cpp");
-        if p != pn || d != dn {
+        if let Some(need) = lacks {
+            eprintln!(
+                "{family}-{fmt}: the reference llama.cpp was built without {need:?}, whose \
+                 kernels pdmesh follows; top-1 agreement {top1:.3} checked instead of bits"
+            );
+            if top1 < MIN_TOP1_AGREEMENT {
+                failed.push(format!("{line}, top-1 agreement {top1:.3}"));
+            }
+        } else if p != pn || d != dn {
             failed.push(line);
         }
     }
@@ -166,7 +217,7 @@ fn check(family: &str, required: &[&str], optional: &[&str]) {
 /// are not a whole number of K-quant super-blocks).
 #[test]
 fn smollm2_matches_llama_cpp() {
-    check("smollm2", &["Q8_0", "Q4_K_M"], &OPTIONAL_FORMATS);
+    check_family("smollm2");
 }
 
 #[test]
@@ -189,8 +240,8 @@ fn mistral_matches_llama_cpp() {
     check_family("synth-mistral");
 }
 
-/// Llama 3.2 1B's shapes (16 layers, hidden 2048, tied embeddings) in Q4_K_M, when present.
+/// Llama 3.2 1B's shapes (16 layers, hidden 2048, tied embeddings) in Q4_K_M.
 #[test]
 fn llama3_1b_matches_llama_cpp() {
-    check("synth-llama3-1b", &[], &["Q4_K_M"]);
+    check("synth-llama3-1b", &["Q4_K_M"]);
 }

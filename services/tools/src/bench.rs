@@ -190,6 +190,12 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     }
     let peak = rss_bytes("VmHWM:").unwrap_or(0);
 
+    // Decode streams every weight once per step: its bytes per token against what this
+    // machine can read with the same threads.
+    let weight_bytes = engine.model().matmul_bytes();
+    let decode_gb_s = weight_bytes as f64 * decode_tok_s / 1e9;
+    let read_gb_s = read_bandwidth_gb_s(engine.config().threads, a.repeats.max(3));
+
     if a.json {
         let obj = serde_json::json!({
             "prefill_tok_s": prefill_tok_s,
@@ -202,6 +208,9 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
             "backend": engine.describe_backend(),
             "prompt_tokens": a.prompt_tokens,
             "decode_tokens": a.decode_tokens,
+            "decode_weight_bytes_per_token": weight_bytes,
+            "decode_gb_s": decode_gb_s,
+            "read_bandwidth_gb_s": read_gb_s,
         });
         println!("{obj}");
     } else {
@@ -218,6 +227,13 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
             println!("batched decode x{b:<3}{v:>9.1} tok/s  (aggregate)");
         }
         println!(
+            "decode bandwidth   {decode_gb_s:>9.2} GB/s of weights ({:.1} MB per token) = {:.0}% \
+             of the {read_gb_s:.2} GB/s this machine reads with {} threads",
+            weight_bytes as f64 / 1e6,
+            100.0 * decode_gb_s / read_gb_s,
+            engine.config().threads
+        );
+        println!(
             "memory             model file {:.1} MB, KV pool {:.1} MB, RSS after load {:.1} MB, peak RSS {:.1} MB",
             model_bytes as f64 / 1e6,
             kv_bytes as f64 / 1e6,
@@ -226,4 +242,39 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Memory read bandwidth with `threads` threads: each sums its share of a 1 GiB buffer (far
+/// beyond any cache); the median of `repeats` passes.
+fn read_bandwidth_gb_s(threads: usize, repeats: usize) -> f64 {
+    const BYTES: usize = 1 << 30;
+    let buf: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
+    let threads = threads.max(1);
+    let chunk = buf.len().div_ceil(threads);
+    let times: Vec<f64> = (0..repeats)
+        .map(|_| {
+            let t = Instant::now();
+            let total: u64 = std::thread::scope(|s| {
+                let handles: Vec<_> = buf
+                    .chunks(chunk)
+                    .map(|part| {
+                        s.spawn(move || {
+                            // Eight independent sums so the loads, not one add chain, set the pace.
+                            let mut acc = [0u64; 8];
+                            for c in part.chunks_exact(8) {
+                                for (a, &v) in acc.iter_mut().zip(c) {
+                                    *a = a.wrapping_add(v);
+                                }
+                            }
+                            acc.iter().fold(0u64, |x, &y| x.wrapping_add(y))
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap_or(0)).fold(0, u64::wrapping_add)
+            });
+            std::hint::black_box(total);
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    BYTES as f64 / median(times) / 1e9
 }
