@@ -83,7 +83,7 @@ fetch-test-models *args="": fetch-model _llamacpp
     {{bench_venv}}/bin/pip install --quiet --disable-pip-version-check gguf==0.19.0 sentencepiece==0.2.3
     {{bench_venv}}/bin/python scripts/make_test_models.py {{args}}
 
-# The test models the tests read (all but the 1B one), with their llama.cpp references.
+# The test models the tests read, with their llama.cpp references (~15 min cold, seconds warm).
 test-models: _llamacpp
     just fetch-test-models --only 'smollm2-*,synth-llama3-[QFB]*,synth-llama3-1b-Q4_K_M,synth-qwen2-*,synth-qwen3-*,synth-mistral-*'
     {{bench_venv}}/bin/python scripts/arch_reference.py $(ls models/test/smollm2-*.gguf models/test/synth-{llama3-[QFB],llama3-1b-,qwen2-,qwen3-,mistral-}*.gguf)
