@@ -1,6 +1,6 @@
 //! Quantized matmul throughput of every kernel set this CPU has, at decode- and prefill-sized
 //! batches, relative to the portable reference measured in the same run:
-//! `cargo run --release -p pdmesh-kernels --example matmul_speed [threads] [format]`.
+//! `cargo run --release -p pdmesh-kernels --example matmul_speed [threads] [format] [rows cols]`.
 
 use std::sync::Arc;
 
@@ -15,9 +15,12 @@ fn main() {
         Some(s) => s.parse().unwrap_or_else(|e| panic!("{e}")),
         None => WeightType::Q4_1,
     };
-    // An FFN-down sized matrix of SmolLM2 (1536 columns: a whole number of every block size).
-    let (rows, cols) = (576usize, 1536usize);
-    let rb = ty.row_bytes(cols).expect("1536 is a whole number of blocks");
+    // Default: an FFN-down sized matrix of SmolLM2 (1536 columns: a whole number of every block
+    // size); `rows cols` after the format measure another (a large one streams from memory).
+    let dim =
+        |i: usize, d: usize| std::env::args().nth(i).and_then(|s| s.parse().ok()).unwrap_or(d);
+    let (rows, cols) = (dim(3, 576), dim(4, 1536));
+    let rb = ty.row_bytes(cols).expect("columns must be a whole number of blocks");
     let mut data = vec![0u8; rows * rb];
     let mut x = 12345u32;
     for b in data.iter_mut() {
@@ -32,7 +35,8 @@ fn main() {
     println!(
         "{ty} {rows}x{cols}, {threads} thread(s): ns per 32 elements of dot (speed-up vs portable)"
     );
-    for tokens in [1usize, 4, 16, 64, 512] {
+    let sizes: &[usize] = if rows * cols > 1 << 26 { &[1, 16] } else { &[1, 4, 16, 64, 512] };
+    for &tokens in sizes {
         let xs: Vec<f32> =
             (0..tokens * cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
         let mut line = format!("T={tokens:<4}");
@@ -44,7 +48,10 @@ fn main() {
             let phases = vec![pdmesh_kernels::Phase::Prefill; tokens];
             be.quantize(&xs, tokens, cols, needs, &phases, &mut acts);
             let mut out = vec![0f32; tokens * rows];
-            let iters = (if simd == Simd::Portable { 2000 } else { 20000 } / tokens).max(5);
+            // About 2·10^8 block dots per measurement (a tenth for portable), at least 3 passes.
+            let dots = rows * tokens * cols / 32;
+            let budget = if simd == Simd::Portable { 20_000_000 } else { 200_000_000 };
+            let iters = (budget / dots).max(3);
             let t = Instant::now();
             for _ in 0..iters {
                 be.matmul(&acts, &mut [MatmulJob { weight: &w, out: &mut out }]);

@@ -108,6 +108,9 @@ pub trait QuantFormat: Format {
         sums: *const i16,
         ones: std::arch::x86_64::__m256i,
     ) -> std::arch::x86_64::__m256i;
+    /// Whether `dot_vnni` has VNNI code of its own. The K-quants reuse `dot`, which runs
+    /// faster compiled for AVX2 alone than inside the AVX-512 kernels.
+    const HAS_VNNI_DOT: bool = true;
     /// `lanes` with AVX512-VNNI where it helps (the same integers).
     ///
     /// # Safety
@@ -593,6 +596,7 @@ impl Format for Q6_K {
 /// VNNI would form the same exact integer sums, so it takes the AVX2 `dot`.
 macro_rules! k_block_is_its_own_unpacking {
     () => {
+        const HAS_VNNI_DOT: bool = false;
         #[cfg(target_arch = "x86_64")]
         type Unpacked = *const u8;
         #[cfg(target_arch = "x86_64")]
