@@ -94,6 +94,21 @@ test-models: _llamacpp
 arch-references *models="": _llamacpp
     {{bench_venv}}/bin/python scripts/arch_reference.py {{models}}
 
+# What pdmesh's one numerics costs across CPUs: llama.cpp built natively and with AVX-512 off,
+# and pdmesh, teacher-forced over Verne's novel: identical rows, top-1 agreement, max |logit
+# diff| and perplexity per pair (builds the second llama.cpp, ~15 min, once).
+fidelity-study *args="": fetch-model _llamacpp _llamacpp_avx2
+    cargo build --release --locked -q -p pdmesh-cli
+    {{bench_venv}}/bin/python scripts/fidelity_study.py {{args}}
+
+# The same llama-cpp-python built for AVX2/FMA/F16C without AVX-512, as on CPUs that lack it.
+_llamacpp_avx2:
+    @[ -x .bench/venv-avx2/bin/python ] && .bench/venv-avx2/bin/python -c "import llama_cpp" 2>/dev/null || { \
+        python3 -m venv .bench/venv-avx2 && \
+        CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF" \
+        CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        .bench/venv-avx2/bin/pip install --quiet --no-cache-dir llama-cpp-python==0.3.36 numpy; }
+
 # llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv.
 _llamacpp:
     @[ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null || { \

@@ -73,12 +73,30 @@ class Log:
 LOG = Log()
 
 
-def reference(path):
+def model_params():
+    """Loading as pdmesh's reference path needs it: CPU only, weight repacking off."""
     params = llama_cpp.llama_model_default_params()
     params.n_gpu_layers = 0
     params.use_extra_bufts = False
+    return params
+
+
+def context_params(n_ctx):
+    """A context that computes what pdmesh reproduces bit for bit: micro-batches of N_UBATCH,
+    flash attention off, f16 KV, THREADS threads."""
+    p = llama_cpp.llama_context_default_params()
+    p.n_ctx = p.n_batch = n_ctx
+    p.n_ubatch = N_UBATCH
+    p.n_seq_max = 1
+    p.n_threads = p.n_threads_batch = THREADS
+    p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    p.type_k = p.type_v = llama_cpp.GGML_TYPE_F16
+    return p
+
+
+def reference(path):
     LOG.lines.clear()
-    model = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+    model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params())
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}:\n{LOG.tail()}")
     if any("REPACK" in ln for ln in LOG.lines):
@@ -93,15 +111,7 @@ def reference(path):
             raise RuntimeError(f"llama_tokenize returned {n}")
         tokens = list(buf[:n])
 
-        p = llama_cpp.llama_context_default_params()
-        p.n_ctx = N_CTX
-        p.n_batch = N_CTX
-        p.n_ubatch = N_UBATCH
-        p.n_seq_max = 1
-        p.n_threads = p.n_threads_batch = THREADS
-        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        p.type_k = p.type_v = llama_cpp.GGML_TYPE_F16
-        ctx = llama_cpp.llama_init_from_model(model, p)
+        ctx = llama_cpp.llama_init_from_model(model, context_params(N_CTX))
         if not ctx:
             raise RuntimeError(f"llama_init_from_model failed:\n{LOG.tail()}")
         try:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The mesh against the engine alone, and disaggregation against colocation, in one run.
 
-1. Overhead: the same requests (512-token prompt, 64 output tokens, one at a time) on one
+1. Overhead: the same requests (--overhead-prompt-tokens, 512 by default; 64 output tokens, one at a time) on one
    in-process engine (`pdmesh bench --engine-alone`) and through a mesh of 1 prefill + 1 decode
    node (`pdmesh up`, `pdmesh bench`), with the same thread count per engine. Prints medians of
    TTFT and inter-token latency and the mesh/engine ratio and difference.
@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--threads", type=int, default=1, help="compute threads per engine in part 1")
     ap.add_argument("--requests", type=int, default=8, help="requests in part 1")
+    ap.add_argument("--overhead-prompt-tokens", type=int, default=512, help="prompt length in part 1")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--stream-tokens", type=int, default=128, help="tokens per stream request (restarted)")
     ap.add_argument("--prompts", type=int, default=6, help="long prompts arriving in part 2")
@@ -95,8 +96,9 @@ def main():
 
 
 def overhead(a, report):
-    print(f"1. overhead: 512-token prompts, 64 tokens out, {a.threads} thread(s) per engine", file=sys.stderr)
-    common = ["--requests", str(a.requests), "--concurrency", "1", "--prompt-tokens", "512", "--max-tokens", "64"]
+    n = a.overhead_prompt_tokens
+    print(f"1. overhead: {n}-token prompts, 64 tokens out, {a.threads} thread(s) per engine", file=sys.stderr)
+    common = ["--requests", str(a.requests), "--concurrency", "1", "--prompt-tokens", str(n), "--max-tokens", "64"]
     alone = bench(common + ["--engine-alone", "--model", a.model, "--threads", str(a.threads)])
     with Mesh(["--prefill", "1", "--decode", "1", "--threads", str(a.threads)], a.model) as m:
         bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"])  # warm-up
@@ -104,7 +106,7 @@ def overhead(a, report):
     report["overhead"] = {"engine_alone": alone, "mesh": mesh}
     ar, mr = alone["results"], mesh["results"]
     print("\n== overhead (medians) ==")
-    print(f"TTFT 512-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {mr['ttft_ms']['p50']:.1f} ms, "
+    print(f"TTFT {a.overhead_prompt_tokens}-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {mr['ttft_ms']['p50']:.1f} ms, "
           f"ratio {mr['ttft_ms']['p50'] / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
     print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {mr['itl_ms']['p50']:.2f} ms, "
           f"difference {mr['itl_ms']['p50'] - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
