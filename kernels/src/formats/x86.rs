@@ -1,0 +1,107 @@
+//! AVX2 building blocks the formats' x86 dot products share (loads, nibble unpacking, signed
+//! byte dots with and without VNNI, the K-quants' scale and min products).
+
+use std::arch::x86_64::*;
+
+pub type I = __m256i;
+
+#[inline(always)]
+pub unsafe fn load(p: *const i8) -> I {
+    // SAFETY: the caller guarantees 32 readable bytes.
+    unsafe { _mm256_loadu_si256(p.cast()) }
+}
+
+/// 16 nibble bytes at `p` as 32 bytes: low nibbles, then high nibbles.
+#[inline(always)]
+pub unsafe fn nibbles(p: *const u8) -> I {
+    // SAFETY: the caller guarantees 16 readable bytes at `p`.
+    unsafe {
+        let tmp = _mm_loadu_si128(p.cast());
+        let bytes = _mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp);
+        _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F))
+    }
+}
+
+/// 32 bits at `p` as 32 bytes, 0xFF where the bit is set.
+#[inline(always)]
+pub unsafe fn bytes_from_bits(p: *const u8) -> I {
+    // SAFETY: the caller guarantees 4 readable bytes at `p`.
+    unsafe {
+        let x = p.cast::<i32>().read_unaligned();
+        let shuf = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(x), shuf);
+        let mask = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe);
+        _mm256_cmpeq_epi8(_mm256_or_si256(bytes, mask), _mm256_set1_epi64x(-1))
+    }
+}
+
+/// Bit `bit` of each byte of `h`, moved to bit 4.
+#[inline(always)]
+pub unsafe fn bit_to_16(h: I, bit: i32, one: I) -> I {
+    // SAFETY: register-only AVX2 operations.
+    unsafe { _mm256_slli_epi16(_mm256_and_si256(srli16(h, bit), one), 4) }
+}
+
+/// Bits `bit..bit+2` of each byte of `h`, moved to bits 4..6 (the mask drops whatever a
+/// 16-bit shift carried in from the neighbouring byte).
+#[inline(always)]
+pub unsafe fn pair_to_high(h: I, bit: i32, m3: I) -> I {
+    // SAFETY: register-only AVX2 operations.
+    unsafe { _mm256_slli_epi16(_mm256_and_si256(srli16(h, bit), m3), 4) }
+}
+
+/// `_mm256_srli_epi16` by a run-time count.
+#[inline(always)]
+pub unsafe fn srli16(x: I, n: i32) -> I {
+    // SAFETY: register-only AVX2 operation.
+    unsafe { _mm256_srl_epi16(x, _mm_cvtsi32_si128(n)) }
+}
+
+#[inline(always)]
+pub unsafe fn dot_unsigned(w: I, a: I, ones: I) -> I {
+    // SAFETY: register-only AVX2 operations.
+    unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones) }
+}
+
+#[inline(always)]
+pub unsafe fn dot_signed(w: I, a: I, ones: I) -> I {
+    // maddubs needs an unsigned operand: move w's sign onto a.
+    // SAFETY: register-only AVX2 operations.
+    unsafe {
+        let aw = _mm256_sign_epi8(w, w);
+        let sa = _mm256_sign_epi8(a, w);
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones)
+    }
+}
+
+#[inline(always)]
+pub unsafe fn dot_unsigned_vnni(w: I, a: I) -> I {
+    // SAFETY: only inlined into kernels that enable AVX512-VNNI/VL.
+    unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, a) }
+}
+
+#[inline(always)]
+pub unsafe fn dot_signed_vnni(w: I, a: I) -> I {
+    // SAFETY: only inlined into kernels that enable AVX512-VNNI/VL.
+    unsafe {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+    }
+}
+
+/// Q4_K/Q5_K: `madd(mins, pair sums)` over the eight sub-blocks.
+#[inline(always)]
+pub unsafe fn k4_min_prod(p: *const u8, sums: *const i16) -> __m128i {
+    // SAFETY: `p` is a whole block (scales at 4..16) and `sums` sixteen i16.
+    unsafe {
+        let (_, mn) = super::k4_scales(std::slice::from_raw_parts(p.add(4), 12));
+        let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr().cast()));
+        let s16 = _mm256_loadu_si256(sums.cast());
+        let s32 = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+        _mm_madd_epi16(mins, s32)
+    }
+}
