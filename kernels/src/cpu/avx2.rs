@@ -192,19 +192,13 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
     // SAFETY: (whole body) tiles stay within `rows` and `0..n_tok`; AVX2 is enabled by the caller.
     unsafe {
         if n_tok < 4 {
-            // Decode-sized batches: more rows per tile for instruction-level parallelism.
-            let mut r = rows.start;
-            while r + 4 <= rows.end {
-                for t in 0..n_tok {
-                    tile::<F, VNNI, 4, 1>(w, r, acts, t, out, ldo, col0, t == 0);
-                }
-                r += 4;
-            }
-            while r < rows.end {
+            // Decode-sized batches stream the weights from memory once: one row at a time keeps
+            // that one sequential stream, which the prefetchers follow far better than 4-row
+            // tiles' four interleaved ones (1B Q4_K_M decode: 16 → 28-31 tok/s, 2 threads).
+            for r in rows {
                 for t in 0..n_tok {
                     tile::<F, VNNI, 1, 1>(w, r, acts, t, out, ldo, col0, t == 0);
                 }
-                r += 1;
             }
             return;
         }
