@@ -203,41 +203,51 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
             return;
         }
         // Token chunks keep the activations a tile streams resident in L1/L2. Within a chunk,
-        // tokens go in groups of 8 (2-row tiles), then 4 (3-row tiles), then singles.
+        // tokens go in groups of 8 (2-row tiles), then 4 (3-row tiles), then singles. Rows go
+        // in chunks that every group of the token chunk uses while they are still in L1/L2,
+        // so a weight streams from memory once per token chunk, not once per group.
         const TOK_CHUNK: usize = 64;
+        const ROW_CHUNK: usize = 24;
         let mut tc = 0;
         while tc < n_tok {
             let te = (tc + TOK_CHUNK).min(n_tok);
-            let mut t = tc;
-            while t + 8 <= te {
-                rows_pass::<F, VNNI, 2, 8>(w, rows.clone(), acts, t, out, ldo, col0);
-                t += 8;
-            }
-            while t + 4 <= te {
-                rows_pass::<F, VNNI, 3, 4>(w, rows.clone(), acts, t, out, ldo, col0);
-                t += 4;
-            }
-            while t < te {
-                rows_pass::<F, VNNI, 4, 1>(w, rows.clone(), acts, t, out, ldo, col0);
-                t += 1;
+            let mut rc = rows.start;
+            while rc < rows.end {
+                let chunk = rc..(rc + ROW_CHUNK).min(rows.end);
+                let mut t = tc;
+                while t + 8 <= te {
+                    rows_pass::<F, VNNI, 2, 8>(w, chunk.clone(), acts, t, t == tc, out, ldo, col0);
+                    t += 8;
+                }
+                while t + 4 <= te {
+                    rows_pass::<F, VNNI, 3, 4>(w, chunk.clone(), acts, t, t == tc, out, ldo, col0);
+                    t += 4;
+                }
+                while t < te {
+                    rows_pass::<F, VNNI, 4, 1>(w, chunk.clone(), acts, t, t == tc, out, ldo, col0);
+                    t += 1;
+                }
+                rc = chunk.end;
             }
             tc = te;
         }
     }
 }
 
-/// One group of `T` tokens against every row of `rows`, `R` rows at a time.
+/// One group of `T` tokens against every row of `rows`, `R` rows at a time; `pf`: prefetch
+/// the rows ahead (the first group to read these rows).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn rows_pass<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>(
     w: &WeightMatrix<'_>,
     rows: std::ops::Range<usize>,
     acts: &Activations,
     t: usize,
+    pf: bool,
     out: &SharedMut<f32>,
     ldo: usize,
     col0: usize,
 ) {
-    let pf = t == 0;
     let mut r = rows.start;
     // SAFETY: tiles stay within `rows` and the token group; AVX2 is enabled by the caller.
     unsafe {
