@@ -487,23 +487,7 @@ unsafe fn lanes16x4(
         let hi = _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7]));
         hsum8(_mm256_add_ps(hi, lo))
     };
-    let np = n & !63;
-    match tail {
-        Tail::F64 => {
-            let mut sum = f64::from(head);
-            for i in np..n {
-                sum += f64::from(w1(i) * x1(i));
-            }
-            sum as f32
-        }
-        Tail::F32 => {
-            let mut sum = head;
-            for i in np..n {
-                sum += w1(i) * x1(i);
-            }
-            sum
-        }
-    }
+    tail.add(f64::from(head), (n & !63)..n, w1, x1)
 }
 
 /// One `dpbf16` step (see `ops`) for 32 bf16 weights at `w` and activations at `x` into the
@@ -564,12 +548,9 @@ unsafe fn dot_float<F: FloatFormat>(row: &[u8], acts: &Activations, t: usize, ti
                     dpbf16(&mut lo, &mut hi, w.add(i), xp.add(i));
                     dpbf16(&mut lo2, &mut hi2, w.add(i + 32), xp.add(i + 32));
                 }
-                let mut sum = f64::from(hsum8(_mm256_add_ps(hi, lo)));
-                sum += f64::from(hsum8(_mm256_add_ps(hi2, lo2)));
-                for (i, &xi) in x.iter().enumerate().skip(np) {
-                    sum += f64::from(w1(i) * bf16::from_bits(xi).to_f32());
-                }
-                sum as f32
+                let head = f64::from(hsum8(_mm256_add_ps(hi, lo)))
+                    + f64::from(hsum8(_mm256_add_ps(hi2, lo2)));
+                Tail::F64.add(head, np..n, w1, |i| bf16::from_bits(x[i]).to_f32())
             }
         }
     }

@@ -49,6 +49,37 @@ pub enum Tail {
     F32,
 }
 
+impl Tail {
+    /// `head` plus `w(i)·x(i)` for `i` in `range`, one element at a time in this precision
+    /// (`head` is an f32 value for `F32`; `ggml_float` sums hand theirs over unrounded).
+    #[inline(always)]
+    pub fn add(
+        self,
+        head: f64,
+        range: std::ops::Range<usize>,
+        w: impl Fn(usize) -> f32,
+        x: impl Fn(usize) -> f32,
+    ) -> f32 {
+        match self {
+            Tail::F64 => {
+                let mut sum = head;
+                for i in range {
+                    sum += f64::from(w(i) * x(i));
+                }
+                sum as f32
+            }
+            Tail::F32 => {
+                let mut sum = head as f32;
+                for i in range {
+                    // Not contracted into an FMA, like the rest of ggml's scalar code.
+                    sum += w(i) * x(i);
+                }
+                sum
+            }
+        }
+    }
+}
+
 /// `Σ w(i)·x(i)` as llama.cpp's batched tinyBLAS kernel on AVX-512 sums it (F32 and F16
 /// weights): one FMA accumulator per lane `i % 16`, then `reduce16`.
 #[inline(always)]
@@ -81,24 +112,7 @@ pub fn lanes16x4(n: usize, w: impl Fn(usize) -> f32, x: impl Fn(usize) -> f32, t
     for t in 0..16 {
         u[t] = (s[0][t] + s[2][t]) + (s[1][t] + s[3][t]);
     }
-    let head = reduce16(&u);
-    match tail {
-        Tail::F64 => {
-            let mut sum = f64::from(head);
-            for i in np..n {
-                sum += f64::from(w(i) * x(i));
-            }
-            sum as f32
-        }
-        Tail::F32 => {
-            let mut sum = head;
-            for i in np..n {
-                // Not contracted into an FMA, like the rest of ggml's scalar code.
-                sum += w(i) * x(i);
-            }
-            sum
-        }
-    }
+    tail.add(f64::from(reduce16(&u)), np..n, w, x)
 }
 
 /// One `_mm512_dpbf16_ps` over the 32 elements at `base`: lane `t` adds the product of
@@ -135,12 +149,7 @@ pub fn bf16_lanes16x2(n: usize, w: impl Fn(usize) -> f32, x: impl Fn(usize) -> f
         dpbf16(&mut c1, i, &w, &x);
         dpbf16(&mut c2, i + 32, &w, &x);
     }
-    let mut sum = f64::from(reduce16(&c1));
-    sum += f64::from(reduce16(&c2));
-    for i in np..n {
-        sum += f64::from(w(i) * x(i));
-    }
-    sum as f32
+    Tail::F64.add(f64::from(reduce16(&c1)) + f64::from(reduce16(&c2)), np..n, w, x)
 }
 
 /// llama.cpp's vectorised `expf` (its AVX-512 `ggml_v_expf`): a range reduction by `ln 2`, a
