@@ -407,6 +407,7 @@ impl Activations {
 /// Quantizes one super-block of 256 values: llama.cpp's `quantize_row_q8_K_ref`, which every
 /// CPU build of it uses (scale from the signed value of largest magnitude, first one wins).
 /// Writes the quants and the sixteen 16-element sums; returns the scale.
+#[inline(always)]
 pub fn quantize_block_k(x: &[f32], qs: &mut [i8], sums: &mut [i16]) -> f32 {
     let (mut amax, mut max) = (0.0f32, 0.0f32);
     for &v in x {

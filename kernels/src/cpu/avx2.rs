@@ -130,7 +130,7 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
                     let dd = _mm256_mul_ps(wd[r], da);
                     acc[r][t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[r][t]);
                     if k_min {
-                        let prod = F::min_prod(row0.add(r * rb), sums);
+                        let prod = F::min_prod(&wv[r], sums);
                         let dmin = -(dat * wm[r]);
                         if matches!(F::MIN, MinTerm::SuperQuad) {
                             acc_m[r][t] =
@@ -402,6 +402,23 @@ pub unsafe fn quantize_rows(
             }
         }
     }
+}
+
+/// `portable::quantize_rows_k`, the same code compiled with AVX2 enabled: its rounding then
+/// inlines as `vroundss` instead of a libm call per element, and its loops vectorize.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_rows_k(
+    x: &[f32],
+    cols: usize,
+    kqs: &SharedMut<i8>,
+    kd: &SharedMut<f32>,
+    ksums: &SharedMut<i16>,
+    rows: std::ops::Range<usize>,
+) {
+    portable::quantize_rows_k(x, cols, kqs, kd, ksums, rows)
 }
 
 /// Eight KV elements as f32.

@@ -358,7 +358,18 @@ impl Backend for CpuBackend {
             let qs = SharedMut::new(&mut out.kqs);
             let d = SharedMut::new(&mut out.kd);
             let sums = SharedMut::new(&mut out.ksums);
-            self.rows_par(rows, cols, |r| portable::quantize_rows_k(x, cols, &qs, &d, &sums, r));
+            self.rows_par(rows, cols, |r| match self.simd {
+                Simd::Portable => portable::quantize_rows_k(x, cols, &qs, &d, &sums, r),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: AVX2 verified at construction; buffers sized by `resize` above.
+                Simd::Avx2 | Simd::Avx512Vnni => unsafe {
+                    avx2::quantize_rows_k(x, cols, &qs, &d, &sums, r)
+                },
+                #[cfg(not(target_arch = "x86_64"))]
+                Simd::Avx2 | Simd::Avx512Vnni => {
+                    unreachable!("x86 kernels are never selected off x86-64")
+                }
+            });
         }
     }
 

@@ -47,8 +47,9 @@ pub fn quantize_rows(
 }
 
 /// Quantizes rows `rows` of `x` (`n_rows × cols`) into Q8K super-blocks. Every SIMD level
-/// runs this same code: it is cheap next to the matmuls and its rounding must match llama.cpp's
-/// reference quantizer, which every CPU build of llama.cpp runs too.
+/// runs this same code (AVX2 compiles it with its features on): its rounding must match
+/// llama.cpp's reference quantizer, which every CPU build of llama.cpp runs too.
+#[inline(always)]
 pub fn quantize_rows_k(
     x: &[f32],
     cols: usize,

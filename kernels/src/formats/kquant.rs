@@ -137,38 +137,40 @@ impl Format for Q6_K {
     }
 }
 
-/// The K-quant kernels read their super-block in place: the AVX2 tile keeps a pointer, and
-/// VNNI would form the same exact integer sums, so it takes the AVX2 `dot`.
-macro_rules! k_block_is_its_own_unpacking {
+/// The K-quants' dot products form the same exact integers with or without VNNI, and run
+/// faster compiled for AVX2 alone than inside the AVX-512 kernels, so they have no VNNI code.
+macro_rules! k_dot_is_avx2 {
     () => {
         const HAS_VNNI_DOT: bool = false;
         #[cfg(target_arch = "x86_64")]
-        type Unpacked = *const u8;
-        #[cfg(target_arch = "x86_64")]
         #[inline(always)]
-        unsafe fn unpack(p: *const u8) -> *const u8 {
-            p
-        }
-        #[cfg(target_arch = "x86_64")]
-        #[inline(always)]
-        unsafe fn dot_vnni(p: &*const u8, a: *const i8, sums: *const i16) -> x86::I {
+        unsafe fn dot_vnni(w: &Self::Unpacked, a: *const i8, sums: *const i16) -> x86::I {
             // SAFETY: the caller's contract.
-            unsafe { Self::dot(p, a, sums, std::arch::x86_64::_mm256_set1_epi16(1)) }
+            unsafe { Self::dot(w, a, sums, std::arch::x86_64::_mm256_set1_epi16(1)) }
         }
     };
 }
 
-/// Q4_K and Q5_K share the packed 6-bit mins and so their min term.
-macro_rules! k4_mins {
+/// Q4_K and Q5_K share the packed 6-bit scales and mins, unpacked once per block and tile,
+/// and so their min term.
+macro_rules! k4_scales_and_mins {
     () => {
         fn min_lanes(b: &[u8], sums: &[i16]) -> [i32; 4] {
             k4_min_lanes(b, sums)
         }
         #[cfg(target_arch = "x86_64")]
+        type Unpacked = x86::K4Block;
+        #[cfg(target_arch = "x86_64")]
         #[inline(always)]
-        unsafe fn min_prod(p: *const u8, sums: *const i16) -> std::arch::x86_64::__m128i {
+        unsafe fn unpack(p: *const u8) -> x86::K4Block {
             // SAFETY: the caller's contract.
-            unsafe { x86::k4_min_prod(p, sums) }
+            unsafe { x86::k4_block(p) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn min_prod(w: &x86::K4Block, sums: *const i16) -> std::arch::x86_64::__m128i {
+            // SAFETY: the caller's contract.
+            unsafe { x86::k4_min_prod(w, sums) }
         }
     };
 }
@@ -182,35 +184,33 @@ impl QuantFormat for Q4_K {
             i32::from(if sub.is_multiple_of(2) { q & 0xF } else { q >> 4 })
         })
     }
-    k_block_is_its_own_unpacking!();
+    k_dot_is_avx2!();
+    k4_scales_and_mins!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot(p: &*const u8, a: *const i8, _sums: *const i16, _ones: x86::I) -> x86::I {
+    unsafe fn dot(w: &x86::K4Block, a: *const i8, _sums: *const i16, _ones: x86::I) -> x86::I {
         use std::arch::x86_64::*;
-        // SAFETY: `p` is a whole Q4_K block and `a` 256 quants (the caller's contract).
+        // SAFETY: `w.p` is a whole Q4_K block and `a` 256 quants (the caller's contract).
         unsafe {
-            let p = *p;
-            let (sc, _) = k4_scales(std::slice::from_raw_parts(p.add(4), 12));
             let m4 = _mm256_set1_epi8(0xF);
-            let mut sumi = _mm256_setzero_si256();
+            let mut sumi = [_mm256_setzero_si256(); 2];
             for j in 0..4 {
-                let bits = x86::load(p.add(16 + 32 * j).cast());
+                let bits = x86::load(w.p.add(16 + 32 * j).cast());
                 let lo = _mm256_and_si256(bits, m4);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
                 let pl = _mm256_madd_epi16(
-                    _mm256_set1_epi16(i16::from(sc[2 * j])),
+                    x86::bcast16(w.scales, 2 * j),
                     _mm256_maddubs_epi16(lo, x86::load(a.add(64 * j))),
                 );
                 let ph = _mm256_madd_epi16(
-                    _mm256_set1_epi16(i16::from(sc[2 * j + 1])),
+                    x86::bcast16(w.scales, 2 * j + 1),
                     _mm256_maddubs_epi16(hi, x86::load(a.add(64 * j + 32))),
                 );
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(pl, ph));
+                sumi[j % 2] = _mm256_add_epi32(sumi[j % 2], _mm256_add_epi32(pl, ph));
             }
-            sumi
+            _mm256_add_epi32(sumi[0], sumi[1])
         }
     }
-    k4_mins!();
 }
 
 impl QuantFormat for Q5_K {
@@ -219,15 +219,15 @@ impl QuantFormat for Q5_K {
     fn lanes(b: &[u8], a: &[i8], _sums: &[i16]) -> [i32; 8] {
         k4_lanes(b, a, |sub, e| i32::from(q5k_value(b, sub, e)))
     }
-    k_block_is_its_own_unpacking!();
+    k_dot_is_avx2!();
+    k4_scales_and_mins!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot(p: &*const u8, a: *const i8, _sums: *const i16, _ones: x86::I) -> x86::I {
+    unsafe fn dot(w: &x86::K4Block, a: *const i8, _sums: *const i16, _ones: x86::I) -> x86::I {
         use std::arch::x86_64::*;
-        // SAFETY: `p` is a whole Q5_K block and `a` 256 quants (the caller's contract).
+        // SAFETY: `w.p` is a whole Q5_K block and `a` 256 quants (the caller's contract).
         unsafe {
-            let p = *p;
-            let (sc, _) = k4_scales(std::slice::from_raw_parts(p.add(4), 12));
+            let p = w.p;
             let m4 = _mm256_set1_epi8(0xF);
             let one = _mm256_set1_epi8(1);
             let hbits = x86::load(p.add(16).cast());
@@ -241,11 +241,11 @@ impl QuantFormat for Q5_K {
                 let q0 = _mm256_add_epi8(_mm256_and_si256(bits, m4), h0);
                 let q1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h1);
                 let p0 = _mm256_madd_epi16(
-                    _mm256_set1_epi16(i16::from(sc[2 * j])),
+                    x86::bcast16(w.scales, 2 * j),
                     _mm256_maddubs_epi16(q0, x86::load(a.add(64 * j))),
                 );
                 let p1 = _mm256_madd_epi16(
-                    _mm256_set1_epi16(i16::from(sc[2 * j + 1])),
+                    x86::bcast16(w.scales, 2 * j + 1),
                     _mm256_maddubs_epi16(q1, x86::load(a.add(64 * j + 32))),
                 );
                 sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
@@ -253,7 +253,6 @@ impl QuantFormat for Q5_K {
             sumi
         }
     }
-    k4_mins!();
 }
 
 impl QuantFormat for Q6_K {
@@ -280,7 +279,15 @@ impl QuantFormat for Q6_K {
         }
         lanes
     }
-    k_block_is_its_own_unpacking!();
+    k_dot_is_avx2!();
+    // Q6_K's sixteen i8 scales load as they are: the block is its own unpacking.
+    #[cfg(target_arch = "x86_64")]
+    type Unpacked = *const u8;
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn unpack(p: *const u8) -> *const u8 {
+        p
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn dot(p: &*const u8, a: *const i8, sums: *const i16, _ones: x86::I) -> x86::I {
@@ -291,8 +298,12 @@ impl QuantFormat for Q6_K {
             let m4 = _mm256_set1_epi8(0xF);
             let m3 = _mm256_set1_epi8(3);
             let sc = p.add(192).cast::<i8>();
-            let mut sumi = _mm256_setzero_si256();
+            let mut sumi = [_mm256_setzero_si256(); 2];
             for half in 0..2 {
+                // Scales 8h..8h+8 as i16 in both 128-bit halves: chunk c = 4h+k takes
+                // scale 2c in its low half and 2c+1 in its high half.
+                let sc16 = _mm_cvtepi8_epi16(_mm_loadl_epi64(sc.add(8 * half).cast()));
+                let sc16 = _mm256_broadcastsi128_si256(sc16);
                 let ql1 = x86::load(p.add(64 * half).cast());
                 let ql2 = x86::load(p.add(64 * half + 32).cast());
                 let qh = x86::load(p.add(128 + 32 * half).cast());
@@ -311,13 +322,15 @@ impl QuantFormat for Q6_K {
                 for (k, q) in q.into_iter().enumerate() {
                     let c = 4 * half + k;
                     let p16 = _mm256_maddubs_epi16(q, x86::load(a.add(32 * c)));
-                    let scale = _mm256_set_m128i(
-                        _mm_set1_epi16(i16::from(*sc.add(2 * c + 1))),
-                        _mm_set1_epi16(i16::from(*sc.add(2 * c))),
+                    let ctl = _mm256_set_m128i(
+                        _mm_set1_epi16((((4 * k + 3) << 8) | (4 * k + 2)) as i16),
+                        _mm_set1_epi16((((4 * k + 1) << 8) | (4 * k)) as i16),
                     );
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scale, p16));
+                    let scale = _mm256_shuffle_epi8(sc16, ctl);
+                    sumi[k % 2] = _mm256_add_epi32(sumi[k % 2], _mm256_madd_epi16(scale, p16));
                 }
             }
+            let sumi = _mm256_add_epi32(sumi[0], sumi[1]);
             let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.cast()));
             let offset = _mm256_madd_epi16(_mm256_loadu_si256(sums.cast()), scales16);
             _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5))

@@ -132,9 +132,9 @@ pub trait QuantFormat: Format {
     /// `min_lanes` with SSE (K-quants with mins only).
     ///
     /// # Safety
-    /// `p` points at a whole block, `sums` at sixteen i16; AVX2 is enabled in the caller.
+    /// `w` is an unpacked block, `sums` points at sixteen i16; AVX2 is enabled in the caller.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn min_prod(_p: *const u8, _sums: *const i16) -> std::arch::x86_64::__m128i {
+    unsafe fn min_prod(_w: &Self::Unpacked, _sums: *const i16) -> std::arch::x86_64::__m128i {
         // SAFETY: SSE2 is baseline on x86-64.
         unsafe { std::arch::x86_64::_mm_setzero_si128() }
     }

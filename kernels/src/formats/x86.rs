@@ -93,15 +93,56 @@ pub unsafe fn dot_signed_vnni(w: I, a: I) -> I {
     }
 }
 
+/// A Q4_K/Q5_K block as the tile kernel keeps it between tokens: the block, and its 6-bit
+/// scales and mins unpacked once into i16 (the scales in both 128-bit halves, for `vpshufb`).
+#[derive(Debug, Clone, Copy)]
+pub struct K4Block {
+    pub p: *const u8,
+    pub scales: I,
+    pub mins: __m128i,
+}
+
+/// Unpacks a Q4_K/Q5_K block's 12 bytes of scales and mins (at `p + 4`) with eight-byte
+/// integer steps: llama.cpp's `get_scale_min_k4` for all eight sub-blocks at once.
+#[inline(always)]
+pub unsafe fn k4_block(p: *const u8) -> K4Block {
+    const M6: u64 = 0x3f3f_3f3f;
+    const M4: u64 = 0x0f0f_0f0f;
+    // Bits 6..7 of each byte, moved to bits 4..5 of the same byte by a 2-bit shift of the
+    // word (what the neighbouring byte shifts in lands in bits 6..7 and is masked off).
+    const TOP: u64 = 0x3030_3030;
+    // SAFETY: `p` is a whole block (the caller's contract): bytes 4..16 are readable.
+    unsafe {
+        let a = p.add(4).cast::<u64>().read_unaligned();
+        let c = u64::from(p.add(12).cast::<u32>().read_unaligned());
+        let (lo, hi) = (a & 0xffff_ffff, a >> 32);
+        let sc = (lo & M6) | (((c & M4) | ((lo >> 2) & TOP)) << 32);
+        let mn = (hi & M6) | ((((c >> 4) & M4) | ((hi >> 2) & TOP)) << 32);
+        let sc = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(sc as i64));
+        K4Block {
+            p,
+            scales: _mm256_broadcastsi128_si256(sc),
+            mins: _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mn as i64)),
+        }
+    }
+}
+
+/// i16 element `k` (0..8) of each 128-bit half of `v`, in every i16 lane of that half (`k`
+/// is a constant once the callers' loops unroll, and so is the shuffle control).
+#[inline(always)]
+pub unsafe fn bcast16(v: I, k: usize) -> I {
+    let k = k as i16;
+    // SAFETY: register-only AVX2 operation.
+    unsafe { _mm256_shuffle_epi8(v, _mm256_set1_epi16(((2 * k + 1) << 8) | (2 * k))) }
+}
+
 /// Q4_K/Q5_K: `madd(mins, pair sums)` over the eight sub-blocks.
 #[inline(always)]
-pub unsafe fn k4_min_prod(p: *const u8, sums: *const i16) -> __m128i {
-    // SAFETY: `p` is a whole block (scales at 4..16) and `sums` sixteen i16.
+pub unsafe fn k4_min_prod(w: &K4Block, sums: *const i16) -> __m128i {
+    // SAFETY: `sums` points at sixteen i16 (the caller's contract).
     unsafe {
-        let (_, mn) = super::k4_scales(std::slice::from_raw_parts(p.add(4), 12));
-        let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr().cast()));
         let s16 = _mm256_loadu_si256(sums.cast());
         let s32 = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
-        _mm_madd_epi16(mins, s32)
+        _mm_madd_epi16(w.mins, s32)
     }
 }
