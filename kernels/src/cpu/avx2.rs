@@ -113,6 +113,21 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
                     wm[r] = f16_to_f32(blk.add(F::MIN_AT));
                 }
             }
+            // Chunked formats form every (row, token) lane sum of the block first, unpacking
+            // each 32-weight chunk and its scales once for all the tile's tokens.
+            let mut ksumi = [[_mm256_setzero_si256(); T]; R];
+            if F::CHUNKED {
+                for c in 0..be / 32 {
+                    for r in 0..R {
+                        let (q, sc) = F::chunk(&wv[r], c);
+                        for t in 0..T {
+                            let a = aq.add((t0 + t) * acts.cols + b * be + 32 * c);
+                            let p = _mm256_madd_epi16(sc, _mm256_maddubs_epi16(q, load_i(a)));
+                            ksumi[r][t] = _mm256_add_epi32(ksumi[r][t], p);
+                        }
+                    }
+                }
+            }
             for t in 0..T {
                 let a = aq.add((t0 + t) * acts.cols + b * be);
                 let dat = *ad.add((t0 + t) * nb + b);
@@ -122,7 +137,9 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
                     ActForm::Q8K => ks.add(((t0 + t) * nb + b) * (QK_K / 16)),
                 };
                 for r in 0..R {
-                    let sumi = if VNNI {
+                    let sumi = if F::CHUNKED {
+                        _mm256_sub_epi32(ksumi[r][t], F::chunk_offset(&wv[r], sums))
+                    } else if VNNI {
                         F::dot_vnni(&wv[r], a, sums)
                     } else {
                         F::dot(&wv[r], a, sums, ones)
@@ -169,6 +186,13 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
     }
 }
 
+/// 32 quants at `a`.
+#[inline(always)]
+unsafe fn load_i(a: *const i8) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes.
+    unsafe { _mm256_loadu_si256(a.cast()) }
+}
+
 /// The sum of four i32 lanes (exact: the order is immaterial).
 #[inline(always)]
 unsafe fn hsum_i32_4(x: __m128i) -> i32 {
@@ -195,9 +219,16 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
             // Decode-sized batches stream the weights from memory once: one row at a time keeps
             // that one sequential stream, which the prefetchers follow far better than 4-row
             // tiles' four interleaved ones (1B Q4_K_M decode: 16 → 28-31 tok/s, 2 threads).
+            // Chunked formats take the row's tokens together, unpacking each chunk once.
             for r in rows {
-                for t in 0..n_tok {
-                    tile::<F, VNNI, 1, 1>(w, r, acts, t, out, ldo, col0, t == 0);
+                match n_tok {
+                    2 if F::CHUNKED => tile::<F, VNNI, 1, 2>(w, r, acts, 0, out, ldo, col0, true),
+                    3 if F::CHUNKED => tile::<F, VNNI, 1, 3>(w, r, acts, 0, out, ldo, col0, true),
+                    _ => {
+                        for t in 0..n_tok {
+                            tile::<F, VNNI, 1, 1>(w, r, acts, t, out, ldo, col0, t == 0);
+                        }
+                    }
                 }
             }
             return;
@@ -207,6 +238,11 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
         // in chunks that every group of the token chunk uses while they are still in L1/L2,
         // so a weight streams from memory once per token chunk, not once per group.
         const TOK_CHUNK: usize = 64;
+        // Chunked formats keep a (row, token) lane sum per tile element in registers through
+        // the block: one row per tile leaves room for them (1B Q4_K_M prefill +12%).
+        const KR8: usize = 1;
+        const KR4: usize = 1;
+        const KR1: usize = 2;
         const ROW_CHUNK: usize = 24;
         let mut tc = 0;
         while tc < n_tok {
@@ -216,15 +252,81 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
                 let chunk = rc..(rc + ROW_CHUNK).min(rows.end);
                 let mut t = tc;
                 while t + 8 <= te {
-                    rows_pass::<F, VNNI, 2, 8>(w, chunk.clone(), acts, t, t == tc, out, ldo, col0);
+                    if F::CHUNKED {
+                        rows_pass::<F, VNNI, KR8, 8>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            t == tc,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                    } else {
+                        rows_pass::<F, VNNI, 2, 8>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            t == tc,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                    }
                     t += 8;
                 }
                 while t + 4 <= te {
-                    rows_pass::<F, VNNI, 3, 4>(w, chunk.clone(), acts, t, t == tc, out, ldo, col0);
+                    if F::CHUNKED {
+                        rows_pass::<F, VNNI, KR4, 4>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            t == tc,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                    } else {
+                        rows_pass::<F, VNNI, 3, 4>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            t == tc,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                    }
                     t += 4;
                 }
                 while t < te {
-                    rows_pass::<F, VNNI, 4, 1>(w, chunk.clone(), acts, t, t == tc, out, ldo, col0);
+                    if F::CHUNKED {
+                        rows_pass::<F, VNNI, KR1, 1>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            t == tc,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                    } else {
+                        rows_pass::<F, VNNI, 4, 1>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            t == tc,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                    }
                     t += 1;
                 }
                 rc = chunk.end;

@@ -137,11 +137,19 @@ impl Format for Q6_K {
     }
 }
 
-/// The K-quants' dot products form the same exact integers with or without VNNI, and run
-/// faster compiled for AVX2 alone than inside the AVX-512 kernels, so they have no VNNI code.
+/// The K-quants' dot products go chunk by chunk (`QuantFormat::CHUNKED`); they form the same
+/// exact integers with or without VNNI, and run faster compiled for AVX2 alone than inside the
+/// AVX-512 kernels, so they have no VNNI code.
 macro_rules! k_dot_is_avx2 {
     () => {
         const HAS_VNNI_DOT: bool = false;
+        const CHUNKED: bool = true;
+        #[cfg(target_arch = "x86_64")]
+        #[inline(always)]
+        unsafe fn dot(w: &Self::Unpacked, a: *const i8, sums: *const i16, _: x86::I) -> x86::I {
+            // SAFETY: the caller's contract.
+            unsafe { x86::chunked_dot::<Self>(w, a, sums) }
+        }
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
         unsafe fn dot_vnni(w: &Self::Unpacked, a: *const i8, sums: *const i16) -> x86::I {
@@ -188,27 +196,13 @@ impl QuantFormat for Q4_K {
     k4_scales_and_mins!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot(w: &x86::K4Block, a: *const i8, _sums: *const i16, _ones: x86::I) -> x86::I {
+    unsafe fn chunk(w: &x86::K4Block, c: usize) -> (x86::I, x86::I) {
         use std::arch::x86_64::*;
-        // SAFETY: `w.p` is a whole Q4_K block and `a` 256 quants (the caller's contract).
+        // SAFETY: `w.p` is a whole Q4_K block (the caller's contract).
         unsafe {
-            let m4 = _mm256_set1_epi8(0xF);
-            let mut sumi = [_mm256_setzero_si256(); 2];
-            for j in 0..4 {
-                let bits = x86::load(w.p.add(16 + 32 * j).cast());
-                let lo = _mm256_and_si256(bits, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                let pl = _mm256_madd_epi16(
-                    x86::bcast16(w.scales, 2 * j),
-                    _mm256_maddubs_epi16(lo, x86::load(a.add(64 * j))),
-                );
-                let ph = _mm256_madd_epi16(
-                    x86::bcast16(w.scales, 2 * j + 1),
-                    _mm256_maddubs_epi16(hi, x86::load(a.add(64 * j + 32))),
-                );
-                sumi[j % 2] = _mm256_add_epi32(sumi[j % 2], _mm256_add_epi32(pl, ph));
-            }
-            _mm256_add_epi32(sumi[0], sumi[1])
+            let bits = x86::load(w.p.add(16 + 32 * (c / 2)).cast());
+            let bits = if c.is_multiple_of(2) { bits } else { _mm256_srli_epi16(bits, 4) };
+            (_mm256_and_si256(bits, _mm256_set1_epi8(0xF)), x86::bcast16(w.scales, c))
         }
     }
 }
@@ -223,34 +217,18 @@ impl QuantFormat for Q5_K {
     k4_scales_and_mins!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot(w: &x86::K4Block, a: *const i8, _sums: *const i16, _ones: x86::I) -> x86::I {
+    unsafe fn chunk(w: &x86::K4Block, c: usize) -> (x86::I, x86::I) {
         use std::arch::x86_64::*;
-        // SAFETY: `w.p` is a whole Q5_K block and `a` 256 quants (the caller's contract).
+        // SAFETY: `w.p` is a whole Q5_K block (the caller's contract).
         unsafe {
-            let p = w.p;
-            let m4 = _mm256_set1_epi8(0xF);
-            let one = _mm256_set1_epi8(1);
-            let hbits = x86::load(p.add(16).cast());
-            let mut sumi = _mm256_setzero_si256();
-            for j in 0..4 {
-                let bits = x86::load(p.add(48 + 32 * j).cast());
-                // Bit `sub` of each qh byte, moved to bit 4 (16-bit shifts never carry a set
-                // bit across bytes: only bit 0 of each byte survives the mask).
-                let h0 = x86::bit_to_16(hbits, 2 * j as i32, one);
-                let h1 = x86::bit_to_16(hbits, 2 * j as i32 + 1, one);
-                let q0 = _mm256_add_epi8(_mm256_and_si256(bits, m4), h0);
-                let q1 = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), h1);
-                let p0 = _mm256_madd_epi16(
-                    x86::bcast16(w.scales, 2 * j),
-                    _mm256_maddubs_epi16(q0, x86::load(a.add(64 * j))),
-                );
-                let p1 = _mm256_madd_epi16(
-                    x86::bcast16(w.scales, 2 * j + 1),
-                    _mm256_maddubs_epi16(q1, x86::load(a.add(64 * j + 32))),
-                );
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p0, p1));
-            }
-            sumi
+            let bits = x86::load(w.p.add(48 + 32 * (c / 2)).cast());
+            let bits = if c.is_multiple_of(2) { bits } else { _mm256_srli_epi16(bits, 4) };
+            let low = _mm256_and_si256(bits, _mm256_set1_epi8(0xF));
+            // Bit `c` of each qh byte, moved to bit 4 (16-bit shifts never carry a set bit
+            // across bytes: only bit 0 of each byte survives the mask).
+            let hbits = x86::load(w.p.add(16).cast());
+            let high = x86::bit_to_16(hbits, c as i32, _mm256_set1_epi8(1));
+            (_mm256_add_epi8(low, high), x86::bcast16(w.scales, c))
         }
     }
 }
@@ -290,50 +268,37 @@ impl QuantFormat for Q6_K {
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn dot(p: &*const u8, a: *const i8, sums: *const i16, _ones: x86::I) -> x86::I {
+    unsafe fn chunk(p: &*const u8, c: usize) -> (x86::I, x86::I) {
         use std::arch::x86_64::*;
-        // SAFETY: `p` is a whole Q6_K block and `a` 256 quants (the caller's contract).
+        // SAFETY: `p` is a whole Q6_K block (the caller's contract).
         unsafe {
-            let p = *p;
-            let m4 = _mm256_set1_epi8(0xF);
-            let m3 = _mm256_set1_epi8(3);
-            let sc = p.add(192).cast::<i8>();
-            let mut sumi = [_mm256_setzero_si256(); 2];
-            for half in 0..2 {
-                // Scales 8h..8h+8 as i16 in both 128-bit halves: chunk c = 4h+k takes
-                // scale 2c in its low half and 2c+1 in its high half.
-                let sc16 = _mm_cvtepi8_epi16(_mm_loadl_epi64(sc.add(8 * half).cast()));
-                let sc16 = _mm256_broadcastsi128_si256(sc16);
-                let ql1 = x86::load(p.add(64 * half).cast());
-                let ql2 = x86::load(p.add(64 * half + 32).cast());
-                let qh = x86::load(p.add(128 + 32 * half).cast());
-                let q = [
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), x86::pair_to_high(qh, 0, m3)),
-                    _mm256_or_si256(_mm256_and_si256(ql2, m4), x86::pair_to_high(qh, 2, m3)),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        x86::pair_to_high(qh, 4, m3),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql2, 4), m4),
-                        x86::pair_to_high(qh, 6, m3),
-                    ),
-                ];
-                for (k, q) in q.into_iter().enumerate() {
-                    let c = 4 * half + k;
-                    let p16 = _mm256_maddubs_epi16(q, x86::load(a.add(32 * c)));
-                    let ctl = _mm256_set_m128i(
-                        _mm_set1_epi16((((4 * k + 3) << 8) | (4 * k + 2)) as i16),
-                        _mm_set1_epi16((((4 * k + 1) << 8) | (4 * k)) as i16),
-                    );
-                    let scale = _mm256_shuffle_epi8(sc16, ctl);
-                    sumi[k % 2] = _mm256_add_epi32(sumi[k % 2], _mm256_madd_epi16(scale, p16));
-                }
-            }
-            let sumi = _mm256_add_epi32(sumi[0], sumi[1]);
-            let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(sc.cast()));
+            let (p, half, k) = (*p, c / 4, c % 4);
+            let ql = x86::load(p.add(64 * half + 32 * (k % 2)).cast());
+            let ql = if k < 2 { ql } else { _mm256_srli_epi16(ql, 4) };
+            let qh = x86::load(p.add(128 + 32 * half).cast());
+            let q = _mm256_or_si256(
+                _mm256_and_si256(ql, _mm256_set1_epi8(0xF)),
+                x86::pair_to_high(qh, 2 * k as i32, _mm256_set1_epi8(3)),
+            );
+            // Scales 8h..8h+8 as i16 in both 128-bit halves; the chunk's first 16 weights
+            // take scale 2c (low half), its last 16 scale 2c+1 (high half).
+            let sc = _mm_cvtepi8_epi16(_mm_loadl_epi64(p.add(192 + 8 * half).cast()));
+            let ctl = _mm256_set_m128i(
+                _mm_set1_epi16((((4 * k + 3) << 8) | (4 * k + 2)) as i16),
+                _mm_set1_epi16((((4 * k + 1) << 8) | (4 * k)) as i16),
+            );
+            (q, _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(sc), ctl))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn chunk_offset(p: &*const u8, sums: *const i16) -> x86::I {
+        use std::arch::x86_64::*;
+        // SAFETY: `p` is a whole Q6_K block and `sums` sixteen i16 (the caller's contract).
+        unsafe {
+            let scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192).cast()));
             let offset = _mm256_madd_epi16(_mm256_loadu_si256(sums.cast()), scales16);
-            _mm256_sub_epi32(sumi, _mm256_slli_epi32(offset, 5))
+            _mm256_slli_epi32(offset, 5)
         }
     }
 }

@@ -129,6 +129,29 @@ pub trait QuantFormat: Format {
         a: *const i8,
         sums: *const i16,
     ) -> std::arch::x86_64::__m256i;
+    /// Whether the tile kernel walks this format's blocks in 32-weight chunks (`chunk`), each
+    /// unpacked once and dotted with every token of the tile, instead of calling `dot` per
+    /// token: the K-quants, whose unpacking and scales cost as much as their products.
+    const CHUNKED: bool = false;
+    /// Chunk `c` (0..BLOCK_ELEMS/32) of an unpacked block: its weights as unsigned bytes and
+    /// the i16 scale of each `maddubs` lane. `lanes` is the sum over chunks of
+    /// `madd(scale, maddubs(weights, quants))`, minus `chunk_offset`.
+    ///
+    /// # Safety
+    /// As `dot`; only called when `CHUNKED`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn chunk(_w: &Self::Unpacked, _c: usize) -> (x86::I, x86::I) {
+        unreachable!("only chunked formats are walked by chunk")
+    }
+    /// What comes off the chunk sums of a chunked format (Q6_K's −32 offset), per lane.
+    ///
+    /// # Safety
+    /// As `dot`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn chunk_offset(_w: &Self::Unpacked, _sums: *const i16) -> x86::I {
+        // SAFETY: AVX is enabled in the (inlining) caller.
+        unsafe { std::arch::x86_64::_mm256_setzero_si256() }
+    }
     /// `min_lanes` with SSE (K-quants with mins only).
     ///
     /// # Safety
