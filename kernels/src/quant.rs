@@ -346,6 +346,9 @@ pub struct Activations {
     pub kd: Vec<f32>,
     /// Q8K: `rows × cols/16` sums of each 16 quants (the K-quants' mins and Q6_K's offset).
     pub ksums: Vec<i16>,
+    /// Q8K: `rows × cols/32` sums of each 32 quants (pairs of `ksums`), which the Q4_K/Q5_K
+    /// min term multiplies by the eight sub-block mins.
+    pub kpairs: Vec<i16>,
     /// F16 weights: `rows × cols` values rounded to f16 (ties to even), held as f32.
     pub h: Vec<f32>,
     /// BF16 weights: `rows × cols` values rounded to bf16 (ties to even), as bf16 bits.
@@ -396,10 +399,12 @@ impl Activations {
             self.kqs.resize(rows * cols, 0);
             self.kd.resize(rows * cols / QK_K, 0.0);
             self.ksums.resize(rows * cols / 16, 0);
+            self.kpairs.resize(rows * cols / 32, 0);
         } else {
             self.kqs.clear();
             self.kd.clear();
             self.ksums.clear();
+            self.kpairs.clear();
         }
     }
 }

@@ -86,6 +86,7 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
     };
     let as_ = acts.s.as_ptr();
     let ks = acts.ksums.as_ptr();
+    let kp = acts.kpairs.as_ptr();
     let k_min = matches!(F::MIN, MinTerm::SuperQuad | MinTerm::SuperScalar);
     // SAFETY: (whole body) every pointer offset below stays inside `w.data` (rows r0..r0+R,
     // blocks 0..nb of `rb` bytes each) or inside the activation buffers (tokens t0..t0+T,
@@ -102,6 +103,7 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
             let mut wv = [F::unpack(row0); R];
             let mut wd = [_mm256_setzero_ps(); R];
             let mut wm = [0f32; R];
+            let mut wmn = [_mm_setzero_ps(); R];
             for r in 0..R {
                 let blk = row0.add(r * rb);
                 if prefetch {
@@ -121,6 +123,7 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
                 wd[r] = _mm256_set1_ps(f16_to_f32(blk.add(F::SCALE_AT)));
                 if !matches!(F::MIN, MinTerm::None) {
                     wm[r] = f16_to_f32(blk.add(F::MIN_AT));
+                    wmn[r] = _mm_set1_ps(-wm[r]);
                 }
             }
             // Chunked formats form every (row, token) lane sum of the block first, unpacking
@@ -157,11 +160,13 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
                     let dd = _mm256_mul_ps(wd[r], da);
                     acc[r][t] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sumi), acc[r][t]);
                     if k_min {
-                        let prod = F::min_prod(&wv[r], sums);
+                        let pairs = kp.add(((t0 + t) * nb + b) * (QK_K / 32));
+                        let prod = F::min_prod(&wv[r], pairs);
                         let dmin = -(dat * wm[r]);
                         if matches!(F::MIN, MinTerm::SuperQuad) {
-                            acc_m[r][t] =
-                                _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[r][t]);
+                            // -(dat·m) = (-m)·dat exactly: one vector multiply, no broadcast.
+                            let dmin = _mm_mul_ps(wmn[r], _mm256_castps256_ps128(da));
+                            acc_m[r][t] = _mm_fmadd_ps(dmin, _mm_cvtepi32_ps(prod), acc_m[r][t]);
                         } else {
                             summs[r][t] = dmin.mul_add(hsum_i32_4(prod) as f32, summs[r][t]);
                         }
@@ -528,9 +533,10 @@ pub unsafe fn quantize_rows_k(
     kqs: &SharedMut<i8>,
     kd: &SharedMut<f32>,
     ksums: &SharedMut<i16>,
+    kpairs: &SharedMut<i16>,
     rows: std::ops::Range<usize>,
 ) {
-    portable::quantize_rows_k(x, cols, kqs, kd, ksums, rows)
+    portable::quantize_rows_k(x, cols, kqs, kd, ksums, kpairs, rows)
 }
 
 /// Eight KV elements as f32.

@@ -358,12 +358,13 @@ impl Backend for CpuBackend {
             let qs = SharedMut::new(&mut out.kqs);
             let d = SharedMut::new(&mut out.kd);
             let sums = SharedMut::new(&mut out.ksums);
+            let pairs = SharedMut::new(&mut out.kpairs);
             self.rows_par(rows, cols, |r| match self.simd {
-                Simd::Portable => portable::quantize_rows_k(x, cols, &qs, &d, &sums, r),
+                Simd::Portable => portable::quantize_rows_k(x, cols, &qs, &d, &sums, &pairs, r),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: AVX2 verified at construction; buffers sized by `resize` above.
                 Simd::Avx2 | Simd::Avx512Vnni => unsafe {
-                    avx2::quantize_rows_k(x, cols, &qs, &d, &sums, r)
+                    avx2::quantize_rows_k(x, cols, &qs, &d, &sums, &pairs, r)
                 },
                 #[cfg(not(target_arch = "x86_64"))]
                 Simd::Avx2 | Simd::Avx512Vnni => {

@@ -56,6 +56,7 @@ pub fn quantize_rows_k(
     kqs: &SharedMut<i8>,
     kd: &SharedMut<f32>,
     ksums: &SharedMut<i16>,
+    kpairs: &SharedMut<i16>,
     rows: std::ops::Range<usize>,
 ) {
     let nb = cols / QK_K;
@@ -71,8 +72,16 @@ pub fn quantize_rows_k(
                     ksums.slice(s..s + QK_K / 16),
                 )
             };
-            // SAFETY: as above.
-            unsafe { kd.write(t * nb + b, d) };
+            // SAFETY: as above (the pair sums are this block's own eight).
+            unsafe {
+                kd.write(t * nb + b, d);
+                let sums = ksums.slice(s..s + QK_K / 16);
+                for (p, two) in
+                    kpairs.slice(s / 2..s / 2 + QK_K / 32).iter_mut().zip(sums.chunks_exact(2))
+                {
+                    *p = two[0] + two[1];
+                }
+            }
         }
     }
 }

@@ -176,9 +176,9 @@ macro_rules! k4_scales_and_mins {
         }
         #[cfg(target_arch = "x86_64")]
         #[inline(always)]
-        unsafe fn min_prod(w: &x86::K4Block, sums: *const i16) -> std::arch::x86_64::__m128i {
+        unsafe fn min_prod(w: &x86::K4Block, pairs: *const i16) -> std::arch::x86_64::__m128i {
             // SAFETY: the caller's contract.
-            unsafe { x86::k4_min_prod(w, sums) }
+            unsafe { x86::k4_min_prod(w, pairs) }
         }
     };
 }

@@ -152,12 +152,13 @@ pub trait QuantFormat: Format {
         // SAFETY: AVX is enabled in the (inlining) caller.
         unsafe { std::arch::x86_64::_mm256_setzero_si256() }
     }
-    /// `min_lanes` with SSE (K-quants with mins only).
+    /// `min_lanes` with SSE (K-quants with mins only), from the activations' eight 32-element
+    /// sums (`Activations::kpairs`).
     ///
     /// # Safety
-    /// `w` is an unpacked block, `sums` points at sixteen i16; AVX2 is enabled in the caller.
+    /// `w` is an unpacked block, `pairs` points at eight i16; AVX2 is enabled in the caller.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn min_prod(_w: &Self::Unpacked, _sums: *const i16) -> std::arch::x86_64::__m128i {
+    unsafe fn min_prod(_w: &Self::Unpacked, _pairs: *const i16) -> std::arch::x86_64::__m128i {
         // SAFETY: SSE2 is baseline on x86-64.
         unsafe { std::arch::x86_64::_mm_setzero_si128() }
     }

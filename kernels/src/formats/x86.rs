@@ -138,13 +138,9 @@ pub unsafe fn bcast16(v: I, k: usize) -> I {
 
 /// Q4_K/Q5_K: `madd(mins, pair sums)` over the eight sub-blocks.
 #[inline(always)]
-pub unsafe fn k4_min_prod(w: &K4Block, sums: *const i16) -> __m128i {
-    // SAFETY: `sums` points at sixteen i16 (the caller's contract).
-    unsafe {
-        let s16 = _mm256_loadu_si256(sums.cast());
-        let s32 = _mm_hadd_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
-        _mm_madd_epi16(w.mins, s32)
-    }
+pub unsafe fn k4_min_prod(w: &K4Block, pairs: *const i16) -> __m128i {
+    // SAFETY: `pairs` points at eight i16 (the caller's contract).
+    unsafe { _mm_madd_epi16(w.mins, _mm_loadu_si128(pairs.cast())) }
 }
 
 /// A chunked format's `dot`: the sum over its chunks, less its offset.
