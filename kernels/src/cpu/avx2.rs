@@ -108,13 +108,11 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
                 let blk = row0.add(r * rb);
                 if prefetch {
                     // Weights stream from memory once per step: fetch rows ahead while computing.
-                    // Each line whose start falls in the block ahead: every line once, for
-                    // blocks smaller and larger than a line alike.
-                    let ahead = blk as usize + PREFETCH_BYTES;
-                    let mut line = (ahead + 63) & !63;
-                    while line < ahead + F::BLOCK_BYTES {
-                        _mm_prefetch::<_MM_HINT_T0>(line as *const i8);
-                        line += 64;
+                    // A fixed count per block (no branch to mispredict): lines a block's hints
+                    // miss at its end are the next block's first.
+                    let ahead = blk.wrapping_add(PREFETCH_BYTES);
+                    for line in 0..F::BLOCK_BYTES.div_ceil(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
                     }
                 }
                 if r > 0 {
