@@ -156,21 +156,20 @@ impl QuantFormat for Q4_0 {
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn unpack(p: *const u8) -> x86::I {
-        use std::arch::x86_64::*;
         // SAFETY: a Q4_0 block has 16 quant bytes at offset 2.
-        unsafe { _mm256_sub_epi8(x86::nibbles(p.add(2)), _mm256_set1_epi8(8)) }
+        unsafe { x86::nibbles(p.add(2)) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn dot(w: &x86::I, a: *const i8, _: *const i16, ones: x86::I) -> x86::I {
         // SAFETY: the caller's contract.
-        unsafe { x86::dot_signed(*w, x86::load(a), ones) }
+        unsafe { x86::dot_offset(*w, x86::load(a), 8, ones) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn dot_vnni(w: &x86::I, a: *const i8, _: *const i16) -> x86::I {
         // SAFETY: the caller's contract.
-        unsafe { x86::dot_signed_vnni(*w, x86::load(a)) }
+        unsafe { x86::dot_offset_vnni(*w, x86::load(a), 8) }
     }
 }
 
@@ -215,10 +214,10 @@ impl QuantFormat for Q5_0 {
     #[inline(always)]
     unsafe fn unpack(p: *const u8) -> x86::I {
         use std::arch::x86_64::*;
-        // SAFETY: a Q5_0 block has its high bits at offset 2 and 16 nibble bytes at 6. A clear
-        // high bit makes the byte `nibble | 0xF0`, i.e. `nibble - 16` as i8.
+        // SAFETY: a Q5_0 block has its high bits at offset 2 and 16 nibble bytes at 6; the
+        // unsigned 5-bit values, 16 above the weights.
         unsafe {
-            let hi = _mm256_andnot_si256(x86::bytes_from_bits(p.add(2)), _mm256_set1_epi8(-16));
+            let hi = _mm256_and_si256(x86::bytes_from_bits(p.add(2)), _mm256_set1_epi8(0x10));
             _mm256_or_si256(x86::nibbles(p.add(6)), hi)
         }
     }
@@ -226,13 +225,13 @@ impl QuantFormat for Q5_0 {
     #[inline(always)]
     unsafe fn dot(w: &x86::I, a: *const i8, _: *const i16, ones: x86::I) -> x86::I {
         // SAFETY: the caller's contract.
-        unsafe { x86::dot_signed(*w, x86::load(a), ones) }
+        unsafe { x86::dot_offset(*w, x86::load(a), 16, ones) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn dot_vnni(w: &x86::I, a: *const i8, _: *const i16) -> x86::I {
         // SAFETY: the caller's contract.
-        unsafe { x86::dot_signed_vnni(*w, x86::load(a)) }
+        unsafe { x86::dot_offset_vnni(*w, x86::load(a), 16) }
     }
 }
 

@@ -93,6 +93,27 @@ pub unsafe fn dot_signed_vnni(w: I, a: I) -> I {
     }
 }
 
+/// `Σ (w − off)·a` per lane for unsigned `w` (Q4_0, Q5_0 without their offset), as a signed
+/// dot: AVX2 has registers for nothing more per tile.
+#[inline(always)]
+pub unsafe fn dot_offset(w: I, a: I, off: i8, ones: I) -> I {
+    // SAFETY: register-only AVX2 operations.
+    unsafe { dot_signed(_mm256_sub_epi8(w, _mm256_set1_epi8(off)), a, ones) }
+}
+
+/// `dot_offset` with VNNI: the row's products accumulate onto `−off·Σa`, which depends only
+/// on the activations, so the compiler forms it once per token for all of a tile's rows
+/// (AVX-512 leaves the registers for it).
+#[inline(always)]
+pub unsafe fn dot_offset_vnni(w: I, a: I, off: i8) -> I {
+    // SAFETY: only inlined into kernels that enable AVX512-VNNI/VL.
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        let oa = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(off), a);
+        _mm256_dpbusd_epi32(_mm256_sub_epi32(zero, oa), w, a)
+    }
+}
+
 /// A Q4_K/Q5_K block as the tile kernel keeps it between tokens: the block, and its 6-bit
 /// scales and mins unpacked once into i16 (the scales in both 128-bit halves, for `vpshufb`).
 #[derive(Debug, Clone, Copy)]
