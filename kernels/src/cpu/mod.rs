@@ -6,6 +6,8 @@ pub mod avx2;
 pub(crate) mod ops;
 pub mod portable;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use half::slice::HalfFloatSliceExt;
 
 use crate::backend::{Backend, KvError, MatmulJob, RopeMode};
@@ -192,6 +194,8 @@ const PARALLEL_MIN_ELEMS: usize = 1 << 15;
 
 /// Rows of a matmul handed out together (matches the widest row tile).
 const MATMUL_UNIT: usize = 4;
+/// Units a thread claims at once from a matmul's shared row space (64 rows).
+const MATMUL_GRAIN: usize = 16;
 
 /// Why a CPU backend cannot be built.
 #[derive(Debug, thiserror::Error)]
@@ -396,11 +400,15 @@ impl Backend for CpuBackend {
         let outs: Vec<(WeightMatrix<'_>, SharedMut<f32>)> =
             jobs.iter_mut().map(|j| (j.weight.matrix(), SharedMut::new(j.out))).collect();
         // Rows of all jobs form one index space, cut into units and split evenly over threads.
+        // Each thread claims its share a grain at a time, front to back (one weight stream),
+        // then helps with what is left of the others': a thread slowed by a neighbour on the
+        // machine no longer holds the whole region up.
         let units: Vec<usize> = outs.iter().map(|(w, _)| w.rows.div_ceil(MATMUL_UNIT)).collect();
         let total: usize = units.iter().sum();
         let threads = self.pool.threads().min(total);
-        let work = |tid: usize| {
-            let mine = split(total, threads, tid);
+        let next: Vec<AtomicUsize> =
+            (0..threads).map(|t| AtomicUsize::new(split(total, threads, t).start)).collect();
+        let run_units = |mine: std::ops::Range<usize>| {
             let mut base = 0;
             for ((w, out), &n) in outs.iter().zip(&units) {
                 let lo = mine.start.max(base);
@@ -410,6 +418,20 @@ impl Backend for CpuBackend {
                     self.matmul_rows(w, x, rows, out);
                 }
                 base += n;
+            }
+        };
+        let work = |tid: usize| {
+            for k in 0..threads {
+                let v = (tid + k) % threads;
+                let end = split(total, threads, v).end;
+                loop {
+                    // Relaxed: the claims only need to be unique; `pool.run` orders the writes.
+                    let lo = next[v].fetch_add(MATMUL_GRAIN, Ordering::Relaxed);
+                    if lo >= end {
+                        break;
+                    }
+                    run_units(lo..(lo + MATMUL_GRAIN).min(end));
+                }
             }
         };
         if threads <= 1 {
