@@ -128,6 +128,11 @@ impl Isa for Avx2Isa {
         // SAFETY: as above.
         unsafe { avx2::round_f16_slice(x) }
     }
+    #[inline(always)]
+    fn exp16(self, chunk: &mut [f32], max: f32, valid: usize) -> f32 {
+        // SAFETY: as above.
+        unsafe { avx2::exp16(chunk, max, valid) }
+    }
 }
 
 /// The generic ops compiled with AVX2 enabled, so the compiler vectorises them for it.

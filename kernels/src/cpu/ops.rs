@@ -19,6 +19,18 @@ pub(crate) trait Isa: Copy + Send + Sync {
     fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]);
     /// Rounds each value to the nearest f16 (ties to even) and back.
     fn round_f16(self, x: &mut [f32]);
+    /// Softmax's step over one 16-lane chunk: `v = exp(v - max)` for the first `valid` lanes
+    /// (the rest are left as they are, zero), returning the chunk's `reduce16` with the
+    /// lanes past `valid` counted as zero.
+    #[inline(always)]
+    fn exp16(self, chunk: &mut [f32], max: f32, valid: usize) -> f32 {
+        let mut e = [0f32; 16];
+        for (t, v) in chunk[..valid].iter_mut().enumerate() {
+            *v = exp(*v - max);
+            e[t] = *v;
+        }
+        reduce16(&e)
+    }
 }
 
 /// Horizontal sum of 16 lanes in the order GCC expands `_mm512_reduce_add_ps`:
@@ -319,14 +331,7 @@ pub(crate) fn attend<I: Isa>(
         // (they are masked with -inf in llama.cpp, whose exp gives +0).
         let mut sum = 0f64;
         for (c, chunk) in p.chunks_exact_mut(16).enumerate() {
-            let mut e = [0f32; 16];
-            for (t, v) in chunk.iter_mut().enumerate() {
-                if c * 16 + t < n {
-                    *v = exp(*v - max);
-                    e[t] = *v;
-                }
-            }
-            sum += f64::from(reduce16(&e));
+            sum += f64::from(isa.exp16(chunk, max, (n - 16 * c).min(16)));
         }
         let inv = (1.0 / sum) as f32;
         for v in &mut p[..n] {
