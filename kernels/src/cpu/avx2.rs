@@ -259,15 +259,10 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
             return;
         }
         // Token chunks keep the activations a tile streams resident in L1/L2. Within a chunk,
-        // tokens go in groups of 8 (2-row tiles), then 4 (3-row tiles), then singles. Rows go
-        // in chunks that every group of the token chunk uses while they are still in L1/L2,
-        // so a weight streams from memory once per token chunk, not once per group.
+        // tokens go in groups of 8, then 4, then singles. Rows go in chunks that every group
+        // of the token chunk uses while they are still in L1/L2, so a weight streams from
+        // memory once per token chunk, not once per group.
         const TOK_CHUNK: usize = 64;
-        // Chunked formats keep a (row, token) lane sum per tile element in registers through
-        // the block: one row per tile leaves room for them (1B Q4_K_M prefill +12%).
-        const KR8: usize = 1;
-        const KR4: usize = 1;
-        const KR1: usize = 2;
         const ROW_CHUNK: usize = 24;
         let mut tc = 0;
         while tc < n_tok {
@@ -277,81 +272,42 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
                 let chunk = rc..(rc + ROW_CHUNK).min(rows.end);
                 let mut t = tc;
                 while t + 8 <= te {
-                    if F::CHUNKED {
-                        rows_pass::<F, VNNI, KR8, 8>(
-                            w,
-                            chunk.clone(),
-                            acts,
-                            t,
-                            t == tc,
-                            out,
-                            ldo,
-                            col0,
-                        );
-                    } else {
-                        rows_pass::<F, VNNI, 2, 8>(
-                            w,
-                            chunk.clone(),
-                            acts,
-                            t,
-                            t == tc,
-                            out,
-                            ldo,
-                            col0,
-                        );
-                    }
+                    rows_pass::<F, VNNI, 2, 1, 8>(
+                        w,
+                        chunk.clone(),
+                        acts,
+                        t,
+                        t == tc,
+                        out,
+                        ldo,
+                        col0,
+                    );
                     t += 8;
                 }
                 while t + 4 <= te {
-                    if F::CHUNKED {
-                        rows_pass::<F, VNNI, KR4, 4>(
-                            w,
-                            chunk.clone(),
-                            acts,
-                            t,
-                            t == tc,
-                            out,
-                            ldo,
-                            col0,
-                        );
-                    } else {
-                        rows_pass::<F, VNNI, 3, 4>(
-                            w,
-                            chunk.clone(),
-                            acts,
-                            t,
-                            t == tc,
-                            out,
-                            ldo,
-                            col0,
-                        );
-                    }
+                    rows_pass::<F, VNNI, 3, 1, 4>(
+                        w,
+                        chunk.clone(),
+                        acts,
+                        t,
+                        t == tc,
+                        out,
+                        ldo,
+                        col0,
+                    );
                     t += 4;
                 }
                 while t < te {
-                    if F::CHUNKED {
-                        rows_pass::<F, VNNI, KR1, 1>(
-                            w,
-                            chunk.clone(),
-                            acts,
-                            t,
-                            t == tc,
-                            out,
-                            ldo,
-                            col0,
-                        );
-                    } else {
-                        rows_pass::<F, VNNI, 4, 1>(
-                            w,
-                            chunk.clone(),
-                            acts,
-                            t,
-                            t == tc,
-                            out,
-                            ldo,
-                            col0,
-                        );
-                    }
+                    rows_pass::<F, VNNI, 4, 2, 1>(
+                        w,
+                        chunk.clone(),
+                        acts,
+                        t,
+                        t == tc,
+                        out,
+                        ldo,
+                        col0,
+                    );
                     t += 1;
                 }
                 rc = chunk.end;
@@ -361,11 +317,19 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
     }
 }
 
-/// One group of `T` tokens against every row of `rows`, `R` rows at a time; `pf`: prefetch
-/// the rows ahead (the first group to read these rows).
+/// One group of `T` tokens against every row of `rows`, `R` rows at a time (`RK` for chunked
+/// formats, which keep a lane sum per tile element in registers through the block: one row
+/// per tile leaves room for them, 1B Q4_K_M prefill +12%); `pf`: prefetch the rows ahead (the
+/// first group to read these rows).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn rows_pass<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>(
+unsafe fn rows_pass<
+    F: QuantFormat,
+    const VNNI: bool,
+    const R: usize,
+    const RK: usize,
+    const T: usize,
+>(
     w: &WeightMatrix<'_>,
     rows: std::ops::Range<usize>,
     acts: &Activations,
@@ -378,9 +342,14 @@ unsafe fn rows_pass<F: QuantFormat, const VNNI: bool, const R: usize, const T: u
     let mut r = rows.start;
     // SAFETY: tiles stay within `rows` and the token group; AVX2 is enabled by the caller.
     unsafe {
-        while r + R <= rows.end {
-            tile::<F, VNNI, R, T>(w, r, acts, t, out, ldo, col0, pf);
-            r += R;
+        let step = if F::CHUNKED { RK } else { R };
+        while r + step <= rows.end {
+            if F::CHUNKED {
+                tile::<F, VNNI, RK, T>(w, r, acts, t, out, ldo, col0, pf);
+            } else {
+                tile::<F, VNNI, R, T>(w, r, acts, t, out, ldo, col0, pf);
+            }
+            r += step;
         }
         while r < rows.end {
             tile::<F, VNNI, 1, T>(w, r, acts, t, out, ldo, col0, pf);
@@ -412,11 +381,6 @@ impl<const VNNI: bool> FormatVisitor for Dispatch<'_, '_, VNNI> {
         // SAFETY: only reached from the `#[target_feature]` kernels below, whose callers
         // checked the CPU features; bounds are their callers' contract.
         unsafe {
-            if VNNI && !F::HAS_VNNI_DOT {
-                // The AVX2 kernel, compiled apart: the same integers, about twice as fast
-                // for the K-quants as their code inlined under AVX-512 (matmul_speed).
-                return matmul_rows(self.w, self.acts, self.rows, self.out, self.ldo, self.col0);
-            }
             matmul_format::<F, VNNI>(self.w, self.acts, self.rows, self.out, self.ldo, self.col0)
         }
     }

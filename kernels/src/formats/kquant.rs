@@ -137,28 +137,6 @@ impl Format for Q6_K {
     }
 }
 
-/// The K-quants' dot products go chunk by chunk (`QuantFormat::CHUNKED`); they form the same
-/// exact integers with or without VNNI, and run faster compiled for AVX2 alone than inside the
-/// AVX-512 kernels, so they have no VNNI code.
-macro_rules! k_dot_is_avx2 {
-    () => {
-        const HAS_VNNI_DOT: bool = false;
-        const CHUNKED: bool = true;
-        #[cfg(target_arch = "x86_64")]
-        #[inline(always)]
-        unsafe fn dot(w: &Self::Unpacked, a: *const i8, sums: *const i16, _: x86::I) -> x86::I {
-            // SAFETY: the caller's contract.
-            unsafe { x86::chunked_dot::<Self>(w, a, sums) }
-        }
-        #[cfg(target_arch = "x86_64")]
-        #[inline(always)]
-        unsafe fn dot_vnni(w: &Self::Unpacked, a: *const i8, sums: *const i16) -> x86::I {
-            // SAFETY: the caller's contract.
-            unsafe { Self::dot(w, a, sums, std::arch::x86_64::_mm256_set1_epi16(1)) }
-        }
-    };
-}
-
 /// Q4_K and Q5_K share the packed 6-bit scales and mins, unpacked once per block and tile,
 /// and so their min term.
 macro_rules! k4_scales_and_mins {
@@ -192,7 +170,7 @@ impl QuantFormat for Q4_K {
             i32::from(if sub.is_multiple_of(2) { q & 0xF } else { q >> 4 })
         })
     }
-    k_dot_is_avx2!();
+    const CHUNKED: bool = true;
     k4_scales_and_mins!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -213,7 +191,7 @@ impl QuantFormat for Q5_K {
     fn lanes(b: &[u8], a: &[i8], _sums: &[i16]) -> [i32; 8] {
         k4_lanes(b, a, |sub, e| i32::from(q5k_value(b, sub, e)))
     }
-    k_dot_is_avx2!();
+    const CHUNKED: bool = true;
     k4_scales_and_mins!();
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -257,7 +235,7 @@ impl QuantFormat for Q6_K {
         }
         lanes
     }
-    k_dot_is_avx2!();
+    const CHUNKED: bool = true;
     // Q6_K's sixteen i8 scales load as they are: the block is its own unpacking.
     #[cfg(target_arch = "x86_64")]
     type Unpacked = *const u8;

@@ -104,35 +104,37 @@ pub trait QuantFormat: Format {
     /// `p` points at a whole block; AVX2 is enabled in the (inlining) caller.
     #[cfg(target_arch = "x86_64")]
     unsafe fn unpack(p: *const u8) -> Self::Unpacked;
-    /// `lanes` with AVX2.
+    /// Whether the tile kernel walks this format's blocks in 32-weight chunks (`chunk`), each
+    /// unpacked once and dotted with every token of the tile, instead of calling `dot` per
+    /// token: the K-quants, whose unpacking and scales cost as much as their products. They
+    /// have no VNNI code (the same `maddubs`/`madd` integers either way).
+    const CHUNKED: bool = false;
+    /// `lanes` with AVX2 (every format that is not `CHUNKED`).
     ///
     /// # Safety
     /// `a` points at `BLOCK_ELEMS` quants and, for Q8K activations, `sums` at their sixteen
     /// 16-element sums; AVX2 is enabled in the (inlining) caller.
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot(
-        w: &Self::Unpacked,
-        a: *const i8,
-        sums: *const i16,
-        ones: std::arch::x86_64::__m256i,
-    ) -> std::arch::x86_64::__m256i;
-    /// Whether `dot_vnni` has VNNI code of its own. The K-quants reuse `dot`, which runs
-    /// faster compiled for AVX2 alone than inside the AVX-512 kernels.
-    const HAS_VNNI_DOT: bool = true;
-    /// `lanes` with AVX512-VNNI where it helps (the same integers).
+        _w: &Self::Unpacked,
+        _a: *const i8,
+        _sums: *const i16,
+        _ones: std::arch::x86_64::__m256i,
+    ) -> std::arch::x86_64::__m256i {
+        unreachable!("chunked formats are dotted chunk by chunk")
+    }
+    /// `lanes` with AVX512-VNNI where it helps (the same integers; not `CHUNKED` formats).
     ///
     /// # Safety
     /// As `dot`, and the caller checked AVX512-VNNI/VL.
     #[cfg(target_arch = "x86_64")]
     unsafe fn dot_vnni(
-        w: &Self::Unpacked,
-        a: *const i8,
-        sums: *const i16,
-    ) -> std::arch::x86_64::__m256i;
-    /// Whether the tile kernel walks this format's blocks in 32-weight chunks (`chunk`), each
-    /// unpacked once and dotted with every token of the tile, instead of calling `dot` per
-    /// token: the K-quants, whose unpacking and scales cost as much as their products.
-    const CHUNKED: bool = false;
+        _w: &Self::Unpacked,
+        _a: *const i8,
+        _sums: *const i16,
+    ) -> std::arch::x86_64::__m256i {
+        unreachable!("chunked formats are dotted chunk by chunk")
+    }
     /// Chunk `c` (0..BLOCK_ELEMS/32) of an unpacked block: its weights as unsigned bytes and
     /// the i16 scale of each `maddubs` lane. `lanes` is the sum over chunks of
     /// `madd(scale, maddubs(weights, quants))`, minus `chunk_offset`.

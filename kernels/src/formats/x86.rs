@@ -163,22 +163,3 @@ pub unsafe fn k4_min_prod(w: &K4Block, pairs: *const i16) -> __m128i {
     // SAFETY: `pairs` points at eight i16 (the caller's contract).
     unsafe { _mm_madd_epi16(w.mins, _mm_loadu_si128(pairs.cast())) }
 }
-
-/// A chunked format's `dot`: the sum over its chunks, less its offset.
-#[inline(always)]
-pub unsafe fn chunked_dot<F: super::QuantFormat>(
-    w: &F::Unpacked,
-    a: *const i8,
-    sums: *const i16,
-) -> I {
-    // SAFETY: `a` holds a block's quants and `w` a whole block (the caller's contract).
-    unsafe {
-        let mut sumi = [_mm256_setzero_si256(); 2];
-        for c in 0..F::BLOCK_ELEMS / 32 {
-            let (q, sc) = F::chunk(w, c);
-            let p = _mm256_madd_epi16(sc, _mm256_maddubs_epi16(q, load(a.add(32 * c))));
-            sumi[c % 2] = _mm256_add_epi32(sumi[c % 2], p);
-        }
-        _mm256_sub_epi32(_mm256_add_epi32(sumi[0], sumi[1]), F::chunk_offset(w, sums))
-    }
-}
