@@ -20,7 +20,8 @@ use super::portable;
 mod attention;
 mod float;
 
-pub use attention::{exp16, kv_axpy, qk_dot, round_f16_slice};
+pub(crate) use attention::attend;
+pub use attention::{attend_fits, exp16, kv_axpy, qk_dot, round_f16_slice};
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

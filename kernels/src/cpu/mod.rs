@@ -174,7 +174,12 @@ mod avx2_ops {
         out: &mut [f32],
         scratch: &mut ops::AttnScratch,
     ) {
-        ops::attend(isa, geom, kv, layer, kv_head, query, q, out, scratch)
+        if avx2::attend_fits(geom.head_dim, query.phase) {
+            // SAFETY: AVX2 enabled here; the caller checked the block table.
+            unsafe { avx2::attend(geom, kv, layer, kv_head, query, q, out, scratch) }
+        } else {
+            ops::attend(isa, geom, kv, layer, kv_head, query, q, out, scratch)
+        }
     }
 }
 
@@ -569,20 +574,24 @@ impl Backend for CpuBackend {
             );
         }
         let group = heads / g.kv_heads;
-        // One item per (query token, head): even a single decode token spreads over threads.
-        let items = queries.len() * heads;
+        // One item per (query token, KV head), whose query heads share every K and V row
+        // read; per (query token, head) when that leaves threads idle (a few decode tokens).
+        let per_kv = queries.len() * g.kv_heads >= 4 * self.pool.threads();
+        let (units, width) = if per_kv { (g.kv_heads, group) } else { (heads, 1) };
+        let items = queries.len() * units;
         let o = SharedMut::new(out);
         let data = &kv.data();
         let run = |tid: usize, stride: usize| {
             let mut scratch = ops::AttnScratch::default();
             // Strided so that causal prefill (later tokens cost more) balances across threads.
             for it in (tid..items).step_by(stride) {
-                let (qi, h) = (it / heads, it % heads);
-                let kh = h / group;
-                let base = (qi * heads + h) * hd;
-                let qs = &q[base..base + hd];
-                // SAFETY: each (query, head) item owns a disjoint slice of `out`.
-                let os = unsafe { o.slice(base..base + hd) };
+                let (qi, u) = (it / units, it % units);
+                let kh = u * width / group;
+                // Heads `u * width ..` are adjacent in `q`: a KV head's group is one slice.
+                let base = (qi * heads + u * width) * hd;
+                let qs = &q[base..base + width * hd];
+                // SAFETY: each item owns a disjoint slice of `out`.
+                let os = unsafe { o.slice(base..base + width * hd) };
                 let query = &queries[qi];
                 match self.simd {
                     Simd::Portable => {

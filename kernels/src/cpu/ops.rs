@@ -277,9 +277,11 @@ pub fn rope_rows(
 /// Per-thread buffers for `attend`.
 #[derive(Debug, Default)]
 pub(crate) struct AttnScratch {
-    q: Vec<f32>,
-    p: Vec<f32>,
-    acc: Vec<f32>,
+    pub(crate) q: Vec<f32>,
+    pub(crate) p: Vec<f32>,
+    pub(crate) acc: Vec<f32>,
+    /// Element offsets of the K rows, position by position (the AVX2 kernel's).
+    pub(crate) offs: Vec<usize>,
 }
 
 /// Attention of one query token for one KV head and the query heads that share it (GQA).
@@ -312,7 +314,7 @@ pub(crate) fn attend<I: Isa>(
         Phase::Prefill => 16,
         Phase::Decode => 64,
     };
-    let AttnScratch { q: qh, p, acc } = scratch;
+    let AttnScratch { q: qh, p, acc, .. } = scratch;
     qh.resize(hd, 0.0);
     p.clear();
     p.resize(n.next_multiple_of(16), 0.0);

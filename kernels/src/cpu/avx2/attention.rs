@@ -5,8 +5,9 @@ use std::arch::x86_64::*;
 
 use super::float::{lanes16, lanes16x4};
 use super::hsum8;
+use crate::cpu::ops::AttnScratch;
 use crate::cpu::ops::Tail;
-use crate::kv::{KvData, Phase};
+use crate::kv::{AttnQuery, KvData, KvGeometry, Phase};
 
 /// Eight KV elements as f32.
 #[inline]
@@ -189,6 +190,366 @@ pub unsafe fn round_f16_slice(x: &mut [f32]) {
     for v in chunks.into_remainder() {
         let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(*v));
         *v = _mm_cvtss_f32(_mm_cvtph_ps(h));
+    }
+}
+
+/// A KV element type the batched kernel reads: eight of them as f32.
+trait KvElem: Copy {
+    /// Whether q and the probabilities are rounded to this type first.
+    const HALF: bool;
+    /// # Safety
+    /// Eight elements must be readable at `p`; AVX2/F16C enabled by the caller.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl KvElem for half::f16 {
+    const HALF: bool = true;
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+}
+
+impl KvElem for f32 {
+    const HALF: bool = false;
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> __m256 {
+        // SAFETY: the caller's contract.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+}
+
+/// `hsum8` of eight vectors at once: lane `k` of the result is `hsum8(v[k])`, from the same
+/// additions (each pairs the same two values; only operand order, which IEEE addition ignores,
+/// differs), so a score costs a third of a horizontal sum.
+#[inline(always)]
+unsafe fn hsum8x8(v: &[__m256; 8]) -> __m256 {
+    // SAFETY: register-only AVX operations, enabled by the (inlining) caller.
+    unsafe {
+        // q[k]: the four `hi + lo` lanes of v[k] in the low half, of v[k + 4] in the high half.
+        let q: [__m256; 4] = std::array::from_fn(|k| {
+            let lo = _mm256_permute2f128_ps::<0x20>(v[k], v[k + 4]);
+            let hi = _mm256_permute2f128_ps::<0x31>(v[k], v[k + 4]);
+            _mm256_add_ps(hi, lo)
+        });
+        // Lanes 0 + 2 and 1 + 3 of each (`q + movehl(q)`), two vectors per register half.
+        let pair = |a: __m256, b: __m256| {
+            _mm256_add_ps(_mm256_shuffle_ps::<0x44>(a, b), _mm256_shuffle_ps::<0xEE>(a, b))
+        };
+        let (t01, t23) = (pair(q[0], q[1]), pair(q[2], q[3]));
+        // The last step (`+ movehdup`): v0..v3 in the low half, v4..v7 in the high one.
+        _mm256_add_ps(_mm256_shuffle_ps::<0x88>(t01, t23), _mm256_shuffle_ps::<0xDD>(t01, t23))
+    }
+}
+
+/// Whether `attend` covers a head of `head_dim` in `phase`: decode's summation order is
+/// batched only over whole 64s (`ops::attend` takes the others).
+pub fn attend_fits(head_dim: usize, phase: Phase) -> bool {
+    match phase {
+        Phase::Prefill => head_dim.is_multiple_of(16),
+        Phase::Decode => head_dim.is_multiple_of(64),
+    }
+}
+
+/// `ops::attend` for the query heads in `q` that share KV head `kv_head`, computing each
+/// value with the same operations in the same order, batched for the machine:
+/// - each K row is loaded once for up to four query heads, and eight keys' score vectors are
+///   summed horizontally together (`hsum8x8`);
+/// - `p·v` runs one 8-dim slice of V at a time with eight lane sets in registers, instead
+///   of reading and writing every set's accumulator in memory for every key; sets no key
+///   reached (short contexts) are never stored or loaded.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `attend_fits(head_dim, phase)`; `query.blocks`
+/// names blocks of `kv` (checked by the caller).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn attend(
+    geom: &KvGeometry,
+    kv: &KvData,
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery<'_>,
+    q: &[f32],
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match kv {
+            KvData::F16(v) => attend_in(geom, v, layer, kv_head, query, q, out, scratch),
+            KvData::F32(v) => attend_in(geom, v, layer, kv_head, query, q, out, scratch),
+        }
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_in<E: KvElem>(
+    geom: &KvGeometry,
+    data: &[E],
+    layer: usize,
+    kv_head: usize,
+    query: &AttnQuery<'_>,
+    q: &[f32],
+    out: &mut [f32],
+    scratch: &mut AttnScratch,
+) {
+    let hd = geom.head_dim;
+    assert!(attend_fits(hd, query.phase) && q.len().is_multiple_of(hd) && out.len() == q.len());
+    let group = q.len() / hd;
+    let n = query.pos + 1;
+    let bs = geom.block_size;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let AttnScratch { q: qh, p, acc, offs } = scratch;
+    offs.clear();
+    for (b, &block) in query.blocks[..n.div_ceil(bs)].iter().enumerate() {
+        let row0 = geom.offset(block as usize, layer, 0, kv_head, 0);
+        offs.extend((0..bs.min(n - b * bs)).map(|slot| row0 + slot * hd));
+    }
+    // V's rows sit `kv_heads` heads of a block after K's.
+    let vshift = geom.kv_heads * bs * hd;
+    let last = offs.iter().copied().max().unwrap_or(0);
+    assert!(last + vshift + hd <= data.len(), "attention: KV offset out of range");
+    qh.clear();
+    qh.extend_from_slice(q);
+    if E::HALF {
+        // SAFETY: AVX2/F16C enabled here.
+        unsafe { round_f16_slice(qh) };
+    }
+    let np = n.next_multiple_of(16);
+    p.clear();
+    p.resize(group * np, 0.0);
+    let kp = data.as_ptr();
+    // SAFETY: (all scores) every K row read lies below `last + hd` (asserted); the q rows and
+    // score rows are inside `qh` and `p` as sized above; AVX2/FMA enabled here.
+    unsafe {
+        match query.phase {
+            Phase::Prefill => {
+                let mut h = 0;
+                while h < group {
+                    match group - h {
+                        1 => scores_prefill::<E, 1>(kp, offs, qh, hd, h, p, np, scale),
+                        2 => scores_prefill::<E, 2>(kp, offs, qh, hd, h, p, np, scale),
+                        3 => scores_prefill::<E, 3>(kp, offs, qh, hd, h, p, np, scale),
+                        _ => scores_prefill::<E, 4>(kp, offs, qh, hd, h, p, np, scale),
+                    }
+                    h += (group - h).min(4);
+                }
+            }
+            Phase::Decode => {
+                for h in 0..group {
+                    scores_decode(kp, offs, qh, hd, h, p, np, scale);
+                }
+            }
+        }
+    }
+    let sets = match query.phase {
+        Phase::Prefill => 16,
+        Phase::Decode => 64,
+    };
+    acc.resize(sets * 8, 0.0);
+    for h in 0..group {
+        let ph = &mut p[h * np..(h + 1) * np];
+        // SAFETY: AVX2/FMA enabled here; `ph` holds `np` scores, padded with zeros.
+        unsafe { softmax(ph, n, E::HALF) };
+        for c in (0..hd).step_by(8) {
+            // SAFETY: V rows lie below `last + vshift + hd` (asserted); `acc` holds `sets`
+            // vectors; AVX2/FMA enabled here.
+            let o = unsafe { pv_slice(kp.add(vshift + c), offs, ph, sets, acc) };
+            // SAFETY: `h * hd + c + 8 <= out.len()`.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(h * hd + c), o) };
+        }
+    }
+}
+
+/// Scores of `G` query heads from `h0` against every key: `lanes16`'s two accumulators per
+/// head and key, each K slice loaded once for all `G`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::needless_range_loop)]
+unsafe fn scores_prefill<E: KvElem, const G: usize>(
+    kp: *const E,
+    offs: &[usize],
+    qh: &[f32],
+    hd: usize,
+    h0: usize,
+    p: &mut [f32],
+    np: usize,
+    scale: f32,
+) {
+    let n = offs.len();
+    // SAFETY: (whole body) the caller's contract on `kp`/`offs`; q rows `h0..h0+G` in `qh`.
+    unsafe {
+        let qp = qh.as_ptr().add(h0 * hd);
+        for j0 in (0..n).step_by(8) {
+            let mut v = [[_mm256_setzero_ps(); 8]; G];
+            for k in 0..(n - j0).min(8) {
+                let row = kp.add(offs[j0 + k]);
+                let mut lo = [_mm256_setzero_ps(); G];
+                let mut hi = [_mm256_setzero_ps(); G];
+                for l in (0..hd).step_by(16) {
+                    let (a, b) = (E::load8(row.add(l)), E::load8(row.add(l + 8)));
+                    for g in 0..G {
+                        let qg = qp.add(g * hd + l);
+                        lo[g] = _mm256_fmadd_ps(a, _mm256_loadu_ps(qg), lo[g]);
+                        hi[g] = _mm256_fmadd_ps(b, _mm256_loadu_ps(qg.add(8)), hi[g]);
+                    }
+                }
+                for g in 0..G {
+                    v[g][k] = _mm256_add_ps(hi[g], lo[g]);
+                }
+            }
+            for (g, vg) in v.iter().enumerate() {
+                let s = _mm256_mul_ps(hsum8x8(vg), _mm256_set1_ps(scale));
+                _mm256_storeu_ps(p.as_mut_ptr().add((h0 + g) * np + j0), s);
+            }
+        }
+    }
+}
+
+/// Scores of query head `h` against every key in `lanes16x4`'s order (whole 64s only).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn scores_decode<E: KvElem>(
+    kp: *const E,
+    offs: &[usize],
+    qh: &[f32],
+    hd: usize,
+    h: usize,
+    p: &mut [f32],
+    np: usize,
+    scale: f32,
+) {
+    let n = offs.len();
+    // SAFETY: (whole body) as `scores_prefill`.
+    unsafe {
+        let qp = qh.as_ptr().add(h * hd);
+        for j0 in (0..n).step_by(8) {
+            let mut v = [_mm256_setzero_ps(); 8];
+            for (k, vk) in v.iter_mut().enumerate().take((n - j0).min(8)) {
+                let row = kp.add(offs[j0 + k]);
+                let mut s = [_mm256_setzero_ps(); 8];
+                for i in (0..hd).step_by(64) {
+                    for (r, acc) in s.iter_mut().enumerate() {
+                        let at = i + 8 * r;
+                        *acc = _mm256_fmadd_ps(
+                            E::load8(row.add(at)),
+                            _mm256_loadu_ps(qp.add(at)),
+                            *acc,
+                        );
+                    }
+                }
+                let lo = _mm256_add_ps(_mm256_add_ps(s[0], s[4]), _mm256_add_ps(s[2], s[6]));
+                let hi = _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7]));
+                *vk = _mm256_add_ps(hi, lo);
+            }
+            let s = _mm256_mul_ps(hsum8x8(&v), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(p.as_mut_ptr().add(h * np + j0), s);
+        }
+    }
+}
+
+/// `ops::attend`'s softmax over the first `n` scores of `p` (zero-padded to a multiple of 16),
+/// in place: probabilities, rounded to f16 when `half`.
+#[inline(always)]
+unsafe fn softmax(p: &mut [f32], n: usize, half: bool) {
+    // The max is the same whatever the order; `max_ps(x, m)` keeps `m` when `x` is NaN, as
+    // `f32::max` does.
+    let whole = n & !7;
+    // SAFETY: (whole body) `p` holds `n.next_multiple_of(16)` floats; AVX2/FMA enabled by the
+    // (inlining) caller.
+    unsafe {
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for i in (0..whole).step_by(8) {
+            m = _mm256_max_ps(_mm256_loadu_ps(p.as_ptr().add(i)), m);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+        let max =
+            lanes.into_iter().chain(p[whole..n].iter().copied()).fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f64;
+        for (c, chunk) in p.chunks_exact_mut(16).enumerate() {
+            sum += f64::from(exp16(chunk, max, (n - 16 * c).min(16)));
+        }
+        let inv = _mm256_set1_ps((1.0 / sum) as f32);
+        for i in (0..whole).step_by(8) {
+            let at = p.as_mut_ptr().add(i);
+            _mm256_storeu_ps(at, _mm256_mul_ps(_mm256_loadu_ps(at), inv));
+        }
+        let inv = (1.0 / sum) as f32;
+        for v in &mut p[whole..n] {
+            *v *= inv;
+        }
+        if half {
+            round_f16_slice(&mut p[..n]);
+        }
+    }
+}
+
+/// Dims `c..c+8` of `Σ p_j·v_j` (V's row `j` at `vp + offs[j]`) with `sets` lane sets: key
+/// `j` goes to set `j % sets` in key order, eight sets at a time in registers; the sets are
+/// then folded as `ops::attend` folds them. `acc` holds `sets` vectors of scratch.
+#[inline(always)]
+unsafe fn pv_slice(
+    vp: *const impl KvElem,
+    offs: &[usize],
+    p: &[f32],
+    sets: usize,
+    acc: &mut [f32],
+) -> __m256 {
+    let n = offs.len();
+    let used = n.min(sets);
+    let a = acc.as_mut_ptr();
+    // SAFETY: (whole body) the caller's contract on `vp`/`offs`; `acc` holds `sets` vectors;
+    // AVX2/FMA enabled by the (inlining) caller.
+    unsafe {
+        for g in (0..used).step_by(8) {
+            let mut r = [_mm256_setzero_ps(); 8];
+            let mut base = g;
+            // Key `j < n` always: `offs` has `n` entries and `p` at least `n`.
+            let key = |j: usize, rk: &mut __m256| {
+                let v = KvElem::load8(vp.add(*offs.get_unchecked(j)));
+                *rk = _mm256_fmadd_ps(_mm256_set1_ps(*p.get_unchecked(j)), v, *rk);
+            };
+            while base + 8 <= n {
+                for (k, rk) in r.iter_mut().enumerate() {
+                    key(base + k, rk);
+                }
+                base += sets;
+            }
+            for (k, rk) in r.iter_mut().enumerate().take(n.saturating_sub(base)) {
+                key(base + k, rk);
+            }
+            for (k, rk) in r.iter().enumerate() {
+                _mm256_storeu_ps(a.add(8 * (g + k)), *rk);
+            }
+        }
+        // The fold. A set no key reached is +0, and `x + 0` is `x` except that it turns -0
+        // (a reached set whose products all underflowed) into +0: keep that one addition.
+        let set = |i: usize| (i < used).then(|| _mm256_loadu_ps(a.add(8 * i)));
+        let add = |x: Option<__m256>, y: Option<__m256>| match (x, y) {
+            (Some(x), Some(y)) => Some(_mm256_add_ps(x, y)),
+            (Some(x), None) | (None, Some(x)) => Some(_mm256_add_ps(x, _mm256_setzero_ps())),
+            (None, None) => None,
+        };
+        let mut u: [Option<__m256>; 16] = std::array::from_fn(set);
+        if sets == 64 {
+            for (t, ut) in u.iter_mut().enumerate() {
+                *ut = add(add(set(t), set(32 + t)), add(set(16 + t), set(48 + t)));
+            }
+        }
+        for i in 0..8 {
+            u[i] = add(u[i + 8], u[i]);
+        }
+        for i in 0..4 {
+            u[i] = add(u[i], u[i + 4]);
+        }
+        u[0] = add(u[0], u[2]);
+        u[1] = add(u[1], u[3]);
+        add(u[0], u[1]).unwrap_or(_mm256_setzero_ps())
     }
 }
 
