@@ -170,8 +170,13 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
                         let (q, sc) = F::chunk(&wv[r], c);
                         for t in 0..T {
                             let a = aq.add((t0 + t) * acts.cols + b * be + 32 * c);
-                            let p = _mm256_madd_epi16(sc, _mm256_maddubs_epi16(q, load_i(a)));
-                            ksumi[r][t] = _mm256_add_epi32(ksumi[r][t], p);
+                            let p = _mm256_maddubs_epi16(q, load_i(a));
+                            ksumi[r][t] = if VNNI {
+                                // The same exact integer sum, its add fused into the multiply.
+                                _mm256_dpwssd_epi32(ksumi[r][t], sc, p)
+                            } else {
+                                _mm256_add_epi32(ksumi[r][t], _mm256_madd_epi16(sc, p))
+                            };
                         }
                     }
                 }
