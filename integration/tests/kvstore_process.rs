@@ -61,7 +61,7 @@ async fn kvstore_process_shares_the_mesh_layout_and_round_trips_blocks() {
         .unwrap()
         .into_inner();
     assert_eq!(m.blocks, 2);
-    let mut r = k.read(KvReadRequest { lease: m.lease }).await.unwrap().into_inner();
+    let mut r = k.read(KvReadRequest { lease: m.lease.clone() }).await.unwrap().into_inner();
     let mut got = Vec::new();
     while let Some(b) = r.message().await.unwrap() {
         got.push(b.data);

@@ -7,17 +7,19 @@
 
 use std::convert::Infallible;
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::{Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Metric, Registry};
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 
 /// A service's metrics registry, shared by the service (which registers) and the HTTP server
 /// (which encodes at each scrape).
@@ -109,21 +111,65 @@ impl Collector for Snapshot {
     }
 }
 
+/// What one metrics port lets its clients hold.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections served at once; more wait in the listen backlog until one ends.
+    pub connections: usize,
+    /// Time a connection gets to send a request's headers (a slow sender is cut off).
+    pub header_timeout: Duration,
+    /// The longest a connection stays open, whatever it does.
+    pub connection_lifetime: Duration,
+    /// The pause after a failed accept (say, out of file descriptors), instead of retrying at
+    /// once in a loop that takes a core and the service's other ports with it.
+    pub accept_backoff: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            connections: 32,
+            header_timeout: Duration::from_secs(5),
+            connection_lifetime: Duration::from_secs(60),
+            accept_backoff: Duration::from_millis(100),
+        }
+    }
+}
+
 /// Serves `GET /metrics` on `listener` (HTTP/1.1) until the task is dropped; other paths 404.
 pub async fn serve(listener: TcpListener, metrics: Metrics) {
+    serve_with(listener, metrics, Limits::default()).await
+}
+
+/// `serve` under `limits`.
+pub async fn serve_with(listener: TcpListener, metrics: Metrics, limits: Limits) {
+    let slots = Arc::new(Semaphore::new(limits.connections));
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        // Held by the connection's task: at the cap, nothing more is accepted until one ends.
+        let slot = slots.clone().acquire_owned().await.expect("the semaphore is never closed");
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                tracing::warn!("metrics port: accept failed: {e}; pausing");
+                tokio::time::sleep(limits.accept_backoff).await;
+                continue;
+            }
+        };
         let metrics = metrics.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let svc = hyper::service::service_fn(move |req: Request<hyper::body::Incoming>| {
                 let metrics = metrics.clone();
                 async move { Ok::<_, Infallible>(respond(&req, &metrics)) }
             });
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(stream), svc)
-                .await
-            {
-                tracing::debug!("metrics connection: {e}");
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.header_timeout)
+                .serve_connection(TokioIo::new(stream), svc);
+            match tokio::time::timeout(limits.connection_lifetime, conn).await {
+                Ok(Err(e)) => tracing::debug!("metrics connection: {e}"),
+                Err(_) => tracing::debug!("metrics connection: open too long, closed"),
+                Ok(Ok(())) => {}
             }
         });
     }
@@ -152,6 +198,46 @@ fn respond(req: &Request<hyper::body::Incoming>, metrics: &Metrics) -> Response<
 mod tests {
     use super::*;
     use prometheus_client::metrics::counter::Counter;
+
+    /// Slowloris: connections that send half a request line and stall fill every slot; they
+    /// are cut off after the header timeout, and a scrape waiting behind them is answered.
+    #[tokio::test]
+    async fn stalled_connections_are_cut_off_and_a_scrape_still_gets_through() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        use tokio::net::TcpStream;
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let limits = Limits {
+            connections: 4,
+            header_timeout: Duration::from_millis(300),
+            connection_lifetime: Duration::from_secs(20),
+            accept_backoff: Duration::from_millis(10),
+        };
+        tokio::spawn(serve_with(l, Metrics::default(), limits));
+        let mut stalled = Vec::new();
+        for _ in 0..8 {
+            let mut s = TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"GET /met").await.unwrap();
+            stalled.push(s);
+        }
+        let scrape = async {
+            let mut s = TcpStream::connect(addr).await?;
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await?;
+            let mut out = Vec::new();
+            s.read_to_end(&mut out).await?;
+            Ok::<_, std::io::Error>(out)
+        };
+        let body = tokio::time::timeout(Duration::from_secs(10), scrape)
+            .await
+            .expect("the scrape waited forever behind stalled connections")
+            .unwrap();
+        assert!(body.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&body));
+        for mut s in stalled {
+            let mut rest = Vec::new();
+            let end = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+            assert!(end.is_ok(), "a stalled connection was left open");
+        }
+    }
 
     #[test]
     fn snapshots_and_registered_metrics_encode_with_labels() {

@@ -11,6 +11,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use pdmesh_common::convert::ms;
+use pdmesh_common::ids::Capability;
 use pdmesh_engine::{
     BatchRunner, End, Engine, Event as RunEvent, FinishReason, GenerateParams, Output as RunOutput,
     Piece, Release, Role, SamplingParams, SeqId, SeqSpec, SeqStatus, Work,
@@ -111,6 +112,8 @@ enum Phase {
 }
 
 struct Reservation {
+    /// What the caller must present to use it (keyed in `reservations` by its key).
+    cap: Capability,
     seq: SeqId,
     prompt_len: usize,
     committed: usize,
@@ -120,7 +123,10 @@ struct Reservation {
 /// A new reservation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reserved {
+    /// The reservation's key inside this node.
     pub id: u64,
+    /// What `Reserve` hands out: the only way to name the reservation from outside.
+    pub cap: Capability,
     /// Blocks the prompt's KV fills.
     pub prompt_blocks: usize,
     pub lease: Duration,
@@ -133,7 +139,6 @@ pub struct DecodeCore {
     runner: BatchRunner,
     receiver: Receiver,
     reservations: HashMap<u64, Reservation>,
-    next_id: u64,
     committed: usize,
     default_lease: Duration,
     max_lease: Duration,
@@ -163,7 +168,6 @@ impl DecodeCore {
             runner,
             receiver: Receiver::new(),
             reservations: HashMap::new(),
-            next_id: 1,
             committed: 0,
             default_lease,
             max_lease,
@@ -223,12 +227,21 @@ impl DecodeCore {
                 }
             }
         }
-        let id = self.next_id;
-        self.next_id += 1;
+        let cap = Capability::fresh(|k| self.reservations.contains_key(&k));
+        let id = cap.key();
         self.committed += need;
         let phase = Phase::Reserved { lease: now + lease };
-        self.reservations.insert(id, Reservation { seq, prompt_len, committed: need, phase });
-        Ok(Reserved { id, prompt_blocks: self.blocks_for(prompt_len), lease, pool_blocks })
+        self.reservations.insert(id, Reservation { cap, seq, prompt_len, committed: need, phase });
+        Ok(Reserved { id, cap, prompt_blocks: self.blocks_for(prompt_len), lease, pool_blocks })
+    }
+
+    /// The key of the reservation `cap` names, if it is that reservation's capability. A
+    /// wrong secret is answered exactly as an unknown key is.
+    pub fn admit(&self, cap: &Capability) -> Result<u64, DecodeError> {
+        match self.reservations.get(&cap.key()) {
+            Some(r) if r.cap.admits(cap) => Ok(cap.key()),
+            _ => Err(DecodeError::UnknownReservation(cap.key())),
+        }
     }
 
     /// A live reservation (not quarantined).

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use pdmesh_common::ids::Capability;
 use pdmesh_kv_transfer::{KvInbox, KvPool, TransferStats};
 use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::decode_server::Decode;
@@ -64,9 +65,9 @@ impl KvInbox for Inbox {
         &self.stats
     }
 
-    async fn begin(&self, id: u64, from: &str, writer: bool) -> Result<(), Status> {
+    async fn begin(&self, cap: Capability, from: &str, writer: bool) -> Result<u64, Status> {
         let from = from.to_string();
-        self.call(|reply| Command::KvBegin { id, from, writer, reply }).await
+        self.call(|reply| Command::KvBegin { cap, from, writer, reply }).await
     }
 
     async fn write(&self, id: u64, first_block: usize, data: Bytes) -> Result<(), Status> {
@@ -113,7 +114,7 @@ impl DecodeService {
         &self.inbox.node_id
     }
 
-    fn parse_id(&self, s: &str) -> Result<u64, Status> {
+    fn parse_id(&self, s: &str) -> Result<Capability, Status> {
         pdmesh_kv_transfer::parse_reservation(self.node_id(), s)
     }
 
@@ -207,7 +208,7 @@ impl Decode for DecodeService {
         };
         Ok(Response::new(ReserveResponse {
             target: Some(KvTarget {
-                reservation_id: res.id.to_string(),
+                reservation_id: res.cap.to_string(),
                 decode_node: self.node_id().to_string(),
                 address: self.address.clone(),
                 layout: Some(self.inbox.layout.into()),
@@ -223,10 +224,10 @@ impl Decode for DecodeService {
         &self,
         req: Request<ReleaseRequest>,
     ) -> Result<Response<ReleaseResponse>, Status> {
-        let id = self.parse_id(&req.into_inner().reservation_id)?;
+        let cap = self.parse_id(&req.into_inner().reservation_id)?;
         let (reply, rx) = oneshot::channel();
         let stopped = || self.inbox.status(&DecodeError::EngineStopped);
-        self.inbox.tx.send(Command::Release { id, reply }).await.map_err(|_| stopped())?;
+        self.inbox.tx.send(Command::Release { cap, reply }).await.map_err(|_| stopped())?;
         let released = rx.await.map_err(|_| stopped())?;
         Ok(Response::new(ReleaseResponse { released }))
     }
@@ -238,7 +239,7 @@ impl Decode for DecodeService {
         req: Request<DecodeRequest>,
     ) -> Result<Response<Self::DecodeStream>, Status> {
         let r = req.into_inner();
-        let id = self.parse_id(&r.reservation_id)?;
+        let cap = self.parse_id(&r.reservation_id)?;
         let (sampling, rng_position) = sampling_from(r.sampler.as_ref())?;
         let start = match r.start {
             Some(decode_request::Start::FirstToken(t)) => Start::FirstToken(t),
@@ -260,7 +261,7 @@ impl Decode for DecodeService {
             span: Span::current(),
         });
         let (out, rx) = ChannelOutput::channel(max_tokens);
-        self.inbox.call(|reply| Command::Attach { id, attach, out, reply }).await?;
+        self.inbox.call(|reply| Command::Attach { cap, attach, out, reply }).await?;
         let events = Events { rx, node: self.node_id().to_string(), ended: false };
         Ok(Response::new(Box::pin(events)))
     }

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use pdmesh_common::ids::Capability;
 use pdmesh_common::worker::Core;
 use tokio::sync::{mpsc, oneshot};
 
@@ -22,16 +23,18 @@ pub enum Command {
         remote_kv: bool,
         reply: Reply<Reserved>,
     },
+    /// Wire entry points carry the capability `Reserve` handed out; the worker admits it.
     Release {
-        id: u64,
+        cap: Capability,
         reply: oneshot::Sender<bool>,
     },
     KvBegin {
-        id: u64,
+        cap: Capability,
         from: String,
         /// A UCX session: the sender puts into the blocks itself.
         writer: bool,
-        reply: Reply<()>,
+        /// The reservation's key, for the transfer's later commands.
+        reply: Reply<u64>,
     },
     KvWrite {
         id: u64,
@@ -53,7 +56,7 @@ pub enum Command {
         why: DecodeError,
     },
     Attach {
-        id: u64,
+        cap: Capability,
         attach: Box<Attach>,
         out: ChannelOutput,
         reply: Reply<()>,
@@ -112,13 +115,17 @@ impl Core for Worker {
             Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply } => {
                 let _ = reply.send(core.reserve(prompt_len, max_tokens, lease, remote_kv, now));
             }
-            Command::Release { id, reply } => {
-                sources.remove(&id);
-                let _ = reply.send(core.release(id));
+            Command::Release { cap, reply } => {
+                // Releasing what you do not hold releases nothing, as for an expired one.
+                let released = core.admit(&cap).is_ok_and(|id| {
+                    sources.remove(&id);
+                    core.release(id)
+                });
+                let _ = reply.send(released);
             }
-            Command::KvBegin { id, from, writer, reply } => {
-                let r = core.kv_begin(id, writer);
-                if r.is_ok() {
+            Command::KvBegin { cap, from, writer, reply } => {
+                let r = core.admit(&cap).and_then(|id| core.kv_begin(id, writer).map(|()| id));
+                if let Ok(id) = r {
                     sources.insert(id, from);
                 }
                 let _ = reply.send(r);
@@ -146,8 +153,10 @@ impl Core for Worker {
                 };
                 core.kv_abort(id, why);
             }
-            Command::Attach { id, attach, out, reply } => {
-                let _ = reply.send(core.attach(id, *attach, Box::new(out), now));
+            Command::Attach { cap, attach, out, reply } => {
+                let r =
+                    core.admit(&cap).and_then(|id| core.attach(id, *attach, Box::new(out), now));
+                let _ = reply.send(r);
             }
         }
     }

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use pdmesh_common::ids::Capability;
 use pdmesh_common::trace;
 use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::KvHeader;
@@ -23,9 +24,9 @@ pub trait KvInbox: Send + Sync + 'static {
     fn node_id(&self) -> &str;
     fn layout(&self) -> &KvLayout;
     fn stats(&self) -> &TransferStats;
-    /// A transfer into `reservation` from `from` begins; a `remote` sender puts the blocks
-    /// itself.
-    async fn begin(&self, reservation: u64, from: &str, remote: bool) -> Result<(), Status>;
+    /// A transfer into the reservation `cap` names begins, from `from`; a `remote` sender
+    /// puts the blocks itself. Returns the reservation's key for the calls that follow.
+    async fn begin(&self, cap: Capability, from: &str, remote: bool) -> Result<u64, Status>;
     /// Whole blocks of a streamed transfer.
     async fn write(&self, reservation: u64, first_block: usize, data: Bytes) -> Result<(), Status>;
     /// The sender says the KV is complete.
@@ -71,16 +72,19 @@ pub(crate) async fn open(
     let node = inbox.node_id();
     crate::check_layout(inbox.layout(), header.layout.as_ref(), &from)
         .map_err(|s| Status::new(s.code(), format!("node {node}: {}", s.message())))?;
-    let id = parse_reservation(node, &header.reservation_id)?;
-    inbox.begin(id, &from, remote).await?;
+    let cap = parse_reservation(node, &header.reservation_id)?;
+    let id = inbox.begin(cap, &from, remote).await?;
     Ok((id, from))
 }
 
-/// A reservation id from the wire.
-pub fn parse_reservation(node: &str, s: &str) -> Result<u64, Status> {
-    s.parse().map_err(|_| {
+/// A reservation id from the wire: the capability `Reserve` handed out (it is checked against
+/// the reservation by the decode node; here only its form).
+pub fn parse_reservation(node: &str, s: &str) -> Result<Capability, Status> {
+    Capability::parse(s).ok_or_else(|| {
+        // Echo at most a short prefix of what was sent: it may be anything.
+        let shown: String = s.chars().take(40).collect();
         Status::invalid_argument(format!(
-            "node {node}: reservation_id {s:?} is not a reservation id"
+            "node {node}: reservation_id {shown:?} is not a reservation id (32 hex digits)"
         ))
     })
 }

@@ -260,7 +260,7 @@ impl PrefixCache {
                     }
                 }
             }
-            let mut s = c.read(KvReadRequest { lease }).await?.into_inner();
+            let mut s = c.read(KvReadRequest { lease: lease.clone() }).await?.into_inner();
             let mut out = Vec::with_capacity(m.blocks as usize);
             while let Some(b) = s.message().await? {
                 // The store answers for the hashes it was asked; anything else is not used.

@@ -3,6 +3,7 @@
 //! matched blocks' addresses in the pool (registered once with UCX) and reads them with
 //! one-sided gets while the match's lease pins them; any other caller streams them with `Read`.
 
+use pdmesh_common::ids::Capability;
 use pdmesh_common::trace;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -113,6 +114,12 @@ impl KvStoreService {
     fn invalid(&self, why: String) -> Status {
         Status::invalid_argument(format!("node {}: {why}", self.node_id))
     }
+
+    /// A lease as `Match` handed it out (its form only; the store checks it is the lease's).
+    fn parse_lease(&self, s: &str) -> Result<Capability, Status> {
+        Capability::parse(s)
+            .ok_or_else(|| self.invalid("lease must be the 32 hex digits Match returned".into()))
+    }
 }
 
 type BlockStream = Pin<Box<dyn Stream<Item = Result<KvStoreBlock, Status>> + Send>>;
@@ -166,7 +173,7 @@ impl KvStore for KvStoreService {
         trace::attr(&span, "matched_blocks", m.blocks.len() as i64);
         trace::attr(&span, "ucx", ucx.is_some());
         Ok(Response::new(KvMatchResponse {
-            lease: m.lease.unwrap_or(0),
+            lease: m.lease.map(|c| c.to_string()).unwrap_or_default(),
             blocks: m.blocks.len() as u32,
             ucx,
         }))
@@ -176,14 +183,15 @@ impl KvStore for KvStoreService {
         &self,
         req: Request<KvReleaseMatchRequest>,
     ) -> Result<Response<KvReleaseMatchResponse>, Status> {
-        let released = self.state().store.release(req.into_inner().lease);
+        let lease = self.parse_lease(&req.into_inner().lease)?;
+        let released = self.state().store.release(lease);
         Ok(Response::new(KvReleaseMatchResponse { released }))
     }
 
     type ReadStream = BlockStream;
 
     async fn read(&self, req: Request<KvReadRequest>) -> Result<Response<BlockStream>, Status> {
-        let lease = req.into_inner().lease;
+        let lease = self.parse_lease(&req.into_inner().lease)?;
         let blocks = {
             let mut st = self.state();
             st.store.sweep(Instant::now());
@@ -191,7 +199,7 @@ impl KvStore for KvStoreService {
         }
         .ok_or_else(|| {
             Status::not_found(format!(
-                "node {}: lease {lease} is unknown (released or expired)",
+                "node {}: the lease is unknown (released or expired)",
                 self.node_id
             ))
         })?;

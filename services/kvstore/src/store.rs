@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
+use pdmesh_common::ids::Capability;
 use pdmesh_kv_types::BlockHash;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,6 +30,7 @@ struct Entry {
 
 #[derive(Debug)]
 struct Lease {
+    cap: Capability,
     blocks: Vec<BlockHash>,
     expires: Instant,
 }
@@ -55,7 +57,7 @@ pub struct StoreStats {
 /// (`None` when nothing matched, so there is nothing to release).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Matched {
-    pub lease: Option<u64>,
+    pub lease: Option<Capability>,
     pub blocks: Vec<(BlockHash, u32)>,
 }
 
@@ -78,8 +80,8 @@ pub struct Store {
     capacity: usize,
     index: HashMap<BlockHash, Entry>,
     lru: BTreeMap<u64, BlockHash>,
+    /// Keyed by the lease capability's key; the capability itself is checked on use.
     leases: HashMap<u64, Lease>,
-    next_lease: u64,
     tick: u64,
     stats: StoreStats,
 }
@@ -97,7 +99,6 @@ impl Store {
             index: HashMap::new(),
             lru: BTreeMap::new(),
             leases: HashMap::new(),
-            next_lease: 1,
             tick: 0,
             stats: StoreStats { capacity_blocks: capacity as u64, ..Default::default() },
         }
@@ -150,22 +151,30 @@ impl Store {
         for &(h, _) in &blocks {
             self.pin(h);
         }
-        let id = self.next_lease;
-        self.next_lease += 1;
+        let cap = Capability::fresh(|k| self.leases.contains_key(&k));
         let held = blocks.iter().map(|&(h, _)| h).collect();
-        self.leases.insert(id, Lease { blocks: held, expires: now + lease });
-        Matched { lease: Some(id), blocks }
+        self.leases.insert(cap.key(), Lease { cap, blocks: held, expires: now + lease });
+        Matched { lease: Some(cap), blocks }
+    }
+
+    /// The live lease `cap` names, if `cap` is its capability.
+    fn lease(&self, cap: &Capability) -> Option<&Lease> {
+        self.leases.get(&cap.key()).filter(|l| l.cap.admits(cap))
     }
 
     /// The blocks a live lease pins, as `(hash, slot)` in chain order.
-    pub fn lease_blocks(&self, lease: u64) -> Option<Vec<(BlockHash, u32)>> {
-        let l = self.leases.get(&lease)?;
+    pub fn lease_blocks(&self, lease: Capability) -> Option<Vec<(BlockHash, u32)>> {
+        let l = self.lease(&lease)?;
         Some(l.blocks.iter().map(|h| (*h, self.index[h].slot)).collect())
     }
 
-    /// Unpins a lease's blocks. False when the lease is unknown (released or expired).
-    pub fn release(&mut self, lease: u64) -> bool {
-        match self.leases.remove(&lease) {
+    /// Unpins a lease's blocks. False when the lease is unknown (released or expired) or
+    /// `lease` is not its capability.
+    pub fn release(&mut self, lease: Capability) -> bool {
+        if self.lease(&lease).is_none() {
+            return false;
+        }
+        match self.leases.remove(&lease.key()) {
             Some(l) => {
                 for h in l.blocks {
                     self.unpin(h);
@@ -178,10 +187,10 @@ impl Store {
 
     /// Releases every lease expired at `now`; returns how many.
     pub fn sweep(&mut self, now: Instant) -> usize {
-        let expired: Vec<u64> =
-            self.leases.iter().filter(|(_, l)| l.expires <= now).map(|(&id, _)| id).collect();
-        for &id in &expired {
-            self.release(id);
+        let expired: Vec<Capability> =
+            self.leases.values().filter(|l| l.expires <= now).map(|l| l.cap).collect();
+        for &cap in &expired {
+            self.release(cap);
         }
         self.stats.leases_expired += expired.len() as u64;
         expired.len()

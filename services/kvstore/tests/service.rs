@@ -102,7 +102,7 @@ async fn blocks_written_twice_are_stored_once_and_read_back() {
         .unwrap()
         .into_inner();
     assert_eq!(m.blocks, 3);
-    let mut read = c.read(KvReadRequest { lease: m.lease }).await.unwrap().into_inner();
+    let mut read = c.read(KvReadRequest { lease: m.lease.clone() }).await.unwrap().into_inner();
     let mut got = Vec::new();
     while let Some(b) = read.message().await.unwrap() {
         got.push((b.hash, b.data));
@@ -110,10 +110,14 @@ async fn blocks_written_twice_are_stored_once_and_read_back() {
     assert_eq!(got, hashes.into_iter().zip(data).collect::<Vec<_>>());
     let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
     assert_eq!((s.blocks, s.dedup, s.hit_tokens, s.miss_tokens, s.pinned_blocks), (3, 3, 12, 4, 3));
-    let r = c.release_match(KvReleaseMatchRequest { lease: m.lease }).await.unwrap().into_inner();
+    let r = c
+        .release_match(KvReleaseMatchRequest { lease: m.lease.clone() })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(r.released);
     assert_eq!(c.stats(StatsRequest {}).await.unwrap().into_inner().pinned_blocks, 0);
-    let err = c.read(KvReadRequest { lease: m.lease }).await.unwrap_err();
+    let err = c.read(KvReadRequest { lease: m.lease.clone() }).await.unwrap_err();
     assert_eq!(err.code(), Code::NotFound, "{err:?}");
 }
 
@@ -222,7 +226,7 @@ async fn matched_blocks_are_read_by_ucx_get() {
     for (i, g) in pending.into_iter().enumerate() {
         assert_eq!(g.await.unwrap(), data[i].to_vec(), "block {i}");
     }
-    c.release_match(KvReleaseMatchRequest { lease: m.lease }).await.unwrap();
+    c.release_match(KvReleaseMatchRequest { lease: m.lease.clone() }).await.unwrap();
 
     let mut plain = serve(8).await;
     plain.write(tokio_stream::iter(write_msgs(&hashes, &data))).await.unwrap();

@@ -4,13 +4,16 @@
 //! placement weighs against load, never a fact it relies on.
 
 use std::collections::HashMap;
-use std::num::NonZeroUsize;
 use std::sync::Mutex;
 
 use lru::LruCache;
 use pdmesh_kv_types::{BlockHash, BlockHasher, KvLayout};
 
 use crate::registry::Node;
+
+/// The most blocks remembered for one node, whatever it claims: 2^20 blocks are 16M tokens
+/// at 16 per block, past any node's cache, and about 50 MB of router memory.
+pub const MAX_TRACKED_BLOCKS: usize = 1 << 20;
 
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
@@ -51,16 +54,19 @@ impl PrefixIndex {
     /// `node` was sent `prompt`: it will hold its full blocks (if it has a cache at all).
     pub fn record(&self, node: &Node, prompt: &[u32]) {
         let mut index = self.lock();
-        let Some(cap) = NonZeroUsize::new(node.load.cache_blocks as usize) else {
+        // The size is the node's own claim: it bounds what is remembered for it, and is never
+        // allocated up front (a claim of 4 billion blocks once made the router allocate them).
+        let cap = (node.load.cache_blocks as usize).min(MAX_TRACKED_BLOCKS);
+        if cap == 0 {
             index.remove(&node.id);
             return;
-        };
-        let held = index.entry(node.id.clone()).or_insert_with(|| LruCache::new(cap));
-        if held.cap() != cap {
-            held.resize(cap);
         }
+        let held = index.entry(node.id.clone()).or_insert_with(LruCache::unbounded);
         for h in chain(&node.layout, prompt) {
             held.put(h, ());
+        }
+        while held.len() > cap {
+            held.pop_lru();
         }
     }
 
@@ -120,5 +126,21 @@ mod tests {
         let none = node("a", 0);
         idx.record(&none, &p);
         assert!(idx.matched(&[a], &p).is_empty(), "a node without a cache holds nothing");
+    }
+
+    /// A node claiming 2^32 - 1 cache blocks made the router allocate that many entries and
+    /// abort; the claim now bounds only what is remembered.
+    #[test]
+    fn a_huge_claimed_cache_allocates_nothing_up_front() {
+        let idx = PrefixIndex::default();
+        let liar = node("liar", u32::MAX);
+        let p: Vec<u32> = (0..64).collect();
+        idx.record(&liar, &p);
+        assert_eq!(idx.matched(std::slice::from_ref(&liar), &p)["liar"], 64);
+        // And it still forgets past the cap: a bigger prompt than the cap keeps only its end.
+        let small = node("liar", 3);
+        let q: Vec<u32> = (100..132).collect();
+        idx.record(&small, &q);
+        assert_eq!(idx.lock()["liar"].len(), 3);
     }
 }

@@ -200,13 +200,18 @@ impl Membership for RouterService {
         let layout = r.layout.ok_or_else(|| Status::invalid_argument("layout is required"))?;
         let layout = pdmesh_proto::layout_from_wire(&layout)
             .map_err(|e| Status::invalid_argument(format!("layout: {e}")))?;
-        if layout.model_fingerprint != self.mesh().model.fingerprint {
+        let ours = self.mesh().model.fingerprint;
+        if layout.model_fingerprint != ours {
+            // Its tokens would not be this model's: joining would serve wrong answers.
             tracing::warn!(
                 node = r.node_id,
-                "node serves model {:016x}, this router validates for {:016x}",
-                layout.model_fingerprint,
-                self.mesh().model.fingerprint
+                "refused: node serves model {:016x}, this router serves {ours:016x}",
+                layout.model_fingerprint
             );
+            return Err(Status::failed_precondition(format!(
+                "node {} serves model {:016x}; this router serves {ours:016x}",
+                r.node_id, layout.model_fingerprint
+            )));
         }
         let now = Instant::now();
         {

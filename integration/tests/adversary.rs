@@ -1,0 +1,248 @@
+//! The mesh against callers who try to take what is not theirs, with real processes and the
+//! real model: each test plays the attacker, asserts the precise status it gets, and checks
+//! that honest work alongside it is unharmed.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use pdmesh_integration::cluster::Service;
+use pdmesh_integration::{Cluster, eventually, model_path};
+use pdmesh_kv_types::BlockHasher;
+use pdmesh_proto::v1::generation_client::GenerationClient;
+use pdmesh_proto::v1::kv_chunk::Chunk as PushChunk;
+use pdmesh_proto::v1::kv_store_client::KvStoreClient;
+use pdmesh_proto::v1::kv_write_chunk::Chunk;
+use pdmesh_proto::v1::membership_client::MembershipClient;
+use pdmesh_proto::v1::{
+    DecodeRequest, GenerateRequest, HeartbeatRequest, KvChunk, KvHeader, KvMatchRequest,
+    KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk, KvWriteHeader, NodeLoad,
+    RegisterRequest, ReleaseRequest, ReserveRequest, Role, SamplerState, TokenIds, decode_request,
+    generate_request, generate_response,
+};
+use tonic::Code;
+use tonic::transport::Channel;
+
+/// Clusters are heavy on two cores: one test at a time in this binary.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+const WAIT: Duration = Duration::from_secs(30);
+
+/// `wire` with its last hex digit changed: the same table key, another secret.
+fn forge(wire: &str) -> String {
+    let mut b = wire.as_bytes().to_vec();
+    let last = b.len() - 1;
+    b[last] = if b[last] == b'0' { b'1' } else { b'0' };
+    String::from_utf8(b).unwrap()
+}
+
+/// Greedy tokens of one request through the router.
+async fn generate(client: &mut GenerationClient<Channel>, prompt: &[u32]) -> Vec<u32> {
+    let r = GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt.to_vec() })),
+        max_tokens: 8,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let mut s = client.generate(r).await.unwrap().into_inner();
+    let mut toks = Vec::new();
+    while let Some(m) = s.message().await.unwrap() {
+        match m.event {
+            Some(generate_response::Event::Delta(d)) => toks.extend(d.token_ids),
+            Some(generate_response::Event::Finished(_)) => return toks,
+            _ => {}
+        }
+    }
+    panic!("stream ended without a finish message");
+}
+
+fn attach(reservation_id: &str) -> DecodeRequest {
+    DecodeRequest {
+        reservation_id: reservation_id.into(),
+        prompt: (0..40).map(|i| 300 + i).collect(),
+        sampler: Some(SamplerState { top_p: 1.0, repetition_penalty: 1.0, ..Default::default() }),
+        max_tokens: 5,
+        start: Some(decode_request::Start::FirstToken(5)),
+        ..Default::default()
+    }
+}
+
+/// Reservation ids were 1, 2, 3…: anyone could attach to, release or push KV into another
+/// request's reservation. Now a counter is not even an id, and the right key with a wrong
+/// secret is answered exactly as an unknown reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guessed_and_forged_reservation_ids_are_refused() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(0).decode(1).start().await;
+    let mut d = c.decode_client(0).await;
+    let layout = c.decode_stats(0).await.layout;
+    let victim = ReserveRequest {
+        request_id: "victim".into(),
+        prompt_tokens: 40,
+        max_tokens: 10,
+        lease_ms: 60_000,
+        remote_kv: false,
+    };
+    let target = d.reserve(victim).await.unwrap().into_inner().target.unwrap();
+    let id = target.reservation_id.clone();
+    assert_eq!(id.len(), 32, "a reservation id is 128 bits: {id}");
+    let forged = forge(&id);
+
+    for guess in ["1", "2", "0"] {
+        let e = d.decode(attach(guess)).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        let e = d.release(ReleaseRequest { reservation_id: guess.into() }).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    }
+    let e = d.decode(attach(&forged)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert!(!e.message().contains(&id[16..]), "the error echoes the real secret: {e:?}");
+    let r = d.release(ReleaseRequest { reservation_id: forged.clone() }).await.unwrap();
+    assert!(!r.into_inner().released, "a forged id released the reservation");
+    // Pushing KV into it.
+    let header = KvChunk {
+        chunk: Some(PushChunk::Header(KvHeader {
+            reservation_id: forged,
+            layout,
+            prefill_node: "mallory".into(),
+            traceparent: String::new(),
+        })),
+    };
+    let e = d.push_kv(tokio_stream::iter([header])).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+
+    // The victim's reservation is untouched: still reserved, and its holder releases it.
+    assert_eq!(c.decode_stats(0).await.reserved, 1);
+    let r = d.release(ReleaseRequest { reservation_id: id }).await.unwrap();
+    assert!(r.into_inner().released);
+    eventually(WAIT, "blocks free", || async {
+        let l = c.decode_stats(0).await.load.unwrap();
+        l.committed_blocks == 0
+    })
+    .await;
+}
+
+/// A node of another model is refused (its tokens would be wrong answers); a node claiming a
+/// 2^32-block prefix cache no longer makes the router allocate it and abort. Honest requests
+/// before, during and after give the same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(1).decode(1).start().await;
+    c.wait_nodes(1, 1).await;
+    let mut client = c.client().await;
+    let prompt: Vec<u32> = (0..48).map(|i| 400 + i * 3).collect();
+    let want = generate(&mut client, &prompt).await;
+
+    let real = c.nodes().await.into_iter().find(|n| n.role == Role::Prefill as i32).unwrap();
+    let mut m = MembershipClient::connect(format!("http://{}", c.router.addr)).await.unwrap();
+    let mut other = real.layout.clone().unwrap();
+    other.model_fingerprint ^= 1;
+    let e = m
+        .register(RegisterRequest {
+            node_id: "other-model".into(),
+            role: Role::Prefill as i32,
+            address: real.address.clone(),
+            layout: Some(other),
+            load: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(c.nodes().await.iter().all(|n| n.node_id != "other-model"));
+
+    // The liar sits at the real node's address, so requests placed on it are served; it keeps
+    // its claim fresh while honest requests run.
+    let huge = NodeLoad { cache_blocks: u32::MAX, ..Default::default() };
+    m.register(RegisterRequest {
+        node_id: "liar".into(),
+        role: Role::Prefill as i32,
+        address: real.address.clone(),
+        layout: real.layout,
+        load: Some(huge),
+    })
+    .await
+    .unwrap();
+    let mut hb = m.clone();
+    let beat = tokio::spawn(async move {
+        loop {
+            let r = HeartbeatRequest { node_id: "liar".into(), load: Some(huge) };
+            let _ = hb.heartbeat(r).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    for i in 0..4u32 {
+        let p: Vec<u32> = prompt.iter().map(|t| t + i).collect();
+        let got = generate(&mut client, &p).await;
+        assert_eq!(got.len(), 8);
+    }
+    assert_eq!(generate(&mut client, &prompt).await, want);
+    beat.abort();
+    assert!(c.router.is_running_ref(), "the router died");
+}
+
+/// KV-store leases were 1, 2, 3…: any caller could read another's matched blocks or unpin
+/// them. A lease is now a capability like a reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kvstore_leases_cannot_be_guessed_or_forged() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(0).decode(1).start().await;
+    let layout = c.decode_stats(0).await.layout.unwrap();
+    let model = model_path().display().to_string();
+    let args: Vec<String> =
+        ["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "20000000"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+    let store = Service::start("kvstore", "kvstore", &args);
+    let mut k = KvStoreClient::connect(format!("http://{}", store.addr))
+        .await
+        .unwrap()
+        .max_decoding_message_size(64 << 20);
+    let domain = pdmesh_proto::layout_from_wire(&layout).unwrap();
+    let tokens: Vec<u32> = (0..32).map(|i| 700 + i).collect();
+    let chain = BlockHasher::new(&domain).unwrap().chain(&tokens);
+    let data = Bytes::from(vec![9u8; domain.bytes_per_block()]);
+    let mut msgs = vec![KvWriteChunk {
+        chunk: Some(Chunk::Header(KvWriteHeader {
+            layout: Some(layout.clone()),
+            from: "t".into(),
+        })),
+    }];
+    msgs.extend(chain.iter().map(|h| KvWriteChunk {
+        chunk: Some(Chunk::Block(KvStoreBlock {
+            hash: Bytes::copy_from_slice(&h.to_bytes()),
+            data: data.clone(),
+        })),
+    }));
+    assert_eq!(k.write(tokio_stream::iter(msgs)).await.unwrap().into_inner().stored, 2);
+    let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
+    let m = k
+        .r#match(KvMatchRequest { layout: Some(layout), hashes, lease_ms: 60_000, want_ucx: false })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((m.blocks, m.lease.len()), (2, 32), "lease {:?}", m.lease);
+
+    for guess in ["1", "2"] {
+        let e = k.read(KvReadRequest { lease: guess.into() }).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        let e = k.release_match(KvReleaseMatchRequest { lease: guess.into() }).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    }
+    let forged = forge(&m.lease);
+    let e = k.read(KvReadRequest { lease: forged.clone() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    let r = k.release_match(KvReleaseMatchRequest { lease: forged }).await.unwrap();
+    assert!(!r.into_inner().released, "a forged lease unpinned the blocks");
+    // The holder still reads its blocks, then releases them.
+    let mut s = k.read(KvReadRequest { lease: m.lease.clone() }).await.unwrap().into_inner();
+    let mut n = 0;
+    while let Some(b) = s.message().await.unwrap() {
+        assert_eq!(b.data, data);
+        n += 1;
+    }
+    assert_eq!(n, 2);
+    let r = k.release_match(KvReleaseMatchRequest { lease: m.lease }).await.unwrap();
+    assert!(r.into_inner().released);
+}
