@@ -8,8 +8,8 @@
 //! computed in full, a slower request and never a failed one.
 
 use std::num::NonZeroUsize;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,6 +24,7 @@ use pdmesh_proto::v1::{
     KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
     KvWriteHeader, PrefixCacheStats, UcxTarget,
 };
+use tokio::sync::Semaphore;
 use tonic::transport::Endpoint;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
@@ -75,7 +76,14 @@ struct Store {
     client: KvStoreClient<Channel>,
     /// Longest a lookup (match + read) may take before the prompt is computed in full.
     timeout: Duration,
+    /// Publishes in flight: each holds its blocks' bytes until the store answers, so a store
+    /// that hangs must not make every prompt add one more.
+    publishing: Arc<Semaphore>,
 }
+
+/// Publishes to the KV-store in flight at once; past it, blocks are not published (the cache
+/// is an optimisation: the next prompt with this prefix publishes them).
+const MAX_PUBLISHING: usize = 16;
 
 #[derive(Debug, Default)]
 struct Counters {
@@ -128,7 +136,11 @@ impl PrefixCache {
                 let client = KvStoreClient::new(pdmesh_common::trace::channel(ep.connect_lazy()))
                     .max_decoding_message_size(64 << 20)
                     .max_encoding_message_size(64 << 20);
-                Some(Store { client, timeout })
+                Some(Store {
+                    client,
+                    timeout,
+                    publishing: Arc::new(Semaphore::new(MAX_PUBLISHING)),
+                })
             }
             None => None,
         };
@@ -245,6 +257,14 @@ impl PrefixCache {
         if m.blocks == 0 {
             return Ok(Vec::new());
         }
+        // A store claiming more than it was asked would have the caller index past the chain.
+        if m.blocks as usize > chain.len() {
+            return Err(tonic::Status::data_loss(format!(
+                "the store matched {} blocks of a {}-block chain",
+                m.blocks,
+                chain.len()
+            )));
+        }
         let lease = m.lease;
         let read = async {
             if let (Some(peers), Some(t)) = (&self.ucx, &m.ucx) {
@@ -330,6 +350,13 @@ impl PrefixCache {
             l.insert(&chain[first..], &blocks);
         }
         let Some(store) = &self.store else { return };
+        let Ok(permit) = store.publishing.clone().try_acquire_owned() else {
+            tracing::debug!(
+                blocks = blocks.len(),
+                "{MAX_PUBLISHING} publishes in flight; not publishing"
+            );
+            return;
+        };
         let mut msgs = vec![KvWriteChunk {
             chunk: Some(Chunk::Header(KvWriteHeader {
                 layout: Some(self.layout.into()),
@@ -349,6 +376,7 @@ impl PrefixCache {
             duplicates = Empty,
         );
         let publish = async move {
+            let _permit = permit;
             let span = Span::current();
             match tokio::time::timeout(timeout, c.write(tokio_stream::iter(msgs))).await {
                 Ok(Ok(r)) => {
