@@ -12,6 +12,11 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
+/// HTTP/2 streams one connection may have open on a server at once.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 2048;
+/// Header bytes one request may send (gRPC metadata is small; tonic's default is 16 MB).
+pub const MAX_HEADER_BYTES: u32 = 64 << 10;
+
 /// Binds `addr` ("host:port"; port 0 picks one) and returns the listener and its real address.
 pub async fn bind(addr: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
     let l = TcpListener::bind(addr).await?;
@@ -62,6 +67,10 @@ async fn serve_until(
         .initial_connection_window_size(Some(64 << 20))
         // Fewer, larger frames for the same reason (HTTP/2's default is 16 KB).
         .max_frame_size(Some(1 << 20))
+        // Bounds a single connection can make a server hold: streams at once (the router keeps
+        // every request to a node on one connection, far below this) and header bytes.
+        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        .http2_max_header_list_size(Some(MAX_HEADER_BYTES))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         .layer(crate::trace::TraceLayer)

@@ -39,6 +39,10 @@ fn raise_exception(msg: String) -> std::result::Result<String, JinjaError> {
     Err(JinjaError::new(ErrorKind::InvalidOperation, msg))
 }
 
+/// Instructions one rendering may run: a chat template spends tens per message, so this is
+/// thousands of messages' worth, and a runaway loop stops within tens of milliseconds.
+pub const TEMPLATE_FUEL: u64 = 2_000_000;
+
 impl ChatTemplate {
     /// Compiles `source`; `bos`/`eos` are the texts of those tokens (templates may print them).
     pub fn new(source: &str, bos: &str, eos: &str) -> Result<Self> {
@@ -51,6 +55,9 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
+        // Templates come with the model file and loop over the caller's messages: a bounded
+        // number of steps, so no template and no conversation can hold a thread forever.
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| Error::Template(format!("does not compile: {e}")))?;
         Ok(Self { env, bos: bos.to_string(), eos: eos.to_string() })
@@ -75,6 +82,28 @@ mod tests {
     use super::*;
 
     const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    /// A template whose loops would run 10^10 times: it is stopped by fuel, with an error,
+    /// instead of holding its thread.
+    #[test]
+    fn a_runaway_template_runs_out_of_fuel() {
+        let src =
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(src, "", "").unwrap();
+        let start = std::time::Instant::now();
+        let err = t.render(&[], true).unwrap_err().to_string();
+        assert!(err.contains("fuel"), "{err}");
+        assert!(start.elapsed() < std::time::Duration::from_secs(10));
+        // An ordinary conversation of a few hundred messages renders within it.
+        let t = ChatTemplate::new(SMOLLM2, "", "").unwrap();
+        let msgs: Vec<Message> = (0..400)
+            .map(|i| Message {
+                role: if i % 2 == 0 { "user" } else { "assistant" }.into(),
+                content: format!("m{i}"),
+            })
+            .collect();
+        assert!(t.render(&msgs, true).is_ok());
+    }
 
     #[test]
     fn renders_chatml_with_default_system_prompt() {
