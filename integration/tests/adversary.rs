@@ -111,6 +111,16 @@ async fn guessed_and_forged_reservation_ids_are_refused() {
     let e = d.push_kv(tokio_stream::iter([header])).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
 
+    // Even the holder is held to the bounds the router checks: a decode node re-checks them.
+    let mut flood = attach(&id);
+    flood.stop = (0..1000).map(|i| format!("stop{i}")).collect();
+    let e = d.decode(flood).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let mut huge = attach(&id);
+    huge.stop = vec!["x".repeat(1 << 20)];
+    let e = d.decode(huge).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+
     // The victim's reservation is untouched: still reserved, and its holder releases it.
     assert_eq!(c.decode_stats(0).await.reserved, 1);
     let r = d.release(ReleaseRequest { reservation_id: id }).await.unwrap();

@@ -249,6 +249,7 @@ impl Decode for DecodeService {
         if r.max_tokens == 0 {
             return Err(Status::invalid_argument("max_tokens must be at least 1"));
         }
+        pdmesh_wire::check_stops(&r.stop).map_err(Status::invalid_argument)?;
         let max_tokens = (r.max_tokens as usize).min(self.context);
         let attach = Box::new(Attach {
             prompt: r.prompt,

@@ -6,8 +6,6 @@ use pdmesh_proto::v1::{Chat, GenerateRequest, generate_request};
 
 /// Roles the chat template understands.
 const ROLES: [&str; 4] = ["system", "user", "assistant", "tool"];
-const MAX_STOPS: usize = 16;
-const MAX_STOP_BYTES: usize = 256;
 
 /// A checked request, ready to place.
 #[derive(Debug, Clone, PartialEq)]
@@ -115,17 +113,7 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
     if !rp.is_finite() || rp <= 0.0 {
         return Err(format!("sampling.repetition_penalty: must be a finite number > 0, got {rp}"));
     }
-    if req.stop.len() > MAX_STOPS {
-        return Err(format!("stop: at most {MAX_STOPS} stop strings, got {}", req.stop.len()));
-    }
-    for (i, st) in req.stop.iter().enumerate() {
-        if st.is_empty() || st.len() > MAX_STOP_BYTES {
-            return Err(format!(
-                "stop[{i}]: must be 1 to {MAX_STOP_BYTES} bytes, got {}",
-                st.len()
-            ));
-        }
-    }
+    pdmesh_wire::check_stops(&req.stop)?;
     let sampling = SamplingParams {
         temperature: s.temperature,
         top_k: s.top_k as usize,

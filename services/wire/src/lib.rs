@@ -41,6 +41,27 @@ pub fn sampling_from(s: Option<&SamplerState>) -> Result<(SamplingParams, u128),
     Ok((p, rng_position(&s.rng_position)?))
 }
 
+/// Stop strings one request may have, and the bytes of each.
+pub const MAX_STOPS: usize = 16;
+pub const MAX_STOP_BYTES: usize = 256;
+
+/// Checks a request's stop strings (the router does for clients, a decode node again for
+/// whoever calls it: each is matched against the output at every token).
+pub fn check_stops(stops: &[String]) -> Result<(), String> {
+    if stops.len() > MAX_STOPS {
+        return Err(format!("stop: at most {MAX_STOPS} stop strings, got {}", stops.len()));
+    }
+    for (i, st) in stops.iter().enumerate() {
+        if st.is_empty() || st.len() > MAX_STOP_BYTES {
+            return Err(format!(
+                "stop[{i}]: must be 1 to {MAX_STOP_BYTES} bytes, got {}",
+                st.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// A random-stream position from its little-endian bytes (empty = 0).
 pub fn rng_position(b: &[u8]) -> Result<u128, Status> {
     match b.len() {
