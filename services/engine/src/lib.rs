@@ -11,6 +11,8 @@ pub mod connector;
 pub mod engine;
 pub mod error;
 pub mod eval;
+#[cfg(test)]
+mod fuzz;
 pub mod generate;
 pub mod gguf;
 pub mod kv_cache;

@@ -49,7 +49,7 @@ pub enum TinyArch {
 }
 
 impl TinyArch {
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             TinyArch::Llama | TinyArch::Llama3 => "llama",
             TinyArch::Qwen2 => "qwen2",
