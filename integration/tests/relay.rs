@@ -234,6 +234,16 @@ async fn overload_and_cancel_end_requests_with_their_status() {
     let over = generate(&m, req(4)).await.unwrap_err();
     assert_eq!(over.code(), Code::ResourceExhausted);
     assert!(over.metadata().get(pdmesh_common::status::RETRY_AFTER_MS).is_some());
+    // Admission comes before any work on the request: a full router refuses even a request
+    // it would find invalid, without tokenizing it, and a Tokenize call too.
+    let invalid = GenerateRequest { max_tokens: 1 << 30, ..req(4) };
+    let e = generate(&m, invalid).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    let t = pdmesh_proto::v1::TokenizeRequest {
+        input: Some(pdmesh_proto::v1::tokenize_request::Input::Prompt("x ".repeat(100_000))),
+    };
+    let e = c.tokenize(t).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     c.cancel(pdmesh_proto::v1::CancelRequest { request_id: "long".into() }).await.unwrap();
     let mut end = None;
     while let Some(GenerateResponse { event }) = long.message().await.unwrap() {

@@ -73,6 +73,10 @@ pub struct Timings {
 /// A request's events; dropping it cancels the request on every node.
 pub type Events = mpsc::Receiver<Result<Event, RequestError>>;
 
+/// A request's place among those in flight (`Router::admit`); dropping it gives it back.
+#[derive(Debug)]
+pub struct Admitted(tokio::sync::OwnedSemaphorePermit);
+
 /// The router's library API.
 #[derive(Debug, Clone)]
 pub struct Router {
@@ -99,6 +103,19 @@ impl Router {
         &self.admission
     }
 
+    /// A place among the requests in flight, taken before any work is done for a request
+    /// (tokenizing a prompt is work); refused at once when the router is full.
+    pub fn admit(&self) -> Result<Admitted, RequestError> {
+        let cfg = &self.mesh.config;
+        let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
+            RequestError::Overloaded {
+                message: format!("router at its limit of {} requests in flight", cfg.max_in_flight),
+                retry_after: Duration::from_millis(cfg.retry_after_ms),
+            }
+        })?;
+        Ok(Admitted(permit))
+    }
+
     /// Admits a prepared request and starts it on the mesh, running until `deadline`; its
     /// events come back on the returned receiver, under `span` (the request's root span).
     /// Refused at once (never queued without bound) when the router is full or the id runs.
@@ -109,7 +126,19 @@ impl Router {
         deadline: Instant,
         span: Span,
     ) -> Result<(String, Events), RequestError> {
-        let cfg = &self.mesh.config;
+        let admitted = self.admit()?;
+        self.generate_admitted(admitted, request_id, prep, deadline, span)
+    }
+
+    /// `generate` for a request already admitted (`admit`), whose place it keeps until it ends.
+    pub fn generate_admitted(
+        &self,
+        admitted: Admitted,
+        request_id: Option<String>,
+        prep: Prepared,
+        deadline: Instant,
+        span: Span,
+    ) -> Result<(String, Events), RequestError> {
         let id = match request_id {
             Some(id) => {
                 pdmesh_common::ids::check_request_id(&id).map_err(RequestError::Invalid)?;
@@ -117,12 +146,7 @@ impl Router {
             }
             None => pdmesh_common::ids::new_request_id(),
         };
-        let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
-            RequestError::Overloaded {
-                message: format!("router at its limit of {} requests in flight", cfg.max_in_flight),
-                retry_after: Duration::from_millis(cfg.retry_after_ms),
-            }
-        })?;
+        let permit = admitted.0;
         let cancel = self.mesh.start(&id).ok_or_else(|| RequestError::Duplicate(id.clone()))?;
         let (tx, rx) = mpsc::channel(CLIENT_BUFFER);
         let mesh = Arc::clone(&self.mesh);

@@ -26,7 +26,7 @@ use pdmesh_proto::v1::generation_server::GenerationServer;
 use pdmesh_proto::v1::membership_server::MembershipServer;
 use tokio::net::TcpListener;
 
-pub use api::{Event, Events, Finished, Router, Timings, Usage};
+pub use api::{Admitted, Event, Events, Finished, Router, Timings, Usage};
 pub use config::RouterConfig;
 pub use error::{RequestError, RouterError};
 

@@ -62,7 +62,8 @@ impl RouterService {
         root: Span,
     ) -> Result<Response<ResponseStream>, Status> {
         let model = Arc::clone(&self.mesh().model);
-        // Checked, with everything else about admission, by the library.
+        // A place first: a full router refuses before it tokenizes (the costly part of checking).
+        let admitted = self.router.admit()?;
         let request_id = (!r.request_id.is_empty()).then(|| r.request_id.clone());
         let prep = tokio::task::spawn_blocking(move || prepare(&model, &r))
             .await
@@ -71,7 +72,8 @@ impl RouterService {
         trace::attr(&root, "prompt_tokens", prep.prompt.len() as i64);
         trace::attr(&root, "max_tokens", prep.max_tokens as i64);
         Span::current().record("in_flight", self.router.in_flight() as i64);
-        let (id, events) = self.router.generate(request_id, prep, deadline, root.clone())?;
+        let (id, events) =
+            self.router.generate_admitted(admitted, request_id, prep, deadline, root.clone())?;
         trace::attr(&root, "request_id", id);
         let stream = tokio_stream::wrappers::ReceiverStream::new(events).map(|ev| {
             ev.map(|e| GenerateResponse { event: Some(to_wire(e)) }).map_err(Status::from)
@@ -146,6 +148,8 @@ impl Generation for RouterService {
             tokenize_request::Input::Chat(c) => generate_request::Input::Chat(c),
         });
         let model = Arc::clone(&self.mesh().model);
+        // Tokenizing is the work a Generate is admitted for: it takes a place too while it runs.
+        let _admitted = self.router.admit()?;
         let ids = tokio::task::spawn_blocking(move || tokenize(&model, input.as_ref()))
             .await
             .map_err(|e| Status::internal(format!("tokenize task: {e}")))?
