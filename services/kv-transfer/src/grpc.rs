@@ -4,10 +4,11 @@
 //! sink is dropped, so an abandoned transfer resets the stream. Receiving: `receive_push`
 //! writes the blocks into the reservation and fails it when the stream ends early.
 
-use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lru::LruCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk;
@@ -25,14 +26,30 @@ use crate::{KvPiece, KvSink, KvTransport, TransferError};
 /// Messages buffered per transfer before `send` waits for the network.
 const IN_FLIGHT_MESSAGES: usize = 8;
 
-#[derive(Debug, Default)]
+/// Decode nodes a prefill node keeps a channel to; the least recently used goes past this
+/// (addresses come with each request's target, so the set must not grow without end).
+pub const MAX_CHANNELS: usize = 256;
+
+#[derive(Debug)]
 pub struct GrpcTransport {
-    channels: Mutex<HashMap<String, Channel>>,
+    channels: Mutex<LruCache<String, Channel>>,
+}
+
+impl Default for GrpcTransport {
+    fn default() -> Self {
+        let cap = NonZeroUsize::new(MAX_CHANNELS).expect("non-zero");
+        Self { channels: Mutex::new(LruCache::new(cap)) }
+    }
 }
 
 impl GrpcTransport {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Channels held now.
+    pub fn channels(&self) -> usize {
+        self.channels.lock().expect("channel map lock is never poisoned").len()
     }
 
     pub(crate) fn channel(&self, address: &str, node: &str) -> Result<Channel, TransferError> {
@@ -50,7 +67,7 @@ impl GrpcTransport {
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20));
         let c = pdmesh_common::trace::channel(ep.connect_lazy());
-        map.insert(address.to_string(), c.clone());
+        map.put(address.to_string(), c.clone());
         Ok(c)
     }
 }
@@ -224,5 +241,28 @@ async fn receive(
                 return Err(Status::invalid_argument("unexpected message in the KV stream"));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Targets name the decode node's address, so a caller could make a prefill node keep a
+    /// channel to every address it names; the cache keeps the most recently used only.
+    #[tokio::test]
+    async fn the_channel_cache_is_bounded() {
+        let t = GrpcTransport::new();
+        let first = "127.0.0.1:1".to_string();
+        t.channel(&first, "d").unwrap();
+        for port in 2..(MAX_CHANNELS as u16 + 100) {
+            t.channel(&format!("127.0.0.1:{port}"), "d").unwrap();
+            // The first stays in use, so it stays.
+            t.channel(&first, "d").unwrap();
+        }
+        assert_eq!(t.channels(), MAX_CHANNELS);
+        let map = t.channels.lock().unwrap();
+        assert!(map.contains(&first));
+        assert!(!map.contains("127.0.0.1:2"), "the least recently used went first");
     }
 }

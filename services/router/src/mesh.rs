@@ -2,10 +2,12 @@
 //! address, the model (for validation), the config, and the running requests by id.
 
 use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use lru::LruCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_engine::Model;
 use pdmesh_proto::v1::Role;
@@ -17,12 +19,17 @@ use crate::metrics::RouterMetrics;
 use crate::prefix::PrefixIndex;
 use crate::registry::{Node, Registry};
 
+/// Node channels the router keeps at most.
+pub const MAX_CHANNELS: usize = 1024;
+
 #[derive(Debug)]
 pub struct Mesh {
     pub config: RouterConfig,
     pub model: Arc<Model>,
     pub registry: Mutex<Registry>,
-    channels: Mutex<HashMap<String, Channel>>,
+    /// Channels to node addresses (only registered nodes are ever dialled); nodes come and
+    /// go, so the least recently used is dropped past `MAX_CHANNELS`.
+    channels: Mutex<LruCache<String, Channel>>,
     active: Mutex<HashMap<String, CancellationToken>>,
     /// What each prefill node is thought to hold in its own cache.
     pub prefixes: PrefixIndex,
@@ -37,7 +44,7 @@ impl Mesh {
             config,
             model,
             registry: Mutex::new(Registry::new(ttl)),
-            channels: Mutex::new(HashMap::new()),
+            channels: Mutex::new(LruCache::new(NonZeroUsize::new(MAX_CHANNELS).expect("non-zero"))),
             active: Mutex::new(HashMap::new()),
             prefixes: PrefixIndex::default(),
             metrics: RouterMetrics::default(),
@@ -63,13 +70,13 @@ impl Mesh {
             .keep_alive_while_idle(true)
             .connect_lazy();
         let c = pdmesh_common::trace::channel(c);
-        map.insert(address.to_string(), c.clone());
+        map.put(address.to_string(), c.clone());
         Ok(c)
     }
 
     /// Forgets a channel whose node went away (a new node may reuse the address).
     pub fn drop_channel(&self, address: &str) {
-        self.channels.lock().expect("channel map lock is never poisoned").remove(address);
+        self.channels.lock().expect("channel map lock is never poisoned").pop(address);
     }
 
     /// Advances with every placement (round-robin position, tie rotation).

@@ -2,10 +2,11 @@
 //! stream of transfers to one peer connects and unpacks once. A UCX failure on a peer evicts
 //! it: the next transfer connects anew (the peer may have restarted at the same address).
 
-use std::collections::HashMap;
+use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use lru::LruCache;
 
 use super::{Endpoint, RemoteKey, UcxError, UcxNode};
 
@@ -21,7 +22,10 @@ impl std::fmt::Debug for Peer {
     }
 }
 
-type PeerMap = HashMap<(Bytes, Bytes), Arc<Peer>>;
+/// Peers (worker, remote key) kept connected; the least recently used is closed past this.
+pub const MAX_PEERS: usize = 64;
+
+type PeerMap = LruCache<(Bytes, Bytes), Arc<Peer>>;
 
 #[derive(Debug, Clone)]
 pub struct Peers {
@@ -31,7 +35,8 @@ pub struct Peers {
 
 impl Peers {
     pub fn new(node: UcxNode) -> Self {
-        Self { node, map: Arc::default() }
+        let cap = NonZeroUsize::new(MAX_PEERS).expect("non-zero");
+        Self { node, map: Arc::new(Mutex::new(LruCache::new(cap))) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, PeerMap> {
@@ -47,12 +52,17 @@ impl Peers {
         let ep = self.node.connect(worker.clone()).await?;
         let rkey = ep.remote_key(rkey.clone()).await?;
         let p = Arc::new(Peer { ep, rkey });
-        self.lock().insert(key, Arc::clone(&p));
+        self.lock().put(key, Arc::clone(&p));
         Ok(p)
     }
 
     /// Forgets `peer` after a failure on it.
     pub fn evict(&self, peer: &Arc<Peer>) {
-        self.lock().retain(|_, p| !Arc::ptr_eq(p, peer));
+        let mut map = self.lock();
+        let stale: Vec<_> =
+            map.iter().filter(|(_, p)| Arc::ptr_eq(p, peer)).map(|(k, _)| k.clone()).collect();
+        for k in stale {
+            map.pop(&k);
+        }
     }
 }
