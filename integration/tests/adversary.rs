@@ -16,10 +16,10 @@ use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::{
-    DecodeRequest, GenerateRequest, HeartbeatRequest, KvChunk, KvHeader, KvMatchRequest,
-    KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk, KvWriteHeader, NodeLoad,
-    RegisterRequest, ReleaseRequest, ReserveRequest, Role, SamplerState, TokenIds, decode_request,
-    generate_request, generate_response,
+    DecodeRequest, GenerateRequest, HeartbeatRequest, KvBlocks, KvChunk, KvEnd, KvHeader,
+    KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
+    KvWriteHeader, NodeLoad, RegisterRequest, ReleaseRequest, ReserveRequest, Role, SamplerState,
+    TokenIds, decode_request, generate_request, generate_response,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -255,4 +255,47 @@ async fn kvstore_leases_cannot_be_guessed_or_forged() {
     assert_eq!(n, 2);
     let r = k.release_match(KvReleaseMatchRequest { lease: m.lease }).await.unwrap();
     assert!(r.into_inner().released);
+}
+
+/// The router dies between "the KV arrived" and "attach the request": nobody will ever
+/// attach. The reservation must not hold its blocks forever: completing the KV re-arms the
+/// node's lease, and its expiry frees them. (We play the router, and vanish.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_that_no_request_ever_attaches_to_is_freed() {
+    let _serial = SERIAL.lock().await;
+    let c =
+        Cluster::builder().prefill(0).decode(1).decode_args(&["--lease-ms", "500"]).start().await;
+    let mut d = c.decode_client(0).await;
+    let layout = c.decode_stats(0).await.layout.unwrap();
+    let bpb = pdmesh_proto::layout_from_wire(&layout).unwrap().bytes_per_block();
+    let r = ReserveRequest {
+        request_id: "orphaned".into(),
+        prompt_tokens: 40,
+        max_tokens: 8,
+        lease_ms: 60_000,
+        remote_kv: false,
+    };
+    let target = d.reserve(r).await.unwrap().into_inner().target.unwrap();
+    let blocks = target.blocks as usize;
+    let data = vec![0u8; blocks * bpb];
+    let checksums = data.chunks(bpb).map(pdmesh_kv_types::block_checksum).collect();
+    let msgs = [
+        PushChunk::Header(KvHeader {
+            reservation_id: target.reservation_id,
+            layout: Some(layout),
+            prefill_node: "router-that-dies".into(),
+            traceparent: String::new(),
+        }),
+        PushChunk::Blocks(KvBlocks { first_block: 0, data: data.into() }),
+        PushChunk::End(KvEnd { blocks: blocks as u32, checksums }),
+    ]
+    .map(|c| KvChunk { chunk: Some(c) });
+    d.push_kv(tokio_stream::iter(msgs)).await.unwrap();
+    let s = c.decode_stats(0).await;
+    assert!(s.load.unwrap().committed_blocks > 0, "the KV is held for its request");
+    eventually(WAIT, "the orphaned KV's lease to free it", || async {
+        let s = c.decode_stats(0).await;
+        s.leases_expired == 1 && s.load.unwrap().committed_blocks == 0
+    })
+    .await;
 }

@@ -404,3 +404,42 @@ impl PrefixCache {
         tokio::spawn(publish.instrument(span));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdmesh_kv_types::{KvDtype, KvGeometry};
+
+    /// A KV-store that accepts connections and never answers: every publish hangs until its
+    /// timeout. Prompts keep coming; at most `MAX_PUBLISHING` publishes (and their bytes) are
+    /// held, the rest are dropped at once.
+    #[tokio::test]
+    async fn a_hung_store_holds_at_most_the_bounded_publishes() {
+        let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = hung.local_addr().unwrap().to_string();
+        let held = tokio::spawn(async move {
+            let mut conns = Vec::new();
+            while let Ok((s, _)) = hung.accept().await {
+                conns.push(s);
+            }
+        });
+        let geometry =
+            KvGeometry { dtype: KvDtype::F16, block_size: 4, layers: 1, kv_heads: 1, head_dim: 8 };
+        let layout = KvLayout { model_fingerprint: 7, geometry };
+        let cache = PrefixCache::new(layout, "p", 0, Some(&addr), Duration::from_secs(30), None)
+            .unwrap()
+            .unwrap();
+        let block = Bytes::from(vec![1u8; layout.bytes_per_block()]);
+        for i in 0..(MAX_PUBLISHING as u32 + 20) {
+            let chain = cache.hasher.chain(&[i, i + 1, i + 2, i + 3]);
+            cache.publish(&chain, 0, vec![block.clone()]);
+        }
+        let store = cache.store.as_ref().unwrap();
+        assert_eq!(store.publishing.available_permits(), 0, "every publish slot is taken");
+        // The 20 past the bound spawned nothing: besides the publishes only the fake store
+        // and the channel's few tasks are alive (unbounded, this was 37 and more).
+        let alive = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+        assert!(alive <= MAX_PUBLISHING + 6, "{alive} tasks alive");
+        held.abort();
+    }
+}
