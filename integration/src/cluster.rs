@@ -320,15 +320,11 @@ impl Cluster {
     }
 
     pub async fn client(&self) -> GenerationClient<Channel> {
-        GenerationClient::connect(format!("http://{}", self.router.addr))
-            .await
-            .expect("router reachable")
+        GenerationClient::new(channel(&self.router.addr).await)
     }
 
     pub async fn nodes(&self) -> Vec<NodeStatus> {
-        let mut c = MembershipClient::connect(format!("http://{}", self.router.addr))
-            .await
-            .expect("router reachable");
+        let mut c = MembershipClient::new(channel(&self.router.addr).await);
         c.list_nodes(ListNodesRequest {}).await.expect("ListNodes").into_inner().nodes
     }
 
@@ -351,9 +347,7 @@ impl Cluster {
     }
 
     pub async fn prefill_stats(&self, i: usize) -> NodeStats {
-        let mut c = PrefillClient::connect(format!("http://{}", self.prefills[i].addr))
-            .await
-            .expect("prefill reachable");
+        let mut c = PrefillClient::new(channel(&self.prefills[i].addr).await);
         c.stats(StatsRequest {}).await.expect("Stats").into_inner()
     }
 
@@ -362,14 +356,19 @@ impl Cluster {
     }
 
     pub async fn decode_client(&self, i: usize) -> DecodeClient<Channel> {
-        DecodeClient::connect(format!("http://{}", self.decodes[i].addr))
-            .await
-            .expect("decode reachable")
+        DecodeClient::new(channel(&self.decodes[i].addr).await)
     }
 }
 
+/// A channel to a mesh process, with this test process's TLS when it has some
+/// (`pdmesh_common::tls::init`), plaintext otherwise.
+pub async fn channel(addr: &str) -> Channel {
+    let ep = pdmesh_common::tls::endpoint(addr).expect("a valid address");
+    ep.connect().await.unwrap_or_else(|e| panic!("{addr} unreachable: {e}"))
+}
+
 pub async fn decode_stats(addr: &str) -> NodeStats {
-    let mut c = DecodeClient::connect(format!("http://{addr}")).await.expect("decode reachable");
+    let mut c = DecodeClient::new(channel(addr).await);
     c.stats(StatsRequest {}).await.expect("Stats").into_inner()
 }
 

@@ -116,10 +116,10 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
 }
 
 async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
-    let mut client =
-        GenerationClient::connect(format!("http://{}", a.target)).await.with_context(|| {
-            format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
-        })?;
+    let channel = async { pdmesh_common::tls::endpoint(&a.target)?.connect().await };
+    let mut client = GenerationClient::new(channel.await.with_context(|| {
+        format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
+    })?);
     let mut req = tonic::Request::new(request_of(&a));
     req.set_timeout(Duration::from_secs(a.timeout_s));
     if let Some(tp) = &a.traceparent {

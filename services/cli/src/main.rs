@@ -33,6 +33,29 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Mutual TLS on every connection between mesh processes: DIR holds the mesh CA
+    /// (`ca.pem`) and this process's certificate and key (`NAME.pem`, `NAME.key`, NAME from
+    /// --tls-name). Servers then accept only clients with a certificate from that CA, and
+    /// clients only such servers. Without it connections are plaintext.
+    #[arg(long, global = true, value_name = "DIR", env = "PDMESH_TLS_DIR")]
+    tls_dir: Option<std::path::PathBuf>,
+    /// This process's certificate in --tls-dir.
+    #[arg(long, global = true, value_name = "NAME", env = "PDMESH_TLS_NAME")]
+    tls_name: Option<String>,
+}
+
+/// Sets this process's TLS from the flags.
+fn init_tls(cli: &Cli) -> anyhow::Result<()> {
+    let tls = match (&cli.tls_dir, &cli.tls_name) {
+        (Some(dir), Some(name)) => Some(pdmesh_common::tls::MeshTls::load(dir, name)?),
+        (Some(_), None) => {
+            anyhow::bail!("--tls-dir needs --tls-name: which certificate is this process's")
+        }
+        (None, Some(_)) => anyhow::bail!("--tls-name needs --tls-dir: where the certificates are"),
+        (None, None) => return Ok(()),
+    };
+    pdmesh_common::tls::init(tls);
+    Ok(())
 }
 
 #[derive(Debug, Subcommand)]
@@ -92,6 +115,10 @@ fn tool(args: Vec<OsString>) -> anyhow::Result<()> {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = init_tls(&cli) {
+        eprintln!("error: {e:#}");
+        return std::process::ExitCode::FAILURE;
+    }
     let result = match cli.command {
         Command::Up(a) => up::run(a),
         Command::Generate(a) => generate::run(a),

@@ -64,6 +64,11 @@ pub struct UpArgs {
     /// Bytes of recent KV blocks each prefill node keeps itself (0 = none; default 128 MiB).
     #[arg(long, value_name = "BYTES")]
     cache_bytes: Option<u64>,
+    /// Mutual TLS between the mesh's processes, with a throwaway CA and certificates made
+    /// now in a private temporary directory (removed when the mesh stops). A client then
+    /// connects with `--tls-dir DIR --tls-name client`, printed once the mesh is ready.
+    #[arg(long)]
+    tls: bool,
     /// Give up if the mesh is not ready within this many seconds.
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
@@ -83,7 +88,38 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
     rt.block_on(up(a))
 }
 
+/// Makes the mesh's certificates: one per process, named as the process is, and `client`.
+fn issue_certs(a: &UpArgs) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("pdmesh-tls-{}", std::process::id()));
+    let mut names: Vec<(String, &str)> = vec![
+        ("router".into(), "router"),
+        ("kvstore".into(), "kvstore"),
+        ("client".into(), "client"),
+    ];
+    names.extend((0..a.prefill).map(|i| (format!("prefill-{i}"), "prefill")));
+    names.extend((0..a.decode).map(|i| (format!("decode-{i}"), "decode")));
+    let refs: Vec<(&str, &str)> = names.iter().map(|(n, r)| (n.as_str(), *r)).collect();
+    pdmesh_common::tls::issue(&dir, &refs)?;
+    pdmesh_common::tls::init(Some(pdmesh_common::tls::MeshTls::load(&dir, "client")?));
+    Ok(dir)
+}
+
 async fn up(a: UpArgs) -> anyhow::Result<()> {
+    let tls_dir = if a.tls { Some(issue_certs(&a)?) } else { None };
+    let r = up_with(&a, tls_dir.as_deref()).await;
+    if let Some(d) = &tls_dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    r
+}
+
+async fn up_with(a: &UpArgs, tls_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    // Each process gets its own certificate, named as it is.
+    let tls = |name: &str| -> Vec<String> {
+        tls_dir.map_or_else(Vec::new, |d| {
+            vec!["--tls-dir".into(), d.display().to_string(), "--tls-name".into(), name.into()]
+        })
+    };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
     let model = a.model.display().to_string();
@@ -105,6 +141,7 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
             ]
             .into_iter()
             .chain(a.prefill_policy.iter().flat_map(|p| ["--prefill-policy".into(), p.to_string()]))
+            .chain(tls("router"))
             .collect::<Vec<String>>(),
         )
         .await?;
@@ -124,6 +161,7 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
             .into_iter()
             .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))
             .chain(a.kv_transport.iter().flat_map(|t| ["--kv-transport".into(), t.to_string()]))
+            .chain(tls("kvstore"))
             .collect::<Vec<String>>();
             let (p, kaddr) = spawn("kvstore", None, &args).await?;
             procs.push(p);
@@ -175,6 +213,7 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
                 {
                     args.extend(["--kvstore".into(), k.clone()]);
                 }
+                args.extend(tls(&name));
                 let (p, _) = spawn(&name, cpus.as_deref(), &args).await?;
                 procs.push(p);
             }
@@ -186,6 +225,12 @@ async fn up(a: UpArgs) -> anyhow::Result<()> {
             a.decode,
             if kvstore.is_some() { ", a KV-store" } else { "" }
         );
+        if let Some(d) = tls_dir {
+            println!(
+                "  mutual TLS on every connection; clients: --tls-dir {} --tls-name client",
+                d.display()
+            );
+        }
         anyhow::Ok(())
     }
     .await;
@@ -227,8 +272,9 @@ async fn wait_ready(
     let until = Instant::now() + timeout;
     let mut last = String::from("router not reachable");
     while Instant::now() < until {
-        if let Ok(mut c) = MembershipClient::connect(format!("http://{addr}")).await
-            && let Ok(r) = c.list_nodes(ListNodesRequest {}).await
+        let channel = async { pdmesh_common::tls::endpoint(addr)?.connect().await };
+        if let Ok(ch) = channel.await
+            && let Ok(r) = MembershipClient::new(ch).list_nodes(ListNodesRequest {}).await
         {
             let nodes = r.into_inner().nodes;
             let count = |role: Role| nodes.iter().filter(|n| n.role == role as i32).count();

@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod serve;
 pub mod status;
 pub mod telemetry;
+pub mod tls;
 pub mod trace;
 pub mod worker;
 

@@ -9,7 +9,6 @@ use std::time::Duration;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::{DeregisterRequest, HeartbeatRequest, NodeLoad, RegisterRequest};
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Endpoint;
 
 /// Reads a node's current load.
 pub type LoadFn = Arc<dyn Fn() -> NodeLoad + Send + Sync>;
@@ -43,7 +42,7 @@ pub fn spawn(
 /// node when its heartbeats lapse).
 async fn deregister(router: &str, node: &str) {
     let call = async {
-        let ep = Endpoint::from_shared(format!("http://{router}"))
+        let ep = crate::tls::endpoint(router)
             .map_err(|e| e.to_string())?
             .connect_timeout(Duration::from_secs(2))
             .timeout(Duration::from_secs(2));
@@ -80,7 +79,7 @@ async fn keep_registered(router: &str, reg: RegisterRequest, load: LoadFn) {
 
 /// One registration and its heartbeats; returns Ok when the router forgot the node.
 async fn session(router: &str, reg: &RegisterRequest, load: &LoadFn) -> Result<(), String> {
-    let ep = Endpoint::from_shared(format!("http://{router}"))
+    let ep = crate::tls::endpoint(router)
         .map_err(|e| format!("bad router address {router}: {e}"))?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(5));

@@ -59,7 +59,12 @@ async fn serve_until(
     let routes = routes.add_service(health).add_service(reflection);
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = crate::tls::current() {
+        // Every caller must present a certificate from the mesh CA.
+        builder = builder.tls_config(tls.server())?;
+    }
+    let server = builder
         .tcp_nodelay(true)
         // KV blocks are hundreds of KB each: HTTP/2's default 64 KB window would throttle a
         // transfer to a round trip per 64 KB.

@@ -17,7 +17,6 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
-use tonic::transport::Endpoint;
 use tracing::Instrument;
 
 use crate::inbox::{self, ClosedOnDrop, KvInbox};
@@ -57,7 +56,7 @@ impl GrpcTransport {
         if let Some(c) = map.get(address) {
             return Ok(c.clone());
         }
-        let ep = Endpoint::from_shared(format!("http://{address}"))
+        let ep = pdmesh_common::tls::endpoint(address)
             .map_err(|e| TransferError::Unreachable {
                 node: node.into(),
                 reason: format!("bad address {address}: {e}"),

@@ -25,7 +25,6 @@ use pdmesh_proto::v1::{
     KvWriteHeader, PrefixCacheStats, UcxTarget,
 };
 use tokio::sync::Semaphore;
-use tonic::transport::Endpoint;
 use tracing::field::Empty;
 use tracing::{Instrument, Span};
 
@@ -129,7 +128,7 @@ impl PrefixCache {
             .map(|n| Local { blocks: Mutex::new(LruCache::new(n)) });
         let store = match store {
             Some(address) => {
-                let ep = Endpoint::from_shared(format!("http://{address}"))
+                let ep = pdmesh_common::tls::endpoint(address)
                     .map_err(|source| CacheError::Address { address: address.into(), source })?
                     .connect_timeout(timeout)
                     .tcp_nodelay(true);

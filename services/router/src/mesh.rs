@@ -12,7 +12,6 @@ use pdmesh_common::trace::Channel;
 use pdmesh_engine::Model;
 use pdmesh_proto::v1::Role;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::Endpoint;
 
 use crate::config::RouterConfig;
 use crate::metrics::RouterMetrics;
@@ -62,7 +61,7 @@ impl Mesh {
         if let Some(c) = map.get(address) {
             return Ok(c.clone());
         }
-        let c = Endpoint::from_shared(format!("http://{address}"))?
+        let c = pdmesh_common::tls::endpoint(address)?
             .connect_timeout(Duration::from_secs(2))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))
