@@ -17,6 +17,10 @@
    this machine), alternating off/on for --rounds rounds. Prints median throughput and latency
    of each and the on/off ratios.
 
+4. Mutual TLS: the overhead part's requests on a mesh in plaintext and on one with mutual TLS
+   on every hop (`pdmesh up --tls`), alternating for --rounds rounds. Prints the TTFT ratio
+   and the inter-token latency difference.
+
 Everything runs on this machine's cores; absolute numbers drift between runs, the ratios in one
 run are what to compare. Writes the raw reports to .bench/mesh.json.
 """
@@ -49,6 +53,12 @@ class Mesh:
             self.p.kill()
             raise SystemExit(f"mesh did not start: {line!r}")
         print(f"  {line.strip()}", file=sys.stderr)
+        # With --tls, `up` names the certificates a client needs on the next line.
+        self.env = {}
+        if "--tls" in args:
+            tls = self.p.stdout.readline()
+            d = tls.split("--tls-dir ", 1)[1].split()[0]
+            self.env = {"PDMESH_TLS_DIR": d, "PDMESH_TLS_NAME": "client"}
 
     def __enter__(self):
         return self
@@ -58,8 +68,9 @@ class Mesh:
         self.p.wait(timeout=30)
 
 
-def bench(args):
-    out = subprocess.run([BIN, "bench", "--json"] + args, check=True, capture_output=True, text=True)
+def bench(args, env=None):
+    env = dict(os.environ, **(env or {}))
+    out = subprocess.run([BIN, "bench", "--json"] + args, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout)
 
 
@@ -76,7 +87,7 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=0.4, help="long-prompt arrivals per second")
     ap.add_argument("--rounds", type=int, default=3, help="off/on rounds in part 3")
-    ap.add_argument("--parts", default="overhead,mixed,tracing", help="which parts to run (comma-separated)")
+    ap.add_argument("--parts", default="overhead,mixed,tracing,tls", help="which parts to run (comma-separated)")
     ap.add_argument("--pdmesh", default=BIN,
                     help="the pdmesh binary (e.g. another build's, to compare with the same script)")
     a = ap.parse_args()
@@ -90,6 +101,8 @@ def main():
         mixed_load(a, report)
     if "tracing" in parts:
         tracing(a, report)
+    if "tls" in parts:
+        tls_cost(a, report)
     os.makedirs(".bench", exist_ok=True)
     with open(".bench/mesh.json", "w") as f:
         json.dump(report, f, indent=1)
@@ -110,6 +123,28 @@ def overhead(a, report):
           f"ratio {mr['ttft_ms']['p50'] / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
     print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {mr['itl_ms']['p50']:.2f} ms, "
           f"difference {mr['itl_ms']['p50'] - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
+
+
+def tls_cost(a, report):
+    """The mesh with mutual TLS on every hop against the same mesh in plaintext, each run
+    `--rounds` times alternately; medians of each round's medians."""
+    n = a.overhead_prompt_tokens
+    print(f"4. mutual TLS: {n}-token prompts, 64 tokens out, {a.rounds} rounds", file=sys.stderr)
+    common = ["--requests", str(a.requests), "--concurrency", "1", "--prompt-tokens", str(n), "--max-tokens", "64"]
+    runs = {"plain": [], "tls": []}
+    for _ in range(a.rounds):
+        for mode in ("plain", "tls"):
+            extra = ["--tls"] if mode == "tls" else []
+            with Mesh(["--prefill", "1", "--decode", "1", "--threads", str(a.threads)] + extra, a.model) as m:
+                bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"], m.env)
+                runs[mode].append(bench(common + ["--target", m.addr], m.env)["results"])
+    report["tls"] = runs
+    med = lambda mode, k: statistics.median(r[k]["p50"] for r in runs[mode])
+    tp, tt = med("plain", "ttft_ms"), med("tls", "ttft_ms")
+    ip, it = med("plain", "itl_ms"), med("tls", "itl_ms")
+    print("\n== mutual TLS (medians) ==")
+    print(f"TTFT {n}-token prompt: plaintext {tp:.1f} ms, mTLS {tt:.1f} ms, ratio {tt / tp:.3f} (goal <= 1.02)")
+    print(f"inter-token latency: plaintext {ip:.2f} ms, mTLS {it:.2f} ms, difference {it - ip:+.2f} ms (goal <= +0.2 ms)")
 
 
 def mixed_load(a, report):

@@ -249,10 +249,10 @@ pub fn run(a: MeshBenchArgs) -> anyhow::Result<()> {
 }
 
 async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
-    let client =
-        GenerationClient::connect(format!("http://{}", a.target)).await.with_context(|| {
-            format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
-        })?;
+    let channel = async { pdmesh_common::tls::endpoint(&a.target)?.connect().await };
+    let client = GenerationClient::new(channel.await.with_context(|| {
+        format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
+    })?);
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
     // Steady streams first, so the requests arrive into a running decode batch. Each stream
     // starts a new request whenever its last one ends, until every measured request is done,

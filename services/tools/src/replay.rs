@@ -96,9 +96,10 @@ pub fn run(a: ReplayArgs) -> anyhow::Result<()> {
 }
 
 async fn replay(a: &ReplayArgs, trace: &[TraceRequest]) -> anyhow::Result<()> {
-    let client = GenerationClient::connect(format!("http://{}", a.target))
-        .await
-        .with_context(|| format!("connecting to the router at {}", a.target))?;
+    let channel = async { pdmesh_common::tls::endpoint(&a.target)?.connect().await };
+    let client = GenerationClient::new(
+        channel.await.with_context(|| format!("connecting to the router at {}", a.target))?,
+    );
     let ideal = ideal_hit_rate(trace);
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(trace.len());
