@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdmesh_integration::cluster::Service;
-use pdmesh_integration::{Cluster, eventually, model_path};
+use pdmesh_integration::cluster::channel;
+use pdmesh_integration::{Cluster, eventually};
 use pdmesh_kv_types::BlockHasher;
 use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::kv_chunk::Chunk as PushChunk;
@@ -145,7 +145,7 @@ async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
     let want = generate(&mut client, &prompt).await;
 
     let real = c.nodes().await.into_iter().find(|n| n.role == Role::Prefill as i32).unwrap();
-    let mut m = MembershipClient::connect(format!("http://{}", c.router.addr)).await.unwrap();
+    let mut m = MembershipClient::new(channel(&c.router.addr).await);
     let mut other = real.layout.clone().unwrap();
     other.model_fingerprint ^= 1;
     let e = m
@@ -196,19 +196,10 @@ async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kvstore_leases_cannot_be_guessed_or_forged() {
     let _serial = SERIAL.lock().await;
-    let c = Cluster::builder().prefill(0).decode(1).start().await;
+    let c = Cluster::builder().prefill(0).decode(1).kvstore().start().await;
     let layout = c.decode_stats(0).await.layout.unwrap();
-    let model = model_path().display().to_string();
-    let args: Vec<String> =
-        ["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "20000000"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-    let store = Service::start("kvstore", "kvstore", &args);
-    let mut k = KvStoreClient::connect(format!("http://{}", store.addr))
-        .await
-        .unwrap()
-        .max_decoding_message_size(64 << 20);
+    let store = c.kvstore.as_ref().unwrap();
+    let mut k = KvStoreClient::new(channel(&store.addr).await).max_decoding_message_size(64 << 20);
     let domain = pdmesh_proto::layout_from_wire(&layout).unwrap();
     let tokens: Vec<u32> = (0..32).map(|i| 700 + i).collect();
     let chain = BlockHasher::new(&domain).unwrap().chain(&tokens);

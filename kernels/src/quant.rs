@@ -335,10 +335,9 @@ pub struct Activations {
     pub f32: Vec<f32>,
     /// Q8: `rows × cols` int8 quants.
     pub qs: Vec<i8>,
-    /// Q8: `rows × cols/32` block scales (already rounded through f16).
+    /// Q8: `rows × cols/32` block scales (already rounded through f16), block-major
+    /// (`[block][row]`) so a tile scales consecutive tokens at once.
     pub d: Vec<f32>,
-    /// Q8: `d` block-major (`[block][row]`), so a tile scales consecutive tokens at once.
-    pub dt: Vec<f32>,
     /// Q8: scale × sum of quants per block (rounded through f16), for the Q4_1/Q5_1 min term;
     /// stored block-major (`[block][row]`) so a tile loads consecutive tokens' terms at once.
     pub s: Vec<f32>,
@@ -391,12 +390,10 @@ impl Activations {
         if self.forms.q8 {
             self.qs.resize(rows * cols, 0);
             self.d.resize(rows * cols / QK, 0.0);
-            self.dt.resize(rows * cols / QK, 0.0);
             self.s.resize(rows * cols / QK, 0.0);
         } else {
             self.qs.clear();
             self.d.clear();
-            self.dt.clear();
             self.s.clear();
         }
         if self.forms.q8k {

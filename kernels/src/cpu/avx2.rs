@@ -121,7 +121,6 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
         ActForm::Q8K => (acts.kqs.as_ptr(), acts.kd.as_ptr()),
     };
     let as_ = acts.s.as_ptr();
-    let adt = acts.dt.as_ptr();
     let ks = acts.ksums.as_ptr();
     let kp = acts.kpairs.as_ptr();
     let k_min = matches!(F::MIN, MinTerm::SuperQuad | MinTerm::SuperScalar);
@@ -187,14 +186,17 @@ unsafe fn tile<F: QuantFormat, const VNNI: bool, const R: usize, const T: usize>
             let by_row = T >= 4 && matches!(F::ACT, ActForm::Q8);
             let mut ddm = [[0f32; 8]; R];
             if by_row {
-                let das = load_partial::<T>(adt.add(b * acts.rows + t0));
+                let das = load_partial::<T>(ad.add(b * acts.rows + t0));
                 for r in 0..R {
                     _mm256_storeu_ps(ddm[r].as_mut_ptr(), _mm256_mul_ps(wd[r], das));
                 }
             }
             for t in 0..T {
                 let a = aq.add((t0 + t) * acts.cols + b * be);
-                let dat = *ad.add((t0 + t) * nb + b);
+                let dat = match F::ACT {
+                    ActForm::Q8 => *ad.add(b * acts.rows + t0 + t),
+                    ActForm::Q8K => *ad.add((t0 + t) * nb + b),
+                };
                 let da = _mm256_set1_ps(dat);
                 let sums = match F::ACT {
                     ActForm::Q8 => std::ptr::null(),
@@ -535,7 +537,7 @@ pub unsafe fn quantize_rows(
             // and the indices are within the buffers sized for `n_rows × cols`.
             unsafe {
                 _mm256_storeu_si256(qs.slice(o..o + QK).as_mut_ptr().cast(), packed);
-                d.write(t * nb + b, round_f16(dsc));
+                d.write(b * n_rows + t, round_f16(dsc));
                 s_tr.write(b * n_rows + t, round_f16(dsc * isum as f32));
             }
         }

@@ -367,12 +367,6 @@ impl Backend for CpuBackend {
                     unreachable!("x86 kernels are never selected off x86-64")
                 }
             });
-            let nb = cols / crate::quant::QK;
-            for (b, col) in out.dt.chunks_exact_mut(rows).enumerate() {
-                for (t, v) in col.iter_mut().enumerate() {
-                    *v = out.d[t * nb + b];
-                }
-            }
         }
         if out.forms.q8k {
             let qs = SharedMut::new(&mut out.kqs);

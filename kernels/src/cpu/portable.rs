@@ -20,8 +20,9 @@ pub fn hsum8(a: [f32; 8]) -> f32 {
     (q[0] + q[2]) + (q[1] + q[3])
 }
 
-/// Quantizes rows `rows` of `x` (`n_rows × cols`) into the activation buffers; `s_tr` is
-/// block-major (`[block][row]`) so tiles can load the min terms of consecutive tokens at once.
+/// Quantizes rows `rows` of `x` (`n_rows × cols`) into the activation buffers; `d` and `s_tr`
+/// are block-major (`[block][row]`) so tiles can load consecutive tokens' scales and min
+/// terms at once.
 pub fn quantize_rows(
     x: &[f32],
     cols: usize,
@@ -39,7 +40,7 @@ pub fn quantize_rows(
             let (db, sb) = quantize_block(&x[o..o + QK], unsafe { qs.slice(o..o + QK) });
             // SAFETY: as above.
             unsafe {
-                d.write(t * nb + b, db);
+                d.write(b * n_rows + t, db);
                 s_tr.write(b * n_rows + t, sb);
             }
         }
@@ -91,12 +92,16 @@ pub fn quantize_rows_k(
 pub fn dot_quantized<F: QuantFormat>(row: &[u8], acts: &Activations, t: usize) -> f32 {
     let be = F::BLOCK_ELEMS;
     let nb = acts.cols / be;
-    let (q, d) = match F::ACT {
-        ActForm::Q8 => (&acts.qs, &acts.d),
-        ActForm::Q8K => (&acts.kqs, &acts.kd),
+    let q = match F::ACT {
+        ActForm::Q8 => &acts.qs,
+        ActForm::Q8K => &acts.kqs,
     };
     let q = &q[t * acts.cols..(t + 1) * acts.cols];
-    let d = &d[t * nb..(t + 1) * nb];
+    // Q8 scales are block-major (as a tile reads them), Q8K's token-major.
+    let d = |b: usize| match F::ACT {
+        ActForm::Q8 => acts.d[b * acts.rows + t],
+        ActForm::Q8K => acts.kd[t * nb + b],
+    };
     let mut acc = [0f32; 8];
     let mut summs = 0f32;
     let mut acc_m = [0f32; 4];
@@ -106,7 +111,7 @@ pub fn dot_quantized<F: QuantFormat>(row: &[u8], acts: &Activations, t: usize) -
             ActForm::Q8K => &acts.ksums[(t * nb + b) * (QK_K / 16)..(t * nb + b + 1) * (QK_K / 16)],
         };
         let lanes = F::lanes(blk, &q[b * be..(b + 1) * be], sums);
-        let dd = f16_at(&blk[F::SCALE_AT..]) * d[b];
+        let dd = f16_at(&blk[F::SCALE_AT..]) * d(b);
         for l in 0..8 {
             acc[l] = dd.mul_add(lanes[l] as f32, acc[l]);
         }
@@ -116,14 +121,14 @@ pub fn dot_quantized<F: QuantFormat>(row: &[u8], acts: &Activations, t: usize) -
             MinTerm::None => {}
             MinTerm::PerBlock => summs = min().mul_add(acts.s[b * acts.rows + t], summs),
             MinTerm::SuperQuad => {
-                let dmin = -(d[b] * min());
+                let dmin = -(d(b) * min());
                 for (a, p) in acc_m.iter_mut().zip(mins()) {
                     *a = dmin.mul_add(p as f32, *a);
                 }
             }
             MinTerm::SuperScalar => {
                 let p = mins();
-                let dmin = -(d[b] * min());
+                let dmin = -(d(b) * min());
                 summs = dmin.mul_add(((p[0] + p[1]) + (p[2] + p[3])) as f32, summs);
             }
         }

@@ -123,8 +123,6 @@ struct Reservation {
 /// A new reservation.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reserved {
-    /// The reservation's key inside this node.
-    pub id: u64,
     /// What `Reserve` hands out: the only way to name the reservation from outside.
     pub cap: Capability,
     /// Blocks the prompt's KV fills.
@@ -132,6 +130,13 @@ pub struct Reserved {
     pub lease: Duration,
     /// Pool blocks of the prompt, in order, when they were allocated at reservation.
     pub pool_blocks: Vec<u32>,
+}
+
+impl Reserved {
+    /// The reservation's key inside this node (its capability's key).
+    pub fn id(&self) -> u64 {
+        self.cap.key()
+    }
 }
 
 pub struct DecodeCore {
@@ -232,7 +237,7 @@ impl DecodeCore {
         self.committed += need;
         let phase = Phase::Reserved { lease: now + lease };
         self.reservations.insert(id, Reservation { cap, seq, prompt_len, committed: need, phase });
-        Ok(Reserved { id, cap, prompt_blocks: self.blocks_for(prompt_len), lease, pool_blocks })
+        Ok(Reserved { cap, prompt_blocks: self.blocks_for(prompt_len), lease, pool_blocks })
     }
 
     /// The key of the reservation `cap` names, if it is that reservation's capability. A

@@ -198,7 +198,7 @@ impl Decode for DecodeService {
             .await?;
         tracing::debug!(
             request = r.request_id,
-            reservation = res.id,
+            reservation = res.id(),
             blocks = res.prompt_blocks,
             "reserved"
         );

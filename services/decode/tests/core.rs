@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pdmesh_decode::core::{Attach, DecodeCore, Event, Output, Reserved, Start};
+use pdmesh_decode::core::{Attach, DecodeCore, Event, Output, Start};
 use pdmesh_decode::error::DecodeError;
 use pdmesh_engine::testing::tiny_model;
 use pdmesh_engine::{
@@ -97,7 +97,7 @@ fn colocated_requests_give_generates_tokens_and_free_their_blocks() {
     let now = Instant::now();
     let sinks = [Sink::default(), Sink::default()];
     for (p, s) in prompts.iter().zip(&sinks) {
-        let id = c.reserve(p.len(), 12, None, false, now).unwrap().id;
+        let id = c.reserve(p.len(), 12, None, false, now).unwrap().id();
         c.attach(id, attach(p.clone(), 12, Start::Local), Box::new(s.clone()), now).unwrap();
     }
     run_until_done(&mut c, &[&sinks[0], &sinks[1]]);
@@ -112,8 +112,8 @@ fn reservations_are_bounded_leased_and_released() {
     let mut c = core(10);
     let t0 = Instant::now();
     // 10 blocks of 16 tokens: 100 + 50 tokens take all 10.
-    let Reserved { id: a, prompt_blocks: blocks, lease, .. } =
-        c.reserve(100, 50, None, false, t0).unwrap();
+    let r = c.reserve(100, 50, None, false, t0).unwrap();
+    let (a, blocks, lease) = (r.id(), r.prompt_blocks, r.lease);
     assert_eq!((blocks, lease), (7, Duration::from_millis(200)));
     assert!(matches!(
         c.reserve(1, 1, None, false, t0),
@@ -121,7 +121,7 @@ fn reservations_are_bounded_leased_and_released() {
     ));
     assert!(c.release(a));
     assert!(!c.release(a), "released twice");
-    let b = c.reserve(10, 10, Some(Duration::from_millis(50)), false, t0).unwrap().id;
+    let b = c.reserve(10, 10, Some(Duration::from_millis(50)), false, t0).unwrap().id();
     c.sweep(t0 + Duration::from_millis(49));
     assert_eq!(c.counts().reserved, 1, "expired early");
     c.sweep(t0 + Duration::from_millis(51));
@@ -130,7 +130,7 @@ fn reservations_are_bounded_leased_and_released() {
     assert!(matches!(c.kv_begin(b, false), Err(DecodeError::UnknownReservation(_))));
     // Once its transfer has begun, the stream holds the reservation however long the prompt
     // waits in the prefill node's queue; the stream's end settles it.
-    let b = c.reserve(10, 10, Some(Duration::from_millis(50)), false, t0).unwrap().id;
+    let b = c.reserve(10, 10, Some(Duration::from_millis(50)), false, t0).unwrap().id();
     c.kv_begin(b, false).unwrap();
     assert_eq!(c.sweep(t0 + Duration::from_secs(60)), None, "no lease left to wait for");
     assert_eq!((c.counts().transferring, c.counts().leases_expired), (1, 1));
@@ -148,7 +148,8 @@ fn bad_kv_is_refused_and_frees_nothing_twice() {
     let mut c = core(16);
     let t0 = Instant::now();
     let bpb = c.engine().kv().geometry().bytes_per_block();
-    let Reserved { id, prompt_blocks: blocks, .. } = c.reserve(40, 8, None, false, t0).unwrap();
+    let r = c.reserve(40, 8, None, false, t0).unwrap();
+    let (id, blocks) = (r.id(), r.prompt_blocks);
     assert_eq!(blocks, 3);
     assert!(
         matches!(c.kv_write(id, 0, &vec![0; bpb]), Err(DecodeError::Invalid(_))),
@@ -187,31 +188,31 @@ fn remote_writers_get_preallocated_blocks_and_quarantine_them() {
     // Without remote_kv the blocks have no addresses, so a writer is refused.
     let plain = c.reserve(40, 8, None, false, t0).unwrap();
     assert!(plain.pool_blocks.is_empty());
-    assert!(matches!(c.kv_begin(plain.id, true), Err(DecodeError::Invalid(_))));
-    assert!(c.release(plain.id));
+    assert!(matches!(c.kv_begin(plain.id(), true), Err(DecodeError::Invalid(_))));
+    assert!(c.release(plain.id()));
 
     let r = c.reserve(40, 8, Some(Duration::from_millis(50)), true, t0).unwrap();
     assert_eq!(r.pool_blocks.len(), 3, "the prompt's blocks are allocated at once");
     assert_eq!(c.counts().free_blocks, 13);
-    c.kv_begin(r.id, true).unwrap();
-    assert!(c.kv_write(r.id, 0, &vec![0; bpb]).is_err(), "a writer's KV does not come by stream");
+    c.kv_begin(r.id(), true).unwrap();
+    assert!(c.kv_write(r.id(), 0, &vec![0; bpb]).is_err(), "a writer's KV does not come by stream");
     // The router gives up on the reservation while the writer may still be putting: it is
     // gone but its blocks stay out of the pool until the writer's session ends.
     c.sweep(t0 + Duration::from_millis(60));
     assert_eq!(c.counts().leases_expired, 0, "an open session holds the reservation");
-    assert!(c.release(r.id));
+    assert!(c.release(r.id()));
     let k = c.counts();
     assert_eq!((k.cancelled, k.quarantined, k.free_blocks), (2, 1, 13));
     // 14 blocks: they fit the pool only once the 3 quarantined ones are back.
     assert!(c.reserve(120, 100, None, false, t0).is_err(), "quarantined blocks stay committed");
-    c.writer_closed(r.id, "p");
+    c.writer_closed(r.id(), "p");
     let k = c.counts();
     assert_eq!((k.quarantined, k.free_blocks, k.committed_blocks), (0, 16, 0));
 
     // A session that ends without its commit fails the reservation and frees its blocks.
     let r = c.reserve(40, 8, None, true, t0).unwrap();
-    c.kv_begin(r.id, true).unwrap();
-    c.writer_closed(r.id, "p");
+    c.kv_begin(r.id(), true).unwrap();
+    c.writer_closed(r.id(), "p");
     let k = c.counts();
     assert_eq!((k.failed, k.free_blocks, k.transferring), (1, 16, 0));
 }
@@ -224,16 +225,16 @@ fn verify_mode_catches_a_corrupted_block() {
     let data: Vec<u8> = (0..2 * bpb).map(|i| (i % 251) as u8).collect();
     let sums: Vec<u64> = data.chunks(bpb).map(pdmesh_kv_types::block_checksum).collect();
     let r = c.reserve(20, 4, None, true, t0).unwrap();
-    c.kv_begin(r.id, false).unwrap();
-    c.kv_write(r.id, 0, &data).unwrap();
-    c.kv_end(r.id, 2, &sums, t0).unwrap();
+    c.kv_begin(r.id(), false).unwrap();
+    c.kv_write(r.id(), 0, &data).unwrap();
+    c.kv_end(r.id(), 2, &sums, t0).unwrap();
 
     let r = c.reserve(20, 4, None, true, t0).unwrap();
-    c.kv_begin(r.id, false).unwrap();
+    c.kv_begin(r.id(), false).unwrap();
     let mut bad = data.clone();
     bad[bpb + 7] ^= 0x40;
-    c.kv_write(r.id, 0, &bad).unwrap();
-    assert!(matches!(c.kv_end(r.id, 2, &sums, t0), Err(DecodeError::Corrupt { block: 1 })));
+    c.kv_write(r.id(), 0, &bad).unwrap();
+    assert!(matches!(c.kv_end(r.id(), 2, &sums, t0), Err(DecodeError::Corrupt { block: 1 })));
     let k = c.counts();
     // The good reservation (24 tokens, 2 blocks) is still held; the bad one is freed.
     assert_eq!((k.failed, k.committed_blocks), (1, 2));
@@ -244,7 +245,7 @@ fn closed_output_cancels_and_frees() {
     let mut c = core(32);
     let t0 = Instant::now();
     let p = prompt("Count to one hundred:");
-    let id = c.reserve(p.len(), 200, None, false, t0).unwrap().id;
+    let id = c.reserve(p.len(), 200, None, false, t0).unwrap().id();
     let sink = Sink::default();
     c.attach(id, attach(p, 200, Start::Local), Box::new(sink.clone()), t0).unwrap();
     for _ in 0..3 {
@@ -304,9 +305,9 @@ fn complete_kv_that_no_request_attaches_to_is_freed_at_its_lease() {
     let t0 = Instant::now();
     let bpb = c.engine().kv().geometry().bytes_per_block();
     let r = c.reserve(8, 4, None, false, t0).unwrap();
-    c.kv_begin(r.id, false).unwrap();
-    c.kv_write(r.id, 0, &vec![0; bpb]).unwrap();
-    c.kv_end(r.id, 1, &[], t0).unwrap();
+    c.kv_begin(r.id(), false).unwrap();
+    c.kv_write(r.id(), 0, &vec![0; bpb]).unwrap();
+    c.kv_end(r.id(), 1, &[], t0).unwrap();
     assert_eq!(c.sweep(t0 + Duration::from_millis(100)), Some(t0 + Duration::from_millis(200)));
     assert_eq!(c.counts().reserved, 1, "held until the lease runs out");
     c.sweep(t0 + Duration::from_millis(201));

@@ -174,15 +174,11 @@ impl Store {
         if self.lease(&lease).is_none() {
             return false;
         }
-        match self.leases.remove(&lease.key()) {
-            Some(l) => {
-                for h in l.blocks {
-                    self.unpin(h);
-                }
-                true
-            }
-            None => false,
+        let l = self.leases.remove(&lease.key()).expect("looked up above");
+        for h in l.blocks {
+            self.unpin(h);
         }
+        true
     }
 
     /// Releases every lease expired at `now`; returns how many.

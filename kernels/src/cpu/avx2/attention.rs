@@ -331,17 +331,17 @@ unsafe fn attend_in<E: KvElem>(
                 let mut h = 0;
                 while h < group {
                     match group - h {
-                        1 => scores_prefill::<E, 1>(kp, offs, qh, hd, h, p, np, scale),
-                        2 => scores_prefill::<E, 2>(kp, offs, qh, hd, h, p, np, scale),
-                        3 => scores_prefill::<E, 3>(kp, offs, qh, hd, h, p, np, scale),
-                        _ => scores_prefill::<E, 4>(kp, offs, qh, hd, h, p, np, scale),
+                        1 => scores::<E, 1, false>(kp, offs, qh, hd, h, p, np, scale),
+                        2 => scores::<E, 2, false>(kp, offs, qh, hd, h, p, np, scale),
+                        3 => scores::<E, 3, false>(kp, offs, qh, hd, h, p, np, scale),
+                        _ => scores::<E, 4, false>(kp, offs, qh, hd, h, p, np, scale),
                     }
                     h += (group - h).min(4);
                 }
             }
             Phase::Decode => {
                 for h in 0..group {
-                    scores_decode(kp, offs, qh, hd, h, p, np, scale);
+                    scores::<E, 1, true>(kp, offs, qh, hd, h, p, np, scale);
                 }
             }
         }
@@ -365,12 +365,14 @@ unsafe fn attend_in<E: KvElem>(
     }
 }
 
-/// Scores of `G` query heads from `h0` against every key: `lanes16`'s two accumulators per
-/// head and key, each K slice loaded once for all `G`.
+/// Scores of `G` query heads from `h0` against every key, each key's eight-lane vector formed
+/// in its phase's order and eight keys summed horizontally at once. Prefill: `lanes16`'s two
+/// accumulators per head, each K slice loaded once for all `G`. Decode (`G` = 1, whole 64s):
+/// `lanes16x4`'s eight.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 #[allow(clippy::needless_range_loop)]
-unsafe fn scores_prefill<E: KvElem, const G: usize>(
+unsafe fn scores<E: KvElem, const G: usize, const DECODE: bool>(
     kp: *const E,
     offs: &[usize],
     qh: &[f32],
@@ -388,6 +390,20 @@ unsafe fn scores_prefill<E: KvElem, const G: usize>(
             let mut v = [[_mm256_setzero_ps(); 8]; G];
             for k in 0..(n - j0).min(8) {
                 let row = kp.add(offs[j0 + k]);
+                if DECODE {
+                    let mut s = [_mm256_setzero_ps(); 8];
+                    for i in (0..hd).step_by(64) {
+                        for (r, acc) in s.iter_mut().enumerate() {
+                            let at = i + 8 * r;
+                            let (kv, q) = (E::load8(row.add(at)), _mm256_loadu_ps(qp.add(at)));
+                            *acc = _mm256_fmadd_ps(kv, q, *acc);
+                        }
+                    }
+                    let lo = _mm256_add_ps(_mm256_add_ps(s[0], s[4]), _mm256_add_ps(s[2], s[6]));
+                    let hi = _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7]));
+                    v[0][k] = _mm256_add_ps(hi, lo);
+                    continue;
+                }
                 let mut lo = [_mm256_setzero_ps(); G];
                 let mut hi = [_mm256_setzero_ps(); G];
                 for l in (0..hd).step_by(16) {
@@ -406,48 +422,6 @@ unsafe fn scores_prefill<E: KvElem, const G: usize>(
                 let s = _mm256_mul_ps(hsum8x8(vg), _mm256_set1_ps(scale));
                 _mm256_storeu_ps(p.as_mut_ptr().add((h0 + g) * np + j0), s);
             }
-        }
-    }
-}
-
-/// Scores of query head `h` against every key in `lanes16x4`'s order (whole 64s only).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn scores_decode<E: KvElem>(
-    kp: *const E,
-    offs: &[usize],
-    qh: &[f32],
-    hd: usize,
-    h: usize,
-    p: &mut [f32],
-    np: usize,
-    scale: f32,
-) {
-    let n = offs.len();
-    // SAFETY: (whole body) as `scores_prefill`.
-    unsafe {
-        let qp = qh.as_ptr().add(h * hd);
-        for j0 in (0..n).step_by(8) {
-            let mut v = [_mm256_setzero_ps(); 8];
-            for (k, vk) in v.iter_mut().enumerate().take((n - j0).min(8)) {
-                let row = kp.add(offs[j0 + k]);
-                let mut s = [_mm256_setzero_ps(); 8];
-                for i in (0..hd).step_by(64) {
-                    for (r, acc) in s.iter_mut().enumerate() {
-                        let at = i + 8 * r;
-                        *acc = _mm256_fmadd_ps(
-                            E::load8(row.add(at)),
-                            _mm256_loadu_ps(qp.add(at)),
-                            *acc,
-                        );
-                    }
-                }
-                let lo = _mm256_add_ps(_mm256_add_ps(s[0], s[4]), _mm256_add_ps(s[2], s[6]));
-                let hi = _mm256_add_ps(_mm256_add_ps(s[1], s[5]), _mm256_add_ps(s[3], s[7]));
-                *vk = _mm256_add_ps(hi, lo);
-            }
-            let s = _mm256_mul_ps(hsum8x8(&v), _mm256_set1_ps(scale));
-            _mm256_storeu_ps(p.as_mut_ptr().add(h * np + j0), s);
         }
     }
 }
