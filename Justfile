@@ -58,9 +58,10 @@ bench-kv *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_kv.py --model {{model}} {{args}}
 
-# The mesh against the engine alone (TTFT, inter-token latency); 1 prefill + 1 decode pinned to
-# a core each against one colocated engine under a mixed load; and throughput with tracing off
-# vs on (every span exported); in one run. `--parts tracing` runs only the last.
+# The mesh against the engine alone (TTFT, inter-token latency), and the mesh with its security
+# (mTLS, API keys) against `--insecure`; 1 prefill + 1 decode pinned to a core each against one
+# colocated engine under a mixed load; and throughput with tracing off vs on (every span
+# exported); in one run. `--parts overhead` runs only the first.
 bench-mesh *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_mesh.py --model {{model}} {{args}}

@@ -4,7 +4,9 @@
 1. Overhead: the same requests (--overhead-prompt-tokens, 512 by default; 64 output tokens, one at a time) on one
    in-process engine (`pdmesh bench --engine-alone`) and through a mesh of 1 prefill + 1 decode
    node (`pdmesh up`, `pdmesh bench`), with the same thread count per engine. Prints medians of
-   TTFT and inter-token latency and the mesh/engine ratio and difference.
+   TTFT and inter-token latency and the mesh/engine ratio and difference. The mesh runs as
+   `pdmesh up` does (mutual TLS on every hop, API keys) and, alternately for --rounds rounds,
+   with `--insecure` (plaintext, no keys): the secure/insecure ratio is what security costs.
 
 2. Disaggregation under a mixed load: --streams steady decode streams (each restarting a new
    request when one ends) run while long prompts arrive as a Poisson process. Once on 1 prefill + 1 decode node, each pinned to its own core
@@ -16,10 +18,6 @@
    endpoint) and on (every span exported, 100% sampling, to a `pdmesh collect` receiver on
    this machine), alternating off/on for --rounds rounds. Prints median throughput and latency
    of each and the on/off ratios.
-
-4. Mutual TLS: the overhead part's requests on a mesh in plaintext and on one with mutual TLS
-   on every hop (`pdmesh up --tls`), alternating for --rounds rounds. Prints the TTFT ratio
-   and the inter-token latency difference.
 
 Everything runs on this machine's cores; absolute numbers drift between runs, the ratios in one
 run are what to compare. Writes the raw reports to .bench/mesh.json.
@@ -53,12 +51,9 @@ class Mesh:
             self.p.kill()
             raise SystemExit(f"mesh did not start: {line!r}")
         print(f"  {line.strip()}", file=sys.stderr)
-        # With --tls, `up` names the certificates a client needs on the next line.
-        self.env = {}
-        if "--tls" in args:
-            tls = self.p.stdout.readline()
-            d = tls.split("--tls-dir ", 1)[1].split()[0]
-            self.env = {"PDMESH_TLS_DIR": d, "PDMESH_TLS_NAME": "client"}
+        # `pdmesh bench` aimed at this router finds the mesh's credentials by itself; a
+        # plaintext mesh needs plaintext clients.
+        self.env = {"PDMESH_INSECURE": "1"} if "--insecure" in args else {}
 
     def __enter__(self):
         return self
@@ -86,8 +81,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=6, help="long prompts arriving in part 2")
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--rate", type=float, default=0.4, help="long-prompt arrivals per second")
-    ap.add_argument("--rounds", type=int, default=3, help="off/on rounds in part 3")
-    ap.add_argument("--parts", default="overhead,mixed,tracing,tls", help="which parts to run (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=3, help="secure/insecure rounds in part 1, off/on rounds in part 3")
+    ap.add_argument("--parts", default="overhead,mixed,tracing", help="which parts to run (comma-separated)")
     ap.add_argument("--pdmesh", default=BIN,
                     help="the pdmesh binary (e.g. another build's, to compare with the same script)")
     a = ap.parse_args()
@@ -101,8 +96,6 @@ def main():
         mixed_load(a, report)
     if "tracing" in parts:
         tracing(a, report)
-    if "tls" in parts:
-        tls_cost(a, report)
     os.makedirs(".bench", exist_ok=True)
     with open(".bench/mesh.json", "w") as f:
         json.dump(report, f, indent=1)
@@ -110,41 +103,29 @@ def main():
 
 def overhead(a, report):
     n = a.overhead_prompt_tokens
-    print(f"1. overhead: {n}-token prompts, 64 tokens out, {a.threads} thread(s) per engine", file=sys.stderr)
+    print(f"1. overhead: {n}-token prompts, 64 tokens out, {a.threads} thread(s) per engine, "
+          f"{a.rounds} secure/insecure rounds", file=sys.stderr)
     common = ["--requests", str(a.requests), "--concurrency", "1", "--prompt-tokens", str(n), "--max-tokens", "64"]
     alone = bench(common + ["--engine-alone", "--model", a.model, "--threads", str(a.threads)])
-    with Mesh(["--prefill", "1", "--decode", "1", "--threads", str(a.threads)], a.model) as m:
-        bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"])  # warm-up
-        mesh = bench(common + ["--target", m.addr])
-    report["overhead"] = {"engine_alone": alone, "mesh": mesh}
-    ar, mr = alone["results"], mesh["results"]
-    print("\n== overhead (medians) ==")
-    print(f"TTFT {a.overhead_prompt_tokens}-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {mr['ttft_ms']['p50']:.1f} ms, "
-          f"ratio {mr['ttft_ms']['p50'] / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
-    print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {mr['itl_ms']['p50']:.2f} ms, "
-          f"difference {mr['itl_ms']['p50'] - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
-
-
-def tls_cost(a, report):
-    """The mesh with mutual TLS on every hop against the same mesh in plaintext, each run
-    `--rounds` times alternately; medians of each round's medians."""
-    n = a.overhead_prompt_tokens
-    print(f"4. mutual TLS: {n}-token prompts, 64 tokens out, {a.rounds} rounds", file=sys.stderr)
-    common = ["--requests", str(a.requests), "--concurrency", "1", "--prompt-tokens", str(n), "--max-tokens", "64"]
-    runs = {"plain": [], "tls": []}
+    runs = {"secure": [], "insecure": []}
     for _ in range(a.rounds):
-        for mode in ("plain", "tls"):
-            extra = ["--tls"] if mode == "tls" else []
+        for mode in ("secure", "insecure"):
+            extra = ["--insecure"] if mode == "insecure" else []
             with Mesh(["--prefill", "1", "--decode", "1", "--threads", str(a.threads)] + extra, a.model) as m:
-                bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"], m.env)
+                bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"], m.env)  # warm-up
                 runs[mode].append(bench(common + ["--target", m.addr], m.env)["results"])
-    report["tls"] = runs
+    report["overhead"] = {"engine_alone": alone, "mesh": runs}
+    ar = alone["results"]
     med = lambda mode, k: statistics.median(r[k]["p50"] for r in runs[mode])
-    tp, tt = med("plain", "ttft_ms"), med("tls", "ttft_ms")
-    ip, it = med("plain", "itl_ms"), med("tls", "itl_ms")
-    print("\n== mutual TLS (medians) ==")
-    print(f"TTFT {n}-token prompt: plaintext {tp:.1f} ms, mTLS {tt:.1f} ms, ratio {tt / tp:.3f} (goal <= 1.02)")
-    print(f"inter-token latency: plaintext {ip:.2f} ms, mTLS {it:.2f} ms, difference {it - ip:+.2f} ms (goal <= +0.2 ms)")
+    ts, ti = med("secure", "ttft_ms"), med("insecure", "ttft_ms")
+    ls, li = med("secure", "itl_ms"), med("insecure", "itl_ms")
+    print("\n== overhead (medians) ==")
+    print(f"TTFT {n}-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {ts:.1f} ms, "
+          f"ratio {ts / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
+    print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {ls:.2f} ms, "
+          f"difference {ls - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
+    print(f"security (mTLS + API keys) vs --insecure: TTFT {ts:.1f} vs {ti:.1f} ms, ratio {ts / ti:.3f} "
+          f"(goal <= 1.02); inter-token {ls:.2f} vs {li:.2f} ms, difference {ls - li:+.2f} ms (goal <= +0.2 ms)")
 
 
 def mixed_load(a, report):

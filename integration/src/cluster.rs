@@ -1,13 +1,23 @@
 //! A mesh of real `pdmesh` processes for tests: `Cluster::builder().prefill(2).decode(2)
 //! .start()`. Every service binds port 0 and announces its address on stdout; every child's
 //! stdin is a pipe, so the services stop when the cluster (or the test process) goes away.
+//!
+//! Clusters run as production does: mutual TLS under one CA per test process ([`pki`]),
+//! each process with its own certificate, and API keys on the public API. The test itself
+//! calls in as the router would (`harness`, a router certificate) unless a test picks another
+//! identity (`Pki::identity`); `insecure()` starts a plaintext cluster instead.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use pdmesh_common::apikey::{Bearer, GenerationClient, Tenant};
+use pdmesh_common::tls::{Ca, MeshRole, MeshTls};
 use pdmesh_proto::v1::decode_client::DecodeClient;
-use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{ListNodesRequest, NodeStats, NodeStatus, Role, StatsRequest};
@@ -15,11 +25,69 @@ use tonic::transport::Channel;
 
 use crate::{model_path, pdmesh_bin};
 
+/// The test process's CA: every cluster's certificates, and the identities tests call with.
+pub struct Pki {
+    dir: tempfile::TempDir,
+    ca: Ca,
+    clusters: AtomicUsize,
+    harness: MeshTls,
+}
+
+impl std::fmt::Debug for Pki {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pki").field("dir", &self.dir.path()).finish()
+    }
+}
+
+/// The PKI of this test process (made on first use).
+pub fn pki() -> &'static Pki {
+    static PKI: OnceLock<Pki> = OnceLock::new();
+    PKI.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("a temp dir for certificates");
+        let ca = Ca::generate().expect("a CA");
+        ca.write(dir.path(), true).expect("CA written");
+        ca.issue(dir.path(), "harness", MeshRole::Router).expect("harness certificate");
+        let harness = MeshTls::load(dir.path(), "harness").expect("harness certificate loads");
+        Pki { dir, ca, clusters: AtomicUsize::new(0), harness }
+    })
+}
+
+impl Pki {
+    /// A certificate for `name` in `role` (say, an attacker holding a real prefill node's).
+    pub fn identity(&self, name: &str, role: MeshRole) -> MeshTls {
+        let d = self.dir.path().join("ids").join(format!("{name}-{role}"));
+        self.ca.issue(&d, name, role).expect("certificate issued");
+        MeshTls::load(&d, name).expect("certificate loads")
+    }
+
+    /// The CA's certificate file.
+    pub fn ca_file(&self) -> PathBuf {
+        self.dir.path().join("ca.pem")
+    }
+
+    /// A fresh directory for one cluster's certificates.
+    fn cluster_dir(&self) -> PathBuf {
+        let n = self.clusters.fetch_add(1, Ordering::Relaxed);
+        self.dir.path().join(format!("cluster-{n}"))
+    }
+
+    fn issue(&self, dir: &Path, name: &str, role: MeshRole) {
+        self.ca.issue(dir, name, role).expect("certificate issued");
+    }
+}
+
+/// An endpoint to a TLS cluster's process at `addr`, as `tls`.
+pub fn endpoint_as(addr: &str, tls: &MeshTls) -> tonic::transport::Endpoint {
+    pdmesh_common::tls::endpoint_with(addr, tls).expect("a valid address")
+}
+
 /// One service process.
 #[derive(Debug)]
 pub struct Service {
     pub name: String,
     pub addr: String,
+    /// The router's internal (membership) address.
+    pub internal: Option<String>,
     /// `host:port` of its `/metrics`, when started with `--metrics-listen`.
     pub metrics: Option<String>,
     child: Option<Child>,
@@ -61,6 +129,17 @@ impl Service {
             .1
             .trim()
             .to_string();
+        let internal = (role == "router").then(|| {
+            let line = lines
+                .next()
+                .unwrap_or_else(|| panic!("{name} exited before its internal listener"))
+                .expect("reading the child's stdout");
+            line.rsplit_once(" internal on ")
+                .unwrap_or_else(|| panic!("{name} printed {line:?}"))
+                .1
+                .trim()
+                .to_string()
+        });
         let metrics = args.iter().any(|a| a == "--metrics-listen").then(|| {
             let line = lines
                 .next()
@@ -74,7 +153,7 @@ impl Service {
         // Drain anything else so the child never blocks on a full pipe.
         std::thread::spawn(move || lines.for_each(drop));
         let stdin = child.stdin.take();
-        Service { name: name.to_string(), addr, metrics, child: Some(child), stdin }
+        Service { name: name.to_string(), addr, internal, metrics, child: Some(child), stdin }
     }
 
     /// SIGKILL: the process dies at once, mid-whatever.
@@ -149,12 +228,16 @@ pub struct ClusterBuilder {
     decode_args: Vec<String>,
     env: Vec<(String, String)>,
     /// The GGUF every service loads (default: `model_path()`).
-    model: Option<std::path::PathBuf>,
+    model: Option<PathBuf>,
+    /// Plaintext, no certificates, no API keys.
+    insecure: bool,
+    /// Tenants with API keys (besides "test", which `client()` uses), with their limits.
+    tenants: Vec<Tenant>,
 }
 
 impl ClusterBuilder {
     /// Serves this GGUF instead of the default model.
-    pub fn model(mut self, path: &std::path::Path) -> Self {
+    pub fn model(mut self, path: &Path) -> Self {
         self.model = Some(path.to_path_buf());
         self
     }
@@ -188,6 +271,16 @@ impl ClusterBuilder {
         self.decode_args.extend(a.iter().map(|s| s.to_string()));
         self
     }
+    /// A plaintext cluster (`--insecure`, `--allow-anonymous`).
+    pub fn insecure(mut self) -> Self {
+        self.insecure = true;
+        self
+    }
+    /// Another tenant with an API key (`Cluster::client_as`).
+    pub fn tenant(mut self, t: Tenant) -> Self {
+        self.tenants.push(t);
+        self
+    }
     /// Starts a KV-store too, and points every prefill node at it.
     pub fn kvstore(mut self) -> Self {
         self.kvstore = true;
@@ -212,11 +305,42 @@ impl ClusterBuilder {
         self.prefill_args(&["--kv-transport", t]).decode_args(&["--kv-transport", t])
     }
 
+    /// `--tls-dir DIR --tls-name NAME`, or `--insecure`.
+    fn tls_args(&self, dir: &Path, name: &str) -> Vec<String> {
+        if self.insecure {
+            return vec!["--insecure".into()];
+        }
+        let d = dir.display().to_string();
+        vec!["--tls-dir".into(), d, "--tls-name".into(), name.into()]
+    }
+
     /// Starts the router and the nodes, and waits until every node has registered.
     pub async fn start(self) -> Cluster {
         let model = self.model_arg();
+        let pki = pki();
+        let dir = pki.cluster_dir();
+        let mut keys = std::collections::HashMap::new();
+        let keyring = dir.join("api-keys.toml");
+        if !self.insecure {
+            pki.issue(&dir, "router", MeshRole::Router);
+            pki.issue(&dir, "kvstore", MeshRole::KvStore);
+            let test = Tenant { tenant: "test".into(), max_in_flight: None, cache_group: None };
+            for t in std::iter::once(test).chain(self.tenants.iter().cloned()) {
+                let name = t.tenant.clone();
+                keys.insert(name, pdmesh_common::apikey::add(&keyring, t).expect("API key"));
+            }
+        }
         let mut rargs: Vec<String> =
-            ["--listen", "127.0.0.1:0", "--model", &model].iter().map(|s| s.to_string()).collect();
+            ["--listen", "127.0.0.1:0", "--internal-listen", "127.0.0.1:0", "--model", &model]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+        rargs.extend(self.tls_args(&dir, "router"));
+        if self.insecure {
+            rargs.push("--allow-anonymous".into());
+        } else {
+            rargs.extend(["--api-keys".into(), keyring.display().to_string()]);
+        }
         rargs.extend([
             "--heartbeat-interval-ms".into(),
             "100".into(),
@@ -233,6 +357,7 @@ impl ClusterBuilder {
                 &["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "200000000"]
                     .map(String::from)
                     .into_iter()
+                    .chain(self.tls_args(&dir, "kvstore"))
                     .chain(self.kvstore_args.iter().cloned())
                     .collect::<Vec<_>>(),
                 &self.env,
@@ -240,7 +365,15 @@ impl ClusterBuilder {
             builder.prefill_args.extend(["--kvstore".to_string(), k.addr.clone()]);
             k
         });
-        let mut c = Cluster { router, prefills: Vec::new(), decodes: Vec::new(), kvstore, builder };
+        let mut c = Cluster {
+            router,
+            prefills: Vec::new(),
+            decodes: Vec::new(),
+            kvstore,
+            builder,
+            dir,
+            keys,
+        };
         for _ in 0..self.prefill {
             c.add_prefill(&[]);
         }
@@ -260,6 +393,10 @@ pub struct Cluster {
     pub kvstore: Option<Service>,
     pub router: Service,
     builder: ClusterBuilder,
+    /// This cluster's certificates.
+    dir: PathBuf,
+    /// API keys by tenant.
+    keys: std::collections::HashMap<String, String>,
 }
 
 impl Cluster {
@@ -274,6 +411,8 @@ impl Cluster {
             decode_args: Vec::new(),
             env: Vec::new(),
             model: None,
+            insecure: false,
+            tenants: Vec::new(),
         }
     }
 
@@ -283,7 +422,7 @@ impl Cluster {
             "--listen",
             "127.0.0.1:0",
             "--router",
-            &self.router.addr,
+            self.router.internal.as_deref().expect("the router's internal address"),
             "--node-id",
             name,
             "--model",
@@ -294,6 +433,11 @@ impl Cluster {
         .iter()
         .map(|s| s.to_string())
         .collect();
+        if !self.builder.insecure {
+            let r = if role == "prefill" { MeshRole::Prefill } else { MeshRole::Decode };
+            pki().issue(&self.dir, name, r);
+        }
+        a.extend(self.builder.tls_args(&self.dir, name));
         a.extend(
             if role == "prefill" { &self.builder.prefill_args } else { &self.builder.decode_args }
                 .iter()
@@ -319,12 +463,49 @@ impl Cluster {
         self.decodes.len() - 1
     }
 
-    pub async fn client(&self) -> GenerationClient<Channel> {
-        GenerationClient::new(channel(&self.router.addr).await)
+    /// A channel to one of this cluster's processes, as the harness (a router's certificate).
+    pub async fn channel(&self, addr: &str) -> Channel {
+        let ep = if self.builder.insecure {
+            tonic::transport::Endpoint::from_shared(format!("http://{addr}")).expect("an address")
+        } else {
+            endpoint_as(addr, &pki().harness)
+        };
+        ep.connect().await.unwrap_or_else(|e| panic!("{addr} unreachable: {e}"))
+    }
+
+    /// A client of the public API, as tenant "test".
+    pub async fn client(&self) -> GenerationClient {
+        self.client_with_key(self.keys.get("test").map(String::as_str)).await
+    }
+
+    /// A client of the public API, as `tenant` (one given to the builder).
+    pub async fn client_as(&self, tenant: &str) -> GenerationClient {
+        let key = self.keys.get(tenant).unwrap_or_else(|| panic!("no key for tenant {tenant}"));
+        self.client_with_key(Some(key)).await
+    }
+
+    /// A client of the public API that sends `key` (None: no key at all).
+    pub async fn client_with_key(&self, key: Option<&str>) -> GenerationClient {
+        let ch = self.channel(&self.router.addr).await;
+        pdmesh_proto::v1::generation_client::GenerationClient::with_interceptor(
+            ch,
+            Bearer::new(key).expect("a header-safe key"),
+        )
+    }
+
+    /// The API key of `tenant`.
+    pub fn api_key(&self, tenant: &str) -> &str {
+        &self.keys[tenant]
+    }
+
+    /// The directory of this cluster's certificates and key file.
+    pub fn credentials(&self) -> &Path {
+        &self.dir
     }
 
     pub async fn nodes(&self) -> Vec<NodeStatus> {
-        let mut c = MembershipClient::new(channel(&self.router.addr).await);
+        let internal = self.router.internal.as_deref().expect("the router's internal address");
+        let mut c = MembershipClient::new(self.channel(internal).await);
         c.list_nodes(ListNodesRequest {}).await.expect("ListNodes").into_inner().nodes
     }
 
@@ -347,29 +528,19 @@ impl Cluster {
     }
 
     pub async fn prefill_stats(&self, i: usize) -> NodeStats {
-        let mut c = PrefillClient::new(channel(&self.prefills[i].addr).await);
+        let mut c = PrefillClient::new(self.channel(&self.prefills[i].addr).await);
         c.stats(StatsRequest {}).await.expect("Stats").into_inner()
     }
 
     pub async fn decode_stats(&self, i: usize) -> NodeStats {
-        decode_stats(&self.decodes[i].addr).await
+        let mut c = DecodeClient::new(self.channel(&self.decodes[i].addr).await);
+        c.stats(StatsRequest {}).await.expect("Stats").into_inner()
     }
 
+    /// A Decode client acting as the router.
     pub async fn decode_client(&self, i: usize) -> DecodeClient<Channel> {
-        DecodeClient::new(channel(&self.decodes[i].addr).await)
+        DecodeClient::new(self.channel(&self.decodes[i].addr).await)
     }
-}
-
-/// A channel to a mesh process, with this test process's TLS when it has some
-/// (`pdmesh_common::tls::init`), plaintext otherwise.
-pub async fn channel(addr: &str) -> Channel {
-    let ep = pdmesh_common::tls::endpoint(addr).expect("a valid address");
-    ep.connect().await.unwrap_or_else(|e| panic!("{addr} unreachable: {e}"))
-}
-
-pub async fn decode_stats(addr: &str) -> NodeStats {
-    let mut c = DecodeClient::new(channel(addr).await);
-    c.stats(StatsRequest {}).await.expect("Stats").into_inner()
 }
 
 /// Polls `probe` until it returns true, failing the test with `what` after `timeout`.

@@ -30,7 +30,10 @@ pub struct Settings {
 /// A running in-process mesh. Dropping it stops every service.
 #[derive(Debug)]
 pub struct Mesh {
+    /// The router's public address.
     pub router: String,
+    /// The router's membership address.
+    pub members: String,
     pub decode: Vec<String>,
     pub prefill: Vec<String>,
     stop: CancellationToken,
@@ -71,6 +74,10 @@ impl Settings {
     pub fn new(prefill: usize, decode: usize) -> Self {
         let router = RouterConfig {
             listen: "127.0.0.1:0".into(),
+            internal_listen: "127.0.0.1:0".into(),
+            // In one process there is no TLS, hence no identities: these are the plumbing's
+            // tests, not the trust model's (that is `Cluster`'s).
+            allow_anonymous: true,
             heartbeat_interval_ms: 50,
             node_ttl_ms: 400,
             ..Default::default()
@@ -98,12 +105,15 @@ impl Settings {
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
         let (listener, addr) = pdmesh_common::bind(&self.router.listen).await.expect("binds");
-        let router = addr.to_string();
+        let (internal, internal_addr) =
+            pdmesh_common::bind(&self.router.internal_listen).await.expect("binds");
+        let (router, members) = (addr.to_string(), internal_addr.to_string());
         self.router.model = model.clone();
         let done = stop.clone();
         let cfg = self.router.clone();
         tasks.push(tokio::spawn(async move {
-            let r = pdmesh_router::run(cfg, listener, Metrics::default(), done.cancelled_owned());
+            let shutdown = done.cancelled_owned();
+            let r = pdmesh_router::run(cfg, listener, internal, Metrics::default(), shutdown);
             r.await.expect("the router runs");
         }));
         // Each node: bound, pointed at the router and the tiny model, and run until `stop`.
@@ -112,7 +122,7 @@ impl Settings {
                 let mut addrs = Vec::new();
                 for mut c in $configs {
                     let (listener, addr) = pdmesh_common::bind(&c.listen).await.expect("binds");
-                    c.routers = vec![router.clone()];
+                    c.routers = vec![members.clone()];
                     c.engine = engine(&model);
                     addrs.push(addr.to_string());
                     let done = stop.clone();
@@ -126,7 +136,7 @@ impl Settings {
         }
         let decode = start_nodes!(self.decode, pdmesh_decode::run);
         let prefill = start_nodes!(self.prefill, pdmesh_prefill::run);
-        let mesh = Mesh { router, decode, prefill, stop, tasks, _dir: dir };
+        let mesh = Mesh { router, members, decode, prefill, stop, tasks, _dir: dir };
         let want = mesh.decode.len() + mesh.prefill.len();
         crate::eventually(Duration::from_secs(20), "every node registers", || async {
             mesh.nodes().await.len() == want
@@ -143,7 +153,7 @@ impl Mesh {
 
     /// The nodes the router knows.
     pub async fn nodes(&self) -> Vec<NodeStatus> {
-        let Ok(mut m) = MembershipClient::connect(format!("http://{}", self.router)).await else {
+        let Ok(mut m) = MembershipClient::connect(format!("http://{}", self.members)).await else {
             return Vec::new();
         };
         m.list_nodes(ListNodesRequest {}).await.map(|r| r.into_inner().nodes).unwrap_or_default()

@@ -6,6 +6,8 @@ pub mod cluster;
 pub mod inprocess;
 
 pub use cluster::{Cluster, eventually};
+/// A client of the public API that sends an API key (`Cluster::client`).
+pub use pdmesh_common::apikey::GenerationClient as Client;
 
 use std::path::PathBuf;
 use std::process::{Command, Output};

@@ -1,28 +1,36 @@
 //! The mesh against callers who try to take what is not theirs, with real processes and the
 //! real model: each test plays the attacker, asserts the precise status it gets, and checks
-//! that honest work alongside it is unharmed.
+//! that honest work alongside it is unharmed. Attackers hold real certificates of the mesh's
+//! CA where the hole needs one (a compromised node), or only what a client has.
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdmesh_integration::cluster::channel;
+use pdmesh_common::apikey::Tenant;
+use pdmesh_common::tls::MeshRole;
+use pdmesh_integration::cluster::{endpoint_as, pki};
 use pdmesh_integration::{Cluster, eventually};
 use pdmesh_kv_types::BlockHasher;
-use pdmesh_proto::v1::generation_client::GenerationClient;
+use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk as PushChunk;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::{
-    DecodeRequest, GenerateRequest, HeartbeatRequest, KvBlocks, KvChunk, KvEnd, KvHeader,
-    KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
+    CancelRequest, DecodeRequest, GenerateRequest, HeartbeatRequest, KvBlocks, KvChunk, KvEnd,
+    KvHeader, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
     KvWriteHeader, NodeLoad, RegisterRequest, ReleaseRequest, ReserveRequest, Role, SamplerState,
     TokenIds, decode_request, generate_request, generate_response,
 };
 use tonic::Code;
 use tonic::transport::Channel;
+
+/// A channel to `addr` holding a real certificate of the mesh for `name` in `role`.
+async fn as_node(addr: &str, name: &str, role: MeshRole) -> Channel {
+    endpoint_as(addr, &pki().identity(name, role)).connect().await.unwrap()
+}
 
 /// Clusters are heavy on two cores: one test at a time in this binary.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -37,7 +45,12 @@ fn forge(wire: &str) -> String {
 }
 
 /// Greedy tokens of one request through the router.
-async fn generate(client: &mut GenerationClient<Channel>, prompt: &[u32]) -> Vec<u32> {
+async fn generate(client: &mut pdmesh_integration::Client, prompt: &[u32]) -> Vec<u32> {
+    generate_full(client, prompt).await.0
+}
+
+/// Greedy tokens of one request, and the prompt tokens it found cached.
+async fn generate_full(client: &mut pdmesh_integration::Client, prompt: &[u32]) -> (Vec<u32>, u32) {
     let r = GenerateRequest {
         input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt.to_vec() })),
         max_tokens: 8,
@@ -49,7 +62,9 @@ async fn generate(client: &mut GenerationClient<Channel>, prompt: &[u32]) -> Vec
     while let Some(m) = s.message().await.unwrap() {
         match m.event {
             Some(generate_response::Event::Delta(d)) => toks.extend(d.token_ids),
-            Some(generate_response::Event::Finished(_)) => return toks,
+            Some(generate_response::Event::Finished(f)) => {
+                return (toks, f.usage.unwrap().cached_tokens);
+            }
             _ => {}
         }
     }
@@ -99,7 +114,10 @@ async fn guessed_and_forged_reservation_ids_are_refused() {
     assert!(!e.message().contains(&id[16..]), "the error echoes the real secret: {e:?}");
     let r = d.release(ReleaseRequest { reservation_id: forged.clone() }).await.unwrap();
     assert!(!r.into_inner().released, "a forged id released the reservation");
-    // Pushing KV into it.
+    // Pushing KV into it takes a prefill node's certificate: the router's is refused, and a
+    // (compromised) prefill node still needs the reservation's secret.
+    let mut as_prefill =
+        DecodeClient::new(as_node(&c.decodes[0].addr, "p", MeshRole::Prefill).await);
     let header = KvChunk {
         chunk: Some(PushChunk::Header(KvHeader {
             reservation_id: forged,
@@ -108,8 +126,15 @@ async fn guessed_and_forged_reservation_ids_are_refused() {
             traceparent: String::new(),
         })),
     };
-    let e = d.push_kv(tokio_stream::iter([header])).await.unwrap_err();
+    let e = d.push_kv(tokio_stream::iter([header.clone()])).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let e = as_prefill.push_kv(tokio_stream::iter([header])).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // Nor can a prefill node do the router's part: attach, release, reserve.
+    let e = as_prefill.decode(attach(&id)).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let e = as_prefill.release(ReleaseRequest { reservation_id: id.clone() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
 
     // Even the holder is held to the bounds the router checks: a decode node re-checks them.
     let mut flood = attach(&id);
@@ -132,9 +157,12 @@ async fn guessed_and_forged_reservation_ids_are_refused() {
     .await;
 }
 
-/// A node of another model is refused (its tokens would be wrong answers); a node claiming a
-/// 2^32-block prefix cache no longer makes the router allocate it and abort. Honest requests
-/// before, during and after give the same tokens.
+/// Only nodes join, each only as itself: the router's certificate may not register, a prefill
+/// node may not register as a decode node or under another's name, nor heartbeat for one
+/// (a spoofed `free_blocks = 0` would refuse every client; a dead node's would keep it
+/// placed). A node of another model is refused (its tokens would be wrong answers); a node
+/// claiming a 2^32-block prefix cache no longer makes the router allocate it and abort.
+/// Honest requests before, during and after give the same tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
     let _serial = SERIAL.lock().await;
@@ -145,7 +173,38 @@ async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
     let want = generate(&mut client, &prompt).await;
 
     let real = c.nodes().await.into_iter().find(|n| n.role == Role::Prefill as i32).unwrap();
-    let mut m = MembershipClient::new(channel(&c.router.addr).await);
+    let internal = c.router.internal.clone().unwrap();
+    let register = |node_id: &str, role: Role, load: Option<NodeLoad>| RegisterRequest {
+        node_id: node_id.into(),
+        role: role as i32,
+        address: real.address.clone(),
+        layout: real.layout.clone(),
+        load,
+    };
+    // The public port does not serve membership at all, even to a node.
+    let mut public =
+        MembershipClient::new(as_node(&c.router.addr, "mallory", MeshRole::Prefill).await);
+    let e = public.register(register("mallory", Role::Prefill, None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
+    // A router's certificate is not a node's.
+    let mut as_router = MembershipClient::new(c.channel(&internal).await);
+    let e = as_router.register(register("router", Role::Prefill, None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // Mallory holds a real prefill certificate, in her own name.
+    let mut mallory = MembershipClient::new(as_node(&internal, "mallory", MeshRole::Prefill).await);
+    for (id, role) in [("prefill-0", Role::Prefill), ("mallory", Role::Decode)] {
+        let e = mallory.register(register(id, role, None)).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{id} as {role:?}: {e:?}");
+    }
+    let full = NodeLoad { free_blocks: 0, ..Default::default() };
+    let e = mallory
+        .heartbeat(HeartbeatRequest { node_id: "decode-0".into(), load: Some(full) })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert_eq!(generate(&mut client, &prompt).await, want, "a spoofed heartbeat took effect");
+
+    let mut m = MembershipClient::new(as_node(&internal, "other-model", MeshRole::Prefill).await);
     let mut other = real.layout.clone().unwrap();
     other.model_fingerprint ^= 1;
     let e = m
@@ -164,6 +223,7 @@ async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
     // The liar sits at the real node's address, so requests placed on it are served; it keeps
     // its claim fresh while honest requests run.
     let huge = NodeLoad { cache_blocks: u32::MAX, ..Default::default() };
+    let mut m = MembershipClient::new(as_node(&internal, "liar", MeshRole::Prefill).await);
     m.register(RegisterRequest {
         node_id: "liar".into(),
         role: Role::Prefill as i32,
@@ -199,7 +259,8 @@ async fn kvstore_leases_cannot_be_guessed_or_forged() {
     let c = Cluster::builder().prefill(0).decode(1).kvstore().start().await;
     let layout = c.decode_stats(0).await.layout.unwrap();
     let store = c.kvstore.as_ref().unwrap();
-    let mut k = KvStoreClient::new(channel(&store.addr).await).max_decoding_message_size(64 << 20);
+    let ch = as_node(&store.addr, "p", MeshRole::Prefill).await;
+    let mut k = KvStoreClient::new(ch).max_decoding_message_size(64 << 20);
     let domain = pdmesh_proto::layout_from_wire(&layout).unwrap();
     let tokens: Vec<u32> = (0..32).map(|i| 700 + i).collect();
     let chain = BlockHasher::new(&domain).unwrap().chain(&tokens);
@@ -216,7 +277,16 @@ async fn kvstore_leases_cannot_be_guessed_or_forged() {
             data: data.clone(),
         })),
     }));
+    // Only prefill nodes fill the store: the router's certificate (the harness's) may not.
+    let mut as_router = KvStoreClient::new(c.channel(&store.addr).await);
+    let e = as_router.write(tokio_stream::iter(msgs.clone())).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let mut twice = msgs.clone();
     assert_eq!(k.write(tokio_stream::iter(msgs)).await.unwrap().into_inner().stored, 2);
+    // A write that repeats a block is not a chain.
+    twice.push(twice[1].clone());
+    let e = k.write(tokio_stream::iter(twice)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
     let m = k
         .r#match(KvMatchRequest { layout: Some(layout), hashes, lease_ms: 60_000, want_ucx: false })
@@ -250,7 +320,8 @@ async fn kvstore_leases_cannot_be_guessed_or_forged() {
 
 /// The router dies between "the KV arrived" and "attach the request": nobody will ever
 /// attach. The reservation must not hold its blocks forever: completing the KV re-arms the
-/// node's lease, and its expiry frees them. (We play the router, and vanish.)
+/// node's lease, and its expiry frees them. (We play the router and a prefill node, and
+/// vanish.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_that_no_request_ever_attaches_to_is_freed() {
     let _serial = SERIAL.lock().await;
@@ -281,7 +352,8 @@ async fn kv_that_no_request_ever_attaches_to_is_freed() {
         PushChunk::End(KvEnd { blocks: blocks as u32, checksums }),
     ]
     .map(|c| KvChunk { chunk: Some(c) });
-    d.push_kv(tokio_stream::iter(msgs)).await.unwrap();
+    let mut p = DecodeClient::new(as_node(&c.decodes[0].addr, "p", MeshRole::Prefill).await);
+    p.push_kv(tokio_stream::iter(msgs)).await.unwrap();
     let s = c.decode_stats(0).await;
     assert!(s.load.unwrap().committed_blocks > 0, "the KV is held for its request");
     eventually(WAIT, "the orphaned KV's lease to free it", || async {
@@ -289,4 +361,104 @@ async fn kv_that_no_request_ever_attaches_to_is_freed() {
         s.leases_expired == 1 && s.load.unwrap().committed_blocks == 0
     })
     .await;
+}
+
+/// The public API by API key: a tenant cancels only its own requests (another tenant's id is
+/// as unknown as one never used, and its request runs on), and a tenant over its own
+/// in-flight limit is refused while other tenants are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_cancel_only_their_own_and_hold_only_their_share() {
+    let _serial = SERIAL.lock().await;
+    let limited = Tenant { tenant: "small".into(), max_in_flight: Some(1), cache_group: None };
+    let c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .tenant(Tenant { tenant: "alice".into(), max_in_flight: None, cache_group: None })
+        .tenant(limited)
+        .start()
+        .await;
+    let (mut alice, mut bob) = (c.client_as("alice").await, c.client().await);
+    let long = GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds {
+            ids: (0..40).map(|i| 900 + i).collect(),
+        })),
+        max_tokens: 200,
+        ignore_eos: true,
+        request_id: "shared-name".into(),
+        ..Default::default()
+    };
+    let mut s = alice.generate(long.clone()).await.unwrap().into_inner();
+    s.message().await.unwrap();
+    // Bob guesses the id: not his, so not found, and Alice's request goes on.
+    let e = bob.cancel(CancelRequest { request_id: "shared-name".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // Ids are per tenant: Bob may use the same one for a request of his own.
+    let mut short = long.clone();
+    short.max_tokens = 2;
+    let mut b = bob.generate(short).await.unwrap().into_inner();
+    while b.message().await.unwrap().is_some() {}
+    let (mut n, mut cancelled) = (0, false);
+    let mut reason = None;
+    while let Some(m) = s.message().await.unwrap() {
+        match m.event {
+            Some(generate_response::Event::Delta(d)) => n += d.token_ids.len(),
+            Some(generate_response::Event::Finished(f)) => reason = Some(f.reason),
+            _ => {}
+        }
+        if n >= 20 && !cancelled {
+            // Alice cancels her own.
+            alice.cancel(CancelRequest { request_id: "shared-name".into() }).await.unwrap();
+            cancelled = true;
+        }
+    }
+    assert!(n < 200, "the cancel stopped it");
+    assert_eq!(reason, Some(pdmesh_proto::v1::FinishReason::Cancelled as i32));
+
+    // "small" may have one request in flight.
+    let mut small = c.client_as("small").await;
+    let mut first = small.generate(long.clone()).await.unwrap().into_inner();
+    first.message().await.unwrap();
+    let e = small.generate(long.clone()).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("small"), "{e:?}");
+    // Others are not held to its limit.
+    assert_eq!(generate(&mut bob, &(0..40).collect::<Vec<_>>()).await.len(), 8);
+    drop(first);
+}
+
+/// The prefix cache is per tenant: a prompt Alice sent is cached for Alice, but Bob sending
+/// the same prompt finds nothing cached (`cached_tokens` 0), so he learns nothing of what
+/// others asked, and gets the same tokens. Tenants of one cache group share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_tokens_reveal_only_the_callers_own_prompts() {
+    let _serial = SERIAL.lock().await;
+    let group = |name: &str| Tenant {
+        tenant: name.into(),
+        max_in_flight: None,
+        cache_group: Some("shared-system-prompt".into()),
+    };
+    let c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .kvstore()
+        .tenant(Tenant { tenant: "alice".into(), max_in_flight: None, cache_group: None })
+        .tenant(group("carol"))
+        .tenant(group("dave"))
+        .start()
+        .await;
+    let (mut alice, mut bob) = (c.client_as("alice").await, c.client().await);
+    let secret: Vec<u32> = (0..96).map(|i| 1000 + 7 * i).collect();
+    let (want, cached) = generate_full(&mut alice, &secret).await;
+    assert_eq!(cached, 0);
+    let (again, cached) = generate_full(&mut alice, &secret).await;
+    assert!(cached >= 64, "Alice's own prefix is cached for her: {cached}");
+    assert_eq!(again, want);
+    let (bobs, cached) = generate_full(&mut bob, &secret).await;
+    assert_eq!(cached, 0, "Bob saw Alice's prompt in the cache");
+    assert_eq!(bobs, want);
+    // Carol and Dave share a group: Dave finds Carol's prefix.
+    let (carols, _) = generate_full(&mut c.client_as("carol").await, &secret).await;
+    let (daves, cached) = generate_full(&mut c.client_as("dave").await, &secret).await;
+    assert!(cached >= 64, "a cache group shares: {cached}");
+    assert_eq!((carols, daves), (want.clone(), want));
 }

@@ -19,7 +19,8 @@ async fn kvstore_process_shares_the_mesh_layout_and_round_trips_blocks() {
     let layout = c.decode_stats(0).await.layout.unwrap();
     let model = model_path().display().to_string();
     let args: Vec<String> =
-        ["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "50000000"]
+        // A store on its own, plaintext on loopback (the mesh's TLS is mtls.rs's subject).
+        ["--insecure", "--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "50000000"]
             .iter()
             .map(|s| s.to_string())
             .collect();

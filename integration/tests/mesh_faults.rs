@@ -7,12 +7,10 @@
 use std::time::{Duration, Instant};
 
 use pdmesh_integration::{Cluster, eventually, per_transport};
-use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::{
     CancelRequest, Chat, ChatMessage, FinishReason, Finished, GenerateRequest, GenerateResponse,
     ReserveRequest, SamplingParams, TokenIds, TokenizeRequest, generate_request, generate_response,
 };
-use tonic::transport::Channel;
 use tonic::{Code, Streaming};
 
 /// Clusters are heavy on two cores: one test at a time in this binary.
@@ -34,7 +32,7 @@ fn req(prompt: Vec<u32>, max_tokens: u32) -> GenerateRequest {
 }
 
 async fn start(
-    client: &mut GenerationClient<Channel>,
+    client: &mut pdmesh_integration::Client,
     r: GenerateRequest,
 ) -> Streaming<GenerateResponse> {
     client.generate(r).await.unwrap().into_inner()
@@ -188,7 +186,7 @@ async fn killed_prefill_node_is_retried_on_another(transport: &str) {
 /// fault knob, so the transfer outlasts the compute).
 async fn transfer_in_flight(
     transport: &str,
-) -> (Cluster, GenerationClient<Channel>, Streaming<GenerateResponse>) {
+) -> (Cluster, pdmesh_integration::Client, Streaming<GenerateResponse>) {
     let c = Cluster::builder()
         .prefill(1)
         .decode(1)
@@ -536,13 +534,14 @@ async fn every_service_serves_health_and_reflection() {
 
     let _serial = SERIAL.lock().await;
     let c = Cluster::builder().prefill(1).decode(1).start().await;
+    let internal = c.router.internal.clone().unwrap();
     for (addr, service) in [
         (&c.router.addr, "pdmesh.v1.Generation"),
-        (&c.router.addr, "pdmesh.v1.Membership"),
+        (&internal, "pdmesh.v1.Membership"),
         (&c.prefills[0].addr, "pdmesh.v1.Prefill"),
         (&c.decodes[0].addr, "pdmesh.v1.Decode"),
     ] {
-        let ch = Channel::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+        let ch = c.channel(addr).await;
         let mut h = HealthClient::new(ch.clone());
         let r = h.check(HealthCheckRequest { service: service.into() }).await.unwrap().into_inner();
         assert_eq!(r.status, 1, "{service} on {addr} is not SERVING"); // 1 = SERVING

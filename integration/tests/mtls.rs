@@ -1,63 +1,39 @@
-//! The mesh with mutual TLS on every hop, as real processes: requests flow through router,
-//! prefill (pushing KV to decode) and decode, while a client without a certificate, or with
-//! one from another CA, is refused by each of them. TLS is per process, so this runs in a
-//! test binary of its own.
+//! The mesh's transport security as real processes: every internal port demands a certificate
+//! of the mesh's CA (plaintext, no certificate, or a stranger's CA is refused by each), the
+//! public port demands an API key instead, `--insecure` stays on loopback, and the whole mesh
+//! rotates to a new CA on disk without a restart.
 
 #![allow(clippy::unwrap_used)]
 
-use pdmesh_common::tls::{self, MeshTls};
-use pdmesh_integration::Cluster;
+use std::time::Duration;
+
+use pdmesh_common::tls::{self, MeshRole, MeshTls};
+use pdmesh_integration::cluster::{endpoint_as, pki};
+use pdmesh_integration::{Cluster, eventually, pdmesh_bin};
 use pdmesh_proto::v1::decode_client::DecodeClient;
+use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{
     GenerateRequest, ListNodesRequest, StatsRequest, TokenIds, generate_request, generate_response,
 };
+use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// Clusters are heavy on two cores: one test at a time in this binary.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// Calls a harmless RPC of the service at `addr` over `ch` (each service has one).
 async fn probe(ch: Channel, kind: &str) -> Result<(), tonic::Status> {
     match kind {
-        "router" => MembershipClient::new(ch).list_nodes(ListNodesRequest {}).await.map(|_| ()),
+        "membership" => MembershipClient::new(ch).list_nodes(ListNodesRequest {}).await.map(|_| ()),
         "prefill" => PrefillClient::new(ch).stats(StatsRequest {}).await.map(|_| ()),
+        "kvstore" => KvStoreClient::new(ch).stats(StatsRequest {}).await.map(|_| ()),
         _ => DecodeClient::new(ch).stats(StatsRequest {}).await.map(|_| ()),
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_hop_is_mutual_tls_and_strangers_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
-    let nodes = [
-        ("router", "router"),
-        ("prefill-0", "prefill"),
-        ("decode-0", "decode"),
-        ("client", "client"),
-    ];
-    tls::issue(dir.path(), &nodes).unwrap();
-    // Mallory's certificate is well formed, for the right name, from a CA of her own.
-    let foreign = tempfile::tempdir().unwrap();
-    tls::issue(foreign.path(), &[("mallory", "router")]).unwrap();
-    assert!(tls::init(Some(MeshTls::load(dir.path(), "client").unwrap())));
-    let d = dir.path().display().to_string();
-    let flags = |name: &'static str| -> [String; 4] {
-        ["--tls-dir".into(), d.clone(), "--tls-name".into(), name.into()]
-    };
-    let (r, p, dc) = (flags("router"), flags("prefill-0"), flags("decode-0"));
-    fn strs(v: &[String; 4]) -> [&str; 4] {
-        v.each_ref().map(String::as_str)
-    }
-    let c = Cluster::builder()
-        .prefill(1)
-        .decode(1)
-        .router_args(&strs(&r))
-        .prefill_args(&strs(&p))
-        .decode_args(&strs(&dc))
-        .start()
-        .await;
-    c.wait_nodes(1, 1).await;
-
-    // An honest request crosses every hop (router → prefill → KV to decode → router).
-    let mut client = c.client().await;
+async fn tokens(client: &mut pdmesh_integration::Client) -> Result<usize, tonic::Status> {
     let req = GenerateRequest {
         input: Some(generate_request::Input::TokenIds(TokenIds {
             ids: (0..40).map(|i| 500 + i).collect(),
@@ -66,23 +42,30 @@ async fn every_hop_is_mutual_tls_and_strangers_are_refused() {
         ignore_eos: true,
         ..Default::default()
     };
-    let mut s = client.generate(req).await.unwrap().into_inner();
-    let (mut toks, mut finished) = (0, None);
-    while let Some(m) = s.message().await.unwrap() {
-        match m.event {
-            Some(generate_response::Event::Delta(d)) => toks += d.token_ids.len(),
-            Some(generate_response::Event::Finished(f)) => finished = Some(f),
-            _ => {}
+    let mut s = client.generate(req).await?.into_inner();
+    let mut n = 0;
+    while let Some(m) = s.message().await? {
+        if let Some(generate_response::Event::Delta(d)) = m.event {
+            n += d.token_ids.len();
         }
     }
-    assert_eq!(toks, 6);
-    let t = finished.unwrap().timings.unwrap();
-    assert_eq!((t.prefill_node.as_str(), t.decode_node.as_str()), ("prefill-0", "decode-0"));
+    Ok(n)
+}
 
-    // Mallory trusts the mesh's CA (a CA certificate is public), so only the servers'
-    // demand for a client certificate from it stands in her way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_internal_port_refuses_strangers_and_the_public_one_wants_a_key() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(1).decode(1).kvstore().start().await;
+    // An honest request crosses every hop (router → prefill → KV to decode → router).
+    assert_eq!(tokens(&mut c.client().await).await.unwrap(), 6);
+
+    // Mallory's certificate is well formed, for the right name, from a CA of her own; she
+    // trusts the mesh's CA (a CA certificate is public), so only the servers' demand for a
+    // client certificate from it stands in her way.
+    let foreign = tempfile::tempdir().unwrap();
+    tls::issue(foreign.path(), &[("mallory", MeshRole::Router)]).unwrap();
     let read = |p: std::path::PathBuf| std::fs::read(p).unwrap();
-    let ca = Certificate::from_pem(read(dir.path().join("ca.pem")));
+    let ca = Certificate::from_pem(read(pki().ca_file()));
     let theirs = Identity::from_pem(
         read(foreign.path().join("mallory.pem")),
         read(foreign.path().join("mallory.key")),
@@ -92,19 +75,20 @@ async fn every_hop_is_mutual_tls_and_strangers_are_refused() {
         .identity(theirs)
         .domain_name(tls::MESH_NAME);
     let without_cert = ClientTlsConfig::new().ca_certificate(ca).domain_name(tls::MESH_NAME);
+    let internal = c.router.internal.clone().unwrap();
     for (addr, kind) in [
-        (&c.router.addr, "router"),
+        (&internal, "membership"),
         (&c.prefills[0].addr, "prefill"),
         (&c.decodes[0].addr, "decode"),
+        (&c.kvstore.as_ref().unwrap().addr, "kvstore"),
     ] {
-        // Our own certificate works.
-        let ours = tls::endpoint(addr).unwrap().connect().await.unwrap();
-        probe(ours, kind).await.unwrap();
-        // Plaintext.
+        // The harness's own certificate works.
+        probe(c.channel(addr).await, kind).await.unwrap();
+        // Plaintext: told precisely what is wrong.
         let plain = Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await;
-        if let Ok(ch) = plain {
-            assert!(probe(ch, kind).await.is_err(), "{kind} answered a plaintext client");
-        }
+        let e = probe(plain.unwrap(), kind).await.unwrap_err();
+        assert_eq!(e.code(), Code::Unauthenticated, "{kind}: {e:?}");
+        assert!(e.message().contains("plaintext"), "{kind}: {e:?}");
         // TLS without a client certificate, and with one from another CA.
         for (what, cfg) in
             [("no certificate", &without_cert), ("a foreign certificate", &with_foreign_cert)]
@@ -117,5 +101,115 @@ async fn every_hop_is_mutual_tls_and_strangers_are_refused() {
                 assert!(probe(ch, kind).await.is_err(), "{kind} answered a client with {what}");
             }
         }
+    }
+
+    // The public port: TLS without a client certificate is fine, but no key, a malformed
+    // key or an unknown key is UNAUTHENTICATED.
+    let ep = Endpoint::from_shared(format!("https://{}", c.router.addr))
+        .unwrap()
+        .tls_config(without_cert.clone())
+        .unwrap();
+    let ch = ep.connect().await.unwrap();
+    for key in [None, Some("pdm_0123456789abcdef")] {
+        let mut client = pdmesh_proto::v1::generation_client::GenerationClient::with_interceptor(
+            ch.clone(),
+            pdmesh_common::apikey::Bearer::new(key).unwrap(),
+        );
+        let e = tokens(&mut client).await.unwrap_err();
+        assert_eq!(e.code(), Code::Unauthenticated, "{key:?}: {e:?}");
+    }
+    let mut keyed = pdmesh_proto::v1::generation_client::GenerationClient::with_interceptor(
+        ch,
+        pdmesh_common::apikey::Bearer::new(Some(c.api_key("test"))).unwrap(),
+    );
+    assert_eq!(tokens(&mut keyed).await.unwrap(), 6);
+    // An admin's certificate lists nodes but drives none of them.
+    let admin = pki().identity("ops", MeshRole::Admin);
+    let ch = endpoint_as(&c.decodes[0].addr, &admin).connect().await.unwrap();
+    probe(ch.clone(), "decode").await.unwrap();
+    let r = pdmesh_proto::v1::ReleaseRequest { reservation_id: "0".repeat(32) };
+    let e = DecodeClient::new(ch).release(r).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+}
+
+/// `--insecure` keeps a mesh on one machine: a service asked to listen on, advertise or dial
+/// anything but loopback refuses to start, and without either TLS or `--insecure` nothing
+/// starts at all.
+#[test]
+fn insecure_is_loopback_only_and_tls_is_the_default() {
+    let model = pdmesh_integration::model_path();
+    let model = model.to_str().unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(pdmesh_bin()).args(args).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (ok, err) = run(&["router", "--listen", "127.0.0.1:0", "--model", model]);
+    assert!(!ok && err.contains("--insecure"), "{err}");
+    for args in [
+        &["router", "--insecure", "--allow-anonymous", "--listen", "0.0.0.0:0"][..],
+        &["decode", "--insecure", "--listen", "127.0.0.1:0", "--advertise", "10.1.2.3:5000"],
+        &["prefill", "--insecure", "--listen", "127.0.0.1:0", "--router", "192.0.2.1:50052"],
+    ] {
+        let mut a = args.to_vec();
+        a.extend(["--model", model]);
+        let (ok, err) = run(&a);
+        assert!(!ok && err.contains("loopback"), "{args:?}: {err}");
+    }
+    // And a router without API keys must say it serves anyone.
+    let (ok, err) = run(&["router", "--insecure", "--listen", "127.0.0.1:0", "--model", model]);
+    assert!(!ok && err.contains("api_keys"), "{err}");
+}
+
+/// The CA is rotated under a running mesh: every process's files are replaced by ones from a
+/// new CA. Within the reload period every process serves and dials with the new ones: a
+/// client of the old CA is refused by a fresh connection, one of the new CA is served, and
+/// requests keep completing throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_rotates_its_ca_without_a_restart() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(1).decode(1).start().await;
+    let mut client = c.client().await;
+    assert_eq!(tokens(&mut client).await.unwrap(), 6);
+    let dir = c.credentials();
+    let new = tls::Ca::generate().unwrap();
+    for (name, role) in [
+        ("harness-2", MeshRole::Router),
+        ("router", MeshRole::Router),
+        ("prefill-0", MeshRole::Prefill),
+        ("decode-0", MeshRole::Decode),
+    ] {
+        new.issue(dir, name, role).unwrap();
+    }
+    let rotated = MeshTls::load(dir, "harness-2").unwrap();
+    let decode = c.decodes[0].addr.clone();
+    eventually(Duration::from_secs(20), "the decode node serves the new CA", || async {
+        let old = c_channel_works(&endpoint_as(&decode, &pki_harness())).await;
+        let new = c_channel_works(&endpoint_as(&decode, &rotated)).await;
+        !old && new
+    })
+    .await;
+    // The router dials the nodes with its new certificate, and the nodes take it.
+    eventually(Duration::from_secs(20), "a request across the rotated mesh", || async {
+        let ep = endpoint_as(&c.router.addr, &rotated);
+        let Ok(ch) = ep.connect().await else { return false };
+        let mut client = pdmesh_proto::v1::generation_client::GenerationClient::with_interceptor(
+            ch,
+            pdmesh_common::apikey::Bearer::new(Some(c.api_key("test"))).unwrap(),
+        );
+        tokens(&mut client).await.is_ok_and(|n| n == 6)
+    })
+    .await;
+}
+
+/// The harness's certificate (of the process's CA, which the mesh no longer trusts after a
+/// rotation).
+fn pki_harness() -> MeshTls {
+    pki().identity("harness-old", MeshRole::Router)
+}
+
+async fn c_channel_works(ep: &Endpoint) -> bool {
+    match ep.clone().connect_timeout(Duration::from_secs(2)).connect().await {
+        Ok(ch) => probe(ch, "decode").await.is_ok(),
+        Err(_) => false,
     }
 }

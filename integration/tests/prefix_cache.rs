@@ -8,7 +8,6 @@
 use std::time::Duration;
 
 use pdmesh_integration::{Cluster, eventually, per_transport};
-use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::{
     Finished, GenerateRequest, SamplingParams, StatsRequest, TokenIds, generate_request,
@@ -24,7 +23,7 @@ fn tokens(seed: u32, n: usize) -> Vec<u32> {
 }
 
 async fn generate(
-    c: &mut GenerationClient<Channel>,
+    c: &mut pdmesh_integration::Client,
     prompt: Vec<u32>,
     seed: u64,
 ) -> (Vec<u32>, Finished) {
@@ -53,7 +52,7 @@ async fn generate(
 
 async fn store_client(c: &Cluster) -> KvStoreClient<Channel> {
     let addr = &c.kvstore.as_ref().unwrap().addr;
-    KvStoreClient::connect(format!("http://{addr}")).await.unwrap()
+    KvStoreClient::new(c.channel(addr).await)
 }
 
 async fn stored_blocks(c: &Cluster) -> u64 {
@@ -165,7 +164,7 @@ per_transport!(cached_prefixes_give_the_same_tokens_bit_for_bit);
 async fn prefill_stats(c: &Cluster, node: &str) -> pdmesh_proto::v1::PrefixCacheStats {
     use pdmesh_proto::v1::prefill_client::PrefillClient;
     let n = c.nodes().await.into_iter().find(|n| n.node_id == node).unwrap();
-    let mut p = PrefillClient::connect(format!("http://{}", n.address)).await.unwrap();
+    let mut p = PrefillClient::new(c.channel(&n.address).await);
     p.stats(StatsRequest {}).await.unwrap().into_inner().prefix_cache.unwrap()
 }
 

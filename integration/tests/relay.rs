@@ -135,7 +135,7 @@ async fn register_dead_prefill(m: &Mesh, id: &str) {
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
     let nodes = m.nodes().await;
     let layout = nodes.iter().find(|n| n.role == Role::Prefill as i32).unwrap().layout.clone();
-    let mut c = MembershipClient::connect(format!("http://{}", m.router)).await.unwrap();
+    let mut c = MembershipClient::connect(format!("http://{}", m.members)).await.unwrap();
     let reg = RegisterRequest {
         node_id: id.into(),
         role: Role::Prefill as i32,

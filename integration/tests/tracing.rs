@@ -11,9 +11,7 @@ use std::time::Duration;
 
 use pdmesh_common::collector::{Collector, SpanRecord};
 use pdmesh_integration::{Cluster, eventually, per_transport};
-use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::{Finished, GenerateRequest, TokenIds, generate_request, generate_response};
-use tonic::transport::Channel;
 
 /// The clusters are heavy for two cores: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -27,7 +25,7 @@ struct Sent {
 }
 
 async fn send(
-    client: &mut GenerationClient<Channel>,
+    client: &mut pdmesh_integration::Client,
     prompt: Vec<u32>,
     max_tokens: u32,
     traceparent: Option<&str>,
@@ -328,8 +326,10 @@ async fn standard_otel_variables_apply() {
     let collector = Collector::default();
     tokio::spawn(collector.clone().serve(listener));
     let model = pdmesh_integration::model_path().display().to_string();
-    let args: Vec<String> =
-        ["--listen", "127.0.0.1:0", "--model", &model].iter().map(|s| s.to_string()).collect();
+    let args: Vec<String> = ["--insecure", "--listen", "127.0.0.1:0", "--model", &model]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     let env = |extra: &[(&str, &str)]| {
         let mut e = vec![
             ("OTEL_EXPORTER_OTLP_ENDPOINT".to_string(), endpoint.clone()),

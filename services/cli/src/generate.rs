@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::{
     Chat, ChatMessage, FinishReason, GenerateRequest, SamplingParams, generate_request,
     generate_response,
@@ -18,6 +17,9 @@ pub struct GenerateArgs {
     /// The router to call.
     #[arg(long, default_value = "127.0.0.1:50051")]
     target: String,
+    /// The API key to send (default: that of the `pdmesh up` mesh at --target).
+    #[arg(long, env = "PDMESH_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     /// Send the prompt as raw text, without the chat template.
     #[arg(long)]
     raw: bool,
@@ -110,16 +112,21 @@ pub fn request_of(a: &GenerateArgs) -> GenerateRequest {
     }
 }
 
-pub fn run(a: GenerateArgs) -> anyhow::Result<()> {
+pub fn run(
+    a: GenerateArgs,
+    tls_dir: Option<std::path::PathBuf>,
+    tls_name: Option<String>,
+    insecure: bool,
+) -> anyhow::Result<()> {
+    let found =
+        pdmesh_cli::client::init_tls(tls_dir.as_deref(), tls_name.as_deref(), insecure, &a.target)?;
+    let key = pdmesh_cli::client::api_key(a.api_key.clone(), found.as_deref())?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    rt.block_on(generate(a))
+    rt.block_on(generate(a, key))
 }
 
-async fn generate(a: GenerateArgs) -> anyhow::Result<()> {
-    let channel = async { pdmesh_common::tls::endpoint(&a.target)?.connect().await };
-    let mut client = GenerationClient::new(channel.await.with_context(|| {
-        format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
-    })?);
+async fn generate(a: GenerateArgs, key: Option<String>) -> anyhow::Result<()> {
+    let mut client = pdmesh_cli::client::connect(&a.target, key.as_deref()).await?;
     let mut req = tonic::Request::new(request_of(&a));
     req.set_timeout(Duration::from_secs(a.timeout_s));
     if let Some(tp) = &a.traceparent {

@@ -3,4 +3,5 @@
 //! (`pdmesh-tools`: benchmarks, trace replay, the trace collector).
 
 pub mod args;
+pub mod client;
 pub mod process;

@@ -33,29 +33,61 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    /// Mutual TLS on every connection between mesh processes: DIR holds the mesh CA
-    /// (`ca.pem`) and this process's certificate and key (`NAME.pem`, `NAME.key`, NAME from
-    /// --tls-name). Servers then accept only clients with a certificate from that CA, and
-    /// clients only such servers. Without it connections are plaintext.
+    /// Mutual TLS (always on unless --insecure): DIR holds the mesh CA (`ca.pem`) and this
+    /// process's certificate and key (`NAME.pem`, `NAME.key`, NAME from --tls-name), whose
+    /// `pdmesh://ROLE/NAME` URI says what it may do. Servers accept only clients with a
+    /// certificate from that CA, and clients only such servers. Files are re-read when they
+    /// change. `pdmesh up` makes throwaway ones.
     #[arg(long, global = true, value_name = "DIR", env = "PDMESH_TLS_DIR")]
     tls_dir: Option<std::path::PathBuf>,
     /// This process's certificate in --tls-dir.
     #[arg(long, global = true, value_name = "NAME", env = "PDMESH_TLS_NAME")]
     tls_name: Option<String>,
+    /// Plaintext, no certificates and no roles: for experiments on one machine. Refused
+    /// unless every address the process listens on or dials is loopback.
+    #[arg(long, global = true, env = "PDMESH_INSECURE")]
+    insecure: bool,
 }
 
-/// Sets this process's TLS from the flags.
-fn init_tls(cli: &Cli) -> anyhow::Result<()> {
-    let tls = match (&cli.tls_dir, &cli.tls_name) {
-        (Some(dir), Some(name)) => Some(pdmesh_common::tls::MeshTls::load(dir, name)?),
-        (Some(_), None) => {
+/// Sets a service's TLS from the flags: certificates, or plaintext when asked for.
+fn init_service_tls(cli: &Cli) -> anyhow::Result<()> {
+    let tls = match (&cli.tls_dir, &cli.tls_name, cli.insecure) {
+        (None, None, true) => None,
+        (Some(_), _, true) | (_, Some(_), true) => {
+            anyhow::bail!("--insecure contradicts --tls-dir/--tls-name")
+        }
+        (Some(dir), Some(name), false) => Some(pdmesh_common::tls::MeshTls::load(dir, name)?),
+        (Some(_), None, _) => {
             anyhow::bail!("--tls-dir needs --tls-name: which certificate is this process's")
         }
-        (None, Some(_)) => anyhow::bail!("--tls-name needs --tls-dir: where the certificates are"),
-        (None, None) => return Ok(()),
+        (None, Some(_), _) => {
+            anyhow::bail!("--tls-name needs --tls-dir: where the certificates are")
+        }
+        (None, None, false) => anyhow::bail!(
+            "the mesh runs mutual TLS: give --tls-dir DIR --tls-name NAME (certificates from \
+             the mesh's CA; `pdmesh up` makes throwaway ones, deploy/ shows cert-manager), or \
+             --insecure for plaintext on loopback addresses"
+        ),
     };
     pdmesh_common::tls::init(tls);
     Ok(())
+}
+
+fn init_tls(cli: &Cli) -> anyhow::Result<()> {
+    match &cli.command {
+        Command::Router(_) | Command::Prefill(_) | Command::Decode(_) | Command::Kvstore(_) => {
+            init_service_tls(cli)
+        }
+        Command::Up(_) => {
+            anyhow::ensure!(
+                cli.tls_dir.is_none() && cli.tls_name.is_none(),
+                "`pdmesh up` makes its own certificates (or none with --insecure)"
+            );
+            Ok(())
+        }
+        // The client finds its credentials itself (`pdmesh_cli::client`).
+        _ => Ok(()),
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -65,6 +97,12 @@ enum Command {
     Up(up::UpArgs),
     /// Stream a completion from a running mesh.
     Generate(generate::GenerateArgs),
+    /// Make a mesh CA and certificates for its processes (without cert-manager: for
+    /// Secrets, compose, or a handful of machines).
+    Certs(CertsArgs),
+    /// Make an API key for a tenant: appends its hash to the router's key file and prints
+    /// the key (once: only the hash is kept).
+    ApiKey(ApiKeyArgs),
     /// Run a router: the public Generation API, admission, placement, membership.
     Router(serve::RouterArgs),
     /// Run a prefill node: computes prompts' KV and pushes it to decode nodes.
@@ -87,6 +125,93 @@ enum Command {
     /// A tool of the tools binary (`bench`, `replay`, `collect`).
     #[command(external_subcommand)]
     Tool(Vec<OsString>),
+}
+
+#[derive(Debug, clap::Args)]
+struct ApiKeyArgs {
+    /// The tenant the key is for (its requests, limits and prefix cache are its own).
+    #[arg(long)]
+    tenant: String,
+    /// The router's key file (`--api-keys`); made if missing.
+    #[arg(long, value_name = "FILE")]
+    file: std::path::PathBuf,
+    /// The tenant's requests in flight at once (default: only the router's limit).
+    #[arg(long)]
+    max_in_flight: Option<usize>,
+    /// Share cached prompt prefixes with the other tenants of this group (default: the
+    /// tenant's own).
+    #[arg(long)]
+    cache_group: Option<String>,
+}
+
+fn api_key(a: ApiKeyArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(!a.tenant.is_empty(), "--tenant must not be empty");
+    anyhow::ensure!(a.max_in_flight != Some(0), "--max-in-flight must be at least 1");
+    let tenant = pdmesh_common::apikey::Tenant {
+        tenant: a.tenant,
+        max_in_flight: a.max_in_flight,
+        cache_group: a.cache_group,
+    };
+    let key = pdmesh_common::apikey::add(&a.file, tenant)?;
+    println!("{key}");
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
+struct CertsArgs {
+    #[command(subcommand)]
+    what: CertsCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum CertsCommand {
+    /// A new CA: DIR/ca.pem (give it to every process) and DIR/ca.key (keep it private).
+    Ca {
+        #[arg(long)]
+        dir: std::path::PathBuf,
+    },
+    /// A certificate for one process, signed by the CA in --ca-dir: DIR/NAME.pem and
+    /// DIR/NAME.key, with DIR/ca.pem beside them. Its role decides what it may call.
+    Issue {
+        /// Where the CA is (ca.pem, ca.key).
+        #[arg(long)]
+        ca_dir: std::path::PathBuf,
+        /// Where to write (default: --ca-dir).
+        #[arg(long)]
+        dir: Option<std::path::PathBuf>,
+        /// The process's name (a node's id).
+        #[arg(long)]
+        name: String,
+        /// router, prefill, decode, kvstore or admin (operators' tools).
+        #[arg(long, value_parser = parse_role)]
+        role: pdmesh_common::tls::MeshRole,
+    },
+}
+
+fn parse_role(s: &str) -> Result<pdmesh_common::tls::MeshRole, String> {
+    pdmesh_common::tls::MeshRole::parse(s)
+        .ok_or_else(|| "expected router, prefill, decode, kvstore or admin".into())
+}
+
+fn certs(a: CertsArgs) -> anyhow::Result<()> {
+    use pdmesh_common::tls::Ca;
+    match a.what {
+        CertsCommand::Ca { dir } => {
+            anyhow::ensure!(
+                !dir.join("ca.key").exists(),
+                "{} already holds a CA; remove it first to make another",
+                dir.display()
+            );
+            Ca::generate()?.write(&dir, true)?;
+            println!("{}", dir.join("ca.pem").display());
+        }
+        CertsCommand::Issue { ca_dir, dir, name, role } => {
+            let dir = dir.unwrap_or_else(|| ca_dir.clone());
+            Ca::load(&ca_dir)?.issue(&dir, &name, role)?;
+            println!("{}", dir.join(format!("{name}.pem")).display());
+        }
+    }
+    Ok(())
 }
 
 /// The commands the tools binary provides.
@@ -120,8 +245,10 @@ fn main() -> std::process::ExitCode {
         return std::process::ExitCode::FAILURE;
     }
     let result = match cli.command {
-        Command::Up(a) => up::run(a),
-        Command::Generate(a) => generate::run(a),
+        Command::Up(a) => up::run(a, cli.insecure),
+        Command::Generate(a) => generate::run(a, cli.tls_dir, cli.tls_name, cli.insecure),
+        Command::ApiKey(a) => api_key(a),
+        Command::Certs(a) => certs(a),
         Command::Router(a) => serve::router(a),
         Command::Prefill(a) => serve::prefill(a),
         Command::Decode(a) => serve::decode(a),

@@ -54,6 +54,18 @@ pub async fn spawn(
     cpus: Option<&str>,
     args: &[String],
 ) -> anyhow::Result<(Proc, String)> {
+    let (p, mut addrs) = spawn_announcing(name, cpus, args, 1).await?;
+    Ok((p, addrs.remove(0)))
+}
+
+/// Starts `pdmesh <args>` and returns it with the first `n` addresses it announces (`pdmesh
+/// <service> listening on ADDR`, then the router's `internal on ADDR`).
+pub async fn spawn_announcing(
+    name: &str,
+    cpus: Option<&str>,
+    args: &[String],
+    n: usize,
+) -> anyhow::Result<(Proc, Vec<String>)> {
     let exe = pdmesh_exe()?;
     let mut cmd = match cpus {
         Some(c) => {
@@ -78,21 +90,26 @@ pub async fn spawn(
     let mut child = cmd.spawn().with_context(|| format!("starting {name}"))?;
     let stdout = child.stdout.take().context("child stdout")?;
     let mut lines = BufReader::new(stdout).lines();
-    let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-        .await
-        .with_context(|| format!("{name} did not start listening in 60 s"))??
-        .with_context(|| format!("{name} exited before listening (see its log above)"))?;
-    let addr = line
-        .rsplit_once(" listening on ")
-        .map(|(_, a)| a.trim().to_string())
-        .with_context(|| format!("{name} printed {line:?}, not its address"))?;
+    let mut addrs = Vec::with_capacity(n);
+    while addrs.len() < n {
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .with_context(|| format!("{name} did not start listening in 60 s"))??
+            .with_context(|| format!("{name} exited before listening (see its log above)"))?;
+        let addr = [" listening on ", " internal on "]
+            .iter()
+            .find_map(|m| line.rsplit_once(m))
+            .map(|(_, a)| a.trim().to_string())
+            .with_context(|| format!("{name} printed {line:?}, not its address"))?;
+        addrs.push(addr);
+    }
     // Anything else the child prints goes to our stderr rather than filling a pipe.
     tokio::spawn(async move {
         while let Ok(Some(l)) = lines.next_line().await {
             eprintln!("{l}");
         }
     });
-    Ok((Proc { name: name.to_string(), child }, addr))
+    Ok((Proc { name: name.to_string(), child }, addrs))
 }
 
 /// Closes every child's stdin (a clean stop), then kills those still running after 10 s.

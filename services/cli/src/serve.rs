@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use pdmesh_cli::process::shutdown_signal;
 use pdmesh_common::metrics::Metrics;
+use pdmesh_common::tls::MeshRole;
 use pdmesh_kernels::KvDtype;
 use pdmesh_kv_transfer::{PushMode, TransportKind};
 use pdmesh_router::placement::PrefillPolicy;
@@ -138,10 +139,24 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip)]
     config: Option<PathBuf>,
-    /// Address clients and nodes dial, host:port.
+    /// Address clients dial for the public Generation API, host:port.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     listen: Option<String>,
+    /// Address nodes dial to register and heartbeat (Membership; mutual TLS with node
+    /// certificates only), host:port [default: 127.0.0.1:50052].
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    internal_listen: Option<String>,
+    /// A TOML file of hashed API keys mapped to tenants (make keys with `pdmesh api-key`);
+    /// re-read when it changes. Clients send `authorization: Bearer KEY`.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    api_keys: Option<PathBuf>,
+    /// Serve the public API without API keys: every caller is tenant "anonymous".
+    #[arg(long)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    allow_anonymous: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics (host:port; port 0 picks a free one).
     #[arg(long, value_name = "ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -249,11 +264,15 @@ fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-async fn bind_and_announce(service: &str, listen: &str) -> anyhow::Result<tokio::net::TcpListener> {
+async fn bind_and_announce(
+    service: &str,
+    listen: &str,
+    what: &str,
+) -> anyhow::Result<tokio::net::TcpListener> {
     let (l, addr) =
         pdmesh_common::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
     let mut out = std::io::stdout().lock();
-    writeln!(out, "pdmesh {service} listening on {addr}")?;
+    writeln!(out, "pdmesh {service} {what} {addr}")?;
     out.flush()?;
     Ok(l)
 }
@@ -288,53 +307,160 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default {
     /// and one thread does that without waking a second per token, which on a small machine
     /// steals time from the engine's compute threads.
     const ASYNC_THREADS: usize;
+    /// The role its certificate must carry.
+    const ROLE: MeshRole;
     fn check(&self) -> Result<(), pdmesh_common::InvalidConfig>;
     fn listen(&self) -> &str;
+    /// A second listener (the router's internal one), if the service has one.
+    fn internal_listen(&self) -> Option<&str> {
+        None
+    }
     /// Where `GET /metrics` is served, if anywhere.
     fn metrics_listen(&self) -> Option<&str>;
+    /// Every address it listens on or dials: with `--insecure`, each must be loopback.
+    fn addresses(&self) -> Vec<&str>;
+    /// The node's name, which with TLS is its certificate's (None: the service has none).
+    fn node_id(&mut self) -> Option<&mut Option<String>> {
+        None
+    }
     fn run(
         self,
-        l: tokio::net::TcpListener,
+        l: Listeners,
         metrics: Metrics,
         shutdown: Shutdown,
     ) -> impl Future<Output = anyhow::Result<()>>;
+}
+
+/// What a service was bound to.
+struct Listeners {
+    main: tokio::net::TcpListener,
+    internal: Option<tokio::net::TcpListener>,
 }
 
 type Shutdown = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// The four services differ only in these; everything else goes through `start`.
 macro_rules! service {
-    ($config:ty, $name:literal, $env:literal, $threads:literal, $run:path) => {
+    ($config:ty, $name:literal, $env:literal, $threads:literal, $role:ident,
+     |$c:ident| addresses: $addrs:expr, node_id: $node:expr, internal: $internal:expr,
+     run: |$l:ident, $m:ident, $s:ident| $run:expr) => {
         impl Service for $config {
             const NAME: &'static str = $name;
             const ENV_PREFIX: &'static str = $env;
             const TRACE_NAME: &'static str = concat!("pdmesh-", $name);
             const ASYNC_THREADS: usize = $threads;
+            const ROLE: MeshRole = MeshRole::$role;
             fn check(&self) -> Result<(), pdmesh_common::InvalidConfig> {
                 self.validate()
             }
             fn listen(&self) -> &str {
                 &self.listen
             }
+            fn internal_listen(&self) -> Option<&str> {
+                let $c = self;
+                let _ = &$c;
+                $internal
+            }
             fn metrics_listen(&self) -> Option<&str> {
                 self.metrics_listen.as_deref()
             }
-            async fn run(
-                self,
-                l: tokio::net::TcpListener,
-                metrics: Metrics,
-                shutdown: Shutdown,
-            ) -> anyhow::Result<()> {
-                $run(self, l, metrics, shutdown).await.map_err(|e| anyhow::anyhow!(e))
+            fn addresses(&self) -> Vec<&str> {
+                let $c = self;
+                $addrs
+            }
+            fn node_id(&mut self) -> Option<&mut Option<String>> {
+                let $c = self;
+                let _ = &$c;
+                $node
+            }
+            async fn run(self, $l: Listeners, $m: Metrics, $s: Shutdown) -> anyhow::Result<()> {
+                let $c = self;
+                $run.await.map_err(|e| anyhow::anyhow!(e))
             }
         }
     };
 }
 
-service!(pdmesh_decode::DecodeConfig, "decode", "PDMESH_DECODE_", 1, pdmesh_decode::run);
-service!(pdmesh_prefill::PrefillConfig, "prefill", "PDMESH_PREFILL_", 1, pdmesh_prefill::run);
-service!(pdmesh_router::RouterConfig, "router", "PDMESH_ROUTER_", 2, pdmesh_router::run);
-service!(pdmesh_kvstore::KvStoreConfig, "kvstore", "PDMESH_KVSTORE_", 2, pdmesh_kvstore::run);
+/// A node's own addresses and the ones it dials.
+fn node_addresses<'a>(
+    listen: &'a str,
+    advertise: Option<&'a str>,
+    routers: &'a [String],
+) -> Vec<&'a str> {
+    [listen].into_iter().chain(advertise).chain(routers.iter().map(String::as_str)).collect()
+}
+
+service!(pdmesh_decode::DecodeConfig, "decode", "PDMESH_DECODE_", 1, Decode,
+    |c| addresses: node_addresses(&c.listen, c.advertise.as_deref(), &c.routers),
+    node_id: Some(&mut c.node_id), internal: None,
+    run: |l, m, s| pdmesh_decode::run(c, l.main, m, s));
+service!(pdmesh_prefill::PrefillConfig, "prefill", "PDMESH_PREFILL_", 1, Prefill,
+    |c| addresses: {
+        let mut a = node_addresses(&c.listen, c.advertise.as_deref(), &c.routers);
+        a.extend(c.kvstore.as_deref());
+        a
+    },
+    node_id: Some(&mut c.node_id), internal: None,
+    run: |l, m, s| pdmesh_prefill::run(c, l.main, m, s));
+service!(pdmesh_router::RouterConfig, "router", "PDMESH_ROUTER_", 2, Router,
+|c| addresses: vec![c.listen.as_str(), c.internal_listen.as_str()],
+node_id: None, internal: Some(&c.internal_listen),
+run: |l, m, s| async move {
+    let internal = l.internal.expect("the router is bound to its internal address too");
+    pdmesh_router::run(c, l.main, internal, m, s).await
+});
+service!(pdmesh_kvstore::KvStoreConfig, "kvstore", "PDMESH_KVSTORE_", 2, KvStore,
+    |c| addresses: vec![c.listen.as_str()],
+    node_id: Some(&mut c.node_id), internal: None,
+    run: |l, m, s| pdmesh_kvstore::run(c, l.main, m, s));
+
+/// Whether `addr` (host:port) names only this machine.
+fn is_loopback(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    match addr.to_socket_addrs() {
+        Ok(mut all) => {
+            let all: Vec<_> = all.by_ref().collect();
+            !all.is_empty() && all.iter().all(|a| a.ip().is_loopback())
+        }
+        Err(_) => false,
+    }
+}
+
+/// With TLS, the process's certificate must be for this service, and names the node; without
+/// (`--insecure`), every address must stay on this machine.
+fn settle_identity<C: Service>(cfg: &mut C) -> anyhow::Result<()> {
+    let Some(tls) = pdmesh_common::tls::current() else {
+        let far: Vec<&str> = cfg.addresses().into_iter().filter(|a| !is_loopback(a)).collect();
+        anyhow::ensure!(
+            far.is_empty(),
+            "--insecure runs plaintext, so it is for loopback addresses only; {} {} not \
+             (use mutual TLS: --tls-dir DIR --tls-name NAME)",
+            far.join(", "),
+            if far.len() == 1 { "is" } else { "are" }
+        );
+        return Ok(());
+    };
+    let me = tls.identity();
+    anyhow::ensure!(
+        me.role == C::ROLE,
+        "the certificate {} is for a {}, not a {}",
+        me.name,
+        me.role,
+        C::ROLE
+    );
+    if let Some(id) = cfg.node_id() {
+        match id {
+            None => *id = Some(me.name),
+            Some(n) if *n == me.name => {}
+            Some(n) => anyhow::bail!(
+                "node id {n:?} differs from the name in its certificate, {:?}: routers \
+                 accept a node only under its certificate's name",
+                me.name
+            ),
+        }
+    }
+    Ok(())
+}
 
 /// Loads a service's config (defaults → file → env → `overlay`), binds, announces the address
 /// and runs until a signal.
@@ -349,13 +475,19 @@ fn start<C: Service>(
         let _in_runtime = rt.enter();
         pdmesh_common::telemetry::init(C::TRACE_NAME)?
     };
-    let cfg: C = pdmesh_common::load_config(&C::default(), file, C::ENV_PREFIX, overlay)?;
+    let mut cfg: C = pdmesh_common::load_config(&C::default(), file, C::ENV_PREFIX, overlay)?;
     cfg.check().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
+    settle_identity(&mut cfg)?;
     if telemetry.exporting() {
         tracing::info!(service = C::TRACE_NAME, "exporting spans over OTLP");
     }
     let served = rt.block_on(async {
-        let l = bind_and_announce(C::NAME, cfg.listen()).await?;
+        let main = bind_and_announce(C::NAME, cfg.listen(), "listening on").await?;
+        let internal = match cfg.internal_listen() {
+            Some(a) => Some(bind_and_announce(C::NAME, a, "internal on").await?),
+            None => None,
+        };
+        let l = Listeners { main, internal };
         let metrics = Metrics::default();
         if let Some(m) = cfg.metrics_listen() {
             let (ml, addr) =
@@ -444,7 +576,7 @@ mod tests {
         .expect("decode.toml loads");
         d.validate().expect("decode.toml is valid");
         assert_eq!(d.engine.kv_blocks, 2048);
-        assert_eq!(p.routers, vec!["pdmesh-router:50051".to_string()]);
+        assert_eq!(p.routers, vec!["pdmesh-router-internal:50052".to_string()]);
         // Every file spells out every key: nothing is left to a default a reader cannot see.
         for (name, defaults) in [
             ("router.toml", serde_json::to_value(pdmesh_router::RouterConfig::default())),

@@ -3,16 +3,21 @@
 //! every node has registered with the router, prints the endpoint, and on Ctrl-C or SIGTERM
 //! stops the children by closing their stdin (each exits cleanly when it closes, so none can
 //! outlive this process), killing any that do not stop in time.
+//!
+//! The mesh runs as production does: mutual TLS between its processes under a throwaway CA,
+//! and an API key for the public API, all made now in a private directory named after the
+//! router's address (where `pdmesh generate` finds them) and removed when the mesh stops.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use clap::Args;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::{ListNodesRequest, Role};
 
-use pdmesh_cli::process::{Proc, spawn, stop};
+use pdmesh_cli::client::{API_KEY_FILE, KEY_RING_FILE, OPERATOR};
+use pdmesh_cli::process::{Proc, spawn, spawn_announcing, stop};
 use pdmesh_kv_transfer::{PushMode, TransportKind};
 use pdmesh_router::placement::PrefillPolicy;
 
@@ -64,17 +69,12 @@ pub struct UpArgs {
     /// Bytes of recent KV blocks each prefill node keeps itself (0 = none; default 128 MiB).
     #[arg(long, value_name = "BYTES")]
     cache_bytes: Option<u64>,
-    /// Mutual TLS between the mesh's processes, with a throwaway CA and certificates made
-    /// now in a private temporary directory (removed when the mesh stops). A client then
-    /// connects with `--tls-dir DIR --tls-name client`, printed once the mesh is ready.
-    #[arg(long)]
-    tls: bool,
     /// Give up if the mesh is not ready within this many seconds.
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
 }
 
-pub fn run(a: UpArgs) -> anyhow::Result<()> {
+pub fn run(a: UpArgs, insecure: bool) -> anyhow::Result<()> {
     if a.decode == 0 {
         bail!("--decode must be at least 1: decode nodes serve every request");
     }
@@ -85,53 +85,89 @@ pub fn run(a: UpArgs) -> anyhow::Result<()> {
         );
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(up(a))
-}
-
-/// Makes the mesh's certificates: one per process, named as the process is, and `client`.
-fn issue_certs(a: &UpArgs) -> anyhow::Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!("pdmesh-tls-{}", std::process::id()));
-    let mut names: Vec<(String, &str)> = vec![
-        ("router".into(), "router"),
-        ("kvstore".into(), "kvstore"),
-        ("client".into(), "client"),
-    ];
-    names.extend((0..a.prefill).map(|i| (format!("prefill-{i}"), "prefill")));
-    names.extend((0..a.decode).map(|i| (format!("decode-{i}"), "decode")));
-    let refs: Vec<(&str, &str)> = names.iter().map(|(n, r)| (n.as_str(), *r)).collect();
-    pdmesh_common::tls::issue(&dir, &refs)?;
-    pdmesh_common::tls::init(Some(pdmesh_common::tls::MeshTls::load(&dir, "client")?));
-    Ok(dir)
-}
-
-async fn up(a: UpArgs) -> anyhow::Result<()> {
-    let tls_dir = if a.tls { Some(issue_certs(&a)?) } else { None };
-    let r = up_with(&a, tls_dir.as_deref()).await;
-    if let Some(d) = &tls_dir {
-        let _ = std::fs::remove_dir_all(d);
+    if insecure {
+        pdmesh_common::tls::init(None);
+        return rt.block_on(up_with(&a, None));
     }
+    let dir = pdmesh_cli::client::local_mesh_dir(&a.listen);
+    issue_credentials(&a, &dir)?;
+    let r = rt.block_on(up_with(&a, Some(&dir)));
+    let _ = std::fs::remove_dir_all(&dir);
     r
 }
 
-async fn up_with(a: &UpArgs, tls_dir: Option<&std::path::Path>) -> anyhow::Result<()> {
-    // Each process gets its own certificate, named as it is.
+/// Makes the mesh's credentials in `dir`: a CA, one certificate per process named as the
+/// process is, the operator's, and the operator's API key.
+fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
+    use pdmesh_common::tls::{Ca, MeshRole};
+    // Whatever an earlier mesh at this address left (it was killed) is stale.
+    let _ = std::fs::remove_dir_all(dir);
+    let ca = Ca::generate()?;
+    // The CA's key is not kept: no one adds processes to a throwaway mesh.
+    ca.write(dir, false)?;
+    let mut names: Vec<(String, MeshRole)> = vec![
+        ("router".into(), MeshRole::Router),
+        ("kvstore".into(), MeshRole::KvStore),
+        (OPERATOR.into(), MeshRole::Admin),
+    ];
+    names.extend((0..a.prefill).map(|i| (format!("prefill-{i}"), MeshRole::Prefill)));
+    names.extend((0..a.decode).map(|i| (format!("decode-{i}"), MeshRole::Decode)));
+    for (n, r) in &names {
+        ca.issue(dir, n, *r)?;
+    }
+    let operator = pdmesh_common::apikey::Tenant {
+        tenant: OPERATOR.into(),
+        max_in_flight: None,
+        cache_group: None,
+    };
+    let key = pdmesh_common::apikey::add(&dir.join(KEY_RING_FILE), operator)?;
+    write_private(&dir.join(API_KEY_FILE), &key)?;
+    pdmesh_common::tls::init(Some(pdmesh_common::tls::MeshTls::load(dir, OPERATOR)?));
+    Ok(())
+}
+
+fn write_private(path: &Path, data: &str) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(data.as_bytes())?;
+    Ok(())
+}
+
+async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
+    // Each process gets its own certificate, named as it is; or all run --insecure.
     let tls = |name: &str| -> Vec<String> {
-        tls_dir.map_or_else(Vec::new, |d| {
-            vec!["--tls-dir".into(), d.display().to_string(), "--tls-name".into(), name.into()]
-        })
+        match dir {
+            Some(d) => {
+                vec!["--tls-dir".into(), d.display().to_string(), "--tls-name".into(), name.into()]
+            }
+            None => vec!["--insecure".into()],
+        }
+    };
+    let keys = match dir {
+        Some(d) => vec!["--api-keys".into(), d.join(KEY_RING_FILE).display().to_string()],
+        None => vec!["--allow-anonymous".into()],
     };
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
     let model = a.model.display().to_string();
     let mut procs: Vec<Proc> = Vec::new();
     let result = async {
-        let (router, addr) = spawn(
+        let (router, addrs) = spawn_announcing(
             "router",
             None,
             &[
                 "router".into(),
                 "--listen".into(),
                 a.listen.clone(),
+                "--internal-listen".into(),
+                "127.0.0.1:0".into(),
                 "--model".into(),
                 model.clone(),
                 "--colocate-below-tokens".into(),
@@ -142,10 +178,13 @@ async fn up_with(a: &UpArgs, tls_dir: Option<&std::path::Path>) -> anyhow::Resul
             .into_iter()
             .chain(a.prefill_policy.iter().flat_map(|p| ["--prefill-policy".into(), p.to_string()]))
             .chain(tls("router"))
+            .chain(keys)
             .collect::<Vec<String>>(),
+            2,
         )
         .await?;
         procs.push(router);
+        let (addr, internal) = (addrs[0].clone(), addrs[1].clone());
         let kvstore = if a.kvstore_budget_bytes > 0 && a.prefill > 0 {
             let args: Vec<String> = [
                 "kvstore".to_string(),
@@ -177,7 +216,7 @@ async fn up_with(a: &UpArgs, tls_dir: Option<&std::path::Path>) -> anyhow::Resul
                     "--listen".into(),
                     "127.0.0.1:0".into(),
                     "--router".into(),
-                    addr.clone(),
+                    internal.clone(),
                     "--node-id".into(),
                     name.clone(),
                     "--model".into(),
@@ -218,18 +257,23 @@ async fn up_with(a: &UpArgs, tls_dir: Option<&std::path::Path>) -> anyhow::Resul
                 procs.push(p);
             }
         }
-        wait_ready(&addr, a.prefill, a.decode, Duration::from_secs(a.ready_timeout_s)).await?;
+        wait_ready(&internal, a.prefill, a.decode, Duration::from_secs(a.ready_timeout_s)).await?;
         println!(
             "pdmesh mesh ready: router on {addr} ({} prefill, {} decode, {threads} threads each{}); Ctrl-C stops it",
             a.prefill,
             a.decode,
             if kvstore.is_some() { ", a KV-store" } else { "" }
         );
-        if let Some(d) = tls_dir {
-            println!(
-                "  mutual TLS on every connection; clients: --tls-dir {} --tls-name client",
-                d.display()
-            );
+        match dir {
+            Some(d) => println!(
+                "  mutual TLS between its processes and API keys on {addr}; `pdmesh generate` \
+                 finds the credentials in {} (others: --tls-dir {} --tls-name {OPERATOR} \
+                 --api-key $(cat {}))",
+                d.display(),
+                d.display(),
+                d.join(API_KEY_FILE).display()
+            ),
+            None => println!("  --insecure: plaintext, no certificates, no API keys"),
         }
         anyhow::Ok(())
     }

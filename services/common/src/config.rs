@@ -55,6 +55,16 @@ pub fn load_config<T: Serialize + DeserializeOwned>(
     })
 }
 
+/// When a file last changed, as far as a watcher can tell (modification time and length; None
+/// when it cannot be read): what reloads compare to notice a rewritten file.
+pub type FileStamp = Option<(std::time::SystemTime, u64)>;
+
+/// `path`'s stamp now.
+pub fn file_stamp(path: &Path) -> FileStamp {
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::result_large_err)] // figment's Jail API
@@ -118,3 +128,4 @@ mod tests {
         assert!(matches!(e, ConfigError::MissingFile(_)));
     }
 }
+

@@ -4,6 +4,8 @@
 //! request ids, the engine thread every worker node runs, and telemetry: logging, tracing (W3C
 //! propagation, OTLP export, a receiver for tests) and Prometheus metrics.
 
+pub mod apikey;
+pub mod authz;
 #[cfg(feature = "collector")]
 pub mod collector;
 pub mod config;
@@ -20,4 +22,4 @@ pub mod trace;
 pub mod worker;
 
 pub use config::{ConfigError, InvalidConfig, load_config};
-pub use serve::{bind, serve, serve_node};
+pub use serve::{Exposure, bind, serve, serve_node};

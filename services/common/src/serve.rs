@@ -6,8 +6,12 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
@@ -24,16 +28,116 @@ pub async fn bind(addr: &str) -> std::io::Result<(TcpListener, SocketAddr)> {
     Ok((l, a))
 }
 
+/// Who a listener serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exposure {
+    /// Mesh processes only: a client certificate from the mesh CA is required, and each
+    /// call is checked against the caller's role (`authz`).
+    Internal,
+    /// Anyone: the public API, which authenticates its callers itself (API keys).
+    Public,
+}
+
+/// TLS handshakes in progress at once on one listener; beyond it new connections are
+/// closed at once rather than queued behind clients that never finish.
+pub const MAX_HANDSHAKES: usize = 256;
+/// Time a client gets to complete its TLS handshake.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The pause after a failed accept (out of file descriptors, say), so that a full fd table
+/// is not retried in a loop that takes a core.
+pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// How often a process looks for renewed certificates on disk.
+pub const RELOAD_EVERY: Duration = Duration::from_secs(5);
+
 /// Serves `routes` plus health and reflection on `listener` until `shutdown` completes, then
 /// drains for at most `drain`. `names` are the fully-qualified service names reported healthy.
 pub async fn serve(
     routes: Routes,
     names: &[&str],
     listener: TcpListener,
+    exposure: Exposure,
     shutdown: impl Future<Output = ()> + Send,
     drain: Duration,
 ) -> Result<(), tonic::transport::Error> {
-    serve_until(routes, names, listener, shutdown, drain, CancellationToken::new()).await
+    serve_until(routes, names, listener, exposure, shutdown, drain, CancellationToken::new()).await
+}
+
+/// Accepts connections on `listener` and hands them on, plaintext or after a TLS handshake
+/// with the process's current certificates (a renewed certificate serves the next
+/// connection), until the receiver goes away.
+fn incoming<IO: Send + 'static>(
+    listener: TcpListener,
+    upgrade: impl Fn(TcpStream) -> Pin<Box<dyn Future<Output = std::io::Result<IO>> + Send>>
+    + Send
+    + 'static,
+) -> ReceiverStream<std::io::Result<IO>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    tokio::spawn(async move {
+        let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        loop {
+            let accepted = tokio::select! {
+                () = tx.closed() => return,
+                a = listener.accept() => a,
+            };
+            let (tcp, from) = match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}; pausing");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
+            };
+            // Tokens are small writes: never hold one back waiting for an ACK.
+            let _ = tcp.set_nodelay(true);
+            let Ok(slot) = Arc::clone(&handshakes).try_acquire_owned() else {
+                tracing::warn!(%from, "{MAX_HANDSHAKES} handshakes under way; connection closed");
+                continue;
+            };
+            let (tx, handshake) = (tx.clone(), upgrade(tcp));
+            tokio::spawn(async move {
+                let r = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await;
+                drop(slot);
+                match r {
+                    Ok(Ok(io)) => {
+                        let _ = tx.send(Ok(io)).await;
+                    }
+                    Ok(Err(e)) => tracing::info!(%from, "TLS handshake failed: {e}"),
+                    Err(_) => tracing::info!(%from, "TLS handshake not done in time; closed"),
+                }
+            });
+        }
+    });
+    ReceiverStream::new(rx)
+}
+
+/// Whether a client on a TLS port speaks plaintext HTTP/2: a TLS handshake starts with a
+/// record byte of 0x16, HTTP/2 with "PRI".
+async fn speaks_plaintext(tcp: &TcpStream) -> std::io::Result<bool> {
+    let mut first = [0u8; 1];
+    Ok(tcp.peek(&mut first).await? == 1 && first[0] == b'P')
+}
+
+/// A gRPC client speaking plaintext to a TLS port would otherwise see the connection drop
+/// with a transport error that names nothing; it gets UNAUTHENTICATED for each call, saying
+/// why, until it hangs up (the caller bounds the time).
+async fn refuse_plaintext(tcp: TcpStream, exposure: Exposure) {
+    let needs = match exposure {
+        Exposure::Internal => "TLS with a certificate of the mesh's CA",
+        Exposure::Public => "TLS (trusting the mesh's CA) and an API key",
+    };
+    let svc = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+        let status = tonic::Status::unauthenticated(format!(
+            "{} needs {needs}; this call came in plaintext",
+            req.uri().path()
+        ));
+        std::future::ready(Ok::<_, std::convert::Infallible>(
+            status.into_http::<tonic::body::Body>(),
+        ))
+    });
+    let conn = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .serve_connection(hyper_util::rt::TokioIo::new(tcp), svc);
+    let _ = conn.await;
 }
 
 /// `serve`; once `unhealthy` is cancelled, health reports NOT_SERVING while calls are still
@@ -42,10 +146,57 @@ async fn serve_until(
     routes: Routes,
     names: &[&str],
     listener: TcpListener,
+    exposure: Exposure,
     shutdown: impl Future<Output = ()> + Send,
     drain: Duration,
     unhealthy: CancellationToken,
 ) -> Result<(), tonic::transport::Error> {
+    match crate::tls::current() {
+        Some(tls) => {
+            crate::tls::watch(RELOAD_EVERY);
+            let connections = incoming(listener, move |tcp| {
+                let config = match exposure {
+                    Exposure::Internal => tls.internal_server(),
+                    Exposure::Public => tls.public_server(),
+                };
+                Box::pin(async move {
+                    if speaks_plaintext(&tcp).await? {
+                        // Within the handshake's slot and time, like any other client.
+                        refuse_plaintext(tcp, exposure).await;
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            "a plaintext client (refused with UNAUTHENTICATED)",
+                        ));
+                    }
+                    tokio_rustls::TlsAcceptor::from(config).accept(tcp).await
+                })
+            });
+            serve_on(routes, names, connections, true, shutdown, drain, unhealthy).await
+        }
+        None => {
+            let connections = incoming(listener, |tcp| Box::pin(std::future::ready(Ok(tcp))));
+            serve_on(routes, names, connections, false, shutdown, drain, unhealthy).await
+        }
+    }
+}
+
+async fn serve_on<IO>(
+    routes: Routes,
+    names: &[&str],
+    connections: ReceiverStream<std::io::Result<IO>>,
+    enforce: bool,
+    shutdown: impl Future<Output = ()> + Send,
+    drain: Duration,
+    unhealthy: CancellationToken,
+) -> Result<(), tonic::transport::Error>
+where
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+{
     let (reporter, health) = tonic_health::server::health_reporter();
     for n in names {
         reporter.set_service_status(*n, ServingStatus::Serving).await;
@@ -59,13 +210,7 @@ async fn serve_until(
     let routes = routes.add_service(health).add_service(reflection);
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = crate::tls::current() {
-        // Every caller must present a certificate from the mesh CA.
-        builder = builder.tls_config(tls.server())?;
-    }
-    let server = builder
-        .tcp_nodelay(true)
+    let server = tonic::transport::Server::builder()
         // KV blocks are hundreds of KB each: HTTP/2's default 64 KB window would throttle a
         // transfer to a round trip per 64 KB.
         .initial_stream_window_size(Some(32 << 20))
@@ -78,9 +223,11 @@ async fn serve_until(
         .http2_max_header_list_size(Some(MAX_HEADER_BYTES))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
+        // Who may call what is decided before a call is traced or handled.
+        .layer(crate::authz::AuthzLayer { enforce })
         .layer(crate::trace::TraceLayer)
         .add_routes(routes)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async {
+        .serve_with_incoming_shutdown(connections, async {
             let _ = stop_rx.await;
         });
     tokio::pin!(server);
@@ -162,7 +309,9 @@ pub async fn serve_node(
             stop.cancel();
         }
     };
-    let served = serve_until(routes, node.names, listener, leave, node.drain, node.died).await;
+    let served =
+        serve_until(routes, node.names, listener, Exposure::Internal, leave, node.drain, node.died)
+            .await;
     stop.cancel();
     served
 }

@@ -1,24 +1,38 @@
-//! Mutual TLS between the mesh's processes. Each process holds a certificate, signed by the
-//! mesh's CA, that names it (`CN`) and its role (a `pdmesh://ROLE/NAME` URI); every server
-//! demands such a certificate from its clients and every client checks the server's against
-//! the same CA. The process's TLS is set once at start (`init`); `endpoint` then dials
-//! whatever a service dials with it, so no call site decides on its own.
+//! Mutual TLS between the mesh's processes, and who a caller is. Each process holds a
+//! certificate, signed by the mesh's CA, that names it (`CN`) and its role (a
+//! `pdmesh://ROLE/NAME` URI); internal servers demand such a certificate from every client,
+//! every client checks the server's against the same CA, and [`Peer`] is what a server reads
+//! from the caller's certificate to decide what it may do (`authz`).
 //!
-//! `issue` makes a throwaway CA and certificates (rcgen), as `pdmesh up --tls` and the tests
-//! do; a deployment brings its own (cert-manager or a Secret) in the same files.
+//! The process's TLS is set once at start (`init`); `endpoint` then dials whatever a service
+//! dials with it, so no call site decides on its own. The files are watched (`watch`): a
+//! certificate renewed on disk (cert-manager rewriting a Secret) is served to the next
+//! connection without a restart, and clients dial with it from then on.
+//!
+//! [`Ca`] makes a throwaway CA and certificates (rcgen), as `pdmesh up` and the tests do; a
+//! deployment brings its own in the same files.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::Duration;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
 };
-use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+use crate::config::{FileStamp, file_stamp};
 
 /// The DNS name every mesh certificate carries and every client verifies: processes are
 /// dialled by address, so identity is the CA's signature and the name inside, not the host.
 pub const MESH_NAME: &str = "pdmesh.internal";
+
+/// The scheme of the URI that names a certificate's role and node.
+const ROLE_URI: &str = "pdmesh://";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
@@ -30,64 +44,224 @@ pub enum TlsError {
     Issue(#[from] rcgen::Error),
     #[error("{0:?} is not a valid certificate name (letters, digits, '-', '_' and '.')")]
     Name(String),
+    #[error("{path}: {problem}")]
+    Pem { path: PathBuf, problem: String },
+    #[error("{0}: the certificate names no pdmesh role (a pdmesh://ROLE/NAME URI)")]
+    NoRole(PathBuf),
+    #[error("TLS configuration: {0}")]
+    Rustls(#[from] rustls::Error),
+    #[error("TLS client verifier: {0}")]
+    Verifier(#[from] rustls::server::VerifierBuilderError),
 }
 
-/// One process's TLS material: the mesh CA, its certificate and its key (PEM).
-#[derive(Clone)]
-pub struct MeshTls {
-    ca: Vec<u8>,
-    cert: Vec<u8>,
-    key: Vec<u8>,
+/// What a certificate lets its holder do in the mesh (`authz` maps calls to roles).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MeshRole {
+    Router,
+    Prefill,
+    Decode,
+    KvStore,
+    /// Operators and their tools: membership listings and node statistics, no requests.
+    Admin,
 }
 
-impl std::fmt::Debug for MeshTls {
+impl MeshRole {
+    pub const ALL: [MeshRole; 5] =
+        [Self::Router, Self::Prefill, Self::Decode, Self::KvStore, Self::Admin];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Router => "router",
+            Self::Prefill => "prefill",
+            Self::Decode => "decode",
+            Self::KvStore => "kvstore",
+            Self::Admin => "admin",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.name() == s)
+    }
+}
+
+impl std::fmt::Display for MeshRole {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MeshTls").finish_non_exhaustive()
+        f.write_str(self.name())
+    }
+}
+
+/// A verified caller: the role and node name its certificate carries. Servers put it in
+/// each request's extensions (`authz`), where handlers that care about *which* node calls
+/// (a heartbeat only for itself, a store write only from a prefill node) read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    pub role: MeshRole,
+    pub name: String,
+}
+
+impl Peer {
+    /// The identity in a (CA-verified) certificate: its first `pdmesh://ROLE/NAME` URI.
+    pub fn from_der(der: &[u8]) -> Option<Peer> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+        let san = cert.subject_alternative_name().ok()??;
+        san.value.general_names.iter().find_map(|g| match g {
+            x509_parser::extensions::GeneralName::URI(u) => {
+                let (role, name) = u.strip_prefix(ROLE_URI)?.split_once('/')?;
+                check_name(name).ok()?;
+                Some(Peer { role: MeshRole::parse(role)?, name: name.to_string() })
+            }
+            _ => None,
+        })
     }
 }
 
 fn check_name(name: &str) -> Result<(), TlsError> {
     let ok = !name.is_empty()
+        && name.len() <= 128
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
     if ok { Ok(()) } else { Err(TlsError::Name(name.into())) }
 }
 
+/// The three files of one process's TLS, as last read, with the configurations made of them.
+struct Material {
+    ca: Vec<u8>,
+    cert: Vec<u8>,
+    key: Vec<u8>,
+    /// Internal listeners: a client certificate from the mesh CA is required.
+    internal: Arc<rustls::ServerConfig>,
+    /// The public listener: clients authenticate with API keys; a certificate is optional.
+    public: Arc<rustls::ServerConfig>,
+    peer: Peer,
+    stamp: Vec<FileStamp>,
+}
+
+/// One process's TLS: the mesh CA, its certificate and key, from `DIR/ca.pem`, `DIR/NAME.pem`
+/// and `DIR/NAME.key`, re-read by `reload`.
+pub struct MeshTls {
+    dir: PathBuf,
+    name: String,
+    current: RwLock<Arc<Material>>,
+}
+
+impl std::fmt::Debug for MeshTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MeshTls").field("dir", &self.dir).field("name", &self.name).finish()
+    }
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn pem_error(path: &Path, e: impl std::fmt::Display) -> TlsError {
+    TlsError::Pem { path: path.to_path_buf(), problem: e.to_string() }
+}
+
 impl MeshTls {
-    /// Reads `DIR/ca.pem`, `DIR/NAME.pem` and `DIR/NAME.key`.
-    pub fn load(dir: &Path, name: &str) -> Result<Self, TlsError> {
+    fn files(dir: &Path, name: &str) -> [PathBuf; 3] {
+        [dir.join("ca.pem"), dir.join(format!("{name}.pem")), dir.join(format!("{name}.key"))]
+    }
+
+    fn stamp(files: &[PathBuf; 3]) -> Vec<FileStamp> {
+        files.iter().map(|f| file_stamp(f)).collect()
+    }
+
+    fn read(dir: &Path, name: &str) -> Result<Material, TlsError> {
         check_name(name)?;
-        let read = |file: String| {
-            let path = dir.join(file);
-            std::fs::read(&path).map_err(|source| TlsError::Read { path, source })
+        let files = Self::files(dir, name);
+        let stamp = Self::stamp(&files);
+        let read = |path: &PathBuf| {
+            std::fs::read(path).map_err(|source| TlsError::Read { path: path.clone(), source })
         };
+        let (ca, cert, key) = (read(&files[0])?, read(&files[1])?, read(&files[2])?);
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(&ca) {
+            roots
+                .add(c.map_err(|e| pem_error(&files[0], e))?)
+                .map_err(|e| pem_error(&files[0], e))?;
+        }
+        let chain = CertificateDer::pem_slice_iter(&cert)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| pem_error(&files[1], e))?;
+        let leaf = chain.first().ok_or_else(|| pem_error(&files[1], "no certificate"))?;
+        let peer = Peer::from_der(leaf).ok_or_else(|| TlsError::NoRole(files[1].clone()))?;
+        let private = PrivateKeyDer::from_pem_slice(&key).map_err(|e| pem_error(&files[2], e))?;
+        let roots = Arc::new(roots);
+        let server = |optional: bool| -> Result<Arc<rustls::ServerConfig>, TlsError> {
+            let v = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::clone(&roots),
+                provider(),
+            );
+            let v = if optional { v.allow_unauthenticated().build()? } else { v.build()? };
+            let mut c = rustls::ServerConfig::builder_with_provider(provider())
+                .with_safe_default_protocol_versions()?
+                .with_client_cert_verifier(v)
+                .with_single_cert(chain.clone(), private.clone_key())?;
+            // gRPC is HTTP/2 only, and tonic's clients insist on negotiating it.
+            c.alpn_protocols = vec![b"h2".to_vec()];
+            Ok(Arc::new(c))
+        };
+        Ok(Material { internal: server(false)?, public: server(true)?, ca, cert, key, peer, stamp })
+    }
+
+    /// Reads and checks `DIR/ca.pem`, `DIR/NAME.pem` (which must carry a pdmesh role) and
+    /// `DIR/NAME.key`.
+    pub fn load(dir: &Path, name: &str) -> Result<Self, TlsError> {
+        let m = Self::read(dir, name)?;
         Ok(Self {
-            ca: read("ca.pem".into())?,
-            cert: read(format!("{name}.pem"))?,
-            key: read(format!("{name}.key"))?,
+            dir: dir.to_path_buf(),
+            name: name.to_string(),
+            current: RwLock::new(Arc::new(m)),
         })
     }
 
-    /// What a server presents and demands: its certificate, and one from the mesh CA of every
-    /// client.
-    pub fn server(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new()
-            .identity(Identity::from_pem(&self.cert, &self.key))
-            .client_ca_root(Certificate::from_pem(&self.ca))
+    fn material(&self) -> Arc<Material> {
+        Arc::clone(&self.current.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Re-reads the files if any changed since the last read. Ok(true) when new material is
+    /// in use; an error leaves the old in use.
+    pub fn reload(&self) -> Result<bool, TlsError> {
+        if Self::stamp(&Self::files(&self.dir, &self.name)) == self.material().stamp {
+            return Ok(false);
+        }
+        let m = Self::read(&self.dir, &self.name)?;
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(m);
+        GENERATION.fetch_add(1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Who this process is, by its certificate.
+    pub fn identity(&self) -> Peer {
+        self.material().peer.clone()
+    }
+
+    /// What an internal server presents and demands, as of the last read.
+    pub fn internal_server(&self) -> Arc<rustls::ServerConfig> {
+        Arc::clone(&self.material().internal)
+    }
+
+    /// What the public server presents (a client certificate is optional there).
+    pub fn public_server(&self) -> Arc<rustls::ServerConfig> {
+        Arc::clone(&self.material().public)
     }
 
     /// What a client presents and checks.
     pub fn client(&self) -> ClientTlsConfig {
+        let m = self.material();
         ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&self.ca))
-            .identity(Identity::from_pem(&self.cert, &self.key))
+            .ca_certificate(Certificate::from_pem(&m.ca))
+            .identity(Identity::from_pem(&m.cert, &m.key))
             .domain_name(MESH_NAME)
     }
 }
 
 static PROCESS_TLS: OnceLock<Option<MeshTls>> = OnceLock::new();
+/// Bumped at every reload: caches of client channels drop channels dialled before it.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
 
-/// Sets this process's TLS (None: plaintext, for experiments on one machine). Once: a second
-/// call changes nothing and returns false.
+/// Sets this process's TLS (None: plaintext, `--insecure`). Once: a second call changes
+/// nothing and returns false.
 pub fn init(tls: Option<MeshTls>) -> bool {
     PROCESS_TLS.set(tls).is_ok()
 }
@@ -97,55 +271,173 @@ pub fn current() -> Option<&'static MeshTls> {
     PROCESS_TLS.get().and_then(Option::as_ref)
 }
 
+/// Changes whenever this process's certificates are reloaded.
+pub fn generation() -> u64 {
+    GENERATION.load(Ordering::Relaxed)
+}
+
+/// Re-reads this process's certificates every `every` until the process ends, logging what
+/// changed. Harmless to call more than once or without TLS.
+pub fn watch(every: Duration) {
+    static STARTED: OnceLock<()> = OnceLock::new();
+    let Some(tls) = current() else { return };
+    if STARTED.set(()).is_err() {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            match tls.reload() {
+                Ok(true) => tracing::info!(dir = %tls.dir.display(), "certificates reloaded"),
+                Ok(false) => {}
+                Err(e) => tracing::error!("certificates changed but cannot be used: {e}"),
+            }
+        }
+    });
+}
+
 /// An endpoint to the mesh peer at `address` (host:port): TLS with this process's
 /// certificate when it has one, plaintext otherwise.
 pub fn endpoint(address: &str) -> Result<Endpoint, tonic::transport::Error> {
     match current() {
-        Some(t) => Endpoint::from_shared(format!("https://{address}"))?.tls_config(t.client()),
+        Some(t) => endpoint_with(address, t),
         None => Endpoint::from_shared(format!("http://{address}")),
     }
 }
 
-/// Makes a throwaway CA in `dir` (`ca.pem`, `ca.key`) and, for each `(name, role)`, a
-/// certificate and key (`NAME.pem`, `NAME.key`) for both ends of a connection. Keys are
-/// written readable by their owner only.
-pub fn issue(dir: &Path, nodes: &[(&str, &str)]) -> Result<(), TlsError> {
-    let write = |file: String, data: &str| {
-        let path = dir.join(file);
-        write_private(&path, data.as_bytes()).map_err(|source| TlsError::Write { path, source })
-    };
-    std::fs::create_dir_all(dir)
-        .map_err(|source| TlsError::Write { path: dir.to_path_buf(), source })?;
-    let ca_key = KeyPair::generate()?;
-    let mut ca = CertificateParams::new(Vec::<String>::new())?;
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name.push(DnType::CommonName, "pdmesh mesh CA");
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_cert = ca.self_signed(&ca_key)?;
-    write("ca.pem".into(), &ca_cert.pem())?;
-    write("ca.key".into(), &ca_key.serialize_pem())?;
-    let issuer = Issuer::new(ca, ca_key);
-    for (name, role) in nodes {
-        check_name(name)?;
-        check_name(role)?;
-        let key = KeyPair::generate()?;
-        let mut p = CertificateParams::new(vec![MESH_NAME.to_string()])?;
-        p.distinguished_name.push(DnType::CommonName, *name);
-        p.subject_alt_names.push(SanType::URI(format!("pdmesh://{role}/{name}").try_into()?));
-        p.extended_key_usages =
-            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        let cert = p.signed_by(&key, &issuer)?;
-        write(format!("{name}.pem"), &cert.pem())?;
-        write(format!("{name}.key"), &key.serialize_pem())?;
-    }
-    Ok(())
+/// An endpoint to `address` with the certificate of `tls` (a test acting as some node).
+pub fn endpoint_with(address: &str, tls: &MeshTls) -> Result<Endpoint, tonic::transport::Error> {
+    Endpoint::from_shared(format!("https://{address}"))?.tls_config(tls.client())
 }
 
-fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
+/// A mesh CA: its certificate and key, which sign each process's certificate.
+pub struct Ca {
+    pem: String,
+    issuer: Issuer<'static, KeyPair>,
+}
+
+impl std::fmt::Debug for Ca {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ca").finish_non_exhaustive()
+    }
+}
+
+impl Ca {
+    /// A new throwaway CA.
+    pub fn generate() -> Result<Self, TlsError> {
+        let key = KeyPair::generate()?;
+        let mut ca = CertificateParams::new(Vec::<String>::new())?;
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.distinguished_name.push(DnType::CommonName, "pdmesh mesh CA");
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let pem = ca.self_signed(&key)?.pem();
+        Ok(Self { pem, issuer: Issuer::new(ca, key) })
+    }
+
+    /// The CA in `DIR/ca.pem` and `DIR/ca.key`.
+    pub fn load(dir: &Path) -> Result<Self, TlsError> {
+        let read = |f: &str| {
+            let path = dir.join(f);
+            std::fs::read_to_string(&path).map_err(|source| TlsError::Read { path, source })
+        };
+        let (pem, key) = (read("ca.pem")?, read("ca.key")?);
+        let key = KeyPair::from_pem(&key)?;
+        Ok(Self { issuer: Issuer::from_ca_cert_pem(&pem, key)?, pem })
+    }
+
+    /// Writes `DIR/ca.pem`, and `DIR/ca.key` when `with_key` (the key only where certificates
+    /// are made).
+    pub fn write(&self, dir: &Path, with_key: bool) -> Result<(), TlsError> {
+        create_dir(dir)?;
+        write_private(&dir.join("ca.pem"), self.pem.as_bytes())?;
+        if with_key {
+            write_private(&dir.join("ca.key"), self.issuer.key().serialize_pem().as_bytes())?;
+        }
+        Ok(())
+    }
+
+    /// Makes `DIR/NAME.pem` and `DIR/NAME.key` for `name` in `role`, good for both ends of a
+    /// connection, with `DIR/ca.pem` beside them.
+    pub fn issue(&self, dir: &Path, name: &str, role: MeshRole) -> Result<(), TlsError> {
+        check_name(name)?;
+        create_dir(dir)?;
+        let key = KeyPair::generate()?;
+        let mut p = CertificateParams::new(vec![MESH_NAME.to_string()])?;
+        p.distinguished_name.push(DnType::CommonName, name);
+        p.subject_alt_names.push(SanType::URI(format!("{ROLE_URI}{role}/{name}").try_into()?));
+        p.extended_key_usages =
+            vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let cert = p.signed_by(&key, &self.issuer)?;
+        write_private(&dir.join(format!("{name}.pem")), cert.pem().as_bytes())?;
+        write_private(&dir.join(format!("{name}.key")), key.serialize_pem().as_bytes())?;
+        write_private(&dir.join("ca.pem"), self.pem.as_bytes())
+    }
+}
+
+/// Makes a throwaway CA in `dir` (`ca.pem`, `ca.key`) and, for each `(name, role)`, a
+/// certificate and key (`NAME.pem`, `NAME.key`). Keys are readable by their owner only.
+pub fn issue(dir: &Path, nodes: &[(&str, MeshRole)]) -> Result<Ca, TlsError> {
+    let ca = Ca::generate()?;
+    ca.write(dir, true)?;
+    for (name, role) in nodes {
+        ca.issue(dir, name, *role)?;
+    }
+    Ok(ca)
+}
+
+fn create_dir(dir: &Path) -> Result<(), TlsError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|source| TlsError::Write { path: dir.to_path_buf(), source })
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<(), TlsError> {
     use std::io::Write;
     let mut o = std::fs::OpenOptions::new();
     o.write(true).create(true).truncate(true);
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
-    o.open(path)?.write_all(data)
+    // A reader watching the file (`watch`) must never see half of it: write aside, rename.
+    let tmp = path.with_extension("tmp");
+    o.open(&tmp)
+        .and_then(|mut f| f.write_all(data))
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|source| TlsError::Write { path: path.to_path_buf(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_certificate_names_its_role_and_node() {
+        let dir = tempfile::tempdir().unwrap();
+        issue(dir.path(), &[("decode-3", MeshRole::Decode), ("ops", MeshRole::Admin)]).unwrap();
+        let t = MeshTls::load(dir.path(), "decode-3").unwrap();
+        assert_eq!(t.identity(), Peer { role: MeshRole::Decode, name: "decode-3".into() });
+        assert_eq!(MeshTls::load(dir.path(), "ops").unwrap().identity().role, MeshRole::Admin);
+        assert!(matches!(MeshTls::load(dir.path(), "../ca"), Err(TlsError::Name(_))));
+        assert!(matches!(MeshTls::load(dir.path(), "nobody"), Err(TlsError::Read { .. })));
+    }
+
+    #[test]
+    fn a_renewed_certificate_is_picked_up_and_a_broken_one_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = issue(dir.path(), &[("p", MeshRole::Prefill)]).unwrap();
+        let t = MeshTls::load(dir.path(), "p").unwrap();
+        assert!(!t.reload().unwrap(), "nothing changed");
+        let before = t.material().cert.clone();
+        // Renewed (same name, new key), as cert-manager does; mtimes may tie within a
+        // second, so the length of the new file or its time tells.
+        std::thread::sleep(Duration::from_millis(20));
+        ca.issue(dir.path(), "p", MeshRole::Prefill).unwrap();
+        let g = generation();
+        assert!(t.reload().unwrap());
+        assert_ne!(t.material().cert, before);
+        assert!(generation() > g);
+        std::fs::write(dir.path().join("p.key"), "not a key").unwrap();
+        assert!(t.reload().is_err());
+        assert_eq!(t.identity().name, "p", "the old material stays in use");
+    }
 }

@@ -31,7 +31,7 @@ pub const MAX_CHANNELS: usize = 256;
 
 #[derive(Debug)]
 pub struct GrpcTransport {
-    channels: Mutex<LruCache<String, Channel>>,
+    channels: Mutex<LruCache<String, (u64, Channel)>>,
 }
 
 impl Default for GrpcTransport {
@@ -48,7 +48,11 @@ impl GrpcTransport {
 
     pub(crate) fn channel(&self, address: &str, node: &str) -> Result<Channel, TransferError> {
         let mut map = self.channels.lock().expect("channel map lock is never poisoned");
-        if let Some(c) = map.get(address) {
+        // Dialled before the certificates were renewed: it would reconnect with the old ones.
+        let generation = pdmesh_common::tls::generation();
+        if let Some((g, c)) = map.get(address)
+            && *g == generation
+        {
             return Ok(c.clone());
         }
         let ep = pdmesh_common::tls::endpoint(address)
@@ -61,7 +65,7 @@ impl GrpcTransport {
             .initial_stream_window_size(Some(8 << 20))
             .initial_connection_window_size(Some(32 << 20));
         let c = pdmesh_common::trace::channel(ep.connect_lazy());
-        map.put(address.to_string(), c.clone());
+        map.put(address.to_string(), (generation, c.clone()));
         Ok(c)
     }
 }

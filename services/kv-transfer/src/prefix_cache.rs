@@ -179,9 +179,10 @@ impl PrefixCache {
         }
     }
 
-    /// The cached prefix of `prompt`, leaving at least its last token to compute (the first
-    /// token's logits come from it). Never fails: trouble means less cache.
-    pub async fn lookup(&self, prompt: &[u32]) -> Lookup {
+    /// The cached prefix of `prompt` in the cache space `salt` (its tenant's group), leaving
+    /// at least its last token to compute (the first token's logits come from it). Never
+    /// fails: trouble means less cache.
+    pub async fn lookup(&self, prompt: &[u32], salt: &[u8]) -> Lookup {
         let span = tracing::info_span!(
             "prefill.cache_match",
             prompt_blocks = Empty,
@@ -191,12 +192,12 @@ impl PrefixCache {
             kvstore_failed = Empty,
             cached_tokens = Empty,
         );
-        self.lookup_traced(prompt).instrument(span).await
+        self.lookup_traced(prompt, salt).instrument(span).await
     }
 
-    async fn lookup_traced(&self, prompt: &[u32]) -> Lookup {
+    async fn lookup_traced(&self, prompt: &[u32], salt: &[u8]) -> Lookup {
         let span = Span::current();
-        let chain = self.hasher.chain(prompt);
+        let chain = self.hasher.salted(salt).chain(prompt);
         let bs = self.hasher.block_size();
         let usable = (prompt.len().saturating_sub(1) / bs).min(chain.len());
         let mut cached = self.local.as_ref().map_or_else(Vec::new, |l| l.prefix(&chain[..usable]));

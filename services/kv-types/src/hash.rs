@@ -58,6 +58,20 @@ impl BlockHasher {
         Some(Self { seed: BlockHash(xxh3_128(&s)), block_size: g.block_size })
     }
 
+    /// This hasher in a tenant's own space: chains under different salts never share a block,
+    /// so one tenant's cached prefix can neither serve nor reveal another's prompt. An empty
+    /// salt is the shared space.
+    pub fn salted(self, salt: &[u8]) -> Self {
+        if salt.is_empty() {
+            return self;
+        }
+        let mut s = Vec::with_capacity(16 + 4 + salt.len());
+        s.extend_from_slice(&self.seed.to_bytes());
+        s.extend_from_slice(b"salt");
+        s.extend_from_slice(salt);
+        Self { seed: BlockHash(xxh3_128(&s)), ..self }
+    }
+
     pub fn block_size(&self) -> usize {
         self.block_size
     }
@@ -109,6 +123,16 @@ mod tests {
         let mut l = layout();
         f(&mut l);
         l
+    }
+
+    #[test]
+    fn salts_separate_spaces() {
+        let h = BlockHasher::new(&layout()).expect("block size");
+        let t: Vec<u32> = (0..8).collect();
+        assert_eq!(h.salted(&[]).chain(&t), h.chain(&t));
+        let (a, b) = (h.salted(b"tenant-a").chain(&t), h.salted(b"tenant-b").chain(&t));
+        assert!(a.iter().all(|x| !b.contains(x) && !h.chain(&t).contains(x)));
+        assert_eq!(h.salted(b"tenant-a").chain(&t), a);
     }
 
     #[test]

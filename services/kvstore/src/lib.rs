@@ -66,6 +66,7 @@ pub async fn run(
         routes,
         &["pdmesh.v1.KvStore"],
         listener,
+        pdmesh_common::Exposure::Internal,
         shutdown,
         Duration::from_millis(config.drain_ms),
     )

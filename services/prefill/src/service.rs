@@ -77,6 +77,12 @@ impl PrefillService {
             r.target.clone().ok_or_else(|| Status::invalid_argument("target is missing"))?;
         pdmesh_kv_transfer::check_layout(&self.layout, target.layout.as_ref(), &target.decode_node)
             .map_err(|s| Status::new(s.code(), format!("node {node}: {}", s.message())))?;
+        if r.cache_salt.len() > MAX_CACHE_SALT {
+            return Err(Status::invalid_argument(format!(
+                "cache_salt: {} bytes, at most {MAX_CACHE_SALT}",
+                r.cache_salt.len()
+            )));
+        }
         let blocks = self.layout.geometry.blocks_for(r.prompt.len());
         if target.blocks as usize != blocks || target.prompt_tokens as usize != r.prompt.len() {
             return Err(Status::invalid_argument(format!(
@@ -105,6 +111,9 @@ impl PrefillService {
         }
     }
 }
+
+/// The longest prefix-cache salt a request may carry (the router's are 16 bytes).
+const MAX_CACHE_SALT: usize = 64;
 
 #[tonic::async_trait]
 impl Prefill for PrefillService {
@@ -139,7 +148,7 @@ impl Prefill for PrefillService {
         };
         transfer.record("push", tracing::field::display(push));
         let lookup = match &self.cache {
-            Some(c) => c.lookup(&r.prompt).await,
+            Some(c) => c.lookup(&r.prompt, &r.cache_salt).await,
             None => pdmesh_kv_transfer::Lookup::default(),
         };
         let job = Job {

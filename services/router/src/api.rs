@@ -3,9 +3,11 @@
 //! never a copy of the request path. Admission (the in-flight bound, unique request ids), the
 //! request's life on the mesh and its cancellation all live behind `Router`.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use pdmesh_common::apikey::Tenant;
 use pdmesh_engine::FinishReason;
 use tokio::sync::{Semaphore, mpsc};
 use tracing::{Instrument, Span};
@@ -73,21 +75,31 @@ pub struct Timings {
 /// A request's events; dropping it cancels the request on every node.
 pub type Events = mpsc::Receiver<Result<Event, RequestError>>;
 
-/// A request's place among those in flight (`Router::admit`); dropping it gives it back.
+/// A request's place among those in flight (`Router::admit`), on the router and among its
+/// tenant's; dropping it gives both back.
 #[derive(Debug)]
-pub struct Admitted(tokio::sync::OwnedSemaphorePermit);
+pub struct Admitted {
+    _router: tokio::sync::OwnedSemaphorePermit,
+    _tenant: Option<tokio::sync::OwnedSemaphorePermit>,
+    tenant: Arc<Tenant>,
+}
 
 /// The router's library API.
 #[derive(Debug, Clone)]
 pub struct Router {
     pub(crate) mesh: Arc<Mesh>,
     admission: Arc<Semaphore>,
+    /// Each tenant's places, for tenants with a limit of their own.
+    tenants: Arc<Mutex<HashMap<String, TenantPlaces>>>,
 }
+
+/// A tenant's limit and its places under it.
+type TenantPlaces = (usize, Arc<Semaphore>);
 
 impl Router {
     pub fn new(mesh: Arc<Mesh>) -> Self {
         let admission = Arc::new(Semaphore::new(mesh.config.max_in_flight));
-        Self { mesh, admission }
+        Self { mesh, admission, tenants: Arc::default() }
     }
 
     pub fn mesh(&self) -> &Arc<Mesh> {
@@ -104,16 +116,41 @@ impl Router {
     }
 
     /// A place among the requests in flight, taken before any work is done for a request
-    /// (tokenizing a prompt is work); refused at once when the router is full.
-    pub fn admit(&self) -> Result<Admitted, RequestError> {
+    /// (tokenizing a prompt is work); refused at once when the router, or `tenant`'s own
+    /// limit, is full.
+    pub fn admit(&self, tenant: Arc<Tenant>) -> Result<Admitted, RequestError> {
         let cfg = &self.mesh.config;
-        let permit = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
-            RequestError::Overloaded {
-                message: format!("router at its limit of {} requests in flight", cfg.max_in_flight),
-                retry_after: Duration::from_millis(cfg.retry_after_ms),
+        let full = |message: String| RequestError::Overloaded {
+            message,
+            retry_after: Duration::from_millis(cfg.retry_after_ms),
+        };
+        let own = match tenant.max_in_flight {
+            Some(limit) => {
+                let places = {
+                    let mut t = self.tenants.lock().expect("tenant map lock is never poisoned");
+                    let e = t
+                        .entry(tenant.tenant.clone())
+                        .or_insert_with(|| (limit, Arc::new(Semaphore::new(limit))));
+                    if e.0 != limit {
+                        // The key file changed the limit: new places from now on (requests
+                        // running keep theirs).
+                        *e = (limit, Arc::new(Semaphore::new(limit)));
+                    }
+                    Arc::clone(&e.1)
+                };
+                Some(places.try_acquire_owned().map_err(|_| {
+                    full(format!(
+                        "tenant {} at its limit of {limit} requests in flight",
+                        tenant.tenant
+                    ))
+                })?)
             }
+            None => None,
+        };
+        let router = Arc::clone(&self.admission).try_acquire_owned().map_err(|_| {
+            full(format!("router at its limit of {} requests in flight", cfg.max_in_flight))
         })?;
-        Ok(Admitted(permit))
+        Ok(Admitted { _router: router, _tenant: own, tenant })
     }
 
     /// Admits a prepared request and starts it on the mesh, running until `deadline`; its
@@ -126,7 +163,7 @@ impl Router {
         deadline: Instant,
         span: Span,
     ) -> Result<(String, Events), RequestError> {
-        let admitted = self.admit()?;
+        let admitted = self.admit(Arc::new(Tenant::anonymous()))?;
         self.generate_admitted(admitted, request_id, prep, deadline, span)
     }
 
@@ -146,24 +183,27 @@ impl Router {
             }
             None => pdmesh_common::ids::new_request_id(),
         };
-        let permit = admitted.0;
-        let cancel = self.mesh.start(&id).ok_or_else(|| RequestError::Duplicate(id.clone()))?;
+        let owner = admitted.tenant.tenant.clone();
+        let salt = admitted.tenant.cache_salt();
+        let cancel =
+            self.mesh.start(&id, &owner).ok_or_else(|| RequestError::Duplicate(id.clone()))?;
         let (tx, rx) = mpsc::channel(CLIENT_BUFFER);
         let mesh = Arc::clone(&self.mesh);
         let run_id = id.clone();
         let run = async move {
-            crate::relay::run(&mesh, run_id.clone(), prep, deadline, tx, cancel).await;
-            mesh.finish(&run_id);
-            drop(permit);
+            crate::relay::run(&mesh, run_id.clone(), prep, salt, deadline, tx, cancel).await;
+            mesh.finish(&run_id, &owner);
+            drop(admitted);
         };
         // The request outlives the call that started it; it runs in the request's span.
         tokio::spawn(run.instrument(span));
         Ok((id, rx))
     }
 
-    /// Cancels a running request: it ends with `Finished(Cancelled)` and frees its KV on
-    /// every node. False when no request has this id.
-    pub fn cancel(&self, request_id: &str) -> bool {
-        self.mesh.cancel(request_id)
+    /// Cancels `tenant`'s running request: it ends with `Finished(Cancelled)` and frees its
+    /// KV on every node. False when `tenant` runs no request with this id (another tenant's
+    /// request is as absent as one that never ran).
+    pub fn cancel(&self, tenant: &Tenant, request_id: &str) -> bool {
+        self.mesh.cancel(request_id, &tenant.tenant)
     }
 }

@@ -130,6 +130,8 @@ pub(crate) struct Request<'a> {
     pub mesh: &'a Mesh,
     pub id: &'a str,
     pub prep: &'a Prepared,
+    /// The tenant's prefix-cache space.
+    pub salt: [u8; 16],
     pub deadline: Instant,
     pub t0: Instant,
     pub out: &'a mpsc::Sender<Result<Event, RequestError>>,
@@ -297,13 +299,14 @@ impl Attempt<'_> {
         let cfg = &req.mesh.config;
         // The prefill node's share ends with its part (the KV is complete), not the request's.
         let _assigned = Assigned::new(req.mesh, p, 0);
-        req.mesh.prefixes.record(p, &req.prep.prompt);
+        req.mesh.prefixes.record(p, &req.salt, &req.prep.prompt);
         self.report.timings.prefill_node = p.id.clone();
         let mut client = PrefillClient::new(channel(req.mesh, p)?);
         let msg = PrefillRequest {
             request_id: req.id.to_string(),
             prompt: req.prep.prompt.clone(),
             sampler: Some(sampler_state(&req.prep.sampling, 0)),
+            cache_salt: bytes::Bytes::copy_from_slice(&req.salt),
             target: Some(target.clone()),
         };
         let queued_at_router = req.t0.elapsed();

@@ -13,8 +13,17 @@ pub struct RouterConfig {
     /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
     /// no metrics endpoint.
     pub metrics_listen: Option<String>,
-    /// Address clients and nodes dial ("host:port"; port 0 picks a free one).
+    /// The public `Generation` API: where clients dial ("host:port"; port 0 picks a free one).
     pub listen: String,
+    /// `Membership`: where nodes register and heartbeat (mutual TLS, nodes' certificates
+    /// only). Port 0 picks a free one.
+    pub internal_listen: String,
+    /// A TOML file of hashed API keys, each mapped to a tenant (`pdmesh api-key` makes
+    /// them); re-read when it changes. Required unless `allow_anonymous`.
+    pub api_keys: Option<PathBuf>,
+    /// Serve the public API without API keys (every caller is tenant "anonymous"): for a
+    /// router behind a gateway that authenticates, or experiments.
+    pub allow_anonymous: bool,
     /// The GGUF whose tokenizer, chat template and context the router validates against.
     pub model: PathBuf,
     /// Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint.
@@ -52,6 +61,9 @@ impl Default for RouterConfig {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:50051".into(),
+            internal_listen: "127.0.0.1:50052".into(),
+            api_keys: None,
+            allow_anonymous: false,
             metrics_listen: None,
             model: PathBuf::from(pdmesh_engine::DEFAULT_MODEL_PATH),
             max_in_flight: 256,
@@ -73,6 +85,19 @@ impl Default for RouterConfig {
 
 impl RouterConfig {
     pub fn validate(&self) -> Result<(), InvalidConfig> {
+        if self.api_keys.is_none() && !self.allow_anonymous {
+            return Err(InvalidConfig::new(
+                "api_keys",
+                "the public API needs API keys (a key file: `pdmesh api-key --help`), or \
+                 allow_anonymous = true (--allow-anonymous) to serve anyone who reaches it",
+            ));
+        }
+        if self.listen == self.internal_listen && !self.listen.ends_with(":0") {
+            return Err(InvalidConfig::new(
+                "internal_listen",
+                "must differ from listen: nodes and clients are served on separate ports",
+            ));
+        }
         if self.max_in_flight == 0 {
             return Err(InvalidConfig::new("max_in_flight", "must be at least 1"));
         }

@@ -33,14 +33,29 @@ pub use error::{RequestError, RouterError};
 use crate::mesh::Mesh;
 use crate::service::RouterService;
 
-/// Serves the router on `listener` until `shutdown` completes.
+/// How often the API key file is checked for changes.
+const KEYS_RELOAD_EVERY: Duration = Duration::from_secs(5);
+
+/// Serves the router until `shutdown` completes: the public API on `public`, membership on
+/// `internal`.
 pub async fn run(
     config: RouterConfig,
-    listener: TcpListener,
+    public: TcpListener,
+    internal: TcpListener,
     metrics: pdmesh_common::metrics::Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RouterError> {
     config.validate()?;
+    let keys = match &config.api_keys {
+        Some(path) => {
+            let ring = pdmesh_common::apikey::KeyRing::load(path)
+                .map_err(|e| pdmesh_common::InvalidConfig::new("api_keys", e.to_string()))?;
+            tracing::info!(keys = ring.len(), file = %path.display(), "API keys loaded");
+            Some(Arc::new(ring))
+        }
+        None => None,
+    };
+    let _watch = keys.as_ref().map(|k| k.watch(KEYS_RELOAD_EVERY));
     if !config.model.exists() {
         let problem = format!(
             "{} not found (run `just fetch-model` or set the path)",
@@ -68,19 +83,48 @@ pub async fn run(
             }
         }
     });
-    let service = RouterService { router };
-    let routes = tonic::service::Routes::new(GenerationServer::new(service.clone()))
-        .add_service(MembershipServer::new(service));
-    let bound = listener.local_addr().ok();
-    tracing::info!(?bound, "router serving");
-    let r = pdmesh_common::serve(
-        routes,
-        &["pdmesh.v1.Generation", "pdmesh.v1.Membership"],
-        listener,
-        shutdown,
+    let service = RouterService { router, keys };
+    let public_routes = tonic::service::Routes::new(GenerationServer::new(service.clone()));
+    let internal_routes = tonic::service::Routes::new(MembershipServer::new(service));
+    let (bound, bound_internal) = (public.local_addr().ok(), internal.local_addr().ok());
+    tracing::info!(?bound, ?bound_internal, "router serving");
+    // One shutdown for both listeners: when either server fails, the other stops too.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let stopping = stop.clone();
+    let serve_public = pdmesh_common::serve(
+        public_routes,
+        &["pdmesh.v1.Generation"],
+        public,
+        pdmesh_common::Exposure::Public,
+        stop.clone().cancelled_owned(),
         drain,
-    )
-    .await;
+    );
+    let serve_internal = pdmesh_common::serve(
+        internal_routes,
+        &["pdmesh.v1.Membership"],
+        internal,
+        pdmesh_common::Exposure::Internal,
+        stop.clone().cancelled_owned(),
+        drain,
+    );
+    let signal = async move {
+        shutdown.await;
+        stopping.cancel();
+    };
+    let (r, _) = tokio::join!(
+        async {
+            let r = tokio::try_join!(serve_public, serve_internal);
+            stop.cancel();
+            r
+        },
+        async {
+            tokio::select! {
+                () = signal => {}
+                () = stop.cancelled() => {}
+            }
+        }
+    );
     reaper.abort();
-    Ok(r?)
+    r?;
+    Ok(())
 }

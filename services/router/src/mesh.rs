@@ -28,8 +28,10 @@ pub struct Mesh {
     pub registry: Mutex<Registry>,
     /// Channels to node addresses (only registered nodes are ever dialled); nodes come and
     /// go, so the least recently used is dropped past `MAX_CHANNELS`.
-    channels: Mutex<LruCache<String, Channel>>,
-    active: Mutex<HashMap<String, CancellationToken>>,
+    channels: Mutex<LruCache<String, (u64, Channel)>>,
+    /// Running requests by (owning tenant, request id): ids are unique within a tenant, and
+    /// a tenant can neither see nor cancel another's.
+    active: Mutex<HashMap<(String, String), CancellationToken>>,
     /// What each prefill node is thought to hold in its own cache.
     pub prefixes: PrefixIndex,
     pub metrics: RouterMetrics,
@@ -58,7 +60,11 @@ impl Mesh {
     /// A lazily connected channel to `address`, shared by every request to that node.
     pub fn channel(&self, address: &str) -> Result<Channel, tonic::transport::Error> {
         let mut map = self.channels.lock().expect("channel map lock is never poisoned");
-        if let Some(c) = map.get(address) {
+        // A channel dialled before the certificates were renewed would reconnect with the old.
+        let generation = pdmesh_common::tls::generation();
+        if let Some((g, c)) = map.get(address)
+            && *g == generation
+        {
             return Ok(c.clone());
         }
         let c = pdmesh_common::tls::endpoint(address)?
@@ -69,7 +75,7 @@ impl Mesh {
             .keep_alive_while_idle(true)
             .connect_lazy();
         let c = pdmesh_common::trace::channel(c);
-        map.put(address.to_string(), c.clone());
+        map.put(address.to_string(), (generation, c.clone()));
         Ok(c)
     }
 
@@ -91,23 +97,27 @@ impl Mesh {
         self.registry().live(role, Instant::now())
     }
 
-    /// Registers a running request for `Cancel`; None if the id is already running.
-    pub fn start(&self, id: &str) -> Option<CancellationToken> {
+    /// Registers `owner`'s running request for `Cancel`; None if it already runs one with
+    /// this id.
+    pub fn start(&self, id: &str, owner: &str) -> Option<CancellationToken> {
         let mut a = self.active.lock().expect("active map lock is never poisoned");
-        if a.contains_key(id) {
+        let key = (owner.to_string(), id.to_string());
+        if a.contains_key(&key) {
             return None;
         }
         let t = CancellationToken::new();
-        a.insert(id.to_string(), t.clone());
+        a.insert(key, t.clone());
         Some(t)
     }
 
-    pub fn finish(&self, id: &str) {
-        self.active.lock().expect("active map lock is never poisoned").remove(id);
+    pub fn finish(&self, id: &str, owner: &str) {
+        let key = (owner.to_string(), id.to_string());
+        self.active.lock().expect("active map lock is never poisoned").remove(&key);
     }
 
-    pub fn cancel(&self, id: &str) -> bool {
-        match self.active.lock().expect("active map lock is never poisoned").get(id) {
+    pub fn cancel(&self, id: &str, owner: &str) -> bool {
+        let key = (owner.to_string(), id.to_string());
+        match self.active.lock().expect("active map lock is never poisoned").get(&key) {
             Some(t) => {
                 t.cancel();
                 true

@@ -21,9 +21,9 @@ pub struct PrefixIndex {
 }
 
 /// A prompt's chain under one KV layout (nodes of one mesh share it; a node that differs gets
-/// its own).
-pub fn chain(layout: &KvLayout, prompt: &[u32]) -> Vec<BlockHash> {
-    BlockHasher::new(layout).map_or_else(Vec::new, |h| h.chain(prompt))
+/// its own) in the space of one cache group (`salt`).
+pub fn chain(layout: &KvLayout, salt: &[u8], prompt: &[u32]) -> Vec<BlockHash> {
+    BlockHasher::new(layout).map_or_else(Vec::new, |h| h.salted(salt).chain(prompt))
 }
 
 impl PrefixIndex {
@@ -32,14 +32,14 @@ impl PrefixIndex {
     }
 
     /// Prompt tokens of `prompt` each of `nodes` is thought to hold, by node id (absent: none).
-    pub fn matched(&self, nodes: &[Node], prompt: &[u32]) -> HashMap<String, usize> {
+    pub fn matched(&self, nodes: &[Node], salt: &[u8], prompt: &[u32]) -> HashMap<String, usize> {
         let mut chains: Vec<(&KvLayout, Vec<BlockHash>)> = Vec::new();
         let mut out = HashMap::new();
         let index = self.lock();
         for n in nodes {
             let Some(held) = index.get(&n.id) else { continue };
             if !chains.iter().any(|(l, _)| **l == n.layout) {
-                chains.push((&n.layout, chain(&n.layout, prompt)));
+                chains.push((&n.layout, chain(&n.layout, salt, prompt)));
             }
             let c = &chains.iter().find(|(l, _)| **l == n.layout).expect("just added").1;
             // A look does not count as use: only the node a prompt is sent to refreshes it.
@@ -52,7 +52,7 @@ impl PrefixIndex {
     }
 
     /// `node` was sent `prompt`: it will hold its full blocks (if it has a cache at all).
-    pub fn record(&self, node: &Node, prompt: &[u32]) {
+    pub fn record(&self, node: &Node, salt: &[u8], prompt: &[u32]) {
         let mut index = self.lock();
         // The size is the node's own claim: it bounds what is remembered for it, and is never
         // allocated up front (a claim of 4 billion blocks once made the router allocate them).
@@ -62,7 +62,7 @@ impl PrefixIndex {
             return;
         }
         let held = index.entry(node.id.clone()).or_insert_with(LruCache::unbounded);
-        for h in chain(&node.layout, prompt) {
+        for h in chain(&node.layout, salt, prompt) {
             held.put(h, ());
         }
         while held.len() > cap {
@@ -97,22 +97,34 @@ mod tests {
         }
     }
 
+    const S: &[u8] = b"tenant";
+
+    #[test]
+    fn another_tenants_prompt_matches_nothing() {
+        let idx = PrefixIndex::default();
+        let a = node("a", 100);
+        let p: Vec<u32> = (0..16).collect();
+        idx.record(&a, b"tenant-1", &p);
+        assert_eq!(idx.matched(std::slice::from_ref(&a), b"tenant-1", &p)["a"], 16);
+        assert!(idx.matched(&[a], b"tenant-2", &p).is_empty());
+    }
+
     #[test]
     fn matches_leading_blocks_of_what_each_node_was_sent() {
         let idx = PrefixIndex::default();
         let (a, b) = (node("a", 100), node("b", 100));
         let sys: Vec<u32> = (0..12).collect();
         let p1: Vec<u32> = sys.iter().copied().chain([50, 51, 52, 53, 54]).collect();
-        idx.record(&a, &p1);
+        idx.record(&a, S, &p1);
         let p2: Vec<u32> = sys.iter().copied().chain([60, 61, 62, 63]).collect();
-        let m = idx.matched(&[a.clone(), b.clone()], &p2);
+        let m = idx.matched(&[a.clone(), b.clone()], S, &p2);
         // 3 shared blocks of 4 tokens; the 4th block differs; b was sent nothing.
         assert_eq!(m, HashMap::from([("a".to_string(), 12)]));
         // The same tokens at another position are another block.
         let shifted: Vec<u32> = [9].into_iter().chain(sys.iter().copied()).collect();
-        assert!(idx.matched(std::slice::from_ref(&a), &shifted).is_empty());
+        assert!(idx.matched(std::slice::from_ref(&a), S, &shifted).is_empty());
         idx.forget("a");
-        assert!(idx.matched(&[a], &p2).is_empty());
+        assert!(idx.matched(&[a], S, &p2).is_empty());
     }
 
     #[test]
@@ -120,12 +132,12 @@ mod tests {
         let idx = PrefixIndex::default();
         let a = node("a", 2);
         let p: Vec<u32> = (0..16).collect();
-        idx.record(&a, &p);
+        idx.record(&a, S, &p);
         // Blocks 0 and 1 were forgotten first, so the prompt's start is no longer held.
-        assert!(idx.matched(std::slice::from_ref(&a), &p).is_empty());
+        assert!(idx.matched(std::slice::from_ref(&a), S, &p).is_empty());
         let none = node("a", 0);
-        idx.record(&none, &p);
-        assert!(idx.matched(&[a], &p).is_empty(), "a node without a cache holds nothing");
+        idx.record(&none, S, &p);
+        assert!(idx.matched(&[a], S, &p).is_empty(), "a node without a cache holds nothing");
     }
 
     /// A node claiming 2^32 - 1 cache blocks made the router allocate that many entries and
@@ -135,12 +147,12 @@ mod tests {
         let idx = PrefixIndex::default();
         let liar = node("liar", u32::MAX);
         let p: Vec<u32> = (0..64).collect();
-        idx.record(&liar, &p);
-        assert_eq!(idx.matched(std::slice::from_ref(&liar), &p)["liar"], 64);
+        idx.record(&liar, S, &p);
+        assert_eq!(idx.matched(std::slice::from_ref(&liar), S, &p)["liar"], 64);
         // And it still forgets past the cap: a bigger prompt than the cap keeps only its end.
         let small = node("liar", 3);
         let q: Vec<u32> = (100..132).collect();
-        idx.record(&small, &q);
+        idx.record(&small, S, &q);
         assert_eq!(idx.lock()["liar"].len(), 3);
     }
 }

@@ -30,6 +30,7 @@ pub(crate) async fn run(
     mesh: &Mesh,
     id: String,
     prep: Prepared,
+    salt: [u8; 16],
     deadline: Instant,
     out: mpsc::Sender<Result<Event, RequestError>>,
     cancel: CancellationToken,
@@ -43,7 +44,8 @@ pub(crate) async fn run(
     if out.send(Ok(started)).await.is_err() {
         return;
     }
-    let req = Request { mesh, id: &id, prep: &prep, deadline, t0, out: &out, cancel: &cancel };
+    let req =
+        Request { mesh, id: &id, prep: &prep, salt, deadline, t0, out: &out, cancel: &cancel };
     let mut report = Report::default();
     let outcome = attempts(&req, &mut report).await;
     let retry_after = Duration::from_millis(mesh.config.retry_after_ms);
@@ -167,7 +169,7 @@ fn placement(
         matched_tokens = Empty,
     );
     let _entered = span.enter();
-    let ask = ask_of(mesh, req.prep, &prefills);
+    let ask = ask_of(mesh, req.prep, &req.salt, &prefills);
     let placed = place(&prefills, &mesh.live(Role::Decode), &ask, exclude).map_err(|e| {
         let retry_after = Duration::from_millis(cfg.retry_after_ms);
         let status: tonic::Status = Failure::Place(e.clone()).into_error(retry_after).into();
@@ -188,10 +190,10 @@ fn placement(
     Ok((decode, prefill, blocks))
 }
 
-fn ask_of(mesh: &Mesh, prep: &Prepared, prefill: &[crate::registry::Node]) -> Ask {
+fn ask_of(mesh: &Mesh, prep: &Prepared, salt: &[u8], prefill: &[crate::registry::Node]) -> Ask {
     let cfg = &mesh.config;
     let matched = if cfg.prefill_policy == PrefillPolicy::PrefixAware {
-        mesh.prefixes.matched(prefill, &prep.prompt)
+        mesh.prefixes.matched(prefill, salt, &prep.prompt)
     } else {
         Default::default()
     };

@@ -1,6 +1,8 @@
 //! The router's gRPC services: the public `Generation` API, an adapter over the library API
 //! (`api::Router`: a prepared request in, plain events out), and the `Membership` nodes call.
-//! Validate, hand over, map; nothing else happens here.
+//! Authenticate, validate, hand over, map; nothing else happens here. Every public call names
+//! its tenant by API key; with TLS, every membership call comes from a node that speaks only
+//! for itself (its certificate's name and role).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -19,6 +21,8 @@ use tonic::{Request, Response, Status};
 use tracing::Span;
 use tracing::field::Empty;
 
+use pdmesh_common::apikey::{KeyRing, Tenant};
+use pdmesh_common::tls::MeshRole;
 use pdmesh_common::trace;
 
 use crate::api::{Event, Router};
@@ -28,6 +32,36 @@ use crate::request::{prepare, tokenize};
 #[derive(Debug, Clone)]
 pub struct RouterService {
     pub router: Router,
+    /// The API keys; None: `allow_anonymous`.
+    pub keys: Option<Arc<KeyRing>>,
+}
+
+/// With TLS, a node registers and heartbeats only as itself: the node id must be the name in
+/// its certificate, and the role its certificate's (`authz` has already checked that the
+/// caller is a node at all).
+fn speaks_for<T>(req: &Request<T>, node_id: &str, role: Option<Role>) -> Result<(), Status> {
+    let Some(peer) = pdmesh_common::authz::caller(req) else { return Ok(()) };
+    if peer.name != node_id {
+        return Err(Status::permission_denied(format!(
+            "{} may not speak for node {node_id:?}: a node registers and heartbeats only as \
+             the name in its certificate",
+            peer.name
+        )));
+    }
+    let certified = match peer.role {
+        MeshRole::Prefill => Role::Prefill,
+        MeshRole::Decode => Role::Decode,
+        _ => Role::Unspecified,
+    };
+    match role {
+        Some(r) if r != certified => Err(Status::permission_denied(format!(
+            "{} registers as {} but its certificate is for a {}",
+            peer.name,
+            r.as_str_name(),
+            peer.role
+        ))),
+        _ => Ok(()),
+    }
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
@@ -35,6 +69,12 @@ type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>
 impl RouterService {
     fn mesh(&self) -> &Arc<Mesh> {
         self.router.mesh()
+    }
+
+    /// The tenant a public call is made for, by its API key.
+    fn tenant<T>(&self, req: &Request<T>) -> Result<Arc<Tenant>, Status> {
+        let Some(keys) = &self.keys else { return Ok(Arc::new(Tenant::anonymous())) };
+        keys.authenticate(req.metadata()).map_err(|e| Status::unauthenticated(e.to_string()))
     }
 
     async fn start_generate(
@@ -47,23 +87,26 @@ impl RouterService {
             Instant::now(),
             Duration::from_millis(cfg.request_timeout_ms),
         );
+        let tenant = self.tenant(&req)?;
         let r = req.into_inner();
         let admission = pdmesh_common::span!("router.admission", in_flight = Empty);
         // The server layer's `router.generate` span: the request's root.
         let root = Span::current();
-        trace::in_span(&admission, self.admit(r, deadline, root)).await
+        trace::in_span(&admission, self.admit(tenant, r, deadline, root)).await
     }
 
     /// Validates (template, tokenizer, limits) and starts the request on the library API.
     async fn admit(
         &self,
+        tenant: Arc<Tenant>,
         r: GenerateRequest,
         deadline: Instant,
         root: Span,
     ) -> Result<Response<ResponseStream>, Status> {
         let model = Arc::clone(&self.mesh().model);
         // A place first: a full router refuses before it tokenizes (the costly part of checking).
-        let admitted = self.router.admit()?;
+        trace::attr(&root, "tenant", tenant.tenant.clone());
+        let admitted = self.router.admit(tenant)?;
         let request_id = (!r.request_id.is_empty()).then(|| r.request_id.clone());
         let prep = tokio::task::spawn_blocking(move || prepare(&model, &r))
             .await
@@ -143,13 +186,14 @@ impl Generation for RouterService {
         &self,
         req: Request<TokenizeRequest>,
     ) -> Result<Response<TokenizeResponse>, Status> {
+        let tenant = self.tenant(&req)?;
         let input = req.into_inner().input.map(|i| match i {
             tokenize_request::Input::Prompt(p) => generate_request::Input::Prompt(p),
             tokenize_request::Input::Chat(c) => generate_request::Input::Chat(c),
         });
         let model = Arc::clone(&self.mesh().model);
         // Tokenizing is the work a Generate is admitted for: it takes a place too while it runs.
-        let _admitted = self.router.admit()?;
+        let _admitted = self.router.admit(tenant)?;
         let ids = tokio::task::spawn_blocking(move || tokenize(&model, input.as_ref()))
             .await
             .map_err(|e| Status::internal(format!("tokenize task: {e}")))?
@@ -159,8 +203,9 @@ impl Generation for RouterService {
 
     async fn model_info(
         &self,
-        _: Request<ModelInfoRequest>,
+        req: Request<ModelInfoRequest>,
     ) -> Result<Response<ModelInfoResponse>, Status> {
+        self.tenant(&req)?;
         let m = &self.mesh().model;
         Ok(Response::new(ModelInfoResponse {
             name: m.config.name.clone(),
@@ -178,8 +223,9 @@ impl Generation for RouterService {
         &self,
         req: Request<CancelRequest>,
     ) -> Result<Response<CancelResponse>, Status> {
+        let tenant = self.tenant(&req)?;
         let id = req.into_inner().request_id;
-        if self.router.cancel(&id) {
+        if self.router.cancel(&tenant, &id) {
             Ok(Response::new(CancelResponse {}))
         } else {
             Err(Status::not_found(format!("request_id {id} is not running")))
@@ -193,11 +239,12 @@ impl Membership for RouterService {
         &self,
         req: Request<RegisterRequest>,
     ) -> Result<Response<RegisterResponse>, Status> {
-        let r = req.into_inner();
-        let role = Role::try_from(r.role).unwrap_or(Role::Unspecified);
+        let role = Role::try_from(req.get_ref().role).unwrap_or(Role::Unspecified);
         if role == Role::Unspecified {
             return Err(Status::invalid_argument("role: must be prefill or decode"));
         }
+        speaks_for(&req, &req.get_ref().node_id, Some(role))?;
+        let r = req.into_inner();
         if r.node_id.is_empty() || r.address.is_empty() {
             return Err(Status::invalid_argument("node_id and address are required"));
         }
@@ -245,6 +292,7 @@ impl Membership for RouterService {
         &self,
         req: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
+        speaks_for(&req, &req.get_ref().node_id, None)?;
         let r = req.into_inner();
         let known = self.mesh().registry().heartbeat(
             &r.node_id,
@@ -258,6 +306,7 @@ impl Membership for RouterService {
         &self,
         req: Request<DeregisterRequest>,
     ) -> Result<Response<DeregisterResponse>, Status> {
+        speaks_for(&req, &req.get_ref().node_id, None)?;
         let r = req.into_inner();
         let known = self.mesh().registry().remove(&r.node_id);
         if known {

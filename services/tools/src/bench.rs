@@ -55,11 +55,11 @@ pub struct EngineBenchArgs {
     engine: EngineArgs,
 }
 
-pub fn run(a: BenchArgs) -> anyhow::Result<()> {
+pub fn run(a: BenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result<()> {
     match a.command {
         Some(BenchCommand::Engine(e)) => engine_bench(e),
         Some(BenchCommand::Kv(k)) => crate::kv_bench::run(k),
-        None => crate::mesh_bench::run(a.mesh),
+        None => crate::mesh_bench::run(a.mesh, access),
     }
 }
 

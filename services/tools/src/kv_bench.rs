@@ -18,6 +18,8 @@ use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::{ReleaseRequest, ReserveRequest, StatsRequest};
 use serde::Serialize;
 
+use pdmesh_common::tls::{MeshRole, MeshTls};
+
 use crate::bench::median;
 use pdmesh_cli::process::spawn;
 
@@ -122,11 +124,28 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // As the mesh runs: mutual TLS, this process pushing KV as a prefill node and reserving
+    // as the router, each with its own certificate.
+    let certs = tempfile::tempdir().context("a directory for the bench's certificates")?;
+    pdmesh_common::tls::issue(
+        certs.path(),
+        &[
+            ("bench-decode", MeshRole::Decode),
+            ("bench-prefill", MeshRole::Prefill),
+            ("bench-router", MeshRole::Router),
+        ],
+    )?;
+    pdmesh_common::tls::init(Some(MeshTls::load(certs.path(), "bench-prefill")?));
+    let router = MeshTls::load(certs.path(), "bench-router")?;
+    let mut args = args;
+    let dir = certs.path().display().to_string();
+    args.extend(["--tls-dir".into(), dir, "--tls-name".into(), "bench-decode".into()]);
     let (_decode, addr) = spawn("decode", None, &args).await?;
-    let mut client = DecodeClient::connect(format!("http://{addr}"))
+    let channel = pdmesh_common::tls::endpoint_with(&addr, &router)?
+        .connect()
         .await
-        .with_context(|| format!("connecting to the decode node at {addr}"))?
-        .max_decoding_message_size(64 << 20);
+        .with_context(|| format!("connecting to the decode node at {addr}"))?;
+    let mut client = DecodeClient::new(channel).max_decoding_message_size(64 << 20);
     let layout = client
         .stats(StatsRequest {})
         .await?

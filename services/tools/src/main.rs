@@ -20,6 +20,8 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    #[command(flatten)]
+    access: pdmesh_cli::client::Access,
 }
 
 #[derive(Debug, Subcommand)]
@@ -38,23 +40,9 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    // The clients of a mesh that runs mutual TLS take the same certificate as `pdmesh` does.
-    if let (Some(dir), Some(name)) =
-        (std::env::var_os("PDMESH_TLS_DIR"), std::env::var("PDMESH_TLS_NAME").ok())
-    {
-        match pdmesh_common::tls::MeshTls::load(std::path::Path::new(&dir), &name) {
-            Ok(t) => {
-                pdmesh_common::tls::init(Some(t));
-            }
-            Err(e) => {
-                eprintln!("error: PDMESH_TLS_DIR/PDMESH_TLS_NAME: {e}");
-                return std::process::ExitCode::FAILURE;
-            }
-        }
-    }
     let result = match cli.command {
-        Command::Bench(b) => bench::run(*b),
-        Command::Replay(a) => replay::run(a),
+        Command::Bench(b) => bench::run(*b, &cli.access),
+        Command::Replay(a) => replay::run(a, &cli.access),
         Command::Collect(a) => collect::run(a),
     };
     match result {

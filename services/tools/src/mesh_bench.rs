@@ -9,12 +9,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use clap::Args;
-use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::{GenerateRequest, TokenIds, generate_request, generate_response};
 use rand::{Rng, SeedableRng};
-use tonic::transport::Channel;
 
 use pdmesh_cli::args::EngineArgs;
 
@@ -110,7 +108,7 @@ fn prompt(rng: &mut impl Rng, n: usize) -> Vec<u32> {
 }
 
 pub(crate) async fn one(
-    mut client: GenerationClient<Channel>,
+    mut client: pdmesh_common::apikey::GenerationClient,
     ids: Vec<u32>,
     max_tokens: u32,
 ) -> Sample {
@@ -229,7 +227,7 @@ pub(crate) fn summary(
     })
 }
 
-pub fn run(a: MeshBenchArgs) -> anyhow::Result<()> {
+pub fn run(a: MeshBenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result<()> {
     if a.requests == 0 || a.prompt_tokens == 0 || a.max_tokens == 0 {
         bail!("--requests, --prompt-tokens and --max-tokens must be at least 1");
     }
@@ -244,15 +242,13 @@ pub fn run(a: MeshBenchArgs) -> anyhow::Result<()> {
     if a.engine_alone {
         return engine_alone(&a);
     }
+    let key = access.init(&a.target)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(drive(a))
+    rt.block_on(drive(a, key))
 }
 
-async fn drive(a: MeshBenchArgs) -> anyhow::Result<()> {
-    let channel = async { pdmesh_common::tls::endpoint(&a.target)?.connect().await };
-    let client = GenerationClient::new(channel.await.with_context(|| {
-        format!("cannot reach the router at {} (is `pdmesh up` running?)", a.target)
-    })?);
+async fn drive(a: MeshBenchArgs, key: Option<String>) -> anyhow::Result<()> {
+    let client = pdmesh_cli::client::connect(&a.target, key.as_deref()).await?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
     // Steady streams first, so the requests arrive into a running decode batch. Each stream
     // starts a new request whenever its last one ends, until every measured request is done,

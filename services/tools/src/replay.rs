@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Args;
 use pdmesh_kvstore::trace::{TRACE_BLOCK_TOKENS, TraceRequest, ideal_hit_rate, read_trace};
-use pdmesh_proto::v1::generation_client::GenerationClient;
 
 use crate::mesh_bench::{Sample, one, summary};
 
@@ -75,7 +74,7 @@ fn scaled(r: &TraceRequest, a: &ReplayArgs) -> (Vec<u32>, u32) {
     (prompt, out)
 }
 
-pub fn run(a: ReplayArgs) -> anyhow::Result<()> {
+pub fn run(a: ReplayArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result<()> {
     if !(a.token_scale > 0.0 && a.token_scale <= 1.0) {
         bail!("--token-scale must be in (0, 1], got {}", a.token_scale);
     }
@@ -91,15 +90,13 @@ pub fn run(a: ReplayArgs) -> anyhow::Result<()> {
     if trace.is_empty() {
         bail!("the trace {} has no requests", a.trace.display());
     }
+    let key = access.init(&a.target)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(replay(&a, &trace))
+    rt.block_on(replay(&a, &trace, key.as_deref()))
 }
 
-async fn replay(a: &ReplayArgs, trace: &[TraceRequest]) -> anyhow::Result<()> {
-    let channel = async { pdmesh_common::tls::endpoint(&a.target)?.connect().await };
-    let client = GenerationClient::new(
-        channel.await.with_context(|| format!("connecting to the router at {}", a.target))?,
-    );
+async fn replay(a: &ReplayArgs, trace: &[TraceRequest], key: Option<&str>) -> anyhow::Result<()> {
+    let client = pdmesh_cli::client::connect(&a.target, key).await?;
     let ideal = ideal_hit_rate(trace);
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(trace.len());
