@@ -147,6 +147,14 @@ impl KvStore for KvStoreService {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // A hash names its block's whole history, so a real chain never repeats one; a repeat
+        // would only pin one block many times over.
+        let mut seen = std::collections::HashMap::with_capacity(chain.len());
+        for (i, h) in chain.iter().enumerate() {
+            if let Some(j) = seen.insert(*h, i) {
+                return Err(self.invalid(format!("hashes[{i}] repeats hashes[{j}]: not a chain")));
+            }
+        }
         let lease = match r.lease_ms {
             0 => self.default_lease,
             ms => Duration::from_millis(u64::from(ms)).min(self.max_lease),
@@ -203,11 +211,18 @@ impl KvStore for KvStoreService {
                 self.node_id
             ))
         })?;
-        // The lease pins the blocks, so their slots hold them until it ends; each is copied
-        // out under the lock as the stream is read.
+        // The lease pins the blocks, so their slots hold them while it lasts; each is copied
+        // out under the lock as the stream is read, and only while the lease still holds (a
+        // lease released or expired mid-read could see its slots reused by other blocks).
         let this = self.clone();
         let stream = tokio_stream::iter(blocks).map(move |(h, slot)| {
             let st = this.state();
+            if !st.store.holds(lease) {
+                return Err(Status::aborted(format!(
+                    "node {}: the lease ended during the read",
+                    this.node_id
+                )));
+            }
             let at = slot as usize * this.block_bytes;
             let data = Bytes::copy_from_slice(&st.pool.bytes()[at..at + this.block_bytes]);
             Ok(KvStoreBlock { hash: Bytes::copy_from_slice(&h.to_bytes()), data })
@@ -219,10 +234,14 @@ impl KvStore for KvStoreService {
         &self,
         req: Request<Streaming<KvWriteChunk>>,
     ) -> Result<Response<KvWriteResponse>, Status> {
+        // Who writes is who its certificate says (authz let only prefill nodes in), not the
+        // name it gives itself.
+        let certified = pdmesh_common::authz::caller(&req).map(|p| p.name.clone());
         let mut s = req.into_inner();
         let from = match s.message().await? {
             Some(KvWriteChunk { chunk: Some(Chunk::Header(h)) }) => {
-                let from = if h.from.is_empty() { "a writer".to_string() } else { h.from };
+                let given = if h.from.is_empty() { "a writer".to_string() } else { h.from };
+                let from = certified.unwrap_or(given);
                 self.check(h.layout.as_ref(), &from)?;
                 from
             }
@@ -230,6 +249,7 @@ impl KvStore for KvStoreService {
         };
         let mut out = KvWriteResponse::default();
         let mut n = 0usize;
+        let mut written = std::collections::HashSet::new();
         while let Some(chunk) = s.message().await? {
             let Some(Chunk::Block(b)) = chunk.chunk else {
                 return Err(self.invalid(format!("message {} of the write is not a block", n + 1)));
@@ -240,6 +260,12 @@ impl KvStore for KvStoreService {
                     b.hash.len()
                 ))
             })?;
+            if n >= MAX_CHAIN {
+                return Err(self.invalid(format!("a write of more than {MAX_CHAIN} blocks")));
+            }
+            if !written.insert(h) {
+                return Err(self.invalid(format!("block {n}: {h} is written twice: not a chain")));
+            }
             if b.data.len() != self.block_bytes {
                 return Err(self.invalid(format!(
                     "block {n}: {} bytes, a block of this layout is {}",
@@ -290,5 +316,86 @@ impl KvStore for KvStoreService {
             leases: s.leases,
             leases_expired: s.leases_expired,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pdmesh_kv_types::{KvDtype, KvGeometry};
+    use pdmesh_proto::v1::KvMatchRequest;
+    use tokio_stream::StreamExt;
+
+    use super::*;
+
+    fn service() -> (KvStoreService, KvLayout) {
+        let layout = KvLayout {
+            model_fingerprint: 7,
+            geometry: KvGeometry {
+                dtype: KvDtype::F16,
+                block_size: 4,
+                layers: 2,
+                kv_heads: 1,
+                head_dim: 8,
+            },
+        };
+        let s = KvStoreService::new(
+            "store",
+            layout,
+            1 << 20,
+            Duration::from_secs(5),
+            Duration::from_secs(60),
+            None,
+        )
+        .unwrap();
+        (s, layout)
+    }
+
+    fn hashes(h: &[BlockHash]) -> Vec<Bytes> {
+        h.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect()
+    }
+
+    /// A read copies a block only while its lease still pins it: once the lease is released,
+    /// the rest of the stream ends ABORTED instead of returning whatever reused the slots.
+    #[tokio::test]
+    async fn a_read_stops_when_its_lease_ends() {
+        let (s, layout) = service();
+        let chain: Vec<BlockHash> = (1..=3u128).map(BlockHash).collect();
+        {
+            let mut st = s.state();
+            for h in &chain {
+                let PutSlot::Write(_) = st.store.reserve_put(*h) else { panic!("no slot") };
+                st.store.commit_put(*h);
+            }
+        }
+        let m = KvMatchRequest {
+            layout: Some(layout.into()),
+            hashes: hashes(&chain),
+            lease_ms: 60_000,
+            want_ucx: false,
+        };
+        let lease = s.r#match(Request::new(m)).await.unwrap().into_inner().lease;
+        let read = KvReadRequest { lease: lease.clone() };
+        let mut stream = s.read(Request::new(read)).await.unwrap().into_inner();
+        assert!(stream.next().await.unwrap().is_ok());
+        let r = s.release_match(Request::new(KvReleaseMatchRequest { lease })).await.unwrap();
+        assert!(r.into_inner().released);
+        let e = stream.next().await.unwrap().unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Aborted, "{e:?}");
+    }
+
+    /// A chain never repeats a hash; a match that does would pin one block once per copy.
+    #[tokio::test]
+    async fn a_match_that_repeats_a_hash_is_refused() {
+        let (s, layout) = service();
+        let h = BlockHash(9);
+        let m = KvMatchRequest {
+            layout: Some(layout.into()),
+            hashes: hashes(&[h, BlockHash(10), h]),
+            lease_ms: 0,
+            want_ucx: false,
+        };
+        let e = s.r#match(Request::new(m)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("hashes[2] repeats hashes[0]"), "{e:?}");
     }
 }

@@ -168,6 +168,11 @@ impl Store {
         Some(l.blocks.iter().map(|h| (*h, self.index[h].slot)).collect())
     }
 
+    /// Whether `lease` still pins its blocks.
+    pub fn holds(&self, lease: Capability) -> bool {
+        self.lease(&lease).is_some()
+    }
+
     /// Unpins a lease's blocks. False when the lease is unknown (released or expired) or
     /// `lease` is not its capability.
     pub fn release(&mut self, lease: Capability) -> bool {
