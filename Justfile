@@ -44,6 +44,13 @@ vocab-fixtures: fetch-model _llamacpp
         {{bench_venv}}/bin/pip install --quiet gguf==0.19.0 sentencepiece==0.2.3 && \
         {{bench_venv}}/bin/python scripts/make_vocab_fixtures.py; }
 
+# Fuzz longer than the test suite does: every internal RPC handler (in-process services on the
+# tiny model), the GGUF loader and the tokenizer, `cases` inputs per target. A failing input is
+# printed in hex; put it in integration/fuzz/corpus/<rpc>/ (or proptest-regressions/) with the fix.
+fuzz cases="20000":
+    PDMESH_FUZZ_CASES={{cases}} cargo test --locked -p pdmesh-integration --test fuzz_rpc -- --nocapture
+    PDMESH_FUZZ_CASES={{cases}} cargo test --locked -p pdmesh-engine --features testing fuzz::
+
 # Formatting and lints, as CI wants them.
 check: system-deps
     cargo fmt --all -- --check

@@ -107,7 +107,28 @@ impl Service {
         args: &[String],
         env: &[(String, String)],
     ) -> Service {
-        let mut c = Command::new(pdmesh_bin());
+        Self::spawn(Command::new(pdmesh_bin()), role, name, args, env)
+    }
+
+    /// `start` with at most `files` open file descriptors (`ulimit -n`).
+    pub fn start_with_fd_limit(role: &str, name: &str, args: &[String], files: u32) -> Service {
+        let mut c = Command::new("sh");
+        c.args(["-c", &format!("ulimit -n {files} && exec \"$0\" \"$@\"")]).arg(pdmesh_bin());
+        Self::spawn(c, role, name, args, &[])
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("process running").id()
+    }
+
+    fn spawn(
+        mut c: Command,
+        role: &str,
+        name: &str,
+        args: &[String],
+        env: &[(String, String)],
+    ) -> Service {
         c.envs(env.iter().map(|(k, v)| (k, v)));
         c.arg(role)
             .args(args)

@@ -462,3 +462,183 @@ async fn cached_tokens_reveal_only_the_callers_own_prompts() {
     assert!(cached >= 64, "a cache group shares: {cached}");
     assert_eq!((carols, daves), (want.clone(), want));
 }
+
+/// CPU time (user + system) of a process so far, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = stat.rsplit_once(')').unwrap().1;
+    let f: Vec<u64> =
+        after.split_whitespace().skip(11).take(2).map(|v| v.parse().unwrap()).collect();
+    f[0] + f[1]
+}
+
+/// Sends a whole scrape on a fresh connection and returns the status line.
+async fn scrape(addr: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    String::from_utf8_lossy(&out).lines().next().unwrap_or_default().to_string()
+}
+
+/// `/metrics` under attack, on real processes. Slowloris: more connections than the port
+/// serves at once, each sending half a request and nothing more; the gRPC API is unaffected
+/// and an honest scrape is served once the header timeout cuts the slow ones. Exhaustion: a
+/// process whose file descriptors are all taken by idle connections fails to accept, backs
+/// off instead of spinning on EMFILE, and serves again once they close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_port_survives_slowloris_and_fd_exhaustion() {
+    use tokio::io::AsyncWriteExt;
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(0).decode(1).metrics().start().await;
+    let metrics = c.router.metrics.clone().unwrap();
+    let mut slow = Vec::new();
+    for _ in 0..40 {
+        let mut s = tokio::net::TcpStream::connect(&metrics).await.unwrap();
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+        slow.push(s);
+    }
+    let mut client = c.client().await;
+    let t = std::time::Instant::now();
+    assert_eq!(generate(&mut client, &(0..40).collect::<Vec<_>>()).await.len(), 8);
+    assert!(t.elapsed() < Duration::from_secs(10), "gRPC waited on the metrics port");
+    let honest = tokio::time::timeout(Duration::from_secs(20), scrape(&metrics)).await;
+    assert_eq!(honest.expect("an honest scrape is served").split(' ').nth(1), Some("200"));
+    drop(slow);
+
+    // A KV-store with 64 file descriptors, its gRPC port flooded with idle connections.
+    let model = pdmesh_integration::model_path().display().to_string();
+    let args: Vec<String> = [
+        "--insecure",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--model",
+        &model,
+        "--kv-transport",
+        "grpc",
+        "--budget-bytes",
+        "10000000",
+    ]
+    .map(String::from)
+    .to_vec();
+    let store =
+        pdmesh_integration::cluster::Service::start_with_fd_limit("kvstore", "kvstore", &args, 64);
+    let mut flood = Vec::new();
+    for _ in 0..150 {
+        match tokio::net::TcpStream::connect(&store.addr).await {
+            Ok(s) => flood.push(s),
+            Err(_) => break,
+        }
+    }
+    // The kernel completes connections into the backlog; give the process time to try (and
+    // fail) to accept them.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = cpu_ticks(store.pid());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let spent = cpu_ticks(store.pid()) - before;
+    // Spinning on EMFILE takes a whole core: ~200 ticks in 2 s.
+    assert!(spent < 60, "the store spent {spent} ticks of CPU in 2 s with no fds left");
+    drop(flood);
+    let addr = store.addr.clone();
+    eventually(WAIT, "the store serves gRPC again", || async {
+        let Ok(ch) = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+        else {
+            return false;
+        };
+        KvStoreClient::new(ch).stats(pdmesh_proto::v1::StatsRequest {}).await.is_ok()
+    })
+    .await;
+    let m = store.metrics.clone().unwrap();
+    eventually(WAIT, "the store serves /metrics again", || async {
+        tokio::time::timeout(Duration::from_secs(2), scrape(&m))
+            .await
+            .is_ok_and(|l| l.contains("200"))
+    })
+    .await;
+}
+
+/// Reserve in a loop with the longest lease (a router gone rogue): the node fills, says
+/// RESOURCE_EXHAUSTED at once rather than queueing, caps every lease at its own maximum, and
+/// once those lapse serves honest requests again with the same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserve_flood_is_refused_and_lapses() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .env("PDMESH_DECODE_MAX_LEASE_MS", "1500")
+        .decode_args(&["--lease-ms", "1000", "--kv-blocks", "64"])
+        .start()
+        .await;
+    let mut client = c.client().await;
+    let prompt: Vec<u32> = (0..40).map(|i| 300 + i).collect();
+    let want = generate(&mut client, &prompt).await;
+    let mut d = c.decode_client(0).await;
+    let mut held = 0;
+    let refused = loop {
+        let r = ReserveRequest {
+            request_id: format!("flood-{held}"),
+            prompt_tokens: 40,
+            max_tokens: 8,
+            lease_ms: 300_000,
+            remote_kv: true,
+        };
+        match d.reserve(r).await {
+            Ok(r) => {
+                assert!(r.into_inner().lease_ms <= 1500, "a lease past the node's maximum");
+                held += 1;
+                assert!(held < 1000, "the pool never filled");
+            }
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(held > 0);
+    let e = client
+        .generate(GenerateRequest {
+            input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt.clone() })),
+            max_tokens: 8,
+            ignore_eos: true,
+            ..Default::default()
+        })
+        .await;
+    let e = match e {
+        Err(e) => e,
+        Ok(s) => {
+            let mut s = s.into_inner();
+            loop {
+                match s.message().await {
+                    Err(e) => break e,
+                    Ok(None) => panic!("served while the pool was full"),
+                    Ok(Some(_)) => {}
+                }
+            }
+        }
+    };
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    eventually(WAIT, "the flood's leases lapse and requests are served", || async {
+        let mut client = c.client().await;
+        let r = GenerateRequest {
+            input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt.clone() })),
+            max_tokens: 8,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let Ok(s) = client.generate(r).await else { return false };
+        let mut s = s.into_inner();
+        let mut toks = Vec::new();
+        while let Ok(Some(m)) = s.message().await {
+            if let Some(generate_response::Event::Delta(d)) = m.event {
+                toks.extend(d.token_ids);
+            }
+        }
+        toks == want
+    })
+    .await;
+}

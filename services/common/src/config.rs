@@ -128,4 +128,3 @@ mod tests {
         assert!(matches!(e, ConfigError::MissingFile(_)));
     }
 }
-

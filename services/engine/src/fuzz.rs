@@ -62,7 +62,10 @@ fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
     }
 }
 
+/// `cases` per property, unless PDMESH_FUZZ_CASES says otherwise (`just fuzz` runs longer).
 fn config(cases: u32) -> Config {
+    let cases =
+        std::env::var("PDMESH_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(cases);
     Config {
         cases,
         failure_persistence: Some(Box::new(FileFailurePersistence::WithSource(

@@ -1,0 +1,2 @@
+
+	fuzz-nodefuzz
