@@ -124,6 +124,7 @@ async fn guessed_and_forged_reservation_ids_are_refused() {
             layout,
             prefill_node: "mallory".into(),
             traceparent: String::new(),
+            grant: 0,
         })),
     };
     let e = d.push_kv(tokio_stream::iter([header.clone()])).await.unwrap_err();
@@ -347,6 +348,7 @@ async fn kv_that_no_request_ever_attaches_to_is_freed() {
             layout: Some(layout),
             prefill_node: "router-that-dies".into(),
             traceparent: String::new(),
+            grant: 0,
         }),
         PushChunk::Blocks(KvBlocks { first_block: 0, data: data.into() }),
         PushChunk::End(KvEnd { blocks: blocks as u32, checksums }),
@@ -641,4 +643,80 @@ async fn a_reserve_flood_is_refused_and_lapses() {
         toks == want
     })
     .await;
+}
+
+/// The first status of a Prefill call: its own, or the stream's first error.
+async fn prefill_status(
+    p: &mut pdmesh_proto::v1::prefill_client::PrefillClient<Channel>,
+    target: pdmesh_proto::v1::KvTarget,
+) -> Result<(), tonic::Status> {
+    let req = pdmesh_proto::v1::PrefillRequest {
+        request_id: "forged".into(),
+        prompt: (0..40).map(|i| 300 + i).collect(),
+        sampler: Some(SamplerState { top_p: 1.0, repetition_penalty: 1.0, ..Default::default() }),
+        target: Some(target),
+        cache_salt: Bytes::new(),
+    };
+    let mut s = p.prefill(req).await?.into_inner();
+    while s.message().await?.is_some() {}
+    Ok(())
+}
+
+/// UCX access is scoped to one reservation: its prompt's blocks alone are registered, for
+/// remote write, under keys of its own. A router gone rogue assembles targets from two
+/// reservations — another's block addresses under its own ranges, another's ranges and keys
+/// under its own reservation, a range stretched over the pool — and the prefill node (which
+/// checks every address against the ranges) or the decode node (which accepts a session only
+/// for the memory it granted that reservation) refuses each before a byte moves. The victim's
+/// reservation is untouched, and honest requests give the same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_ucx_targets_are_refused_before_a_byte_moves() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(1).decode(1).transport("ucx").start().await;
+    let mut client = c.client().await;
+    let prompt: Vec<u32> = (0..40).map(|i| 300 + i).collect();
+    let want = generate(&mut client, &prompt).await;
+    let mut d = c.decode_client(0).await;
+    let reserve = |id: &str| ReserveRequest {
+        request_id: id.into(),
+        prompt_tokens: 40,
+        max_tokens: 8,
+        lease_ms: 60_000,
+        remote_kv: true,
+    };
+    let victim = d.reserve(reserve("victim")).await.unwrap().into_inner().target.unwrap();
+    let mine = d.reserve(reserve("mallory")).await.unwrap().into_inner().target.unwrap();
+    let (vu, mu) = (victim.ucx.clone().unwrap(), mine.ucx.clone().unwrap());
+    assert_ne!(vu.ranges, mu.ranges, "each reservation has its own keys");
+    let mut p =
+        pdmesh_proto::v1::prefill_client::PrefillClient::new(c.channel(&c.prefills[0].addr).await);
+
+    // The victim's addresses under Mallory's ranges: outside every range she holds.
+    let mut t = mine.clone();
+    t.ucx.as_mut().unwrap().block_addrs = vu.block_addrs.clone();
+    let e = prefill_status(&mut p, t).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("outside every range"), "{e:?}");
+    // The victim's ranges, keys and addresses under Mallory's reservation: the decode node
+    // granted her reservation other memory.
+    let mut t = mine.clone();
+    t.ucx = Some(vu.clone());
+    let e = prefill_status(&mut p, t).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // Her own key with its range stretched over the whole pool.
+    let mut t = mine.clone();
+    let u = t.ucx.as_mut().unwrap();
+    u.ranges.truncate(1);
+    u.ranges[0].base = 0;
+    u.ranges[0].len = u64::MAX / 2;
+    let e = prefill_status(&mut p, t).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+
+    // Nothing reached the victim: still reserved, never transferring, released by its holder.
+    let s = c.decode_stats(0).await;
+    assert_eq!(s.reserved, 2, "{s:?}");
+    let r = d.release(ReleaseRequest { reservation_id: victim.reservation_id }).await.unwrap();
+    assert!(r.into_inner().released);
+    d.release(ReleaseRequest { reservation_id: mine.reservation_id }).await.unwrap();
+    assert_eq!(generate(&mut client, &prompt).await, want);
 }

@@ -398,6 +398,7 @@ fn every_internal_handler_survives_malformed_input() {
         layout: Some(layout.clone()),
         prefill_node: "fuzz".into(),
         traceparent: String::new(),
+        grant: 0,
     };
     let chunks = vec![
         KvChunk { chunk: Some(kv_chunk::Chunk::Header(header("0".repeat(32)))) },
@@ -435,6 +436,7 @@ fn every_internal_handler_survives_malformed_input() {
                         layout: Some(layout),
                         prefill_node: "fuzz".into(),
                         traceparent: String::new(),
+                        grant: 0,
                     })),
                 };
                 d.push_kv(tokio_stream::iter([head, m.clone(), m])).await.map(|_| ())

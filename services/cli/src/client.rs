@@ -29,7 +29,7 @@ pub struct Access {
     #[arg(long, global = true, value_name = "NAME", env = "PDMESH_TLS_NAME")]
     pub tls_name: Option<String>,
     /// Plaintext, for a mesh run with --insecure.
-    #[arg(long, global = true, env = "PDMESH_INSECURE")]
+    #[arg(long, global = true, env = "PDMESH_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     pub insecure: bool,
     /// The API key to send (default: that of the `pdmesh up` mesh at the target).
     #[arg(long, global = true, env = "PDMESH_API_KEY", hide_env_values = true)]

@@ -45,7 +45,7 @@ struct Cli {
     tls_name: Option<String>,
     /// Plaintext, no certificates and no roles: for experiments on one machine. Refused
     /// unless every address the process listens on or dials is loopback.
-    #[arg(long, global = true, env = "PDMESH_INSECURE")]
+    #[arg(long, global = true, env = "PDMESH_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
     insecure: bool,
 }
 

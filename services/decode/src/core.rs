@@ -118,6 +118,11 @@ struct Reservation {
     prompt_len: usize,
     committed: usize,
     phase: Phase,
+    /// Remote access granted to the prompt's blocks (a UCX registration of them alone):
+    /// dropped, which revokes it, once the KV is complete or the reservation ends.
+    remote: Option<Box<dyn std::any::Any + Send>>,
+    /// The digest of what was granted (`scope::digest`): a writer's session must name it.
+    granted: Option<u64>,
 }
 
 /// A new reservation.
@@ -236,8 +241,52 @@ impl DecodeCore {
         let id = cap.key();
         self.committed += need;
         let phase = Phase::Reserved { lease: now + lease };
-        self.reservations.insert(id, Reservation { cap, seq, prompt_len, committed: need, phase });
+        self.reservations.insert(
+            id,
+            Reservation {
+                cap,
+                seq,
+                prompt_len,
+                committed: need,
+                phase,
+                remote: None,
+                granted: None,
+            },
+        );
         Ok(Reserved { cap, prompt_blocks: self.blocks_for(prompt_len), lease, pool_blocks })
+    }
+
+    /// Keeps `grant` (remote access to reservation `id`'s blocks, whose ranges have
+    /// `digest`) until its KV is complete or it ends. False, dropping the grant at once, when
+    /// there is no such reservation.
+    pub fn hold(&mut self, id: u64, grant: Box<dyn std::any::Any + Send>, digest: u64) -> bool {
+        match self.reservations.get_mut(&id) {
+            Some(r) if !matches!(r.phase, Phase::Quarantined) => {
+                r.remote = Some(grant);
+                r.granted = Some(digest);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A remote writer's session into reservation `id` names the memory it will put into by
+    /// `digest`: it must be what this reservation was granted, not another's.
+    pub fn check_grant(&self, id: u64, digest: u64) -> Result<(), DecodeError> {
+        match self.live(id)?.granted {
+            Some(g) if g == digest => Ok(()),
+            Some(_) => Err(DecodeError::Forbidden(format!(
+                "the session into reservation {id} names memory granted to another"
+            ))),
+            None => {
+                Err(DecodeError::Forbidden(format!("reservation {id} granted no remote access")))
+            }
+        }
+    }
+
+    /// Whether reservation `id` still grants remote access to its blocks.
+    pub fn grants_remote(&self, id: u64) -> bool {
+        self.reservations.get(&id).is_some_and(|r| r.remote.is_some())
     }
 
     /// The key of the reservation `cap` names, if it is that reservation's capability. A
@@ -315,6 +364,8 @@ impl DecodeCore {
         }
         let lease = now + self.default_lease;
         let r = self.reservations.get_mut(&id).expect("checked above");
+        // The KV is complete: no peer has anything more to write.
+        r.remote = None;
         if matches!(r.phase, Phase::Receiving) {
             r.phase = Phase::Ready { lease };
         }
@@ -455,6 +506,9 @@ impl DecodeCore {
     /// pool, or wait in quarantine while a remote writer may reach them.
     fn free(&mut self, id: u64) {
         let Some(r) = self.reservations.get_mut(&id) else { return };
+        // Revoked first: a writer still putting is cut off, and the blocks wait for its
+        // session to end before reuse.
+        r.remote = None;
         if self.receiver.forget(id) == Release::Keep {
             r.phase = Phase::Quarantined;
             return;

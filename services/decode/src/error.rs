@@ -21,6 +21,13 @@ pub enum DecodeError {
     Corrupt { block: usize },
     #[error("engine: {0}")]
     Engine(#[from] pdmesh_engine::Error),
+    /// The caller may not do this with the reservation (a session naming memory it was not
+    /// granted).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The reservation's blocks could not be made reachable for a remote writer (UCX).
+    #[error("granting remote access to the reservation's blocks: {0}")]
+    Remote(String),
     /// The engine thread is gone (it died, or the node is stopping).
     #[error("the engine thread has stopped")]
     EngineStopped,
@@ -62,6 +69,9 @@ pub fn to_status(e: &DecodeError, node: &str) -> Status {
             ErrorClass::FailedPrecondition => Status::failed_precondition(msg),
         },
         DecodeError::EngineStopped => Status::unavailable(msg),
+        // The registration failed on this node: another node (or the gRPC path) may serve.
+        DecodeError::Remote(_) => Status::unavailable(msg),
+        DecodeError::Forbidden(_) => Status::permission_denied(msg),
     }
 }
 

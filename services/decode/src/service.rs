@@ -24,7 +24,7 @@ use tracing::Span;
 
 use crate::core::{Attach, Counts, Event, Start};
 use crate::error::{DecodeError, to_status};
-use crate::worker::{ChannelOutput, Command};
+use crate::worker::{ChannelOutput, Command, RemoteGrant};
 
 /// The engine thread as the async side reaches it.
 #[derive(Debug, Clone)]
@@ -65,7 +65,7 @@ impl KvInbox for Inbox {
         &self.stats
     }
 
-    async fn begin(&self, cap: Capability, from: &str, writer: bool) -> Result<u64, Status> {
+    async fn begin(&self, cap: Capability, from: &str, writer: Option<u64>) -> Result<u64, Status> {
         let from = from.to_string();
         self.call(|reply| Command::KvBegin { cap, from, writer, reply }).await
     }
@@ -192,9 +192,26 @@ impl Decode for DecodeService {
         let lease = (r.lease_ms > 0).then(|| Duration::from_millis(u64::from(r.lease_ms)));
         let (prompt_len, max_tokens) = (r.prompt_tokens as usize, r.max_tokens as usize);
         let remote_kv = r.remote_kv;
-        let res = self
+        let grant = match (&self.pool, remote_kv) {
+            (Some(pool), true) => {
+                let pool = pool.clone();
+                Some(RemoteGrant(Box::new(move |blocks: &[u32]| {
+                    let (target, grant) = pool.target(blocks).map_err(|e| e.to_string())?;
+                    Ok((target, Box::new(grant) as Box<dyn std::any::Any + Send>))
+                })))
+            }
+            _ => None,
+        };
+        let (res, ucx) = self
             .inbox
-            .call(|reply| Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply })
+            .call(|reply| Command::Reserve {
+                prompt_len,
+                max_tokens,
+                lease,
+                remote_kv,
+                grant,
+                reply,
+            })
             .await?;
         tracing::debug!(
             request = r.request_id,
@@ -202,10 +219,6 @@ impl Decode for DecodeService {
             blocks = res.prompt_blocks,
             "reserved"
         );
-        let ucx = match (&self.pool, remote_kv) {
-            (Some(pool), true) => Some(pool.target(&res.pool_blocks)),
-            _ => None,
-        };
         Ok(Response::new(ReserveResponse {
             target: Some(KvTarget {
                 reservation_id: res.cap.to_string(),

@@ -7,12 +7,29 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use pdmesh_common::ids::Capability;
 use pdmesh_common::worker::Core;
+use pdmesh_proto::v1::UcxTarget;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::core::{Attach, Counts, DecodeCore, Event, Output, Reserved};
 use crate::error::DecodeError;
 
 pub type Reply<T> = oneshot::Sender<Result<T, DecodeError>>;
+
+/// Makes a reservation's blocks reachable by peers (a UCX registration of them alone), on the
+/// engine thread right after they are allocated: the target to hand out, and the grant the
+/// reservation keeps until its KV is complete.
+pub struct RemoteGrant(pub Box<GrantFn>);
+
+/// Given a reservation's pool blocks: the target for peers, and what keeps it reachable
+/// (dropping it revokes the access).
+pub type GrantFn =
+    dyn FnOnce(&[u32]) -> Result<(UcxTarget, Box<dyn std::any::Any + Send>), String> + Send;
+
+impl std::fmt::Debug for RemoteGrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RemoteGrant")
+    }
+}
 
 #[derive(Debug)]
 pub enum Command {
@@ -21,7 +38,9 @@ pub enum Command {
         max_tokens: usize,
         lease: Option<Duration>,
         remote_kv: bool,
-        reply: Reply<Reserved>,
+        /// With `remote_kv`, when peers write the KV in place (UCX).
+        grant: Option<RemoteGrant>,
+        reply: Reply<(Reserved, Option<UcxTarget>)>,
     },
     /// Wire entry points carry the capability `Reserve` handed out; the worker admits it.
     Release {
@@ -31,8 +50,9 @@ pub enum Command {
     KvBegin {
         cap: Capability,
         from: String,
-        /// A UCX session: the sender puts into the blocks itself.
-        writer: bool,
+        /// A UCX session: the sender puts into the blocks itself, into the memory whose grant
+        /// has this digest.
+        writer: Option<u64>,
         /// The reservation's key, for the transfer's later commands.
         reply: Reply<u64>,
     },
@@ -112,8 +132,23 @@ impl Core for Worker {
     fn handle(&mut self, cmd: Command, now: Instant) {
         let (core, sources) = (&mut self.core, &mut self.sources);
         match cmd {
-            Command::Reserve { prompt_len, max_tokens, lease, remote_kv, reply } => {
-                let _ = reply.send(core.reserve(prompt_len, max_tokens, lease, remote_kv, now));
+            Command::Reserve { prompt_len, max_tokens, lease, remote_kv, grant, reply } => {
+                let r =
+                    core.reserve(prompt_len, max_tokens, lease, remote_kv, now).and_then(|res| {
+                        let Some(RemoteGrant(grant)) = grant else { return Ok((res, None)) };
+                        match grant(&res.pool_blocks) {
+                            Ok((target, g)) => {
+                                let digest = pdmesh_kv_transfer::scope::digest(&target.ranges);
+                                core.hold(res.id(), g, digest);
+                                Ok((res, Some(target)))
+                            }
+                            Err(why) => {
+                                core.release(res.id());
+                                Err(DecodeError::Remote(why))
+                            }
+                        }
+                    });
+                let _ = reply.send(r);
             }
             Command::Release { cap, reply } => {
                 // Releasing what you do not hold releases nothing, as for an expired one.
@@ -124,7 +159,12 @@ impl Core for Worker {
                 let _ = reply.send(released);
             }
             Command::KvBegin { cap, from, writer, reply } => {
-                let r = core.admit(&cap).and_then(|id| core.kv_begin(id, writer).map(|()| id));
+                let r = core.admit(&cap).and_then(|id| {
+                    if let Some(digest) = writer {
+                        core.check_grant(id, digest)?;
+                    }
+                    core.kv_begin(id, writer.is_some()).map(|()| id)
+                });
                 if let Ok(id) = r {
                     sources.insert(id, from);
                 }

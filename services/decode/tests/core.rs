@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -313,4 +314,53 @@ fn complete_kv_that_no_request_attaches_to_is_freed_at_its_lease() {
     c.sweep(t0 + Duration::from_millis(201));
     let k = c.counts();
     assert_eq!((k.reserved, k.leases_expired, k.free_blocks, k.committed_blocks), (0, 1, 16, 0));
+}
+
+/// Dropped when the core lets go of it: stands in for a UCX registration.
+struct Grant(Arc<AtomicBool>);
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+fn grant() -> (Box<dyn std::any::Any + Send>, Arc<AtomicBool>) {
+    let dropped = Arc::new(AtomicBool::new(false));
+    (Box::new(Grant(dropped.clone())), dropped)
+}
+
+/// A reservation's remote access (its blocks registered for peers to write) lasts exactly
+/// until its KV is complete, or until it ends, even while a writer holds its blocks
+/// quarantined; an unknown reservation's grant is dropped at once.
+#[test]
+fn remote_access_is_revoked_at_commit_and_at_the_end() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut c = core(16);
+    let t0 = Instant::now();
+    let r = c.reserve(40, 8, None, true, t0).unwrap();
+    let (g, revoked) = grant();
+    assert!(c.hold(r.id(), g, 77));
+    assert!(c.grants_remote(r.id()));
+    // A session naming another grant's memory is refused; its own is accepted.
+    assert!(matches!(c.check_grant(r.id(), 78), Err(DecodeError::Forbidden(_))));
+    c.check_grant(r.id(), 77).unwrap();
+    c.kv_begin(r.id(), true).unwrap();
+    assert!(!revoked.load(SeqCst), "revoked while the writer puts");
+    c.kv_end(r.id(), 3, &[], t0).unwrap();
+    assert!(revoked.load(SeqCst), "still writable after the commit");
+    assert!(c.release(r.id()));
+
+    let r = c.reserve(40, 8, None, true, t0).unwrap();
+    let (g, revoked) = grant();
+    assert!(c.hold(r.id(), g, 1));
+    c.kv_begin(r.id(), true).unwrap();
+    assert!(c.release(r.id()));
+    assert_eq!(c.counts().quarantined, 1);
+    assert!(revoked.load(SeqCst), "a quarantined reservation stays writable");
+    c.writer_closed(r.id(), "p");
+
+    let (g, revoked) = grant();
+    assert!(!c.hold(12345, g, 1));
+    assert!(revoked.load(SeqCst));
 }

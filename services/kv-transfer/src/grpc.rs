@@ -90,6 +90,8 @@ impl KvTransport for GrpcTransport {
                 layout: target.layout.clone(),
                 prefill_node: prefill_node.to_string(),
                 traceparent: pdmesh_common::trace::traceparent().unwrap_or_default(),
+                // The stream is not a remote writer: it holds no grant.
+                grant: 0,
             })),
         };
         tx.send(header).await.map_err(|_| closed(&node))?;

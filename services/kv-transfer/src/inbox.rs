@@ -25,8 +25,9 @@ pub trait KvInbox: Send + Sync + 'static {
     fn layout(&self) -> &KvLayout;
     fn stats(&self) -> &TransferStats;
     /// A transfer into the reservation `cap` names begins, from `from`; a `remote` sender
-    /// puts the blocks itself. Returns the reservation's key for the calls that follow.
-    async fn begin(&self, cap: Capability, from: &str, remote: bool) -> Result<u64, Status>;
+    /// puts the blocks itself, into the memory whose grant has this digest (it must be the
+    /// reservation's own). Returns the reservation's key for the calls that follow.
+    async fn begin(&self, cap: Capability, from: &str, remote: Option<u64>) -> Result<u64, Status>;
     /// Whole blocks of a streamed transfer.
     async fn write(&self, reservation: u64, first_block: usize, data: Bytes) -> Result<(), Status>;
     /// The sender says the KV is complete.
@@ -73,7 +74,7 @@ pub(crate) async fn open(
     crate::check_layout(inbox.layout(), header.layout.as_ref(), &from)
         .map_err(|s| Status::new(s.code(), format!("node {node}: {}", s.message())))?;
     let cap = parse_reservation(node, &header.reservation_id)?;
-    let id = inbox.begin(cap, &from, remote).await?;
+    let id = inbox.begin(cap, &from, remote.then_some(header.grant)).await?;
     Ok((id, from))
 }
 

@@ -16,6 +16,7 @@ pub mod pool;
 pub mod prefix_cache;
 pub mod push;
 pub mod receive;
+pub mod scope;
 pub mod stats;
 pub mod ucx;
 pub mod ucx_transport;
@@ -53,6 +54,10 @@ pub enum TransferError {
     /// The transfer was used wrongly (a bug on the sending side).
     #[error("bad KV transfer to decode node {node}: {reason}")]
     Invalid { node: String, reason: String },
+    /// The target the caller gave is not one to write to (malformed, or naming memory
+    /// outside what it grants).
+    #[error("bad KV target for decode node {node}: {reason}")]
+    BadTarget { node: String, reason: String },
 }
 
 impl From<TransferError> for Status {
@@ -67,6 +72,9 @@ impl From<TransferError> for Status {
             )),
             TransferError::Invalid { node, reason } => {
                 Status::internal(format!("KV transfer to node {node}: {reason}"))
+            }
+            TransferError::BadTarget { node, reason } => {
+                Status::invalid_argument(format!("KV target for node {node}: {reason}"))
             }
         }
     }

@@ -17,6 +17,7 @@ use lru::LruCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_kv_types::{BlockHash, BlockHasher, KvLayout};
 
+use crate::scope::Keys;
 use crate::ucx::{Peers, UcxNode};
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
@@ -321,12 +322,19 @@ impl PrefixCache {
                 t.block_addrs.len()
             ));
         }
-        let peer = peers.get(&t.worker_address, &t.rkey).await.map_err(|e| e.to_string())?;
-        let pending: Vec<_> = t
-            .block_addrs
-            .iter()
-            .map(|&a| peer.ep.get(self.bytes_per_block, a, &peer.rkey))
-            .collect();
+        let bpb = self.bytes_per_block as u64;
+        crate::scope::check(&t.ranges, &t.block_addrs, bpb).map_err(|e| e.to_string())?;
+        let peer = peers.get(&t.worker_address).await.map_err(|e| e.to_string())?;
+        let keys = Keys::unpack(&peer.ep, &t.ranges).await.map_err(|e| {
+            peers.evict(&peer);
+            e.to_string()
+        })?;
+        let mut pending = Vec::with_capacity(blocks);
+        for &a in &t.block_addrs {
+            let key =
+                keys.key(a, bpb).ok_or_else(|| format!("block at {a:#x} outside the lease"))?;
+            pending.push(peer.ep.get(self.bytes_per_block, a, key));
+        }
         let mut out = Vec::with_capacity(blocks);
         for p in pending {
             match p.await {

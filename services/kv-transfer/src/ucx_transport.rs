@@ -23,6 +23,7 @@ use tonic::Streaming;
 
 use crate::grpc::GrpcTransport;
 use crate::inbox::{self, ClosedOnDrop, KvInbox};
+use crate::scope::Keys;
 use crate::ucx::{Peer, Peers, Pending, UcxError, UcxNode};
 use crate::{KvPiece, KvSink, KvTransport, TransferError};
 
@@ -68,11 +69,15 @@ impl KvTransport for UcxTransport {
             .ok_or_else(|| no_endpoint(&node, "the decode node offers no UCX target"))?;
         let wire_layout = target.layout.clone().unwrap_or_default();
         let layout = pdmesh_proto::layout_from_wire(&wire_layout).map_err(|e| {
-            TransferError::Invalid { node: node.clone(), reason: format!("the target's {e}") }
+            TransferError::BadTarget { node: node.clone(), reason: format!("the target's {e}") }
         })?;
         let bpb = layout.bytes_per_block() as u64;
+        // Every address is checked against the ranges the decode node registered for this
+        // reservation before UCX sees it: a target naming other memory is refused here.
+        crate::scope::check(&ucx.ranges, &ucx.block_addrs, bpb)
+            .map_err(|e| TransferError::BadTarget { node: node.clone(), reason: e.to_string() })?;
         if ucx.block_addrs.len() != target.blocks as usize {
-            return Err(TransferError::Invalid {
+            return Err(TransferError::BadTarget {
                 node,
                 reason: format!(
                     "the target names {} block addresses for {} blocks",
@@ -81,11 +86,14 @@ impl KvTransport for UcxTransport {
                 ),
             });
         }
-        let peer = self
-            .peers
-            .get(&ucx.worker_address, &ucx.rkey)
-            .await
-            .map_err(|e| no_endpoint(&node, e))?;
+        let peer = self.peers.get(&ucx.worker_address).await.map_err(|e| no_endpoint(&node, e))?;
+        let keys = match Keys::unpack(&peer.ep, &ucx.ranges).await {
+            Ok(k) => k,
+            Err(e) => {
+                self.peers.evict(&peer);
+                return Err(no_endpoint(&node, e));
+            }
+        };
 
         // The session is accepted before anything is put: the reservation is then known to
         // be alive, and its blocks will not be reused until the session ends.
@@ -97,6 +105,7 @@ impl KvTransport for UcxTransport {
                 layout: Some(wire_layout),
                 prefill_node: prefill_node.to_string(),
                 traceparent: pdmesh_common::trace::traceparent().unwrap_or_default(),
+                grant: crate::scope::digest(&ucx.ranges),
             })),
         };
         tx.send(open).await.map_err(|_| unreachable(&node, "the session closed"))?;
@@ -115,6 +124,7 @@ impl KvTransport for UcxTransport {
             node,
             peers: self.peers.clone(),
             peer,
+            keys,
             addrs: ucx.block_addrs.clone(),
             bpb,
             layers: layout.geometry.layers as u64,
@@ -131,6 +141,8 @@ struct UcxSink {
     node: String,
     peers: Peers,
     peer: Arc<Peer>,
+    /// The keys of the reservation's ranges; each put uses the one whose range holds it.
+    keys: Keys,
     addrs: Vec<u64>,
     bpb: u64,
     layers: u64,
@@ -188,19 +200,27 @@ impl KvSink for UcxSink {
                 ),
             });
         }
-        // Whole blocks that sit next to each other in the decode pool go as one put.
+        // Whole blocks that sit next to each other in the decode pool, within one granted
+        // range, go as one put. (Each block lies in a range: `open` checked them all.)
         let mut i = 0;
         while i < n {
             let start = self.addrs[first + i] + offset;
+            let Some(key) = self.keys.key(start, unit) else {
+                return Err(TransferError::Invalid {
+                    node: self.node.clone(),
+                    reason: format!("{unit} bytes at {start:#x} lie outside the granted ranges"),
+                });
+            };
             let mut run = 1;
             while piece.layer.is_none()
                 && i + run < n
                 && self.addrs[first + i + run] == start + run as u64 * bpb
+                && self.keys.key(start, (run as u64 + 1) * bpb).is_some()
             {
                 run += 1;
             }
             let data = piece.data.slice(i * unit as usize..(i + run) * unit as usize);
-            self.pending.push(self.peer.ep.put(data, start, &self.peer.rkey));
+            self.pending.push(self.peer.ep.put(data, start, key));
             i += run;
         }
         self.bytes += len;

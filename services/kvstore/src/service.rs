@@ -5,14 +5,16 @@
 
 use pdmesh_common::ids::Capability;
 use pdmesh_common::trace;
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pdmesh_kv_transfer::check_layout;
-use pdmesh_kv_transfer::ucx::{Region, UcxNode};
-use pdmesh_kv_types::{BlockHash, HostMemory, KvLayout};
+use pdmesh_kv_transfer::scope::{self, Grant};
+use pdmesh_kv_transfer::ucx::{Access, UcxNode};
+use pdmesh_kv_types::{BlockHash, HostMemory, KvLayout, MemoryRegion};
 use pdmesh_proto::v1::kv_store_server::KvStore;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
@@ -31,9 +33,20 @@ pub const MAX_CHAIN: usize = 65_536;
 #[derive(Debug)]
 struct State {
     store: Store,
-    /// The pool's UCX registration (which keeps the pool's memory while peers may reach it).
-    _region: Option<Region>,
     pool: HostMemory,
+    /// Remote read access to each UCX lease's blocks, by lease key: dropped (revoked) with
+    /// the lease.
+    grants: HashMap<u64, Grant>,
+}
+
+impl State {
+    /// Ends expired leases, and with them their remote access.
+    fn sweep(&mut self, now: Instant) {
+        if self.store.sweep(now) > 0 {
+            let store = &self.store;
+            self.grants.retain(|k, _| store.has_lease(*k));
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -43,19 +56,17 @@ pub struct KvStoreService {
     block_bytes: usize,
     default_lease: Duration,
     max_lease: Duration,
-    /// UCX, when the store offers reads by get: the worker address peers connect to and the
-    /// pool's remote key and base address.
+    /// UCX, when the store offers reads by get: each match's blocks are registered for
+    /// remote read under its lease alone.
     ucx: Option<UcxPool>,
     state: Arc<Mutex<State>>,
 }
 
 #[derive(Debug, Clone)]
 struct UcxPool {
-    worker: Bytes,
-    rkey: Bytes,
-    base: u64,
     /// Keeps the worker (and its progress thread) running while the service serves.
-    _node: UcxNode,
+    node: UcxNode,
+    memory: MemoryRegion,
 }
 
 impl KvStoreService {
@@ -74,18 +85,15 @@ impl KvStoreService {
         let store = Store::new(budget_bytes, block_bytes, layout.block_size());
         let len = store.capacity() * block_bytes;
         let pool = HostMemory::zeroed(len).map_err(StartError::Pool)?;
-        let (ucx, region) = match ucx {
+        let ucx = match ucx {
             Some(node) if len > 0 => {
-                let region = node.register(&pool.region())?;
-                let u = UcxPool {
-                    worker: node.address().clone(),
-                    rkey: region.rkey().clone(),
-                    base: region.base(),
-                    _node: node,
-                };
-                (Some(u), Some(region))
+                let memory = pool.region();
+                // One block granted and revoked now: a store that cannot register finds out
+                // at start, not at its first match.
+                drop(scope::grant(&node, &memory, &[0], block_bytes as u64, Access::RemoteRead)?);
+                Some(UcxPool { node, memory })
             }
-            _ => (None, None),
+            _ => None,
         };
         Ok(Self {
             node_id: node_id.to_string(),
@@ -94,7 +102,7 @@ impl KvStoreService {
             default_lease,
             max_lease,
             ucx,
-            state: Arc::new(Mutex::new(State { store, _region: region, pool })),
+            state: Arc::new(Mutex::new(State { store, pool, grants: HashMap::new() })),
         })
     }
 
@@ -149,7 +157,7 @@ impl KvStore for KvStoreService {
             .collect::<Result<Vec<_>, _>>()?;
         // A hash names its block's whole history, so a real chain never repeats one; a repeat
         // would only pin one block many times over.
-        let mut seen = std::collections::HashMap::with_capacity(chain.len());
+        let mut seen = HashMap::with_capacity(chain.len());
         for (i, h) in chain.iter().enumerate() {
             if let Some(j) = seen.insert(*h, i) {
                 return Err(self.invalid(format!("hashes[{i}] repeats hashes[{j}]: not a chain")));
@@ -161,21 +169,28 @@ impl KvStore for KvStoreService {
         };
         let now = Instant::now();
         let mut st = self.state();
-        st.store.sweep(now);
+        st.sweep(now);
         let m = st.store.match_prefix(&chain, lease, now);
-        drop(st);
-        let ucx = match &self.ucx {
-            Some(u) if r.want_ucx && !m.blocks.is_empty() => Some(UcxTarget {
-                worker_address: u.worker.clone(),
-                rkey: u.rkey.clone(),
-                block_addrs: m
-                    .blocks
-                    .iter()
-                    .map(|&(_, slot)| u.base + u64::from(slot) * self.block_bytes as u64)
-                    .collect(),
-            }),
+        let ucx = match (&self.ucx, m.lease) {
+            (Some(u), Some(lease)) if r.want_ucx => {
+                let slots: Vec<u32> = m.blocks.iter().map(|&(_, slot)| slot).collect();
+                let bpb = self.block_bytes as u64;
+                match scope::grant(&u.node, &u.memory, &slots, bpb, Access::RemoteRead) {
+                    Ok((ranges, block_addrs, grant)) => {
+                        st.grants.insert(lease.key(), grant);
+                        let worker_address = u.node.address().clone();
+                        Some(UcxTarget { worker_address, block_addrs, ranges })
+                    }
+                    Err(e) => {
+                        // The caller reads over gRPC instead.
+                        tracing::warn!("cannot grant UCX reads of a match: {e}");
+                        None
+                    }
+                }
+            }
             _ => None,
         };
+        drop(st);
         let span = tracing::Span::current();
         trace::attr(&span, "chain_blocks", chain.len() as i64);
         trace::attr(&span, "matched_blocks", m.blocks.len() as i64);
@@ -192,7 +207,11 @@ impl KvStore for KvStoreService {
         req: Request<KvReleaseMatchRequest>,
     ) -> Result<Response<KvReleaseMatchResponse>, Status> {
         let lease = self.parse_lease(&req.into_inner().lease)?;
-        let released = self.state().store.release(lease);
+        let mut st = self.state();
+        let released = st.store.release(lease);
+        if released {
+            st.grants.remove(&lease.key());
+        }
         Ok(Response::new(KvReleaseMatchResponse { released }))
     }
 
@@ -202,7 +221,7 @@ impl KvStore for KvStoreService {
         let lease = self.parse_lease(&req.into_inner().lease)?;
         let blocks = {
             let mut st = self.state();
-            st.store.sweep(Instant::now());
+            st.sweep(Instant::now());
             st.store.lease_blocks(lease)
         }
         .ok_or_else(|| {

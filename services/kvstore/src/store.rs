@@ -168,6 +168,11 @@ impl Store {
         Some(l.blocks.iter().map(|h| (*h, self.index[h].slot)).collect())
     }
 
+    /// Whether a lease with this key is live (it may be expired but not yet swept).
+    pub fn has_lease(&self, key: u64) -> bool {
+        self.leases.contains_key(&key)
+    }
+
     /// Whether `lease` still pins its blocks.
     pub fn holds(&self, lease: Capability) -> bool {
         self.lease(&lease).is_some()

@@ -202,7 +202,8 @@ async fn bad_input_gets_a_precise_status() {
 }
 
 /// A caller that asks for UCX gets the pinned blocks' addresses and reads the same bytes with
-/// one-sided gets; a caller that does not ask, or a store without UCX, gets no addresses.
+/// one-sided gets under keys registered for that lease alone (read-only ranges covering only
+/// its blocks); a caller that does not ask, or a store without UCX, gets no addresses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn matched_blocks_are_read_by_ucx_get() {
     let mut c = serve_with(8, Some(UcxNode::start("kvstore-test").unwrap())).await;
@@ -220,9 +221,16 @@ async fn matched_blocks_are_read_by_ucx_get() {
     let m = c.r#match(ask(true)).await.unwrap().into_inner();
     let t = m.ucx.expect("a store with UCX answers with addresses");
     assert_eq!((m.blocks, t.block_addrs.len()), (3, 3));
+    // The lease's three blocks are granted, and nothing else: the fourth stored block's
+    // address lies outside every range.
+    pdmesh_kv_transfer::scope::check(&t.ranges, &t.block_addrs, 256).unwrap();
+    let total: u64 = t.ranges.iter().map(|r| r.len).sum();
+    assert_eq!(total, 3 * 256, "{:?}", t.ranges);
     let peers = Peers::new(UcxNode::start("reader").unwrap());
-    let p = peers.get(&t.worker_address, &t.rkey).await.unwrap();
-    let pending: Vec<_> = t.block_addrs.iter().map(|&a| p.ep.get(256, a, &p.rkey)).collect();
+    let p = peers.get(&t.worker_address).await.unwrap();
+    let keys = pdmesh_kv_transfer::scope::Keys::unpack(&p.ep, &t.ranges).await.unwrap();
+    let pending: Vec<_> =
+        t.block_addrs.iter().map(|&a| p.ep.get(256, a, keys.key(a, 256).unwrap())).collect();
     for (i, g) in pending.into_iter().enumerate() {
         assert_eq!(g.await.unwrap(), data[i].to_vec(), "block {i}");
     }

@@ -88,15 +88,26 @@ impl Context {
         &self,
         addr: usize,
         len: usize,
+        remote_read: bool,
+        remote_write: bool,
     ) -> Result<(MemHandle, Bytes), UcxError> {
-        // SAFETY: all-zero is the empty parameter set; the address and length fields are set
-        // and flagged below.
+        // SAFETY: all-zero is the empty parameter set; the address, length and protection
+        // fields are set and flagged below.
         let mut p: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
         p.field_mask = (sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_ADDRESS
-            | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH)
+            | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_PROT)
             as u64;
         p.address = addr as *mut c_void;
         p.length = len;
+        let mut prot = sys::UCP_MEM_MAP_PROT_LOCAL_READ | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE;
+        if remote_read {
+            prot |= sys::UCP_MEM_MAP_PROT_REMOTE_READ;
+        }
+        if remote_write {
+            prot |= sys::UCP_MEM_MAP_PROT_REMOTE_WRITE;
+        }
+        p.prot = prot as _;
         let mut memh: sys::ucp_mem_h = ptr::null_mut();
         // SAFETY: the context is live; the caller guarantees the memory outlives the mapping.
         check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0, &p, &mut memh) })?;

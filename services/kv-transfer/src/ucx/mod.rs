@@ -27,6 +27,16 @@ pub use peers::{Peer, Peers};
 
 use ffi::{Completion, Context, Ep, EpFailure, MemHandle, Rkey, Worker};
 
+/// What peers may do with a registered region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Get from it (a KV-store's matched blocks).
+    RemoteRead,
+    /// Put into it (a decode node's reserved blocks).
+    RemoteWrite,
+    ReadWrite,
+}
+
 /// A failed UCX call, with UCX's own words for why.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UcxError {
@@ -159,8 +169,22 @@ impl UcxNode {
     /// key is what they need. The registration keeps the memory allocated (the region holds
     /// it) and is undone before the region lets go of it.
     pub fn register(&self, memory: &MemoryRegion) -> Result<Region, UcxError> {
-        if memory.is_empty() {
-            return Err(UcxError::Usage("cannot register an empty region".into()));
+        self.register_within(memory, 0, memory.len(), Access::ReadWrite)
+    }
+
+    /// Registers `[offset, offset + len)` of `memory` for `access` only.
+    pub fn register_within(
+        &self,
+        memory: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<Region, UcxError> {
+        if len == 0 || offset.checked_add(len).is_none_or(|end| end > memory.len()) {
+            return Err(UcxError::Usage(format!(
+                "cannot register {len} bytes at {offset} of a {}-byte region",
+                memory.len()
+            )));
         }
         if memory.kind() != MemoryKind::Host {
             return Err(UcxError::Usage(format!(
@@ -168,16 +192,22 @@ impl UcxNode {
                 memory.kind().name()
             )));
         }
+        let (read, write) = match access {
+            Access::RemoteRead => (true, false),
+            Access::RemoteWrite => (false, true),
+            Access::ReadWrite => (true, true),
+        };
+        let addr = memory.addr() + offset;
         // SAFETY: a `MemoryRegion` names one fixed allocation that stays allocated while it
-        // lives; `Region` holds it until after the unmap.
+        // lives, and the range is inside it; `Region` holds it until after the unmap.
         #[allow(unsafe_code)]
-        let (memh, rkey) = unsafe { self.inner.ctx.map(memory.addr(), memory.len())? };
+        let (memh, rkey) = unsafe { self.inner.ctx.map(addr, len, read, write)? };
         let rkey = seal(&rkey);
         Ok(Region {
             ctx: Arc::clone(&self.inner.ctx),
             memh: Some(memh),
             rkey,
-            base: memory.addr() as u64,
+            base: addr as u64,
             _memory: memory.clone(),
         })
     }

@@ -1,6 +1,7 @@
-//! Endpoints to peers' registered regions, cached by (worker address, packed remote key) so a
-//! stream of transfers to one peer connects and unpacks once. A UCX failure on a peer evicts
-//! it: the next transfer connects anew (the peer may have restarted at the same address).
+//! Endpoints to peers, cached by worker address so a stream of transfers to one peer connects
+//! once (each transfer unpacks the keys of its own target: `scope::Keys`). A UCX failure on a
+//! peer evicts it: the next transfer connects anew (the peer may have restarted at the same
+//! address).
 
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
@@ -8,12 +9,11 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use lru::LruCache;
 
-use super::{Endpoint, RemoteKey, UcxError, UcxNode};
+use super::{Endpoint, UcxError, UcxNode};
 
-/// An endpoint to one peer worker and the unpacked key of one of its regions.
+/// An endpoint to one peer worker.
 pub struct Peer {
     pub ep: Endpoint,
-    pub rkey: RemoteKey,
 }
 
 impl std::fmt::Debug for Peer {
@@ -22,10 +22,10 @@ impl std::fmt::Debug for Peer {
     }
 }
 
-/// Peers (worker, remote key) kept connected; the least recently used is closed past this.
+/// Peers kept connected; the least recently used is closed past this.
 pub const MAX_PEERS: usize = 64;
 
-type PeerMap = LruCache<(Bytes, Bytes), Arc<Peer>>;
+type PeerMap = LruCache<Bytes, Arc<Peer>>;
 
 #[derive(Debug, Clone)]
 pub struct Peers {
@@ -43,16 +43,14 @@ impl Peers {
         self.map.lock().expect("peer map lock is never poisoned")
     }
 
-    /// The cached peer for a (sealed) worker address and remote key, connecting if needed.
-    pub async fn get(&self, worker: &Bytes, rkey: &Bytes) -> Result<Arc<Peer>, UcxError> {
-        let key = (worker.clone(), rkey.clone());
-        if let Some(p) = self.lock().get(&key) {
+    /// The cached peer for a (sealed) worker address, connecting if needed.
+    pub async fn get(&self, worker: &Bytes) -> Result<Arc<Peer>, UcxError> {
+        if let Some(p) = self.lock().get(worker) {
             return Ok(Arc::clone(p));
         }
         let ep = self.node.connect(worker.clone()).await?;
-        let rkey = ep.remote_key(rkey.clone()).await?;
-        let p = Arc::new(Peer { ep, rkey });
-        self.lock().put(key, Arc::clone(&p));
+        let p = Arc::new(Peer { ep });
+        self.lock().put(worker.clone(), Arc::clone(&p));
         Ok(p)
     }
 
