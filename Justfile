@@ -61,6 +61,7 @@ bench: bench-engine bench-mesh bench-kv bench-prefix
 
 # KV transfer: UCX vs the gRPC stream vs memcpy for a 4,096-token prompt's KV between two
 # processes; then TTFT of a 2,048-token prompt with layer-wise push against push-after-prefill.
+# `--reference PATH/pdmesh` also compares the transfers with another build's, in rounds.
 bench-kv *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_kv.py --model {{model}} {{args}}

@@ -14,6 +14,11 @@
    second needs the whole KV on the decode node, so the transfer left after the prefill
    ("transfer tail", from the request's timings) is what the overlap hides.
 
+3. Against another build (`--reference PATH`, a `pdmesh` binary with its `pdmesh-tools` beside
+   it): part 1's transfers by this build and by that one, alternating for --rounds rounds, with
+   the ratio of each transport's median time (this build / the reference; goal <= 1.05, e.g.
+   UCX access scoped per reservation against one registration of the whole pool).
+
 Writes the raw reports to .bench/kv.json.
 """
 import argparse
@@ -26,6 +31,35 @@ from bench_mesh import BIN, Mesh, bench  # noqa: E402
 import subprocess  # noqa: E402
 
 
+def kv_bench(binary, a):
+    out = subprocess.run([binary, "bench", "kv", "--json", "--model", a.model, "--tokens", str(a.tokens),
+                          "--reps", str(a.reps)], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def compare(a, report):
+    """This build's KV transfers against the reference build's, alternating rounds."""
+    import statistics
+    print(f"3. this build vs {a.reference}: KV of {a.tokens} tokens, {a.rounds} rounds", file=sys.stderr)
+    runs = {"this": [], "reference": []}
+    for i in range(a.rounds):
+        # Alternate which goes first, so neither always runs on the warmer (or busier) machine.
+        order = [("this", BIN), ("reference", a.reference)]
+        for name, binary in order if i % 2 == 0 else reversed(order):
+            runs[name].append(kv_bench(binary, a))
+    report["compare"] = runs
+    print(f"\n== this build vs {a.reference} (medians of {a.rounds} rounds' medians) ==")
+    # Each run's time over its own memcpy as well: the machine's drift between runs cancels.
+    print(f"{'path':8} {'this ms':>9} {'ref ms':>9} {'this/ref':>9} {'per memcpy':>11}")
+    for name, key in (("ucx", "ucx"), ("ucx-cma", "ucx_cma"), ("grpc", "grpc"), ("memcpy", "memcpy")):
+        t = statistics.median(r[f"{key}_ms"] for r in runs["this"])
+        r = statistics.median(r[f"{key}_ms"] for r in runs["reference"])
+        tn = statistics.median(r[f"{key}_ms"] / r["memcpy_ms"] for r in runs["this"])
+        rn = statistics.median(r[f"{key}_ms"] / r["memcpy_ms"] for r in runs["reference"])
+        goal = "" if key == "memcpy" else "  (goal <= 1.05)"
+        print(f"{name:8} {t:>9.2f} {r:>9.2f} {t / r:>9.3f} {tn / rn:>11.3f}{goal}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -34,6 +68,8 @@ def main():
     ap.add_argument("--ttft-tokens", type=int, default=2048)
     ap.add_argument("--ttft-requests", type=int, default=5)
     ap.add_argument("--parts", default="bandwidth,overlap")
+    ap.add_argument("--reference", help="another build's pdmesh binary to compare part 1 against (part 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds in part 3")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
     report = {}
@@ -52,6 +88,8 @@ def main():
             print(f"{name:8} {r[f'{key}_ms']:>9.2f} {r[f'{key}_gbps']:>8.2f} {ratio:>10.3f}{g}")
         print("ucx: as the nodes run it (endpoints detect a dead peer); "
               "ucx-cma: without peer-failure detection, zero-copy process_vm_writev (the local ceiling)")
+    if a.reference:
+        compare(a, report)
     if "overlap" in parts:
         print(f"2. overlap: {a.ttft_tokens}-token prompts, UCX, by push mode", file=sys.stderr)
         rows = {}

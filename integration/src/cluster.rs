@@ -326,13 +326,14 @@ impl ClusterBuilder {
         self.prefill_args(&["--kv-transport", t]).decode_args(&["--kv-transport", t])
     }
 
-    /// `--tls-dir DIR --tls-name NAME`, or `--insecure`.
+    /// `--tls-dir DIR --tls-name NAME --seal-key DIR/seal.key`, or `--insecure`.
     fn tls_args(&self, dir: &Path, name: &str) -> Vec<String> {
         if self.insecure {
             return vec!["--insecure".into()];
         }
         let d = dir.display().to_string();
-        vec!["--tls-dir".into(), d, "--tls-name".into(), name.into()]
+        let seal = dir.join("seal.key").display().to_string();
+        vec!["--tls-dir".into(), d, "--tls-name".into(), name.into(), "--seal-key".into(), seal]
     }
 
     /// Starts the router and the nodes, and waits until every node has registered.
@@ -344,6 +345,8 @@ impl ClusterBuilder {
         let keyring = dir.join("api-keys.toml");
         if !self.insecure {
             pki.issue(&dir, "router", MeshRole::Router);
+            std::fs::write(dir.join("seal.key"), pdmesh_kv_transfer::ucx::new_seal_key())
+                .expect("seal key written");
             pki.issue(&dir, "kvstore", MeshRole::KvStore);
             let test = Tenant { tenant: "test".into(), max_in_flight: None, cache_group: None };
             for t in std::iter::once(test).chain(self.tenants.iter().cloned()) {

@@ -43,6 +43,11 @@ struct Cli {
     /// This process's certificate in --tls-dir.
     #[arg(long, global = true, value_name = "NAME", env = "PDMESH_TLS_NAME")]
     tls_name: Option<String>,
+    /// The mesh's seal key (64 hex digits; `pdmesh certs seal-key`): every UCX worker address
+    /// and remote key a node hands out is sealed with it (HMAC-SHA256), and none is accepted
+    /// unless it is, so a forged target never reaches UCX. Same file on every node.
+    #[arg(long, global = true, value_name = "FILE", env = "PDMESH_SEAL_KEY")]
+    seal_key: Option<std::path::PathBuf>,
     /// Plaintext, no certificates and no roles: for experiments on one machine. Refused
     /// unless every address the process listens on or dials is loopback.
     #[arg(long, global = true, env = "PDMESH_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
@@ -76,7 +81,20 @@ fn init_service_tls(cli: &Cli) -> anyhow::Result<()> {
 fn init_tls(cli: &Cli) -> anyhow::Result<()> {
     match &cli.command {
         Command::Router(_) | Command::Prefill(_) | Command::Decode(_) | Command::Kvstore(_) => {
-            init_service_tls(cli)
+            init_service_tls(cli)?;
+            match &cli.seal_key {
+                Some(f) => {
+                    let key =
+                        pdmesh_kv_transfer::ucx::read_seal_key(f).map_err(anyhow::Error::msg)?;
+                    pdmesh_kv_transfer::ucx::set_seal_key(&key);
+                }
+                // Before logging starts: the service's own log would come too late to say it.
+                None if !cli.insecure => eprintln!(
+                    "warning: no --seal-key: UCX targets are sealed with a checksum, not a key"
+                ),
+                None => {}
+            }
+            Ok(())
         }
         Command::Up(_) => {
             anyhow::ensure!(
@@ -165,6 +183,11 @@ struct CertsArgs {
 
 #[derive(Debug, clap::Subcommand)]
 enum CertsCommand {
+    /// A new seal key for UCX targets (`--seal-key`), written to FILE (owner-only).
+    SealKey {
+        #[arg(long)]
+        file: std::path::PathBuf,
+    },
     /// A new CA: DIR/ca.pem (give it to every process) and DIR/ca.key (keep it private).
     Ca {
         #[arg(long)]
@@ -196,6 +219,18 @@ fn parse_role(s: &str) -> Result<pdmesh_common::tls::MeshRole, String> {
 fn certs(a: CertsArgs) -> anyhow::Result<()> {
     use pdmesh_common::tls::Ca;
     match a.what {
+        CertsCommand::SealKey { file } => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&file)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            writeln!(f, "{}", pdmesh_kv_transfer::ucx::new_seal_key())?;
+            println!("{}", file.display());
+        }
         CertsCommand::Ca { dir } => {
             anyhow::ensure!(
                 !dir.join("ca.key").exists(),

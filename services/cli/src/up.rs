@@ -96,8 +96,11 @@ pub fn run(a: UpArgs, insecure: bool) -> anyhow::Result<()> {
     r
 }
 
+/// The mesh's UCX seal key, in the credentials directory.
+const SEAL_KEY_FILE: &str = "mesh-seal.key";
+
 /// Makes the mesh's credentials in `dir`: a CA, one certificate per process named as the
-/// process is, the operator's, and the operator's API key.
+/// process is, the operator's, the operator's API key and the UCX seal key.
 fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
     use pdmesh_common::tls::{Ca, MeshRole};
     // Whatever an earlier mesh at this address left (it was killed) is stale.
@@ -122,6 +125,7 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
     };
     let key = pdmesh_common::apikey::add(&dir.join(KEY_RING_FILE), operator)?;
     write_private(&dir.join(API_KEY_FILE), &key)?;
+    write_private(&dir.join(SEAL_KEY_FILE), &pdmesh_kv_transfer::ucx::new_seal_key())?;
     pdmesh_common::tls::init(Some(pdmesh_common::tls::MeshTls::load(dir, OPERATOR)?));
     Ok(())
 }
@@ -144,9 +148,14 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
     // Each process gets its own certificate, named as it is; or all run --insecure.
     let tls = |name: &str| -> Vec<String> {
         match dir {
-            Some(d) => {
-                vec!["--tls-dir".into(), d.display().to_string(), "--tls-name".into(), name.into()]
-            }
+            Some(d) => vec![
+                "--tls-dir".into(),
+                d.display().to_string(),
+                "--tls-name".into(),
+                name.into(),
+                "--seal-key".into(),
+                d.join(SEAL_KEY_FILE).display().to_string(),
+            ],
             None => vec!["--insecure".into()],
         }
     };

@@ -149,6 +149,8 @@ pub struct DecodeCore {
     runner: BatchRunner,
     receiver: Receiver,
     reservations: HashMap<u64, Reservation>,
+    /// Grants of completed KV, dropped (revoked) right after the commit is answered.
+    revoking: Vec<Box<dyn std::any::Any + Send>>,
     committed: usize,
     default_lease: Duration,
     max_lease: Duration,
@@ -178,6 +180,7 @@ impl DecodeCore {
             runner,
             receiver: Receiver::new(),
             reservations: HashMap::new(),
+            revoking: Vec::new(),
             committed: 0,
             default_lease,
             max_lease,
@@ -284,6 +287,11 @@ impl DecodeCore {
         }
     }
 
+    /// Revokes the remote access of reservations whose KV completed (see `kv_end`).
+    pub fn revoke_completed(&mut self) {
+        self.revoking.clear();
+    }
+
     /// Whether reservation `id` still grants remote access to its blocks.
     pub fn grants_remote(&self, id: u64) -> bool {
         self.reservations.get(&id).is_some_and(|r| r.remote.is_some())
@@ -364,8 +372,11 @@ impl DecodeCore {
         }
         let lease = now + self.default_lease;
         let r = self.reservations.get_mut(&id).expect("checked above");
-        // The KV is complete: no peer has anything more to write.
-        r.remote = None;
+        // The KV is complete: no peer has anything more to write. Revoked once the caller
+        // has its answer (`revoke_completed`), so the commit does not wait on it.
+        if let Some(g) = r.remote.take() {
+            self.revoking.push(g);
+        }
         if matches!(r.phase, Phase::Receiving) {
             r.phase = Phase::Ready { lease };
         }

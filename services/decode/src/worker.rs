@@ -178,6 +178,7 @@ impl Core for Worker {
             }
             Command::KvEnd { id, blocks, checksums, reply } => {
                 let _ = reply.send(core.kv_end(id, blocks, &checksums, now));
+                core.revoke_completed();
             }
             Command::WriterClosed { id } => {
                 let from = sources.remove(&id).unwrap_or_else(|| "the prefill node".into());

@@ -348,6 +348,8 @@ fn remote_access_is_revoked_at_commit_and_at_the_end() {
     c.kv_begin(r.id(), true).unwrap();
     assert!(!revoked.load(SeqCst), "revoked while the writer puts");
     c.kv_end(r.id(), 3, &[], t0).unwrap();
+    assert!(!c.grants_remote(r.id()));
+    c.revoke_completed();
     assert!(revoked.load(SeqCst), "still writable after the commit");
     assert!(c.release(r.id()));
 

@@ -87,16 +87,9 @@ impl KvTransport for UcxTransport {
             });
         }
         let peer = self.peers.get(&ucx.worker_address).await.map_err(|e| no_endpoint(&node, e))?;
-        let keys = match Keys::unpack(&peer.ep, &ucx.ranges).await {
-            Ok(k) => k,
-            Err(e) => {
-                self.peers.evict(&peer);
-                return Err(no_endpoint(&node, e));
-            }
-        };
-
         // The session is accepted before anything is put: the reservation is then known to
-        // be alive, and its blocks will not be reused until the session ends.
+        // be alive, and its blocks will not be reused until the session ends. Its round trip
+        // and the keys' unpacking overlap.
         let channel = self.grpc.channel(&target.address, &node)?;
         let (tx, rx) = mpsc::channel(2);
         let open = KvSessionRequest {
@@ -109,17 +102,27 @@ impl KvTransport for UcxTransport {
             })),
         };
         tx.send(open).await.map_err(|_| unreachable(&node, "the session closed"))?;
-        let mut client = DecodeClient::new(channel);
-        let mut events = client
-            .kv_session(ReceiverStream::new(rx))
-            .await
-            .map_err(|s| TransferError::from_peer(&node, s))?
-            .into_inner();
-        match events.message().await {
-            Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Accepted(_)) })) => {}
-            Ok(_) => return Err(unreachable(&node, "the session ended before it was accepted")),
-            Err(s) => return Err(TransferError::from_peer(&node, s)),
-        }
+        let accept = async {
+            let mut client = DecodeClient::new(channel);
+            let mut events = client
+                .kv_session(ReceiverStream::new(rx))
+                .await
+                .map_err(|s| TransferError::from_peer(&node, s))?
+                .into_inner();
+            match events.message().await {
+                Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Accepted(_)) })) => {
+                    Ok(events)
+                }
+                Ok(_) => Err(unreachable(&node, "the session ended before it was accepted")),
+                Err(s) => Err(TransferError::from_peer(&node, s)),
+            }
+        };
+        let (keys, events) = tokio::join!(Keys::unpack(&peer.ep, &ucx.ranges), accept);
+        let keys = keys.map_err(|e| {
+            self.peers.evict(&peer);
+            no_endpoint(&node, e)
+        })?;
+        let events = events?;
         Ok(Box::new(UcxSink {
             node,
             peers: self.peers.clone(),

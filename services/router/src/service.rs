@@ -267,6 +267,28 @@ impl Membership for RouterService {
         let now = Instant::now();
         {
             let mut reg = self.mesh().registry();
+            // KV moves only between nodes of one layout: a node whose blocks differ from the
+            // mesh's (another dtype or block size) could serve no request with the others.
+            if let Some(other) =
+                reg.all().into_iter().find(|n| n.id != r.node_id && n.layout != layout)
+            {
+                let g = |l: &pdmesh_kv_types::KvLayout| {
+                    format!("{} in blocks of {}", l.geometry.dtype.name(), l.geometry.block_size)
+                };
+                tracing::warn!(
+                    node = r.node_id,
+                    mesh_node = other.id,
+                    "refused: KV layout differs"
+                );
+                return Err(Status::failed_precondition(format!(
+                    "node {} keeps KV as {}; the mesh's nodes ({}) keep it as {}: KV could not \
+                     move between them",
+                    r.node_id,
+                    g(&layout),
+                    other.id,
+                    g(&other.layout)
+                )));
+            }
             // A new node at an address that a departed node used: its old channel is stale.
             if reg.get(&r.node_id).is_none() {
                 self.mesh().drop_channel(&r.address);

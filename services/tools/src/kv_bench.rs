@@ -136,10 +136,15 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         ],
     )?;
     pdmesh_common::tls::init(Some(MeshTls::load(certs.path(), "bench-prefill")?));
+    let seal = certs.path().join("seal.key");
+    std::fs::write(&seal, pdmesh_kv_transfer::ucx::new_seal_key())?;
+    let key = pdmesh_kv_transfer::ucx::read_seal_key(&seal).map_err(anyhow::Error::msg)?;
+    pdmesh_kv_transfer::ucx::set_seal_key(&key);
     let router = MeshTls::load(certs.path(), "bench-router")?;
     let mut args = args;
     let dir = certs.path().display().to_string();
     args.extend(["--tls-dir".into(), dir, "--tls-name".into(), "bench-decode".into()]);
+    args.extend(["--seal-key".into(), seal.display().to_string()]);
     let (_decode, addr) = spawn("decode", None, &args).await?;
     let channel = pdmesh_common::tls::endpoint_with(&addr, &router)?
         .connect()
