@@ -73,12 +73,39 @@ impl Local {
 
 #[derive(Debug, Clone)]
 struct Store {
-    client: KvStoreClient<Channel>,
+    address: String,
+    /// The client, and the TLS generation it was dialled under (`client`).
+    client: Arc<Mutex<(u64, KvStoreClient<Channel>)>>,
     /// Longest a lookup (match + read) may take before the prompt is computed in full.
     timeout: Duration,
     /// Publishes in flight: each holds its blocks' bytes until the store answers, so a store
     /// that hangs must not make every prompt add one more.
     publishing: Arc<Semaphore>,
+}
+
+impl Store {
+    fn dial(
+        address: &str,
+        timeout: Duration,
+    ) -> Result<KvStoreClient<Channel>, tonic::transport::Error> {
+        let ep = pdmesh_common::tls::endpoint(address)?.connect_timeout(timeout).tcp_nodelay(true);
+        Ok(KvStoreClient::new(pdmesh_common::trace::channel(ep.connect_lazy()))
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20))
+    }
+
+    /// The store's client; redialled once this process's certificates were renewed, since the
+    /// old channel would reconnect with the old ones.
+    fn client(&self) -> KvStoreClient<Channel> {
+        let mut c = self.client.lock().expect("never poisoned");
+        let generation = pdmesh_common::tls::generation();
+        if c.0 != generation
+            && let Ok(fresh) = Self::dial(&self.address, self.timeout)
+        {
+            *c = (generation, fresh);
+        }
+        c.1.clone()
+    }
 }
 
 /// Publishes to the KV-store in flight at once; past it, blocks are not published (the cache
@@ -129,15 +156,12 @@ impl PrefixCache {
             .map(|n| Local { blocks: Mutex::new(LruCache::new(n)) });
         let store = match store {
             Some(address) => {
-                let ep = pdmesh_common::tls::endpoint(address)
-                    .map_err(|source| CacheError::Address { address: address.into(), source })?
-                    .connect_timeout(timeout)
-                    .tcp_nodelay(true);
-                let client = KvStoreClient::new(pdmesh_common::trace::channel(ep.connect_lazy()))
-                    .max_decoding_message_size(64 << 20)
-                    .max_encoding_message_size(64 << 20);
+                let generation = pdmesh_common::tls::generation();
+                let client = Store::dial(address, timeout)
+                    .map_err(|source| CacheError::Address { address: address.into(), source })?;
                 Some(Store {
-                    client,
+                    address: address.to_string(),
+                    client: Arc::new(Mutex::new((generation, client))),
                     timeout,
                     publishing: Arc::new(Semaphore::new(MAX_PUBLISHING)),
                 })
@@ -246,7 +270,7 @@ impl PrefixCache {
         if chain.is_empty() {
             return Ok(Vec::new());
         }
-        let mut c = store.client.clone();
+        let mut c = store.client();
         let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
         let req = KvMatchRequest {
             layout: Some(self.layout.into()),
@@ -304,7 +328,7 @@ impl PrefixCache {
         }
         .await;
         // The pins are not needed once the bytes are here (the lease would end them anyway).
-        let mut rc = store.client.clone();
+        let mut rc = store.client();
         tokio::spawn(
             async move {
                 let _ = rc.release_match(KvReleaseMatchRequest { lease }).await;
@@ -375,7 +399,7 @@ impl PrefixCache {
             let hash = Bytes::copy_from_slice(&h.to_bytes());
             msgs.push(KvWriteChunk { chunk: Some(Chunk::Block(KvStoreBlock { hash, data })) });
         }
-        let mut c = store.client.clone();
+        let mut c = store.client();
         let timeout = store.timeout.max(Duration::from_secs(5));
         let span = pdmesh_common::span!(
             "prefill.publish",
