@@ -5,7 +5,7 @@
 use std::io::Read;
 use std::process::Stdio;
 
-use pdmesh_integration::{pdmesh, run};
+use pdmesh_integration::{model_path, pdmesh, pdmesh_bin, run};
 
 #[test]
 fn run_json_greedy_matches_llama_cpp() {
@@ -148,4 +148,81 @@ fn closed_stdout_stops_generation_quietly() {
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(!err.contains("panicked"), "{err}");
     assert!(status.success(), "exit {status:?}: {err}");
+}
+
+/// The pid of a direct child of `parent` whose command line contains `needle`.
+fn child_pid(parent: u32, needle: &str) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: u32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        (ppid == parent && cmd.contains(needle)).then_some(pid)
+    })
+}
+
+/// `pdmesh up` supervises its mesh: a decode node killed with SIGKILL is restarted and the mesh
+/// serves again with the same tokens, without the operator doing anything; `up` itself stays up.
+#[test]
+fn up_restarts_a_node_that_dies() {
+    use std::io::BufRead;
+    let home = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let model = model_path();
+    let mut up = std::process::Command::new(pdmesh_bin())
+        .args(["up", "--listen", &addr, "--prefill", "1", "--decode", "1", "--threads", "1"])
+        .args(["--kvstore-budget-bytes", "0", "--model"])
+        .arg(&model)
+        .env("PDMESH_HOME", home.path())
+        .env("PDMESH_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(up.stdout.take().unwrap()).lines();
+    loop {
+        let l = lines.next().expect("up printed its readiness").unwrap();
+        if l.contains("mesh ready") {
+            break;
+        }
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+    let generate = || {
+        let out = std::process::Command::new(pdmesh_bin())
+            .args(["generate", "--target", &addr, "--max-tokens", "6", "--json", "Name a colour."])
+            .env("PDMESH_HOME", home.path())
+            .output()
+            .unwrap();
+        out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let tokens = |json: &str| {
+        let v: serde_json::Value = serde_json::from_str(json).unwrap();
+        v["tokens"].clone()
+    };
+    let want = tokens(&generate().expect("the mesh serves"));
+    let decode = child_pid(up.id(), "--node-id decode-0").expect("a decode node child");
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-9", &decode.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(90);
+    let got = loop {
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        if let Some(out) = generate() {
+            break out;
+        }
+        assert!(std::time::Instant::now() < until, "the mesh did not serve again");
+    };
+    assert_eq!(tokens(&got), want);
+    let again = child_pid(up.id(), "--node-id decode-0").expect("the decode node is back");
+    assert_ne!(again, decode);
+    assert!(up.try_wait().unwrap().is_none(), "up stopped when a node died");
+    let _ = std::process::Command::new("kill").args(["-TERM", &up.id().to_string()]).status();
+    let _ = up.wait();
 }

@@ -1,8 +1,10 @@
 //! `pdmesh up`: a whole mesh on this machine, as separate processes — one router, `--prefill N`
 //! prefill nodes and `--decode M` decode nodes — started from this same binary. It waits until
-//! every node has registered with the router, prints the endpoint, and on Ctrl-C or SIGTERM
-//! stops the children by closing their stdin (each exits cleanly when it closes, so none can
-//! outlive this process), killing any that do not stop in time.
+//! every node has registered with the router, prints the endpoint, and supervises the mesh as an
+//! orchestrator would: a process that dies is restarted (with back-off, on the same addresses
+//! where others dial it) while the rest keep serving. On Ctrl-C or SIGTERM it stops the
+//! children by closing their stdin (each exits cleanly when it closes, so none can outlive this
+//! process), killing any that do not stop in time.
 //!
 //! The mesh runs as production does: mutual TLS between its processes under a throwaway CA,
 //! and an API key for the public API, all made now in a private directory named after the
@@ -17,7 +19,7 @@ use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::{ListNodesRequest, Role};
 
 use pdmesh_cli::client::{API_KEY_FILE, KEY_RING_FILE, OPERATOR};
-use pdmesh_cli::process::{Proc, spawn, spawn_announcing, stop};
+use pdmesh_cli::process::{Proc, spawn_announcing, stop};
 use pdmesh_kv_transfer::{PushMode, TransportKind};
 use pdmesh_router::placement::PrefillPolicy;
 
@@ -166,12 +168,12 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
     let model = a.model.display().to_string();
-    let mut procs: Vec<Proc> = Vec::new();
+    let mut procs: Vec<Supervised> = Vec::new();
     let result = async {
-        let (router, addrs) = spawn_announcing(
+        let mut router = Supervised::start(
             "router",
             None,
-            &[
+            [
                 "router".into(),
                 "--listen".into(),
                 a.listen.clone(),
@@ -192,8 +194,11 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             2,
         )
         .await?;
+        let (addr, internal) = (router.addrs[0].clone(), router.addrs[1].clone());
+        // Restarted, it must be where clients and nodes already dial it.
+        router.pin("--listen", &addr);
+        router.pin("--internal-listen", &internal);
         procs.push(router);
-        let (addr, internal) = (addrs[0].clone(), addrs[1].clone());
         let kvstore = if a.kvstore_budget_bytes > 0 && a.prefill > 0 {
             let args: Vec<String> = [
                 "kvstore".to_string(),
@@ -211,7 +216,9 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             .chain(a.kv_transport.iter().flat_map(|t| ["--kv-transport".into(), t.to_string()]))
             .chain(tls("kvstore"))
             .collect::<Vec<String>>();
-            let (p, kaddr) = spawn("kvstore", None, &args).await?;
+            let mut p = Supervised::start("kvstore", None, args, 1).await?;
+            let kaddr = p.addrs[0].clone();
+            p.pin("--listen", &kaddr);
             procs.push(p);
             Some(kaddr)
         } else {
@@ -262,8 +269,7 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
                     args.extend(["--kvstore".into(), k.clone()]);
                 }
                 args.extend(tls(&name));
-                let (p, _) = spawn(&name, cpus.as_deref(), &args).await?;
-                procs.push(p);
+                procs.push(Supervised::start(&name, cpus.clone(), args, 1).await?);
             }
         }
         wait_ready(&internal, a.prefill, a.decode, Duration::from_secs(a.ready_timeout_s)).await?;
@@ -288,31 +294,112 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
     }
     .await;
     if let Err(e) = result {
-        stop(procs).await;
+        stop(procs.iter_mut().filter_map(|p| p.proc.take()).collect()).await;
         return Err(e);
     }
-    // Run until a signal, or until a child dies on its own (then the mesh is broken: stop).
-    let died = async {
+    // Run until a signal, restarting whatever dies on its own.
+    let supervise = async {
         loop {
+            let now = Instant::now();
             for p in procs.iter_mut() {
-                if let Some(why) = p.exited() {
-                    return why;
-                }
+                p.tend(now).await;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     };
-    let outcome = tokio::select! {
-        () = pdmesh_cli::process::shutdown_signal(false) => None,
-        d = died => Some(d),
-    };
-    stop(procs).await;
-    match outcome {
-        None => {
-            eprintln!("pdmesh: mesh stopped");
-            Ok(())
+    tokio::select! {
+        () = pdmesh_cli::process::shutdown_signal(false) => {}
+        () = supervise => {}
+    }
+    stop(procs.iter_mut().filter_map(|p| p.proc.take()).collect()).await;
+    eprintln!("pdmesh: mesh stopped");
+    Ok(())
+}
+
+/// First pause before restarting a process that died; it doubles with each quick death.
+const RESTART_BACKOFF: Duration = Duration::from_millis(500);
+/// The longest pause between restarts.
+const MAX_RESTART_BACKOFF: Duration = Duration::from_secs(30);
+/// A process that ran this long before dying is restarted without delay.
+const HEALTHY_RUN: Duration = Duration::from_secs(60);
+
+/// One child of the mesh, restarted when it dies.
+struct Supervised {
+    name: String,
+    cpus: Option<String>,
+    args: Vec<String>,
+    /// Addresses it announces (the router: public and internal).
+    announces: usize,
+    /// What it announced when it last started.
+    addrs: Vec<String>,
+    proc: Option<Proc>,
+    started: Instant,
+    /// Quick deaths in a row.
+    deaths: u32,
+    /// When it is to be started again, after a death.
+    due: Option<Instant>,
+}
+
+impl Supervised {
+    async fn start(
+        name: &str,
+        cpus: Option<String>,
+        args: Vec<String>,
+        announces: usize,
+    ) -> anyhow::Result<Self> {
+        let (proc, addrs) = spawn_announcing(name, cpus.as_deref(), &args, announces).await?;
+        Ok(Self {
+            name: name.to_string(),
+            cpus,
+            args,
+            announces,
+            addrs,
+            proc: Some(proc),
+            started: Instant::now(),
+            deaths: 0,
+            due: None,
+        })
+    }
+
+    /// Sets `flag`'s value for later starts.
+    fn pin(&mut self, flag: &str, value: &str) {
+        if let Some(i) = self.args.iter().position(|a| a == flag) {
+            self.args[i + 1] = value.to_string();
         }
-        Some(d) => bail!("{d}; stopped the mesh"),
+    }
+
+    /// Notices a death and schedules the restart; restarts when it is due.
+    async fn tend(&mut self, now: Instant) {
+        if let Some(why) = self.proc.as_mut().and_then(Proc::exited) {
+            self.proc = None;
+            self.deaths =
+                if now.duration_since(self.started) >= HEALTHY_RUN { 0 } else { self.deaths + 1 };
+            let wait = (RESTART_BACKOFF * 2u32.saturating_pow(self.deaths.saturating_sub(1)))
+                .min(MAX_RESTART_BACKOFF);
+            let wait = if self.deaths == 0 { Duration::ZERO } else { wait };
+            eprintln!("pdmesh: {why}; restarting it in {wait:?}");
+            self.due = Some(now + wait);
+        }
+        if self.due.is_some_and(|d| now >= d) {
+            match spawn_announcing(&self.name, self.cpus.as_deref(), &self.args, self.announces)
+                .await
+            {
+                Ok((proc, addrs)) => {
+                    eprintln!("pdmesh: {} restarted on {}", self.name, addrs.join(", "));
+                    self.proc = Some(proc);
+                    self.addrs = addrs;
+                    self.started = Instant::now();
+                    self.due = None;
+                }
+                Err(e) => {
+                    self.deaths += 1;
+                    let wait = (RESTART_BACKOFF * 2u32.saturating_pow(self.deaths))
+                        .min(MAX_RESTART_BACKOFF);
+                    eprintln!("pdmesh: restarting {} failed: {e:#}; again in {wait:?}", self.name);
+                    self.due = Some(Instant::now() + wait);
+                }
+            }
+        }
     }
 }
 
