@@ -6,6 +6,7 @@
 
 pub mod apikey;
 pub mod authz;
+pub mod channels;
 #[cfg(feature = "collector")]
 pub mod collector;
 pub mod config;

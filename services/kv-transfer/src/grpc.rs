@@ -4,11 +4,10 @@
 //! sink is dropped, so an abandoned transfer resets the stream. Receiving: `receive_push`
 //! writes the blocks into the reservation and fails it when the stream ends early.
 
-use std::num::NonZeroUsize;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use lru::LruCache;
+use pdmesh_common::channels::ChannelCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk;
@@ -31,13 +30,12 @@ pub const MAX_CHANNELS: usize = 256;
 
 #[derive(Debug)]
 pub struct GrpcTransport {
-    channels: Mutex<LruCache<String, (u64, Channel)>>,
+    channels: ChannelCache<Channel>,
 }
 
 impl Default for GrpcTransport {
     fn default() -> Self {
-        let cap = NonZeroUsize::new(MAX_CHANNELS).expect("non-zero");
-        Self { channels: Mutex::new(LruCache::new(cap)) }
+        Self { channels: ChannelCache::new(MAX_CHANNELS) }
     }
 }
 
@@ -47,26 +45,18 @@ impl GrpcTransport {
     }
 
     pub(crate) fn channel(&self, address: &str, node: &str) -> Result<Channel, TransferError> {
-        let mut map = self.channels.lock().expect("channel map lock is never poisoned");
-        // Dialled before the certificates were renewed: it would reconnect with the old ones.
-        let generation = pdmesh_common::tls::generation();
-        if let Some((g, c)) = map.get(address)
-            && *g == generation
-        {
-            return Ok(c.clone());
-        }
-        let ep = pdmesh_common::tls::endpoint(address)
-            .map_err(|e| TransferError::Unreachable {
-                node: node.into(),
-                reason: format!("bad address {address}: {e}"),
-            })?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .initial_stream_window_size(Some(8 << 20))
-            .initial_connection_window_size(Some(32 << 20));
-        let c = pdmesh_common::trace::channel(ep.connect_lazy());
-        map.put(address.to_string(), (generation, c.clone()));
-        Ok(c)
+        self.channels.get(address, || {
+            let ep = pdmesh_common::tls::endpoint(address)
+                .map_err(|e| TransferError::Unreachable {
+                    node: node.into(),
+                    reason: format!("bad address {address}: {e}"),
+                })?
+                .connect_timeout(Duration::from_secs(2))
+                .tcp_nodelay(true)
+                .initial_stream_window_size(Some(8 << 20))
+                .initial_connection_window_size(Some(32 << 20));
+            Ok(pdmesh_common::trace::channel(ep.connect_lazy()))
+        })
     }
 }
 
@@ -260,9 +250,8 @@ mod tests {
             // The first stays in use, so it stays.
             t.channel(&first, "d").unwrap();
         }
-        let map = t.channels.lock().unwrap();
-        assert_eq!(map.len(), MAX_CHANNELS);
-        assert!(map.contains(&first));
-        assert!(!map.contains("127.0.0.1:2"), "the least recently used went first");
+        assert_eq!(t.channels.len(), MAX_CHANNELS);
+        assert!(t.channels.holds(&first));
+        assert!(!t.channels.holds("127.0.0.1:2"), "the least recently used went first");
     }
 }

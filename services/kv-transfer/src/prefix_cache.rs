@@ -17,6 +17,8 @@ use lru::LruCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_kv_types::{BlockHash, BlockHasher, KvLayout};
 
+use pdmesh_common::channels::ChannelCache;
+
 use crate::scope::Keys;
 use crate::ucx::{Peers, UcxNode};
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
@@ -74,8 +76,8 @@ impl Local {
 #[derive(Debug, Clone)]
 struct Store {
     address: String,
-    /// The client, and the TLS generation it was dialled under (`client`).
-    client: Arc<Mutex<(u64, KvStoreClient<Channel>)>>,
+    /// The one channel, redialled after a certificate reload.
+    channel: Arc<ChannelCache<KvStoreClient<Channel>>>,
     /// Longest a lookup (match + read) may take before the prompt is computed in full.
     timeout: Duration,
     /// Publishes in flight: each holds its blocks' bytes until the store answers, so a store
@@ -94,17 +96,11 @@ impl Store {
             .max_encoding_message_size(64 << 20))
     }
 
-    /// The store's client; redialled once this process's certificates were renewed, since the
-    /// old channel would reconnect with the old ones.
-    fn client(&self) -> KvStoreClient<Channel> {
-        let mut c = self.client.lock().expect("never poisoned");
-        let generation = pdmesh_common::tls::generation();
-        if c.0 != generation
-            && let Ok(fresh) = Self::dial(&self.address, self.timeout)
-        {
-            *c = (generation, fresh);
-        }
-        c.1.clone()
+    /// The store's client (redialled once this process's certificates were renewed).
+    fn client(&self) -> Result<KvStoreClient<Channel>, tonic::Status> {
+        self.channel
+            .get(&self.address, || Self::dial(&self.address, self.timeout))
+            .map_err(|e| tonic::Status::unavailable(format!("KV-store at {}: {e}", self.address)))
     }
 }
 
@@ -156,12 +152,13 @@ impl PrefixCache {
             .map(|n| Local { blocks: Mutex::new(LruCache::new(n)) });
         let store = match store {
             Some(address) => {
-                let generation = pdmesh_common::tls::generation();
-                let client = Store::dial(address, timeout)
+                let channel = Arc::new(ChannelCache::new(1));
+                channel
+                    .get(address, || Store::dial(address, timeout))
                     .map_err(|source| CacheError::Address { address: address.into(), source })?;
                 Some(Store {
                     address: address.to_string(),
-                    client: Arc::new(Mutex::new((generation, client))),
+                    channel,
                     timeout,
                     publishing: Arc::new(Semaphore::new(MAX_PUBLISHING)),
                 })
@@ -270,7 +267,7 @@ impl PrefixCache {
         if chain.is_empty() {
             return Ok(Vec::new());
         }
-        let mut c = store.client();
+        let mut c = store.client()?;
         let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
         let req = KvMatchRequest {
             layout: Some(self.layout.into()),
@@ -328,7 +325,7 @@ impl PrefixCache {
         }
         .await;
         // The pins are not needed once the bytes are here (the lease would end them anyway).
-        let mut rc = store.client();
+        let mut rc = c.clone();
         tokio::spawn(
             async move {
                 let _ = rc.release_match(KvReleaseMatchRequest { lease }).await;
@@ -399,7 +396,7 @@ impl PrefixCache {
             let hash = Bytes::copy_from_slice(&h.to_bytes());
             msgs.push(KvWriteChunk { chunk: Some(Chunk::Block(KvStoreBlock { hash, data })) });
         }
-        let mut c = store.client();
+        let Ok(mut c) = store.client() else { return };
         let timeout = store.timeout.max(Duration::from_secs(5));
         let span = pdmesh_common::span!(
             "prefill.publish",

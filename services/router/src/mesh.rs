@@ -2,12 +2,11 @@
 //! address, the model (for validation), the config, and the running requests by id.
 
 use std::collections::HashMap;
-use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use lru::LruCache;
+use pdmesh_common::channels::ChannelCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_engine::Model;
 use pdmesh_proto::v1::Role;
@@ -28,7 +27,7 @@ pub struct Mesh {
     pub registry: Mutex<Registry>,
     /// Channels to node addresses (only registered nodes are ever dialled); nodes come and
     /// go, so the least recently used is dropped past `MAX_CHANNELS`.
-    channels: Mutex<LruCache<String, (u64, Channel)>>,
+    channels: ChannelCache<Channel>,
     /// Running requests by (owning tenant, request id): ids are unique within a tenant, and
     /// a tenant can neither see nor cancel another's.
     active: Mutex<HashMap<(String, String), CancellationToken>>,
@@ -45,7 +44,7 @@ impl Mesh {
             config,
             model,
             registry: Mutex::new(Registry::new(ttl)),
-            channels: Mutex::new(LruCache::new(NonZeroUsize::new(MAX_CHANNELS).expect("non-zero"))),
+            channels: ChannelCache::new(MAX_CHANNELS),
             active: Mutex::new(HashMap::new()),
             prefixes: PrefixIndex::default(),
             metrics: RouterMetrics::default(),
@@ -59,29 +58,21 @@ impl Mesh {
 
     /// A lazily connected channel to `address`, shared by every request to that node.
     pub fn channel(&self, address: &str) -> Result<Channel, tonic::transport::Error> {
-        let mut map = self.channels.lock().expect("channel map lock is never poisoned");
-        // A channel dialled before the certificates were renewed would reconnect with the old.
-        let generation = pdmesh_common::tls::generation();
-        if let Some((g, c)) = map.get(address)
-            && *g == generation
-        {
-            return Ok(c.clone());
-        }
-        let c = pdmesh_common::tls::endpoint(address)?
-            .connect_timeout(Duration::from_secs(2))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(5))
-            .keep_alive_timeout(Duration::from_secs(5))
-            .keep_alive_while_idle(true)
-            .connect_lazy();
-        let c = pdmesh_common::trace::channel(c);
-        map.put(address.to_string(), (generation, c.clone()));
-        Ok(c)
+        self.channels.get(address, || {
+            let c = pdmesh_common::tls::endpoint(address)?
+                .connect_timeout(Duration::from_secs(2))
+                .tcp_nodelay(true)
+                .http2_keep_alive_interval(Duration::from_secs(5))
+                .keep_alive_timeout(Duration::from_secs(5))
+                .keep_alive_while_idle(true)
+                .connect_lazy();
+            Ok(pdmesh_common::trace::channel(c))
+        })
     }
 
     /// Forgets a channel whose node went away (a new node may reuse the address).
     pub fn drop_channel(&self, address: &str) {
-        self.channels.lock().expect("channel map lock is never poisoned").pop(address);
+        self.channels.forget(address);
     }
 
     /// Advances with every placement (round-robin position, tie rotation).
