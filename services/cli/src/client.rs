@@ -18,19 +18,72 @@ pub const API_KEY_FILE: &str = "api-key";
 /// In a `pdmesh up` directory: the router's key file.
 pub const KEY_RING_FILE: &str = "api-keys.toml";
 
+/// The TLS flags every `pdmesh` command shares, services and clients alike.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TlsFlags {
+    /// Mutual TLS (always on unless --insecure): DIR holds the mesh CA (`ca.pem`) and this
+    /// process's certificate and key (`NAME.pem`, `NAME.key`, NAME from --tls-name), whose
+    /// `pdmesh://ROLE/NAME` URI says what it may do. Files are re-read when they change.
+    /// `pdmesh up` makes throwaway ones, which clients aimed at it find without this flag.
+    #[arg(long, global = true, value_name = "DIR", env = "PDMESH_TLS_DIR")]
+    pub tls_dir: Option<PathBuf>,
+    /// This process's certificate in --tls-dir.
+    #[arg(long, global = true, value_name = "NAME", env = "PDMESH_TLS_NAME")]
+    pub tls_name: Option<String>,
+    /// Plaintext, no certificates and no roles: for experiments on one machine. A service
+    /// refuses it unless every address it listens on or dials is loopback.
+    #[arg(long, global = true, env = "PDMESH_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
+    pub insecure: bool,
+}
+
+impl TlsFlags {
+    /// What the flags ask for: `Some(Some(tls))` certificates, `Some(None)` plaintext, `None`
+    /// neither (then a service refuses to start and a client looks for `pdmesh up`'s).
+    pub fn explicit(&self) -> anyhow::Result<Option<Option<MeshTls>>> {
+        Ok(match (&self.tls_dir, &self.tls_name, self.insecure) {
+            (None, None, false) => None,
+            (None, None, true) => Some(None),
+            (Some(_), _, true) | (_, Some(_), true) => {
+                anyhow::bail!("--insecure contradicts --tls-dir/--tls-name")
+            }
+            (Some(d), Some(n), false) => Some(Some(MeshTls::load(d, n)?)),
+            (Some(_), None, _) => {
+                anyhow::bail!("--tls-dir needs --tls-name: which certificate is this process's")
+            }
+            (None, Some(_), _) => {
+                anyhow::bail!("--tls-name needs --tls-dir: where the certificates are")
+            }
+        })
+    }
+
+    /// Sets this process's TLS for a client of the router at `target`: as the flags say,
+    /// else with the credentials of a `pdmesh up` mesh there. Returns that mesh's directory
+    /// when its credentials were used.
+    pub fn init_client(&self, target: &str) -> anyhow::Result<Option<PathBuf>> {
+        let (tls, found) = match self.explicit()? {
+            Some(tls) => (tls, None),
+            None => {
+                let d = local_mesh_dir(target);
+                anyhow::ensure!(
+                    d.join("ca.pem").exists(),
+                    "no credentials for the mesh at {target}: `pdmesh up` keeps them in {} \
+                     while it runs there; for another mesh give --tls-dir DIR --tls-name NAME \
+                     (and --api-key), or --insecure for a plaintext mesh on loopback",
+                    d.display()
+                );
+                (Some(MeshTls::load(&d, OPERATOR)?), Some(d))
+            }
+        };
+        pdmesh_common::tls::init(tls);
+        Ok(found)
+    }
+}
+
 /// How a client proves who it is: flags every client command shares.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct Access {
-    /// The mesh CA and this client's certificate (`--tls-name`), as for the services;
-    /// default: the credentials of the `pdmesh up` mesh at the target.
-    #[arg(long, global = true, value_name = "DIR", env = "PDMESH_TLS_DIR")]
-    pub tls_dir: Option<PathBuf>,
-    /// This client's certificate in --tls-dir.
-    #[arg(long, global = true, value_name = "NAME", env = "PDMESH_TLS_NAME")]
-    pub tls_name: Option<String>,
-    /// Plaintext, for a mesh run with --insecure.
-    #[arg(long, global = true, env = "PDMESH_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
-    pub insecure: bool,
+    #[command(flatten)]
+    pub tls: TlsFlags,
     /// The API key to send (default: that of the `pdmesh up` mesh at the target).
     #[arg(long, global = true, env = "PDMESH_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -39,8 +92,7 @@ pub struct Access {
 impl Access {
     /// Sets up this process's TLS for the router at `target` and returns the API key to send.
     pub fn init(&self, target: &str) -> anyhow::Result<Option<String>> {
-        let found =
-            init_tls(self.tls_dir.as_deref(), self.tls_name.as_deref(), self.insecure, target)?;
+        let found = self.tls.init_client(target)?;
         api_key(self.api_key.clone(), found.as_deref())
     }
 }
@@ -56,43 +108,6 @@ pub fn local_mesh_dir(listen: &str) -> PathBuf {
         .map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' })
         .collect();
     home.join("up").join(name)
-}
-
-/// Sets this process's TLS for a client of the router at `target`: the given certificate;
-/// plaintext with `insecure`; else the credentials of a `pdmesh up` mesh there. Returns that
-/// mesh's directory when its credentials were used.
-pub fn init_tls(
-    dir: Option<&Path>,
-    name: Option<&str>,
-    insecure: bool,
-    target: &str,
-) -> anyhow::Result<Option<PathBuf>> {
-    let (tls, found) = match (dir, name, insecure) {
-        (Some(_), _, true) | (_, Some(_), true) => {
-            anyhow::bail!("--insecure contradicts --tls-dir/--tls-name")
-        }
-        (Some(d), Some(n), false) => (Some(MeshTls::load(d, n)?), None),
-        (Some(_), None, _) => {
-            anyhow::bail!("--tls-dir needs --tls-name: which certificate is this process's")
-        }
-        (None, Some(_), _) => {
-            anyhow::bail!("--tls-name needs --tls-dir: where the certificates are")
-        }
-        (None, None, true) => (None, None),
-        (None, None, false) => {
-            let d = local_mesh_dir(target);
-            anyhow::ensure!(
-                d.join("ca.pem").exists(),
-                "no credentials for the mesh at {target}: `pdmesh up` keeps them in {} while \
-                 it runs there; for another mesh give --tls-dir DIR --tls-name NAME (and \
-                 --api-key), or --insecure for a plaintext mesh on loopback",
-                d.display()
-            );
-            (Some(MeshTls::load(&d, OPERATOR)?), Some(d))
-        }
-    };
-    pdmesh_common::tls::init(tls);
-    Ok(found)
 }
 
 /// The API key to send: the one given, else the one of the `pdmesh up` mesh found.

@@ -112,14 +112,8 @@ pub fn request_of(a: &GenerateArgs) -> GenerateRequest {
     }
 }
 
-pub fn run(
-    a: GenerateArgs,
-    tls_dir: Option<std::path::PathBuf>,
-    tls_name: Option<String>,
-    insecure: bool,
-) -> anyhow::Result<()> {
-    let found =
-        pdmesh_cli::client::init_tls(tls_dir.as_deref(), tls_name.as_deref(), insecure, &a.target)?;
+pub fn run(a: GenerateArgs, tls: &pdmesh_cli::client::TlsFlags) -> anyhow::Result<()> {
+    let found = tls.init_client(&a.target)?;
     let key = pdmesh_cli::client::api_key(a.api_key.clone(), found.as_deref())?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(generate(a, key))

@@ -33,46 +33,23 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    /// Mutual TLS (always on unless --insecure): DIR holds the mesh CA (`ca.pem`) and this
-    /// process's certificate and key (`NAME.pem`, `NAME.key`, NAME from --tls-name), whose
-    /// `pdmesh://ROLE/NAME` URI says what it may do. Servers accept only clients with a
-    /// certificate from that CA, and clients only such servers. Files are re-read when they
-    /// change. `pdmesh up` makes throwaway ones.
-    #[arg(long, global = true, value_name = "DIR", env = "PDMESH_TLS_DIR")]
-    tls_dir: Option<std::path::PathBuf>,
-    /// This process's certificate in --tls-dir.
-    #[arg(long, global = true, value_name = "NAME", env = "PDMESH_TLS_NAME")]
-    tls_name: Option<String>,
+    #[command(flatten)]
+    tls: pdmesh_cli::client::TlsFlags,
     /// The mesh's seal key (64 hex digits; `pdmesh certs seal-key`): every UCX worker address
     /// and remote key a node hands out is sealed with it (HMAC-SHA256), and none is accepted
     /// unless it is, so a forged target never reaches UCX. Same file on every node.
     #[arg(long, global = true, value_name = "FILE", env = "PDMESH_SEAL_KEY")]
     seal_key: Option<std::path::PathBuf>,
-    /// Plaintext, no certificates and no roles: for experiments on one machine. Refused
-    /// unless every address the process listens on or dials is loopback.
-    #[arg(long, global = true, env = "PDMESH_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
-    insecure: bool,
 }
 
 /// Sets a service's TLS from the flags: certificates, or plaintext when asked for.
 fn init_service_tls(cli: &Cli) -> anyhow::Result<()> {
-    let tls = match (&cli.tls_dir, &cli.tls_name, cli.insecure) {
-        (None, None, true) => None,
-        (Some(_), _, true) | (_, Some(_), true) => {
-            anyhow::bail!("--insecure contradicts --tls-dir/--tls-name")
-        }
-        (Some(dir), Some(name), false) => Some(pdmesh_common::tls::MeshTls::load(dir, name)?),
-        (Some(_), None, _) => {
-            anyhow::bail!("--tls-dir needs --tls-name: which certificate is this process's")
-        }
-        (None, Some(_), _) => {
-            anyhow::bail!("--tls-name needs --tls-dir: where the certificates are")
-        }
-        (None, None, false) => anyhow::bail!(
+    let Some(tls) = cli.tls.explicit()? else {
+        anyhow::bail!(
             "the mesh runs mutual TLS: give --tls-dir DIR --tls-name NAME (certificates from \
              the mesh's CA; `pdmesh up` makes throwaway ones, deploy/ shows cert-manager), or \
              --insecure for plaintext on loopback addresses"
-        ),
+        )
     };
     pdmesh_common::tls::init(tls);
     Ok(())
@@ -89,7 +66,7 @@ fn init_tls(cli: &Cli) -> anyhow::Result<()> {
                     pdmesh_kv_transfer::ucx::set_seal_key(&key);
                 }
                 // Before logging starts: the service's own log would come too late to say it.
-                None if !cli.insecure => eprintln!(
+                None if !cli.tls.insecure => eprintln!(
                     "warning: no --seal-key: UCX targets are sealed with a checksum, not a key"
                 ),
                 None => {}
@@ -98,7 +75,7 @@ fn init_tls(cli: &Cli) -> anyhow::Result<()> {
         }
         Command::Up(_) => {
             anyhow::ensure!(
-                cli.tls_dir.is_none() && cli.tls_name.is_none(),
+                cli.tls.tls_dir.is_none() && cli.tls.tls_name.is_none(),
                 "`pdmesh up` makes its own certificates (or none with --insecure)"
             );
             Ok(())
@@ -220,15 +197,11 @@ fn certs(a: CertsArgs) -> anyhow::Result<()> {
     use pdmesh_common::tls::Ca;
     match a.what {
         CertsCommand::SealKey { file } => {
-            use std::io::Write;
-            use std::os::unix::fs::OpenOptionsExt;
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&file)
+            // Replacing a mesh's key would lock out every node still holding the old one.
+            anyhow::ensure!(!file.exists(), "{} exists; remove it first", file.display());
+            let key = format!("{}\n", pdmesh_kv_transfer::ucx::new_seal_key());
+            pdmesh_common::config::write_private(&file, key.as_bytes())
                 .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-            writeln!(f, "{}", pdmesh_kv_transfer::ucx::new_seal_key())?;
             println!("{}", file.display());
         }
         CertsCommand::Ca { dir } => {
@@ -280,8 +253,8 @@ fn main() -> std::process::ExitCode {
         return std::process::ExitCode::FAILURE;
     }
     let result = match cli.command {
-        Command::Up(a) => up::run(a, cli.insecure),
-        Command::Generate(a) => generate::run(a, cli.tls_dir, cli.tls_name, cli.insecure),
+        Command::Up(a) => up::run(a, cli.tls.insecure),
+        Command::Generate(a) => generate::run(a, &cli.tls),
         Command::ApiKey(a) => api_key(a),
         Command::Certs(a) => certs(a),
         Command::Router(a) => serve::router(a),

@@ -133,17 +133,8 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
 }
 
 fn write_private(path: &Path, data: &str) -> anyhow::Result<()> {
-    use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)
-        .with_context(|| format!("writing {}", path.display()))?;
-    f.write_all(data.as_bytes())?;
-    Ok(())
+    pdmesh_common::config::write_private(path, data.as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {

@@ -65,6 +65,18 @@ pub fn file_stamp(path: &Path) -> FileStamp {
     Some((m.modified().ok()?, m.len()))
 }
 
+/// Writes a secret (a key, a certificate) readable by its owner only, whole or not at all: it
+/// is written aside and renamed, so a reader watching the file never sees half of it.
+pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut o = std::fs::OpenOptions::new();
+    o.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
+    let tmp = path.with_extension("tmp");
+    o.open(&tmp).and_then(|mut f| f.write_all(data)).and_then(|()| std::fs::rename(&tmp, path))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::result_large_err)] // figment's Jail API

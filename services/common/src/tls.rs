@@ -393,16 +393,7 @@ fn create_dir(dir: &Path) -> Result<(), TlsError> {
 }
 
 fn write_private(path: &Path, data: &[u8]) -> Result<(), TlsError> {
-    use std::io::Write;
-    let mut o = std::fs::OpenOptions::new();
-    o.write(true).create(true).truncate(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
-    // A reader watching the file (`watch`) must never see half of it: write aside, rename.
-    let tmp = path.with_extension("tmp");
-    o.open(&tmp)
-        .and_then(|mut f| f.write_all(data))
-        .and_then(|()| std::fs::rename(&tmp, path))
+    crate::config::write_private(path, data)
         .map_err(|source| TlsError::Write { path: path.to_path_buf(), source })
 }
 
