@@ -124,7 +124,11 @@ where
         if !self.enforce {
             return Box::pin(inner.call(req));
         }
-        let peer = peer_of(&req);
+        // Public calls need no identity: their certificate (if any) is not even parsed.
+        let peer = match access(req.uri().path()) {
+            Access::Anyone => None,
+            Access::Roles(_) => peer_of(&req),
+        };
         if let Err(status) = check(req.uri().path(), peer.as_ref()) {
             tracing::warn!(path = req.uri().path(), ?peer, "refused: {}", status.message());
             return Box::pin(async move { Ok(status.into_http()) });
