@@ -30,6 +30,33 @@ macro_rules! per_transport {
     )*};
 }
 
+/// A greedy request for these token ids that ignores end-of-turn tokens.
+pub fn greedy(ids: &[u32], max_tokens: u32) -> pdmesh_proto::v1::GenerateRequest {
+    use pdmesh_proto::v1::{GenerateRequest, TokenIds, generate_request};
+    GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds { ids: ids.to_vec() })),
+        max_tokens,
+        ignore_eos: true,
+        ..Default::default()
+    }
+}
+
+/// A response stream's tokens and its `Finished`, or its first error.
+pub async fn collect(
+    mut s: tonic::Streaming<pdmesh_proto::v1::GenerateResponse>,
+) -> Result<(Vec<u32>, Option<pdmesh_proto::v1::Finished>), tonic::Status> {
+    use pdmesh_proto::v1::generate_response::Event;
+    let (mut toks, mut finished) = (Vec::new(), None);
+    while let Some(m) = s.message().await? {
+        match m.event {
+            Some(Event::Delta(d)) => toks.extend(d.token_ids),
+            Some(Event::Finished(f)) => finished = Some(f),
+            _ => {}
+        }
+    }
+    Ok((toks, finished))
+}
+
 /// The repository root.
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")

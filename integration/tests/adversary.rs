@@ -11,7 +11,7 @@ use bytes::Bytes;
 use pdmesh_common::apikey::Tenant;
 use pdmesh_common::tls::MeshRole;
 use pdmesh_integration::cluster::{endpoint_as, pki};
-use pdmesh_integration::{Cluster, eventually};
+use pdmesh_integration::{Cluster, collect, eventually, greedy};
 use pdmesh_kv_types::BlockHasher;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk as PushChunk;
@@ -22,7 +22,7 @@ use pdmesh_proto::v1::{
     CancelRequest, DecodeRequest, GenerateRequest, HeartbeatRequest, KvBlocks, KvChunk, KvEnd,
     KvHeader, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
     KvWriteHeader, NodeLoad, RegisterRequest, ReleaseRequest, ReserveRequest, Role, SamplerState,
-    TokenIds, decode_request, generate_request, generate_response,
+    decode_request, generate_response,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -51,24 +51,9 @@ async fn generate(client: &mut pdmesh_integration::Client, prompt: &[u32]) -> Ve
 
 /// Greedy tokens of one request, and the prompt tokens it found cached.
 async fn generate_full(client: &mut pdmesh_integration::Client, prompt: &[u32]) -> (Vec<u32>, u32) {
-    let r = GenerateRequest {
-        input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt.to_vec() })),
-        max_tokens: 8,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let mut s = client.generate(r).await.unwrap().into_inner();
-    let mut toks = Vec::new();
-    while let Some(m) = s.message().await.unwrap() {
-        match m.event {
-            Some(generate_response::Event::Delta(d)) => toks.extend(d.token_ids),
-            Some(generate_response::Event::Finished(f)) => {
-                return (toks, f.usage.unwrap().cached_tokens);
-            }
-            _ => {}
-        }
-    }
-    panic!("stream ended without a finish message");
+    let s = client.generate(greedy(prompt, 8)).await.unwrap().into_inner();
+    let (toks, finished) = collect(s).await.unwrap();
+    (toks, finished.expect("a finish message").usage.unwrap().cached_tokens)
 }
 
 fn attach(reservation_id: &str) -> DecodeRequest {
@@ -380,15 +365,8 @@ async fn tenants_cancel_only_their_own_and_hold_only_their_share() {
         .start()
         .await;
     let (mut alice, mut bob) = (c.client_as("alice").await, c.client().await);
-    let long = GenerateRequest {
-        input: Some(generate_request::Input::TokenIds(TokenIds {
-            ids: (0..40).map(|i| 900 + i).collect(),
-        })),
-        max_tokens: 200,
-        ignore_eos: true,
-        request_id: "shared-name".into(),
-        ..Default::default()
-    };
+    let ids: Vec<u32> = (0..40).map(|i| 900 + i).collect();
+    let long = GenerateRequest { request_id: "shared-name".into(), ..greedy(&ids, 200) };
     let mut s = alice.generate(long.clone()).await.unwrap().into_inner();
     s.message().await.unwrap();
     // Bob guesses the id: not his, so not found, and Alice's request goes on.
@@ -538,6 +516,20 @@ async fn the_metrics_port_survives_slowloris_and_fd_exhaustion() {
     // The kernel completes connections into the backlog; give the process time to try (and
     // fail) to accept them.
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // The descriptors really are gone: a new caller is not served.
+    let stats = async {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", store.addr))
+            .unwrap()
+            .connect()
+            .await?;
+        KvStoreClient::new(ch).stats(pdmesh_proto::v1::StatsRequest {}).await.map_err(Into::into)
+    };
+    let served: Result<_, Box<dyn std::error::Error + Send + Sync>> =
+        match tokio::time::timeout(Duration::from_secs(2), stats).await {
+            Ok(r) => r,
+            Err(e) => Err(e.into()),
+        };
+    assert!(served.is_err(), "the store still had descriptors to serve a new caller");
     let before = cpu_ticks(store.pid());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let spent = cpu_ticks(store.pid()) - before;
@@ -602,45 +594,15 @@ async fn a_reserve_flood_is_refused_and_lapses() {
     };
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert!(held > 0);
-    let e = client
-        .generate(GenerateRequest {
-            input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt.clone() })),
-            max_tokens: 8,
-            ignore_eos: true,
-            ..Default::default()
-        })
-        .await;
-    let e = match e {
+    let e = match client.generate(greedy(&prompt, 8)).await {
         Err(e) => e,
-        Ok(s) => {
-            let mut s = s.into_inner();
-            loop {
-                match s.message().await {
-                    Err(e) => break e,
-                    Ok(None) => panic!("served while the pool was full"),
-                    Ok(Some(_)) => {}
-                }
-            }
-        }
+        Ok(s) => collect(s.into_inner()).await.expect_err("served while the pool was full"),
     };
     assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
     eventually(WAIT, "the flood's leases lapse and requests are served", || async {
         let mut client = c.client().await;
-        let r = GenerateRequest {
-            input: Some(generate_request::Input::TokenIds(TokenIds { ids: prompt.clone() })),
-            max_tokens: 8,
-            ignore_eos: true,
-            ..Default::default()
-        };
-        let Ok(s) = client.generate(r).await else { return false };
-        let mut s = s.into_inner();
-        let mut toks = Vec::new();
-        while let Ok(Some(m)) = s.message().await {
-            if let Some(generate_response::Event::Delta(d)) = m.event {
-                toks.extend(d.token_ids);
-            }
-        }
-        toks == want
+        let Ok(s) = client.generate(greedy(&prompt, 8)).await else { return false };
+        collect(s.into_inner()).await.is_ok_and(|(toks, _)| toks == want)
     })
     .await;
 }

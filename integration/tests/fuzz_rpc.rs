@@ -25,11 +25,11 @@ use pdmesh_proto::v1::kv_store_server::KvStoreServer;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{
-    DecodeRequest, DeregisterRequest, GenerateRequest, HeartbeatRequest, KvBlocks, KvChunk, KvEnd,
-    KvHeader, KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvSessionRequest,
-    KvStoreBlock, KvWriteChunk, KvWriteHeader, NodeLoad, PrefillRequest, RegisterRequest,
-    ReleaseRequest, ReserveRequest, Role, SamplerState, StatsRequest, TokenIds, decode_request,
-    generate_request, generate_response, kv_chunk, kv_session_request, kv_write_chunk,
+    DecodeRequest, DeregisterRequest, HeartbeatRequest, KvBlocks, KvChunk, KvEnd, KvHeader,
+    KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvSessionRequest, KvStoreBlock,
+    KvWriteChunk, KvWriteHeader, NodeLoad, PrefillRequest, RegisterRequest, ReleaseRequest,
+    ReserveRequest, Role, SamplerState, StatsRequest, decode_request, kv_chunk, kv_session_request,
+    kv_write_chunk,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -197,20 +197,9 @@ impl Target {
     fn honest(&self) -> Vec<u32> {
         self.rt.block_on(async {
             let mut c = self.mesh.client().await;
-            let r = GenerateRequest {
-                input: Some(generate_request::Input::TokenIds(TokenIds { ids: (1..30).collect() })),
-                max_tokens: 6,
-                ignore_eos: true,
-                ..Default::default()
-            };
-            let mut s = c.generate(r).await.unwrap().into_inner();
-            let mut t = Vec::new();
-            while let Some(m) = s.message().await.unwrap() {
-                if let Some(generate_response::Event::Delta(d)) = m.event {
-                    t.extend(d.token_ids);
-                }
-            }
-            t
+            let ids: Vec<u32> = (1..30).collect();
+            let s = c.generate(pdmesh_integration::greedy(&ids, 6)).await.unwrap().into_inner();
+            pdmesh_integration::collect(s).await.unwrap().0
         })
     }
 

@@ -9,14 +9,12 @@ use std::time::Duration;
 
 use pdmesh_common::tls::{self, MeshRole, MeshTls};
 use pdmesh_integration::cluster::{endpoint_as, pki};
-use pdmesh_integration::{Cluster, eventually, pdmesh_bin};
+use pdmesh_integration::{Cluster, collect, eventually, greedy, pdmesh_bin};
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
-use pdmesh_proto::v1::{
-    GenerateRequest, ListNodesRequest, StatsRequest, TokenIds, generate_request, generate_response,
-};
+use pdmesh_proto::v1::{ListNodesRequest, StatsRequest};
 use tonic::Code;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
 
@@ -34,22 +32,9 @@ async fn probe(ch: Channel, kind: &str) -> Result<(), tonic::Status> {
 }
 
 async fn tokens(client: &mut pdmesh_integration::Client) -> Result<usize, tonic::Status> {
-    let req = GenerateRequest {
-        input: Some(generate_request::Input::TokenIds(TokenIds {
-            ids: (0..40).map(|i| 500 + i).collect(),
-        })),
-        max_tokens: 6,
-        ignore_eos: true,
-        ..Default::default()
-    };
-    let mut s = client.generate(req).await?.into_inner();
-    let mut n = 0;
-    while let Some(m) = s.message().await? {
-        if let Some(generate_response::Event::Delta(d)) = m.event {
-            n += d.token_ids.len();
-        }
-    }
-    Ok(n)
+    let ids: Vec<u32> = (0..40).map(|i| 500 + i).collect();
+    let s = client.generate(greedy(&ids, 6)).await?.into_inner();
+    Ok(collect(s).await?.0.len())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
