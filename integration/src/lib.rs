@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod inprocess;
+pub mod reference;
 
 pub use cluster::{Cluster, eventually};
 /// A client of the public API that sends an API key (`Cluster::client`).

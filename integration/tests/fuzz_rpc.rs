@@ -370,12 +370,15 @@ fn every_internal_handler_survives_malformed_input() {
         stop: vec!["x".into()],
         ignore_eos: true,
         start: Some(decode_request::Start::PrefillLocally(true)),
+        resumed: Vec::new(),
     };
     let mut first = attach.clone();
     first.start = Some(decode_request::Start::FirstToken(5));
+    // A stream moved here from another node, with two tokens of its own output.
+    let moved = DecodeRequest { resumed: vec![5, 6], ..first.clone() };
     t.fuzz(
         "Decode",
-        seeds("decode", vec![attach, first]),
+        seeds("decode", vec![attach, first, moved]),
         |m: &mut DecodeRequest, id| m.reservation_id = id,
         |m| {
             let a = decode.clone();

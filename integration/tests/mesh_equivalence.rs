@@ -9,66 +9,18 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use pdmesh_integration::{Cluster, eventually, pdmesh, pdmesh_bin, per_transport, repo_root, run};
+use pdmesh_integration::reference::{PROMPTS, reference, request};
+use pdmesh_integration::{Cluster, eventually, pdmesh_bin, per_transport, repo_root, run};
 use pdmesh_proto::v1::{
-    Chat, ChatMessage, FinishReason, GenerateRequest, SamplingParams, generate_request,
-    generate_response,
+    FinishReason, GenerateRequest, SamplingParams, generate_request, generate_response,
 };
 
-const PROMPTS: [&str; 20] = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in one sentence.",
-    "List three primary colors.",
-    "What does a compiler do?",
-    "Give me a synonym for happy.",
-    "How many legs does a spider have?",
-    "Translate 'good morning' into Spanish.",
-    "Why do leaves change color in autumn?",
-    "Name a famous painting by Leonardo da Vinci.",
-    "What is 12 times 12?",
-    "Describe the smell of rain.",
-    "Who wrote Romeo and Juliet?",
-    "What is the boiling point of water in Celsius?",
-    "Suggest a name for a pet turtle.",
-    "What is the largest planet in our solar system?",
-    "Explain what a black hole is to a child.",
-    "Write a short motto for a bakery.",
-    "What language is spoken in Brazil?",
-    "How do bees make honey?",
-];
 const MAX_TOKENS: u32 = 24;
-
-/// (temperature, top_p, seed) for prompt i: even prompts greedy, odd ones seeded sampling.
-fn sampling(i: usize) -> (f32, f32, u64) {
-    if i.is_multiple_of(2) { (0.0, 1.0, 0) } else { (0.8, 0.95, 1000 + i as u64) }
-}
-
-fn reference(i: usize) -> Vec<u32> {
-    let (t, p, seed) = sampling(i);
-    let (code, out, err) = run(pdmesh(&[
-        "run",
-        "--prompt",
-        PROMPTS[i],
-        "--max-tokens",
-        &MAX_TOKENS.to_string(),
-        "--temperature",
-        &t.to_string(),
-        "--top-p",
-        &p.to_string(),
-        "--seed",
-        &seed.to_string(),
-        "--json",
-    ]));
-    assert_eq!(code, 0, "{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    v["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
-}
 
 /// The single-engine tokens, computed once for both transports.
 fn expected() -> &'static [Vec<u32>] {
     static E: OnceLock<Vec<Vec<u32>>> = OnceLock::new();
-    E.get_or_init(|| (0..PROMPTS.len()).map(reference).collect())
+    E.get_or_init(|| (0..PROMPTS.len()).map(|i| reference(i, MAX_TOKENS)).collect())
 }
 
 /// Four node processes are all two cores take: one mesh at a time.
@@ -95,25 +47,12 @@ async fn disaggregated_mesh_gives_the_tokens_of_one_engine(transport: &str) {
     };
     let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(8));
     let mut tasks = Vec::new();
-    for (i, prompt) in PROMPTS.iter().enumerate() {
+    for i in 0..PROMPTS.len() {
         let mut client = cluster.client().await;
         let sem = std::sync::Arc::clone(&sem);
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire().await.unwrap();
-            let (t, p, seed) = sampling(i);
-            let req = GenerateRequest {
-                input: Some(generate_request::Input::Chat(Chat {
-                    messages: vec![ChatMessage { role: "user".into(), content: (*prompt).into() }],
-                })),
-                max_tokens: MAX_TOKENS,
-                sampling: Some(SamplingParams {
-                    temperature: t,
-                    top_p: Some(p),
-                    seed: Some(seed),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            };
+            let req = request(i, MAX_TOKENS);
             let mut s = client.generate(req).await.unwrap().into_inner();
             let mut tokens = Vec::new();
             let mut finished = None;

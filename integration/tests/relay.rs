@@ -169,14 +169,51 @@ async fn an_unreachable_prefill_node_is_retried_on_another_before_the_first_toke
     assert_eq!(retried, 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_decode_node_whose_engine_dies_leaves_the_mesh_at_once() {
+/// Two decode nodes, decode-0's engine set to die at its fifth step; heartbeats would take a
+/// minute to lapse, so only deregistration can take it out quickly.
+async fn dying_decode_mesh(max_migrations: u32) -> Mesh {
     let mut s = Settings::new(1, 2);
-    // Heartbeats would take a minute to lapse: only deregistration can be this quick.
     s.router.node_ttl_ms = 60_000;
+    s.router.max_migrations = max_migrations;
     s.decode[0].fault_engine_panic_at_step = Some(5);
-    let m = s.start().await;
-    // Requests go to both decode nodes until decode-0's engine panics mid-stream.
+    s.start().await
+}
+
+/// After decode-0 left: no more work goes to it, every request lands on decode-1.
+async fn only_decode_1_serves(m: &Mesh) {
+    eventually(Duration::from_secs(5), "decode-0 deregisters", || async {
+        !m.nodes().await.iter().any(|n| n.node_id == "decode-0")
+    })
+    .await;
+    for _ in 0..4 {
+        let (tokens, f) = generate(m, req(8)).await.unwrap();
+        assert_eq!(tokens, reference(8));
+        assert_eq!(f.timings.unwrap().decode_node, "decode-1");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_decode_engine_dies_moves_and_continues_bit_identically() {
+    let m = dying_decode_mesh(3).await;
+    // Requests go to both decode nodes until decode-0's engine panics mid-stream; the stream
+    // on it moves to decode-1 and ends as if nothing happened.
+    let mut moved = 0;
+    for _ in 0..6 {
+        let (tokens, f) = generate(&m, req(16)).await.expect("no request fails");
+        assert_eq!(tokens, reference(16));
+        let t = f.timings.unwrap();
+        if t.migrations > 0 {
+            assert_eq!((t.migrations, t.decode_node.as_str()), (1, "decode-1"), "{t:?}");
+            moved += 1;
+        }
+    }
+    assert_eq!(moved, 1, "exactly one stream ran into the panic");
+    only_decode_1_serves(&m).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_migration_budget_a_decode_engine_death_ends_its_stream() {
+    let m = dying_decode_mesh(0).await;
     let mut failed = None;
     for _ in 0..6 {
         match generate(&m, req(16)).await {
@@ -190,16 +227,7 @@ async fn a_decode_node_whose_engine_dies_leaves_the_mesh_at_once() {
     let st = failed.expect("a request ran into the panic");
     assert_eq!(st.code(), Code::Unavailable, "{st:?}");
     assert!(st.message().contains("decode-0"), "the status names the node: {}", st.message());
-    eventually(Duration::from_secs(5), "decode-0 deregisters", || async {
-        !m.nodes().await.iter().any(|n| n.node_id == "decode-0")
-    })
-    .await;
-    // No more work goes to it: every request now lands on decode-1 and finishes.
-    for _ in 0..4 {
-        let (tokens, f) = generate(&m, req(8)).await.unwrap();
-        assert_eq!(tokens, reference(8));
-        assert_eq!(f.timings.unwrap().decode_node, "decode-1");
-    }
+    only_decode_1_serves(&m).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -195,6 +195,15 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     lease_ms: Option<u32>,
+    /// Longest a decode stream may go silent before its node counts as hung, in ms.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stall_timeout_ms: Option<u64>,
+    /// Times a started stream may move to another decode node when its node dies, hangs or
+    /// drains (it continues there bit-identically); 0 = never [default: 3].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_migrations: Option<u32>,
     #[arg(long, hide = true)]
     #[serde(skip)]
     exit_with_stdin: bool,

@@ -8,6 +8,10 @@ use tonic::{Code, Status};
 /// Metadata key carrying a retry hint on RESOURCE_EXHAUSTED, in milliseconds.
 pub const RETRY_AFTER_MS: &str = "retry-after-ms";
 
+/// Metadata key naming the peer a node lost on the caller's behalf (a prefill node whose
+/// decode node went away mid-transfer): the caller then knows which node to avoid.
+pub const LOST_PEER: &str = "pdmesh-lost-peer";
+
 /// `status` as returned by `node`: same code, message prefixed with the node. Transport
 /// failures (connection refused or reset) come back as UNAVAILABLE.
 pub fn from_peer(node: &str, status: &Status) -> Status {
@@ -55,9 +59,38 @@ pub fn exhausted(msg: impl Into<String>, retry_after: Duration) -> Status {
     s
 }
 
+/// UNAVAILABLE because `peer` could not be reached, saying so in the message and, for the
+/// caller to act on, in metadata (`lost_peer`).
+pub fn unreachable(peer: &str, why: impl std::fmt::Display) -> Status {
+    let mut s = Status::unavailable(format!("node {peer}: {why}"));
+    if let Ok(v) = peer.parse() {
+        s.metadata_mut().insert(LOST_PEER, v);
+    }
+    s
+}
+
+/// The peer an UNAVAILABLE status says was lost (`unreachable`), if it says.
+pub fn lost_peer(status: &Status) -> Option<&str> {
+    if status.code() != Code::Unavailable {
+        return None;
+    }
+    status.metadata().get(LOST_PEER)?.to_str().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_peer_is_named_in_metadata_and_only_on_unavailable() {
+        let s = unreachable("decode-0", "KV transfer failed: reset");
+        assert_eq!(s.message(), "node decode-0: KV transfer failed: reset");
+        assert_eq!(lost_peer(&s), Some("decode-0"));
+        let mut other = Status::internal("x");
+        other.metadata_mut().insert(LOST_PEER, "decode-0".parse().unwrap());
+        assert_eq!(lost_peer(&other), None);
+        assert_eq!(lost_peer(&Status::unavailable("node decode-0: gone")), None);
+    }
 
     #[test]
     fn peer_status_keeps_code_and_names_node() {

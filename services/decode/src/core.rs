@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use pdmesh_common::convert::ms;
 use pdmesh_common::ids::Capability;
 use pdmesh_engine::{
-    BatchRunner, End, Engine, Event as RunEvent, FinishReason, GenerateParams, Output as RunOutput,
-    Piece, Release, Role, SamplingParams, SeqId, SeqSpec, SeqStatus, Work,
+    BatchRunner, End, Engine, Event as RunEvent, FinishReason, GenerateParams, Mark,
+    Output as RunOutput, Piece, Release, Role, SamplingParams, SeqId, SeqSpec, SeqStatus, Work,
 };
 use pdmesh_kv_transfer::{Receiver, Target};
 use pdmesh_wire::finish_reason;
@@ -31,8 +31,14 @@ pub trait Output: Send {
 
 #[derive(Debug, Clone)]
 pub enum Event {
-    Delta(Piece),
-    Finished { reason: FinishReason, completion_tokens: u32, queue_ms: f64, prefill_ms: f64 },
+    /// Output, and where the request stands after it (none on the final flush).
+    Delta(Piece, Option<Mark>),
+    Finished {
+        reason: FinishReason,
+        completion_tokens: u32,
+        queue_ms: f64,
+        prefill_ms: f64,
+    },
     Failed(DecodeError),
 }
 
@@ -55,6 +61,8 @@ pub struct Attach {
     pub stops: Vec<String>,
     pub ignore_eos: bool,
     pub start: Start,
+    /// The request's own output so far, from another node (`SeqSpec::resumed`).
+    pub resumed: Vec<u32>,
     /// The request's span: waiting and batching are traced under it.
     pub span: Span,
 }
@@ -460,6 +468,7 @@ impl DecodeCore {
             text: true,
             first_token,
             seq: Some(r.seq),
+            resumed: a.resumed,
         };
         if !local && !known {
             self.receiver.await_kv(id);
@@ -552,9 +561,9 @@ impl DecodeCore {
         let mut gone = HashSet::new();
         while let Some(o) = queue.pop_front() {
             match o.event {
-                RunEvent::Delta(piece) => {
+                RunEvent::Delta(piece, mark) => {
                     let Some(a) = self.attached(o.id) else { continue };
-                    if !gone.contains(&o.id) && !a.out.send(Event::Delta(piece)) {
+                    if !gone.contains(&o.id) && !a.out.send(Event::Delta(piece, mark)) {
                         gone.insert(o.id);
                         queue.extend(self.runner.cancel(
                             &mut self.engine,

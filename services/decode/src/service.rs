@@ -12,8 +12,8 @@ use pdmesh_kv_transfer::{KvInbox, KvPool, TransferStats};
 use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::decode_server::Decode;
 use pdmesh_proto::v1::{
-    DecodeEvent, DecodeFinished, DecodeRequest, Delta, KvChunk, KvSessionRequest, KvTarget,
-    NodeLoad, NodeStats, PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest,
+    DecodeEvent, DecodeFinished, DecodeMark, DecodeRequest, Delta, KvChunk, KvSessionRequest,
+    KvTarget, NodeLoad, NodeStats, PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest,
     ReserveResponse, Role, StatsRequest, decode_event, decode_request,
 };
 use pdmesh_wire::{finish_reason, sampling_from};
@@ -157,15 +157,20 @@ impl Stream for Events {
             Poll::Ready(Some(ev)) => ev,
         };
         Poll::Ready(Some(match ev {
-            Event::Delta(p) => Ok(DecodeEvent {
+            Event::Delta(p, mark) => Ok(DecodeEvent {
                 event: Some(decode_event::Event::Delta(Delta {
                     text: p.text,
                     token_ids: p.tokens,
                 })),
+                mark: mark.map(|m| DecodeMark {
+                    tokens: m.tokens,
+                    rng_position: pdmesh_wire::rng_position_bytes(m.rng_position),
+                }),
             }),
             Event::Finished { reason, completion_tokens, queue_ms, prefill_ms } => {
                 self.ended = true;
                 Ok(DecodeEvent {
+                    mark: None,
                     event: Some(decode_event::Event::Finished(DecodeFinished {
                         reason: finish_reason(reason) as i32,
                         completion_tokens,
@@ -262,6 +267,13 @@ impl Decode for DecodeService {
         if r.max_tokens == 0 {
             return Err(Status::invalid_argument("max_tokens must be at least 1"));
         }
+        if r.resumed.len() >= r.max_tokens as usize {
+            return Err(Status::invalid_argument(format!(
+                "resumed: {} tokens leave none of max_tokens {}",
+                r.resumed.len(),
+                r.max_tokens
+            )));
+        }
         pdmesh_wire::check_stops(&r.stop).map_err(Status::invalid_argument)?;
         let max_tokens = (r.max_tokens as usize).min(self.context);
         let attach = Box::new(Attach {
@@ -272,6 +284,7 @@ impl Decode for DecodeService {
             stops: r.stop,
             ignore_eos: r.ignore_eos,
             start,
+            resumed: r.resumed,
             span: Span::current(),
         });
         let (out, rx) = ChannelOutput::channel(max_tokens);

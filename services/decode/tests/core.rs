@@ -48,7 +48,7 @@ impl Sink {
     fn tokens(&self) -> Vec<u32> {
         let mut t = Vec::new();
         for e in self.events.lock().unwrap().iter() {
-            if let Event::Delta(p) = e {
+            if let Event::Delta(p, _) = e {
                 t.extend(&p.tokens);
             }
         }
@@ -72,6 +72,7 @@ fn attach(prompt: Vec<u32>, max_tokens: usize, start: Start) -> Attach {
         stops: Vec::new(),
         ignore_eos: true,
         start,
+        resumed: Vec::new(),
         span: tracing::Span::none(),
     }
 }

@@ -71,7 +71,7 @@ pub fn generate_batch_observed(
                 let i = o.id as usize;
                 let p = progress.get_mut(&o.id).expect("every request has progress");
                 match o.event {
-                    Event::Delta(piece) => {
+                    Event::Delta(piece, _) => {
                         p.ttft.get_or_insert_with(|| start.elapsed());
                         for t in piece.tokens {
                             p.tokens.push(t);

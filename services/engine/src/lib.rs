@@ -36,7 +36,7 @@ pub use kv_cache::{BlockAllocator, KvCache, KvView, SeqId};
 pub use model::{Model, ModelConfig};
 pub use pdmesh_kernels::Phase;
 pub use runner::{
-    BatchRunner, End, Event, FinishReason, GenerateParams, Output, Role, SeqSpec, SeqStatus,
+    BatchRunner, End, Event, FinishReason, GenerateParams, Mark, Output, Role, SeqSpec, SeqStatus,
     StepFailed,
 };
 pub use sampler::{Sampler, SamplingParams};

@@ -98,6 +98,14 @@ pub struct SeqSpec {
     /// An engine sequence the caller made for it (a decode reservation, whose blocks may
     /// already hold KV); the runner makes one otherwise. Either way the runner owns it now.
     pub seq: Option<SeqId>,
+    /// This request's own output from before it moved here (its node died or drained), with
+    /// `rng_position` where the sampler stood after it. The KV of these tokens is recomputed
+    /// as it was first computed: the prompt as a prompt, then each token in a decode step
+    /// (which is not the prompt's arithmetic), fed instead of sampled; the text stream is
+    /// replayed over them (held text, stop-string matches), and they count towards
+    /// `max_tokens`. Output then continues exactly as if the request had never moved. With a
+    /// `first_token`, it must be the first of them (the prompt's first token, sampled again).
+    pub resumed: Vec<u32>,
 }
 
 impl SeqSpec {
@@ -111,6 +119,7 @@ impl SeqSpec {
             text: false,
             first_token: None,
             seq: None,
+            resumed: Vec::new(),
         }
     }
 }
@@ -127,11 +136,24 @@ pub enum End {
     Failed(Error),
 }
 
+/// Where a generating sequence stands after a piece of output: enough to continue it
+/// elsewhere. Text can lag its tokens (held back by a possible stop string), so the tokens
+/// are reported here as they are generated, whatever text they made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mark {
+    /// Tokens generated since the previous mark, in order.
+    pub tokens: Vec<u32>,
+    /// The sampler's random stream after the last of them.
+    pub rng_position: u128,
+}
+
 /// What the runner produced for a sequence.
 #[derive(Debug, Clone)]
 pub enum Event {
-    /// Output to deliver (text, when asked for, with the tokens that made it).
-    Delta(Piece),
+    /// Output to deliver (text, when asked for, with the tokens that made it), and the mark
+    /// it leaves the sequence at; no mark on the text flushed as the sequence ends (nothing
+    /// is left to continue).
+    Delta(Piece, Option<Mark>),
     /// The sequence left; `kept` is its engine sequence when the connector said its blocks
     /// must not be freed yet (the caller frees it later).
     Done { end: End, generated: usize, steps: u32, largest_batch: usize, kept: Option<SeqId> },
@@ -172,6 +194,10 @@ struct Slot {
     text: Option<TextStream>,
     next: Option<u32>,
     generated: usize,
+    /// Generated tokens not yet reported in a mark.
+    unmarked: Vec<u32>,
+    /// Resumed tokens still to feed, one decode step each, before sampling again.
+    replay: VecDeque<u32>,
     /// Blocks counted against the pool while admitted (with `promise_blocks`).
     promised: usize,
     steps: u32,
@@ -238,7 +264,7 @@ impl BatchRunner {
         let s = self.slots.get(&id)?;
         Some(if !s.admitted {
             SeqStatus::Waiting
-        } else if s.role == Role::Generate && (s.generated > 0 || s.next.is_some()) {
+        } else if s.role == Role::Generate && s.next.is_some() {
             SeqStatus::Decoding
         } else {
             SeqStatus::Prefilling
@@ -288,6 +314,9 @@ impl BatchRunner {
         if spec.first_token.is_some() && spec.role == Role::Prefill {
             return Err(Error::invalid("a prefill sequence samples its own first token"));
         }
+        if !spec.resumed.is_empty() {
+            check_resumed(&spec, ctx, vocab)?;
+        }
         let sampler = Sampler::resume(spec.params.sampling.clone(), spec.rng_position)?;
         let blocks = match spec.role {
             Role::Prefill => spec.prompt.len(),
@@ -297,23 +326,41 @@ impl BatchRunner {
         if self.promise_blocks && blocks > engine.kv().total_blocks() {
             return Err(Error::KvExhausted { needed: blocks, free: engine.kv().total_blocks() });
         }
+        let mut text = spec.text.then(|| TextStream::new(spec.params.stop_strings.clone()));
+        if let Some(text) = &mut text {
+            // The client has this output already: only the stream's state is wanted.
+            for &t in &spec.resumed {
+                if let Pushed::Stopped(_) = text.push(&self.model.tokenizer, t) {
+                    return Err(Error::invalid("the resumed tokens already end in a stop string"));
+                }
+            }
+        }
+        let mut replay: VecDeque<u32> = spec.resumed.iter().copied().collect();
+        let next = match spec.first_token {
+            // The prompt's first token again: decoding starts from it, as it did.
+            Some(_) if !replay.is_empty() => replay.pop_front(),
+            _ => None,
+        };
+        let first_token = if next.is_some() { None } else { spec.first_token };
         let mut slot = Slot {
             seq: spec.seq,
             admitted: false,
             prompt_len: spec.prompt.len(),
-            history: spec.prompt,
+            history: [spec.prompt, spec.resumed.clone()].concat(),
             sampler,
-            text: spec.text.then(|| TextStream::new(spec.params.stop_strings.clone())),
+            text,
             params: spec.params,
             role: spec.role,
-            next: None,
-            generated: 0,
+            next,
+            generated: spec.resumed.len(),
+            unmarked: Vec::new(),
+            replay,
             promised: blocks,
             steps: 0,
             largest_batch: 0,
         };
         let mut out = Vec::new();
-        if let Some(t) = spec.first_token
+        if let Some(t) = first_token
             && let Some(end) = accept(&self.model, ctx, &mut slot, t, id, &mut out)
         {
             self.slots.insert(id, slot);
@@ -436,6 +483,11 @@ impl BatchRunner {
             let Some(row) = logits.last_of(k) else { continue };
             let slot = self.slots.get_mut(&s.id).expect("planned sequences are running");
             on_logits(s.id, row);
+            if let Some(t) = slot.replay.pop_front() {
+                // A resumed token: fed, not sampled (it was sampled before the move).
+                slot.next = Some(t);
+                continue;
+            }
             let tok = slot.sampler.sample(row, &slot.history);
             match slot.role {
                 Role::Prefill => ends.push((
@@ -539,7 +591,7 @@ impl BatchRunner {
         if let (End::Finished { .. }, Some(text)) = (&end, &mut slot.text) {
             let tail = text.finish();
             if !tail.is_empty() {
-                out.push(Output { id, event: Event::Delta(tail) });
+                out.push(Output { id, event: Event::Delta(tail, None) });
             }
         }
         let kept = slot.seq.and_then(|seq| match connector.finished(id, seq, &engine.kv_view()) {
@@ -561,6 +613,36 @@ impl BatchRunner {
     }
 }
 
+/// Checks a resumed sequence's tokens against its prompt, rules and first token.
+fn check_resumed(spec: &SeqSpec, ctx: usize, vocab: u32) -> Result<()> {
+    let n = spec.resumed.len();
+    if spec.role == Role::Prefill {
+        return Err(Error::invalid("a prefill sequence has no output to resume"));
+    }
+    if n >= spec.params.max_tokens {
+        let max = spec.params.max_tokens;
+        return Err(Error::invalid(format!("{n} resumed tokens leave none of max_tokens {max}")));
+    }
+    if spec.prompt.len() + n >= ctx {
+        return Err(Error::invalid(format!(
+            "{n} resumed tokens past a prompt of {} fill the context of {ctx}",
+            spec.prompt.len()
+        )));
+    }
+    if let Some(t) = spec.resumed.iter().find(|&&t| t >= vocab) {
+        return Err(Error::invalid(format!("resumed token id {t} is outside the vocabulary")));
+    }
+    if let Some(t) = spec.first_token
+        && t != spec.resumed[0]
+    {
+        return Err(Error::invalid(format!(
+            "the first token {t} is not the resumed stream's first, {}",
+            spec.resumed[0]
+        )));
+    }
+    Ok(())
+}
+
 /// Takes a sampled token into a generating sequence: emits its output and says whether a
 /// finish rule ends the sequence. The one set of finish rules, for every role that generates.
 fn accept(
@@ -580,11 +662,19 @@ fn accept(
     }
     s.generated += 1;
     s.history.push(tok);
+    s.unmarked.push(tok);
+    let mut delta = |s: &mut Slot, piece: Piece| {
+        let mark = Mark {
+            tokens: std::mem::take(&mut s.unmarked),
+            rng_position: s.sampler.rng_position(),
+        };
+        out.push(Output { id, event: Event::Delta(piece, Some(mark)) });
+    };
     let piece = match &mut s.text {
         Some(text) => match text.push(&model.tokenizer, tok) {
             Pushed::Stopped(piece) => {
                 if !piece.is_empty() {
-                    out.push(Output { id, event: Event::Delta(piece) });
+                    delta(s, piece);
                 }
                 return Some(End::Finished { reason: FinishReason::Stop, stop_token: None });
             }
@@ -593,13 +683,13 @@ fn accept(
         None => Piece { text: String::new(), tokens: vec![tok] },
     };
     if !piece.is_empty() {
-        out.push(Output { id, event: Event::Delta(piece) });
+        delta(s, piece);
     }
     let finished = |reason| Some(End::Finished { reason, stop_token: None });
     if s.generated >= s.params.max_tokens {
         return finished(FinishReason::Length);
     }
-    if s.prompt_len + s.generated >= ctx {
+    if s.history.len() >= ctx {
         return finished(FinishReason::ContextFull);
     }
     s.next = Some(tok);

@@ -83,6 +83,7 @@ fn spec(prompt: &[u32], params: &GenerateParams, role: Role) -> SeqSpec {
         text: role == Role::Generate,
         first_token: None,
         seq: None,
+        resumed: Vec::new(),
     }
 }
 
@@ -99,7 +100,7 @@ fn drive(
         for o in outputs.drain(..) {
             assert_eq!(o.id, 1);
             match o.event {
-                Event::Delta(p) => tokens.extend(p.tokens),
+                Event::Delta(p, _) => tokens.extend(p.tokens),
                 Event::Done { end, generated, kept, .. } => {
                     assert!(kept.is_none());
                     assert!(runner.is_empty());
@@ -167,6 +168,14 @@ struct Case {
     cancel_after: Option<usize>,
     /// What generation and decode end with.
     want: Ended,
+}
+
+impl Case {
+    /// Runs `params` to its end, expecting nothing in particular.
+    fn plain(model: &std::sync::Arc<Model>, params: GenerateParams) -> Self {
+        let want = Ended::Prefilled { first_token: 0 };
+        Case { name: "plain", model: model.clone(), params, cancel_after: None, want }
+    }
 }
 
 fn params(max_tokens: usize) -> GenerateParams {
@@ -298,7 +307,7 @@ fn stop_string_text_never_leaks_and_the_tail_is_flushed() {
         loop {
             for o in outs.drain(..) {
                 match o.event {
-                    Event::Delta(p) => text.push_str(&p.text),
+                    Event::Delta(p, _) => text.push_str(&p.text),
                     Event::Done { end, .. } => return (text, end),
                 }
             }
@@ -415,4 +424,122 @@ fn a_failed_load_fails_only_its_sequence() {
         .collect();
     assert_eq!(failed, vec![1]);
     assert!(runner.contains(2) && !runner.contains(1));
+}
+
+/// Every output of one sequence's run, in order, and how it ended.
+fn run_marked(
+    model: &std::sync::Arc<Model>,
+    s: SeqSpec,
+) -> (Vec<(Piece, Option<Mark>)>, FinishReason) {
+    run_marked_with(model, s, &mut NoConnector)
+}
+
+/// `run_marked` with the prompt's KV from `connector`.
+fn run_marked_with(
+    model: &std::sync::Arc<Model>,
+    s: SeqSpec,
+    connector: &mut dyn KvConnector,
+) -> (Vec<(Piece, Option<Mark>)>, FinishReason) {
+    let mut e = engine(model);
+    let mut runner = BatchRunner::new(&e, 4, false);
+    let mut outs = runner.add(&mut e, connector, 1, s).expect("add");
+    let mut events = Vec::new();
+    loop {
+        for o in outs.drain(..) {
+            match o.event {
+                Event::Delta(p, m) => events.push((p, m)),
+                Event::Done { end: End::Finished { reason, .. }, .. } => return (events, reason),
+                Event::Done { end, .. } => panic!("ended with {end:?}"),
+            }
+        }
+        outs = runner.step(&mut e, connector).expect("step");
+    }
+}
+
+#[test]
+fn a_sequence_resumed_at_any_mark_continues_bit_identically() {
+    let model = TinyModel::default().build();
+    let prompt = model.tokenizer.encode(PROMPT).expect("tokenizes");
+    for sampling in [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.9,
+            seed: 11,
+            repetition_penalty: 1.2,
+            ..Default::default()
+        },
+    ] {
+        let p = GenerateParams { sampling, ..params(24) };
+        let (plain, _) =
+            run_marked(&model, SeqSpec { text: true, ..spec(&prompt, &p, Role::Generate) });
+        // A stop string that begins with a character of the output and never completes holds
+        // text back wherever that character comes out, so marks fall where text lags tokens.
+        let c = plain.iter().flat_map(|(p, _)| p.text.chars()).nth(2).expect("long enough");
+        let stops = vec![format!("{c}\u{1}"), "never in the output \u{2}".to_string()];
+        let p = GenerateParams { stop_strings: stops, ..p };
+        let whole = SeqSpec { text: true, ..spec(&prompt, &p, Role::Generate) };
+        let (events, reason) = run_marked(&model, whole.clone());
+        let text = |e: &[(Piece, Option<Mark>)]| e.iter().map(|(p, _)| p.text.clone()).collect();
+        let tokens = |e: &[(Piece, Option<Mark>)]| -> Vec<u32> {
+            e.iter().flat_map(|(_, m)| m.iter().flat_map(|m| m.tokens.clone())).collect()
+        };
+        let (want_text, want_tokens): (String, Vec<u32>) = (text(&events), tokens(&events));
+        for (i, (_, mark)) in events.iter().enumerate() {
+            let Some(mark) = mark else { continue };
+            let sent = &events[..=i];
+            let generated = tokens(sent);
+            if generated.len() >= p.max_tokens || i + 1 == events.len() {
+                continue;
+            }
+            let resumed = SeqSpec {
+                rng_position: mark.rng_position,
+                resumed: generated.clone(),
+                ..whole.clone()
+            };
+            // Prefilled here, or the prompt's KV and first token from a prefill run.
+            let (Ended::Prefilled { first_token }, blocks) =
+                prefill_run(&model, &prompt, &Case::plain(&model, p.clone()))
+            else {
+                panic!("prefill did not prefill");
+            };
+            let mut pushed = Pushed { prompt_len: prompt.len(), blocks };
+            let moved = SeqSpec { first_token: Some(first_token), ..resumed.clone() };
+            for (how, (rest, r)) in [
+                ("prefilled here", run_marked(&model, resumed)),
+                ("pushed", run_marked_with(&model, moved, &mut pushed)),
+            ] {
+                let got_text: String = text(sent) + &text(&rest);
+                assert_eq!(got_text, want_text, "text resumed after event {i}, {how}");
+                let got = [generated.clone(), tokens(&rest)].concat();
+                assert_eq!(got, want_tokens, "tokens after event {i}, {how}");
+                assert_eq!(r, reason, "finish after event {i}, {how}");
+            }
+        }
+        // Held text (a stop string's first character, an incomplete character) comes out with
+        // the next token: the replay must have rebuilt that state to match.
+        assert!(events.iter().any(|(p, _)| p.tokens.len() > 1), "no text held: {events:?}");
+    }
+}
+
+#[test]
+fn resumed_tokens_are_checked() {
+    let model = TinyModel::default().build();
+    let mut e = engine(&model);
+    let mut runner = BatchRunner::new(&e, 4, true);
+    let p = params(4);
+    let ok = SeqSpec { text: true, ..spec(&[1, 2, 3], &p, Role::Generate) };
+    let vocab = model.config.vocab as u32;
+    for (s, want) in [
+        (SeqSpec { resumed: vec![5; 4], ..ok.clone() }, "leave none of max_tokens"),
+        (SeqSpec { resumed: vec![5, vocab], ..ok.clone() }, "outside the vocabulary"),
+        (SeqSpec { resumed: vec![5], first_token: Some(6), ..ok.clone() }, "not the resumed"),
+        (SeqSpec { resumed: vec![5], role: Role::Prefill, text: false, ..ok.clone() }, "no output"),
+        (
+            SeqSpec { resumed: vec![5; 3], prompt: vec![1; 254], params: params(8), ..ok.clone() },
+            "context",
+        ),
+    ] {
+        let err = runner.add(&mut e, &mut NoConnector, 9, s).expect_err(want).to_string();
+        assert!(err.contains(want), "{err}");
+    }
 }

@@ -64,9 +64,10 @@ impl From<TransferError> for Status {
     fn from(e: TransferError) -> Self {
         match e {
             TransferError::Refused { node, status } => peer_status(&node, &status),
-            TransferError::Unreachable { node, reason } => {
-                Status::unavailable(format!("node {node}: KV transfer failed: {reason}"))
-            }
+            TransferError::Unreachable { node, reason } => pdmesh_common::status::unreachable(
+                &node,
+                format_args!("KV transfer failed: {reason}"),
+            ),
             TransferError::NoEndpoint { node, reason } => Status::failed_precondition(format!(
                 "node {node}: no UCX endpoint (kv_transport = ucx): {reason}"
             )),

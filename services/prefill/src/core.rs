@@ -179,6 +179,7 @@ impl PrefillCore {
             text: false,
             first_token: None,
             seq: None,
+            resumed: Vec::new(),
         };
         if let Err(e) = self.runner.add(&mut self.engine, &mut self.push, id, spec) {
             self.push.remove(id);

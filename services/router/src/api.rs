@@ -70,6 +70,8 @@ pub struct Timings {
     pub kv_bytes: u64,
     /// Attempts it took (2 when a failure before the first token was retried).
     pub attempts: u32,
+    /// Times the stream moved to another decode node mid-way and continued there.
+    pub migrations: u32,
 }
 
 /// A request's events; dropping it cancels the request on every node.

@@ -91,15 +91,14 @@ impl Failure {
         }
     }
 
-    /// Whether trying again on other nodes makes sense: only before the client saw a token,
-    /// and only for a node that is gone or full.
-    pub fn retryable(&self, first_sent: bool) -> bool {
-        !first_sent
-            && match self {
-                Failure::Lost { .. } => true,
-                Failure::Refused { status, .. } => status.code() == Code::ResourceExhausted,
-                _ => false,
-            }
+    /// Whether trying again on other nodes makes sense: for a node that is gone or full.
+    /// Before the client saw a token that is a retry; after, the stream moves (`Resume`).
+    pub fn retryable(&self) -> bool {
+        match self {
+            Failure::Lost { .. } => true,
+            Failure::Refused { status, .. } => status.code() == Code::ResourceExhausted,
+            _ => false,
+        }
     }
 
     /// What the client is told.
@@ -138,13 +137,24 @@ pub(crate) struct Request<'a> {
     pub cancel: &'a CancellationToken,
 }
 
-/// What the request has learned so far (it carries over a retry only as `attempts`).
+/// What the request has learned so far: its timings, and where its stream stands.
 #[derive(Debug, Default)]
 pub(crate) struct Report {
     pub timings: Timings,
     /// Prompt tokens the prefill node took from the prefix cache.
     pub cached_tokens: u32,
     pub first_sent: bool,
+    /// Where the client's stream stands: what a migrated request continues from.
+    pub resume: Resume,
+}
+
+/// Every token generated up to the last output the client was sent (text can lag them), and
+/// the sampler's random stream after them: with the prompt, all a decode node needs to
+/// continue the request exactly there.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub(crate) struct Resume {
+    pub tokens: Vec<u32>,
+    pub rng_position: u128,
 }
 
 /// How decoding ended: the decode node's finish.
@@ -244,8 +254,10 @@ impl Attempt<'_> {
         let mut dclient = DecodeClient::new(channel(mesh, &decode)?);
         self.report.timings.decode_node = decode.id.clone();
         // A retry starts over: what an earlier attempt took from the cache is not what this one
-        // does.
-        self.report.cached_tokens = 0;
+        // does. A moved stream keeps the account of its prompt.
+        if !self.report.first_sent {
+            self.report.cached_tokens = 0;
+        }
         let mut reservation = self.reserve(&mut dclient).await?;
         let start = match self.prefill.clone() {
             Some(p) => self.prefill(&p, &reservation.target).await?,
@@ -299,6 +311,8 @@ impl Attempt<'_> {
         let cfg = &req.mesh.config;
         // The prefill node's share ends with its part (the KV is complete), not the request's.
         let _assigned = Assigned::new(req.mesh, p, 0);
+        // A moved stream's prompt is prefilled as it was the first time (and its first token
+        // sampled again); the decode node recomputes the rest as it was first computed.
         req.mesh.prefixes.record(p, &req.salt, &req.prep.prompt);
         self.report.timings.prefill_node = p.id.clone();
         let mut client = PrefillClient::new(channel(req.mesh, p)?);
@@ -311,7 +325,13 @@ impl Attempt<'_> {
         };
         let queued_at_router = req.t0.elapsed();
         let watched = [p, &self.decode];
-        let fail = |s: &Status| Failure::from_node(&p.id, s);
+        // The prefill node losing the decode node is the decode node's failure: the retry
+        // must avoid it, not the prefill node.
+        let d = &self.decode.id;
+        let fail = |s: &Status| match pdmesh_common::status::lost_peer(s) {
+            Some(lost) if lost == d => Failure::lost(d, s.message()),
+            _ => Failure::from_node(&p.id, s),
+        };
         let opened =
             async { client.prefill(with_timeout(msg, req.deadline)).await.map_err(|s| fail(&s)) };
         let mut events = self.bounded(Phase::Prefilling, p, &watched, opened).await?.into_inner();
@@ -324,10 +344,12 @@ impl Attempt<'_> {
             }
         };
         let computed = self.bounded(Phase::Prefilling, p, &watched, first).await?;
-        let t = &mut self.report.timings;
-        t.queue_ms = ms(queued_at_router) + computed.queue_ms;
-        t.prefill_ms = computed.prefill_ms;
-        self.report.cached_tokens = computed.cached_tokens;
+        if !self.report.first_sent {
+            let t = &mut self.report.timings;
+            t.queue_ms = ms(queued_at_router) + computed.queue_ms;
+            t.prefill_ms = computed.prefill_ms;
+            self.report.cached_tokens = computed.cached_tokens;
+        }
         let until =
             req.deadline.min(Instant::now() + Duration::from_millis(cfg.transfer_timeout_ms));
         let transferred = async {
@@ -362,6 +384,10 @@ impl Attempt<'_> {
         let req = self.req;
         let d = self.decode.clone();
         let fail = |s: &Status| Failure::from_node(&d.id, s);
+        let resume = &self.report.resume;
+        // A moved stream's sampler continues from where its last node's stood.
+        let rng_position =
+            if resume.tokens.is_empty() { rng_position } else { resume.rng_position };
         let msg = DecodeRequest {
             reservation_id: reservation.target.reservation_id.clone(),
             prompt: req.prep.prompt.clone(),
@@ -370,6 +396,7 @@ impl Attempt<'_> {
             stop: req.prep.stop.clone(),
             ignore_eos: req.prep.ignore_eos,
             start: Some(start),
+            resumed: resume.tokens.clone(),
         };
         let opened =
             async { client.decode(with_timeout(msg, req.deadline)).await.map_err(|s| fail(&s)) };
@@ -377,6 +404,9 @@ impl Attempt<'_> {
         // The stream owns the reservation now: dropping it cancels the request on the node.
         reservation.armed = false;
         let stall = Duration::from_millis(req.mesh.config.stall_timeout_ms);
+        // The text flushed as the request ends goes out with its finish: if the node dies in
+        // between, the node the request moves to flushes it again.
+        let mut tail: Option<Event> = None;
         loop {
             let next = async {
                 tokio::time::timeout(stall, stream.message())
@@ -388,16 +418,27 @@ impl Attempt<'_> {
             let ev = self.bounded(Phase::Decoding, &d, &[&d], next).await?;
             match ev.event {
                 Some(decode_event::Event::Delta(delta)) => {
+                    let out = Event::Delta { text: delta.text, tokens: delta.token_ids };
+                    let Some(mark) = ev.mark else {
+                        tail = Some(out);
+                        continue;
+                    };
+                    let rng =
+                        pdmesh_wire::rng_position(&mark.rng_position).map_err(|s| fail(&s))?;
                     if !self.report.first_sent {
                         self.report.first_sent = true;
                         self.report.timings.ttft_ms = ms(req.t0.elapsed());
                     }
-                    let ev = Event::Delta { text: delta.text, tokens: delta.token_ids };
-                    let sent = async { req.out.send(Ok(ev)).await.map_err(|_| Failure::Abandoned) };
-                    self.bounded(Phase::Decoding, &d, &[&d], sent).await?;
+                    self.send(&d, out).await?;
+                    let resume = &mut self.report.resume;
+                    resume.tokens.extend(mark.tokens);
+                    resume.rng_position = rng;
                 }
                 Some(decode_event::Event::Finished(f)) => {
-                    if self.prefill.is_none() {
+                    if let Some(out) = tail.take() {
+                        self.send(&d, out).await?;
+                    }
+                    if self.prefill.is_none() && self.report.timings.migrations == 0 {
                         self.report.timings.queue_ms = f.queue_ms;
                         self.report.timings.prefill_ms = f.prefill_ms;
                     }
@@ -409,6 +450,15 @@ impl Attempt<'_> {
                 None => return Err(fail(&Status::internal("empty decode event"))),
             }
         }
+    }
+}
+
+impl Attempt<'_> {
+    /// Sends an event to the client, waiting for room while the node `d` stays.
+    async fn send(&self, d: &Node, ev: Event) -> Result<(), Failure> {
+        let out = self.req.out;
+        let sent = async { out.send(Ok(ev)).await.map_err(|_| Failure::Abandoned) };
+        self.bounded(Phase::Decoding, d, &[d], sent).await
     }
 }
 

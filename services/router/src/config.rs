@@ -44,6 +44,10 @@ pub struct RouterConfig {
     pub stall_timeout_ms: u64,
     /// Lease on decode reservations.
     pub lease_ms: u32,
+    /// Times a request may move to another decode node after its stream started (its node
+    /// died, hung or drained); it continues there bit-identically. Past it, the client gets
+    /// the failure's status. 0 = never move a started stream.
+    pub max_migrations: u32,
     /// Prompts shorter than this are prefilled on the decode node itself (conditional
     /// disaggregation); 0 = always disaggregate when a prefill node exists.
     pub colocate_below_tokens: usize,
@@ -75,6 +79,7 @@ impl Default for RouterConfig {
             transfer_timeout_ms: 30_000,
             stall_timeout_ms: 60_000,
             lease_ms: 30_000,
+            max_migrations: 3,
             colocate_below_tokens: 0,
             prefill_policy: PrefillPolicy::PrefixAware,
             prefix_max_imbalance: 2,

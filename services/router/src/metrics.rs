@@ -22,6 +22,7 @@ pub struct RouterMetrics {
     requests: LabelledFamily<Labels, Counter>,
     prompt_tokens: Counter,
     cached_tokens: Counter,
+    migrations: Counter,
 }
 
 impl Default for RouterMetrics {
@@ -35,6 +36,7 @@ impl Default for RouterMetrics {
             requests: LabelledFamily::default(),
             prompt_tokens: Counter::default(),
             cached_tokens: Counter::default(),
+            migrations: Counter::default(),
         }
     }
 }
@@ -67,6 +69,11 @@ impl RouterMetrics {
             "pdmesh_router_cached_tokens",
             "Prompt tokens of finished requests whose KV came from a cache.",
             self.cached_tokens.clone(),
+        );
+        m.register(
+            "pdmesh_router_migrations",
+            "Streams moved to another decode node mid-way (theirs died, hung or drained).",
+            self.migrations.clone(),
         );
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
@@ -106,6 +113,11 @@ impl RouterMetrics {
         }
         self.prompt_tokens.inc_by(u64::from(f.usage.prompt_tokens));
         self.cached_tokens.inc_by(u64::from(f.usage.cached_tokens));
+    }
+
+    /// A started stream moved to another decode node.
+    pub fn migrated(&self) {
+        self.migrations.inc();
     }
 
     /// The client went away before the request ended.

@@ -1,8 +1,12 @@
 //! One request's life on the router: attempts (`attempt.rs`) until one finishes it or a
 //! failure is final, then one `Finished` or one error to the client. A failure before the
-//! first token reaches the client is retried once on other nodes; a node that was unreachable
-//! is avoided until it heartbeats again. Dropping the request (the client left) drops the
-//! attempt's streams, which aborts them on their nodes and releases what they reserved.
+//! first token reaches the client is retried once on other nodes. A decode node lost after
+//! that (dead, hung, gone from the mesh) does not end the stream: the request moves to another
+//! decode node with its prompt and the tokens generated so far, and continues from the same
+//! sampler position, so the client sees one unbroken stream, the same one it would have seen
+//! without the failure (up to `max_migrations` times). A node that was unreachable is avoided
+//! until it heartbeats again. Dropping the request (the client left) drops the attempt's
+//! streams, which aborts them on their nodes and releases what they reserved.
 
 use std::time::{Duration, Instant};
 
@@ -22,8 +26,8 @@ use crate::mesh::Mesh;
 use crate::placement::{Ask, PrefillPolicy, place};
 use crate::request::Prepared;
 
-/// Most attempts a request gets (one retry).
-const ATTEMPTS: u32 = 2;
+/// Retries a request gets before its first token reaches the client.
+const RETRIES: u32 = 1;
 
 /// Runs an admitted request to its end, sending everything to `out`.
 pub(crate) async fn run(
@@ -91,6 +95,7 @@ fn finished(req: &Request<'_>, report: Report, reason: FinishReason, completion:
         trace::attr(&root, "finish_reason", wire.as_str_name());
         trace::attr(&root, "completion_tokens", i64::from(completion));
         trace::attr(&root, "attempts", i64::from(timings.attempts));
+        trace::attr(&root, "migrations", i64::from(timings.migrations));
         trace::attr(&root, "prefill_node", timings.prefill_node.clone());
         trace::attr(&root, "decode_node", timings.decode_node.clone());
         trace::attr(&root, "kv_transport", timings.kv_transport.clone());
@@ -106,8 +111,12 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
     let mesh = req.mesh;
     let mut exclude: Vec<String> = Vec::new();
     let mut last: Option<Failure> = None;
-    for attempt in 1..=ATTEMPTS {
-        report.timings.attempts = attempt;
+    let mut retries = 0;
+    loop {
+        if let Some(done) = ended_before_moving(req, report).await? {
+            return Ok(done);
+        }
+        report.timings.attempts += 1;
         let placed = match placement(req, &exclude) {
             Ok(p) => p,
             // No other node can take the retry: the first failure is the answer.
@@ -127,19 +136,75 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
         if let (Some(n), Failure::Lost { .. }) = (failure.node(), &failure) {
             mesh.registry().suspect(n, Instant::now());
         }
-        if attempt == ATTEMPTS || !failure.retryable(report.first_sent) {
+        if !failure.retryable() {
             return Err(failure);
         }
-        let node = failure.node().map(str::to_string);
-        tracing::warn!(
-            request = req.id,
-            "attempt {attempt} failed ({}); retrying on other nodes",
-            failure_message(&failure)
-        );
-        exclude.extend(node);
+        let attempt = report.timings.attempts;
+        if report.first_sent {
+            if report.timings.migrations >= mesh.config.max_migrations {
+                return Err(failure);
+            }
+            report.timings.migrations += 1;
+            mesh.metrics.migrated();
+            tracing::warn!(
+                request = req.id,
+                tokens = report.resume.tokens.len(),
+                "attempt {attempt} failed mid-stream ({}); moving the stream to another node",
+                failure_message(&failure)
+            );
+        } else {
+            if retries >= RETRIES {
+                return Err(failure);
+            }
+            retries += 1;
+            tracing::warn!(
+                request = req.id,
+                "attempt {attempt} failed ({}); retrying on other nodes",
+                failure_message(&failure)
+            );
+        }
+        exclude.extend(failure.node().map(str::to_string));
         last = Some(failure);
     }
-    unreachable!("the last attempt returns")
+}
+
+/// Before a stream moves: whether what the client already has ends the request (its last
+/// node finished it and died before saying so). The finish rules a node would apply next,
+/// applied here, with the text a node would flush.
+async fn ended_before_moving(
+    req: &Request<'_>,
+    report: &Report,
+) -> Result<Option<Decoded>, Failure> {
+    let generated = &report.resume.tokens;
+    if generated.is_empty() {
+        return Ok(None);
+    }
+    let tokenizer = &req.mesh.model.tokenizer;
+    let mut text = pdmesh_engine::TextStream::new(req.prep.stop.clone());
+    for &t in generated {
+        if let pdmesh_engine::Pushed::Stopped(_) = text.push(tokenizer, t) {
+            return Ok(Some(Decoded {
+                reason: pdmesh_wire::finish_reason(FinishReason::Stop) as i32,
+                completion_tokens: generated.len() as u32,
+            }));
+        }
+    }
+    let reason = if generated.len() >= req.prep.max_tokens {
+        FinishReason::Length
+    } else if req.prep.prompt.len() + generated.len() >= req.mesh.model.config.context {
+        FinishReason::ContextFull
+    } else {
+        return Ok(None);
+    };
+    let tail = text.finish();
+    if !tail.is_empty() {
+        let ev = Event::Delta { text: tail.text, tokens: tail.tokens };
+        req.out.send(Ok(ev)).await.map_err(|_| Failure::Abandoned)?;
+    }
+    Ok(Some(Decoded {
+        reason: pdmesh_wire::finish_reason(reason) as i32,
+        completion_tokens: generated.len() as u32,
+    }))
 }
 
 fn failure_message(f: &Failure) -> String {

@@ -159,6 +159,7 @@ fn to_wire(e: Event) -> generate_response::Event {
                     kv_transport: t.kv_transport,
                     kv_bytes: t.kv_bytes,
                     attempts: t.attempts,
+                    migrations: t.migrations,
                 }),
             })
         }

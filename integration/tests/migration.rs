@@ -1,0 +1,187 @@
+//! Streams that outlive their decode node: 20 chat requests (half greedy, half seeded) run on
+//! a mesh of real processes with two decode nodes; one decode node is killed (`kill -9`) or
+//! hung (SIGSTOP) while they stream. Every client still gets exactly the tokens `pdmesh run`
+//! gives, in one unbroken stream with no error, the moved ones continued on the survivor from
+//! where they stood; and no KV block is left behind. With no migration budget the old
+//! behaviour holds: the stream ends with UNAVAILABLE naming the node.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use pdmesh_integration::reference::{PROMPTS, reference, request};
+use pdmesh_integration::{Cluster, eventually, per_transport};
+use pdmesh_proto::v1::{Finished, generate_response};
+use tonic::Code;
+
+/// Long enough that a node is lost mid-stream.
+const MAX_TOKENS: u32 = 64;
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Clusters are heavy on two cores: one test at a time in this binary.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn expected() -> &'static [Vec<u32>] {
+    static E: std::sync::OnceLock<Vec<Vec<u32>>> = std::sync::OnceLock::new();
+    E.get_or_init(|| (0..PROMPTS.len()).map(|i| reference(i, MAX_TOKENS)).collect())
+}
+
+/// One stream's tokens, in the order they arrived, and its end.
+type Outcome = (Vec<u32>, Result<Finished, tonic::Status>);
+
+/// Starts every prompt at once; `started` counts streams that have had a token.
+async fn start_all(
+    c: &Cluster,
+    started: &Arc<AtomicUsize>,
+) -> Vec<tokio::task::JoinHandle<Outcome>> {
+    let mut clients = Vec::new();
+    for _ in 0..PROMPTS.len() {
+        clients.push(c.client().await);
+    }
+    clients
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut client)| {
+            let started = Arc::clone(started);
+            tokio::spawn(async move {
+                let mut s = client.generate(request(i, MAX_TOKENS)).await.unwrap().into_inner();
+                let mut tokens = Vec::new();
+                loop {
+                    match s.message().await {
+                        Ok(Some(m)) => match m.event.unwrap() {
+                            generate_response::Event::Delta(d) => {
+                                if tokens.is_empty() && !d.token_ids.is_empty() {
+                                    started.fetch_add(1, Ordering::SeqCst);
+                                }
+                                tokens.extend(d.token_ids);
+                            }
+                            generate_response::Event::Finished(f) => return (tokens, Ok(f)),
+                            generate_response::Event::Started(_) => {}
+                        },
+                        Ok(None) => panic!("stream {i} ended without a finish"),
+                        Err(e) => return (tokens, Err(e)),
+                    }
+                }
+            })
+        })
+        .collect()
+}
+
+/// Waits until half the streams have tokens; returns the decode node running the most.
+async fn mid_stream(c: &Cluster, started: &AtomicUsize) -> usize {
+    eventually(WAIT, "half the streams started", || async {
+        started.load(Ordering::SeqCst) >= PROMPTS.len() / 2
+    })
+    .await;
+    let (a, b) = (c.decode_stats(0).await.decoding, c.decode_stats(1).await.decoding);
+    assert!(a + b > 0, "nothing decoding: the streams finished before the failure");
+    if a >= b { 0 } else { 1 }
+}
+
+/// Every stream gave `pdmesh run`'s tokens and finished; returns how many moved.
+async fn all_match(tasks: Vec<tokio::task::JoinHandle<Outcome>>, victim: &str) -> u32 {
+    let expected = tokio::task::spawn_blocking(expected).await.unwrap();
+    let mut moved = 0;
+    let mut outs = Vec::new();
+    for t in tasks {
+        outs.push(tokio::time::timeout(WAIT, t).await.expect("a stream hung").unwrap());
+    }
+    for (i, (tokens, end)) in outs.into_iter().enumerate() {
+        let f = end.unwrap_or_else(|e| panic!("stream {i} failed: {e:?}"));
+        assert_eq!(tokens, expected[i], "prompt {i} ({:?}) differs from `pdmesh run`", PROMPTS[i]);
+        assert_eq!(f.usage.unwrap().completion_tokens as usize, tokens.len(), "prompt {i}");
+        let t = f.timings.unwrap();
+        if t.migrations > 0 {
+            assert_ne!(t.decode_node, victim, "prompt {i} moved but ended on the lost node");
+            moved += t.migrations;
+        }
+    }
+    moved
+}
+
+/// Every live node's blocks are free again.
+async fn blocks_back(c: &Cluster) {
+    for i in 0..c.decodes.len() {
+        if c.decodes[i].is_running_ref() {
+            eventually(WAIT, &format!("decode-{i} blocks free"), || async move {
+                let l = c.decode_stats(i).await.load.unwrap();
+                l.free_blocks == l.total_blocks && l.committed_blocks == 0
+            })
+            .await;
+        }
+    }
+    eventually(WAIT, "prefill-0 blocks free", || async {
+        let l = c.prefill_stats(0).await.load.unwrap();
+        l.free_blocks == l.total_blocks
+    })
+    .await;
+}
+
+per_transport!(killed_decode_node_streams_continue_bit_identically);
+
+async fn killed_decode_node_streams_continue_bit_identically(transport: &str) {
+    let _serial = SERIAL.lock().await;
+    tokio::task::spawn_blocking(expected).await.unwrap();
+    let mut c = Cluster::builder().prefill(1).decode(2).transport(transport).start().await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let tasks = start_all(&c, &started).await;
+    let victim = mid_stream(&c, &started).await;
+    c.decodes[victim].kill();
+    let moved = all_match(tasks, &format!("decode-{victim}")).await;
+    assert!(moved > 0, "no stream was on decode-{victim} when it died");
+    blocks_back(&c).await;
+    // The survivor received the moved streams' KV over the transport the mesh uses.
+    let survivor = c.decode_stats(1 - victim).await;
+    let received: u64 =
+        survivor.transports.iter().filter(|t| t.transport == transport).map(|t| t.transfers).sum();
+    assert!(received > 0, "{survivor:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hung_decode_node_streams_continue_bit_identically() {
+    let _serial = SERIAL.lock().await;
+    tokio::task::spawn_blocking(expected).await.unwrap();
+    let c = Cluster::builder().prefill(1).decode(2).start().await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let tasks = start_all(&c, &started).await;
+    let victim = mid_stream(&c, &started).await;
+    c.decodes[victim].pause();
+    let moved = all_match(tasks, &format!("decode-{victim}")).await;
+    assert!(moved > 0, "no stream was on decode-{victim} when it hung");
+    // Back, the node finds its streams cancelled, frees their blocks and rejoins.
+    c.decodes[victim].resume();
+    c.wait_nodes(1, 2).await;
+    blocks_back(&c).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_migration_budget_a_lost_node_ends_its_streams() {
+    let _serial = SERIAL.lock().await;
+    let mut c = Cluster::builder()
+        .prefill(1)
+        .decode(2)
+        .router_args(&["--max-migrations", "0"])
+        .start()
+        .await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let tasks = start_all(&c, &started).await;
+    let victim = mid_stream(&c, &started).await;
+    c.decodes[victim].kill();
+    let mut failed = 0;
+    for t in tasks {
+        let (tokens, end) = tokio::time::timeout(WAIT, t).await.expect("a stream hung").unwrap();
+        match end {
+            Ok(f) => assert_eq!(f.timings.unwrap().migrations, 0),
+            Err(e) => {
+                assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+                assert!(e.message().contains(&format!("decode-{victim}")), "{e:?}");
+                assert!(!tokens.is_empty(), "a stream failed before its first token: {e:?}");
+                failed += 1;
+            }
+        }
+    }
+    assert!(failed > 0, "no stream was on decode-{victim} when it died");
+    blocks_back(&c).await;
+}
