@@ -200,6 +200,27 @@ impl Service {
         assert!(ok, "kill {sig} {pid} failed");
     }
 
+    /// SIGTERM, as an orchestrator stops a process; `exited` waits for it.
+    pub fn terminate(&self) {
+        self.signal("-TERM");
+    }
+
+    /// Waits up to `within` for the process to exit; its status (None: still running).
+    pub fn exited(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let until = Instant::now() + within;
+        let c = self.child.as_mut()?;
+        loop {
+            if let Ok(Some(status)) = c.try_wait() {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() > until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// A clean stop (stdin closes), waiting for the process to exit.
     pub fn stop(&mut self) {
         drop(self.stdin.take());

@@ -25,11 +25,11 @@ use pdmesh_proto::v1::kv_store_server::KvStoreServer;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{
-    DecodeRequest, DeregisterRequest, HeartbeatRequest, KvBlocks, KvChunk, KvEnd, KvHeader,
-    KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvSessionRequest, KvStoreBlock,
-    KvWriteChunk, KvWriteHeader, NodeLoad, PrefillRequest, RegisterRequest, ReleaseRequest,
-    ReserveRequest, Role, SamplerState, StatsRequest, decode_request, kv_chunk, kv_session_request,
-    kv_write_chunk,
+    DecodeRequest, DeregisterRequest, HandOffRequest, HeartbeatRequest, KvBlocks, KvChunk, KvEnd,
+    KvHeader, KvLayout, KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvSessionRequest,
+    KvStoreBlock, KvTarget, KvWriteChunk, KvWriteHeader, NodeLoad, PrefillRequest, RegisterRequest,
+    ReleaseRequest, ReserveRequest, Role, SamplerState, StatsRequest, decode_request, kv_chunk,
+    kv_session_request, kv_write_chunk,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -376,13 +376,42 @@ fn every_internal_handler_survives_malformed_input() {
     first.start = Some(decode_request::Start::FirstToken(5));
     // A stream moved here from another node, with two tokens of its own output.
     let moved = DecodeRequest { resumed: vec![5, 6], ..first.clone() };
+    // ... or with its KV.
+    let handed = DecodeRequest {
+        start: Some(decode_request::Start::HandedOff(true)),
+        resumed: vec![5, 6],
+        ..attach.clone()
+    };
     t.fuzz(
         "Decode",
-        seeds("decode", vec![attach, first, moved]),
+        seeds("decode", vec![attach, first, moved, handed]),
         |m: &mut DecodeRequest, id| m.reservation_id = id,
         |m| {
             let a = decode.clone();
             async move { drain(DecodeClient::new(ch(&a).await).decode(m).await?.into_inner()).await }
+        },
+    );
+    // A router answering a drain: keep it here, or push it to a target.
+    let stay = HandOffRequest { reservation_id: "0".repeat(32), target: None };
+    let to = HandOffRequest {
+        target: Some(KvTarget {
+            reservation_id: "1".repeat(32),
+            decode_node: "decode-0".into(),
+            address: decode.clone(),
+            layout: Some(layout.clone()),
+            blocks: 1,
+            prompt_tokens: 9,
+            ucx: None,
+        }),
+        ..stay.clone()
+    };
+    t.fuzz(
+        "HandOff",
+        seeds("hand_off", vec![stay, to]),
+        |m: &mut HandOffRequest, id| m.reservation_id = id,
+        |m| {
+            let a = decode.clone();
+            async move { DecodeClient::new(ch(&a).await).hand_off(m).await.map(|_| ()) }
         },
     );
     let header = |id: String| KvHeader {
@@ -475,7 +504,7 @@ fn every_internal_handler_survives_malformed_input() {
         "Prefill",
         seeds("prefill", vec![pre]),
         |m: &mut PrefillRequest, id| {
-            m.target = Some(pdmesh_proto::v1::KvTarget {
+            m.target = Some(KvTarget {
                 reservation_id: id,
                 ..Default::default()
             });

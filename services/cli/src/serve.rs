@@ -107,6 +107,10 @@ pub struct DecodeArgs {
     /// Lease on a reservation until its KV and its request arrive, in ms.
     #[arg(long)]
     lease_ms: Option<u64>,
+    /// On SIGTERM (or `Decode/Drain`): longest to wait for running requests to move to other
+    /// decode nodes with their KV, or finish here when none has room, in ms [default: 30000].
+    #[arg(long)]
+    drain_grace_ms: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -290,6 +294,8 @@ async fn bind_and_announce(
 struct DecodeExtra {
     #[serde(skip_serializing_if = "Option::is_none")]
     lease_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    drain_grace_ms: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -510,11 +516,17 @@ fn start<C: Service>(
     });
     // Flushes the last spans while the runtime still drives the exporter's connection.
     let _ = rt.block_on(async { tokio::task::spawn_blocking(move || telemetry.shutdown()).await });
+    // Dropping a runtime waits for its blocking threads, and the one reading stdin
+    // (`--exit-with-stdin`) never returns when a signal, not stdin, stopped the service.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
     served
 }
 
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
-    let overlay = NodeOverlay { node: &a.node, extra: DecodeExtra { lease_ms: a.lease_ms } };
+    let overlay = NodeOverlay {
+        node: &a.node,
+        extra: DecodeExtra { lease_ms: a.lease_ms, drain_grace_ms: a.drain_grace_ms },
+    };
     start::<pdmesh_decode::DecodeConfig>(a.node.config.as_deref(), &overlay, a.node.exit_with_stdin)
 }
 

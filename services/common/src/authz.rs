@@ -38,8 +38,12 @@ pub fn access(path: &str) -> Access {
         }
         ("pdmesh.v1.Membership", "ListNodes") => Access::Roles(&[Router, Admin]),
         ("pdmesh.v1.Prefill", "Prefill") => Access::Roles(&[Router]),
-        ("pdmesh.v1.Decode", "Reserve" | "Release" | "Decode") => Access::Roles(&[Router]),
-        ("pdmesh.v1.Decode", "PushKv" | "KvSession") => Access::Roles(&[Prefill]),
+        ("pdmesh.v1.Decode", "Reserve" | "Release" | "Decode" | "HandOff") => {
+            Access::Roles(&[Router])
+        }
+        // A draining decode node moves its requests' KV to another decode node.
+        ("pdmesh.v1.Decode", "PushKv" | "KvSession") => Access::Roles(&[Prefill, Decode]),
+        ("pdmesh.v1.Decode", "Drain") => Access::Roles(&[Admin]),
         ("pdmesh.v1.KvStore", "Match" | "ReleaseMatch" | "Read" | "Write") => {
             Access::Roles(&[Prefill])
         }
@@ -154,8 +158,10 @@ mod tests {
             ("/pdmesh.v1.Decode/Reserve", &[Router]),
             ("/pdmesh.v1.Decode/Decode", &[Router]),
             ("/pdmesh.v1.Decode/Release", &[Router]),
-            ("/pdmesh.v1.Decode/PushKv", &[Prefill]),
-            ("/pdmesh.v1.Decode/KvSession", &[Prefill]),
+            ("/pdmesh.v1.Decode/PushKv", &[Prefill, Decode]),
+            ("/pdmesh.v1.Decode/KvSession", &[Prefill, Decode]),
+            ("/pdmesh.v1.Decode/HandOff", &[Router]),
+            ("/pdmesh.v1.Decode/Drain", &[Admin]),
             ("/pdmesh.v1.Prefill/Prefill", &[Router]),
             ("/pdmesh.v1.KvStore/Write", &[Prefill]),
             ("/pdmesh.v1.KvStore/Read", &[Prefill]),

@@ -25,8 +25,11 @@ pub struct DecodeConfig {
     pub lease_ms: u64,
     /// Longest lease a caller may ask for.
     pub max_lease_ms: u64,
-    /// Time in-flight calls get to finish at shutdown.
+    /// Time in-flight calls get to finish at shutdown, after the drain.
     pub drain_ms: u64,
+    /// Longest a stopping node (SIGTERM, `Drain`) waits for its requests to move to other
+    /// decode nodes with their KV, or to finish here when none has room, before it exits.
+    pub drain_grace_ms: u64,
     /// How prefill nodes may deliver KV here: "ucx" (register the KV pool with UCX; fail to
     /// start without it), "grpc" (the gRPC stream only), "auto" (UCX when it starts).
     pub kv_transport: TransportKind,
@@ -49,6 +52,7 @@ impl Default for DecodeConfig {
             lease_ms: 30_000,
             max_lease_ms: 300_000,
             drain_ms: 5_000,
+            drain_grace_ms: 30_000,
             kv_transport: TransportKind::Auto,
             fault_engine_panic_at_step: None,
             fault_step_delay_ms: 0,

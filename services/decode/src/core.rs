@@ -33,6 +33,13 @@ pub trait Output: Send {
 pub enum Event {
     /// Output, and where the request stands after it (none on the final flush).
     Delta(Piece, Option<Mark>),
+    /// The node is draining: the request is paused until `hand_off` says where it goes.
+    Moving {
+        mark: Mark,
+        kv_tokens: usize,
+    },
+    /// Its KV went to another node: the stream ends here and continues there.
+    Moved,
     Finished {
         reason: FinishReason,
         completion_tokens: u32,
@@ -49,6 +56,8 @@ pub enum Start {
     FirstToken(u32),
     /// Compute the prompt here.
     Local,
+    /// The request moved here with its KV (`Attach::resumed`, `SeqSpec::handed_off`).
+    HandedOff,
 }
 
 /// Everything needed to run a reserved request.
@@ -84,6 +93,9 @@ pub struct Counts {
     pub cancelled: u64,
     pub failed: u64,
     pub leases_expired: u64,
+    /// Requests handed off to another node with their KV.
+    pub moved: u64,
+    pub draining: bool,
 }
 
 /// A request attached to its reservation: the runner has its sequence.
@@ -101,6 +113,17 @@ struct Attached {
     phase: Span,
     span: Span,
     steps: u32,
+    moving: Moving,
+}
+
+/// Where an attached request stands in a drain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Moving {
+    No,
+    /// Paused; its caller was asked where it goes.
+    Asked,
+    /// No node could take it: it finishes here.
+    Stays,
 }
 
 /// Where a reservation stands. Each phase holds only what it can have.
@@ -166,6 +189,10 @@ pub struct DecodeCore {
     /// Attached requests being ended with an error of the node's (the runner reports them
     /// cancelled).
     failing: HashMap<u64, DecodeError>,
+    /// Attached requests being ended because they moved (the runner reports them cancelled).
+    moved: HashSet<u64>,
+    /// Stopping: no new reservations, and running requests are asked to move.
+    draining: bool,
 }
 
 impl std::fmt::Debug for DecodeCore {
@@ -194,6 +221,8 @@ impl DecodeCore {
             max_lease,
             counts: Counts::default(),
             failing: HashMap::new(),
+            moved: HashSet::new(),
+            draining: false,
         }
     }
 
@@ -217,6 +246,9 @@ impl DecodeCore {
         now: Instant,
     ) -> Result<Reserved, DecodeError> {
         let ctx = self.engine.max_seq_len();
+        if self.draining {
+            return Err(DecodeError::Draining);
+        }
         if prompt_len == 0 {
             return Err(DecodeError::Invalid("prompt_tokens must be at least 1".into()));
         }
@@ -432,14 +464,18 @@ impl DecodeCore {
             Phase::Reserved { lease } => Some(lease),
             _ => None,
         };
-        if a.prompt.len() != r.prompt_len {
+        // A request moved here with its KV brings that of its output too, but the last token.
+        let kv_tokens = match a.start {
+            Start::HandedOff => (a.prompt.len() + a.resumed.len()).saturating_sub(1),
+            _ => a.prompt.len(),
+        };
+        if kv_tokens != r.prompt_len {
             return Err(DecodeError::Invalid(format!(
-                "prompt has {} tokens, the reservation {}",
-                a.prompt.len(),
+                "the request has {kv_tokens} tokens of KV, the reservation {}",
                 r.prompt_len
             )));
         }
-        if a.max_tokens == 0 || self.blocks_for(r.prompt_len + a.max_tokens) > r.committed {
+        if a.max_tokens == 0 || self.blocks_for(a.prompt.len() + a.max_tokens) > r.committed {
             return Err(DecodeError::Invalid(format!(
                 "max_tokens {} is not covered by the reservation",
                 a.max_tokens
@@ -452,7 +488,7 @@ impl DecodeCore {
         }
         let first_token = match a.start {
             Start::FirstToken(t) => Some(t),
-            Start::Local => None,
+            Start::Local | Start::HandedOff => None,
         };
         let spec = SeqSpec {
             prompt: a.prompt,
@@ -469,6 +505,7 @@ impl DecodeCore {
             first_token,
             seq: Some(r.seq),
             resumed: a.resumed,
+            handed_off: a.start == Start::HandedOff,
         };
         if !local && !known {
             self.receiver.await_kv(id);
@@ -500,11 +537,83 @@ impl DecodeCore {
             ),
             span: a.span,
             steps: 0,
+            moving: Moving::No,
         };
         let r = self.reservations.get_mut(&id).expect("checked above");
         r.phase = Phase::Attached(Box::new(attached));
         // The first token goes out at once: it does not wait for the KV.
         self.deliver(outputs);
+        Ok(())
+    }
+
+    /// Starts draining: no new reservations from now on, and every decoding request is paused
+    /// and asked to move (`Event::Moving`); those still on their way are asked once they
+    /// decode. Returns the requests the node holds.
+    pub fn drain(&mut self) -> usize {
+        if !self.draining {
+            self.draining = true;
+            tracing::info!(requests = self.reservations.len(), "draining");
+        }
+        self.ask_to_move();
+        self.reservations.len()
+    }
+
+    /// While draining: pauses each decoding request not yet asked, and asks it to move.
+    fn ask_to_move(&mut self) {
+        if !self.draining {
+            return;
+        }
+        let ids: Vec<u64> = self.reservations.keys().copied().collect();
+        for id in ids {
+            let Some(a) = self.attached(id) else { continue };
+            if a.moving != Moving::No {
+                continue;
+            }
+            let Some(p) = self.runner.pause(id) else { continue };
+            let a = self.attached(id).expect("looked up above");
+            a.moving = Moving::Asked;
+            let moving = Event::Moving { mark: p.mark, kv_tokens: p.kv_tokens };
+            if !a.out.send(moving) {
+                let out = self.runner.cancel(&mut self.engine, &mut self.receiver, id);
+                self.deliver(out);
+            }
+        }
+    }
+
+    /// Whether the node holds no request or reservation (a drain is done).
+    pub fn is_empty(&self) -> bool {
+        self.reservations.is_empty()
+    }
+
+    /// The KV of a request asked to move, block by block, and how many tokens it covers.
+    pub fn export(&self, id: u64) -> Result<(Vec<Vec<u8>>, usize), DecodeError> {
+        match &self.live(id)?.phase {
+            Phase::Attached(a) if a.moving == Moving::Asked => {}
+            _ => return Err(DecodeError::Invalid(format!("request {id} is not moving"))),
+        }
+        let blocks = self.runner.export(&self.engine, id)?;
+        let kv = self.engine.seq_len(self.live(id)?.seq)?;
+        Ok((blocks, kv))
+    }
+
+    /// A request asked to move went (its KV is on the other node): its stream ends with
+    /// `Event::Moved` and its blocks are freed.
+    pub fn moved(&mut self, id: u64) {
+        if self.attached(id).is_some_and(|a| a.moving == Moving::Asked) {
+            self.moved.insert(id);
+            let out = self.runner.cancel(&mut self.engine, &mut self.receiver, id);
+            self.deliver(out);
+        }
+    }
+
+    /// A request asked to move stays (no node could take it, or its KV did not get there):
+    /// it goes on here, and is not asked again.
+    pub fn stay(&mut self, id: u64) -> Result<(), DecodeError> {
+        match self.attached(id) {
+            Some(a) if a.moving == Moving::Asked => a.moving = Moving::Stays,
+            _ => return Err(DecodeError::Invalid(format!("request {id} is not moving"))),
+        }
+        self.runner.unpause(id)?;
         Ok(())
     }
 
@@ -601,6 +710,7 @@ impl DecodeCore {
         kept: Option<SeqId>,
     ) {
         let failing = self.failing.remove(&id);
+        let moved = self.moved.remove(&id);
         let Some(r) = self.reservations.get_mut(&id) else { return };
         let phase = std::mem::replace(&mut r.phase, Phase::Quarantined);
         let Phase::Attached(mut a) = phase else {
@@ -618,6 +728,11 @@ impl DecodeCore {
             (None, End::Prefilled { .. }) => unreachable!("decode requests generate"),
         };
         match outcome {
+            Ok(_) if moved => {
+                p.record("finish_reason", "moved");
+                a.out.send(Event::Moved);
+                self.counts.moved += 1;
+            }
             Ok(reason) => {
                 p.record("finish_reason", finish_reason(reason).as_str_name());
                 a.out.send(Event::Finished {
@@ -720,6 +835,7 @@ impl DecodeCore {
         match ran {
             Ok(outputs) => {
                 self.deliver(outputs);
+                self.ask_to_move();
                 Ok(())
             }
             // A step fails as a whole and changes nothing; its requests fail rather than
@@ -752,6 +868,7 @@ impl DecodeCore {
                 },
             }
         }
+        c.draining = self.draining;
         c.committed_blocks = self.committed as u32;
         c.free_blocks = self.engine.kv().free_blocks() as u32;
         c.total_blocks = self.engine.kv().total_blocks() as u32;

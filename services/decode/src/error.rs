@@ -31,6 +31,9 @@ pub enum DecodeError {
     /// The engine thread is gone (it died, or the node is stopping).
     #[error("the engine thread has stopped")]
     EngineStopped,
+    /// The node is stopping: it takes no new work.
+    #[error("the node is draining (stopping); it takes no new requests")]
+    Draining,
 }
 
 impl From<ReceiveError> for DecodeError {
@@ -68,7 +71,7 @@ pub fn to_status(e: &DecodeError, node: &str) -> Status {
             ErrorClass::CapacityExhausted => Status::resource_exhausted(msg),
             ErrorClass::FailedPrecondition => Status::failed_precondition(msg),
         },
-        DecodeError::EngineStopped => Status::unavailable(msg),
+        DecodeError::EngineStopped | DecodeError::Draining => Status::unavailable(msg),
         // The registration failed on this node: another node (or the gRPC path) may serve.
         DecodeError::Remote(_) => Status::unavailable(msg),
         DecodeError::Forbidden(_) => Status::permission_denied(msg),

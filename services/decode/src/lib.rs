@@ -42,7 +42,8 @@ pub async fn run(
         move || s.load()
     })
     .await??;
-    let pool = register_pool(config.kv_transport, &node_id, &engine)?;
+    let ucx = config.kv_transport.start_ucx(&node_id)?;
+    let pool = register_pool(config.kv_transport, ucx.as_ref(), &engine)?;
     let layout = engine.kv_layout();
     let context = engine.max_seq_len();
     let core = DecodeCore::new(
@@ -78,13 +79,19 @@ pub async fn run(
             v
         }
     });
-    let inbox = service::Inbox { node_id: node_id.clone(), layout, tx, stats };
+    // What a draining node hands off is counted apart from what it receives.
+    let sent = Arc::new(pdmesh_kv_transfer::TransferStats::new());
+    let transport = pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, sent);
+    let inbox = service::Inbox { node_id: node_id.clone(), layout, tx: tx.clone(), stats };
+    let drain = CancellationToken::new();
     let service = DecodeService {
         inbox: Arc::new(inbox),
         address: address.clone(),
         context,
         counts: Arc::clone(&counts),
         pool,
+        transport: Arc::new(transport),
+        drain: drain.clone(),
     };
     let load_counts = Arc::clone(&counts);
     tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, ucx = service.pool.is_some(), "decode node serving");
@@ -108,23 +115,60 @@ pub async fn run(
         load: Arc::new(move || DecodeService::load(&load_counts.lock().expect("never poisoned"))),
         died,
     };
-    let served = pdmesh_common::serve_node(routes, listener, shutdown, node).await;
+    let grace = Duration::from_millis(config.drain_grace_ms);
+    let stopping = async move {
+        tokio::select! {
+            () = shutdown => {}
+            () = drain.cancelled() => {}
+        }
+        drained(&tx, &counts, grace).await;
+    };
+    let served = pdmesh_common::serve_node(routes, listener, stopping, node).await;
     // The service (and with it the command sender) is gone; the thread ends once in-flight
     // requests are done or cancelled.
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
     Ok(served?)
 }
 
+/// Drains the node: no new work, running requests asked to move (the router hands each off
+/// to another decode node with its KV, or lets it finish here); returns once none is left, or
+/// after `grace`.
+async fn drained(
+    tx: &tokio::sync::mpsc::Sender<worker::Command>,
+    counts: &Mutex<core::Counts>,
+    grace: Duration,
+) {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    if tx.send(worker::Command::Drain { reply }).await.is_err() {
+        return;
+    }
+    let Ok(held) = rx.await else { return };
+    tracing::info!(requests = held, ?grace, "draining: moving requests to other decode nodes");
+    let until = tokio::time::Instant::now() + grace;
+    let left = || {
+        let c = *counts.lock().expect("never poisoned");
+        c.reserved + c.transferring + c.queued + c.prefilling + c.decoding
+    };
+    while left() > 0 {
+        if tokio::time::Instant::now() >= until {
+            tracing::warn!(requests = left(), "drain grace period over; stopping with these");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tracing::info!("drained");
+}
+
 /// Registers the KV pool with UCX as `kind` asks: required for `ucx`, tried for `auto`.
 fn register_pool(
     kind: pdmesh_kv_transfer::TransportKind,
-    node_id: &str,
+    node: Option<&pdmesh_kv_transfer::ucx::UcxNode>,
     engine: &pdmesh_engine::Engine,
 ) -> Result<Option<pdmesh_kv_transfer::KvPool>, StartError> {
     use pdmesh_kv_transfer::TransportKind;
-    let Some(node) = kind.start_ucx(node_id)? else { return Ok(None) };
+    let Some(node) = node else { return Ok(None) };
     let memory = engine.kv_memory();
-    match pdmesh_kv_transfer::register_kv_pool(&node, &memory, engine.kv().geometry()) {
+    match pdmesh_kv_transfer::register_kv_pool(node, &memory, engine.kv().geometry()) {
         Ok(pool) => Ok(Some(pool)),
         Err(e) if kind == TransportKind::Ucx => Err(e.into()),
         Err(e) => {

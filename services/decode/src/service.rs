@@ -8,11 +8,12 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pdmesh_common::ids::Capability;
-use pdmesh_kv_transfer::{KvInbox, KvPool, TransferStats};
+use pdmesh_kv_transfer::{KvInbox, KvPiece, KvPool, KvTransport, TransferStats};
 use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::decode_server::Decode;
 use pdmesh_proto::v1::{
-    DecodeEvent, DecodeFinished, DecodeMark, DecodeRequest, Delta, KvChunk, KvSessionRequest,
+    DecodeEvent, DecodeFinished, DecodeMark, DecodeMoved, DecodeMoving, DecodeRequest, Delta,
+    DrainRequest, DrainResponse, HandOffRequest, HandOffResponse, KvChunk, KvSessionRequest,
     KvTarget, NodeLoad, NodeStats, PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest,
     ReserveResponse, Role, StatsRequest, decode_event, decode_request,
 };
@@ -105,6 +106,10 @@ pub struct DecodeService {
     pub counts: Arc<Mutex<Counts>>,
     /// The registered KV pool when this node offers UCX.
     pub pool: Option<KvPool>,
+    /// Moves a draining node's requests' KV to other decode nodes.
+    pub transport: Arc<dyn KvTransport>,
+    /// Cancelled to drain the node (`Drain`); the node then exits.
+    pub drain: tokio_util::sync::CancellationToken,
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<DecodeEvent, Status>> + Send>>;
@@ -126,6 +131,7 @@ impl DecodeService {
             total_blocks: counts.total_blocks,
             committed_blocks: counts.committed_blocks,
             cache_blocks: 0,
+            draining: counts.draining,
         }
     }
 }
@@ -167,6 +173,22 @@ impl Stream for Events {
                     rng_position: pdmesh_wire::rng_position_bytes(m.rng_position),
                 }),
             }),
+            Event::Moving { mark, kv_tokens } => Ok(DecodeEvent {
+                event: Some(decode_event::Event::Moving(DecodeMoving {
+                    kv_tokens: kv_tokens as u32,
+                })),
+                mark: Some(DecodeMark {
+                    tokens: mark.tokens,
+                    rng_position: pdmesh_wire::rng_position_bytes(mark.rng_position),
+                }),
+            }),
+            Event::Moved => {
+                self.ended = true;
+                Ok(DecodeEvent {
+                    event: Some(decode_event::Event::Moved(DecodeMoved {})),
+                    mark: None,
+                })
+            }
             Event::Finished { reason, completion_tokens, queue_ms, prefill_ms } => {
                 self.ended = true;
                 Ok(DecodeEvent {
@@ -262,7 +284,14 @@ impl Decode for DecodeService {
         let start = match r.start {
             Some(decode_request::Start::FirstToken(t)) => Start::FirstToken(t),
             Some(decode_request::Start::PrefillLocally(true)) => Start::Local,
-            _ => return Err(Status::invalid_argument("start: set first_token or prefill_locally")),
+            Some(decode_request::Start::HandedOff(true)) if !r.resumed.is_empty() => {
+                Start::HandedOff
+            }
+            _ => {
+                return Err(Status::invalid_argument(
+                    "start: set first_token, prefill_locally, or handed_off (with resumed tokens)",
+                ));
+            }
         };
         if r.max_tokens == 0 {
             return Err(Status::invalid_argument("max_tokens must be at least 1"));
@@ -333,6 +362,90 @@ impl Decode for DecodeService {
             leases_expired: c.leases_expired,
             transports: self.inbox.stats.snapshot(),
             prefix_cache: None,
+            moved: c.moved,
         }))
+    }
+
+    async fn hand_off(
+        &self,
+        req: Request<HandOffRequest>,
+    ) -> Result<Response<HandOffResponse>, Status> {
+        let r = req.into_inner();
+        let cap = self.parse_id(&r.reservation_id)?;
+        let stay = |cap: Capability| async move {
+            self.inbox.call(|reply| Command::Stay { cap, reply }).await
+        };
+        let Some(target) = r.target else {
+            stay(cap).await?;
+            return Ok(Response::new(HandOffResponse::default()));
+        };
+        let (id, blocks, kv_tokens) =
+            self.inbox.call(|reply| Command::Export { cap, reply }).await?;
+        let t0 = std::time::Instant::now();
+        match self.push(&target, blocks, kv_tokens).await {
+            Ok((bytes, transport)) => {
+                let _ = self.inbox.tx.send(Command::Moved { id }).await;
+                tracing::info!(
+                    reservation = id,
+                    to = target.decode_node,
+                    bytes,
+                    transport,
+                    "handed a request off with its KV"
+                );
+                Ok(Response::new(HandOffResponse {
+                    bytes,
+                    transport: transport.into(),
+                    transfer_ms: t0.elapsed().as_secs_f64() * 1e3,
+                }))
+            }
+            Err(s) => {
+                tracing::warn!(
+                    reservation = id,
+                    to = target.decode_node,
+                    "hand-off failed, the request stays: {}",
+                    s.message()
+                );
+                stay(cap).await?;
+                Err(s)
+            }
+        }
+    }
+
+    async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {
+        let (reply, rx) = oneshot::channel();
+        let stopped = || self.inbox.status(&DecodeError::EngineStopped);
+        self.inbox.tx.send(Command::Drain { reply }).await.map_err(|_| stopped())?;
+        let requests = rx.await.map_err(|_| stopped())?;
+        self.drain.cancel();
+        Ok(Response::new(DrainResponse { requests: requests as u32 }))
+    }
+}
+
+impl DecodeService {
+    /// Pushes a moving request's KV (`kv_tokens` tokens in `blocks`) into `target`.
+    async fn push(
+        &self,
+        target: &KvTarget,
+        blocks: Vec<Vec<u8>>,
+        kv_tokens: usize,
+    ) -> Result<(u64, &'static str), Status> {
+        let layout = target.layout.as_ref();
+        pdmesh_kv_transfer::check_layout(&self.inbox.layout, layout, &target.decode_node)?;
+        if target.prompt_tokens as usize != kv_tokens || target.blocks as usize != blocks.len() {
+            return Err(Status::invalid_argument(format!(
+                "target: {} tokens in {} blocks, the request holds {kv_tokens} in {}",
+                target.prompt_tokens,
+                target.blocks,
+                blocks.len()
+            )));
+        }
+        let mut sink = self.transport.open(target, self.node_id()).await?;
+        let transport = sink.transport();
+        let n = blocks.len() as u32;
+        for (i, b) in blocks.into_iter().enumerate() {
+            let piece = KvPiece { first_block: i as u32, layer: None, data: Bytes::from(b) };
+            sink.send(piece).await?;
+        }
+        Ok((sink.finish(n, Vec::new()).await?, transport))
     }
 }

@@ -81,6 +81,24 @@ pub enum Command {
         out: ChannelOutput,
         reply: Reply<()>,
     },
+    /// Stop taking work and ask running requests to move; replies with the requests held.
+    Drain {
+        reply: oneshot::Sender<usize>,
+    },
+    /// A moving request's KV (its key, blocks, tokens covered), to push to its new node.
+    Export {
+        cap: Capability,
+        reply: Reply<(u64, Vec<Vec<u8>>, usize)>,
+    },
+    /// The moving request's KV reached its new node: end it here.
+    Moved {
+        id: u64,
+    },
+    /// The moving request stays (no new node, or its KV did not get there).
+    Stay {
+        cap: Capability,
+        reply: Reply<()>,
+    },
 }
 
 /// Output into a tokio channel sized so that `try_send` never finds it full (a request emits
@@ -90,7 +108,8 @@ pub struct ChannelOutput(pub mpsc::Sender<Event>);
 
 impl ChannelOutput {
     pub fn channel(max_tokens: usize) -> (Self, mpsc::Receiver<Event>) {
-        let (tx, rx) = mpsc::channel(max_tokens + 4);
+        // Deltas, the final one, the end, and a drain's moving and moved.
+        let (tx, rx) = mpsc::channel(max_tokens + 6);
         (Self(tx), rx)
     }
 }
@@ -198,6 +217,17 @@ impl Core for Worker {
                 let r =
                     core.admit(&cap).and_then(|id| core.attach(id, *attach, Box::new(out), now));
                 let _ = reply.send(r);
+            }
+            Command::Drain { reply } => {
+                let _ = reply.send(core.drain());
+            }
+            Command::Export { cap, reply } => {
+                let r = core.admit(&cap).and_then(|id| core.export(id).map(|(b, n)| (id, b, n)));
+                let _ = reply.send(r);
+            }
+            Command::Moved { id } => core.moved(id),
+            Command::Stay { cap, reply } => {
+                let _ = reply.send(core.admit(&cap).and_then(|id| core.stay(id)));
             }
         }
     }

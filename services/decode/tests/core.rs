@@ -367,3 +367,90 @@ fn remote_access_is_revoked_at_commit_and_at_the_end() {
     assert!(!c.hold(12345, g, 1));
     assert!(revoked.load(SeqCst));
 }
+
+/// Every token a request generated, from its marks (its text may lag them).
+fn marked(s: &Sink) -> Vec<u32> {
+    let mut t = Vec::new();
+    for e in s.events.lock().unwrap().iter() {
+        match e {
+            Event::Delta(_, Some(m)) | Event::Moving { mark: m, .. } => t.extend(&m.tokens),
+            _ => {}
+        }
+    }
+    t
+}
+
+#[test]
+fn a_draining_node_hands_one_request_off_with_its_kv_and_keeps_the_other() {
+    let prompts = [prompt("The capital of France is"), prompt("One, two, three,")];
+    let sampling = SamplingParams { temperature: 0.8, seed: 3, ..Default::default() };
+    let mut want = Vec::new();
+    for p in &prompts {
+        let params = GenerateParams {
+            max_tokens: 16,
+            ignore_eos: true,
+            sampling: sampling.clone(),
+            ..Default::default()
+        };
+        want.push(generate(&mut engine(64), p, &params, |_| true).unwrap().tokens);
+    }
+    let now = Instant::now();
+    let (mut a, mut b) = (core(64), core(64));
+    let sinks = [Sink::default(), Sink::default()];
+    let mut ids = Vec::new();
+    for (p, s) in prompts.iter().zip(&sinks) {
+        let id = a.reserve(p.len(), 16, None, false, now).unwrap().id();
+        let at = Attach { sampling: sampling.clone(), ..attach(p.clone(), 16, Start::Local) };
+        a.attach(id, at, Box::new(s.clone()), now).unwrap();
+        ids.push(id);
+    }
+    for _ in 0..6 {
+        a.step(now).unwrap();
+    }
+    assert_eq!(a.drain(), 2);
+    assert!(matches!(a.reserve(4, 4, None, false, now), Err(DecodeError::Draining)));
+    assert!(a.counts().draining);
+    let moving = |s: &Sink| {
+        s.events.lock().unwrap().iter().find_map(|e| match e {
+            Event::Moving { mark, kv_tokens } => Some((mark.rng_position, *kv_tokens)),
+            _ => None,
+        })
+    };
+    let (rng, kv_tokens) = moving(&sinks[0]).expect("asked to move");
+    assert!(moving(&sinks[1]).is_some(), "both were decoding");
+    // Paused: nothing more comes out while they wait.
+    let before = marked(&sinks[0]);
+    a.step(now).unwrap();
+    assert_eq!(marked(&sinks[0]), before);
+    assert_eq!(kv_tokens, prompts[0].len() + before.len() - 1);
+
+    // The first goes to node B with its KV, as a transport would deliver it.
+    let (blocks, n) = a.export(ids[0]).unwrap();
+    assert_eq!(n, kv_tokens);
+    let to = b.reserve(kv_tokens, 16 + 1 - before.len(), None, true, now).unwrap().id();
+    b.kv_begin(to, false).unwrap();
+    for (i, block) in blocks.iter().enumerate() {
+        b.kv_write(to, i, block).unwrap();
+    }
+    b.kv_end(to, blocks.len(), &[], now).unwrap();
+    let moved = Sink::default();
+    let at = Attach {
+        sampling: sampling.clone(),
+        rng_position: rng,
+        resumed: before.clone(),
+        ..attach(prompts[0].clone(), 16, Start::HandedOff)
+    };
+    b.attach(to, at, Box::new(moved.clone()), now).unwrap();
+    a.moved(ids[0]);
+    assert!(sinks[0].events.lock().unwrap().iter().any(|e| matches!(e, Event::Moved)));
+    // The second stays: no node had room.
+    a.stay(ids[1]).unwrap();
+    assert!(a.stay(ids[1]).is_err(), "it stays once");
+    run_until_done(&mut b, &[&moved]);
+    run_until_done(&mut a, &[&sinks[1]]);
+    assert_eq!([before, marked(&moved)].concat(), want[0], "moved with its KV");
+    assert_eq!(marked(&sinks[1]), want[1], "stayed");
+    assert!(a.is_empty());
+    let k = a.counts();
+    assert_eq!((k.moved, k.completed, k.committed_blocks), (1, 1, 0));
+}

@@ -36,8 +36,8 @@ pub use kv_cache::{BlockAllocator, KvCache, KvView, SeqId};
 pub use model::{Model, ModelConfig};
 pub use pdmesh_kernels::Phase;
 pub use runner::{
-    BatchRunner, End, Event, FinishReason, GenerateParams, Mark, Output, Role, SeqSpec, SeqStatus,
-    StepFailed,
+    BatchRunner, End, Event, FinishReason, GenerateParams, Mark, Output, Paused, Role, SeqSpec,
+    SeqStatus, StepFailed,
 };
 pub use sampler::{Sampler, SamplingParams};
 pub use scheduler::{Scheduled, Scheduler, Work};

@@ -106,6 +106,10 @@ pub struct SeqSpec {
     /// `max_tokens`. Output then continues exactly as if the request had never moved. With a
     /// `first_token`, it must be the first of them (the prompt's first token, sampled again).
     pub resumed: Vec<u32>,
+    /// The KV of the prompt and of every resumed token but the last is already in `seq`
+    /// (handed off by the node the request ran on): nothing is recomputed, decoding goes on
+    /// from the last resumed token.
+    pub handed_off: bool,
 }
 
 impl SeqSpec {
@@ -120,6 +124,7 @@ impl SeqSpec {
             first_token: None,
             seq: None,
             resumed: Vec::new(),
+            handed_off: false,
         }
     }
 }
@@ -145,6 +150,16 @@ pub struct Mark {
     pub tokens: Vec<u32>,
     /// The sampler's random stream after the last of them.
     pub rng_position: u128,
+}
+
+/// A decoding sequence taken out of the batch to move elsewhere (`BatchRunner::pause`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Paused {
+    /// The tokens since the last mark (text may have held them back) and the sampler's
+    /// position: the output to resume from is every mark's tokens up to this one.
+    pub mark: Mark,
+    /// Tokens whose KV the sequence holds: the prompt and every generated token but the last.
+    pub kv_tokens: usize,
 }
 
 /// What the runner produced for a sequence.
@@ -198,6 +213,8 @@ struct Slot {
     unmarked: Vec<u32>,
     /// Resumed tokens still to feed, one decode step each, before sampling again.
     replay: VecDeque<u32>,
+    /// Out of the batch while it moves (`pause`).
+    paused: bool,
     /// Blocks counted against the pool while admitted (with `promise_blocks`).
     promised: usize,
     steps: u32,
@@ -314,6 +331,11 @@ impl BatchRunner {
         if spec.first_token.is_some() && spec.role == Role::Prefill {
             return Err(Error::invalid("a prefill sequence samples its own first token"));
         }
+        if spec.handed_off && (spec.resumed.is_empty() || spec.first_token.is_some()) {
+            return Err(Error::invalid(
+                "a handed-off sequence continues from its resumed tokens, without a first token",
+            ));
+        }
         if !spec.resumed.is_empty() {
             check_resumed(&spec, ctx, vocab)?;
         }
@@ -336,16 +358,25 @@ impl BatchRunner {
             }
         }
         let mut replay: VecDeque<u32> = spec.resumed.iter().copied().collect();
-        let next = match spec.first_token {
-            // The prompt's first token again: decoding starts from it, as it did.
-            Some(_) if !replay.is_empty() => replay.pop_front(),
-            _ => None,
+        let mut prompt_len = spec.prompt.len();
+        let next = if spec.handed_off {
+            // Its KV came with it: only the last token is left to feed.
+            prompt_len += replay.len() - 1;
+            let last = replay.pop_back();
+            replay.clear();
+            last
+        } else {
+            match spec.first_token {
+                // The prompt's first token again: decoding starts from it, as it did.
+                Some(_) if !replay.is_empty() => replay.pop_front(),
+                _ => None,
+            }
         };
         let first_token = if next.is_some() { None } else { spec.first_token };
         let mut slot = Slot {
             seq: spec.seq,
             admitted: false,
-            prompt_len: spec.prompt.len(),
+            prompt_len,
             history: [spec.prompt, spec.resumed.clone()].concat(),
             sampler,
             text,
@@ -355,6 +386,7 @@ impl BatchRunner {
             generated: spec.resumed.len(),
             unmarked: Vec::new(),
             replay,
+            paused: false,
             promised: blocks,
             steps: 0,
             largest_batch: 0,
@@ -370,6 +402,49 @@ impl BatchRunner {
         self.slots.insert(id, slot);
         self.waiting.push_back(id);
         Ok(out)
+    }
+
+    /// Takes a decoding sequence out of the batch so that it can move to another node: it
+    /// keeps its KV and blocks and is not stepped until `unpause` (or it ends). None when it
+    /// is not decoding (waiting, prefilling, replaying, already paused).
+    pub fn pause(&mut self, id: u64) -> Option<Paused> {
+        let slot = self.slots.get_mut(&id)?;
+        if slot.paused || !slot.admitted || slot.next.is_none() || !slot.replay.is_empty() {
+            return None;
+        }
+        slot.paused = true;
+        self.sched.remove(id);
+        let mark = Mark {
+            tokens: std::mem::take(&mut slot.unmarked),
+            rng_position: slot.sampler.rng_position(),
+        };
+        Some(Paused { mark, kv_tokens: slot.history.len() - 1 })
+    }
+
+    /// Puts a paused sequence back in the batch (it stays on this node).
+    pub fn unpause(&mut self, id: u64) -> Result<()> {
+        let Some(slot) = self.slots.get_mut(&id).filter(|s| s.paused) else {
+            return Err(Error::invalid(format!("sequence {id} is not paused")));
+        };
+        slot.paused = false;
+        let kv = slot.history.len() - 1;
+        self.sched.add_prefilled(id, kv).map_err(|e| Error::invalid(e.to_string()))
+    }
+
+    /// A paused sequence's KV, block by block, for moving it.
+    pub fn export(&self, engine: &Engine, id: u64) -> Result<Vec<Vec<u8>>> {
+        let Some(slot) = self.slots.get(&id).filter(|s| s.paused) else {
+            return Err(Error::invalid(format!("sequence {id} is not paused")));
+        };
+        let seq = slot.seq.expect("admitted sequences have one");
+        let view = engine.kv_view();
+        (0..view.blocks(seq)?.len())
+            .map(|i| {
+                let mut b = Vec::new();
+                view.read_block(seq, i, &mut b)?;
+                Ok(b)
+            })
+            .collect()
     }
 
     /// Ends a sequence at the caller's request (its client left): `Finished(Cancelled)`.

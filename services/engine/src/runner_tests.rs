@@ -84,6 +84,7 @@ fn spec(prompt: &[u32], params: &GenerateParams, role: Role) -> SeqSpec {
         first_token: None,
         seq: None,
         resumed: Vec::new(),
+        handed_off: false,
     }
 }
 
@@ -541,5 +542,70 @@ fn resumed_tokens_are_checked() {
     ] {
         let err = runner.add(&mut e, &mut NoConnector, 9, s).expect_err(want).to_string();
         assert!(err.contains(want), "{err}");
+    }
+}
+
+#[test]
+fn a_paused_sequence_moves_with_its_kv_or_stays_and_continues_bit_identically() {
+    let model = TinyModel::default().build();
+    let prompt = model.tokenizer.encode(PROMPT).expect("tokenizes");
+    let sampling = SamplingParams { temperature: 0.9, seed: 5, ..Default::default() };
+    let p = GenerateParams { sampling, ..params(20) };
+    let whole = SeqSpec { text: true, ..spec(&prompt, &p, Role::Generate) };
+    let (events, reason) = run_marked(&model, whole.clone());
+    let tokens = |e: &[(Piece, Option<Mark>)]| -> Vec<u32> {
+        e.iter().flat_map(|(_, m)| m.iter().flat_map(|m| m.tokens.clone())).collect()
+    };
+    let want = tokens(&events);
+    for at in [1, 4, 9] {
+        let mut e = engine(&model);
+        let mut runner = BatchRunner::new(&e, 4, false);
+        let mut outs = runner.add(&mut e, &mut NoConnector, 1, whole.clone()).expect("add");
+        let mut got: Vec<(Piece, Option<Mark>)> = Vec::new();
+        while got.len() < at {
+            got.extend(outs.drain(..).map(|o| match o.event {
+                Event::Delta(p, m) => (p, m),
+                Event::Done { .. } => panic!("ended before event {at}"),
+            }));
+            outs = runner.step(&mut e, &mut NoConnector).expect("step");
+        }
+        got.extend(outs.drain(..).filter_map(|o| match o.event {
+            Event::Delta(p, m) => Some((p, m)),
+            Event::Done { .. } => None,
+        }));
+        let paused = runner.pause(1).expect("decoding");
+        assert!(runner.pause(1).is_none(), "paused twice");
+        let mut generated = tokens(&got);
+        generated.extend(&paused.mark.tokens);
+        assert_eq!(paused.kv_tokens, prompt.len() + generated.len() - 1);
+        // Nothing runs while it is paused.
+        assert!(runner.step(&mut e, &mut NoConnector).expect("step").is_empty());
+        // Moved: a new engine gets its KV and continues from its tokens.
+        let blocks = runner.export(&e, 1).expect("paused");
+        let mut pushed = Pushed { prompt_len: paused.kv_tokens, blocks };
+        let moved = SeqSpec {
+            resumed: generated.clone(),
+            rng_position: paused.mark.rng_position,
+            handed_off: true,
+            ..whole.clone()
+        };
+        let (rest, r) = run_marked_with(&model, moved, &mut pushed);
+        assert_eq!([generated.clone(), tokens(&rest)].concat(), want, "moved at event {at}");
+        assert_eq!(r, reason);
+        // Stayed: unpaused, it goes on where it stood.
+        runner.unpause(1).expect("paused");
+        let mut after = Vec::new();
+        loop {
+            let outs = runner.step(&mut e, &mut NoConnector).expect("step");
+            let done = outs.iter().any(|o| matches!(o.event, Event::Done { .. }));
+            after.extend(outs.into_iter().filter_map(|o| match o.event {
+                Event::Delta(p, m) => Some((p, m)),
+                Event::Done { .. } => None,
+            }));
+            if done {
+                break;
+            }
+        }
+        assert_eq!([generated, tokens(&after)].concat(), want, "stayed at event {at}");
     }
 }

@@ -180,6 +180,7 @@ impl PrefillCore {
             first_token: None,
             seq: None,
             resumed: Vec::new(),
+            handed_off: false,
         };
         if let Err(e) = self.runner.add(&mut self.engine, &mut self.push, id, spec) {
             self.push.remove(id);

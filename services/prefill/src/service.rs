@@ -63,6 +63,7 @@ impl PrefillService {
             free_blocks: counts.free_blocks,
             total_blocks: counts.total_blocks,
             committed_blocks: counts.total_blocks - counts.free_blocks,
+            draining: false,
         }
     }
 
@@ -204,6 +205,7 @@ impl Prefill for PrefillService {
             leases_expired: 0,
             transports: self.stats.snapshot(),
             prefix_cache: self.cache.as_ref().map(|c| c.stats()),
+            moved: 0,
         }))
     }
 }

@@ -14,8 +14,8 @@ use pdmesh_common::trace;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{
-    DecodeRequest, KvTarget, PrefillRequest, ReleaseRequest, ReserveRequest, decode_event,
-    decode_request, prefill_event,
+    DecodeRequest, HandOffRequest, KvTarget, PrefillRequest, ReleaseRequest, ReserveRequest, Role,
+    decode_event, decode_request, prefill_event,
 };
 use pdmesh_wire::sampler_state;
 use tokio::sync::mpsc;
@@ -26,7 +26,7 @@ use tracing::Instrument;
 use crate::api::{Event, Timings};
 use crate::error::RequestError;
 use crate::mesh::Mesh;
-use crate::placement::PlaceError;
+use crate::placement::{Ask, PlaceError, blocks_needed, place};
 use crate::registry::Node;
 use crate::request::Prepared;
 
@@ -222,7 +222,7 @@ pub(crate) struct Attempt<'a> {
     pub blocks: u32,
 }
 
-impl Attempt<'_> {
+impl<'a> Attempt<'a> {
     /// Waits for `fut`, or fails when the deadline passes (in `phase` on `node`), the request
     /// is cancelled, its client leaves, or one of `watched` leaves the mesh.
     async fn bounded<T>(
@@ -250,16 +250,18 @@ impl Attempt<'_> {
     pub async fn run(mut self) -> Result<Decoded, Failure> {
         let mesh = self.req.mesh;
         let decode = self.decode.clone();
-        let _decode_assigned = Assigned::new(mesh, &decode, self.blocks);
-        let mut dclient = DecodeClient::new(channel(mesh, &decode)?);
+        let assigned = Assigned::new(mesh, &decode, self.blocks);
+        let client = DecodeClient::new(channel(mesh, &decode)?);
         self.report.timings.decode_node = decode.id.clone();
         // A retry starts over: what an earlier attempt took from the cache is not what this one
         // does. A moved stream keeps the account of its prompt.
         if !self.report.first_sent {
             self.report.cached_tokens = 0;
         }
-        let mut reservation = self.reserve(&mut dclient).await?;
-        let start = match self.prefill.clone() {
+        let prep = self.req.prep;
+        let ask = (prep.prompt.len(), prep.max_tokens);
+        let reservation = self.reserve(&client, &decode, ask, self.prefill.is_some()).await?;
+        let (start, rng_position) = match self.prefill.clone() {
             Some(p) => self.prefill(&p, &reservation.target).await?,
             None => {
                 self.report.timings.prefill_node = "colocated".into();
@@ -267,31 +269,42 @@ impl Attempt<'_> {
                 (decode_request::Start::PrefillLocally(true), 0)
             }
         };
-        self.decode(&mut dclient, &mut reservation, start).await
+        let mut leg =
+            Leg { node: decode, client, reservation, start, rng_position, _assigned: assigned };
+        loop {
+            match self.relay(leg).await? {
+                Relayed::Finished(d) => return Ok(d),
+                Relayed::Moved(next) => leg = *next,
+            }
+        }
     }
 
-    /// Reserves the request's KV blocks on the decode node.
+    /// Reserves KV blocks on decode node `d` for `(prompt_tokens, max_tokens)`; with
+    /// `remote_kv` the prompt's blocks are allocated for a transport to write into.
     async fn reserve(
-        &mut self,
-        client: &mut DecodeClient<trace::Channel>,
+        &self,
+        client: &DecodeClient<trace::Channel>,
+        d: &Node,
+        (prompt_tokens, max_tokens): (usize, usize),
+        remote_kv: bool,
     ) -> Result<Reservation, Failure> {
-        let (req, d) = (self.req, &self.decode);
+        let req = self.req;
         let cfg = &req.mesh.config;
         let until =
             req.deadline.min(Instant::now() + Duration::from_millis(cfg.node_call_timeout_ms));
         let msg = ReserveRequest {
             request_id: req.id.to_string(),
-            prompt_tokens: req.prep.prompt.len() as u32,
-            max_tokens: req.prep.max_tokens as u32,
+            prompt_tokens: prompt_tokens as u32,
+            max_tokens: max_tokens as u32,
             lease_ms: cfg.lease_ms,
-            remote_kv: self.prefill.is_some(),
+            remote_kv,
         };
+        let mut c = client.clone();
         let call = async {
-            let answer =
-                tokio::time::timeout_at(until.into(), client.reserve(with_timeout(msg, until)))
-                    .await
-                    .map_err(|_| Failure::lost(&d.id, "no answer to Reserve in time"))?
-                    .map_err(|s| Failure::from_node(&d.id, &s))?;
+            let answer = tokio::time::timeout_at(until.into(), c.reserve(with_timeout(msg, until)))
+                .await
+                .map_err(|_| Failure::lost(&d.id, "no answer to Reserve in time"))?
+                .map_err(|s| Failure::from_node(&d.id, &s))?;
             answer.into_inner().target.ok_or_else(|| {
                 Failure::from_node(&d.id, &Status::internal("Reserve answered without a target"))
             })
@@ -373,66 +386,80 @@ impl Attempt<'_> {
         Ok((decode_request::Start::FirstToken(computed.first_token), pos))
     }
 
-    /// Attaches to the reservation and relays the decode node's stream to the client until it
-    /// finishes.
-    async fn decode(
-        &mut self,
-        client: &mut DecodeClient<trace::Channel>,
-        reservation: &mut Reservation,
-        (start, rng_position): (decode_request::Start, u128),
-    ) -> Result<Decoded, Failure> {
+    /// Attaches to the leg's reservation and relays its node's stream to the client until it
+    /// finishes, or until the node, draining, handed the request off to the next leg.
+    async fn relay(&mut self, mut leg: Leg<'a>) -> Result<Relayed<'a>, Failure> {
         let req = self.req;
-        let d = self.decode.clone();
+        let d = leg.node.clone();
         let fail = |s: &Status| Failure::from_node(&d.id, s);
         let resume = &self.report.resume;
         // A moved stream's sampler continues from where its last node's stood.
-        let rng_position =
-            if resume.tokens.is_empty() { rng_position } else { resume.rng_position };
+        let rng = if resume.tokens.is_empty() { leg.rng_position } else { resume.rng_position };
         let msg = DecodeRequest {
-            reservation_id: reservation.target.reservation_id.clone(),
+            reservation_id: leg.reservation.target.reservation_id.clone(),
             prompt: req.prep.prompt.clone(),
-            sampler: Some(sampler_state(&req.prep.sampling, rng_position)),
+            sampler: Some(sampler_state(&req.prep.sampling, rng)),
             max_tokens: req.prep.max_tokens as u32,
             stop: req.prep.stop.clone(),
             ignore_eos: req.prep.ignore_eos,
-            start: Some(start),
+            start: Some(leg.start),
             resumed: resume.tokens.clone(),
         };
+        let mut client = leg.client.clone();
         let opened =
             async { client.decode(with_timeout(msg, req.deadline)).await.map_err(|s| fail(&s)) };
         let mut stream = self.bounded(Phase::Decoding, &d, &[&d], opened).await?.into_inner();
         // The stream owns the reservation now: dropping it cancels the request on the node.
-        reservation.armed = false;
+        leg.reservation.armed = false;
         let stall = Duration::from_millis(req.mesh.config.stall_timeout_ms);
         // The text flushed as the request ends goes out with its finish: if the node dies in
         // between, the node the request moves to flushes it again.
         let mut tail: Option<Event> = None;
+        // Where the request goes once its node says it moved.
+        let mut next: Option<Leg<'a>> = None;
         loop {
-            let next = async {
+            let message = async {
                 tokio::time::timeout(stall, stream.message())
                     .await
                     .map_err(|_| Failure::lost(&d.id, format!("no token for {stall:?}")))?
                     .map_err(|s| fail(&s))?
                     .ok_or_else(|| Failure::lost(&d.id, "decode stream ended without a finish"))
             };
-            let ev = self.bounded(Phase::Decoding, &d, &[&d], next).await?;
+            let ev = self.bounded(Phase::Decoding, &d, &[&d], message).await?;
+            if let Some(mark) = &ev.mark {
+                let rng = pdmesh_wire::rng_position(&mark.rng_position).map_err(|s| fail(&s))?;
+                self.report.resume.rng_position = rng;
+            }
+            let marked = ev.mark.map(|m| m.tokens);
             match ev.event {
                 Some(decode_event::Event::Delta(delta)) => {
                     let out = Event::Delta { text: delta.text, tokens: delta.token_ids };
-                    let Some(mark) = ev.mark else {
+                    let Some(tokens) = marked else {
                         tail = Some(out);
                         continue;
                     };
-                    let rng =
-                        pdmesh_wire::rng_position(&mark.rng_position).map_err(|s| fail(&s))?;
                     if !self.report.first_sent {
                         self.report.first_sent = true;
                         self.report.timings.ttft_ms = ms(req.t0.elapsed());
                     }
                     self.send(&d, out).await?;
-                    let resume = &mut self.report.resume;
-                    resume.tokens.extend(mark.tokens);
-                    resume.rng_position = rng;
+                    self.report.resume.tokens.extend(tokens);
+                }
+                Some(decode_event::Event::Moving(m)) => {
+                    self.report.resume.tokens.extend(marked.unwrap_or_default());
+                    match self.hand_off(&leg, m.kv_tokens as usize).await {
+                        Ok(to) => next = Some(to),
+                        Err(why) => {
+                            tracing::warn!(request = req.id, node = d.id, "not moved: {why}");
+                            self.stay(&leg).await;
+                        }
+                    }
+                }
+                Some(decode_event::Event::Moved(_)) => {
+                    let to = next.take().ok_or_else(|| {
+                        Failure::lost(&d.id, "ended the stream as moved, but nothing took it")
+                    })?;
+                    return Ok(Relayed::Moved(Box::new(to)));
                 }
                 Some(decode_event::Event::Finished(f)) => {
                     if let Some(out) = tail.take() {
@@ -442,14 +469,119 @@ impl Attempt<'_> {
                         self.report.timings.queue_ms = f.queue_ms;
                         self.report.timings.prefill_ms = f.prefill_ms;
                     }
-                    return Ok(Decoded {
+                    return Ok(Relayed::Finished(Decoded {
                         reason: f.reason,
                         completion_tokens: f.completion_tokens,
-                    });
+                    }));
                 }
                 None => return Err(fail(&Status::internal("empty decode event"))),
             }
         }
+    }
+
+    /// The node of `from` is draining: finds another decode node with room, reserves the
+    /// request's KV there, and has `from`'s node push it (`HandOff`). The request then goes on
+    /// there from its last token, nothing recomputed. On failure the caller lets it stay.
+    async fn hand_off(&mut self, from: &Leg<'a>, kv_tokens: usize) -> Result<Leg<'a>, String> {
+        let (req, mesh) = (self.req, self.req.mesh);
+        let cfg = &mesh.config;
+        let generated = self.report.resume.tokens.len();
+        if generated == 0 || kv_tokens + 1 != req.prep.prompt.len() + generated {
+            return Err(format!("it holds {kv_tokens} tokens of KV after {generated} generated"));
+        }
+        // The tokens it holds KV for, and the rest of the request's output but the last.
+        let ask = Ask {
+            prompt_tokens: kv_tokens,
+            max_tokens: req.prep.max_tokens + 1 - generated,
+            colocate_below: 0,
+            policy: cfg.prefill_policy,
+            turn: mesh.next_turn(),
+            matched: Default::default(),
+            max_imbalance: cfg.prefix_max_imbalance,
+        };
+        let others = std::slice::from_ref(&from.node.id);
+        let placed =
+            place(&[], &mesh.live(Role::Decode), &ask, others).map_err(|e| e.to_string())?;
+        let node = mesh.node(&placed.decode).ok_or("the node chosen left the mesh")?;
+        let assigned = Assigned::new(mesh, &node, blocks_needed(&node, &ask) as u32);
+        let client = DecodeClient::new(channel(mesh, &node).map_err(|f| failure_text(&f))?);
+        let reservation = self
+            .reserve(&client, &node, (ask.prompt_tokens, ask.max_tokens), true)
+            .await
+            .map_err(|f| failure_text(&f))?;
+        let until =
+            req.deadline.min(Instant::now() + Duration::from_millis(cfg.transfer_timeout_ms));
+        let call = HandOffRequest {
+            reservation_id: from.reservation.target.reservation_id.clone(),
+            target: Some(reservation.target.clone()),
+        };
+        let mut c = from.client.clone();
+        let pushed = async {
+            let r = c.hand_off(with_timeout(call, until)).await;
+            r.map_err(|s| Failure::from_node(&from.node.id, &s))
+        };
+        let done = self
+            .bounded(Phase::Transferring, &from.node, &[&from.node, &node], pushed)
+            .await
+            .map_err(|f| failure_text(&f))?
+            .into_inner();
+        let t = &mut self.report.timings;
+        t.migrations += 1;
+        t.decode_node = node.id.clone();
+        mesh.metrics.migrated();
+        tracing::info!(
+            request = req.id,
+            from = from.node.id,
+            to = node.id,
+            bytes = done.bytes,
+            transport = done.transport,
+            transfer_ms = done.transfer_ms,
+            "moved with its KV"
+        );
+        let start = decode_request::Start::HandedOff(true);
+        Ok(Leg { node, client, reservation, start, rng_position: 0, _assigned: assigned })
+    }
+
+    /// Tells a draining node to keep the request it asked to move (best effort: if the node
+    /// cannot be told, its stream fails and the request moves by recomputing).
+    async fn stay(&self, leg: &Leg<'_>) {
+        let call = HandOffRequest {
+            reservation_id: leg.reservation.target.reservation_id.clone(),
+            target: None,
+        };
+        let cfg = &self.req.mesh.config;
+        let until = Instant::now() + Duration::from_millis(cfg.node_call_timeout_ms);
+        if let Err(s) = leg.client.clone().hand_off(with_timeout(call, until)).await {
+            tracing::warn!(node = leg.node.id, "could not keep the request there: {}", s.message());
+        }
+    }
+}
+
+/// One decode node's part of an attempt: the reservation it runs the request in, how the
+/// request starts there, and the node's share of the router's load accounting.
+struct Leg<'a> {
+    node: Node,
+    client: DecodeClient<trace::Channel>,
+    reservation: Reservation,
+    start: decode_request::Start,
+    /// Where the prefill node's sampler stood after the first token.
+    rng_position: u128,
+    _assigned: Assigned<'a>,
+}
+
+/// How a leg ended.
+enum Relayed<'a> {
+    Finished(Decoded),
+    /// Its node handed the request off: it goes on in this leg.
+    Moved(Box<Leg<'a>>),
+}
+
+/// What a failure says, for logs.
+pub(crate) fn failure_text(f: &Failure) -> String {
+    match f {
+        Failure::Refused { status, .. } => status.message().to_string(),
+        Failure::Lost { node, why } => pdmesh_common::status::naming(node, why),
+        other => format!("{other:?}"),
     }
 }
 

@@ -118,12 +118,14 @@ impl Registry {
         }
     }
 
-    /// Usable nodes of a role.
+    /// Usable nodes of a role: not suspect, not draining (a draining node's requests still
+    /// run there until they move or finish; new ones go elsewhere).
     pub fn live(&self, role: Role, now: Instant) -> Vec<Node> {
         let mut v: Vec<Node> = self
             .nodes
             .values()
             .filter(|n| n.role == role && n.suspect_until.is_none_or(|t| t <= now))
+            .filter(|n| !n.load.draining)
             .cloned()
             .collect();
         v.sort_by(|a, b| a.id.cmp(&b.id));

@@ -150,7 +150,7 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
                 request = req.id,
                 tokens = report.resume.tokens.len(),
                 "attempt {attempt} failed mid-stream ({}); moving the stream to another node",
-                failure_message(&failure)
+                crate::attempt::failure_text(&failure)
             );
         } else {
             if retries >= RETRIES {
@@ -160,7 +160,7 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
             tracing::warn!(
                 request = req.id,
                 "attempt {attempt} failed ({}); retrying on other nodes",
-                failure_message(&failure)
+                crate::attempt::failure_text(&failure)
             );
         }
         exclude.extend(failure.node().map(str::to_string));
@@ -205,14 +205,6 @@ async fn ended_before_moving(
         reason: pdmesh_wire::finish_reason(reason) as i32,
         completion_tokens: generated.len() as u32,
     }))
-}
-
-fn failure_message(f: &Failure) -> String {
-    match f {
-        Failure::Refused { status, .. } => status.message().to_string(),
-        Failure::Lost { node, why } => pdmesh_common::status::naming(node, why),
-        other => format!("{other:?}"),
-    }
 }
 
 /// Picks the decode (and prefill) node for an attempt, never one in `exclude`; returns them and
