@@ -57,7 +57,7 @@ check: system-deps
     cargo clippy --workspace --all-targets --locked -- -D warnings
 
 # Every benchmark.
-bench: bench-engine bench-mesh bench-kv bench-prefix
+bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate
 
 # KV transfer: UCX vs the gRPC stream vs memcpy for a 4,096-token prompt's KV between two
 # processes; then TTFT of a 2,048-token prompt with layer-wise push against push-after-prefill.
@@ -73,6 +73,13 @@ bench-kv *args="": system-deps fetch-model
 bench-mesh *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_mesh.py --model {{model}} {{args}}
+
+# What moving a stream costs at a 1,024-token context: kill -9 of its decode node (the router
+# recomputes it on another) against SIGTERM (the node hands it off with its KV), each compared
+# with the stream's own inter-token latency; both must keep the text of an undisturbed run.
+bench-migrate *args="": system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli
+    python3 scripts/bench_migrate.py --model {{model}} {{args}}
 
 # Engine speed against llama.cpp on the same GGUF and threads, in one run (ratios printed).
 bench-engine threads="2" *args="": system-deps fetch-model _llamacpp

@@ -261,6 +261,8 @@ impl Drop for Service {
 
 #[derive(Debug, Clone)]
 pub struct ClusterBuilder {
+    /// Routers besides the first (every node registers with all of them).
+    more_routers: usize,
     prefill: usize,
     decode: usize,
     kvstore: bool,
@@ -293,6 +295,12 @@ impl ClusterBuilder {
         self.env.push((key.to_string(), value.to_string()));
         self
     }
+    /// `n` routers in all (at least 1); every node registers with each.
+    pub fn routers(mut self, n: usize) -> Self {
+        self.more_routers = n.saturating_sub(1);
+        self
+    }
+
     pub fn prefill(mut self, n: usize) -> Self {
         self.prefill = n;
         self
@@ -394,6 +402,20 @@ impl ClusterBuilder {
         ]);
         rargs.extend(self.router_args.iter().cloned());
         let router = Service::start_with_env("router", "router", &rargs, &self.env);
+        let more_routers = (1..=self.more_routers)
+            .map(|i| {
+                let name = format!("router-{i}");
+                if !self.insecure {
+                    pki.issue(&dir, &name, MeshRole::Router);
+                }
+                let mut a = rargs.clone();
+                // The first router's certificate flags, swapped for this one's.
+                if let Some(at) = a.iter().position(|x| x == "--tls-name") {
+                    a[at + 1] = name.clone();
+                }
+                Service::start_with_env("router", &name, &a, &self.env)
+            })
+            .collect();
         let mut builder = self.clone();
         let kvstore = self.kvstore.then(|| {
             let k = Service::start_with_env(
@@ -412,6 +434,7 @@ impl ClusterBuilder {
         });
         let mut c = Cluster {
             router,
+            more_routers,
             prefills: Vec::new(),
             decodes: Vec::new(),
             kvstore,
@@ -437,6 +460,8 @@ pub struct Cluster {
     pub decodes: Vec<Service>,
     pub kvstore: Option<Service>,
     pub router: Service,
+    /// Routers besides the first (`ClusterBuilder::routers`).
+    pub more_routers: Vec<Service>,
     builder: ClusterBuilder,
     /// This cluster's certificates.
     dir: PathBuf,
@@ -447,6 +472,7 @@ pub struct Cluster {
 impl Cluster {
     pub fn builder() -> ClusterBuilder {
         ClusterBuilder {
+            more_routers: 0,
             prefill: 1,
             decode: 1,
             kvstore: false,
@@ -463,21 +489,14 @@ impl Cluster {
 
     fn node_args(&self, role: &str, name: &str, extra: &[&str]) -> Vec<String> {
         let model = self.builder.model_arg();
-        let mut a: Vec<String> = [
-            "--listen",
-            "127.0.0.1:0",
-            "--router",
-            self.router.internal.as_deref().expect("the router's internal address"),
-            "--node-id",
-            name,
-            "--model",
-            &model,
-            "--threads",
-            "1",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+        let mut a: Vec<String> = ["--listen", "127.0.0.1:0"].map(String::from).into();
+        for r in std::iter::once(&self.router).chain(&self.more_routers) {
+            let internal = r.internal.as_deref().expect("a router's internal address");
+            a.extend(["--router".to_string(), internal.to_string()]);
+        }
+        a.extend(
+            ["--node-id", name, "--model", &model, "--threads", "1"].iter().map(|s| s.to_string()),
+        );
         if !self.builder.insecure {
             let r = if role == "prefill" { MeshRole::Prefill } else { MeshRole::Decode };
             pki().issue(&self.dir, name, r);
@@ -531,7 +550,17 @@ impl Cluster {
 
     /// A client of the public API that sends `key` (None: no key at all).
     pub async fn client_with_key(&self, key: Option<&str>) -> GenerationClient {
-        let ch = self.channel(&self.router.addr).await;
+        self.client_of(&self.router, key).await
+    }
+
+    /// A client of router `i` (0 is `router`), as tenant "test".
+    pub async fn client_at(&self, i: usize) -> GenerationClient {
+        let r = if i == 0 { &self.router } else { &self.more_routers[i - 1] };
+        self.client_of(r, self.keys.get("test").map(String::as_str)).await
+    }
+
+    async fn client_of(&self, router: &Service, key: Option<&str>) -> GenerationClient {
+        let ch = self.channel(&router.addr).await;
         pdmesh_proto::v1::generation_client::GenerationClient::with_interceptor(
             ch,
             Bearer::new(key).expect("a header-safe key"),
@@ -549,16 +578,32 @@ impl Cluster {
     }
 
     pub async fn nodes(&self) -> Vec<NodeStatus> {
-        let internal = self.router.internal.as_deref().expect("the router's internal address");
+        self.nodes_at(0).await
+    }
+
+    /// The nodes router `i` knows (0 is `router`).
+    pub async fn nodes_at(&self, i: usize) -> Vec<NodeStatus> {
+        let r = if i == 0 { &self.router } else { &self.more_routers[i - 1] };
+        let internal = r.internal.as_deref().expect("the router's internal address");
         let mut c = MembershipClient::new(self.channel(internal).await);
         c.list_nodes(ListNodesRequest {}).await.expect("ListNodes").into_inner().nodes
     }
 
-    /// Waits until exactly `prefill` prefill and `decode` decode nodes are registered.
+    /// Waits until exactly `prefill` prefill and `decode` decode nodes are registered with
+    /// every router.
     pub async fn wait_nodes(&self, prefill: usize, decode: usize) {
+        for i in 0..=self.more_routers.len() {
+            if i == 0 || self.more_routers[i - 1].is_running_ref() {
+                self.wait_nodes_at(i, prefill, decode).await;
+            }
+        }
+    }
+
+    /// Waits until router `i` has exactly `prefill` prefill and `decode` decode nodes.
+    pub async fn wait_nodes_at(&self, i: usize, prefill: usize, decode: usize) {
         let until = Instant::now() + Duration::from_secs(30);
         loop {
-            let n = self.nodes().await;
+            let n = self.nodes_at(i).await;
             let count = |r: Role| n.iter().filter(|x| x.role == r as i32).count();
             if count(Role::Prefill) == prefill && count(Role::Decode) == decode {
                 return;

@@ -1,8 +1,14 @@
 //! The node side of membership: register with every router, then heartbeat the node's load.
-//! A router that restarted or dropped the node answers `known = false` and the node registers
-//! again; an unreachable router is retried with backoff. A node that dies deregisters at once,
-//! so no router waits for its heartbeats to lapse. Nothing here blocks the node's work.
+//! Each `--router` is a list entry or a DNS name standing for several routers (a Kubernetes
+//! headless Service): names are resolved again every `RESOLVE_EVERY`, and the node keeps one
+//! registration per address, so routers that come up are joined and ones that go away are
+//! left. A router that restarted or dropped the node answers `known = false` and the node
+//! registers again; an unreachable router is retried with backoff. A node that dies
+//! deregisters at once, so no router waits for its heartbeats to lapse. Nothing here blocks
+//! the node's work.
 
+use std::collections::{BTreeSet, HashMap};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,8 +19,12 @@ use tokio_util::sync::CancellationToken;
 /// Reads a node's current load.
 pub type LoadFn = Arc<dyn Fn() -> NodeLoad + Send + Sync>;
 
-/// Starts one task per router that keeps `registration` registered and heartbeating until
-/// `stop` is cancelled, or deregisters it as soon as `died` is.
+/// How often router names are resolved again.
+pub const RESOLVE_EVERY: Duration = Duration::from_secs(10);
+
+/// Starts one task per `--router` entry that keeps `registration` registered and heartbeating
+/// with every router the entry stands for until `stop` is cancelled, or deregisters it as soon
+/// as `died` is.
 pub fn spawn(
     routers: &[String],
     registration: RegisterRequest,
@@ -27,15 +37,78 @@ pub fn spawn(
         .map(|r| {
             let (r, reg, load) = (r.clone(), registration.clone(), load.clone());
             let (stop, died) = (stop.clone(), died.clone());
-            tokio::spawn(async move {
-                tokio::select! {
-                    () = keep_registered(&r, reg.clone(), load) => {}
-                    () = stop.cancelled() => {}
-                    () = died.cancelled() => deregister(&r, &reg.node_id).await,
-                }
-            })
+            tokio::spawn(async move { follow(&r, reg, load, stop, died).await })
         })
         .collect()
+}
+
+/// Keeps a registration with each address `entry` resolves to, resolving it again every
+/// `RESOLVE_EVERY`. An entry that is an address is its own one router.
+async fn follow(
+    entry: &str,
+    reg: RegisterRequest,
+    load: LoadFn,
+    stop: CancellationToken,
+    died: CancellationToken,
+) {
+    let mut sessions: HashMap<String, CancellationToken> = HashMap::new();
+    let mut warned = false;
+    loop {
+        match resolve(entry).await {
+            Ok(addrs) => {
+                warned = false;
+                let (join, leave) = changes(&sessions.keys().cloned().collect(), &addrs);
+                for a in leave {
+                    tracing::info!(router = a, entry, "router gone from {entry}; leaving it");
+                    if let Some(t) = sessions.remove(&a) {
+                        t.cancel();
+                    }
+                }
+                for a in join {
+                    let gone = stop.child_token();
+                    sessions.insert(a.clone(), gone.clone());
+                    let (reg, load, died) = (reg.clone(), load.clone(), died.clone());
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            () = keep_registered(&a, reg.clone(), load) => {}
+                            () = gone.cancelled() => {}
+                            () = died.cancelled() => deregister(&a, &reg.node_id).await,
+                        }
+                    });
+                }
+            }
+            // Routers already joined are kept: a name server that is down says nothing.
+            Err(e) if !warned => {
+                tracing::warn!(entry, "cannot resolve the router address: {e}; retrying");
+                warned = true;
+            }
+            Err(_) => {}
+        }
+        tokio::select! {
+            () = tokio::time::sleep(RESOLVE_EVERY) => {}
+            () = stop.cancelled() => return,
+            () = died.cancelled() => {
+                // Each session deregisters; give them the time to.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                return;
+            }
+        }
+    }
+}
+
+/// The addresses behind `entry` ("host:port"), as "ip:port" strings.
+async fn resolve(entry: &str) -> std::io::Result<BTreeSet<String>> {
+    if entry.parse::<SocketAddr>().is_ok() {
+        return Ok(BTreeSet::from([entry.to_string()]));
+    }
+    Ok(tokio::net::lookup_host(entry).await?.map(|a| a.to_string()).collect())
+}
+
+/// Which addresses to join and which to leave, going from `current` to `resolved`.
+fn changes(current: &BTreeSet<String>, resolved: &BTreeSet<String>) -> (Vec<String>, Vec<String>) {
+    let join = resolved.difference(current).cloned().collect();
+    let leave = current.difference(resolved).cloned().collect();
+    (join, leave)
 }
 
 /// Tells `router` that `node` is gone (best effort: a router that cannot be reached drops the
@@ -104,5 +177,36 @@ async fn session(router: &str, reg: &RegisterRequest, load: &LoadFn) -> Result<(
             );
             return Ok(());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn set(v: &[&str]) -> BTreeSet<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn routers_that_appear_are_joined_and_ones_that_vanish_are_left() {
+        let (join, leave) = changes(&set(&[]), &set(&["10.0.0.1:50052", "10.0.0.2:50052"]));
+        assert_eq!((join.len(), leave.len()), (2, 0));
+        let (join, leave) = changes(
+            &set(&["10.0.0.1:50052", "10.0.0.2:50052"]),
+            &set(&["10.0.0.2:50052", "10.0.0.3:50052"]),
+        );
+        assert_eq!(join, ["10.0.0.3:50052"]);
+        assert_eq!(leave, ["10.0.0.1:50052"]);
+        let same = set(&["10.0.0.2:50052"]);
+        assert_eq!(changes(&same, &same), (vec![], vec![]));
+    }
+
+    #[tokio::test]
+    async fn an_address_is_its_own_router_and_a_name_stands_for_each_of_its_addresses() {
+        assert_eq!(resolve("127.0.0.1:50052").await.unwrap(), set(&["127.0.0.1:50052"]));
+        let local = resolve("localhost:50052").await.unwrap();
+        assert!(!local.is_empty() && local.iter().all(|a| a.ends_with(":50052")), "{local:?}");
+        assert!(resolve("no-such-host.invalid:50052").await.is_err());
     }
 }

@@ -1,0 +1,98 @@
+//! Several routers over one pool of nodes: every node registers with each router, each router
+//! places on every node, and losing a router costs only the streams it was relaying: the
+//! other's streams finish with `pdmesh run`'s tokens, new requests go to it, and no KV block is
+//! left behind on any node.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use pdmesh_integration::reference::{reference, request};
+use pdmesh_integration::{Cluster, collect, eventually};
+
+const MAX_TOKENS: u32 = 64;
+const WAIT: Duration = Duration::from_secs(60);
+
+/// Clusters are heavy on two cores: one test at a time in this binary.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn expected(n: usize) -> Vec<Vec<u32>> {
+    (0..n).map(|i| reference(i, MAX_TOKENS)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_node_registers_with_each_router_and_each_places_on_it() {
+    let _serial = SERIAL.lock().await;
+    let want = tokio::task::spawn_blocking(|| expected(2)).await.unwrap();
+    let c = Cluster::builder().routers(2).prefill(1).decode(1).start().await;
+    for r in 0..2 {
+        let ids: Vec<String> = c.nodes_at(r).await.into_iter().map(|n| n.node_id).collect();
+        assert_eq!(ids, ["decode-0", "prefill-0"], "router {r}");
+        let mut client = c.client_at(r).await;
+        for (i, w) in want.iter().enumerate() {
+            let s = client.generate(request(i, MAX_TOKENS)).await.unwrap().into_inner();
+            let (tokens, f) = collect(s).await.unwrap();
+            assert_eq!(&tokens, w, "router {r}, prompt {i}");
+            let t = f.unwrap().timings.unwrap();
+            assert_eq!(
+                (t.prefill_node.as_str(), t.decode_node.as_str()),
+                ("prefill-0", "decode-0")
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_a_router_costs_only_its_own_streams() {
+    let _serial = SERIAL.lock().await;
+    let n = 8;
+    let want = tokio::task::spawn_blocking(move || expected(n)).await.unwrap();
+    let mut c = Cluster::builder().routers(2).prefill(1).decode(2).start().await;
+    // Half the streams through each router, all running when router 0 dies.
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let mut client = c.client_at(i % 2).await;
+        tasks.push(tokio::spawn(async move {
+            let s = client.generate(request(i, MAX_TOKENS)).await?.into_inner();
+            collect(s).await
+        }));
+    }
+    eventually(WAIT, "every stream decoding", || async {
+        let mut decoding = 0;
+        for d in 0..2 {
+            decoding += c.decode_stats(d).await.decoding;
+        }
+        decoding as usize >= n / 2
+    })
+    .await;
+    c.router.kill();
+    let mut cut = 0;
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = tokio::time::timeout(WAIT, t).await.expect("a stream hung").unwrap();
+        match r {
+            // Relayed by the dead router: its client sees the connection go.
+            Err(_) if i % 2 == 0 => cut += 1,
+            Err(e) => panic!("stream {i} on the surviving router failed: {e:?}"),
+            Ok((tokens, f)) => {
+                assert!(f.is_some(), "stream {i} finished");
+                assert_eq!(tokens, want[i], "stream {i}");
+            }
+        }
+    }
+    assert!(cut > 0, "no stream of router 0 was running when it died");
+    // The dead router's requests were cancelled on the nodes with its connections.
+    let cluster = &c;
+    for d in 0..2 {
+        eventually(WAIT, &format!("decode-{d} blocks free"), || async move {
+            let c = cluster;
+            let l = c.decode_stats(d).await.load.unwrap();
+            l.free_blocks == l.total_blocks && l.committed_blocks == 0
+        })
+        .await;
+    }
+    // New requests go to the survivor and run on the same nodes.
+    let mut client = c.client_at(1).await;
+    let s = client.generate(request(0, MAX_TOKENS)).await.unwrap().into_inner();
+    assert_eq!(collect(s).await.unwrap().0, want[0]);
+    c.wait_nodes_at(1, 1, 2).await;
+}
