@@ -555,8 +555,14 @@ impl Cluster {
 
     /// A client of router `i` (0 is `router`), as tenant "test".
     pub async fn client_at(&self, i: usize) -> GenerationClient {
+        self.client_at_as(i, "test").await
+    }
+
+    /// A client of router `i` as `tenant` (one given to the builder).
+    pub async fn client_at_as(&self, i: usize, tenant: &str) -> GenerationClient {
         let r = if i == 0 { &self.router } else { &self.more_routers[i - 1] };
-        self.client_of(r, self.keys.get("test").map(String::as_str)).await
+        let key = self.keys.get(tenant).unwrap_or_else(|| panic!("no key for tenant {tenant}"));
+        self.client_of(r, Some(key)).await
     }
 
     async fn client_of(&self, router: &Service, key: Option<&str>) -> GenerationClient {

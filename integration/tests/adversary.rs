@@ -82,6 +82,7 @@ async fn guessed_and_forged_reservation_ids_are_refused() {
         max_tokens: 10,
         lease_ms: 60_000,
         remote_kv: false,
+        owner: String::new(),
     };
     let target = d.reserve(victim).await.unwrap().into_inner().target.unwrap();
     let id = target.reservation_id.clone();
@@ -322,6 +323,7 @@ async fn kv_that_no_request_ever_attaches_to_is_freed() {
         max_tokens: 8,
         lease_ms: 60_000,
         remote_kv: false,
+        owner: String::new(),
     };
     let target = d.reserve(r).await.unwrap().into_inner().target.unwrap();
     let blocks = target.blocks as usize;
@@ -582,6 +584,7 @@ async fn a_reserve_flood_is_refused_and_lapses() {
             max_tokens: 8,
             lease_ms: 300_000,
             remote_kv: true,
+            owner: String::new(),
         };
         match d.reserve(r).await {
             Ok(r) => {
@@ -645,6 +648,7 @@ async fn forged_ucx_targets_are_refused_before_a_byte_moves() {
         max_tokens: 8,
         lease_ms: 60_000,
         remote_kv: true,
+        owner: String::new(),
     };
     let victim = d.reserve(reserve("victim")).await.unwrap().into_inner().target.unwrap();
     let mine = d.reserve(reserve("mallory")).await.unwrap().into_inner().target.unwrap();

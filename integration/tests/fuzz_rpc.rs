@@ -213,6 +213,7 @@ impl Target {
             // Short: an attach that waits for KV that never comes waits this long.
             lease_ms: 300,
             remote_kv,
+            owner: String::new(),
         };
         d.reserve(r).await.unwrap().into_inner().target.unwrap().reservation_id
     }
@@ -334,6 +335,7 @@ fn every_internal_handler_survives_malformed_input() {
         max_tokens: 4,
         lease_ms: 1_000,
         remote_kv: true,
+        owner: String::new(),
     };
     t.fuzz(
         "Reserve",

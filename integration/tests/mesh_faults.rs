@@ -324,6 +324,7 @@ async fn reservation_whose_kv_never_arrives_is_freed_at_lease_expiry() {
         max_tokens: 50,
         lease_ms: 400,
         remote_kv: true,
+        owner: String::new(),
     };
     let target = d.reserve(r).await.unwrap().into_inner().target.unwrap();
     assert_eq!(target.blocks, 7);

@@ -1,14 +1,16 @@
 //! Several routers over one pool of nodes: every node registers with each router, each router
-//! places on every node, and losing a router costs only the streams it was relaying: the
-//! other's streams finish with `pdmesh run`'s tokens, new requests go to it, and no KV block is
-//! left behind on any node.
+//! places on every node, any router cancels a request another relays (its tenant's only), and
+//! losing a router costs only the streams it was relaying: the other's streams finish with
+//! `pdmesh run`'s tokens, new requests go to it, and no KV block is left behind on any node.
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
+use pdmesh_common::apikey::Tenant;
 use pdmesh_integration::reference::{reference, request};
 use pdmesh_integration::{Cluster, collect, eventually};
+use pdmesh_proto::v1::{CancelRequest, FinishReason, GenerateRequest, generate_response};
 
 const MAX_TOKENS: u32 = 64;
 const WAIT: Duration = Duration::from_secs(60);
@@ -95,4 +97,41 @@ async fn losing_a_router_costs_only_its_own_streams() {
     let s = client.generate(request(0, MAX_TOKENS)).await.unwrap().into_inner();
     assert_eq!(collect(s).await.unwrap().0, want[0]);
     c.wait_nodes_at(1, 1, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_router_cancels_a_request_another_relays_for_its_tenant_only() {
+    let _serial = SERIAL.lock().await;
+    let other = Tenant { tenant: "other".into(), max_in_flight: None, cache_group: None };
+    let c = Cluster::builder().routers(2).prefill(1).decode(1).tenant(other).start().await;
+    let mut at0 = c.client_at(0).await;
+    let req = GenerateRequest {
+        request_id: "long-one".into(),
+        ..pdmesh_integration::greedy(&[1, 2, 3, 4, 5, 6, 7, 8], 2000)
+    };
+    let mut s = at0.generate(req).await.unwrap().into_inner();
+    loop {
+        let m = s.message().await.unwrap().unwrap();
+        if let Some(generate_response::Event::Delta(_)) = m.event {
+            break;
+        }
+    }
+    // Another tenant, through the other router: the request is not there for it.
+    let mut intruder = c.client_at_as(1, "other").await;
+    let cancel = || CancelRequest { request_id: "long-one".into() };
+    let err = intruder.cancel(cancel()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    // Its own tenant, through the other router: cancelled on the node, ended by router 0.
+    c.client_at(1).await.cancel(cancel()).await.unwrap();
+    let (_, f) = tokio::time::timeout(WAIT, collect(s)).await.expect("the stream ended").unwrap();
+    let reason = FinishReason::try_from(f.expect("a finish").reason).unwrap();
+    assert_eq!(reason, FinishReason::Cancelled);
+    eventually(WAIT, "decode-0 blocks free", || async {
+        let l = c.decode_stats(0).await.load.unwrap();
+        l.free_blocks == l.total_blocks && l.committed_blocks == 0
+    })
+    .await;
+    // Nothing left to cancel anywhere.
+    let err = c.client_at(1).await.cancel(cancel()).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
 }

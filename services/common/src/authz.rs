@@ -38,7 +38,7 @@ pub fn access(path: &str) -> Access {
         }
         ("pdmesh.v1.Membership", "ListNodes") => Access::Roles(&[Router, Admin]),
         ("pdmesh.v1.Prefill", "Prefill") => Access::Roles(&[Router]),
-        ("pdmesh.v1.Decode", "Reserve" | "Release" | "Decode" | "HandOff") => {
+        ("pdmesh.v1.Decode", "Reserve" | "Release" | "Decode" | "HandOff" | "CancelRequest") => {
             Access::Roles(&[Router])
         }
         // A draining decode node moves its requests' KV to another decode node.
@@ -161,6 +161,7 @@ mod tests {
             ("/pdmesh.v1.Decode/PushKv", &[Prefill, Decode]),
             ("/pdmesh.v1.Decode/KvSession", &[Prefill, Decode]),
             ("/pdmesh.v1.Decode/HandOff", &[Router]),
+            ("/pdmesh.v1.Decode/CancelRequest", &[Router]),
             ("/pdmesh.v1.Decode/Drain", &[Admin]),
             ("/pdmesh.v1.Prefill/Prefill", &[Router]),
             ("/pdmesh.v1.KvStore/Write", &[Prefill]),

@@ -154,6 +154,10 @@ struct Reservation {
     remote: Option<Box<dyn std::any::Any + Send>>,
     /// The digest of what was granted (`scope::digest`): a writer's session must name it.
     granted: Option<u64>,
+    /// Whose request it is and its id (`name`), for a cancel from any router.
+    request: Option<(String, String)>,
+    /// Cancelled before its request attached: it finishes as soon as it does.
+    cancelled: bool,
 }
 
 /// A new reservation.
@@ -294,6 +298,8 @@ impl DecodeCore {
                 phase,
                 remote: None,
                 granted: None,
+                request: None,
+                cancelled: false,
             },
         );
         Ok(Reserved { cap, prompt_blocks: self.blocks_for(prompt_len), lease, pool_blocks })
@@ -541,9 +547,43 @@ impl DecodeCore {
         };
         let r = self.reservations.get_mut(&id).expect("checked above");
         r.phase = Phase::Attached(Box::new(attached));
+        let cancelled = r.cancelled;
         // The first token goes out at once: it does not wait for the KV.
         self.deliver(outputs);
+        if cancelled {
+            let out = self.runner.cancel(&mut self.engine, &mut self.receiver, id);
+            self.deliver(out);
+        }
         Ok(())
+    }
+
+    /// Names a reservation's request: `owner`'s `request_id`.
+    pub fn name(&mut self, id: u64, owner: String, request_id: String) {
+        if let Some(r) = self.reservations.get_mut(&id) {
+            r.request = Some((owner, request_id));
+        }
+    }
+
+    /// Cancels `owner`'s request `request_id`: a running one ends now (`Finished(Cancelled)`),
+    /// one not attached yet as soon as it attaches. False when the node holds no such request.
+    pub fn cancel(&mut self, owner: &str, request_id: &str) -> bool {
+        let named = |r: &Reservation| {
+            r.request.as_ref().is_some_and(|(o, q)| o == owner && q == request_id)
+        };
+        let ids: Vec<u64> =
+            self.reservations.iter().filter(|(_, r)| named(r)).map(|(&id, _)| id).collect();
+        for &id in &ids {
+            let r = self.reservations.get_mut(&id).expect("listed above");
+            match r.phase {
+                Phase::Attached(_) => {
+                    let out = self.runner.cancel(&mut self.engine, &mut self.receiver, id);
+                    self.deliver(out);
+                }
+                Phase::Quarantined => {}
+                _ => r.cancelled = true,
+            }
+        }
+        !ids.is_empty()
     }
 
     /// Starts draining: no new reservations from now on, and every decoding request is paused

@@ -14,8 +14,9 @@ use pdmesh_proto::v1::decode_server::Decode;
 use pdmesh_proto::v1::{
     DecodeEvent, DecodeFinished, DecodeMark, DecodeMoved, DecodeMoving, DecodeRequest, Delta,
     DrainRequest, DrainResponse, HandOffRequest, HandOffResponse, KvChunk, KvSessionRequest,
-    KvTarget, NodeLoad, NodeStats, PushKvResponse, ReleaseRequest, ReleaseResponse, ReserveRequest,
-    ReserveResponse, Role, StatsRequest, decode_event, decode_request,
+    KvTarget, NodeCancelRequest, NodeCancelResponse, NodeLoad, NodeStats, PushKvResponse,
+    ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest,
+    decode_event, decode_request,
 };
 use pdmesh_wire::{finish_reason, sampling_from};
 use tokio::sync::{mpsc, oneshot};
@@ -237,6 +238,7 @@ impl Decode for DecodeService {
                 lease,
                 remote_kv,
                 grant,
+                request: (r.owner.clone(), r.request_id.clone()),
                 reply,
             })
             .await?;
@@ -409,6 +411,19 @@ impl Decode for DecodeService {
                 Err(s)
             }
         }
+    }
+
+    async fn cancel_request(
+        &self,
+        req: Request<NodeCancelRequest>,
+    ) -> Result<Response<NodeCancelResponse>, Status> {
+        let NodeCancelRequest { request_id, owner } = req.into_inner();
+        let (reply, rx) = oneshot::channel();
+        let stopped = || self.inbox.status(&DecodeError::EngineStopped);
+        let cmd = Command::Cancel { owner, request_id, reply };
+        self.inbox.tx.send(cmd).await.map_err(|_| stopped())?;
+        let found = rx.await.map_err(|_| stopped())?;
+        Ok(Response::new(NodeCancelResponse { found }))
     }
 
     async fn drain(&self, _: Request<DrainRequest>) -> Result<Response<DrainResponse>, Status> {

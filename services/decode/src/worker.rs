@@ -40,6 +40,8 @@ pub enum Command {
         remote_kv: bool,
         /// With `remote_kv`, when peers write the KV in place (UCX).
         grant: Option<RemoteGrant>,
+        /// Whose request it is, and its id.
+        request: (String, String),
         reply: Reply<(Reserved, Option<UcxTarget>)>,
     },
     /// Wire entry points carry the capability `Reserve` handed out; the worker admits it.
@@ -93,6 +95,12 @@ pub enum Command {
     /// The moving request's KV reached its new node: end it here.
     Moved {
         id: u64,
+    },
+    /// Cancel `owner`'s request `request_id`; replies whether the node holds it.
+    Cancel {
+        owner: String,
+        request_id: String,
+        reply: oneshot::Sender<bool>,
     },
     /// The moving request stays (no new node, or its KV did not get there).
     Stay {
@@ -151,9 +159,18 @@ impl Core for Worker {
     fn handle(&mut self, cmd: Command, now: Instant) {
         let (core, sources) = (&mut self.core, &mut self.sources);
         match cmd {
-            Command::Reserve { prompt_len, max_tokens, lease, remote_kv, grant, reply } => {
+            Command::Reserve {
+                prompt_len,
+                max_tokens,
+                lease,
+                remote_kv,
+                grant,
+                request,
+                reply,
+            } => {
                 let r =
                     core.reserve(prompt_len, max_tokens, lease, remote_kv, now).and_then(|res| {
+                        core.name(res.id(), request.0, request.1);
                         let Some(RemoteGrant(grant)) = grant else { return Ok((res, None)) };
                         match grant(&res.pool_blocks) {
                             Ok((target, g)) => {
@@ -226,6 +243,9 @@ impl Core for Worker {
                 let _ = reply.send(r);
             }
             Command::Moved { id } => core.moved(id),
+            Command::Cancel { owner, request_id, reply } => {
+                let _ = reply.send(core.cancel(&owner, &request_id));
+            }
             Command::Stay { cap, reply } => {
                 let _ = reply.send(core.admit(&cap).and_then(|id| core.stay(id)));
             }

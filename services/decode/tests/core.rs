@@ -454,3 +454,34 @@ fn a_draining_node_hands_one_request_off_with_its_kv_and_keeps_the_other() {
     let k = a.counts();
     assert_eq!((k.moved, k.completed, k.committed_blocks), (1, 1, 0));
 }
+
+#[test]
+fn a_request_is_cancelled_by_its_owner_and_id_attached_or_not_yet() {
+    let now = Instant::now();
+    let mut c = core(64);
+    let p = prompt("The capital of France is");
+    let running = c.reserve(p.len(), 50, None, false, now).unwrap().id();
+    c.name(running, "acme".into(), "req-1".into());
+    let sink = Sink::default();
+    c.attach(running, attach(p.clone(), 50, Start::Local), Box::new(sink.clone()), now).unwrap();
+    c.step(now).unwrap();
+    let waiting = c.reserve(p.len(), 50, None, false, now).unwrap().id();
+    c.name(waiting, "acme".into(), "req-2".into());
+    // Another tenant's cancel of the same id finds nothing.
+    assert!(!c.cancel("intruder", "req-1"));
+    assert!(c.cancel("acme", "req-1"));
+    let reason = |s: &Sink| {
+        s.events.lock().unwrap().iter().find_map(|e| match e {
+            Event::Finished { reason, .. } => Some(*reason),
+            _ => None,
+        })
+    };
+    assert_eq!(reason(&sink), Some(pdmesh_engine::FinishReason::Cancelled));
+    // Not attached yet: it ends as soon as its request attaches.
+    assert!(c.cancel("acme", "req-2"));
+    let late = Sink::default();
+    c.attach(waiting, attach(p, 50, Start::Local), Box::new(late.clone()), now).unwrap();
+    assert_eq!(reason(&late), Some(pdmesh_engine::FinishReason::Cancelled));
+    assert!(c.is_empty());
+    assert!(!c.cancel("acme", "req-2"), "already gone");
+}

@@ -186,14 +186,14 @@ impl Router {
             None => pdmesh_common::ids::new_request_id(),
         };
         let owner = admitted.tenant.tenant.clone();
-        let salt = admitted.tenant.cache_salt();
         let cancel =
             self.mesh.start(&id, &owner).ok_or_else(|| RequestError::Duplicate(id.clone()))?;
         let (tx, rx) = mpsc::channel(CLIENT_BUFFER);
         let mesh = Arc::clone(&self.mesh);
         let run_id = id.clone();
         let run = async move {
-            crate::relay::run(&mesh, run_id.clone(), prep, salt, deadline, tx, cancel).await;
+            let tenant = Arc::clone(&admitted.tenant);
+            crate::relay::run(&mesh, run_id.clone(), prep, &tenant, deadline, tx, cancel).await;
             mesh.finish(&run_id, &owner);
             drop(admitted);
         };
@@ -207,5 +207,15 @@ impl Router {
     /// request is as absent as one that never ran).
     pub fn cancel(&self, tenant: &Tenant, request_id: &str) -> bool {
         self.mesh.cancel(request_id, &tenant.tenant)
+    }
+
+    /// `cancel`, for a request this router may not run: one another router relays (several
+    /// routers share the nodes) is cancelled on the decode node holding it, and its own router
+    /// ends it with `Finished(Cancelled)`. False when no router's node holds it for `tenant`.
+    pub async fn cancel_anywhere(&self, tenant: &Tenant, request_id: &str) -> bool {
+        if self.cancel(tenant, request_id) {
+            return true;
+        }
+        self.mesh.cancel_on_nodes(&tenant.tenant, request_id).await
     }
 }

@@ -129,6 +129,8 @@ pub(crate) struct Request<'a> {
     pub mesh: &'a Mesh,
     pub id: &'a str,
     pub prep: &'a Prepared,
+    /// The tenant it runs for: what a cancel names, with its id.
+    pub owner: &'a str,
     /// The tenant's prefix-cache space.
     pub salt: [u8; 16],
     pub deadline: Instant,
@@ -298,6 +300,7 @@ impl<'a> Attempt<'a> {
             max_tokens: max_tokens as u32,
             lease_ms: cfg.lease_ms,
             remote_kv,
+            owner: req.owner.to_string(),
         };
         let mut c = client.clone();
         let call = async {

@@ -9,13 +9,17 @@ use std::time::{Duration, Instant};
 use pdmesh_common::channels::ChannelCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_engine::Model;
-use pdmesh_proto::v1::Role;
+use pdmesh_proto::v1::decode_client::DecodeClient;
+use pdmesh_proto::v1::{NodeCancelRequest, Role};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::RouterConfig;
 use crate::metrics::RouterMetrics;
 use crate::prefix::PrefixIndex;
 use crate::registry::{Node, Registry};
+
+/// How long a decode node gets to answer a cancel for another router's request.
+const NODE_CANCEL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Node channels the router keeps at most.
 pub const MAX_CHANNELS: usize = 1024;
@@ -68,6 +72,33 @@ impl Mesh {
                 .connect_lazy();
             Ok(pdmesh_common::trace::channel(c))
         })
+    }
+
+    /// Asks every decode node to cancel `owner`'s request `request_id` (it runs through
+    /// another router); true if one held it. Each node gets `NODE_CANCEL_TIMEOUT`.
+    pub async fn cancel_on_nodes(&self, owner: &str, request_id: &str) -> bool {
+        let decodes = self.registry().all().into_iter().filter(|n| n.role == Role::Decode);
+        let mut asks = tokio::task::JoinSet::new();
+        for n in decodes {
+            let Ok(ch) = self.channel(&n.address) else { continue };
+            let msg = NodeCancelRequest { request_id: request_id.into(), owner: owner.into() };
+            asks.spawn(async move {
+                let mut client = DecodeClient::new(ch);
+                match tokio::time::timeout(NODE_CANCEL_TIMEOUT, client.cancel_request(msg)).await {
+                    Ok(Ok(r)) => r.into_inner().found,
+                    Ok(Err(s)) => {
+                        tracing::warn!(node = n.id, "cancel on the node: {}", s.message());
+                        false
+                    }
+                    Err(_) => false,
+                }
+            });
+        }
+        let mut found = false;
+        while let Some(r) = asks.join_next().await {
+            found |= r.unwrap_or(false);
+        }
+        found
     }
 
     /// Forgets a channel whose node went away (a new node may reuse the address).

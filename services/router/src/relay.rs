@@ -19,6 +19,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::Span;
 use tracing::field::Empty;
 
+use pdmesh_common::apikey::Tenant;
+
 use crate::api::{Event, Finished, Usage};
 use crate::attempt::{Attempt, Decoded, Failure, Report, Request};
 use crate::error::RequestError;
@@ -34,7 +36,7 @@ pub(crate) async fn run(
     mesh: &Mesh,
     id: String,
     prep: Prepared,
-    salt: [u8; 16],
+    tenant: &Tenant,
     deadline: Instant,
     out: mpsc::Sender<Result<Event, RequestError>>,
     cancel: CancellationToken,
@@ -48,8 +50,17 @@ pub(crate) async fn run(
     if out.send(Ok(started)).await.is_err() {
         return;
     }
-    let req =
-        Request { mesh, id: &id, prep: &prep, salt, deadline, t0, out: &out, cancel: &cancel };
+    let req = Request {
+        mesh,
+        id: &id,
+        prep: &prep,
+        owner: &tenant.tenant,
+        salt: tenant.cache_salt(),
+        deadline,
+        t0,
+        out: &out,
+        cancel: &cancel,
+    };
     let mut report = Report::default();
     let outcome = attempts(&req, &mut report).await;
     let retry_after = Duration::from_millis(mesh.config.retry_after_ms);

@@ -212,6 +212,7 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
                 max_tokens: 1,
                 lease_ms: 60_000,
                 remote_kv: true,
+                owner: String::new(),
             };
             let target =
                 client.reserve(reserve).await?.into_inner().target.context("no KV target")?;
