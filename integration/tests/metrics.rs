@@ -87,6 +87,17 @@ async fn every_service_counts_what_it_does() {
     assert!(get(&r, "pdmesh_router_e2e_seconds_sum") > 0.0);
     assert_eq!(get(&r, "pdmesh_router_prompt_tokens_total"), 168.0);
     assert_eq!(get(&r, "pdmesh_router_cached_tokens_total"), 64.0);
+    // The planner measured the two requests: demand and node speed are there, and one node
+    // of each role covers a load this light.
+    eventually(Duration::from_secs(10), "the planner's gauges", || async {
+        let (r, _) = scrape(&router).await;
+        get(&r, "pdmesh_planner_demand_tokens_per_second{phase=\"prefill\"}") > 0.0
+            && get(&r, "pdmesh_planner_node_tokens_per_second{phase=\"decode\"}") > 0.0
+    })
+    .await;
+    let (r, raw) = scrape(&router).await;
+    assert_eq!(get(&r, "pdmesh_planner_desired_nodes{role=\"prefill\"}"), 1.0, "{raw}");
+    assert_eq!(get(&r, "pdmesh_planner_desired_nodes{role=\"decode\"}"), 1.0, "{raw}");
 
     let (p, raw) = scrape(&prefill).await;
     assert_eq!(get(&p, "pdmesh_prefill_requests_total{outcome=\"completed\"}"), 2.0, "{raw}");

@@ -59,6 +59,8 @@ pub struct RouterConfig {
     pub prefix_max_imbalance: u32,
     /// Time in-flight requests get to finish at shutdown.
     pub drain_ms: u64,
+    /// How many nodes the load needs (`[planner]`): SLOs, headroom, bounds.
+    pub planner: crate::planner::PlannerConfig,
 }
 
 impl Default for RouterConfig {
@@ -84,6 +86,7 @@ impl Default for RouterConfig {
             prefill_policy: PrefillPolicy::PrefixAware,
             prefix_max_imbalance: 2,
             drain_ms: 5_000,
+            planner: crate::planner::PlannerConfig::default(),
         }
     }
 }
@@ -113,6 +116,7 @@ impl RouterConfig {
             );
             return Err(InvalidConfig::new("node_ttl_ms", why));
         }
+        self.planner.validate()?;
         for (name, v) in [
             ("request_timeout_ms", self.request_timeout_ms),
             ("node_call_timeout_ms", self.node_call_timeout_ms),

@@ -11,6 +11,7 @@ pub mod error;
 pub mod mesh;
 pub mod metrics;
 pub mod placement;
+pub mod planner;
 pub mod prefix;
 pub mod registry;
 mod relay;
@@ -80,6 +81,7 @@ pub async fn run(
                     mesh.prefixes.forget(&id);
                     tracing::warn!(node = id, "node missed its heartbeats; dropped");
                 }
+                mesh.replan();
             }
         }
     });

@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::RouterConfig;
 use crate::metrics::RouterMetrics;
+use crate::planner::{Plan, Planner, Pools, Sample};
 use crate::prefix::PrefixIndex;
 use crate::registry::{Node, Registry};
 
@@ -39,13 +40,14 @@ pub struct Mesh {
     pub prefixes: PrefixIndex,
     pub metrics: RouterMetrics,
     turn: AtomicUsize,
+    /// The planner, and its latest plan (`replan`).
+    planner: Mutex<(Planner, Option<Plan>)>,
 }
 
 impl Mesh {
     pub fn new(config: RouterConfig, model: Arc<Model>) -> Self {
         let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
         Self {
-            config,
             model,
             registry: Mutex::new(Registry::new(ttl)),
             channels: ChannelCache::new(MAX_CHANNELS),
@@ -53,7 +55,56 @@ impl Mesh {
             prefixes: PrefixIndex::default(),
             metrics: RouterMetrics::default(),
             turn: AtomicUsize::new(0),
+            planner: Mutex::new((Planner::new(config.planner.clone()), None)),
+            config,
         }
+    }
+
+    /// Tells the planner how a finished request went.
+    pub fn observe(&self, f: &crate::api::Finished) {
+        let (t, u) = (&f.timings, &f.usage);
+        let itl = if u.completion_tokens > 1 {
+            (t.total_ms - t.ttft_ms) / f64::from(u.completion_tokens - 1)
+        } else {
+            0.0
+        };
+        let sample = Sample {
+            at: Instant::now(),
+            computed_tokens: u.prompt_tokens.saturating_sub(u.cached_tokens),
+            prefill_ms: t.prefill_ms,
+            queue_ms: t.queue_ms,
+            ttft_ms: t.ttft_ms,
+            completion_tokens: u.completion_tokens,
+            itl_ms: itl,
+            decode_node: t.decode_node.clone(),
+        };
+        self.planner.lock().expect("planner lock is never poisoned").0.observe(sample);
+    }
+
+    /// Plans again from the window and the nodes registered now; logs a changed decision.
+    pub fn replan(&self) -> Plan {
+        let current = Pools {
+            prefill: self.live(Role::Prefill).len() as u32,
+            decode: self.live(Role::Decode).len() as u32,
+        };
+        let mut p = self.planner.lock().expect("planner lock is never poisoned");
+        let plan = p.0.plan(Instant::now(), current);
+        if p.1.as_ref().is_none_or(|last| last.desired != plan.desired) {
+            tracing::info!(
+                prefill = plan.desired.prefill,
+                decode = plan.desired.decode,
+                prefill_demand_tps = plan.prefill_demand_tps,
+                decode_demand_tps = plan.decode_demand_tps,
+                "planner: the load needs this many nodes"
+            );
+        }
+        p.1 = Some(plan.clone());
+        plan
+    }
+
+    /// The latest plan (`replan`).
+    pub fn plan(&self) -> Option<Plan> {
+        self.planner.lock().expect("planner lock is never poisoned").1.clone()
     }
 
     pub fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {

@@ -41,6 +41,54 @@ impl Default for RouterMetrics {
     }
 }
 
+/// The planner's decision and what it rests on, for KEDA / an HPA on external metrics and
+/// `pdmesh up --autoscale` (nothing before the first plan).
+fn planner_families(plan: Option<&crate::planner::Plan>) -> Vec<Family> {
+    let Some(p) = plan else { return Vec::new() };
+    let by_role = |name: &str, help: &'static str, pools: crate::planner::Pools| {
+        Family::labelled(
+            name,
+            help,
+            Kind::Gauge,
+            "role",
+            &[("prefill", f64::from(pools.prefill)), ("decode", f64::from(pools.decode))],
+        )
+    };
+    let by_phase = |name: &str, help: &'static str, prefill: f64, decode: f64| {
+        Family::labelled(
+            name,
+            help,
+            Kind::Gauge,
+            "phase",
+            &[("prefill", prefill), ("decode", decode)],
+        )
+    };
+    vec![
+        by_role(
+            "pdmesh_planner_desired_nodes",
+            "Nodes the load needs, per role, after hysteresis and bounds: scale each pool on it.",
+            p.desired,
+        ),
+        by_role(
+            "pdmesh_planner_needed_nodes",
+            "Nodes the last window's demand over measured capacity asks for, before hysteresis.",
+            p.needed,
+        ),
+        by_phase(
+            "pdmesh_planner_demand_tokens_per_second",
+            "Prompt tokens computed and tokens generated per second over the planner's window.",
+            p.prefill_demand_tps,
+            p.decode_demand_tps,
+        ),
+        by_phase(
+            "pdmesh_planner_node_tokens_per_second",
+            "What one node delivers, measured (decode: stretched to the inter-token SLO).",
+            p.prefill_node_tps,
+            p.decode_node_tps,
+        ),
+    ]
+}
+
 impl RouterMetrics {
     /// Registers everything with `m`; in-flight requests and nodes are read from `mesh`.
     pub fn register(&self, m: &Metrics, mesh: Arc<Mesh>, admission: Arc<tokio::sync::Semaphore>) {
@@ -79,7 +127,9 @@ impl RouterMetrics {
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
             let nodes = |r: Role| mesh.live(r).len() as f64;
-            vec![
+            let plan = mesh.plan();
+            let mut v = planner_families(plan.as_ref());
+            v.extend([
                 Family::one(
                     "pdmesh_router_in_flight_requests",
                     "Requests admitted and running.",
@@ -93,7 +143,8 @@ impl RouterMetrics {
                     "role",
                     &[("prefill", nodes(Role::Prefill)), ("decode", nodes(Role::Decode))],
                 ),
-            ]
+            ]);
+            v
         });
     }
 

@@ -78,7 +78,12 @@ pub(crate) async fn run(
         Err(f) => Err(f.into_error(retry_after)),
     };
     match &end {
-        Ok(Event::Finished(f)) => mesh.metrics.finished(f),
+        Ok(Event::Finished(f)) => {
+            mesh.metrics.finished(f);
+            if f.reason != FinishReason::Cancelled {
+                mesh.observe(f);
+            }
+        }
         Ok(_) => {}
         Err(e) => {
             mesh.metrics.failed(e.code());
