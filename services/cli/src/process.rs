@@ -39,6 +39,13 @@ impl std::fmt::Debug for Proc {
 }
 
 impl Proc {
+    /// Sends SIGTERM: a service stops as an orchestrator stops it (a decode node drains).
+    pub fn terminate(&self) {
+        if let Some(pid) = self.child.id() {
+            let _ = std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status();
+        }
+    }
+
     /// How it ended, if it has.
     pub fn exited(&mut self) -> Option<String> {
         match self.child.try_wait() {
@@ -96,7 +103,7 @@ pub async fn spawn_announcing(
             .await
             .with_context(|| format!("{name} did not start listening in 60 s"))??
             .with_context(|| format!("{name} exited before listening (see its log above)"))?;
-        let addr = [" listening on ", " internal on "]
+        let addr = [" listening on ", " internal on ", " metrics on "]
             .iter()
             .find_map(|m| line.rsplit_once(m))
             .map(|(_, a)| a.trim().to_string())

@@ -208,9 +208,49 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_migrations: Option<u32>,
+    #[command(flatten)]
+    planner: PlannerFlags,
     #[arg(long, hide = true)]
     #[serde(skip)]
     exit_with_stdin: bool,
+}
+
+/// The router's `[planner]` settings, as flags (what is not given keeps the file's or the
+/// default).
+#[derive(Debug, Args, Serialize)]
+pub struct PlannerFlags {
+    /// The planner's time-to-first-token objective, in ms [default: 2000].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ttft_slo_ms: Option<f64>,
+    /// The planner's inter-token objective, in ms [default: 100].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    itl_slo_ms: Option<f64>,
+    /// Seconds of finished requests the planner plans on [default: 30].
+    #[arg(long = "planner-window-s")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    window_s: Option<u64>,
+    /// Seconds the need must stay lower before the planner shrinks a pool [default: 60].
+    #[arg(long = "planner-cooldown-s")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cooldown_s: Option<u64>,
+    /// Fewest prefill nodes the planner asks for [default: 1].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_prefill: Option<u32>,
+    /// Most prefill nodes the planner asks for [default: 16].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_prefill: Option<u32>,
+    /// Fewest decode nodes the planner asks for [default: 1].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    min_decode: Option<u32>,
+    /// Most decode nodes the planner asks for [default: 16].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    max_decode: Option<u32>,
 }
 
 #[derive(Debug, Args, Serialize)]

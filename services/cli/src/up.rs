@@ -6,6 +6,10 @@
 //! children by closing their stdin (each exits cleanly when it closes, so none can outlive this
 //! process), killing any that do not stop in time.
 //!
+//! With `--autoscale` it follows the router's planner (`pdmesh_planner_desired_nodes`): it
+//! starts a node when the planner wants more, and drains one (SIGTERM: its streams move to the
+//! others with their KV) when it wants fewer, between the starting counts and `--max-*`.
+//!
 //! The mesh runs as production does: mutual TLS between its processes under a throwaway CA,
 //! and an API key for the public API, all made now in a private directory named after the
 //! router's address (where `pdmesh generate` finds them) and removed when the mesh stops.
@@ -74,11 +78,48 @@ pub struct UpArgs {
     /// Give up if the mesh is not ready within this many seconds.
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
+    /// Follow the router's planner: start nodes when the load needs more, drain nodes when it
+    /// needs fewer (never below --prefill/--decode, never above --max-prefill/--max-decode).
+    #[arg(long)]
+    autoscale: bool,
+    /// Most prefill nodes --autoscale runs.
+    #[arg(long, default_value_t = 3)]
+    max_prefill: usize,
+    /// Most decode nodes --autoscale runs.
+    #[arg(long, default_value_t = 3)]
+    max_decode: usize,
+    /// The planner's time-to-first-token objective, in ms (router default: 2000).
+    #[arg(long)]
+    ttft_slo_ms: Option<f64>,
+    /// The planner's inter-token objective, in ms (router default: 100).
+    #[arg(long)]
+    itl_slo_ms: Option<f64>,
+    /// Seconds of finished requests the planner plans on (router default: 30).
+    #[arg(long)]
+    planner_window_s: Option<u64>,
+    /// Seconds the planner's need must stay lower before a pool shrinks (router default: 60).
+    #[arg(long)]
+    planner_cooldown_s: Option<u64>,
+}
+
+impl UpArgs {
+    /// Most nodes of `role` this mesh may run.
+    fn most(&self, role: &str) -> usize {
+        match (role, self.autoscale) {
+            ("prefill", true) => self.max_prefill.max(self.prefill),
+            ("prefill", false) => self.prefill,
+            (_, true) => self.max_decode.max(self.decode),
+            (_, false) => self.decode,
+        }
+    }
 }
 
 pub fn run(a: UpArgs, insecure: bool) -> anyhow::Result<()> {
     if a.decode == 0 {
         bail!("--decode must be at least 1: decode nodes serve every request");
+    }
+    if a.autoscale && a.prefill == 0 {
+        bail!("--autoscale needs --prefill of at least 1: it scales both pools");
     }
     if !a.model.exists() {
         bail!(
@@ -115,8 +156,8 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
         ("kvstore".into(), MeshRole::KvStore),
         (OPERATOR.into(), MeshRole::Admin),
     ];
-    names.extend((0..a.prefill).map(|i| (format!("prefill-{i}"), MeshRole::Prefill)));
-    names.extend((0..a.decode).map(|i| (format!("decode-{i}"), MeshRole::Decode)));
+    names.extend((0..a.most("prefill")).map(|i| (format!("prefill-{i}"), MeshRole::Prefill)));
+    names.extend((0..a.most("decode")).map(|i| (format!("decode-{i}"), MeshRole::Decode)));
     for (n, r) in &names {
         ca.issue(dir, n, *r)?;
     }
@@ -160,6 +201,8 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
     let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
     let model = a.model.display().to_string();
     let mut procs: Vec<Supervised> = Vec::new();
+    let mut metrics = String::new();
+    let mut template: Option<NodeTemplate<'_>> = None;
     let result = async {
         let mut router = Supervised::start(
             "router",
@@ -176,16 +219,29 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
                 a.colocate_below_tokens.to_string(),
                 "--metrics-listen".into(),
                 "127.0.0.1:0".into(),
+                "--min-prefill".into(),
+                a.prefill.max(1).to_string(),
+                "--max-prefill".into(),
+                a.most("prefill").max(1).to_string(),
+                "--min-decode".into(),
+                a.decode.to_string(),
+                "--max-decode".into(),
+                a.most("decode").to_string(),
             ]
             .into_iter()
+            .chain(a.ttft_slo_ms.iter().flat_map(|v| ["--ttft-slo-ms".into(), v.to_string()]))
+            .chain(a.itl_slo_ms.iter().flat_map(|v| ["--itl-slo-ms".into(), v.to_string()]))
+            .chain(a.planner_window_s.iter().flat_map(|v| ["--planner-window-s".into(), v.to_string()]))
+            .chain(a.planner_cooldown_s.iter().flat_map(|v| ["--planner-cooldown-s".into(), v.to_string()]))
             .chain(a.prefill_policy.iter().flat_map(|p| ["--prefill-policy".into(), p.to_string()]))
             .chain(tls("router"))
             .chain(keys)
             .collect::<Vec<String>>(),
-            2,
+            3,
         )
         .await?;
         let (addr, internal) = (router.addrs[0].clone(), router.addrs[1].clone());
+        metrics = router.addrs[2].clone();
         // Restarted, it must be where clients and nodes already dial it.
         router.pin("--listen", &addr);
         router.pin("--internal-listen", &internal);
@@ -215,52 +271,17 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
         } else {
             None
         };
-        for (role, n, cpus) in [("prefill", a.prefill, &a.prefill_cpus), ("decode", a.decode, &a.decode_cpus)] {
+        template = Some(NodeTemplate {
+            a,
+            internal: internal.clone(),
+            threads,
+            kvstore: kvstore.clone(),
+            tls_dir: dir.map(Path::to_path_buf),
+        });
+        let template = template.as_ref().expect("just set");
+        for (role, n) in [("prefill", a.prefill), ("decode", a.decode)] {
             for i in 0..n {
-                let name = format!("{role}-{i}");
-                let mut args = vec![
-                    role.to_string(),
-                    "--listen".into(),
-                    "127.0.0.1:0".into(),
-                    "--router".into(),
-                    internal.clone(),
-                    "--node-id".into(),
-                    name.clone(),
-                    "--model".into(),
-                    model.clone(),
-                    "--threads".into(),
-                    threads.to_string(),
-                    "--metrics-listen".into(),
-                    "127.0.0.1:0".into(),
-                ];
-                if let Some(b) = a.block_size {
-                    args.extend(["--block-size".into(), b.to_string()]);
-                }
-                if role == "decode"
-                    && let Some(b) = a.kv_blocks
-                {
-                    args.extend(["--kv-blocks".into(), b.to_string()]);
-                }
-                if let Some(t) = &a.kv_transport {
-                    args.extend(["--kv-transport".into(), t.to_string()]);
-                }
-                if role == "prefill"
-                    && let Some(p) = &a.kv_push
-                {
-                    args.extend(["--kv-push".into(), p.to_string()]);
-                }
-                if role == "prefill"
-                    && let Some(b) = a.cache_bytes
-                {
-                    args.extend(["--cache-bytes".into(), b.to_string()]);
-                }
-                if role == "prefill"
-                    && let Some(k) = &kvstore
-                {
-                    args.extend(["--kvstore".into(), k.clone()]);
-                }
-                args.extend(tls(&name));
-                procs.push(Supervised::start(&name, cpus.clone(), args, 1).await?);
+                procs.push(start_node(template, role, i).await?);
             }
         }
         wait_ready(&internal, a.prefill, a.decode, Duration::from_secs(a.ready_timeout_s)).await?;
@@ -288,12 +309,23 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
         stop(procs.iter_mut().filter_map(|p| p.proc.take()).collect()).await;
         return Err(e);
     }
-    // Run until a signal, restarting whatever dies on its own.
+    // Run until a signal, restarting whatever dies on its own (but what was drained), and
+    // with --autoscale following the planner.
+    let template = template.expect("set before the mesh was ready");
     let supervise = async {
+        let mut planned = Instant::now();
         loop {
             let now = Instant::now();
             for p in procs.iter_mut() {
                 p.tend(now).await;
+            }
+            procs.retain(|p| !(p.retiring && p.proc.is_none()));
+            if a.autoscale && now.duration_since(planned) >= AUTOSCALE_EVERY {
+                planned = now;
+                match desired_nodes(&metrics).await {
+                    Ok(want) => autoscale(&template, &mut procs, want).await,
+                    Err(e) => eprintln!("pdmesh: --autoscale: reading the planner: {e:#}"),
+                }
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
@@ -305,6 +337,133 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
     stop(procs.iter_mut().filter_map(|p| p.proc.take()).collect()).await;
     eprintln!("pdmesh: mesh stopped");
     Ok(())
+}
+
+/// How often --autoscale reads the planner's decision.
+const AUTOSCALE_EVERY: Duration = Duration::from_secs(2);
+
+/// What every node of the mesh is started with; `start_node` adds its name.
+struct NodeTemplate<'a> {
+    a: &'a UpArgs,
+    internal: String,
+    threads: usize,
+    kvstore: Option<String>,
+    tls_dir: Option<PathBuf>,
+}
+
+/// Starts node `i` of `role` under supervision.
+async fn start_node(t: &NodeTemplate<'_>, role: &str, i: usize) -> anyhow::Result<Supervised> {
+    let a = t.a;
+    let name = format!("{role}-{i}");
+    let mut args = vec![
+        role.to_string(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--router".into(),
+        t.internal.clone(),
+        "--node-id".into(),
+        name.clone(),
+        "--model".into(),
+        a.model.display().to_string(),
+        "--threads".into(),
+        t.threads.to_string(),
+        "--metrics-listen".into(),
+        "127.0.0.1:0".into(),
+    ];
+    if let Some(b) = a.block_size {
+        args.extend(["--block-size".into(), b.to_string()]);
+    }
+    if let Some(tk) = &a.kv_transport {
+        args.extend(["--kv-transport".into(), tk.to_string()]);
+    }
+    let cpus = if role == "prefill" {
+        if let Some(p) = &a.kv_push {
+            args.extend(["--kv-push".into(), p.to_string()]);
+        }
+        if let Some(b) = a.cache_bytes {
+            args.extend(["--cache-bytes".into(), b.to_string()]);
+        }
+        if let Some(k) = &t.kvstore {
+            args.extend(["--kvstore".into(), k.clone()]);
+        }
+        a.prefill_cpus.clone()
+    } else {
+        if let Some(b) = a.kv_blocks {
+            args.extend(["--kv-blocks".into(), b.to_string()]);
+        }
+        a.decode_cpus.clone()
+    };
+    match &t.tls_dir {
+        Some(d) => args.extend([
+            "--tls-dir".into(),
+            d.display().to_string(),
+            "--tls-name".into(),
+            name.clone(),
+            "--seal-key".into(),
+            d.join(SEAL_KEY_FILE).display().to_string(),
+        ]),
+        None => args.push("--insecure".into()),
+    }
+    let mut node = Supervised::start(&name, cpus, args, 1).await?;
+    node.role = Some(if role == "prefill" { Role::Prefill } else { Role::Decode });
+    Ok(node)
+}
+
+/// The planner's `pdmesh_planner_desired_nodes` (prefill, decode), scraped from the router's
+/// metrics endpoint (`http://ADDR/metrics`).
+async fn desired_nodes(endpoint: &str) -> anyhow::Result<(usize, usize)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let addr = endpoint.trim_start_matches("http://").trim_end_matches("/metrics");
+    let body = tokio::time::timeout(Duration::from_secs(2), async {
+        let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+        tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: router\r\n\r\n").await?;
+        let mut body = String::new();
+        tcp.read_to_string(&mut body).await?;
+        anyhow::Ok(body)
+    })
+    .await
+    .context("the router's metrics did not answer in 2 s")??;
+    let gauge = |role: &str| -> anyhow::Result<usize> {
+        let series = format!("pdmesh_planner_desired_nodes{{role=\"{role}\"}} ");
+        let line = body
+            .lines()
+            .find_map(|l| l.strip_prefix(series.as_str()))
+            .with_context(|| format!("no {series}yet"))?;
+        Ok(line.trim().parse::<f64>()? as usize)
+    };
+    Ok((gauge("prefill")?, gauge("decode")?))
+}
+
+/// One step towards the planner's pools: a node started, or one drained, per role.
+async fn autoscale(
+    t: &NodeTemplate<'_>,
+    procs: &mut Vec<Supervised>,
+    (prefill, decode): (usize, usize),
+) {
+    let a = t.a;
+    for (role, name, want, least) in
+        [(Role::Prefill, "prefill", prefill, a.prefill), (Role::Decode, "decode", decode, a.decode)]
+    {
+        let want = want.clamp(least, a.most(name));
+        let serving: Vec<usize> = (0..procs.len())
+            .filter(|&i| procs[i].role == Some(role) && !procs[i].retiring)
+            .collect();
+        if want > serving.len() {
+            // The lowest free name, so names (and their certificates) are reused.
+            let taken = |i: usize| procs.iter().any(|p| p.name == format!("{name}-{i}"));
+            let Some(i) = (0..a.most(name)).find(|&i| !taken(i)) else { continue };
+            eprintln!("pdmesh: the planner wants {want} {name} nodes; starting {name}-{i}");
+            match start_node(t, name, i).await {
+                Ok(node) => procs.push(node),
+                Err(e) => eprintln!("pdmesh: starting {name}-{i} failed: {e:#}"),
+            }
+        } else if want < serving.len() {
+            let newest = *serving.last().expect("more serving than wanted");
+            let p = &mut procs[newest];
+            eprintln!("pdmesh: the planner wants {want} {name} nodes; draining {}", p.name);
+            p.retire();
+        }
+    }
 }
 
 /// First pause before restarting a process that died; it doubles with each quick death.
@@ -329,6 +488,10 @@ struct Supervised {
     deaths: u32,
     /// When it is to be started again, after a death.
     due: Option<Instant>,
+    /// A node's role (--autoscale counts them).
+    role: Option<Role>,
+    /// Drained on purpose: not restarted when it exits.
+    retiring: bool,
 }
 
 impl Supervised {
@@ -349,7 +512,18 @@ impl Supervised {
             started: Instant::now(),
             deaths: 0,
             due: None,
+            role: None,
+            retiring: false,
         })
+    }
+
+    /// Drains it (SIGTERM: a decode node hands its streams to the others with their KV) and
+    /// lets it go.
+    fn retire(&mut self) {
+        self.retiring = true;
+        if let Some(p) = &self.proc {
+            p.terminate();
+        }
     }
 
     /// Sets `flag`'s value for later starts.
@@ -363,6 +537,10 @@ impl Supervised {
     async fn tend(&mut self, now: Instant) {
         if let Some(why) = self.proc.as_mut().and_then(Proc::exited) {
             self.proc = None;
+            if self.retiring {
+                eprintln!("pdmesh: {why}, drained");
+                return;
+            }
             self.deaths =
                 if now.duration_since(self.started) >= HEALTHY_RUN { 0 } else { self.deaths + 1 };
             let wait = (RESTART_BACKOFF * 2u32.saturating_pow(self.deaths.saturating_sub(1)))
