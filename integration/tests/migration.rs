@@ -107,6 +107,11 @@ async fn all_match(tasks: Vec<tokio::task::JoinHandle<Outcome>>, victim: &str) -
 
 /// Every live node's blocks are free again.
 async fn blocks_back(c: &Cluster) {
+    blocks_back_of(c, &[0]).await;
+}
+
+/// Every live decode node's blocks, and those of prefill nodes `prefills`, are free again.
+async fn blocks_back_of(c: &Cluster, prefills: &[usize]) {
     for i in 0..c.decodes.len() {
         if c.decodes[i].is_running_ref() {
             eventually(WAIT, &format!("decode-{i} blocks free"), || async move {
@@ -116,11 +121,13 @@ async fn blocks_back(c: &Cluster) {
             .await;
         }
     }
-    eventually(WAIT, "prefill-0 blocks free", || async {
-        let l = c.prefill_stats(0).await.load.unwrap();
-        l.free_blocks == l.total_blocks
-    })
-    .await;
+    for &p in prefills {
+        eventually(WAIT, &format!("prefill-{p} blocks free"), || async move {
+            let l = c.prefill_stats(p).await.load.unwrap();
+            l.free_blocks == l.total_blocks
+        })
+        .await;
+    }
 }
 
 per_transport!(killed_decode_node_streams_continue_bit_identically);
@@ -227,4 +234,29 @@ async fn a_draining_node_with_nowhere_to_go_finishes_its_streams_then_exits() {
     assert_eq!(all_match(tasks, "decode-0").await, 0, "there was nowhere to move to");
     let status = tokio::task::block_in_place(|| c.decodes[0].exited(WAIT));
     assert!(status.is_some_and(|s| s.success()), "the drained node exited with {status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_prefill_node_finishes_its_prompts_and_takes_no_new_ones() {
+    let _serial = SERIAL.lock().await;
+    tokio::task::spawn_blocking(expected).await.unwrap();
+    // Transfers slowed, so prompts are in flight on both prefill nodes when one stops.
+    let mut c = Cluster::builder()
+        .prefill(2)
+        .decode(2)
+        .prefill_args(&["--fault-transfer-delay-ms", "100"])
+        .start()
+        .await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let tasks = start_all(&c, &started).await;
+    eventually(WAIT, "prefill-0 busy", || async {
+        let s = c.prefill_stats(0).await;
+        s.prefilling + s.transferring + s.queued > 0
+    })
+    .await;
+    c.prefills[0].terminate();
+    assert_eq!(all_match(tasks, "none").await, 0, "nothing had to move");
+    let status = tokio::task::block_in_place(|| c.prefills[0].exited(WAIT));
+    assert!(status.is_some_and(|s| s.success()), "the drained node exited with {status:?}");
+    blocks_back_of(&c, &[1]).await;
 }

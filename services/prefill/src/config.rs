@@ -28,6 +28,9 @@ pub struct PrefillConfig {
     pub blocks_per_message: usize,
     /// Time in-flight calls get to finish at shutdown.
     pub drain_ms: u64,
+    /// Longest a stopping node (SIGTERM) keeps computing the prompts it has, taking no new
+    /// ones (its heartbeats say it is draining), before it exits.
+    pub drain_grace_ms: u64,
     /// How KV reaches decode nodes: "ucx" (one-sided puts into the decode node's pool; a
     /// decode node without UCX fails the request), "grpc" (the gRPC stream), "auto" (UCX
     /// when the decode node offers it, else gRPC).
@@ -65,6 +68,7 @@ impl Default for PrefillConfig {
             max_queued: 256,
             blocks_per_message: 4,
             drain_ms: 5_000,
+            drain_grace_ms: 30_000,
             kv_transport: TransportKind::Auto,
             kv_push: PushMode::Layer,
             kv_verify: false,

@@ -61,6 +61,7 @@ pub async fn run(
     )
     .map_err(StartError::Thread)?;
     let transferring = Arc::new(AtomicU32::new(0));
+    let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let ucx = config.kv_transport.start_ucx(&node_id)?;
     let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
     let cache = PrefixCache::new(
@@ -98,8 +99,11 @@ pub async fn run(
         counts: Arc::clone(&counts),
         transferring: Arc::clone(&transferring),
         fault_delay: Duration::from_millis(config.fault_transfer_delay_ms),
+        draining: Arc::clone(&draining),
     };
     let load_counts = Arc::clone(&counts);
+    let load_draining = Arc::clone(&draining);
+    let busy_transfers = Arc::clone(&transferring);
     tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, kv_push = %config.kv_push, "prefill node serving");
     let routes = tonic::service::Routes::new(PrefillServer::new(service));
     let registration = RegisterRequest {
@@ -117,11 +121,27 @@ pub async fn run(
         load: Arc::new(move || {
             let c = *load_counts.lock().expect("never poisoned");
             let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
-            PrefillService::load(&c, t, cache_blocks)
+            let draining = load_draining.load(std::sync::atomic::Ordering::Relaxed);
+            PrefillService::load(&c, t, cache_blocks, draining)
         }),
         died,
     };
-    let served = pdmesh_common::serve_node(routes, listener, shutdown, node).await;
+    let grace = Duration::from_millis(config.drain_grace_ms);
+    let stopping = async move {
+        shutdown.await;
+        // Heartbeats go on saying so while the prompts it has finish.
+        draining.store(true, std::sync::atomic::Ordering::Relaxed);
+        let busy = || {
+            let c = *counts.lock().expect("never poisoned");
+            c.queued + c.prefilling + busy_transfers.load(std::sync::atomic::Ordering::Relaxed)
+        };
+        tracing::info!(prompts = busy(), ?grace, "draining: finishing the prompts taken");
+        let until = tokio::time::Instant::now() + grace;
+        while busy() > 0 && tokio::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let served = pdmesh_common::serve_node(routes, listener, stopping, node).await;
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
     Ok(served?)
 }

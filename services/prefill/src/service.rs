@@ -46,6 +46,8 @@ pub struct PrefillService {
     pub transferring: Arc<AtomicU32>,
     /// Test-only fault injection: the delay before each KV message (zero in production).
     pub fault_delay: Duration,
+    /// Stopping: new prompts are refused (UNAVAILABLE, so routers retry elsewhere).
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 type EventStream = Pin<Box<dyn Stream<Item = Result<PrefillEvent, Status>> + Send>>;
@@ -55,7 +57,12 @@ impl PrefillService {
         self.cache.as_ref().map_or(0, |c| c.local_capacity())
     }
 
-    pub fn load(counts: &Counts, transferring: u32, cache_blocks: usize) -> NodeLoad {
+    pub fn load(
+        counts: &Counts,
+        transferring: u32,
+        cache_blocks: usize,
+        draining: bool,
+    ) -> NodeLoad {
         NodeLoad {
             cache_blocks: u32::try_from(cache_blocks).unwrap_or(u32::MAX),
             queued: counts.queued,
@@ -63,7 +70,7 @@ impl PrefillService {
             free_blocks: counts.free_blocks,
             total_blocks: counts.total_blocks,
             committed_blocks: counts.total_blocks - counts.free_blocks,
-            draining: false,
+            draining,
         }
     }
 
@@ -124,6 +131,12 @@ impl Prefill for PrefillService {
         &self,
         req: Request<PrefillRequest>,
     ) -> Result<Response<Self::PrefillStream>, Status> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(Status::unavailable(format!(
+                "node {}: draining (stopping); it takes no new prompts",
+                self.node_id
+            )));
+        }
         let r = req.into_inner();
         let target = self.check(&r)?;
         let (sampling, rng_position) = sampling_from(r.sampler.as_ref())?;
@@ -192,7 +205,12 @@ impl Prefill for PrefillService {
         Ok(Response::new(NodeStats {
             node_id: self.node_id.clone(),
             role: Role::Prefill as i32,
-            load: Some(Self::load(&c, transferring, self.cache_blocks())),
+            load: Some(Self::load(
+                &c,
+                transferring,
+                self.cache_blocks(),
+                self.draining.load(Ordering::Relaxed),
+            )),
             layout: Some(self.layout.into()),
             queued: c.queued,
             prefilling: c.prefilling,
