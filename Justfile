@@ -31,9 +31,15 @@ generate prompt="Explain in one paragraph why the sky is blue." *args="": system
 run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps fetch-model
     cargo run --release --locked -q -p pdmesh-cli -- run --model {{model}} --prompt "{{prompt}}" {{args}}
 
-# Run the whole test suite (unit, kernel, engine on the real model, CLI processes).
-test: system-deps fetch-model vocab-fixtures test-models
+# Run the whole test suite (unit, kernel, engine on the real model, CLI processes), after
+# checking the Kubernetes manifests.
+test: system-deps fetch-model vocab-fixtures test-models check-deploy
     cargo test --workspace --locked
+
+# The Kubernetes manifests against the API's schemas, offline and strict (unknown fields fail).
+check-deploy: _llamacpp
+    {{bench_venv}}/bin/pip install --quiet --disable-pip-version-check kubernetes-validate==1.37.0
+    {{bench_venv}}/bin/kubernetes-validate --strict --quiet deploy/k8s/*.yaml
 
 # The tokenizer's vocabulary fixtures in models/test/: vocab-only GGUFs (SentencePiece, and
 # byte-level BPE under each pre-tokenizer) with llama.cpp's token ids for them. Rebuilt when the
