@@ -260,3 +260,38 @@ async fn a_draining_prefill_node_finishes_its_prompts_and_takes_no_new_ones() {
     assert!(status.is_some_and(|s| s.success()), "the drained node exited with {status:?}");
     blocks_back_of(&c, &[1]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_drain_rpc_moves_streams_and_no_one_else_may_call_it() {
+    use pdmesh_common::tls::MeshRole;
+    use pdmesh_integration::cluster::{endpoint_as, pki};
+    use pdmesh_proto::v1::DrainRequest;
+    use pdmesh_proto::v1::decode_client::DecodeClient;
+    let _serial = SERIAL.lock().await;
+    tokio::task::spawn_blocking(expected).await.unwrap();
+    let mut c = Cluster::builder().prefill(1).decode(2).start().await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let tasks = start_all(&c, &started).await;
+    let victim = mid_stream(&c, &started).await;
+    let addr = c.decodes[victim].addr.clone();
+    let as_role = |name: &str, role| {
+        let ep = endpoint_as(&addr, &pki().identity(name, role));
+        async move { DecodeClient::new(ep.connect().await.unwrap()) }
+    };
+    // A router, a prefill node or another decode node cannot stop a node.
+    for (name, role) in [
+        ("rogue-router", MeshRole::Router),
+        ("rogue-prefill", MeshRole::Prefill),
+        ("rogue-decode", MeshRole::Decode),
+    ] {
+        let err = as_role(name, role).await.drain(DrainRequest::default()).await.unwrap_err();
+        assert_eq!(err.code(), Code::PermissionDenied, "{name}: {err:?}");
+    }
+    let drained = as_role("ops", MeshRole::Admin).await.drain(DrainRequest::default()).await;
+    assert!(drained.unwrap().into_inner().requests > 0, "it held streams");
+    let moved = all_match(tasks, &format!("decode-{victim}")).await;
+    assert!(moved > 0, "no stream moved");
+    let status = tokio::task::block_in_place(|| c.decodes[victim].exited(WAIT));
+    assert!(status.is_some_and(|s| s.success()), "the drained node exited with {status:?}");
+    blocks_back(&c).await;
+}
