@@ -57,6 +57,12 @@ fuzz cases="20000":
     PDMESH_FUZZ_CASES={{cases}} cargo test --locked -p pdmesh-integration --test fuzz_rpc -- --nocapture
     PDMESH_FUZZ_CASES={{cases}} cargo test --locked -p pdmesh-engine --features testing fuzz::
 
+# The chaos soak for longer than CI runs it: a mesh in network namespaces under load while its
+# nodes are killed, hung, cut off and slowed at random (`seed` picks the faults). Needs root.
+soak seconds="600" seed="7":
+    cargo build --locked -q -p pdmesh-cli
+    PDMESH_SOAK_S={{seconds}} PDMESH_SOAK_SEED={{seed}} cargo test --locked -p pdmesh-integration --test chaos -- --nocapture
+
 # Formatting and lints, as CI wants them.
 check: system-deps
     cargo fmt --all -- --check

@@ -263,6 +263,8 @@ impl Drop for Service {
 pub struct ClusterBuilder {
     /// Routers besides the first (every node registers with all of them).
     more_routers: usize,
+    /// Each process on a host of its own (`Netns`), named as the process is.
+    netns: Option<std::sync::Arc<crate::netns::Netns>>,
     prefill: usize,
     decode: usize,
     kvstore: bool,
@@ -295,6 +297,30 @@ impl ClusterBuilder {
         self.env.push((key.to_string(), value.to_string()));
         self
     }
+    /// Runs each process on its host in `hosts` (named as the process: router, prefill-0,
+    /// decode-1, ...), listening on the host's address.
+    pub fn netns(mut self, hosts: std::sync::Arc<crate::netns::Netns>) -> Self {
+        self.netns = Some(hosts);
+        self
+    }
+
+    /// The command that runs `pdmesh` as process `name`, and the host it listens on.
+    fn command(&self, name: &str) -> (Command, String) {
+        match self.netns.as_ref().and_then(|n| n.host(name)) {
+            Some((ns, ip)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(pdmesh_bin());
+                (c, ip.to_string())
+            }
+            None => (Command::new(pdmesh_bin()), "127.0.0.1".into()),
+        }
+    }
+
+    /// Starts process `name` (`pdmesh <role> <args>`) where it runs.
+    fn launch(&self, role: &str, name: &str, args: &[String]) -> Service {
+        Service::spawn(self.command(name).0, role, name, args, &self.env)
+    }
+
     /// `n` routers in all (at least 1); every node registers with each.
     pub fn routers(mut self, n: usize) -> Self {
         self.more_routers = n.saturating_sub(1);
@@ -383,8 +409,9 @@ impl ClusterBuilder {
                 keys.insert(name, pdmesh_common::apikey::add(&keyring, t).expect("API key"));
             }
         }
+        let any = format!("{}:0", self.command("router").1);
         let mut rargs: Vec<String> =
-            ["--listen", "127.0.0.1:0", "--internal-listen", "127.0.0.1:0", "--model", &model]
+            ["--listen", &any, "--internal-listen", &any, "--model", &model]
                 .iter()
                 .map(|s| s.to_string())
                 .collect();
@@ -401,7 +428,7 @@ impl ClusterBuilder {
             "1000".into(),
         ]);
         rargs.extend(self.router_args.iter().cloned());
-        let router = Service::start_with_env("router", "router", &rargs, &self.env);
+        let router = self.launch("router", "router", &rargs);
         let more_routers = (1..=self.more_routers)
             .map(|i| {
                 let name = format!("router-{i}");
@@ -413,7 +440,7 @@ impl ClusterBuilder {
                 if let Some(at) = a.iter().position(|x| x == "--tls-name") {
                     a[at + 1] = name.clone();
                 }
-                Service::start_with_env("router", &name, &a, &self.env)
+                self.launch("router", &name, &a)
             })
             .collect();
         let mut builder = self.clone();
@@ -473,6 +500,7 @@ impl Cluster {
     pub fn builder() -> ClusterBuilder {
         ClusterBuilder {
             more_routers: 0,
+            netns: None,
             prefill: 1,
             decode: 1,
             kvstore: false,
@@ -489,7 +517,8 @@ impl Cluster {
 
     fn node_args(&self, role: &str, name: &str, extra: &[&str]) -> Vec<String> {
         let model = self.builder.model_arg();
-        let mut a: Vec<String> = ["--listen", "127.0.0.1:0"].map(String::from).into();
+        let any = format!("{}:0", self.builder.command(name).1);
+        let mut a: Vec<String> = vec!["--listen".to_string(), any];
         for r in std::iter::once(&self.router).chain(&self.more_routers) {
             let internal = r.internal.as_deref().expect("a router's internal address");
             a.extend(["--router".to_string(), internal.to_string()]);
@@ -515,7 +544,7 @@ impl Cluster {
     pub fn add_prefill(&mut self, extra: &[&str]) -> usize {
         let name = format!("prefill-{}", self.prefills.len());
         let args = self.node_args("prefill", &name, extra);
-        self.prefills.push(Service::start_with_env("prefill", &name, &args, &self.builder.env));
+        self.prefills.push(self.builder.launch("prefill", &name, &args));
         self.prefills.len() - 1
     }
 
@@ -523,8 +552,16 @@ impl Cluster {
     pub fn add_decode(&mut self, extra: &[&str]) -> usize {
         let name = format!("decode-{}", self.decodes.len());
         let args = self.node_args("decode", &name, extra);
-        self.decodes.push(Service::start_with_env("decode", &name, &args, &self.builder.env));
+        self.decodes.push(self.builder.launch("decode", &name, &args));
         self.decodes.len() - 1
+    }
+
+    /// Starts decode node `i` again (killing it first if it runs): same name, new port.
+    pub fn restart_decode(&mut self, i: usize) {
+        self.decodes[i].kill();
+        let name = format!("decode-{i}");
+        let args = self.node_args("decode", &name, &[]);
+        self.decodes[i] = self.builder.launch("decode", &name, &args);
     }
 
     /// A channel to one of this cluster's processes, as the harness (a router's certificate).

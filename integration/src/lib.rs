@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod inprocess;
+pub mod netns;
 pub mod reference;
 
 pub use cluster::{Cluster, eventually};

@@ -1,6 +1,7 @@
 //! One request's life on the router: attempts (`attempt.rs`) until one finishes it or a
 //! failure is final, then one `Finished` or one error to the client. A failure before the
-//! first token reaches the client is retried once on other nodes. A decode node lost after
+//! first token reaches the client is retried on other nodes (once, or up to `max_migrations`
+//! times). A decode node lost after
 //! that (dead, hung, gone from the mesh) does not end the stream: the request moves to another
 //! decode node with its prompt and the tokens generated so far, and continues from the same
 //! sampler position, so the client sees one unbroken stream, the same one it would have seen
@@ -28,7 +29,9 @@ use crate::mesh::Mesh;
 use crate::placement::{Ask, PrefillPolicy, place};
 use crate::request::Prepared;
 
-/// Retries a request gets before its first token reaches the client.
+/// Retries a request gets before its first token reaches the client, at least (more with a
+/// larger `max_migrations`: a node lost before the first token is as recoverable as one lost
+/// after it).
 const RETRIES: u32 = 1;
 
 /// Runs an admitted request to its end, sending everything to `out`.
@@ -169,7 +172,7 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
                 crate::attempt::failure_text(&failure)
             );
         } else {
-            if retries >= RETRIES {
+            if retries >= RETRIES.max(mesh.config.max_migrations) {
                 return Err(failure);
             }
             retries += 1;

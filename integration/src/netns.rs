@@ -1,0 +1,96 @@
+//! Hosts for mesh tests, on one machine: each process of a cluster in a network namespace of
+//! its own (`ip netns`), joined to the test's namespace by a veth pair on a bridge, with an
+//! address of its own. A host can then be cut off the network (its link down) and back, which
+//! a process on loopback cannot. Needs root and iproute2; everything made is removed on drop.
+//!
+//! `tc netem` would also delay and lose packets, but the kernels these tests run on may lack
+//! its module (`sch_netem`); slowness is made by pausing processes instead (`Service::pause`).
+
+use std::collections::HashMap;
+use std::process::Command;
+
+/// A bridge and one namespace per named host.
+#[derive(Debug)]
+pub struct Netns {
+    /// Short and unique, so that names fit the kernel's 15 bytes and runs do not collide.
+    tag: String,
+    bridge: String,
+    hosts: HashMap<String, Host>,
+}
+
+#[derive(Debug, Clone)]
+struct Host {
+    ns: String,
+    /// The veth end on the bridge (in the test's namespace): down cuts the host off.
+    link: String,
+    ip: String,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+impl Netns {
+    /// A host for each of `names`, all on one new bridge with 10.N.0.0/24 addresses.
+    pub fn new(names: &[&str]) -> Result<Netns, String> {
+        let pid = std::process::id();
+        let tag = format!("pd{:x}", pid % 0xffff);
+        let subnet = 100 + pid % 100;
+        let bridge = format!("{tag}br");
+        let mut n = Netns { tag: tag.clone(), bridge: bridge.clone(), hosts: HashMap::new() };
+        ip(&["link", "add", &bridge, "type", "bridge"])?;
+        ip(&["addr", "add", &format!("10.{subnet}.0.1/24"), "dev", &bridge])?;
+        ip(&["link", "set", &bridge, "up"])?;
+        for (i, name) in names.iter().enumerate() {
+            let host = Host {
+                ns: format!("{tag}-{name}"),
+                link: format!("{tag}h{i}"),
+                ip: format!("10.{subnet}.0.{}", 10 + i),
+            };
+            let peer = format!("{tag}n{i}");
+            ip(&["netns", "add", &host.ns])?;
+            n.hosts.insert(name.to_string(), host.clone());
+            ip(&["link", "add", &host.link, "type", "veth", "peer", "name", &peer])?;
+            ip(&["link", "set", &peer, "netns", &host.ns])?;
+            ip(&["link", "set", &host.link, "master", &bridge])?;
+            ip(&["link", "set", &host.link, "up"])?;
+            let inside = |args: &[&str]| {
+                let mut a = vec!["netns", "exec", &host.ns, "ip"];
+                a.extend(args);
+                ip(&a)
+            };
+            inside(&["link", "set", "lo", "up"])?;
+            inside(&["addr", "add", &format!("{}/24", host.ip), "dev", &peer])?;
+            inside(&["link", "set", &peer, "up"])?;
+        }
+        Ok(n)
+    }
+
+    /// The namespace and address of host `name`.
+    pub fn host(&self, name: &str) -> Option<(&str, &str)> {
+        self.hosts.get(name).map(|h| (h.ns.as_str(), h.ip.as_str()))
+    }
+
+    /// Cuts host `name` off the network (`false`) or joins it again (`true`).
+    pub fn connect(&self, name: &str, up: bool) {
+        let h = &self.hosts[name];
+        ip(&["link", "set", &h.link, if up { "up" } else { "down" }])
+            .unwrap_or_else(|e| panic!("partitioning {name}: {e}"));
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for h in self.hosts.values() {
+            let _ = ip(&["netns", "del", &h.ns]);
+            let _ = ip(&["link", "del", &h.link]);
+        }
+        let _ = ip(&["link", "del", &self.bridge]);
+        let _ = &self.tag;
+    }
+}

@@ -1,0 +1,189 @@
+//! Chaos: a mesh of real processes, each on a host of its own (network namespaces joined by a
+//! bridge), serves a steady mixed load (the 20 reference chat prompts, greedy and seeded) while
+//! its nodes are killed and restarted, hung, cut off the network and slowed, one at a time at
+//! random (seeded). Afterwards: every request ended with `pdmesh run`'s tokens or with a precise
+//! status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) within its deadline; every node's
+//! KV blocks are back to free; no process is left. `PDMESH_SOAK_S` sets the duration (CI runs
+//! the default; `just soak` runs longer) and `PDMESH_SOAK_SEED` the seed. Needs root (CI has
+//! it). Routers are not killed here: `routers.rs` shows what that costs.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pdmesh_integration::netns::Netns;
+use pdmesh_integration::reference::{PROMPTS, reference, request};
+use pdmesh_integration::{Cluster, collect, eventually};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng as StdRng;
+use tonic::Code;
+
+const MAX_TOKENS: u32 = 32;
+/// Each request's deadline.
+const DEADLINE: Duration = Duration::from_secs(60);
+const CLIENTS: usize = 4;
+
+fn env_or(key: &str, default: u64) -> u64 {
+    std::env::var(key).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// How one request ended.
+#[derive(Debug)]
+struct Ended {
+    prompt: usize,
+    took: Duration,
+    outcome: Result<(Vec<u32>, u32), tonic::Status>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
+    let soak = Duration::from_secs(env_or("PDMESH_SOAK_S", 40));
+    let seed = env_or("PDMESH_SOAK_SEED", 7);
+    eprintln!("chaos: {soak:?}, seed {seed}");
+    let want = tokio::task::spawn_blocking(|| {
+        (0..PROMPTS.len()).map(|i| reference(i, MAX_TOKENS)).collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    let hosts = Netns::new(&["router", "prefill-0", "decode-0", "decode-1"])
+        .unwrap_or_else(|e| panic!("network namespaces (this test needs root and iproute2): {e}"));
+    let hosts = Arc::new(hosts);
+    let mut c = Cluster::builder().netns(Arc::clone(&hosts)).prefill(1).decode(2).start().await;
+    let mut pids: Vec<u32> =
+        [&c.router, &c.prefills[0], &c.decodes[0], &c.decodes[1]].iter().map(|s| s.pid()).collect();
+
+    // The load: CLIENTS loops, each request right after the last, prompts drawn at random.
+    let stop = Arc::new(AtomicBool::new(false));
+    let ended = Arc::new(Mutex::new(Vec::<Ended>::new()));
+    let mut clients = Vec::new();
+    for k in 0..CLIENTS {
+        let mut client = c.client().await;
+        let (stop, ended) = (Arc::clone(&stop), Arc::clone(&ended));
+        clients.push(tokio::spawn(async move {
+            let mut rng = StdRng::seed_from_u64(seed * 100 + k as u64);
+            while !stop.load(Ordering::SeqCst) {
+                let i = rng.random_range(0..PROMPTS.len());
+                let mut r = tonic::Request::new(request(i, MAX_TOKENS));
+                r.set_timeout(DEADLINE);
+                let t0 = Instant::now();
+                let outcome = match client.generate(r).await {
+                    Ok(s) => collect(s.into_inner()).await.map(|(tokens, f)| {
+                        let moved = f.and_then(|f| f.timings).map_or(0, |t| t.migrations);
+                        (tokens, moved)
+                    }),
+                    Err(e) => Err(e),
+                };
+                ended.lock().unwrap().push(Ended { prompt: i, took: t0.elapsed(), outcome });
+            }
+        }));
+    }
+
+    // The chaos: one fault at a time on a random node, then a pause to recover.
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut faults: BTreeMap<&str, u32> = BTreeMap::new();
+    let until = Instant::now() + soak;
+    while Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(1500..3000))).await;
+        let d = rng.random_range(0..2);
+        match rng.random_range(0..5) {
+            0 => {
+                *faults.entry("decode killed and restarted").or_default() += 1;
+                c.decodes[d].kill();
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                tokio::task::block_in_place(|| c.restart_decode(d));
+                pids.push(c.decodes[d].pid());
+            }
+            1 => {
+                *faults.entry("decode hung (SIGSTOP 2 s)").or_default() += 1;
+                c.decodes[d].pause();
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                c.decodes[d].resume();
+            }
+            2 => {
+                *faults.entry("decode cut off the network 3 s").or_default() += 1;
+                let name = format!("decode-{d}");
+                hosts.connect(&name, false);
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                hosts.connect(&name, true);
+            }
+            3 => {
+                *faults.entry("prefill cut off the network 3 s").or_default() += 1;
+                hosts.connect("prefill-0", false);
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                hosts.connect("prefill-0", true);
+            }
+            _ => {
+                *faults.entry("decode slowed (paused half of 2 s)").or_default() += 1;
+                for _ in 0..10 {
+                    c.decodes[d].pause();
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    c.decodes[d].resume();
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        // Let the mesh settle: every node registered again before the next fault.
+        c.wait_nodes(1, 2).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for t in clients {
+        tokio::time::timeout(DEADLINE + Duration::from_secs(10), t)
+            .await
+            .expect("a client outlived its deadline")
+            .unwrap();
+    }
+
+    // Every request: the reference tokens, or a precise status in time.
+    let ended = std::mem::take(&mut *ended.lock().unwrap());
+    let mut by: BTreeMap<String, usize> = BTreeMap::new();
+    let mut moved = 0;
+    for e in &ended {
+        assert!(e.took <= DEADLINE + Duration::from_secs(5), "took {:?}: {e:?}", e.took);
+        match &e.outcome {
+            Ok((tokens, m)) => {
+                assert_eq!(
+                    tokens, &want[e.prompt],
+                    "prompt {} differs from `pdmesh run`",
+                    e.prompt
+                );
+                moved += m;
+                *by.entry("ok".into()).or_default() += 1;
+            }
+            Err(s) => {
+                let precise = [Code::Unavailable, Code::DeadlineExceeded, Code::ResourceExhausted];
+                assert!(precise.contains(&s.code()), "an imprecise status: {s:?}");
+                assert!(!s.message().is_empty(), "a status without a reason: {s:?}");
+                *by.entry(format!("{:?}", s.code())).or_default() += 1;
+            }
+        }
+    }
+    eprintln!("chaos: {} requests ({by:?}), {moved} streams moved, faults {faults:?}", ended.len());
+    assert!(ended.len() >= CLIENTS, "the load ran");
+    assert!(by.contains_key("ok"), "the mesh served through the chaos: {by:?}");
+
+    // Every node's blocks back to free.
+    let cluster = &c;
+    for i in 0..2 {
+        eventually(Duration::from_secs(30), &format!("decode-{i} blocks free"), || async move {
+            let l = cluster.decode_stats(i).await.load.unwrap();
+            l.free_blocks == l.total_blocks && l.committed_blocks == 0
+        })
+        .await;
+    }
+    eventually(Duration::from_secs(30), "prefill-0 blocks free", || async {
+        let l = cluster.prefill_stats(0).await.load.unwrap();
+        l.free_blocks == l.total_blocks
+    })
+    .await;
+
+    // No process left once the cluster is gone.
+    drop(c);
+    for pid in pids {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next());
+        assert!(matches!(state, None | Some("Z")), "process {pid} is still running: {stat}");
+    }
+}
