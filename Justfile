@@ -38,8 +38,8 @@ test: system-deps fetch-model vocab-fixtures test-models check-deploy
 
 # The Kubernetes manifests against the API's schemas, offline and strict (unknown fields fail).
 check-deploy: _llamacpp
-    {{bench_venv}}/bin/pip install --quiet --disable-pip-version-check kubernetes-validate==1.37.0
-    {{bench_venv}}/bin/kubernetes-validate --strict --quiet deploy/k8s/*.yaml
+    {{bench_venv}}/bin/python -m pip install --quiet --disable-pip-version-check kubernetes-validate==1.37.0
+    {{bench_venv}}/bin/python -m kubernetes_validate --strict --quiet deploy/k8s/*.yaml
 
 # The tokenizer's vocabulary fixtures in models/test/: vocab-only GGUFs (SentencePiece, and
 # byte-level BPE under each pre-tokenizer) with llama.cpp's token ids for them. Rebuilt when the
