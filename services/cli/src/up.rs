@@ -201,7 +201,6 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
     let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
     let model = a.model.display().to_string();
     let mut procs: Vec<Supervised> = Vec::new();
-    let mut metrics = String::new();
     let mut template: Option<NodeTemplate<'_>> = None;
     let result = async {
         let mut router = Supervised::start(
@@ -241,7 +240,6 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
         )
         .await?;
         let (addr, internal) = (router.addrs[0].clone(), router.addrs[1].clone());
-        metrics = router.addrs[2].clone();
         // Restarted, it must be where clients and nodes already dial it.
         router.pin("--listen", &addr);
         router.pin("--internal-listen", &internal);
@@ -322,7 +320,10 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             procs.retain(|p| !(p.retiring && p.proc.is_none()));
             if a.autoscale && now.duration_since(planned) >= AUTOSCALE_EVERY {
                 planned = now;
-                match desired_nodes(&metrics).await {
+                // The router's metrics port, as it announced it when it (re)started.
+                let metrics =
+                    procs.iter().find(|p| p.name == "router").and_then(|p| p.addrs.get(2));
+                match desired_nodes(metrics.map_or("", String::as_str)).await {
                     Ok(want) => autoscale(&template, &mut procs, want).await,
                     Err(e) => eprintln!("pdmesh: --autoscale: reading the planner: {e:#}"),
                 }
