@@ -235,6 +235,9 @@ impl<'a> Attempt<'a> {
         fut: impl Future<Output = Result<T, Failure>>,
     ) -> Result<T, Failure> {
         tokio::select! {
+            // What a node already sent counts, even if it left since: relayed first, a moved
+            // stream resumes as late as it can (and a reply that is there is not discarded).
+            biased;
             r = fut => r,
             () = tokio::time::sleep_until(self.req.deadline.into()) => {
                 Err(Failure::Deadline { phase, node: Some(node.id.clone()) })
