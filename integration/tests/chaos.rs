@@ -6,6 +6,10 @@
 //! KV blocks are back to free; no process is left. `PDMESH_SOAK_S` sets the duration (CI runs
 //! the default; `just soak` runs longer) and `PDMESH_SOAK_SEED` the seed. Needs root (CI has
 //! it). Routers are not killed here: `routers.rs` shows what that costs.
+//!
+//! KV moves over gRPC here. With UCX, transfers between the namespaces were accepted and then
+//! never completed (the session was failed at `transfer_timeout_ms`, 30 s): UCX picks its
+//! transports from the host's view, which a namespace breaks. Not chased yet.
 
 #![allow(clippy::unwrap_used)]
 
@@ -51,7 +55,14 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
     let hosts = Netns::new(&["router", "prefill-0", "decode-0", "decode-1"])
         .unwrap_or_else(|e| panic!("network namespaces (this test needs root and iproute2): {e}"));
     let hosts = Arc::new(hosts);
-    let mut c = Cluster::builder().netns(Arc::clone(&hosts)).prefill(1).decode(2).start().await;
+    // KV over gRPC: UCX between network namespaces stalls here (see the module note).
+    let mut c = Cluster::builder()
+        .netns(Arc::clone(&hosts))
+        .transport("grpc")
+        .prefill(1)
+        .decode(2)
+        .start()
+        .await;
     let mut pids: Vec<u32> =
         [&c.router, &c.prefills[0], &c.decodes[0], &c.decodes[1]].iter().map(|s| s.pid()).collect();
 
@@ -160,7 +171,13 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
             }
         }
     }
-    eprintln!("chaos: {} requests ({by:?}), {moved} streams moved, faults {faults:?}", ended.len());
+    let mut took: Vec<Duration> = ended.iter().map(|e| e.took).collect();
+    took.sort();
+    let median = took.get(took.len() / 2).copied().unwrap_or_default();
+    eprintln!(
+        "chaos: {} requests ({by:?}, median {median:?}), {moved} streams moved, faults {faults:?}",
+        ended.len()
+    );
     assert!(ended.len() >= CLIENTS, "the load ran");
     assert!(by.contains_key("ok"), "the mesh served through the chaos: {by:?}");
 
