@@ -670,6 +670,36 @@ impl Cluster {
         c.stats(StatsRequest {}).await.expect("Stats").into_inner()
     }
 
+    /// Waits until every running node has all its KV blocks free (decode nodes: none
+    /// committed either).
+    pub async fn wait_blocks_free(&self) {
+        let wait = Duration::from_secs(30);
+        for (i, d) in self.decodes.iter().enumerate() {
+            if d.is_running_ref() {
+                eventually(wait, &format!("decode-{i} blocks all free"), || async move {
+                    let l = self.decode_stats(i).await.load.unwrap_or_default();
+                    l.free_blocks == l.total_blocks && l.committed_blocks == 0
+                })
+                .await;
+            }
+        }
+        for (i, p) in self.prefills.iter().enumerate() {
+            if p.is_running_ref() {
+                eventually(wait, &format!("prefill-{i} blocks all free"), || async move {
+                    let l = self.prefill_stats(i).await.load.unwrap_or_default();
+                    l.free_blocks == l.total_blocks
+                })
+                .await;
+            }
+        }
+    }
+
+    /// KV transfers decode node `i` received over `transport`.
+    pub async fn received(&self, i: usize, transport: &str) -> u64 {
+        let s = self.decode_stats(i).await;
+        s.transports.iter().filter(|t| t.transport == transport).map(|t| t.transfers).sum()
+    }
+
     /// A Decode client acting as the router.
     pub async fn decode_client(&self, i: usize) -> DecodeClient<Channel> {
         DecodeClient::new(self.channel(&self.decodes[i].addr).await)

@@ -13,20 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use pdmesh_integration::{collect, greedy, model_path, pdmesh_bin};
+use pdmesh_integration::{child_pid, collect, greedy, model_path, pdmesh_bin};
 use pdmesh_proto::v1::generation_client::GenerationClient;
-
-/// The pid of a direct child of `parent` whose command line contains `needle`.
-fn child_pid(parent: u32, needle: &str) -> Option<u32> {
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let ppid: u32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        (ppid == parent && cmd.contains(needle)).then_some(pid)
-    })
-}
 
 async fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
     let end = Instant::now() + within;

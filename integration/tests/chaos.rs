@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use pdmesh_integration::netns::Netns;
 use pdmesh_integration::reference::{PROMPTS, reference, request};
-use pdmesh_integration::{Cluster, collect, eventually};
+use pdmesh_integration::{Cluster, collect};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng as StdRng;
 use tonic::Code;
@@ -182,19 +182,7 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
     assert!(by.contains_key("ok"), "the mesh served through the chaos: {by:?}");
 
     // Every node's blocks back to free.
-    let cluster = &c;
-    for i in 0..2 {
-        eventually(Duration::from_secs(30), &format!("decode-{i} blocks free"), || async move {
-            let l = cluster.decode_stats(i).await.load.unwrap();
-            l.free_blocks == l.total_blocks && l.committed_blocks == 0
-        })
-        .await;
-    }
-    eventually(Duration::from_secs(30), "prefill-0 blocks free", || async {
-        let l = cluster.prefill_stats(0).await.load.unwrap();
-        l.free_blocks == l.total_blocks
-    })
-    .await;
+    c.wait_blocks_free().await;
 
     // No process left once the cluster is gone.
     drop(c);

@@ -5,7 +5,7 @@
 use std::io::Read;
 use std::process::Stdio;
 
-use pdmesh_integration::{model_path, pdmesh, pdmesh_bin, run};
+use pdmesh_integration::{child_pid, model_path, pdmesh, pdmesh_bin, run};
 
 #[test]
 fn run_json_greedy_matches_llama_cpp() {
@@ -148,18 +148,6 @@ fn closed_stdout_stops_generation_quietly() {
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     assert!(!err.contains("panicked"), "{err}");
     assert!(status.success(), "exit {status:?}: {err}");
-}
-
-/// The pid of a direct child of `parent` whose command line contains `needle`.
-fn child_pid(parent: u32, needle: &str) -> Option<u32> {
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let ppid: u32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
-        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        (ppid == parent && cmd.contains(needle)).then_some(pid)
-    })
 }
 
 /// `pdmesh up` supervises its mesh: a decode node killed with SIGKILL is restarted and the mesh

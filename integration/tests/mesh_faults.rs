@@ -66,30 +66,6 @@ async fn next_delta(s: &mut Streaming<GenerateResponse>) {
     }
 }
 
-/// Waits until every decode and prefill node of the cluster has all its blocks free.
-async fn all_blocks_free(c: &Cluster) {
-    for i in 0..c.decodes.len() {
-        if !c.decodes[i].is_running_ref() {
-            continue;
-        }
-        eventually(WAIT, &format!("decode-{i} blocks all free"), || async move {
-            let l = c.decode_stats(i).await.load.unwrap();
-            l.free_blocks == l.total_blocks && l.committed_blocks == 0
-        })
-        .await;
-    }
-    for i in 0..c.prefills.len() {
-        if !c.prefills[i].is_running_ref() {
-            continue;
-        }
-        eventually(WAIT, &format!("prefill-{i} blocks all free"), || async move {
-            let l = c.prefill_stats(i).await.load.unwrap();
-            l.free_blocks == l.total_blocks
-        })
-        .await;
-    }
-}
-
 per_transport!(cancellation_in_every_phase_frees_every_block);
 
 async fn cancellation_in_every_phase_frees_every_block(transport: &str) {
@@ -127,7 +103,7 @@ async fn cancellation_in_every_phase_frees_every_block(transport: &str) {
     // Prefilling: A is still computing.
     assert_eq!(c.prefill_stats(0).await.prefilling, 1, "A finished prefill too soon");
     drop(a);
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
     assert!(c.prefill_stats(0).await.cancelled >= 2);
 
     // Transferring: compute is done, KV messages are still in flight (slowed by the fault knob).
@@ -137,7 +113,7 @@ async fn cancellation_in_every_phase_frees_every_block(transport: &str) {
     })
     .await;
     drop(t);
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 
     // Decoding.
     let mut d = start(&mut client, req(tokens(20), 400)).await;
@@ -145,7 +121,7 @@ async fn cancellation_in_every_phase_frees_every_block(transport: &str) {
     next_delta(&mut d).await;
     assert_eq!(c.decode_stats(0).await.decoding, 1);
     drop(d);
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
     let s = c.decode_stats(0).await;
     assert_eq!((s.decoding, s.reserved, s.transferring), (0, 0, 0));
     // Four requests ended early. Each counts once on the decode node: as cancelled when the
@@ -180,7 +156,7 @@ async fn killed_prefill_node_is_retried_on_another(transport: &str) {
     let t = f.timings.unwrap();
     assert_eq!(t.attempts, 2);
     assert_eq!(t.prefill_node, format!("prefill-{}", 1 - victim));
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 }
 
 /// 1 prefill + 1 decode node and one request whose KV is moving (its pieces slowed by the
@@ -227,7 +203,7 @@ async fn prefill_killed_mid_transfer_fails_the_request_and_frees_the_reservation
             assert_ne!(t.prefill_node, "prefill-0");
         }
     }
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
     let d = c.decode_stats(0).await;
     assert_eq!((d.transferring, d.reserved), (0, 0), "{d:?}");
     // The broken transfer's reservation ended exactly once (failed, or released by the router).
@@ -253,7 +229,7 @@ async fn decode_killed_mid_transfer_fails_the_request_and_frees_the_prefill_node
         (p.transferring, p.prefilling, p.queued) == (0, 0, 0)
     })
     .await;
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
     // A new decode node joins; the same prefill node moves KV into it.
     c.add_decode(&[]);
     eventually(WAIT, "only decode-1 registered", || async {
@@ -271,7 +247,7 @@ async fn decode_killed_mid_transfer_fails_the_request_and_frees_the_prefill_node
     assert_eq!(toks.len(), 4);
     let t = f.timings.unwrap();
     assert_eq!((t.decode_node.as_str(), t.kv_transport.as_str()), ("decode-1", transport));
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 }
 
 per_transport!(killed_decode_node_ends_the_stream_with_unavailable);
@@ -286,7 +262,7 @@ async fn killed_decode_node_ends_the_stream_with_unavailable(transport: &str) {
     let err = tokio::time::timeout(WAIT, finish(s)).await.expect("the stream hung").unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
     assert!(err.message().contains("decode-0"), "status does not name the node: {err:?}");
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
     // With no decode node left, a new request fails at once with a clear status.
     c.wait_nodes(1, 0).await;
     let err = finish(start(&mut client, req(tokens(10), 4)).await).await.unwrap_err();
@@ -308,7 +284,7 @@ async fn hung_decode_node_is_dropped_and_its_stream_fails() {
     // Back from the dead, the node notices the cancelled stream, frees it, and rejoins.
     c.decodes[0].resume();
     c.wait_nodes(0, 1).await;
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
     let (toks, _) = finish(start(&mut client, req(tokens(10), 4)).await).await.unwrap();
     assert_eq!(toks.len(), 4);
 }
@@ -335,7 +311,7 @@ async fn reservation_whose_kv_never_arrives_is_freed_at_lease_expiry() {
         s.leases_expired == 1 && s.reserved == 0
     })
     .await;
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
     // The expired reservation can no longer be used.
     let err = d
         .decode(pdmesh_proto::v1::DecodeRequest {
@@ -370,7 +346,7 @@ async fn decode_nodes_join_and_leave_while_the_router_runs() {
     c.wait_nodes(0, 1).await;
     let (_, f) = finish(start(&mut client, req(tokens(10), 4)).await).await.unwrap();
     assert_eq!(f.timings.unwrap().decode_node, "decode-0");
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -441,7 +417,7 @@ async fn every_bad_input_gets_invalid_argument_naming_the_field() {
     // Nothing above reached a node, and the mesh still serves.
     let (toks, _) = finish(start(&mut client, ok).await).await.unwrap();
     assert_eq!(toks.len(), 4);
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -480,7 +456,7 @@ async fn overload_is_refused_at_once_while_admitted_requests_finish() {
         refused.iter().max() < done.iter().min(),
         "a refusal waited for an admitted request to finish"
     );
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 }
 
 per_transport!(kv_layout_mismatch_is_refused);
@@ -498,7 +474,7 @@ async fn kv_layout_mismatch_is_refused(transport: &str) {
     let mut client = c.client().await;
     let (toks, _) = finish(start(&mut client, req(tokens(40), 4)).await).await.unwrap();
     assert_eq!(toks.len(), 4, "the decode node serves alone");
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 }
 
 per_transport!(deadline_and_cancel_end_requests_and_free_blocks);
@@ -512,7 +488,7 @@ async fn deadline_and_cancel_end_requests_and_free_blocks(transport: &str) {
     let err = finish(client.generate(r).await.unwrap().into_inner()).await.unwrap_err();
     assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
     assert!(err.message().contains("decoding"), "{err:?}");
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 
     let r = GenerateRequest { request_id: "cancel-me".into(), ..req(tokens(30), 4000) };
     let mut s = start(&mut client, r.clone()).await;
@@ -522,7 +498,7 @@ async fn deadline_and_cancel_end_requests_and_free_blocks(transport: &str) {
     client.cancel(CancelRequest { request_id: "cancel-me".into() }).await.unwrap();
     let (_, f) = finish(s).await.unwrap();
     assert_eq!(FinishReason::try_from(f.reason).unwrap(), FinishReason::Cancelled);
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -600,5 +576,5 @@ async fn auto_falls_back_to_grpc_and_ucx_refuses_a_decode_node_without_it() {
     let err = finish(start(&mut client, req(tokens(40), 4)).await).await.unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("UCX") && err.message().contains("decode-0"), "{err:?}");
-    all_blocks_free(&c).await;
+    c.wait_blocks_free().await;
 }

@@ -105,31 +105,6 @@ async fn all_match(tasks: Vec<tokio::task::JoinHandle<Outcome>>, victim: &str) -
     moved
 }
 
-/// Every live node's blocks are free again.
-async fn blocks_back(c: &Cluster) {
-    blocks_back_of(c, &[0]).await;
-}
-
-/// Every live decode node's blocks, and those of prefill nodes `prefills`, are free again.
-async fn blocks_back_of(c: &Cluster, prefills: &[usize]) {
-    for i in 0..c.decodes.len() {
-        if c.decodes[i].is_running_ref() {
-            eventually(WAIT, &format!("decode-{i} blocks free"), || async move {
-                let l = c.decode_stats(i).await.load.unwrap();
-                l.free_blocks == l.total_blocks && l.committed_blocks == 0
-            })
-            .await;
-        }
-    }
-    for &p in prefills {
-        eventually(WAIT, &format!("prefill-{p} blocks free"), || async move {
-            let l = c.prefill_stats(p).await.load.unwrap();
-            l.free_blocks == l.total_blocks
-        })
-        .await;
-    }
-}
-
 per_transport!(killed_decode_node_streams_continue_bit_identically);
 
 async fn killed_decode_node_streams_continue_bit_identically(transport: &str) {
@@ -142,12 +117,9 @@ async fn killed_decode_node_streams_continue_bit_identically(transport: &str) {
     c.decodes[victim].kill();
     let moved = all_match(tasks, &format!("decode-{victim}")).await;
     assert!(moved > 0, "no stream was on decode-{victim} when it died");
-    blocks_back(&c).await;
+    c.wait_blocks_free().await;
     // The survivor received the moved streams' KV over the transport the mesh uses.
-    let survivor = c.decode_stats(1 - victim).await;
-    let received: u64 =
-        survivor.transports.iter().filter(|t| t.transport == transport).map(|t| t.transfers).sum();
-    assert!(received > 0, "{survivor:?}");
+    assert!(c.received(1 - victim, transport).await > 0, "the survivor received no KV");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -164,7 +136,7 @@ async fn hung_decode_node_streams_continue_bit_identically() {
     // Back, the node finds its streams cancelled, frees their blocks and rejoins.
     c.decodes[victim].resume();
     c.wait_nodes(1, 2).await;
-    blocks_back(&c).await;
+    c.wait_blocks_free().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -194,7 +166,7 @@ async fn without_a_migration_budget_a_lost_node_ends_its_streams() {
         }
     }
     assert!(failed > 0, "no stream was on decode-{victim} when it died");
-    blocks_back(&c).await;
+    c.wait_blocks_free().await;
 }
 
 per_transport!(a_draining_decode_node_hands_its_streams_off_with_their_kv);
@@ -211,15 +183,13 @@ async fn a_draining_decode_node_hands_its_streams_off_with_their_kv(transport: &
     assert!(moved > 0, "no stream was on decode-{victim} when it drained");
     let status = tokio::task::block_in_place(|| c.decodes[victim].exited(WAIT));
     assert!(status.is_some_and(|s| s.success()), "the drained node exited with {status:?}");
-    blocks_back(&c).await;
+    c.wait_blocks_free().await;
     // Moved, not recomputed: the prefill node computed each prompt once, and the survivor
     // received one transfer per request that ended there (placed there, or handed to it).
     let sent: u64 = c.prefill_stats(0).await.transports.iter().map(|t| t.transfers).sum();
     assert_eq!(sent, PROMPTS.len() as u64, "a moved request was prefilled again");
-    let survivor = c.decode_stats(1 - victim).await;
-    let received: u64 =
-        survivor.transports.iter().filter(|t| t.transport == transport).map(|t| t.transfers).sum();
-    assert_eq!(received, survivor.completed, "{survivor:?}");
+    let completed = c.decode_stats(1 - victim).await.completed;
+    assert_eq!(c.received(1 - victim, transport).await, completed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -258,7 +228,7 @@ async fn a_draining_prefill_node_finishes_its_prompts_and_takes_no_new_ones() {
     assert_eq!(all_match(tasks, "none").await, 0, "nothing had to move");
     let status = tokio::task::block_in_place(|| c.prefills[0].exited(WAIT));
     assert!(status.is_some_and(|s| s.success()), "the drained node exited with {status:?}");
-    blocks_back_of(&c, &[1]).await;
+    c.wait_blocks_free().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -293,5 +263,5 @@ async fn the_admin_drain_rpc_moves_streams_and_no_one_else_may_call_it() {
     assert!(moved > 0, "no stream moved");
     let status = tokio::task::block_in_place(|| c.decodes[victim].exited(WAIT));
     assert!(status.is_some_and(|s| s.success()), "the drained node exited with {status:?}");
-    blocks_back(&c).await;
+    c.wait_blocks_free().await;
 }

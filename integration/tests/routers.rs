@@ -83,15 +83,7 @@ async fn losing_a_router_costs_only_its_own_streams() {
     }
     assert!(cut > 0, "no stream of router 0 was running when it died");
     // The dead router's requests were cancelled on the nodes with its connections.
-    let cluster = &c;
-    for d in 0..2 {
-        eventually(WAIT, &format!("decode-{d} blocks free"), || async move {
-            let c = cluster;
-            let l = c.decode_stats(d).await.load.unwrap();
-            l.free_blocks == l.total_blocks && l.committed_blocks == 0
-        })
-        .await;
-    }
+    c.wait_blocks_free().await;
     // New requests go to the survivor and run on the same nodes.
     let mut client = c.client_at(1).await;
     let s = client.generate(request(0, MAX_TOKENS)).await.unwrap().into_inner();
@@ -126,11 +118,7 @@ async fn any_router_cancels_a_request_another_relays_for_its_tenant_only() {
     let (_, f) = tokio::time::timeout(WAIT, collect(s)).await.expect("the stream ended").unwrap();
     let reason = FinishReason::try_from(f.expect("a finish").reason).unwrap();
     assert_eq!(reason, FinishReason::Cancelled);
-    eventually(WAIT, "decode-0 blocks free", || async {
-        let l = c.decode_stats(0).await.load.unwrap();
-        l.free_blocks == l.total_blocks && l.committed_blocks == 0
-    })
-    .await;
+    c.wait_blocks_free().await;
     // Nothing left to cancel anywhere.
     let err = c.client_at(1).await.cancel(cancel()).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");

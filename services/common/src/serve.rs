@@ -263,6 +263,25 @@ where
     }
 }
 
+/// A stopping node's drain: waits until `busy` (the work it still holds) reaches 0, or until
+/// `grace` has passed; says which, naming `what` it waits for.
+pub async fn drain_until_idle(what: &str, grace: Duration, busy: impl Fn() -> u32) {
+    let until = tokio::time::Instant::now() + grace;
+    tracing::info!(
+        held = busy(),
+        ?grace,
+        "draining: waiting for the {what} held to move or finish"
+    );
+    while busy() > 0 {
+        if tokio::time::Instant::now() >= until {
+            tracing::warn!(held = busy(), "drain grace period over; stopping with these {what}");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tracing::info!("drained");
+}
+
 /// How a worker node serves and takes part in the mesh.
 #[derive(Clone)]
 pub struct Node<'a> {

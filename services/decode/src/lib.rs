@@ -142,21 +142,14 @@ async fn drained(
     if tx.send(worker::Command::Drain { reply }).await.is_err() {
         return;
     }
-    let Ok(held) = rx.await else { return };
-    tracing::info!(requests = held, ?grace, "draining: moving requests to other decode nodes");
-    let until = tokio::time::Instant::now() + grace;
-    let left = || {
+    if rx.await.is_err() {
+        return;
+    }
+    pdmesh_common::serve::drain_until_idle("requests", grace, || {
         let c = *counts.lock().expect("never poisoned");
         c.reserved + c.transferring + c.queued + c.prefilling + c.decoding
-    };
-    while left() > 0 {
-        if tokio::time::Instant::now() >= until {
-            tracing::warn!(requests = left(), "drain grace period over; stopping with these");
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    tracing::info!("drained");
+    })
+    .await;
 }
 
 /// Registers the KV pool with UCX as `kind` asks: required for `ucx`, tried for `auto`.

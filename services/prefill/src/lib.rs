@@ -131,15 +131,11 @@ pub async fn run(
         shutdown.await;
         // Heartbeats go on saying so while the prompts it has finish.
         draining.store(true, std::sync::atomic::Ordering::Relaxed);
-        let busy = || {
+        pdmesh_common::serve::drain_until_idle("prompts", grace, || {
             let c = *counts.lock().expect("never poisoned");
             c.queued + c.prefilling + busy_transfers.load(std::sync::atomic::Ordering::Relaxed)
-        };
-        tracing::info!(prompts = busy(), ?grace, "draining: finishing the prompts taken");
-        let until = tokio::time::Instant::now() + grace;
-        while busy() > 0 && tokio::time::Instant::now() < until {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
     };
     let served = pdmesh_common::serve_node(routes, listener, stopping, node).await;
     let _ = tokio::task::spawn_blocking(move || worker.join()).await;
