@@ -34,6 +34,17 @@ pub struct EngineFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     backend: Option<pdmesh_engine::BackendName>,
+    /// real, or sim: no computation, each step takes the time the real engine would (see
+    /// --sim-profile) and tokens are a fixed function of the sequence; for driving the router
+    /// and planner with more nodes than this machine could compute for [default: real].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine: Option<pdmesh_engine::EngineName>,
+    /// With --engine sim: `pdmesh bench engine --json` output to take step times from
+    /// [default: the calibration pdmesh bundles].
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sim_profile: Option<PathBuf>,
     /// Compute threads (0 = one per core).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -94,6 +105,12 @@ pub struct NodeFlags {
     kv_transport: Option<TransportKind>,
     #[command(flatten)]
     engine: EngineFlags,
+    /// With --engine sim: host this many simulated nodes in this process, each with its own
+    /// listener (port 0: any free one; port P: P, P+1, …) and its own router sessions, named
+    /// NODE_ID-0, NODE_ID-1, … (plaintext on loopback only: one process has one certificate).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    #[serde(skip)]
+    sim_nodes: usize,
     /// Stop when stdin closes (used by `pdmesh up` so children never outlive it).
     #[arg(long, hide = true)]
     #[serde(skip)]
@@ -353,7 +370,7 @@ struct PrefillExtra {
 }
 
 /// What differs between the service commands; everything else goes through `start`.
-trait Service: Serialize + serde::de::DeserializeOwned + Default {
+trait Service: Serialize + serde::de::DeserializeOwned + Default + Clone + Send + 'static {
     const NAME: &'static str;
     const ENV_PREFIX: &'static str;
     /// `service.name` in traces, unless OTEL_SERVICE_NAME says otherwise.
@@ -366,6 +383,11 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default {
     const ROLE: MeshRole;
     fn check(&self) -> Result<(), pdmesh_common::InvalidConfig>;
     fn listen(&self) -> &str;
+    fn set_listen(&mut self, addr: String);
+    /// The engine it runs, if it runs one.
+    fn engine(&self) -> Option<&pdmesh_engine::EngineSettings> {
+        None
+    }
     /// A second listener (the router's internal one), if the service has one.
     fn internal_listen(&self) -> Option<&str> {
         None
@@ -383,7 +405,7 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default {
         l: Listeners,
         metrics: Metrics,
         shutdown: Shutdown,
-    ) -> impl Future<Output = anyhow::Result<()>>;
+    ) -> impl Future<Output = anyhow::Result<()>> + Send;
 }
 
 /// What a service was bound to.
@@ -398,6 +420,7 @@ type Shutdown = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 macro_rules! service {
     ($config:ty, $name:literal, $env:literal, $threads:literal, $role:ident,
      |$c:ident| addresses: $addrs:expr, node_id: $node:expr, internal: $internal:expr,
+     engine: $engine:expr,
      run: |$l:ident, $m:ident, $s:ident| $run:expr) => {
         impl Service for $config {
             const NAME: &'static str = $name;
@@ -410,6 +433,14 @@ macro_rules! service {
             }
             fn listen(&self) -> &str {
                 &self.listen
+            }
+            fn set_listen(&mut self, addr: String) {
+                self.listen = addr;
+            }
+            fn engine(&self) -> Option<&pdmesh_engine::EngineSettings> {
+                let $c = self;
+                let _ = &$c;
+                $engine
             }
             fn internal_listen(&self) -> Option<&str> {
                 let $c = self;
@@ -447,7 +478,7 @@ fn node_addresses<'a>(
 
 service!(pdmesh_decode::DecodeConfig, "decode", "PDMESH_DECODE_", 1, Decode,
     |c| addresses: node_addresses(&c.listen, c.advertise.as_deref(), &c.routers),
-    node_id: Some(&mut c.node_id), internal: None,
+    node_id: Some(&mut c.node_id), internal: None, engine: Some(&c.engine),
     run: |l, m, s| pdmesh_decode::run(c, l.main, m, s));
 service!(pdmesh_prefill::PrefillConfig, "prefill", "PDMESH_PREFILL_", 1, Prefill,
     |c| addresses: {
@@ -455,18 +486,18 @@ service!(pdmesh_prefill::PrefillConfig, "prefill", "PDMESH_PREFILL_", 1, Prefill
         a.extend(c.kvstore.as_deref());
         a
     },
-    node_id: Some(&mut c.node_id), internal: None,
+    node_id: Some(&mut c.node_id), internal: None, engine: Some(&c.engine),
     run: |l, m, s| pdmesh_prefill::run(c, l.main, m, s));
 service!(pdmesh_router::RouterConfig, "router", "PDMESH_ROUTER_", 2, Router,
 |c| addresses: vec![c.listen.as_str(), c.internal_listen.as_str()],
-node_id: None, internal: Some(&c.internal_listen),
+node_id: None, internal: Some(&c.internal_listen), engine: None,
 run: |l, m, s| async move {
     let internal = l.internal.expect("the router is bound to its internal address too");
     pdmesh_router::run(c, l.main, internal, m, s).await
 });
 service!(pdmesh_kvstore::KvStoreConfig, "kvstore", "PDMESH_KVSTORE_", 2, KvStore,
     |c| addresses: vec![c.listen.as_str()],
-    node_id: Some(&mut c.node_id), internal: None,
+    node_id: Some(&mut c.node_id), internal: None, engine: None,
     run: |l, m, s| pdmesh_kvstore::run(c, l.main, m, s));
 
 /// Whether `addr` (host:port) names only this machine.
@@ -523,6 +554,7 @@ fn start<C: Service>(
     file: Option<&Path>,
     overlay: &impl Serialize,
     watch_stdin: bool,
+    sim_nodes: usize,
 ) -> anyhow::Result<()> {
     let rt = runtime(C::ASYNC_THREADS)?;
     // The span exporter's channel lives on the runtime.
@@ -533,6 +565,14 @@ fn start<C: Service>(
     let mut cfg: C = pdmesh_common::load_config(&C::default(), file, C::ENV_PREFIX, overlay)?;
     cfg.check().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
     settle_identity(&mut cfg)?;
+    if sim_nodes != 1 {
+        check_fleet(&cfg, sim_nodes)?;
+        let served = rt.block_on(fleet(cfg, sim_nodes, Box::pin(shutdown_signal(watch_stdin))));
+        let _ =
+            rt.block_on(async { tokio::task::spawn_blocking(move || telemetry.shutdown()).await });
+        rt.shutdown_timeout(std::time::Duration::from_secs(1));
+        return served;
+    }
     if telemetry.exporting() {
         tracing::info!(service = C::TRACE_NAME, "exporting spans over OTLP");
     }
@@ -562,12 +602,90 @@ fn start<C: Service>(
     served
 }
 
+/// `--sim-nodes N` hosts N simulated nodes, which share this process's identity: only
+/// simulated engines, only plaintext on loopback, and no one metrics page for all of them.
+fn check_fleet<C: Service>(cfg: &C, n: usize) -> anyhow::Result<()> {
+    anyhow::ensure!((1..=10_000).contains(&n), "--sim-nodes {n} must be in 1..=10000");
+    anyhow::ensure!(
+        cfg.engine().is_some_and(|e| e.engine == pdmesh_engine::EngineName::Sim),
+        "--sim-nodes hosts simulated nodes: add --engine sim"
+    );
+    anyhow::ensure!(
+        pdmesh_common::tls::current().is_none(),
+        "--sim-nodes runs several nodes under one process, so under no one certificate: use \
+         --insecure (loopback only)"
+    );
+    anyhow::ensure!(
+        cfg.metrics_listen().is_none(),
+        "--metrics-listen serves one node's metrics; with --sim-nodes read the router's"
+    );
+    Ok(())
+}
+
+/// The address node `i` of a fleet listens on: port 0 stays 0, port P becomes P + i.
+fn fleet_listen(listen: &str, i: usize) -> anyhow::Result<String> {
+    let (host, port) = listen
+        .rsplit_once(':')
+        .with_context(|| format!("listen {listen:?}: expected host:port"))?;
+    let port: u16 = port.parse().with_context(|| format!("listen {listen:?}: bad port"))?;
+    if port == 0 {
+        return Ok(listen.to_string());
+    }
+    let p = u16::try_from(usize::from(port) + i)
+        .ok()
+        .with_context(|| format!("listen {listen:?}: port {port} + {i} is past 65535"))?;
+    Ok(format!("{host}:{p}"))
+}
+
+/// Runs `n` copies of a simulated node until `shutdown`, or until one of them fails (which
+/// stops the rest: a fleet half up would misreport the study it serves).
+async fn fleet<C: Service>(cfg: C, n: usize, shutdown: Shutdown) -> anyhow::Result<()> {
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            shutdown.await;
+            stop.cancel();
+        }
+    });
+    let mut base = cfg.clone();
+    let name = base.node_id().and_then(|id| id.clone()).unwrap_or_else(|| C::NAME.to_string());
+    let mut nodes = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let mut c = cfg.clone();
+        let listen = fleet_listen(cfg.listen(), i)?;
+        c.set_listen(listen.clone());
+        if let Some(id) = c.node_id() {
+            *id = Some(format!("{name}-{i}"));
+        }
+        let main = bind_and_announce(C::NAME, &listen, "listening on").await?;
+        let l = Listeners { main, internal: None };
+        let stopped = Box::pin(stop.clone().cancelled_owned());
+        nodes.spawn(c.run(l, Metrics::default(), stopped));
+    }
+    tracing::info!(nodes = n, "simulated nodes started");
+    let mut first_error = None;
+    while let Some(done) = nodes.join_next().await {
+        let r = done.map_err(anyhow::Error::from).and_then(|r| r);
+        if let Err(e) = r {
+            stop.cancel();
+            first_error.get_or_insert(e);
+        }
+    }
+    first_error.map_or(Ok(()), Err)
+}
+
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let overlay = NodeOverlay {
         node: &a.node,
         extra: DecodeExtra { lease_ms: a.lease_ms, drain_grace_ms: a.drain_grace_ms },
     };
-    start::<pdmesh_decode::DecodeConfig>(a.node.config.as_deref(), &overlay, a.node.exit_with_stdin)
+    start::<pdmesh_decode::DecodeConfig>(
+        a.node.config.as_deref(),
+        &overlay,
+        a.node.exit_with_stdin,
+        a.node.sim_nodes,
+    )
 }
 
 pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
@@ -583,15 +701,16 @@ pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
         a.node.config.as_deref(),
         &overlay,
         a.node.exit_with_stdin,
+        a.node.sim_nodes,
     )
 }
 
 pub fn kvstore(a: KvStoreArgs) -> anyhow::Result<()> {
-    start::<pdmesh_kvstore::KvStoreConfig>(a.config.as_deref(), &a, a.exit_with_stdin)
+    start::<pdmesh_kvstore::KvStoreConfig>(a.config.as_deref(), &a, a.exit_with_stdin, 1)
 }
 
 pub fn router(a: RouterArgs) -> anyhow::Result<()> {
-    start::<pdmesh_router::RouterConfig>(a.config.as_deref(), &a, a.exit_with_stdin)
+    start::<pdmesh_router::RouterConfig>(a.config.as_deref(), &a, a.exit_with_stdin, 1)
 }
 
 #[cfg(test)]

@@ -11,12 +11,16 @@ use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvView, SeqId};
 use crate::model::Model;
 use crate::runtime::{Batch, Device, Runtime};
+use crate::sim::{SimDevice, SimProfile};
 
 /// Which backend computes, with its own options.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum BackendKind {
     /// The host CPU; `simd` forces a kernel set (default: the best the CPU supports).
     Cpu { simd: Option<Simd> },
+    /// No computation: steps take the time `SimProfile` says the real engine would, and give
+    /// deterministic tokens (for studying a mesh larger than the machine; see `sim`).
+    Sim(SimProfile),
 }
 
 impl Default for BackendKind {
@@ -152,18 +156,28 @@ pub struct Engine {
 impl Engine {
     pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Self> {
         config.validate()?;
-        let geom = model.config.kv_geometry(config.block_size, config.kv_dtype);
+        let geom = match config.backend {
+            BackendKind::Sim(_) => SimDevice::geometry(config.block_size, config.kv_dtype),
+            BackendKind::Cpu { .. } => model.config.kv_geometry(config.block_size, config.kv_dtype),
+        };
         let kv = KvCache::new(geom, config.kv_blocks)?;
-        let device: Box<dyn Device> = match config.backend {
+        let device: Box<dyn Device> = match &config.backend {
             BackendKind::Cpu { simd: None } => {
                 let be = CpuBackend::new(config.threads);
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
-            BackendKind::Cpu { simd: Some(simd) } => {
+            &BackendKind::Cpu { simd: Some(simd) } => {
                 let be = CpuBackend::with_simd(config.threads, simd)
                     .map_err(|e| Error::invalid(e.to_string()))?;
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
+            BackendKind::Sim(profile) => Box::new(SimDevice::new(
+                geom,
+                config.kv_blocks,
+                profile.clone(),
+                model.config.vocab,
+                model.tokenizer.eog_tokens().to_vec(),
+            )?),
         };
         Ok(Self { model, kv, device, config, logit_rows: Vec::new() })
     }

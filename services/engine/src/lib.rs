@@ -22,6 +22,7 @@ mod runtime;
 pub mod sampler;
 pub mod scheduler;
 pub mod settings;
+pub mod sim;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod text;
@@ -41,7 +42,8 @@ pub use runner::{
 };
 pub use sampler::{Sampler, SamplingParams};
 pub use scheduler::{Scheduled, Scheduler, Work};
-pub use settings::{BackendName, EngineSettings};
+pub use settings::{BackendName, EngineName, EngineSettings};
+pub use sim::SimProfile;
 pub use text::{Piece, Pushed, TextStream};
 pub use tokenizer::{StreamDecoder, Tokenizer};
 

@@ -1,8 +1,9 @@
 //! The engine part of a worker's config file: plain serializable settings that become an
 //! `EngineConfig` and a loaded engine. Prefill and decode configs embed it as `[engine]`.
 
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use pdmesh_kernels::KvDtype;
 use serde::{Deserialize, Serialize};
@@ -39,11 +40,39 @@ impl std::fmt::Display for BackendName {
     }
 }
 
+/// Whether a node runs the model or simulates it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineName {
+    /// The model, computed on the backend.
+    #[default]
+    Real,
+    /// Calibrated step times and deterministic tokens, no computation: for driving the real
+    /// router and planner with more nodes than the machine could compute for.
+    Sim,
+}
+
+impl std::str::FromStr for EngineName {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "real" => Ok(EngineName::Real),
+            "sim" => Ok(EngineName::Sim),
+            other => Err(format!("unknown engine {other:?} (expected real or sim)")),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSettings {
     /// A GGUF model (llama, qwen2 or qwen3 architecture).
     pub model: PathBuf,
+    /// "real" (the default) or "sim".
+    pub engine: EngineName,
+    /// With the sim engine: `pdmesh bench engine --json` output to take step times from
+    /// (default: the calibration pdmesh bundles).
+    pub sim_profile: Option<PathBuf>,
     /// What computes: "cpu".
     pub backend: BackendName,
     /// Compute threads (0 = one per core).
@@ -63,6 +92,8 @@ impl Default for EngineSettings {
         let d = EngineConfig::default();
         Self {
             model: PathBuf::from(crate::DEFAULT_MODEL_PATH),
+            engine: EngineName::Real,
+            sim_profile: None,
             backend: BackendName::Cpu,
             threads: d.threads,
             kv_dtype: d.kv_dtype.name().into(),
@@ -86,10 +117,19 @@ impl EngineSettings {
             kv_dtype,
             kv_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
-            backend: match self.backend {
-                BackendName::Cpu => crate::engine::BackendKind::Cpu { simd: None },
+            backend: match (self.engine, self.backend) {
+                (EngineName::Sim, _) => crate::engine::BackendKind::Sim(match &self.sim_profile {
+                    Some(p) => crate::sim::SimProfile::load(p)?,
+                    None => crate::sim::SimProfile::builtin(),
+                }),
+                (EngineName::Real, BackendName::Cpu) => {
+                    crate::engine::BackendKind::Cpu { simd: None }
+                }
             },
         };
+        if self.sim_profile.is_some() && self.engine != EngineName::Sim {
+            return Err(Error::invalid("engine.sim_profile is for engine = \"sim\" only"));
+        }
         c.validate().map_err(|e| Error::invalid(format!("engine: {e}")))?;
         Ok(c)
     }
@@ -103,9 +143,25 @@ impl EngineSettings {
                 self.model.display()
             )));
         }
-        let model = Arc::new(Model::load(&self.model)?);
+        let model = match self.engine {
+            EngineName::Real => Arc::new(Model::load(&self.model)?),
+            EngineName::Sim => shared_model(&self.model)?,
+        };
         Engine::new(model, config)
     }
+}
+
+/// `path`'s model, loaded once however many simulated nodes one process hosts (each would
+/// otherwise hold its own copy of the vocabulary).
+fn shared_model(path: &Path) -> Result<Arc<Model>> {
+    static LOADED: OnceLock<Mutex<HashMap<PathBuf, Weak<Model>>>> = OnceLock::new();
+    let mut loaded = LOADED.get_or_init(Default::default).lock().expect("never poisoned");
+    if let Some(m) = loaded.get(path).and_then(Weak::upgrade) {
+        return Ok(m);
+    }
+    let m = Arc::new(Model::load(path)?);
+    loaded.insert(path.to_path_buf(), Arc::downgrade(&m));
+    Ok(m)
 }
 
 #[cfg(test)]
@@ -120,5 +176,13 @@ mod tests {
         assert!(s.engine_config().unwrap_err().to_string().contains("block_size"));
         let s = EngineSettings { model: "/nonexistent.gguf".into(), ..Default::default() };
         assert!(s.load().unwrap_err().to_string().contains("engine.model"));
+        let s = EngineSettings { sim_profile: Some("p.json".into()), ..Default::default() };
+        assert!(s.engine_config().unwrap_err().to_string().contains("sim_profile"));
+        let s = EngineSettings {
+            engine: EngineName::Sim,
+            sim_profile: Some("/nonexistent.json".into()),
+            ..Default::default()
+        };
+        assert!(s.engine_config().unwrap_err().to_string().contains("cannot read"));
     }
 }

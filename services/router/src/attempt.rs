@@ -343,6 +343,9 @@ impl<'a> Attempt<'a> {
             target: Some(target.clone()),
         };
         let queued_at_router = req.t0.elapsed();
+        if !self.report.first_sent {
+            req.mesh.metrics.dispatched(queued_at_router.as_secs_f64());
+        }
         let watched = [p, &self.decode];
         // The prefill node losing the decode node is the decode node's failure: the retry
         // must avoid it, not the prefill node.

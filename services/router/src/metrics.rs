@@ -19,6 +19,7 @@ pub struct RouterMetrics {
     ttft: Histogram,
     tpot: Histogram,
     e2e: Histogram,
+    dispatch: Histogram,
     requests: LabelledFamily<Labels, Counter>,
     prompt_tokens: Counter,
     cached_tokens: Counter,
@@ -33,6 +34,9 @@ impl Default for RouterMetrics {
             ttft: long(),
             tpot: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             e2e: long(),
+            // 50 µs .. ~0.3 s in steps of 25%: the router's own share is small and its tail is
+            // what a larger mesh would stretch.
+            dispatch: Histogram::new(exponential_buckets(0.000_05, 1.25, 40)),
             requests: LabelledFamily::default(),
             prompt_tokens: Counter::default(),
             cached_tokens: Counter::default(),
@@ -104,6 +108,12 @@ impl RouterMetrics {
             self.e2e.clone(),
         );
         m.register(
+            "pdmesh_router_dispatch_seconds",
+            "Admission to the prefill request leaving the router: the router's own time (node \
+             choice, the decode reservation) before a node works on the request.",
+            self.dispatch.clone(),
+        );
+        m.register(
             "pdmesh_router_requests",
             "Requests ended, by finish reason (finished) or gRPC code (failed).",
             self.requests.clone(),
@@ -164,6 +174,11 @@ impl RouterMetrics {
         }
         self.prompt_tokens.inc_by(u64::from(f.usage.prompt_tokens));
         self.cached_tokens.inc_by(u64::from(f.usage.cached_tokens));
+    }
+
+    /// A request's prefill left the router `secs` after its admission.
+    pub fn dispatched(&self, secs: f64) {
+        self.dispatch.observe(secs);
     }
 
     /// A started stream moved to another decode node.

@@ -86,6 +86,9 @@ pub(crate) struct Sample {
     queue_ms: f64,
     prefill_ms: f64,
     transfer_ms: f64,
+    /// The nodes the mesh placed it on.
+    prefill_node: String,
+    decode_node: String,
 }
 
 impl Sample {
@@ -149,6 +152,7 @@ pub(crate) async fn one(
                     let t = f.timings.unwrap_or_default();
                     (s.queue_ms, s.prefill_ms, s.transfer_ms) =
                         (t.queue_ms, t.prefill_ms, t.transfer_ms);
+                    (s.prefill_node, s.decode_node) = (t.prefill_node, t.decode_node);
                     s.e2e_ms = ms(t0.elapsed());
                     s.ok = true;
                     return s;
@@ -224,7 +228,24 @@ pub(crate) fn summary(
         "req_s": ok.len() as f64 / wall_s,
         "goodput_req_s": good as f64 / wall_s,
         "slo_attainment": if samples.is_empty() { 0.0 } else { good as f64 / samples.len() as f64 },
+        "placement": {
+            "prefill": spread(ok.iter().map(|s| s.prefill_node.as_str())),
+            "decode": spread(ok.iter().map(|s| s.decode_node.as_str())),
+        },
     })
+}
+
+/// How evenly requests fell on nodes: nodes used, and the busiest node's count against the
+/// mean (1.0 is perfectly even).
+fn spread<'a>(nodes: impl Iterator<Item = &'a str>) -> serde_json::Value {
+    let mut per: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for n in nodes {
+        *per.entry(n).or_default() += 1;
+    }
+    let total: usize = per.values().sum();
+    let max = per.values().copied().max().unwrap_or(0);
+    let mean = if per.is_empty() { f64::NAN } else { total as f64 / per.len() as f64 };
+    serde_json::json!({"nodes_used": per.len(), "max_over_mean": max as f64 / mean})
 }
 
 pub fn run(a: MeshBenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result<()> {
@@ -247,8 +268,25 @@ pub fn run(a: MeshBenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Res
     rt.block_on(drive(a, key))
 }
 
+/// Connections to the router that requests are spread over: one HTTP/2 connection caps the
+/// streams it carries at once, which would queue requests in the client at high rates.
+pub(crate) const CONNECTIONS: usize = 8;
+
+/// `CONNECTIONS` clients of `target`.
+pub(crate) async fn connect_many(
+    target: &str,
+    key: Option<&str>,
+) -> anyhow::Result<Vec<pdmesh_common::apikey::GenerationClient>> {
+    let mut clients = Vec::with_capacity(CONNECTIONS);
+    for _ in 0..CONNECTIONS {
+        clients.push(pdmesh_cli::client::connect(target, key).await?);
+    }
+    Ok(clients)
+}
+
 async fn drive(a: MeshBenchArgs, key: Option<String>) -> anyhow::Result<()> {
-    let client = pdmesh_cli::client::connect(&a.target, key.as_deref()).await?;
+    let clients = connect_many(&a.target, key.as_deref()).await?;
+    let client = clients[0].clone();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
     // Steady streams first, so the requests arrive into a running decode batch. Each stream
     // starts a new request whenever its last one ends, until every measured request is done,
@@ -289,17 +327,24 @@ async fn drive(a: MeshBenchArgs, key: Option<String>) -> anyhow::Result<()> {
     let sem =
         Arc::new(tokio::sync::Semaphore::new(if a.rate.is_some() { total } else { a.concurrency }));
     let mut tasks = Vec::new();
+    // Arrivals are kept to their own schedule: a sleep per gap would round each gap up to the
+    // timer's millisecond and cap the rate near 1,000 a second.
+    let mut due = t0;
     for (i, ids) in prompts.into_iter().enumerate() {
         if let Some(g) = gaps.get(i) {
-            tokio::time::sleep(Duration::from_secs_f64(*g)).await;
+            due += Duration::from_secs_f64(*g);
+            tokio::time::sleep_until(due.into()).await;
         }
         let permit = Arc::clone(&sem).acquire_owned().await?;
-        let (c, done, max_tokens) = (client.clone(), Arc::clone(&done), a.max_tokens);
+        let c = clients[i % CONNECTIONS].clone();
+        let (done, max_tokens) = (Arc::clone(&done), a.max_tokens);
         tasks.push(tokio::spawn(async move {
             let s = one(c, ids, max_tokens).await;
             drop(permit);
             let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-            eprint!("\r[{n}/{total} requests]");
+            if n % 100 == 0 || n == total {
+                eprint!("\r[{n}/{total} requests]");
+            }
             s
         }));
     }

@@ -3,7 +3,8 @@
 //! share token prefixes here; lengths are scaled by `--token-scale` (so prompts fit a small
 //! model's context) and arrival times by `--time-scale`. Reports the trace's ideal hit rate
 //! (from the file), the hit rate the mesh achieved (cached over prompt tokens, from each
-//! request's usage), and TTFT/TPOT percentiles and goodput.
+//! request's usage), and TTFT/TPOT percentiles and goodput. `--day` stretches the trace's
+//! hour into a day whose load rises and falls, for watching the planner follow it.
 
 use std::io::BufReader;
 use std::path::PathBuf;
@@ -13,7 +14,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use pdmesh_kvstore::trace::{TRACE_BLOCK_TOKENS, TraceRequest, ideal_hit_rate, read_trace};
 
-use crate::mesh_bench::{Sample, one, summary};
+use crate::mesh_bench::{CONNECTIONS, Sample, connect_many, one, summary};
 
 #[derive(Debug, Args)]
 pub struct ReplayArgs {
@@ -45,9 +46,55 @@ pub struct ReplayArgs {
     /// Time-per-output-token SLO for goodput, in ms.
     #[arg(long, default_value_t = 100.0)]
     tpot_slo_ms: f64,
+    /// Make a day of the trace before --time-scale: its hour played 24 times, each hour
+    /// keeping a share of its requests that follows a daily curve (20% of them at 03:00, all
+    /// at 15:00), each hour's conversations its own.
+    #[arg(long)]
+    day: bool,
+    /// Send only this share of the requests (a fixed choice; with --day, of the day's).
+    #[arg(long, default_value_t = 1.0)]
+    keep: f64,
+    /// Write each request's arrival (seconds after the start, after scaling), prompt and output
+    /// tokens to FILE, one JSON object a line: the load to compare a planner's pools with.
+    #[arg(long, value_name = "FILE")]
+    schedule: Option<PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// The share of the peak load at `hour` (0..24) of the day `--day` makes: lowest at 03:00,
+/// highest at 15:00.
+fn daily_share(hour: f64) -> f64 {
+    0.6 - 0.4 * (2.0 * std::f64::consts::PI * (hour - 3.0) / 24.0).cos()
+}
+
+/// A fixed pseudo-random number in [0, 1) for request `i` of hour `h`.
+fn unit(h: u64, i: u64) -> f64 {
+    let mut x = h.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    (x >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// The trace's hour as a day (see `--day`): every hour a copy, thinned by `daily_share` at
+/// each request's time of day, with its prefix block ids moved past the previous hour's.
+fn as_day(trace: &[TraceRequest], keep: f64) -> Vec<TraceRequest> {
+    const HOUR_MS: u64 = 3_600_000;
+    let span = trace.iter().flat_map(|r| r.hash_ids.iter().copied()).max().map_or(1, |m| m + 1);
+    let mut day = Vec::new();
+    for h in 0..24u64 {
+        for (i, r) in trace.iter().enumerate() {
+            let at = h * HOUR_MS + r.timestamp.min(HOUR_MS - 1);
+            if unit(h, i as u64) < keep * daily_share(at as f64 / HOUR_MS as f64) {
+                let ids = r.hash_ids.iter().map(|&id| id + h * span).collect();
+                day.push(TraceRequest { timestamp: at, hash_ids: ids, ..r.clone() });
+            }
+        }
+    }
+    day.sort_by_key(|r| r.timestamp);
+    day
 }
 
 /// The token ids of trace block `id`: fixed by the id alone, ordinary vocabulary ids.
@@ -86,9 +133,24 @@ pub fn run(a: ReplayArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result
     }
     let f = std::fs::File::open(&a.trace)
         .with_context(|| format!("opening the trace {}", a.trace.display()))?;
-    let trace = read_trace(BufReader::new(f), a.limit)?;
+    let mut trace = read_trace(BufReader::new(f), a.limit)?;
     if trace.is_empty() {
         bail!("the trace {} has no requests", a.trace.display());
+    }
+    if !(a.keep > 0.0 && a.keep <= 1.0) {
+        bail!("--keep must be in (0, 1], got {}", a.keep);
+    }
+    if a.day {
+        trace = as_day(&trace, a.keep);
+    } else if a.keep < 1.0 {
+        let mut i = 0u64;
+        trace.retain(|_| {
+            i += 1;
+            unit(u64::MAX, i) < a.keep
+        });
+    }
+    if trace.is_empty() {
+        bail!("--keep {} left no request", a.keep);
     }
     let key = access.init(&a.target)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
@@ -96,26 +158,41 @@ pub fn run(a: ReplayArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result
 }
 
 async fn replay(a: &ReplayArgs, trace: &[TraceRequest], key: Option<&str>) -> anyhow::Result<()> {
-    let client = pdmesh_cli::client::connect(&a.target, key).await?;
+    let clients = connect_many(&a.target, key).await?;
     let ideal = ideal_hit_rate(trace);
+    let mut schedule = match &a.schedule {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
+        )),
+        None => None,
+    };
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(trace.len());
     // Every prompt sent counts: a failed request cached nothing.
     let mut prompt = 0u64;
+    // Each request is made when it is due, so a day of them is never all in memory at once.
     for r in trace {
-        let at = t0 + Duration::from_secs_f64(r.timestamp as f64 * a.time_scale / 1e3);
+        let at_s = r.timestamp as f64 * a.time_scale / 1e3;
+        tokio::time::sleep_until((t0 + Duration::from_secs_f64(at_s)).into()).await;
         let (ids, out) = scaled(r, a);
         prompt += ids.len() as u64;
-        let c = client.clone();
-        tasks.push(tokio::spawn(async move {
-            tokio::time::sleep_until(at.into()).await;
-            one(c, ids, out).await
-        }));
+        if let Some(w) = &mut schedule {
+            use std::io::Write;
+            let line = serde_json::json!({"at_s": at_s, "prompt": ids.len(), "output": out});
+            writeln!(w, "{line}")?;
+        }
+        let c = clients[tasks.len() % CONNECTIONS].clone();
+        tasks.push(tokio::spawn(one(c, ids, out)));
+    }
+    if let Some(mut w) = schedule {
+        use std::io::Write;
+        w.flush()?;
     }
     let mut samples: Vec<Sample> = Vec::with_capacity(tasks.len());
+    let every = (trace.len() / 10).max(50);
     for (i, t) in tasks.into_iter().enumerate() {
         samples.push(t.await.context("a request task panicked")?);
-        if !a.json && (i + 1) % 50 == 0 {
+        if !a.json && (i + 1) % every == 0 {
             eprintln!("  {} of {} requests done", i + 1, trace.len());
         }
     }
@@ -184,6 +261,9 @@ mod tests {
             target: String::new(),
             ttft_slo_ms: 0.0,
             tpot_slo_ms: 0.0,
+            day: false,
+            keep: 1.0,
+            schedule: None,
             json: false,
         }
     }
@@ -209,6 +289,24 @@ mod tests {
         // Block 1 after another first block has the same tokens; its KV differs, which the
         // hash chain (seeded by everything before it) accounts for.
         assert_eq!(p3[16..32], p1[16..32]);
+    }
+
+    #[test]
+    fn a_day_rises_and_falls_with_each_hour_its_own() {
+        let hour: Vec<TraceRequest> = (0..1000)
+            .map(|i| TraceRequest { timestamp: i * 3600, ..req(100, 10, &[0, 1]) })
+            .collect();
+        let day = as_day(&hour, 1.0);
+        let tenth = as_day(&hour, 0.1).len() as f64 / day.len() as f64;
+        assert!((0.08..0.12).contains(&tenth), "--keep 0.1 keeps about a tenth: {tenth}");
+        let per_hour = |h: u64| day.iter().filter(|r| r.timestamp / 3_600_000 == h).count();
+        let (night, noon) = (per_hour(3), per_hour(15));
+        assert!((150..=250).contains(&night), "about 20% at 03:00: {night}");
+        assert!(noon >= 990, "nearly all at 15:00: {noon}");
+        assert!(day.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
+        let ids = |h: u64| day.iter().find(|r| r.timestamp / 3_600_000 == h).unwrap().hash_ids[0];
+        assert_ne!(ids(3), ids(4), "hours share no prefix");
+        assert!((daily_share(3.0) - 0.2).abs() < 1e-9 && (daily_share(15.0) - 1.0).abs() < 1e-9);
     }
 
     #[test]
