@@ -69,7 +69,7 @@ check: system-deps
     cargo clippy --workspace --all-targets --locked -- -D warnings
 
 # Every benchmark.
-bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate
+bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate bench-sim
 
 # KV transfer: UCX vs the gRPC stream vs memcpy for a 4,096-token prompt's KV between two
 # processes; then TTFT of a 2,048-token prompt with layer-wise push against push-after-prefill.
@@ -92,6 +92,20 @@ bench-mesh *args="": system-deps fetch-model
 bench-migrate *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli
     python3 scripts/bench_migrate.py --model {{model}} {{args}}
+
+# The real router and planner with 100 and 1,000 simulated nodes (`--engine sim`) on this
+# machine: served rate, router CPU per request and its own time (p50/p99) against node count and
+# offered rate; then the Mooncake trace made a day and compressed, the planner's pools against
+# the load's need. `--parts scale` or `--parts day` runs one.
+bench-sim *args="": system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    python3 scripts/bench_sim.py --model {{model}} {{args}}
+
+# The bundled calibration of `--engine sim` (services/engine/src/sim_profile.json), measured
+# again on this machine with the default model.
+sim-profile: fetch-model
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    target/release/pdmesh bench engine --json --threads 2 --batch-sizes 1,4,16,32,64 --model {{model}} | tail -1 > services/engine/src/sim_profile.json
 
 # Engine speed against llama.cpp on the same GGUF and threads, in one run (ratios printed).
 bench-engine threads="2" *args="": system-deps fetch-model _llamacpp

@@ -49,6 +49,13 @@ def ticks(pid):
 HZ = os.sysconf("SC_CLK_TCK")
 
 
+def children_cpu():
+    """CPU seconds of the finished child processes (the load generators)."""
+    import resource
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def scrape(url):
     import urllib.request
     with urllib.request.urlopen(url, timeout=10) as r:
@@ -151,14 +158,23 @@ def scale(a):
     for nodes in a.nodes:
         mesh = Mesh(a, nodes // 2, nodes - nodes // 2)
         try:
+            # What the router spends with no requests: heartbeats, the planner, scrapes.
+            i0, w0 = ticks(mesh.router.pid), time.time()
+            time.sleep(5)
+            idle = (ticks(mesh.router.pid) - i0) / HZ / (time.time() - w0)
+            print(f"{nodes:>5} nodes idle: router {idle:.3f} cores", flush=True)
             for rate in a.rates:
                 t0, b0 = ticks(mesh.router.pid), buckets(scrape(mesh.metrics),
                                                          "pdmesh_router_dispatch_seconds")
+                nodes0 = sum(ticks(p.pid) for p in mesh.procs[1:])
+                client0 = children_cpu()
                 n = int(rate * a.seconds)
                 r = tools(["bench", "--target", mesh.api, "--rate", str(rate), "--requests",
                            str(n), "--prompt-tokens", str(a.prompt_tokens), "--max-tokens",
                            str(a.max_tokens)], timeout=a.seconds * 20 + 300)
                 cpu = (ticks(mesh.router.pid) - t0) / HZ
+                node_cpu = (sum(ticks(p.pid) for p in mesh.procs[1:]) - nodes0) / HZ
+                client_cpu = children_cpu() - client0
                 b1 = buckets(scrape(mesh.metrics), "pdmesh_router_dispatch_seconds")
                 res = r["results"]
                 row = {
@@ -167,6 +183,12 @@ def scale(a):
                     "served_req_s": res["req_s"], "wall_s": r["wall_s"],
                     "router_cpu_ms_per_req": 1e3 * cpu / max(n, 1),
                     "router_cores": cpu / r["wall_s"],
+                    "router_idle_cores": idle,
+                    # The requests' own share: the row's CPU less what idling that long costs.
+                    "router_cpu_ms_per_req_over_idle":
+                        1e3 * max(cpu - idle * r["wall_s"], 0.0) / max(n, 1),
+                    "nodes_cpu_ms_per_req": 1e3 * node_cpu / max(n, 1),
+                    "client_cpu_ms_per_req": 1e3 * client_cpu / max(n, 1),
                     "dispatch_ms_p50": 1e3 * quantile(b0, b1, 0.5),
                     "dispatch_ms_p99": 1e3 * quantile(b0, b1, 0.99),
                     "ttft_ms": res["ttft_ms"], "placement": res["placement"],
@@ -174,7 +196,10 @@ def scale(a):
                 rows.append(row)
                 print(f"{nodes:>5} nodes {rate:>6} req/s offered: served {row['served_req_s']:7.1f}"
                       f" req/s, {row['failed']} failed; router {row['router_cpu_ms_per_req']:.3f}"
-                      f" ms CPU/req ({row['router_cores']:.2f} cores); dispatch p50"
+                      f" ({row['router_cpu_ms_per_req_over_idle']:.3f} over idle)"
+                      f" ms CPU/req ({row['router_cores']:.2f} cores), nodes"
+                      f" {row['nodes_cpu_ms_per_req']:.3f}, client {row['client_cpu_ms_per_req']:.3f};"
+                      f" dispatch p50"
                       f" {row['dispatch_ms_p50']:.2f} p99 {row['dispatch_ms_p99']:.2f} ms; TTFT"
                       f" p50 {res['ttft_ms']['p50']:.0f} p99 {res['ttft_ms']['p99']:.0f} ms;"
                       f" decode nodes used {res['placement']['decode']['nodes_used']}",
@@ -277,7 +302,7 @@ def main():
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--parts", default="scale,day")
     ap.add_argument("--nodes", default="100,1000", type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--rates", default="1000,2000,5000,10000",
+    ap.add_argument("--rates", default="200,1000,2000,5000,10000",
                     type=lambda s: [float(x) for x in s.split(",")])
     ap.add_argument("--seconds", type=float, default=10.0, help="each scale row's arrivals")
     ap.add_argument("--prompt-tokens", type=int, default=16)

@@ -68,8 +68,14 @@ impl Mesh {
         } else {
             0.0
         };
+        let now = Instant::now();
+        let ms = |v: f64| Duration::from_secs_f64(v.max(0.0) / 1e3);
+        // Admission was `total_ms` ago; prefill compute began `queue_ms` after it.
+        let admitted = now.checked_sub(ms(t.total_ms)).unwrap_or(now);
         let sample = Sample {
-            at: Instant::now(),
+            at: now,
+            prefill_from: admitted + ms(t.queue_ms),
+            prefill_node: t.prefill_node.clone(),
             computed_tokens: u.prompt_tokens.saturating_sub(u.cached_tokens),
             prefill_ms: t.prefill_ms,
             queue_ms: t.queue_ms,
@@ -84,8 +90,8 @@ impl Mesh {
     /// Plans again from the window and the nodes registered now; logs a changed decision.
     pub fn replan(&self) -> Plan {
         let current = Pools {
-            prefill: self.live(Role::Prefill).len() as u32,
-            decode: self.live(Role::Decode).len() as u32,
+            prefill: self.live_count(Role::Prefill) as u32,
+            decode: self.live_count(Role::Decode) as u32,
         };
         let mut p = self.planner.lock().expect("planner lock is never poisoned");
         let plan = p.0.plan(Instant::now(), current);
@@ -164,6 +170,10 @@ impl Mesh {
 
     pub fn node(&self, id: &str) -> Option<Node> {
         self.registry().get(id).cloned()
+    }
+
+    pub fn live_count(&self, role: Role) -> usize {
+        self.registry().live_count(role, Instant::now())
     }
 
     pub fn live(&self, role: Role) -> Vec<Node> {

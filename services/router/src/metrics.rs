@@ -34,9 +34,9 @@ impl Default for RouterMetrics {
             ttft: long(),
             tpot: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             e2e: long(),
-            // 50 µs .. ~0.3 s in steps of 25%: the router's own share is small and its tail is
-            // what a larger mesh would stretch.
-            dispatch: Histogram::new(exponential_buckets(0.000_05, 1.25, 40)),
+            // 50 µs .. ~11 s in steps of 30%: the router's own share is small, and its tail is
+            // what a larger mesh or an overloaded one stretches.
+            dispatch: Histogram::new(exponential_buckets(0.000_05, 1.3, 48)),
             requests: LabelledFamily::default(),
             prompt_tokens: Counter::default(),
             cached_tokens: Counter::default(),
@@ -136,7 +136,7 @@ impl RouterMetrics {
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
-            let nodes = |r: Role| mesh.live(r).len() as f64;
+            let nodes = |r: Role| mesh.live_count(r) as f64;
             let plan = mesh.plan();
             let mut v = planner_families(plan.as_ref());
             v.extend([

@@ -97,14 +97,14 @@ pub fn blocks_needed(n: &Node, ask: &Ask) -> usize {
 
 /// Picks nodes for `ask`, never one in `exclude` (nodes that already failed this request).
 pub fn place(
-    prefill: &[Node],
-    decode: &[Node],
+    prefill: &[&Node],
+    decode: &[&Node],
     ask: &Ask,
     exclude: &[String],
 ) -> Result<Placement, PlaceError> {
     let usable = |n: &&Node| !exclude.contains(&n.id);
     let decodes: Vec<&Node> =
-        decode.iter().filter(|n| n.role == Role::Decode).filter(usable).collect();
+        decode.iter().copied().filter(|n| n.role == Role::Decode).filter(usable).collect();
     if decodes.is_empty() {
         return Err(PlaceError::NoDecodeNode);
     }
@@ -131,7 +131,7 @@ pub fn place(
         None
     } else {
         let nodes: Vec<&Node> =
-            prefill.iter().filter(|n| n.role == Role::Prefill).filter(usable).collect();
+            prefill.iter().copied().filter(|n| n.role == Role::Prefill).filter(usable).collect();
         pick_prefill(&nodes, ask).map(|n| n.id.clone())
     };
     Ok(Placement { decode: d.id.clone(), prefill: p })
@@ -189,6 +189,17 @@ mod tests {
         }
     }
 
+    /// `place` over owned nodes, as the tests build them.
+    fn place_owned(
+        p: &[Node],
+        d: &[Node],
+        ask: &Ask,
+        ex: &[String],
+    ) -> Result<Placement, PlaceError> {
+        let (p, d): (Vec<&Node>, Vec<&Node>) = (p.iter().collect(), d.iter().collect());
+        place(&p, &d, ask, ex)
+    }
+
     fn ask(prompt: usize) -> Ask {
         Ask {
             prompt_tokens: prompt,
@@ -206,7 +217,7 @@ mod tests {
             node("d3", Role::Decode, 1, 0),
         ];
         let p = [node("p1", Role::Prefill, 100, 3), node("p2", Role::Prefill, 100, 0)];
-        let got = place(&p, &d, &ask(100), &[]).unwrap();
+        let got = place_owned(&p, &d, &ask(100), &[]).unwrap();
         assert_eq!(got, Placement { decode: "d2".into(), prefill: Some("p2".into()) });
     }
 
@@ -214,30 +225,34 @@ mod tests {
     fn router_side_assignments_count_before_heartbeats_do() {
         let mut d = [node("d1", Role::Decode, 100, 0), node("d2", Role::Decode, 100, 0)];
         d[0].assigned = 2;
-        assert_eq!(place(&[], &d, &ask(10), &[]).unwrap().decode, "d2");
+        assert_eq!(place_owned(&[], &d, &ask(10), &[]).unwrap().decode, "d2");
         d[1].pending_blocks = 95;
-        assert_eq!(place(&[], &d, &ask(100), &[]).unwrap().decode, "d1", "d2 has no room left");
+        assert_eq!(
+            place_owned(&[], &d, &ask(100), &[]).unwrap().decode,
+            "d1",
+            "d2 has no room left"
+        );
     }
 
     #[test]
     fn colocates_without_prefill_nodes_or_below_threshold() {
         let d = [node("d1", Role::Decode, 100, 0)];
         let p = [node("p1", Role::Prefill, 100, 0)];
-        assert_eq!(place(&[], &d, &ask(10), &[]).unwrap().prefill, None);
+        assert_eq!(place_owned(&[], &d, &ask(10), &[]).unwrap().prefill, None);
         let short = Ask { colocate_below: 64, ..ask(10) };
-        assert_eq!(place(&p, &d, &short, &[]).unwrap().prefill, None);
+        assert_eq!(place_owned(&p, &d, &short, &[]).unwrap().prefill, None);
         let long = Ask { colocate_below: 64, ..ask(100) };
-        assert_eq!(place(&p, &d, &long, &[]).unwrap().prefill, Some("p1".into()));
+        assert_eq!(place_owned(&p, &d, &long, &[]).unwrap().prefill, Some("p1".into()));
     }
 
     #[test]
     fn excluded_nodes_are_never_chosen() {
         let d = [node("d1", Role::Decode, 100, 0), node("d2", Role::Decode, 100, 9)];
         let p = [node("p1", Role::Prefill, 100, 0), node("p2", Role::Prefill, 100, 9)];
-        let got = place(&p, &d, &ask(10), &["d1".into(), "p1".into()]).unwrap();
+        let got = place_owned(&p, &d, &ask(10), &["d1".into(), "p1".into()]).unwrap();
         assert_eq!(got, Placement { decode: "d2".into(), prefill: Some("p2".into()) });
         assert_eq!(
-            place(&p, &d, &ask(10), &["d1".into(), "d2".into()]),
+            place_owned(&p, &d, &ask(10), &["d1".into(), "d2".into()]),
             Err(PlaceError::NoDecodeNode)
         );
     }
@@ -246,10 +261,10 @@ mod tests {
     fn no_room_anywhere_is_capacity_exhausted() {
         let d = [node("d1", Role::Decode, 3, 0)];
         assert_eq!(
-            place(&[], &d, &ask(100), &[]),
+            place_owned(&[], &d, &ask(100), &[]),
             Err(PlaceError::NoCapacity { need: 8, best: 3 })
         );
-        assert_eq!(place(&[], &[], &ask(1), &[]), Err(PlaceError::NoDecodeNode));
+        assert_eq!(place_owned(&[], &[], &ask(1), &[]), Err(PlaceError::NoDecodeNode));
     }
 
     fn prefills(loads: &[u32]) -> Vec<Node> {
@@ -262,7 +277,7 @@ mod tests {
 
     fn chosen(p: &[Node], ask: &Ask) -> String {
         let d = [node("d", Role::Decode, 100, 0)];
-        place(p, &d, ask, &[]).unwrap().prefill.unwrap()
+        place_owned(p, &d, ask, &[]).unwrap().prefill.unwrap()
     }
 
     #[test]

@@ -87,6 +87,9 @@ impl PlannerConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
     pub at: Instant,
+    /// When its prefill compute began, and on which node.
+    pub prefill_from: Instant,
+    pub prefill_node: String,
     /// Prompt tokens computed (not taken from a cache) and the time computing them took.
     pub computed_tokens: u32,
     pub prefill_ms: f64,
@@ -127,8 +130,8 @@ pub struct Planner {
     window: VecDeque<Sample>,
     desired: Option<Pools>,
     changed_at: Option<Instant>,
-    /// Since when each role's need has been below what is desired.
-    lower_since: [Option<Instant>; 2],
+    /// The needs of the last cool-down (and the one before it began), oldest first.
+    needs: VecDeque<(Instant, Pools)>,
 }
 
 impl Planner {
@@ -138,7 +141,7 @@ impl Planner {
             window: VecDeque::new(),
             desired: None,
             changed_at: None,
-            lower_since: [None; 2],
+            needs: VecDeque::new(),
         }
     }
 
@@ -160,7 +163,7 @@ impl Planner {
         let secs = span.as_secs_f64();
         let w = &self.window;
         let computed: f64 = w.iter().map(|s| f64::from(s.computed_tokens)).sum();
-        let computing_s: f64 = w.iter().map(|s| s.prefill_ms).sum::<f64>() / 1e3;
+        let computing_s = busy_seconds(w);
         let prefill_demand = computed / secs;
         let prefill_node = if computing_s > 0.0 { computed / computing_s } else { 0.0 };
         // What each decode node produced over the window, at the ITL it was measured at; a
@@ -217,8 +220,10 @@ impl Planner {
         }
     }
 
-    /// Hysteresis: up at once; down by one, once the need stayed lower for a cool-down since
-    /// the last change.
+    /// Hysteresis: up at once; down, once a cool-down has passed since the last change, to
+    /// the highest need of the last cool-down, so a pool never shrinks below what any moment
+    /// of it asked for (a one-node step would take hundreds of cool-downs at a large mesh's
+    /// scale).
     fn settle(&mut self, now: Instant, current: Pools, needed: Pools) -> Pools {
         let c = &self.cfg;
         let mut desired = self.desired.unwrap_or(Pools {
@@ -226,26 +231,29 @@ impl Planner {
             decode: current.decode.clamp(c.min_decode, c.max_decode),
         });
         let cooldown = Duration::from_secs(c.cooldown_s);
+        self.needs.push_back((now, needed));
+        // Keep one need from before the cool-down began: it says the history spans it.
+        while self.needs.get(1).is_some_and(|(t, _)| now.duration_since(*t) >= cooldown) {
+            self.needs.pop_front();
+        }
+        let spans = self.needs.front().is_some_and(|(t, _)| now.duration_since(*t) >= cooldown);
         let cooled = self.changed_at.is_none_or(|t| now.duration_since(t) >= cooldown);
+        let recent = |f: fn(&Pools) -> u32| {
+            self.needs.iter().skip(1).map(|(_, p)| f(p)).max().unwrap_or_else(|| f(&needed))
+        };
+        let floors = [recent(|p| p.prefill), recent(|p| p.decode)];
         let mut changed = false;
-        for (i, (want, have)) in
-            [(needed.prefill, &mut desired.prefill), (needed.decode, &mut desired.decode)]
-                .into_iter()
-                .enumerate()
+        for ((want, floor), have) in [needed.prefill, needed.decode]
+            .into_iter()
+            .zip(floors)
+            .zip([&mut desired.prefill, &mut desired.decode])
         {
             if want > *have {
                 *have = want;
-                self.lower_since[i] = None;
                 changed = true;
-            } else if want < *have {
-                let since = *self.lower_since[i].get_or_insert(now);
-                if cooled && now.duration_since(since) >= cooldown {
-                    *have -= 1;
-                    self.lower_since[i] = None;
-                    changed = true;
-                }
-            } else {
-                self.lower_since[i] = None;
+            } else if floor < *have && cooled && spans {
+                *have = floor;
+                changed = true;
             }
         }
         if changed {
@@ -254,6 +262,37 @@ impl Planner {
         self.desired = Some(desired);
         desired
     }
+}
+
+/// Seconds prefill nodes spent computing the window's prompts: per node, the union of its
+/// requests' compute intervals. Summing each request's own time instead would count a step
+/// shared by several prompts once for each, and understate a node's speed by as much.
+fn busy_seconds(w: &VecDeque<Sample>) -> f64 {
+    let mut by_node: std::collections::HashMap<&str, Vec<(Instant, Instant)>> =
+        std::collections::HashMap::new();
+    for s in w {
+        let end = s.prefill_from + Duration::from_secs_f64(s.prefill_ms.max(0.0) / 1e3);
+        by_node.entry(&s.prefill_node).or_default().push((s.prefill_from, end));
+    }
+    let mut busy = Duration::ZERO;
+    for spans in by_node.values_mut() {
+        spans.sort();
+        let mut cur: Option<(Instant, Instant)> = None;
+        for &(a, b) in spans.iter() {
+            cur = match cur {
+                Some((ca, cb)) if a <= cb => Some((ca, cb.max(b))),
+                Some((ca, cb)) => {
+                    busy += cb - ca;
+                    Some((a, b))
+                }
+                None => Some((a, b)),
+            };
+        }
+        if let Some((ca, cb)) = cur {
+            busy += cb - ca;
+        }
+    }
+    busy.as_secs_f64()
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -284,12 +323,16 @@ mod tests {
     }
 
     /// `rate` requests per second over the window: 500 prompt tokens computed at 5,000
-    /// tokens/s, 100 out at `itl_ms` each.
+    /// tokens/s (on as many prefill nodes as keep each one busy at most all the time), 100
+    /// out at `itl_ms` each.
     fn load(p: &mut Planner, t0: Instant, secs: u64, rate: u64, itl_ms: f64) {
+        let nodes = rate.div_ceil(10);
         for i in 0..secs * rate {
             let at = t0 + Duration::from_millis(i * 1000 / rate);
             p.observe(Sample {
                 at,
+                prefill_from: at,
+                prefill_node: format!("prefill-{}", i % nodes),
                 computed_tokens: 500,
                 prefill_ms: 100.0,
                 queue_ms: 5.0,
@@ -321,29 +364,65 @@ mod tests {
     }
 
     #[test]
-    fn up_at_once_down_one_at_a_time_after_a_cooldown_within_bounds() {
-        let mut p = Planner::new(cfg());
+    fn up_at_once_down_to_the_cooldowns_highest_need_within_bounds() {
+        let mut p = Planner::new(PlannerConfig { max_prefill: 40, ..cfg() });
         let t0 = Instant::now();
         let at = |s| t0 + Duration::from_secs(s);
         load(&mut p, t0, 10, 40, 200.0);
         let high = p.plan(at(10), Pools { prefill: 1, decode: 1 });
-        // 20,000 prompt tokens/s need 6 prefill nodes: bounded by 4. 4,000 tokens/s out from
-        // one node at twice the ITL SLO: 2,000/s per node at the SLO, 70% → 3.
-        assert_eq!(high.desired, Pools { prefill: 4, decode: 3 }, "{high:?}");
-        assert!(high.needed.prefill > 4);
-        // The load stops: nothing comes down within a cool-down of the rise, then each pool
-        // by one node per cool-down, to the minimum.
-        let (mut d, mut last, mut changes) = (high.desired, 10, 0);
-        for t in 11..400 {
-            let next = p.plan(at(t), d).desired;
+        // 20,000 prompt tokens/s over 5,000/s per node at 70% → 6 prefill nodes. 4,000
+        // tokens/s out from one node at twice the ITL SLO: 2,000/s per node at the SLO → 3.
+        assert_eq!(high.desired, Pools { prefill: 6, decode: 3 }, "{high:?}");
+        let mut b = Planner::new(cfg());
+        load(&mut b, t0, 10, 40, 200.0);
+        assert_eq!(b.plan(at(10), Pools { prefill: 1, decode: 1 }).desired.prefill, 4, "bounded");
+        // Nothing for 10 s, then a quarter of the load at a quarter of the ITL: 2 prefill
+        // nodes, 1 decode. Nothing comes down within a cool-down of the rise, nor below a need
+        // the last cool-down saw.
+        let (mut d, mut changes) = (high.desired, Vec::new());
+        for t in 10..200 {
+            if t >= 20 {
+                load(&mut p, at(t), 1, 10, 50.0);
+            }
+            let next = p.plan(at(t + 1), d).desired;
             if next != d {
-                assert!(t - last >= 20, "changed at {t}, {} s after the last", t - last);
-                assert!(d.prefill - next.prefill <= 1 && d.decode - next.decode <= 1);
-                (d, last, changes) = (next, t, changes + 1);
+                changes.push((t + 1, next));
+                d = next;
             }
         }
-        assert_eq!(d, Pools { prefill: 1, decode: 1 });
-        assert!((3..=5).contains(&changes), "{changes} changes for 3 + 2 steps down");
+        // The window empties of the high load over 10 s, so the needs of the cool-down after
+        // the rise fall from 6 to 0: the first step goes to the highest of them, the next to
+        // the new load's, a cool-down apart (one node at a time: 4 steps, 80 s).
+        assert_eq!(
+            changes,
+            [(31, Pools { prefill: 5, decode: 3 }), (51, Pools { prefill: 2, decode: 1 })]
+        );
+        // The load stops: down to the minimum once a cool-down holds no need above it.
+        assert_eq!(p.plan(at(260), d).desired, Pools { prefill: 1, decode: 1 });
+    }
+
+    #[test]
+    fn prompts_sharing_a_nodes_steps_count_its_time_once() {
+        let mut p = Planner::new(cfg());
+        let t0 = Instant::now();
+        // Two prompts of 500 tokens computed together in the same 100 ms on one node: it
+        // computes 10,000 tokens a second, not 5,000.
+        for _ in 0..2 {
+            p.observe(Sample {
+                at: t0,
+                prefill_from: t0,
+                prefill_node: "prefill-0".into(),
+                computed_tokens: 500,
+                prefill_ms: 100.0,
+                queue_ms: 0.0,
+                ttft_ms: 100.0,
+                completion_tokens: 1,
+                itl_ms: 0.0,
+                decode_node: "decode-0".into(),
+            });
+        }
+        let plan = p.plan(t0 + Duration::from_secs(1), Pools { prefill: 1, decode: 1 });
+        assert!((plan.prefill_node_tps - 10_000.0).abs() < 1.0, "{plan:?}");
     }
 
     #[test]
@@ -353,6 +432,8 @@ mod tests {
         for i in 0..10 {
             p.observe(Sample {
                 at: t0 + Duration::from_secs(i),
+                prefill_from: t0 + Duration::from_secs(i),
+                prefill_node: "prefill-0".into(),
                 computed_tokens: 10,
                 prefill_ms: 10.0,
                 queue_ms: 3_000.0,

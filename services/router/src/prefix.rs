@@ -32,7 +32,7 @@ impl PrefixIndex {
     }
 
     /// Prompt tokens of `prompt` each of `nodes` is thought to hold, by node id (absent: none).
-    pub fn matched(&self, nodes: &[Node], salt: &[u8], prompt: &[u32]) -> HashMap<String, usize> {
+    pub fn matched(&self, nodes: &[&Node], salt: &[u8], prompt: &[u32]) -> HashMap<String, usize> {
         let mut chains: Vec<(&KvLayout, Vec<BlockHash>)> = Vec::new();
         let mut out = HashMap::new();
         let index = self.lock();
@@ -105,8 +105,8 @@ mod tests {
         let a = node("a", 100);
         let p: Vec<u32> = (0..16).collect();
         idx.record(&a, b"tenant-1", &p);
-        assert_eq!(idx.matched(std::slice::from_ref(&a), b"tenant-1", &p)["a"], 16);
-        assert!(idx.matched(&[a], b"tenant-2", &p).is_empty());
+        assert_eq!(idx.matched(&[&a], b"tenant-1", &p)["a"], 16);
+        assert!(idx.matched(&[&a], b"tenant-2", &p).is_empty());
     }
 
     #[test]
@@ -117,14 +117,14 @@ mod tests {
         let p1: Vec<u32> = sys.iter().copied().chain([50, 51, 52, 53, 54]).collect();
         idx.record(&a, S, &p1);
         let p2: Vec<u32> = sys.iter().copied().chain([60, 61, 62, 63]).collect();
-        let m = idx.matched(&[a.clone(), b.clone()], S, &p2);
+        let m = idx.matched(&[&a, &b], S, &p2);
         // 3 shared blocks of 4 tokens; the 4th block differs; b was sent nothing.
         assert_eq!(m, HashMap::from([("a".to_string(), 12)]));
         // The same tokens at another position are another block.
         let shifted: Vec<u32> = [9].into_iter().chain(sys.iter().copied()).collect();
-        assert!(idx.matched(std::slice::from_ref(&a), S, &shifted).is_empty());
+        assert!(idx.matched(&[&a], S, &shifted).is_empty());
         idx.forget("a");
-        assert!(idx.matched(&[a], S, &p2).is_empty());
+        assert!(idx.matched(&[&a], S, &p2).is_empty());
     }
 
     #[test]
@@ -134,10 +134,10 @@ mod tests {
         let p: Vec<u32> = (0..16).collect();
         idx.record(&a, S, &p);
         // Blocks 0 and 1 were forgotten first, so the prompt's start is no longer held.
-        assert!(idx.matched(std::slice::from_ref(&a), S, &p).is_empty());
+        assert!(idx.matched(&[&a], S, &p).is_empty());
         let none = node("a", 0);
         idx.record(&none, S, &p);
-        assert!(idx.matched(&[a], S, &p).is_empty(), "a node without a cache holds nothing");
+        assert!(idx.matched(&[&a], S, &p).is_empty(), "a node without a cache holds nothing");
     }
 
     /// A node claiming 2^32 - 1 cache blocks made the router allocate that many entries and
@@ -148,7 +148,7 @@ mod tests {
         let liar = node("liar", u32::MAX);
         let p: Vec<u32> = (0..64).collect();
         idx.record(&liar, S, &p);
-        assert_eq!(idx.matched(std::slice::from_ref(&liar), S, &p)["liar"], 64);
+        assert_eq!(idx.matched(&[&liar], S, &p)["liar"], 64);
         // And it still forgets past the cap: a bigger prompt than the cap keeps only its end.
         let small = node("liar", 3);
         let q: Vec<u32> = (100..132).collect();

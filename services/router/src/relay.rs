@@ -234,7 +234,10 @@ fn placement(
 ) -> Result<(crate::registry::Node, Option<crate::registry::Node>, u32), Failure> {
     let mesh = req.mesh;
     let cfg = &mesh.config;
-    let prefills = mesh.live(Role::Prefill);
+    // Placement reads the registry in place, under its lock, and copies only the nodes chosen.
+    let reg = mesh.registry();
+    let now = Instant::now();
+    let prefills = reg.live_refs(Role::Prefill, now);
     let span = pdmesh_common::span!(
         "router.placement",
         policy = %cfg.prefill_policy,
@@ -246,27 +249,29 @@ fn placement(
     );
     let _entered = span.enter();
     let ask = ask_of(mesh, req.prep, &req.salt, &prefills);
-    let placed = place(&prefills, &mesh.live(Role::Decode), &ask, exclude).map_err(|e| {
-        let retry_after = Duration::from_millis(cfg.retry_after_ms);
-        let status: tonic::Status = Failure::Place(e.clone()).into_error(retry_after).into();
-        trace::fail(&span, &status);
-        Failure::Place(e)
-    })?;
+    let placed =
+        place(&prefills, &reg.live_refs(Role::Decode, now), &ask, exclude).map_err(|e| {
+            let retry_after = Duration::from_millis(cfg.retry_after_ms);
+            let status: tonic::Status = Failure::Place(e.clone()).into_error(retry_after).into();
+            trace::fail(&span, &status);
+            Failure::Place(e)
+        })?;
     span.record("decode_node", placed.decode.as_str());
     let prefill_name = placed.prefill.as_deref().unwrap_or("colocated");
     span.record("prefill_node", prefill_name);
     span.record("matched_tokens", ask.matched.get(prefill_name).copied().unwrap_or(0) as i64);
     let gone = |id: &str| Failure::Lost { node: id.to_string(), why: "left the mesh".into() };
-    let decode = mesh.node(&placed.decode).ok_or_else(|| gone(&placed.decode))?;
+    let decode = reg.get(&placed.decode).cloned().ok_or_else(|| gone(&placed.decode))?;
     let prefill = match &placed.prefill {
-        Some(p) => Some(mesh.node(p).ok_or_else(|| gone(p))?),
+        Some(p) => Some(reg.get(p).cloned().ok_or_else(|| gone(p))?),
         None => None,
     };
+    drop(reg);
     let blocks = crate::placement::blocks_needed(&decode, &ask) as u32;
     Ok((decode, prefill, blocks))
 }
 
-fn ask_of(mesh: &Mesh, prep: &Prepared, salt: &[u8], prefill: &[crate::registry::Node]) -> Ask {
+fn ask_of(mesh: &Mesh, prep: &Prepared, salt: &[u8], prefill: &[&crate::registry::Node]) -> Ask {
     let cfg = &mesh.config;
     let matched = if cfg.prefill_policy == PrefillPolicy::PrefixAware {
         mesh.prefixes.matched(prefill, salt, &prep.prompt)
