@@ -161,15 +161,22 @@ async fn session(router: &str, reg: &RegisterRequest, load: &LoadFn) -> Result<(
     req.load = Some(load());
     let resp = client.register(req).await.map_err(|e| e.message().to_string())?.into_inner();
     tracing::info!(router, node = reg.node_id, "registered");
-    let every = Duration::from_millis(u64::from(resp.heartbeat_interval_ms.max(10)));
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tick.tick().await;
+    let paced = |ms: u32| {
+        let every = Duration::from_millis(u64::from(ms.max(10)));
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        (ms, tick)
+    };
+    let (mut every, mut tick) = paced(resp.heartbeat_interval_ms);
     loop {
         tick.tick().await;
         let hb = HeartbeatRequest { node_id: reg.node_id.clone(), load: Some(load()) };
-        let known = client.heartbeat(hb).await.map_err(|e| e.message().to_string())?;
-        if !known.into_inner().known {
+        let r = client.heartbeat(hb).await.map_err(|e| e.message().to_string())?.into_inner();
+        // The router spaces heartbeats out as its mesh grows (0: an older router).
+        if r.heartbeat_interval_ms != 0 && r.heartbeat_interval_ms != every {
+            (every, tick) = paced(r.heartbeat_interval_ms);
+        }
+        if !r.known {
             tracing::info!(
                 router,
                 node = reg.node_id,

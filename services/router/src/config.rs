@@ -34,6 +34,9 @@ pub struct RouterConfig {
     pub heartbeat_interval_ms: u32,
     /// A node silent this long is dropped.
     pub node_ttl_ms: u32,
+    /// Most heartbeats a second all nodes together send: past `heartbeat_interval_ms` ×
+    /// this many nodes, each is told to heartbeat less often (and its TTL grows with it).
+    pub max_heartbeats_per_s: u32,
     /// Longest a request may run; a client's shorter grpc-timeout wins.
     pub request_timeout_ms: u64,
     /// Longest a reservation or a node's first answer may take.
@@ -76,6 +79,7 @@ impl Default for RouterConfig {
             retry_after_ms: 500,
             heartbeat_interval_ms: 500,
             node_ttl_ms: 2_000,
+            max_heartbeats_per_s: 1_000,
             request_timeout_ms: 600_000,
             node_call_timeout_ms: 10_000,
             transfer_timeout_ms: 30_000,
@@ -115,6 +119,9 @@ impl RouterConfig {
                 self.node_ttl_ms, self.heartbeat_interval_ms
             );
             return Err(InvalidConfig::new("node_ttl_ms", why));
+        }
+        if self.max_heartbeats_per_s == 0 {
+            return Err(InvalidConfig::new("max_heartbeats_per_s", "must be at least 1"));
         }
         self.planner.validate()?;
         for (name, v) in [

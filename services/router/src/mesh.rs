@@ -47,9 +47,10 @@ pub struct Mesh {
 impl Mesh {
     pub fn new(config: RouterConfig, model: Arc<Model>) -> Self {
         let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
+        let every = Duration::from_millis(u64::from(config.heartbeat_interval_ms));
         Self {
             model,
-            registry: Mutex::new(Registry::new(ttl)),
+            registry: Mutex::new(Registry::new(ttl, every, config.max_heartbeats_per_s)),
             channels: ChannelCache::new(MAX_CHANNELS),
             active: Mutex::new(HashMap::new()),
             prefixes: PrefixIndex::default(),

@@ -172,7 +172,7 @@ fn pick_prefill<'a>(nodes: &[&'a Node], ask: &Ask) -> Option<&'a Node> {
 mod tests {
     use super::*;
     use pdmesh_proto::v1::NodeLoad;
-    use std::time::Instant;
+    use std::time::{Duration, Instant};
 
     fn node(id: &str, role: Role, free: u32, running: u32) -> Node {
         Node {
@@ -185,6 +185,7 @@ mod tests {
             assigned: 0,
             pending_blocks: 0,
             suspect_until: None,
+            every: Duration::from_millis(500),
             left: Default::default(),
         }
     }

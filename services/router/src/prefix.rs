@@ -93,6 +93,7 @@ mod tests {
             assigned: 0,
             pending_blocks: 0,
             suspect_until: None,
+            every: std::time::Duration::from_millis(500),
             left: Default::default(),
         }
     }

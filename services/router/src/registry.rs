@@ -23,6 +23,8 @@ pub struct Node {
     pub pending_blocks: u32,
     /// Set when a call to the node failed as unreachable: skipped until then.
     pub suspect_until: Option<Instant>,
+    /// How often the node was last told to heartbeat: its TTL stretches with it.
+    pub every: Duration,
     /// Cancelled when the node leaves the mesh (deregistered, or its heartbeats lapsed): the
     /// requests running on it fail at once, without polling the registry.
     pub left: CancellationToken,
@@ -33,11 +35,31 @@ pub struct Registry {
     /// By id, so every listing is in id order without sorting.
     nodes: BTreeMap<String, Node>,
     ttl: Duration,
+    /// The heartbeat interval of a small mesh, which `ttl` is the TTL for.
+    every: Duration,
+    /// Most heartbeats a second from all nodes together.
+    beats_per_s: u32,
 }
 
 impl Registry {
-    pub fn new(ttl: Duration) -> Self {
-        Self { nodes: BTreeMap::new(), ttl }
+    /// Nodes heartbeat every `every` and are dropped after `ttl` of silence, until the mesh
+    /// is so large that they would send more than `beats_per_s` heartbeats a second together;
+    /// then each heartbeats less often, and its TTL stretches in proportion.
+    pub fn new(ttl: Duration, every: Duration, beats_per_s: u32) -> Self {
+        Self { nodes: BTreeMap::new(), ttl, every, beats_per_s: beats_per_s.max(1) }
+    }
+
+    /// How often each node should heartbeat, at the mesh's size now: at 1,000 nodes a unary
+    /// heartbeat every 500 ms cost the router a fifth of a core before any request came.
+    pub fn beat_every(&self) -> Duration {
+        let spread = Duration::from_secs_f64(self.nodes.len() as f64 / f64::from(self.beats_per_s));
+        self.every.max(spread)
+    }
+
+    /// How long `n` may stay silent: the TTL, stretched as its interval was.
+    pub fn ttl_of(&self, n: &Node) -> Duration {
+        let stretch = n.every.as_secs_f64() / self.every.as_secs_f64().max(1e-9);
+        self.ttl.mul_f64(stretch.max(1.0))
     }
 
     /// Adds or replaces a node; it takes traffic at once.
@@ -54,6 +76,7 @@ impl Registry {
         // A node registering again (its session with this router broke) is the same node:
         // what runs on it keeps running.
         let left = self.nodes.get(id).map_or_else(CancellationToken::new, |n| n.left.clone());
+        let every = self.every;
         self.nodes.insert(
             id.to_string(),
             Node {
@@ -66,32 +89,35 @@ impl Registry {
                 assigned,
                 pending_blocks: 0,
                 suspect_until: None,
+                every,
                 left,
             },
         );
+        let every = self.beat_every();
+        if let Some(n) = self.nodes.get_mut(id) {
+            n.every = every;
+        }
     }
 
-    /// Records a heartbeat; false if the node is unknown (it must register again).
-    pub fn heartbeat(&mut self, id: &str, load: NodeLoad, now: Instant) -> bool {
-        match self.nodes.get_mut(id) {
-            Some(n) => {
-                n.load = load;
-                n.last_seen = now;
-                n.pending_blocks = 0;
-                n.suspect_until = None;
-                true
-            }
-            None => false,
-        }
+    /// Records a heartbeat; returns how often the node should heartbeat from now on, or None
+    /// if the node is unknown (it must register again).
+    pub fn heartbeat(&mut self, id: &str, load: NodeLoad, now: Instant) -> Option<Duration> {
+        let every = self.beat_every();
+        let n = self.nodes.get_mut(id)?;
+        n.load = load;
+        n.last_seen = now;
+        n.pending_blocks = 0;
+        n.suspect_until = None;
+        n.every = every;
+        Some(every)
     }
 
     /// Drops nodes silent for longer than the TTL; returns their ids.
     pub fn expire(&mut self, now: Instant) -> Vec<String> {
-        let ttl = self.ttl;
         let dead: Vec<String> = self
             .nodes
             .values()
-            .filter(|n| now.duration_since(n.last_seen) > ttl)
+            .filter(|n| now.duration_since(n.last_seen) > self.ttl_of(n))
             .map(|n| n.id.clone())
             .collect();
         for id in &dead {
@@ -140,6 +166,10 @@ impl Registry {
         self.live_refs(role, now).len()
     }
 
+    pub fn iter(&self) -> impl Iterator<Item = &Node> {
+        self.nodes.values()
+    }
+
     pub fn all(&self) -> Vec<Node> {
         self.nodes.values().cloned().collect()
     }
@@ -181,22 +211,55 @@ pub(crate) mod tests {
     #[test]
     fn silent_nodes_expire_and_late_nodes_join() {
         let t0 = Instant::now();
-        let mut r = Registry::new(Duration::from_secs(2));
+        let mut r = Registry::new(Duration::from_secs(2), Duration::from_millis(500), 1_000);
         r.register("d1", Role::Decode, "a:1", layout(0, 16), load(), t0);
         assert_eq!(r.live(Role::Decode, t0).len(), 1);
-        assert!(r.heartbeat("d1", load(), t0 + Duration::from_secs(1)));
+        assert_eq!(r.heartbeat("d1", load(), t0 + Duration::from_secs(1)), Some(ms(500)));
         assert!(r.expire(t0 + Duration::from_millis(2500)).is_empty());
         assert_eq!(r.expire(t0 + Duration::from_millis(3100)), vec!["d1".to_string()]);
-        assert!(!r.heartbeat("d1", load(), t0 + Duration::from_secs(4)), "dropped node known");
+        assert_eq!(
+            r.heartbeat("d1", load(), t0 + Duration::from_secs(4)),
+            None,
+            "dropped, unknown"
+        );
         r.register("d2", Role::Decode, "a:2", layout(0, 16), load(), t0 + Duration::from_secs(4));
         assert_eq!(r.live(Role::Decode, t0 + Duration::from_secs(4))[0].id, "d2");
         assert!(r.live(Role::Prefill, t0).is_empty());
     }
 
+    fn ms(v: u64) -> Duration {
+        Duration::from_millis(v)
+    }
+
+    #[test]
+    fn a_large_mesh_heartbeats_less_often_and_waits_longer_for_each() {
+        let t0 = Instant::now();
+        let mut r = Registry::new(Duration::from_secs(2), ms(500), 1_000);
+        r.register("early", Role::Decode, "a:0", layout(0, 16), load(), t0);
+        assert_eq!(r.get("early").unwrap().every, ms(500), "a small mesh keeps the interval");
+        for i in 0..1999 {
+            r.register(&format!("n{i}"), Role::Decode, "a:1", layout(0, 16), load(), t0);
+        }
+        // 2,000 nodes at 1,000 heartbeats a second: each every 2 s, and 8 s of silence allowed
+        // (the same four missed heartbeats as 2 s at 500 ms). Each node is told so at its
+        // next heartbeat; until then it keeps what it was told, and the TTL that goes with it.
+        assert_eq!(r.beat_every(), ms(2000));
+        assert_eq!(r.get("n0").unwrap().every, ms(500), "told when the mesh was small");
+        assert_eq!(r.get("n1998").unwrap().every, ms(2000));
+        for i in 0..1999 {
+            assert_eq!(r.heartbeat(&format!("n{i}"), load(), t0 + ms(1000)), Some(ms(2000)));
+        }
+        assert_eq!(r.expire(t0 + ms(2500)), vec!["early".to_string()], "its 2 s TTL");
+        assert!(r.expire(t0 + ms(8900)).is_empty(), "8 s since their last heartbeat");
+        assert_eq!(r.heartbeat("n0", load(), t0 + ms(8900)), Some(ms(1999)), "one fewer node");
+        assert_eq!(r.expire(t0 + ms(9100)).len(), 1998, "all but n0, which heartbeat");
+        assert_eq!(r.beat_every(), ms(500), "one node left: the configured interval again");
+    }
+
     #[test]
     fn a_node_that_leaves_cancels_its_token_and_one_that_registers_again_keeps_it() {
         let t0 = Instant::now();
-        let mut r = Registry::new(Duration::from_secs(2));
+        let mut r = Registry::new(Duration::from_secs(2), Duration::from_millis(500), 1_000);
         r.register("d1", Role::Decode, "a:1", layout(0, 16), load(), t0);
         let left = r.get("d1").expect("registered").left.clone();
         r.register("d1", Role::Decode, "a:1", layout(0, 16), load(), t0);
@@ -213,7 +276,7 @@ pub(crate) mod tests {
     #[test]
     fn suspect_nodes_are_skipped_until_they_heartbeat() {
         let t0 = Instant::now();
-        let mut r = Registry::new(Duration::from_secs(2));
+        let mut r = Registry::new(Duration::from_secs(2), Duration::from_millis(500), 1_000);
         r.register("p1", Role::Prefill, "a:1", layout(0, 16), load(), t0);
         r.suspect("p1", t0);
         assert!(r.live(Role::Prefill, t0 + Duration::from_millis(10)).is_empty());

@@ -266,12 +266,12 @@ impl Membership for RouterService {
             )));
         }
         let now = Instant::now();
-        {
+        let (every, ttl) = {
             let mut reg = self.mesh().registry();
             // KV moves only between nodes of one layout: a node whose blocks differ from the
             // mesh's (another dtype or block size) could serve no request with the others.
             if let Some(other) =
-                reg.all().into_iter().find(|n| n.id != r.node_id && n.layout != layout)
+                reg.iter().find(|n| n.id != r.node_id && n.layout != layout).cloned()
             {
                 let g = |l: &pdmesh_kv_types::KvLayout| {
                     format!("{} in blocks of {}", l.geometry.dtype.name(), l.geometry.block_size)
@@ -295,7 +295,11 @@ impl Membership for RouterService {
                 self.mesh().drop_channel(&r.address);
             }
             reg.register(&r.node_id, role, &r.address, layout, r.load.unwrap_or_default(), now);
-        }
+            // Told under the same lock it registered under: the node is there.
+            let every = reg.get(&r.node_id).map_or_else(|| reg.beat_every(), |n| n.every);
+            let ttl = reg.get(&r.node_id).map(|n| reg.ttl_of(n));
+            (every, ttl.unwrap_or(Duration::from_millis(u64::from(self.mesh().config.node_ttl_ms))))
+        };
         // Registering (first or again after a restart) means an empty cache.
         self.mesh().prefixes.forget(&r.node_id);
         tracing::info!(
@@ -304,10 +308,9 @@ impl Membership for RouterService {
             address = r.address,
             "node joined"
         );
-        let cfg = &self.mesh().config;
         Ok(Response::new(RegisterResponse {
-            heartbeat_interval_ms: cfg.heartbeat_interval_ms,
-            node_ttl_ms: cfg.node_ttl_ms,
+            heartbeat_interval_ms: every.as_millis() as u32,
+            node_ttl_ms: ttl.as_millis() as u32,
         }))
     }
 
@@ -317,12 +320,15 @@ impl Membership for RouterService {
     ) -> Result<Response<HeartbeatResponse>, Status> {
         speaks_for(&req, &req.get_ref().node_id, None)?;
         let r = req.into_inner();
-        let known = self.mesh().registry().heartbeat(
+        let every = self.mesh().registry().heartbeat(
             &r.node_id,
             r.load.unwrap_or_default(),
             Instant::now(),
         );
-        Ok(Response::new(HeartbeatResponse { known }))
+        Ok(Response::new(HeartbeatResponse {
+            known: every.is_some(),
+            heartbeat_interval_ms: every.map_or(0, |d| d.as_millis() as u32),
+        }))
     }
 
     async fn deregister(
