@@ -96,6 +96,29 @@ pub fn pdmesh(args: &[&str]) -> Command {
     c
 }
 
+/// Spawns `c` (a `pdmesh up` command) and returns it once it printed that its mesh is ready;
+/// the rest of its stdout is drained so it never blocks on a full pipe.
+pub fn spawn_up(mut c: Command) -> std::process::Child {
+    use std::io::BufRead;
+    use std::process::Stdio;
+    let mut up = c
+        .env("PDMESH_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("pdmesh up starts");
+    let mut lines = std::io::BufReader::new(up.stdout.take().expect("piped")).lines();
+    loop {
+        let l = lines.next().expect("up printed its readiness").expect("up's stdout");
+        if l.contains("mesh ready") {
+            break;
+        }
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+    up
+}
+
 /// Runs a command and returns (exit code, stdout, stderr).
 pub fn run(mut c: Command) -> (i32, String, String) {
     let Output { status, stdout, stderr } = c.output().expect("pdmesh starts");

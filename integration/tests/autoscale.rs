@@ -7,13 +7,11 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::io::BufRead;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use pdmesh_integration::{child_pid, collect, greedy, model_path, pdmesh_bin};
+use pdmesh_integration::{child_pid, collect, greedy, model_path, pdmesh_bin, spawn_up};
 use pdmesh_proto::v1::generation_client::GenerationClient;
 
 async fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
@@ -28,29 +26,14 @@ async fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
 async fn up_autoscale_grows_and_shrinks_both_pools_without_failing_a_request() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr = format!("127.0.0.1:{port}");
-    let mut up = std::process::Command::new(pdmesh_bin())
-        .args(["--insecure", "up", "--listen", &addr, "--prefill", "1", "--decode", "1"])
+    let mut c = std::process::Command::new(pdmesh_bin());
+    c.args(["--insecure", "up", "--listen", &addr, "--prefill", "1", "--decode", "1"])
         .args(["--threads", "1", "--kvstore-budget-bytes", "0", "--autoscale"])
         .args(["--max-prefill", "2", "--max-decode", "2", "--itl-slo-ms", "1"])
         .args(["--ttft-slo-ms", "1", "--planner-window-s", "3", "--planner-cooldown-s", "3"])
         .arg("--model")
-        .arg(model_path())
-        .env("PDMESH_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(up.stdout.take().unwrap()).lines();
-    tokio::task::block_in_place(|| {
-        loop {
-            let l = lines.next().expect("up printed its readiness").unwrap();
-            if l.contains("mesh ready") {
-                break;
-            }
-        }
-    });
-    std::thread::spawn(move || lines.for_each(drop));
+        .arg(model_path());
+    let mut up = tokio::task::block_in_place(|| spawn_up(c));
     let pid = up.id();
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
         .unwrap()

@@ -5,7 +5,7 @@
 use std::io::Read;
 use std::process::Stdio;
 
-use pdmesh_integration::{child_pid, model_path, pdmesh, pdmesh_bin, run};
+use pdmesh_integration::{child_pid, model_path, pdmesh, pdmesh_bin, run, spawn_up};
 
 #[test]
 fn run_json_greedy_matches_llama_cpp() {
@@ -154,30 +154,16 @@ fn closed_stdout_stops_generation_quietly() {
 /// serves again with the same tokens, without the operator doing anything; `up` itself stays up.
 #[test]
 fn up_restarts_a_node_that_dies() {
-    use std::io::BufRead;
     let home = tempfile::tempdir().unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr = format!("127.0.0.1:{port}");
     let model = model_path();
-    let mut up = std::process::Command::new(pdmesh_bin())
-        .args(["up", "--listen", &addr, "--prefill", "1", "--decode", "1", "--threads", "1"])
+    let mut c = std::process::Command::new(pdmesh_bin());
+    c.args(["up", "--listen", &addr, "--prefill", "1", "--decode", "1", "--threads", "1"])
         .args(["--kvstore-budget-bytes", "0", "--model"])
         .arg(&model)
-        .env("PDMESH_HOME", home.path())
-        .env("PDMESH_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(up.stdout.take().unwrap()).lines();
-    loop {
-        let l = lines.next().expect("up printed its readiness").unwrap();
-        if l.contains("mesh ready") {
-            break;
-        }
-    }
-    std::thread::spawn(move || lines.for_each(drop));
+        .env("PDMESH_HOME", home.path());
+    let mut up = spawn_up(c);
     let generate = || {
         let out = std::process::Command::new(pdmesh_bin())
             .args(["generate", "--target", &addr, "--max-tokens", "6", "--json", "Name a colour."])

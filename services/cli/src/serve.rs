@@ -16,6 +16,8 @@ use pdmesh_kv_transfer::{PushMode, TransportKind};
 use pdmesh_router::placement::PrefillPolicy;
 use serde::Serialize;
 
+mod fleet;
+
 /// A flag's value as its config file spells it (the KV dtype by name).
 fn by_name<S: serde::Serializer>(v: &Option<KvDtype>, s: S) -> Result<S::Ok, S::Error> {
     match v {
@@ -566,34 +568,17 @@ fn start<C: Service>(
     cfg.check().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
     settle_identity(&mut cfg)?;
     if sim_nodes != 1 {
-        check_fleet(&cfg, sim_nodes)?;
-        let served = rt.block_on(fleet(cfg, sim_nodes, Box::pin(shutdown_signal(watch_stdin))));
-        let _ =
-            rt.block_on(async { tokio::task::spawn_blocking(move || telemetry.shutdown()).await });
-        rt.shutdown_timeout(std::time::Duration::from_secs(1));
-        return served;
+        fleet::check(&cfg, sim_nodes)?;
     }
     if telemetry.exporting() {
         tracing::info!(service = C::TRACE_NAME, "exporting spans over OTLP");
     }
-    let served = rt.block_on(async {
-        let main = bind_and_announce(C::NAME, cfg.listen(), "listening on").await?;
-        let internal = match cfg.internal_listen() {
-            Some(a) => Some(bind_and_announce(C::NAME, a, "internal on").await?),
-            None => None,
-        };
-        let l = Listeners { main, internal };
-        let metrics = Metrics::default();
-        if let Some(m) = cfg.metrics_listen() {
-            let (ml, addr) =
-                pdmesh_common::bind(m).await.with_context(|| format!("cannot listen on {m}"))?;
-            let mut out = std::io::stdout().lock();
-            writeln!(out, "pdmesh {} metrics on http://{addr}/metrics", C::NAME)?;
-            out.flush()?;
-            tokio::spawn(pdmesh_common::metrics::serve(ml, metrics.clone()));
-        }
-        cfg.run(l, metrics, Box::pin(shutdown_signal(watch_stdin))).await
-    });
+    let shutdown = Box::pin(shutdown_signal(watch_stdin));
+    let served = if sim_nodes != 1 {
+        rt.block_on(fleet::run(cfg, sim_nodes, shutdown))
+    } else {
+        rt.block_on(serve(cfg, shutdown))
+    };
     // Flushes the last spans while the runtime still drives the exporter's connection.
     let _ = rt.block_on(async { tokio::task::spawn_blocking(move || telemetry.shutdown()).await });
     // Dropping a runtime waits for its blocking threads, and the one reading stdin
@@ -602,77 +587,24 @@ fn start<C: Service>(
     served
 }
 
-/// `--sim-nodes N` hosts N simulated nodes, which share this process's identity: only
-/// simulated engines, only plaintext on loopback, and no one metrics page for all of them.
-fn check_fleet<C: Service>(cfg: &C, n: usize) -> anyhow::Result<()> {
-    anyhow::ensure!((1..=10_000).contains(&n), "--sim-nodes {n} must be in 1..=10000");
-    anyhow::ensure!(
-        cfg.engine().is_some_and(|e| e.engine == pdmesh_engine::EngineName::Sim),
-        "--sim-nodes hosts simulated nodes: add --engine sim"
-    );
-    anyhow::ensure!(
-        pdmesh_common::tls::current().is_none(),
-        "--sim-nodes runs several nodes under one process, so under no one certificate: use \
-         --insecure (loopback only)"
-    );
-    anyhow::ensure!(
-        cfg.metrics_listen().is_none(),
-        "--metrics-listen serves one node's metrics; with --sim-nodes read the router's"
-    );
-    Ok(())
-}
-
-/// The address node `i` of a fleet listens on: port 0 stays 0, port P becomes P + i.
-fn fleet_listen(listen: &str, i: usize) -> anyhow::Result<String> {
-    let (host, port) = listen
-        .rsplit_once(':')
-        .with_context(|| format!("listen {listen:?}: expected host:port"))?;
-    let port: u16 = port.parse().with_context(|| format!("listen {listen:?}: bad port"))?;
-    if port == 0 {
-        return Ok(listen.to_string());
+/// Binds one service's listeners (and its metrics page) and runs it until `shutdown`.
+async fn serve<C: Service>(cfg: C, shutdown: Shutdown) -> anyhow::Result<()> {
+    let main = bind_and_announce(C::NAME, cfg.listen(), "listening on").await?;
+    let internal = match cfg.internal_listen() {
+        Some(a) => Some(bind_and_announce(C::NAME, a, "internal on").await?),
+        None => None,
+    };
+    let l = Listeners { main, internal };
+    let metrics = Metrics::default();
+    if let Some(m) = cfg.metrics_listen() {
+        let (ml, addr) =
+            pdmesh_common::bind(m).await.with_context(|| format!("cannot listen on {m}"))?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "pdmesh {} metrics on http://{addr}/metrics", C::NAME)?;
+        out.flush()?;
+        tokio::spawn(pdmesh_common::metrics::serve(ml, metrics.clone()));
     }
-    let p = u16::try_from(usize::from(port) + i)
-        .ok()
-        .with_context(|| format!("listen {listen:?}: port {port} + {i} is past 65535"))?;
-    Ok(format!("{host}:{p}"))
-}
-
-/// Runs `n` copies of a simulated node until `shutdown`, or until one of them fails (which
-/// stops the rest: a fleet half up would misreport the study it serves).
-async fn fleet<C: Service>(cfg: C, n: usize, shutdown: Shutdown) -> anyhow::Result<()> {
-    let stop = tokio_util::sync::CancellationToken::new();
-    tokio::spawn({
-        let stop = stop.clone();
-        async move {
-            shutdown.await;
-            stop.cancel();
-        }
-    });
-    let mut base = cfg.clone();
-    let name = base.node_id().and_then(|id| id.clone()).unwrap_or_else(|| C::NAME.to_string());
-    let mut nodes = tokio::task::JoinSet::new();
-    for i in 0..n {
-        let mut c = cfg.clone();
-        let listen = fleet_listen(cfg.listen(), i)?;
-        c.set_listen(listen.clone());
-        if let Some(id) = c.node_id() {
-            *id = Some(format!("{name}-{i}"));
-        }
-        let main = bind_and_announce(C::NAME, &listen, "listening on").await?;
-        let l = Listeners { main, internal: None };
-        let stopped = Box::pin(stop.clone().cancelled_owned());
-        nodes.spawn(c.run(l, Metrics::default(), stopped));
-    }
-    tracing::info!(nodes = n, "simulated nodes started");
-    let mut first_error = None;
-    while let Some(done) = nodes.join_next().await {
-        let r = done.map_err(anyhow::Error::from).and_then(|r| r);
-        if let Err(e) = r {
-            stop.cancel();
-            first_error.get_or_insert(e);
-        }
-    }
-    first_error.map_or(Ok(()), Err)
+    cfg.run(l, metrics, shutdown).await
 }
 
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {

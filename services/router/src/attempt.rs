@@ -509,10 +509,13 @@ impl<'a> Attempt<'a> {
             max_imbalance: cfg.prefix_max_imbalance,
         };
         let others = std::slice::from_ref(&from.node.id);
-        let decodes = mesh.live(Role::Decode);
-        let decodes: Vec<&Node> = decodes.iter().collect();
-        let placed = place(&[], &decodes, &ask, others).map_err(|e| e.to_string())?;
-        let node = mesh.node(&placed.decode).ok_or("the node chosen left the mesh")?;
+        // As placement does: in the registry, under its lock, copying only the node chosen.
+        let node = {
+            let reg = mesh.registry();
+            let decodes = reg.live_refs(Role::Decode, Instant::now());
+            let placed = place(&[], &decodes, &ask, others).map_err(|e| e.to_string())?;
+            reg.get(&placed.decode).cloned().ok_or("the node chosen left the mesh")?
+        };
         let assigned = Assigned::new(mesh, &node, blocks_needed(&node, &ask) as u32);
         let client = DecodeClient::new(channel(mesh, &node).map_err(|f| failure_text(&f))?);
         let reservation = self

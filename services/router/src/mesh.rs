@@ -177,10 +177,6 @@ impl Mesh {
         self.registry().live_count(role, Instant::now())
     }
 
-    pub fn live(&self, role: Role) -> Vec<Node> {
-        self.registry().live(role, Instant::now())
-    }
-
     /// Registers `owner`'s running request for `Cancel`; None if it already runs one with
     /// this id.
     pub fn start(&self, id: &str, owner: &str) -> Option<CancellationToken> {

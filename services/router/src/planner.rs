@@ -322,6 +322,23 @@ mod tests {
         }
     }
 
+    /// A request that ended at `at`: 500 prompt tokens computed on prefill-0 in the 100 ms
+    /// before it, after 5 ms in the queue, 100 tokens out of decode-0 at 10 ms each.
+    fn sample(at: Instant) -> Sample {
+        Sample {
+            at,
+            prefill_from: at - Duration::from_millis(100),
+            prefill_node: "prefill-0".into(),
+            computed_tokens: 500,
+            prefill_ms: 100.0,
+            queue_ms: 5.0,
+            ttft_ms: 120.0,
+            completion_tokens: 100,
+            itl_ms: 10.0,
+            decode_node: "decode-0".into(),
+        }
+    }
+
     /// `rate` requests per second over the window: 500 prompt tokens computed at 5,000
     /// tokens/s (on as many prefill nodes as keep each one busy at most all the time), 100
     /// out at `itl_ms` each.
@@ -330,16 +347,9 @@ mod tests {
         for i in 0..secs * rate {
             let at = t0 + Duration::from_millis(i * 1000 / rate);
             p.observe(Sample {
-                at,
-                prefill_from: at,
                 prefill_node: format!("prefill-{}", i % nodes),
-                computed_tokens: 500,
-                prefill_ms: 100.0,
-                queue_ms: 5.0,
-                ttft_ms: 120.0,
-                completion_tokens: 100,
                 itl_ms,
-                decode_node: "decode-0".into(),
+                ..sample(at)
             });
         }
     }
@@ -408,18 +418,7 @@ mod tests {
         // Two prompts of 500 tokens computed together in the same 100 ms on one node: it
         // computes 10,000 tokens a second, not 5,000.
         for _ in 0..2 {
-            p.observe(Sample {
-                at: t0,
-                prefill_from: t0,
-                prefill_node: "prefill-0".into(),
-                computed_tokens: 500,
-                prefill_ms: 100.0,
-                queue_ms: 0.0,
-                ttft_ms: 100.0,
-                completion_tokens: 1,
-                itl_ms: 0.0,
-                decode_node: "decode-0".into(),
-            });
+            p.observe(sample(t0));
         }
         let plan = p.plan(t0 + Duration::from_secs(1), Pools { prefill: 1, decode: 1 });
         assert!((plan.prefill_node_tps - 10_000.0).abs() < 1.0, "{plan:?}");
@@ -431,16 +430,13 @@ mod tests {
         let t0 = Instant::now();
         for i in 0..10 {
             p.observe(Sample {
-                at: t0 + Duration::from_secs(i),
-                prefill_from: t0 + Duration::from_secs(i),
-                prefill_node: "prefill-0".into(),
                 computed_tokens: 10,
                 prefill_ms: 10.0,
                 queue_ms: 3_000.0,
                 ttft_ms: 3_100.0,
                 completion_tokens: 10,
                 itl_ms: 20.0,
-                decode_node: "decode-0".into(),
+                ..sample(t0 + Duration::from_secs(i))
             });
         }
         let plan = p.plan(t0 + Duration::from_secs(10), Pools { prefill: 1, decode: 1 });
