@@ -72,7 +72,10 @@ impl Pki {
     }
 
     fn issue(&self, dir: &Path, name: &str, role: MeshRole) {
-        self.ca.issue(dir, name, role).expect("certificate issued");
+        // A router serves HTTPS too, dialed as 127.0.0.1.
+        let hosts =
+            if role == MeshRole::Router { vec!["127.0.0.1".to_string()] } else { Vec::new() };
+        self.ca.issue_for_hosts(dir, name, role, &hosts).expect("certificate issued");
     }
 }
 
@@ -88,6 +91,8 @@ pub struct Service {
     pub addr: String,
     /// The router's internal (membership) address.
     pub internal: Option<String>,
+    /// The router's OpenAI HTTP API address, when started with `--http-listen`.
+    pub http: Option<String>,
     /// `host:port` of its `/metrics`, when started with `--metrics-listen`.
     pub metrics: Option<String>,
     child: Option<Child>,
@@ -161,6 +166,17 @@ impl Service {
                 .trim()
                 .to_string()
         });
+        let http = args.iter().any(|a| a == "--http-listen").then(|| {
+            let line = lines
+                .next()
+                .unwrap_or_else(|| panic!("{name} exited before its HTTP listener"))
+                .expect("reading the child's stdout");
+            line.rsplit_once(" http on ")
+                .unwrap_or_else(|| panic!("{name} printed {line:?}"))
+                .1
+                .trim()
+                .to_string()
+        });
         let metrics = args.iter().any(|a| a == "--metrics-listen").then(|| {
             let line = lines
                 .next()
@@ -174,7 +190,7 @@ impl Service {
         // Drain anything else so the child never blocks on a full pipe.
         std::thread::spawn(move || lines.for_each(drop));
         let stdin = child.stdin.take();
-        Service { name: name.to_string(), addr, internal, metrics, child: Some(child), stdin }
+        Service { name: name.to_string(), addr, internal, http, metrics, child: Some(child), stdin }
     }
 
     /// SIGKILL: the process dies at once, mid-whatever.

@@ -35,11 +35,18 @@ pub fn sampling(i: usize) -> (f32, f32, u64) {
 
 /// `pdmesh run`'s tokens for prompt i (chat template applied), at most `max_tokens`.
 pub fn reference(i: usize, max_tokens: u32) -> Vec<u32> {
-    let (t, p, seed) = sampling(i);
+    let v = run_json(PROMPTS[i], max_tokens, sampling(i));
+    let ids = v["token_ids"].as_array().expect("token_ids");
+    ids.iter().map(|x| x.as_u64().expect("a token id") as u32).collect()
+}
+
+/// `pdmesh run --json`'s answer for `prompt` (chat template applied) with (temperature,
+/// top_p, seed): `text`, `token_ids` and the rest.
+pub fn run_json(prompt: &str, max_tokens: u32, (t, p, seed): (f32, f32, u64)) -> serde_json::Value {
     let (code, out, err) = run(pdmesh(&[
         "run",
         "--prompt",
-        PROMPTS[i],
+        prompt,
         "--max-tokens",
         &max_tokens.to_string(),
         "--temperature",
@@ -51,9 +58,7 @@ pub fn reference(i: usize, max_tokens: u32) -> Vec<u32> {
         "--json",
     ]));
     assert_eq!(code, 0, "{err}");
-    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("`pdmesh run --json`");
-    let ids = v["token_ids"].as_array().expect("token_ids");
-    ids.iter().map(|x| x.as_u64().expect("a token id") as u32).collect()
+    serde_json::from_str(out.trim()).expect("`pdmesh run --json`")
 }
 
 /// The Generate request that asks the mesh what `reference(i, max_tokens)` is.

@@ -105,6 +105,7 @@ pub fn request_of(a: &GenerateArgs) -> GenerateRequest {
             min_p: a.min_p,
             repetition_penalty: a.repetition_penalty,
             seed: Some(a.seed),
+            ..Default::default()
         }),
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,

@@ -185,6 +185,10 @@ enum CertsCommand {
         /// router, prefill, decode, kvstore or admin (operators' tools).
         #[arg(long, value_parser = parse_role)]
         role: pdmesh_common::tls::MeshRole,
+        /// A DNS name or IP address HTTPS clients dial the process by (a router serving
+        /// the OpenAI API); repeat for several.
+        #[arg(long = "host", value_name = "HOST")]
+        hosts: Vec<String>,
     },
 }
 
@@ -213,9 +217,9 @@ fn certs(a: CertsArgs) -> anyhow::Result<()> {
             Ca::generate()?.write(&dir, true)?;
             println!("{}", dir.join("ca.pem").display());
         }
-        CertsCommand::Issue { ca_dir, dir, name, role } => {
+        CertsCommand::Issue { ca_dir, dir, name, role, hosts } => {
             let dir = dir.unwrap_or_else(|| ca_dir.clone());
-            Ca::load(&ca_dir)?.issue(&dir, &name, role)?;
+            Ca::load(&ca_dir)?.issue_for_hosts(&dir, &name, role, &hosts)?;
             println!("{}", dir.join(format!("{name}.pem")).display());
         }
     }

@@ -103,7 +103,7 @@ pub async fn spawn_announcing(
             .await
             .with_context(|| format!("{name} did not start listening in 60 s"))??
             .with_context(|| format!("{name} exited before listening (see its log above)"))?;
-        let addr = [" listening on ", " internal on ", " metrics on "]
+        let addr = [" listening on ", " internal on ", " http on ", " metrics on "]
             .iter()
             .find_map(|m| line.rsplit_once(m))
             .map(|(_, a)| a.trim().to_string())

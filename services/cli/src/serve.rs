@@ -171,6 +171,16 @@ pub struct RouterArgs {
     #[arg(long, value_name = "ADDR")]
     #[serde(skip_serializing_if = "Option::is_none")]
     internal_listen: Option<String>,
+    /// Also serve the OpenAI-compatible HTTP API here, host:port (`/v1/chat/completions`,
+    /// `/v1/completions`, `/v1/models`, `/health`; HTTPS with the router's certificate when
+    /// TLS is on; the same API keys, as `Authorization: Bearer KEY`). Unset: not served.
+    #[arg(long, value_name = "ADDR")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http_listen: Option<String>,
+    /// The model's id in the HTTP API [default: the model file's name without .gguf].
+    #[arg(long, value_name = "NAME")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    served_model_name: Option<String>,
     /// A TOML file of hashed API keys mapped to tenants (make keys with `pdmesh api-key`);
     /// re-read when it changes. Clients send `authorization: Bearer KEY`.
     #[arg(long, value_name = "FILE")]
@@ -394,6 +404,10 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default + Clone + Send 
     fn internal_listen(&self) -> Option<&str> {
         None
     }
+    /// The OpenAI HTTP API's listener (the router's), if the service serves it.
+    fn http_listen(&self) -> Option<&str> {
+        None
+    }
     /// Where `GET /metrics` is served, if anywhere.
     fn metrics_listen(&self) -> Option<&str>;
     /// Every address it listens on or dials: with `--insecure`, each must be loopback.
@@ -414,6 +428,7 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default + Clone + Send 
 struct Listeners {
     main: tokio::net::TcpListener,
     internal: Option<tokio::net::TcpListener>,
+    http: Option<tokio::net::TcpListener>,
 }
 
 type Shutdown = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -422,6 +437,7 @@ type Shutdown = std::pin::Pin<Box<dyn Future<Output = ()> + Send>>;
 macro_rules! service {
     ($config:ty, $name:literal, $env:literal, $threads:literal, $role:ident,
      |$c:ident| addresses: $addrs:expr, node_id: $node:expr, internal: $internal:expr,
+     $(http: $http:expr,)?
      engine: $engine:expr,
      run: |$l:ident, $m:ident, $s:ident| $run:expr) => {
         impl Service for $config {
@@ -452,6 +468,10 @@ macro_rules! service {
             fn metrics_listen(&self) -> Option<&str> {
                 self.metrics_listen.as_deref()
             }
+            $(fn http_listen(&self) -> Option<&str> {
+                let $c = self;
+                $http
+            })?
             fn addresses(&self) -> Vec<&str> {
                 let $c = self;
                 $addrs
@@ -492,10 +512,12 @@ service!(pdmesh_prefill::PrefillConfig, "prefill", "PDMESH_PREFILL_", 1, Prefill
     run: |l, m, s| pdmesh_prefill::run(c, l.main, m, s));
 service!(pdmesh_router::RouterConfig, "router", "PDMESH_ROUTER_", 2, Router,
 |c| addresses: vec![c.listen.as_str(), c.internal_listen.as_str()],
-node_id: None, internal: Some(&c.internal_listen), engine: None,
+node_id: None, internal: Some(&c.internal_listen), http: c.http_listen.as_deref(), engine: None,
 run: |l, m, s| async move {
     let internal = l.internal.expect("the router is bound to its internal address too");
-    pdmesh_router::run(c, l.main, internal, m, s).await
+    let drain = std::time::Duration::from_millis(c.drain_ms);
+    let http = l.http.map(|h| pdmesh_frontend_openai::frontend(h, c.model_id(), drain));
+    pdmesh_router::run_with(c, l.main, internal, m, s, http).await
 });
 service!(pdmesh_kvstore::KvStoreConfig, "kvstore", "PDMESH_KVSTORE_", 2, KvStore,
     |c| addresses: vec![c.listen.as_str()],
@@ -594,7 +616,11 @@ async fn serve<C: Service>(cfg: C, shutdown: Shutdown) -> anyhow::Result<()> {
         Some(a) => Some(bind_and_announce(C::NAME, a, "internal on").await?),
         None => None,
     };
-    let l = Listeners { main, internal };
+    let http = match cfg.http_listen() {
+        Some(a) => Some(bind_and_announce(C::NAME, a, "http on").await?),
+        None => None,
+    };
+    let l = Listeners { main, internal, http };
     let metrics = Metrics::default();
     if let Some(m) = cfg.metrics_listen() {
         let (ml, addr) =

@@ -38,6 +38,10 @@ pub struct UpArgs {
     /// Where the router listens.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: String,
+    /// Where the router serves the OpenAI-compatible HTTP API (HTTPS under the mesh's CA,
+    /// with the same API key).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    http_listen: String,
     /// A GGUF model (llama, qwen2 or qwen3 architecture).
     #[arg(long, env = "PDMESH_MODEL", default_value = pdmesh_engine::DEFAULT_MODEL_PATH)]
     model: PathBuf,
@@ -139,6 +143,9 @@ pub fn run(a: UpArgs, insecure: bool) -> anyhow::Result<()> {
     r
 }
 
+/// The names a client on this machine dials the router's HTTPS API by.
+pub const LOOPBACK_HOSTS: [&str; 3] = ["localhost", "127.0.0.1", "::1"];
+
 /// The mesh's UCX seal key, in the credentials directory.
 const SEAL_KEY_FILE: &str = "mesh-seal.key";
 
@@ -159,7 +166,13 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
     names.extend((0..a.most("prefill")).map(|i| (format!("prefill-{i}"), MeshRole::Prefill)));
     names.extend((0..a.most("decode")).map(|i| (format!("decode-{i}"), MeshRole::Decode)));
     for (n, r) in &names {
-        ca.issue(dir, n, *r)?;
+        // The router's HTTPS clients dial it on this machine.
+        let hosts = if *r == MeshRole::Router {
+            LOOPBACK_HOSTS.map(String::from).to_vec()
+        } else {
+            Vec::new()
+        };
+        ca.issue_for_hosts(dir, n, *r, &hosts)?;
     }
     let operator = pdmesh_common::apikey::Tenant {
         tenant: OPERATOR.into(),
@@ -201,6 +214,7 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
     let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
     let model = a.model.display().to_string();
     let mut procs: Vec<Supervised> = Vec::new();
+    let mut http_addr = String::new();
     let mut template: Option<NodeTemplate<'_>> = None;
     let result = async {
         let mut router = Supervised::start(
@@ -212,6 +226,8 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
                 a.listen.clone(),
                 "--internal-listen".into(),
                 "127.0.0.1:0".into(),
+                "--http-listen".into(),
+                a.http_listen.clone(),
                 "--model".into(),
                 model.clone(),
                 "--colocate-below-tokens".into(),
@@ -236,13 +252,16 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             .chain(tls("router"))
             .chain(keys)
             .collect::<Vec<String>>(),
-            3,
+            4,
         )
         .await?;
         let (addr, internal) = (router.addrs[0].clone(), router.addrs[1].clone());
+        let http = router.addrs[2].clone();
         // Restarted, it must be where clients and nodes already dial it.
         router.pin("--listen", &addr);
         router.pin("--internal-listen", &internal);
+        router.pin("--http-listen", &http);
+        http_addr = http;
         procs.push(router);
         let kvstore = if a.kvstore_budget_bytes > 0 && a.prefill > 0 {
             let args: Vec<String> = [
@@ -300,6 +319,19 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             ),
             None => println!("  --insecure: plaintext, no certificates, no API keys"),
         }
+        match dir {
+            Some(d) => println!(
+                "  OpenAI API on https://{http_addr}/v1 (model {}); e.g. \
+                 OPENAI_BASE_URL=https://{http_addr}/v1 OPENAI_API_KEY=$(cat {}) SSL_CERT_FILE={}",
+                model_id(&a.model),
+                d.join(API_KEY_FILE).display(),
+                d.join("ca.pem").display()
+            ),
+            None => println!(
+                "  OpenAI API on http://{http_addr}/v1 (model {})",
+                model_id(&a.model)
+            ),
+        }
         anyhow::Ok(())
     }
     .await;
@@ -322,7 +354,7 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
                 planned = now;
                 // The router's metrics port, as it announced it when it (re)started.
                 let metrics =
-                    procs.iter().find(|p| p.name == "router").and_then(|p| p.addrs.get(2));
+                    procs.iter().find(|p| p.name == "router").and_then(|p| p.addrs.get(3));
                 match desired_nodes(metrics.map_or("", String::as_str)).await {
                     Ok(want) => autoscale(&template, &mut procs, want).await,
                     Err(e) => eprintln!("pdmesh: --autoscale: reading the planner: {e:#}"),
@@ -597,4 +629,10 @@ async fn wait_ready(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     bail!("mesh not ready after {timeout:?}: {last}")
+}
+
+/// The model's id in the HTTP API, as the router names it by default.
+fn model_id(model: &Path) -> String {
+    let cfg = pdmesh_router::RouterConfig { model: model.to_path_buf(), ..Default::default() };
+    cfg.model_id()
 }

@@ -142,7 +142,7 @@ pub fn add(path: &Path, tenant: Tenant) -> Result<String, KeyError> {
 pub enum Refused {
     #[error("no API key: send `authorization: Bearer KEY`")]
     Missing,
-    #[error("the authorization metadata is not `Bearer KEY`")]
+    #[error("the authorization header is not `Bearer KEY`")]
     Malformed,
     #[error("unknown API key")]
     Unknown,
@@ -208,7 +208,18 @@ impl KeyRing {
         &self,
         metadata: &tonic::metadata::MetadataMap,
     ) -> Result<Arc<Tenant>, Refused> {
-        let key = bearer(metadata)?.ok_or(Refused::Missing)?;
+        self.tenant_of(bearer(metadata)?)
+    }
+
+    /// The tenant whose key HTTP `headers` carry (`Authorization: Bearer KEY`).
+    pub fn authenticate_http(&self, headers: &http::HeaderMap) -> Result<Arc<Tenant>, Refused> {
+        let v = headers.get(http::header::AUTHORIZATION);
+        let v = v.map(|v| v.to_str().map_err(|_| Refused::Malformed)).transpose()?;
+        self.tenant_of(v.map(parse_bearer).transpose()?)
+    }
+
+    fn tenant_of(&self, key: Option<&str>) -> Result<Arc<Tenant>, Refused> {
+        let key = key.ok_or(Refused::Missing)?;
         let keys = Arc::clone(&self.keys.read().unwrap_or_else(|p| p.into_inner()).1);
         keys.get(&hash(key)).cloned().ok_or(Refused::Unknown)
     }
@@ -218,11 +229,16 @@ impl KeyRing {
 pub fn bearer(metadata: &tonic::metadata::MetadataMap) -> Result<Option<&str>, Refused> {
     let Some(v) = metadata.get("authorization") else { return Ok(None) };
     let v = v.to_str().map_err(|_| Refused::Malformed)?;
+    parse_bearer(v).map(Some)
+}
+
+/// The key of a `Bearer KEY` value.
+fn parse_bearer(v: &str) -> Result<&str, Refused> {
     let (scheme, key) = v.split_once(' ').ok_or(Refused::Malformed)?;
     if !scheme.eq_ignore_ascii_case("bearer") || key.trim().is_empty() {
         return Err(Refused::Malformed);
     }
-    Ok(Some(key.trim()))
+    Ok(key.trim())
 }
 
 /// A client interceptor that sends an API key with every call (none: sends nothing).

@@ -65,8 +65,8 @@ pub async fn serve(
 
 /// Accepts connections on `listener` and hands them on, plaintext or after a TLS handshake
 /// with the process's current certificates (a renewed certificate serves the next
-/// connection), until the receiver goes away.
-fn incoming<IO: Send + 'static>(
+/// connection), until the receiver goes away. Handshakes are bounded in number and time.
+pub fn incoming<IO: Send + 'static>(
     listener: TcpListener,
     upgrade: impl Fn(TcpStream) -> Pin<Box<dyn Future<Output = std::io::Result<IO>> + Send>>
     + Send

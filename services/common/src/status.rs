@@ -59,6 +59,12 @@ pub fn exhausted(msg: impl Into<String>, retry_after: Duration) -> Status {
     s
 }
 
+/// The retry hint `exhausted` put on a status, if it carries one.
+pub fn retry_after(s: &Status) -> Option<Duration> {
+    let v = s.metadata().get(RETRY_AFTER_MS)?.to_str().ok()?;
+    v.parse().ok().map(Duration::from_millis)
+}
+
 /// UNAVAILABLE because `peer` could not be reached, saying so in the message and, for the
 /// caller to act on, in metadata (`lost_peer`).
 pub fn unreachable(peer: &str, why: impl std::fmt::Display) -> Status {

@@ -361,10 +361,23 @@ impl Ca {
     /// Makes `DIR/NAME.pem` and `DIR/NAME.key` for `name` in `role`, good for both ends of a
     /// connection, with `DIR/ca.pem` beside them.
     pub fn issue(&self, dir: &Path, name: &str, role: MeshRole) -> Result<(), TlsError> {
+        self.issue_for_hosts(dir, name, role, &[])
+    }
+
+    /// `issue`, good also for the `hosts` (DNS names or IP addresses) HTTPS clients dial the
+    /// process by: the router's OpenAI API, whose clients check the name they dialed.
+    pub fn issue_for_hosts(
+        &self,
+        dir: &Path,
+        name: &str,
+        role: MeshRole,
+        hosts: &[String],
+    ) -> Result<(), TlsError> {
         check_name(name)?;
         create_dir(dir)?;
         let key = KeyPair::generate()?;
-        let mut p = CertificateParams::new(vec![MESH_NAME.to_string()])?;
+        let names = std::iter::once(MESH_NAME.to_string()).chain(hosts.iter().cloned());
+        let mut p = CertificateParams::new(names.collect::<Vec<_>>())?;
         p.distinguished_name.push(DnType::CommonName, name);
         p.subject_alt_names.push(SanType::URI(format!("{ROLE_URI}{role}/{name}").try_into()?));
         p.extended_key_usages =

@@ -168,20 +168,15 @@ impl Stream for Events {
                 event: Some(decode_event::Event::Delta(Delta {
                     text: p.text,
                     token_ids: p.tokens,
+                    logprobs: Vec::new(),
                 })),
-                mark: mark.map(|m| DecodeMark {
-                    tokens: m.tokens,
-                    rng_position: pdmesh_wire::rng_position_bytes(m.rng_position),
-                }),
+                mark: mark.map(mark_to_wire),
             }),
             Event::Moving { mark, kv_tokens } => Ok(DecodeEvent {
                 event: Some(decode_event::Event::Moving(DecodeMoving {
                     kv_tokens: kv_tokens as u32,
                 })),
-                mark: Some(DecodeMark {
-                    tokens: mark.tokens,
-                    rng_position: pdmesh_wire::rng_position_bytes(mark.rng_position),
-                }),
+                mark: Some(mark_to_wire(mark)),
             }),
             Event::Moved => {
                 self.ended = true;
@@ -462,5 +457,14 @@ impl DecodeService {
             sink.send(piece).await?;
         }
         Ok((sink.finish(n, Vec::new()).await?, transport))
+    }
+}
+
+/// A mark as the wire carries it.
+fn mark_to_wire(m: pdmesh_engine::Mark) -> DecodeMark {
+    DecodeMark {
+        tokens: m.tokens,
+        rng_position: pdmesh_wire::rng_position_bytes(m.rng_position),
+        logprobs: m.logprobs.iter().map(pdmesh_wire::logprobs_to_wire).collect(),
     }
 }

@@ -16,7 +16,7 @@ use crate::engine::{Engine, Logits, StepItem};
 use crate::error::{Error, Result};
 use crate::kv_cache::SeqId;
 use crate::model::Model;
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{Sampler, SamplingParams, TokenLogprobs};
 use crate::scheduler::{Scheduled, Scheduler, Work};
 use crate::text::{Piece, Pushed, TextStream};
 
@@ -136,7 +136,8 @@ pub enum End {
     /// that did, which is not part of the output.
     Finished { reason: FinishReason, stop_token: Option<u32> },
     /// A prefill sequence is done: its first token and where its sampler's stream stands.
-    Prefilled { first_token: u32, rng_position: u128 },
+    /// `logprobs`: the first token's report, when the request asked for one.
+    Prefilled { first_token: u32, rng_position: u128, logprobs: Option<TokenLogprobs> },
     /// It failed (the step it was in failed, or its KV could not be loaded).
     Failed(Error),
 }
@@ -144,16 +145,19 @@ pub enum End {
 /// Where a generating sequence stands after a piece of output: enough to continue it
 /// elsewhere. Text can lag its tokens (held back by a possible stop string), so the tokens
 /// are reported here as they are generated, whatever text they made.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Mark {
     /// Tokens generated since the previous mark, in order.
     pub tokens: Vec<u32>,
     /// The sampler's random stream after the last of them.
     pub rng_position: u128,
+    /// The reports of those of `tokens` sampled here, in order, when the request asked for
+    /// them (a first token sampled elsewhere, or a resumed one, has none here).
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// A decoding sequence taken out of the batch to move elsewhere (`BatchRunner::pause`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Paused {
     /// The tokens since the last mark (text may have held them back) and the sampler's
     /// position: the output to resume from is every mark's tokens up to this one.
@@ -211,6 +215,8 @@ struct Slot {
     generated: usize,
     /// Generated tokens not yet reported in a mark.
     unmarked: Vec<u32>,
+    /// Their logprob reports (when asked for).
+    unmarked_logprobs: Vec<TokenLogprobs>,
     /// Resumed tokens still to feed, one decode step each, before sampling again.
     replay: VecDeque<u32>,
     /// Out of the batch while it moves (`pause`).
@@ -385,6 +391,7 @@ impl BatchRunner {
             next,
             generated: spec.resumed.len(),
             unmarked: Vec::new(),
+            unmarked_logprobs: Vec::new(),
             replay,
             paused: false,
             promised: blocks,
@@ -393,7 +400,7 @@ impl BatchRunner {
         };
         let mut out = Vec::new();
         if let Some(t) = first_token
-            && let Some(end) = accept(&self.model, ctx, &mut slot, t, id, &mut out)
+            && let Some(end) = accept(&self.model, ctx, &mut slot, (t, None), id, &mut out)
         {
             self.slots.insert(id, slot);
             out.extend(self.leave(engine, connector, id, end));
@@ -417,6 +424,7 @@ impl BatchRunner {
         let mark = Mark {
             tokens: std::mem::take(&mut slot.unmarked),
             rng_position: slot.sampler.rng_position(),
+            logprobs: std::mem::take(&mut slot.unmarked_logprobs),
         };
         Some(Paused { mark, kv_tokens: slot.history.len() - 1 })
     }
@@ -563,14 +571,18 @@ impl BatchRunner {
                 slot.next = Some(t);
                 continue;
             }
-            let tok = slot.sampler.sample(row, &slot.history);
+            let sampled = slot.sampler.sample_output(row, &slot.history, slot.prompt_len);
             match slot.role {
                 Role::Prefill => ends.push((
                     s.id,
-                    End::Prefilled { first_token: tok, rng_position: slot.sampler.rng_position() },
+                    End::Prefilled {
+                        first_token: sampled.0,
+                        rng_position: slot.sampler.rng_position(),
+                        logprobs: sampled.1,
+                    },
                 )),
                 Role::Generate => {
-                    if let Some(end) = accept(&self.model, ctx, slot, tok, s.id, &mut out) {
+                    if let Some(end) = accept(&self.model, ctx, slot, sampled, s.id, &mut out) {
                         ends.push((s.id, end));
                     }
                 }
@@ -724,7 +736,7 @@ fn accept(
     model: &Model,
     ctx: usize,
     s: &mut Slot,
-    tok: u32,
+    (tok, logprobs): (u32, Option<TokenLogprobs>),
     id: u64,
     out: &mut Vec<Output>,
 ) -> Option<End> {
@@ -738,10 +750,12 @@ fn accept(
     s.generated += 1;
     s.history.push(tok);
     s.unmarked.push(tok);
+    s.unmarked_logprobs.extend(logprobs);
     let mut delta = |s: &mut Slot, piece: Piece| {
         let mark = Mark {
             tokens: std::mem::take(&mut s.unmarked),
             rng_position: s.sampler.rng_position(),
+            logprobs: std::mem::take(&mut s.unmarked_logprobs),
         };
         out.push(Output { id, event: Event::Delta(piece, Some(mark)) });
     };

@@ -1,6 +1,7 @@
-//! Token sampling: greedy, temperature, top-k, top-p, min-p and a repetition penalty. Each
-//! request owns its sampler and its seeded RNG, so a seed reproduces the same tokens whatever
-//! other requests share the batch.
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, a repetition penalty and
+//! OpenAI's frequency and presence penalties; on request, each token's log-probability and the
+//! most likely alternatives. Each request owns its sampler and its seeded RNG, so a seed
+//! reproduces the same tokens whatever other requests share the batch.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -22,6 +23,29 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     pub penalty_window: usize,
     pub seed: u64,
+    /// Subtracted from a token's logit once per time it appears in the output so far
+    /// (OpenAI's `frequency_penalty`, in [-2, 2]; 0 = off).
+    pub frequency_penalty: f32,
+    /// Subtracted from a token's logit once it appears in the output at all (OpenAI's
+    /// `presence_penalty`, in [-2, 2]; 0 = off).
+    pub presence_penalty: f32,
+    /// Report each sampled token's log-probability and this many most likely alternatives
+    /// (at most `MAX_TOP_LOGPROBS`); None reports nothing.
+    pub logprobs: Option<u32>,
+}
+
+/// The most alternatives a token's report lists (OpenAI's limit for `top_logprobs`).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// A sampled token's log-probability and the most likely tokens at its place, from the
+/// model's own distribution (log-softmax of the raw logits: before penalties and temperature,
+/// so the numbers say what the model thought whatever the sampler's settings).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// Most likely first; ties by lower id.
+    pub top: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -34,6 +58,9 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             penalty_window: 64,
             seed: 0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logprobs: None,
         }
     }
 }
@@ -57,6 +84,21 @@ impl SamplingParams {
             return Err(Error::invalid(format!(
                 "repetition_penalty must be a finite number > 0, got {}",
                 self.repetition_penalty
+            )));
+        }
+        for (name, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(Error::invalid(format!("{name} must be in [-2, 2], got {v}")));
+            }
+        }
+        if let Some(n) = self.logprobs
+            && n > MAX_TOP_LOGPROBS
+        {
+            return Err(Error::invalid(format!(
+                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
             )));
         }
         Ok(())
@@ -101,22 +143,58 @@ impl Sampler {
         self.rng.get_word_pos()
     }
 
-    /// Picks a token from `logits`; `history` is the sequence so far (for the penalty).
+    /// Picks a token from `logits`; `history` is the sequence so far, all of it counted as
+    /// output for the penalties.
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        self.sample_output(logits, history, 0).0
+    }
+
+    /// Picks a token from `logits`; `history` is the sequence so far, the output being what
+    /// follows its first `prompt_len` tokens (frequency and presence penalties count only it;
+    /// the repetition penalty looks at the whole window). With `logprobs` set, also reports
+    /// the token's log-probability and the most likely alternatives.
+    pub fn sample_output(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        prompt_len: usize,
+    ) -> (u32, Option<TokenLogprobs>) {
+        let tok = self.pick(logits, history, prompt_len);
+        let report = self.params.logprobs.map(|n| logprobs_of(logits, tok, n as usize));
+        (tok, report)
+    }
+
+    fn pick(&mut self, logits: &[f32], history: &[u32], prompt_len: usize) -> u32 {
         let p = &self.params;
         let mut adjusted;
-        let logits: &[f32] = if p.repetition_penalty != 1.0 {
+        let counted = p.frequency_penalty != 0.0 || p.presence_penalty != 0.0;
+        let logits: &[f32] = if p.repetition_penalty != 1.0 || counted {
             adjusted = logits.to_vec();
-            let start = history.len().saturating_sub(p.penalty_window);
-            let mut seen = Vec::with_capacity(p.penalty_window.min(history.len()));
-            for &t in &history[start..] {
-                if (t as usize) >= adjusted.len() || seen.contains(&t) {
-                    continue;
+            if p.repetition_penalty != 1.0 {
+                let start = history.len().saturating_sub(p.penalty_window);
+                let mut seen = Vec::with_capacity(p.penalty_window.min(history.len()));
+                for &t in &history[start..] {
+                    if (t as usize) >= adjusted.len() || seen.contains(&t) {
+                        continue;
+                    }
+                    seen.push(t);
+                    // As in llama.cpp/CTRL: push positive logits down and negative ones further down.
+                    let l = &mut adjusted[t as usize];
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
                 }
-                seen.push(t);
-                // As in llama.cpp/CTRL: push positive logits down and negative ones further down.
-                let l = &mut adjusted[t as usize];
-                *l = if *l > 0.0 { *l / p.repetition_penalty } else { *l * p.repetition_penalty };
+            }
+            if counted {
+                let mut output = history[prompt_len.min(history.len())..].to_vec();
+                output.sort_unstable();
+                for run in output.chunk_by(|a, b| a == b) {
+                    if let Some(l) = adjusted.get_mut(run[0] as usize) {
+                        *l -= p.frequency_penalty * run.len() as f32 + p.presence_penalty;
+                    }
+                }
             }
             &adjusted
         } else {
@@ -185,6 +263,28 @@ impl Sampler {
         }
         self.cand[keep - 1].0
     }
+}
+
+/// `token`'s log-probability under `logits` and the `n` most likely tokens with theirs.
+fn logprobs_of(logits: &[f32], token: u32, n: usize) -> TokenLogprobs {
+    let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().filter(|v| !v.is_nan()).map(|&v| f64::from(v - max).exp()).sum();
+    let log_z = f64::from(max) + sum.ln();
+    let lp = |v: f32| if v.is_nan() { f32::NEG_INFINITY } else { (f64::from(v) - log_z) as f32 };
+    // The n best by one pass over a short sorted list (n is at most 20).
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
+    if n > 0 {
+        for (i, &v) in logits.iter().enumerate() {
+            if v.is_nan() || (top.len() == n && v <= top[n - 1].1) {
+                continue;
+            }
+            let at = top.partition_point(|&(_, b)| b >= v);
+            top.insert(at, (i as u32, v));
+            top.truncate(n);
+        }
+    }
+    let logprob = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&v| lp(v));
+    TokenLogprobs { token, logprob, top: top.into_iter().map(|(i, v)| (i, lp(v))).collect() }
 }
 
 #[cfg(test)]
@@ -296,5 +396,56 @@ mod tests {
         })
         .unwrap();
         assert_eq!(s.sample(&l, &[0, 2]), 0);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_count_only_the_output() {
+        let l = [2.0f32, 1.5, 0.0];
+        let freq = SamplingParams { frequency_penalty: 0.3, ..params(0.0) };
+        let mut s = Sampler::new(freq).unwrap();
+        // Token 0 twice in the output: 2.0 - 0.6 < 1.5.
+        assert_eq!(s.sample_output(&l, &[0, 0], 0).0, 1);
+        // Once: 2.0 - 0.3 > 1.5.
+        assert_eq!(s.sample_output(&l, &[0, 0], 1).0, 0);
+        // In the prompt only: no penalty at all.
+        assert_eq!(s.sample_output(&l, &[0, 0], 2).0, 0);
+        let pres = SamplingParams { presence_penalty: 0.6, ..params(0.0) };
+        let mut s = Sampler::new(pres).unwrap();
+        assert_eq!(s.sample_output(&l, &[0], 0).0, 1);
+        // A negative penalty encourages repeating.
+        let enc = SamplingParams { presence_penalty: -1.0, ..params(0.0) };
+        let mut s = Sampler::new(enc).unwrap();
+        assert_eq!(s.sample_output(&l, &[2], 0).0, 0);
+        assert_eq!(s.sample_output(&[2.0, 1.5, 1.2], &[2], 0).0, 2);
+        for bad in [2.5f32, -2.1, f32::NAN] {
+            let p = SamplingParams { frequency_penalty: bad, ..params(0.0) };
+            assert!(Sampler::new(p).unwrap_err().to_string().contains("frequency_penalty"));
+        }
+    }
+
+    #[test]
+    fn logprobs_are_the_model_distribution_with_the_best_first() {
+        let l = [1.0f32, 3.0, 2.0, 3.0];
+        let p = SamplingParams { logprobs: Some(3), presence_penalty: 2.0, ..params(0.0) };
+        let mut s = Sampler::new(p).unwrap();
+        // The penalty moves the choice to token 3 but not the reported distribution.
+        let (tok, lp) = s.sample_output(&l, &[1], 0);
+        let lp = lp.unwrap();
+        assert_eq!(tok, 3);
+        let z: f64 = l.iter().map(|&v| f64::from(v).exp()).sum();
+        let want = |v: f32| (f64::from(v) - z.ln()) as f32;
+        assert!((lp.logprob - want(3.0)).abs() < 1e-6);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 2]);
+        assert!((lp.top[2].1 - want(2.0)).abs() < 1e-6);
+        let total: f32 = l.iter().map(|&v| want(v).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
+        // Without logprobs asked for, none; with zero alternatives, just the token's.
+        assert!(Sampler::new(params(0.0)).unwrap().sample_output(&l, &[], 0).1.is_none());
+        let p = SamplingParams { logprobs: Some(0), ..params(0.0) };
+        let lp = Sampler::new(p).unwrap().sample_output(&l, &[], 0).1.unwrap();
+        assert!(lp.top.is_empty() && lp.token == 1);
+        let p = SamplingParams { logprobs: Some(21), ..params(0.0) };
+        assert!(Sampler::new(p).unwrap_err().to_string().contains("top_logprobs"));
     }
 }

@@ -25,6 +25,8 @@ pub enum Done {
     Computed {
         first_token: u32,
         rng_position: u128,
+        /// The first token's logprob report, when asked for.
+        logprobs: Option<pdmesh_engine::TokenLogprobs>,
         queue_ms: f64,
         prefill_ms: f64,
         blocks: u32,
@@ -249,11 +251,12 @@ impl PrefillCore {
             let Some(mut a) = self.jobs.remove(&o.id) else { continue };
             let export = self.push.take_export(o.id).unwrap_or_default();
             let done = match end {
-                End::Prefilled { first_token, rng_position } => {
+                End::Prefilled { first_token, rng_position, logprobs } => {
                     let started = a.started.unwrap_or(done_at);
                     Done::Computed {
                         first_token,
                         rng_position,
+                        logprobs,
                         queue_ms: ms(started - a.submitted),
                         prefill_ms: ms(done_at - started),
                         blocks: a.blocks as u32,

@@ -304,6 +304,7 @@ impl Relay {
                 Some(Done::Computed {
                     first_token,
                     rng_position,
+                    logprobs,
                     queue_ms,
                     prefill_ms,
                     blocks,
@@ -320,6 +321,7 @@ impl Relay {
                         queue_ms,
                         prefill_ms,
                         cached_tokens: export.cached_tokens as u32,
+                        logprobs: logprobs.as_ref().map(pdmesh_wire::logprobs_to_wire),
                     };
                     let ev = PrefillEvent { event: Some(prefill_event::Event::Computed(ev)) };
                     // A closed stream is noticed by the caller's select.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_common::apikey::Tenant;
-use pdmesh_engine::FinishReason;
+use pdmesh_engine::{FinishReason, TokenLogprobs};
 use tokio::sync::{Semaphore, mpsc};
 use tracing::{Instrument, Span};
 
@@ -27,10 +27,12 @@ pub enum Event {
         prompt_tokens: u32,
         trace_id: Option<String>,
     },
-    /// New text (never part of a stop string, never a broken character) and its tokens.
+    /// New text (never part of a stop string, never a broken character) and its tokens, with
+    /// one logprob report per token when the request asked for them.
     Delta {
         text: String,
         tokens: Vec<u32>,
+        logprobs: Vec<TokenLogprobs>,
     },
     Finished(Finished),
 }

@@ -5,19 +5,21 @@
 //! deadline, its cancellation, its client, and the nodes it runs on: one that leaves the mesh
 //! fails the attempt at once, through its cancellation token.
 
+use std::collections::VecDeque;
 use std::future::Future;
 use std::time::{Duration, Instant};
 
 use pdmesh_common::convert::ms;
 use pdmesh_common::status::from_peer;
 use pdmesh_common::trace;
+use pdmesh_engine::TokenLogprobs;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{
     DecodeRequest, HandOffRequest, KvTarget, PrefillRequest, ReleaseRequest, ReserveRequest, Role,
     decode_event, decode_request, prefill_event,
 };
-use pdmesh_wire::sampler_state;
+use pdmesh_wire::{logprobs_from_wire, sampler_state};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
@@ -148,6 +150,17 @@ pub(crate) struct Report {
     pub first_sent: bool,
     /// Where the client's stream stands: what a migrated request continues from.
     pub resume: Resume,
+    /// Logprob reports (when asked for) of tokens generated but not yet sent in a delta, in
+    /// order: text lags tokens, so a report waits here until its token's text goes out.
+    pub logprobs: VecDeque<TokenLogprobs>,
+}
+
+impl Report {
+    /// A delta for the client, with the reports of its tokens.
+    pub fn delta(&mut self, text: String, tokens: Vec<u32>) -> Event {
+        let n = tokens.len().min(self.logprobs.len());
+        Event::Delta { text, tokens, logprobs: self.logprobs.drain(..n).collect() }
+    }
 }
 
 /// Every token generated up to the last output the client was sent (text can lag them), and
@@ -391,6 +404,11 @@ impl<'a> Attempt<'a> {
         timings.transfer_ms = t.transfer_ms;
         timings.kv_bytes = t.bytes;
         timings.kv_transport = t.transport;
+        // The first token's report; a moved stream's first token went out long ago.
+        if self.report.resume.tokens.is_empty() {
+            self.report.logprobs.clear();
+            self.report.logprobs.extend(computed.logprobs.as_ref().map(logprobs_from_wire));
+        }
         let pos = pdmesh_wire::rng_position(&computed.rng_position).map_err(|s| fail(&s))?;
         Ok((decode_request::Start::FirstToken(computed.first_token), pos))
     }
@@ -423,7 +441,7 @@ impl<'a> Attempt<'a> {
         let stall = Duration::from_millis(req.mesh.config.stall_timeout_ms);
         // The text flushed as the request ends goes out with its finish: if the node dies in
         // between, the node the request moves to flushes it again.
-        let mut tail: Option<Event> = None;
+        let mut tail: Option<pdmesh_proto::v1::Delta> = None;
         // Where the request goes once its node says it moved.
         let mut next: Option<Leg<'a>> = None;
         loop {
@@ -439,14 +457,17 @@ impl<'a> Attempt<'a> {
                 let rng = pdmesh_wire::rng_position(&mark.rng_position).map_err(|s| fail(&s))?;
                 self.report.resume.rng_position = rng;
             }
-            let marked = ev.mark.map(|m| m.tokens);
+            let marked = ev.mark.map(|m| {
+                self.report.logprobs.extend(m.logprobs.iter().map(logprobs_from_wire));
+                m.tokens
+            });
             match ev.event {
                 Some(decode_event::Event::Delta(delta)) => {
-                    let out = Event::Delta { text: delta.text, tokens: delta.token_ids };
                     let Some(tokens) = marked else {
-                        tail = Some(out);
+                        tail = Some(delta);
                         continue;
                     };
+                    let out = self.report.delta(delta.text, delta.token_ids);
                     if !self.report.first_sent {
                         self.report.first_sent = true;
                         self.report.timings.ttft_ms = ms(req.t0.elapsed());
@@ -471,7 +492,8 @@ impl<'a> Attempt<'a> {
                     return Ok(Relayed::Moved(Box::new(to)));
                 }
                 Some(decode_event::Event::Finished(f)) => {
-                    if let Some(out) = tail.take() {
+                    if let Some(t) = tail.take() {
+                        let out = self.report.delta(t.text, t.token_ids);
                         self.send(&d, out).await?;
                     }
                     if self.prefill.is_none() && self.report.timings.migrations == 0 {

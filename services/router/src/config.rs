@@ -18,6 +18,13 @@ pub struct RouterConfig {
     /// `Membership`: where nodes register and heartbeat (mutual TLS, nodes' certificates
     /// only). Port 0 picks a free one.
     pub internal_listen: String,
+    /// The OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`,
+    /// `/v1/models`, `/health`): where its clients dial ("host:port"; port 0 picks one). HTTPS
+    /// with the router's certificate when the mesh runs TLS. None = not served.
+    pub http_listen: Option<String>,
+    /// The model's id in the HTTP API (`model` in requests, `/v1/models`); default: the
+    /// model file's name without `.gguf`.
+    pub served_model_name: Option<String>,
     /// A TOML file of hashed API keys, each mapped to a tenant (`pdmesh api-key` makes
     /// them); re-read when it changes. Required unless `allow_anonymous`.
     pub api_keys: Option<PathBuf>,
@@ -71,6 +78,8 @@ impl Default for RouterConfig {
         Self {
             listen: "127.0.0.1:50051".into(),
             internal_listen: "127.0.0.1:50052".into(),
+            http_listen: None,
+            served_model_name: None,
             api_keys: None,
             allow_anonymous: false,
             metrics_listen: None,
@@ -110,6 +119,18 @@ impl RouterConfig {
                 "must differ from listen: nodes and clients are served on separate ports",
             ));
         }
+        if let Some(h) = &self.http_listen
+            && (h == &self.listen || h == &self.internal_listen)
+            && !h.ends_with(":0")
+        {
+            return Err(InvalidConfig::new(
+                "http_listen",
+                "must differ from listen and internal_listen: each API has its own port",
+            ));
+        }
+        if self.served_model_name.as_deref().is_some_and(|n| n.trim().is_empty()) {
+            return Err(InvalidConfig::new("served_model_name", "must not be empty"));
+        }
         if self.max_in_flight == 0 {
             return Err(InvalidConfig::new("max_in_flight", "must be at least 1"));
         }
@@ -136,5 +157,19 @@ impl RouterConfig {
             }
         }
         Ok(())
+    }
+}
+
+impl RouterConfig {
+    /// The model's id in the HTTP API.
+    pub fn model_id(&self) -> String {
+        match &self.served_model_name {
+            Some(n) => n.clone(),
+            None => {
+                let file = self.model.file_name().map(|f| f.to_string_lossy().into_owned());
+                let file = file.unwrap_or_else(|| "model".into());
+                file.strip_suffix(".gguf").map(str::to_string).unwrap_or(file)
+            }
+        }
     }
 }

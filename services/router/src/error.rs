@@ -69,4 +69,6 @@ pub enum RouterError {
     Model(#[from] pdmesh_engine::Error),
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
+    #[error("serving HTTP: {0}")]
+    Frontend(String),
 }

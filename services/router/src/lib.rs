@@ -19,13 +19,16 @@ pub mod request;
 pub mod service;
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdmesh_common::apikey::KeyRing;
 use pdmesh_engine::Model;
 use pdmesh_proto::v1::generation_server::GenerationServer;
 use pdmesh_proto::v1::membership_server::MembershipServer;
 use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
 
 pub use api::{Admitted, Event, Events, Finished, Router, Timings, Usage};
 pub use config::RouterConfig;
@@ -37,6 +40,18 @@ use crate::service::RouterService;
 /// How often the API key file is checked for changes.
 const KEYS_RELOAD_EVERY: Duration = Duration::from_secs(5);
 
+/// Another frontend over the library API (the OpenAI HTTP API): given the router, its API keys
+/// (None: anonymous) and a token cancelled at shutdown, it serves until that token is
+/// cancelled and its requests drained; an error stops the router too.
+pub type Frontend = Box<
+    dyn FnOnce(
+            Router,
+            Option<Arc<KeyRing>>,
+            CancellationToken,
+        ) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send>>
+        + Send,
+>;
+
 /// Serves the router until `shutdown` completes: the public API on `public`, membership on
 /// `internal`.
 pub async fn run(
@@ -46,10 +61,22 @@ pub async fn run(
     metrics: pdmesh_common::metrics::Metrics,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), RouterError> {
+    run_with(config, public, internal, metrics, shutdown, None).await
+}
+
+/// `run`, with another frontend served beside the gRPC API, under one shutdown.
+pub async fn run_with(
+    config: RouterConfig,
+    public: TcpListener,
+    internal: TcpListener,
+    metrics: pdmesh_common::metrics::Metrics,
+    shutdown: impl Future<Output = ()> + Send,
+    frontend: Option<Frontend>,
+) -> Result<(), RouterError> {
     config.validate()?;
     let keys = match &config.api_keys {
         Some(path) => {
-            let ring = pdmesh_common::apikey::KeyRing::load(path)
+            let ring = KeyRing::load(path)
                 .map_err(|e| pdmesh_common::InvalidConfig::new("api_keys", e.to_string()))?;
             tracing::info!(keys = ring.len(), file = %path.display(), "API keys loaded");
             Some(Arc::new(ring))
@@ -85,13 +112,13 @@ pub async fn run(
             }
         }
     });
-    let service = RouterService { router, keys };
+    let service = RouterService { router: router.clone(), keys: keys.clone() };
     let public_routes = tonic::service::Routes::new(GenerationServer::new(service.clone()));
     let internal_routes = tonic::service::Routes::new(MembershipServer::new(service));
     let (bound, bound_internal) = (public.local_addr().ok(), internal.local_addr().ok());
     tracing::info!(?bound, ?bound_internal, "router serving");
     // One shutdown for both listeners: when either server fails, the other stops too.
-    let stop = tokio_util::sync::CancellationToken::new();
+    let stop = CancellationToken::new();
     let stopping = stop.clone();
     let serve_public = pdmesh_common::serve(
         public_routes,
@@ -113,9 +140,25 @@ pub async fn run(
         shutdown.await;
         stopping.cancel();
     };
+    let other = async {
+        match frontend {
+            Some(f) => f(router, keys, stop.clone()).await.map_err(RouterError::Frontend),
+            None => Ok(()),
+        }
+    };
     let (r, _) = tokio::join!(
         async {
-            let r = tokio::try_join!(serve_public, serve_internal);
+            let r = tokio::try_join!(
+                async { serve_public.await.map_err(RouterError::from) },
+                async { serve_internal.await.map_err(RouterError::from) },
+                async {
+                    let r = other.await;
+                    if r.is_err() {
+                        stop.cancel();
+                    }
+                    r
+                },
+            );
             stop.cancel();
             r
         },

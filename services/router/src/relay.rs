@@ -217,7 +217,9 @@ async fn ended_before_moving(
     };
     let tail = text.finish();
     if !tail.is_empty() {
-        let ev = Event::Delta { text: tail.text, tokens: tail.tokens };
+        let n = tail.tokens.len().min(report.logprobs.len());
+        let logprobs = report.logprobs.iter().take(n).cloned().collect();
+        let ev = Event::Delta { text: tail.text, tokens: tail.tokens, logprobs };
         req.out.send(Ok(ev)).await.map_err(|_| Failure::Abandoned)?;
     }
     Ok(Some(Decoded {

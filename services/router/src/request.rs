@@ -26,17 +26,68 @@ fn chat_text(model: &Model, chat: &Chat) -> Result<String, Invalid> {
     }
     let mut msgs = Vec::with_capacity(chat.messages.len());
     for (i, m) in chat.messages.iter().enumerate() {
-        if !ROLES.contains(&m.role.as_str()) {
-            return Err(format!(
-                "chat.messages[{i}].role: unknown role {:?} (expected one of {})",
-                m.role,
-                ROLES.join(", ")
-            ));
-        }
+        check_role(&m.role).map_err(|e| format!("chat.messages[{i}].role: {e}"))?;
         msgs.push(Message::new(m.role.clone(), m.content.clone()));
     }
-    let template = model.tokenizer.chat_template().map_err(|e| format!("chat: {e}"))?;
-    template.render(&msgs, true).map_err(|e| format!("chat: {e}"))
+    render_chat(model, &msgs).map_err(|e| format!("chat: {e}"))
+}
+
+/// Whether the chat template understands `role`; the message says which roles it does.
+pub fn check_role(role: &str) -> Result<(), Invalid> {
+    if ROLES.contains(&role) {
+        return Ok(());
+    }
+    Err(format!("unknown role {role:?} (expected one of {})", ROLES.join(", ")))
+}
+
+/// `msgs` through the model's chat template, with the generation prompt.
+pub fn render_chat(model: &Model, msgs: &[Message]) -> Result<String, Invalid> {
+    let template = model.tokenizer.chat_template().map_err(|e| e.to_string())?;
+    template.render(msgs, true).map_err(|e| e.to_string())
+}
+
+/// Token ids given as a prompt: not empty, each in the vocabulary (the message names the
+/// index at fault, as `[i]: ...`).
+pub fn check_ids(model: &Model, ids: &[u32]) -> Result<(), Invalid> {
+    if ids.is_empty() {
+        return Err(": must not be empty".into());
+    }
+    let vocab = model.tokenizer.vocab_size();
+    if let Some((i, id)) = ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
+        return Err(format!("[{i}]: {id} is outside the vocabulary of {vocab}"));
+    }
+    Ok(())
+}
+
+/// Why a prompt and its output do not fit the model's context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Unfit {
+    /// The prompt alone leaves no room.
+    Prompt(Invalid),
+    /// The output asked for does not fit after the prompt.
+    MaxTokens(Invalid),
+}
+
+/// The most tokens to generate after a prompt of `prompt_len`: `max_tokens` when it fits the
+/// context, else why not; None asks for all the room left.
+pub fn fit(model: &Model, prompt_len: usize, max_tokens: Option<usize>) -> Result<usize, Unfit> {
+    let ctx = model.config.context;
+    if prompt_len >= ctx {
+        return Err(Unfit::Prompt(format!(
+            "{prompt_len} tokens leave no room in the model's context of {ctx}"
+        )));
+    }
+    let max_tokens = max_tokens.unwrap_or(ctx - prompt_len);
+    if max_tokens == 0 {
+        return Err(Unfit::MaxTokens("must be at least 1".into()));
+    }
+    if prompt_len + max_tokens > ctx {
+        return Err(Unfit::MaxTokens(format!(
+            "{max_tokens} past a prompt of {prompt_len} tokens exceeds the context of {ctx} (at most {})",
+            ctx - prompt_len
+        )));
+    }
+    Ok(max_tokens)
 }
 
 /// Token ids for an input (prompt, chat or ids), checked against the vocabulary.
@@ -58,13 +109,7 @@ pub fn tokenize(
             model.tokenizer.encode(&text).map_err(|e| format!("chat: {e}"))?
         }
         Some(Input::TokenIds(t)) => {
-            if t.ids.is_empty() {
-                return Err("token_ids: must not be empty".into());
-            }
-            let vocab = model.tokenizer.vocab_size();
-            if let Some((i, id)) = t.ids.iter().enumerate().find(|(_, id)| **id as usize >= vocab) {
-                return Err(format!("token_ids[{i}]: {id} is outside the vocabulary of {vocab}"));
-            }
+            check_ids(model, &t.ids).map_err(|e| format!("token_ids{e}"))?;
             t.ids.clone()
         }
     };
@@ -76,25 +121,12 @@ pub fn tokenize(
 
 /// Checks every field of `req` and tokenizes its input.
 pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid> {
-    let ctx = model.config.context;
     let prompt = tokenize(model, req.input.as_ref())?;
-    if prompt.len() >= ctx {
-        return Err(format!(
-            "prompt: {} tokens leave no room in the model's context of {ctx}",
-            prompt.len()
-        ));
-    }
-    let max_tokens = req.max_tokens as usize;
-    if max_tokens == 0 {
-        return Err("max_tokens: must be at least 1".into());
-    }
-    if prompt.len() + max_tokens > ctx {
-        return Err(format!(
-            "max_tokens: {max_tokens} past a prompt of {} tokens exceeds the context of {ctx} (at most {})",
-            prompt.len(),
-            ctx - prompt.len()
-        ));
-    }
+    let max_tokens =
+        fit(model, prompt.len(), Some(req.max_tokens as usize)).map_err(|u| match u {
+            Unfit::Prompt(m) => format!("prompt: {m}"),
+            Unfit::MaxTokens(m) => format!("max_tokens: {m}"),
+        })?;
     let s = req.sampling.unwrap_or_default();
     if !s.temperature.is_finite() || s.temperature < 0.0 {
         return Err(format!(
@@ -113,6 +145,21 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
     if !rp.is_finite() || rp <= 0.0 {
         return Err(format!("sampling.repetition_penalty: must be a finite number > 0, got {rp}"));
     }
+    for (name, v) in
+        [("frequency_penalty", s.frequency_penalty), ("presence_penalty", s.presence_penalty)]
+    {
+        if !(-2.0..=2.0).contains(&v) {
+            return Err(format!("sampling.{name}: must be in [-2, 2], got {v}"));
+        }
+    }
+    if let Some(n) = s.logprobs
+        && n > pdmesh_engine::MAX_TOP_LOGPROBS
+    {
+        return Err(format!(
+            "sampling.logprobs: at most {} alternatives, got {n}",
+            pdmesh_engine::MAX_TOP_LOGPROBS
+        ));
+    }
     pdmesh_wire::check_stops(&req.stop)?;
     let sampling = SamplingParams {
         temperature: s.temperature,
@@ -121,6 +168,9 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
         min_p: s.min_p,
         repetition_penalty: rp,
         seed: s.seed.unwrap_or(0),
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+        logprobs: s.logprobs,
         ..SamplingParams::default()
     };
     Ok(Prepared {

@@ -136,9 +136,11 @@ fn to_wire(e: Event) -> generate_response::Event {
                 trace_id: trace_id.unwrap_or_default(),
             })
         }
-        Event::Delta { text, tokens } => {
-            generate_response::Event::Delta(w::Delta { text, token_ids: tokens })
-        }
+        Event::Delta { text, tokens, logprobs } => generate_response::Event::Delta(w::Delta {
+            text,
+            token_ids: tokens,
+            logprobs: logprobs.iter().map(pdmesh_wire::logprobs_to_wire).collect(),
+        }),
         Event::Finished(f) => {
             let t = f.timings;
             generate_response::Event::Finished(w::Finished {

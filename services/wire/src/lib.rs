@@ -3,8 +3,8 @@
 //! ended. One conversion each way, so router, prefill and decode agree; `common` stays free
 //! of the engine.
 
-use pdmesh_engine::{FinishReason as EngineFinish, SamplingParams};
-use pdmesh_proto::v1::{FinishReason, SamplerState};
+use pdmesh_engine::{FinishReason as EngineFinish, SamplingParams, TokenLogprobs};
+use pdmesh_proto::v1::{self as w, FinishReason, SamplerState};
 use tonic::Status;
 
 /// The wire form of a sampler: its parameters and where its random stream stands.
@@ -17,6 +17,9 @@ pub fn sampler_state(p: &SamplingParams, rng_position: u128) -> SamplerState {
         repetition_penalty: p.repetition_penalty,
         penalty_window: p.penalty_window.min(u32::MAX as usize) as u32,
         seed: p.seed,
+        frequency_penalty: p.frequency_penalty,
+        presence_penalty: p.presence_penalty,
+        logprobs: p.logprobs,
         rng_position: if rng_position == 0 {
             Default::default()
         } else {
@@ -36,9 +39,30 @@ pub fn sampling_from(s: Option<&SamplerState>) -> Result<(SamplingParams, u128),
         repetition_penalty: s.repetition_penalty,
         penalty_window: s.penalty_window as usize,
         seed: s.seed,
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+        logprobs: s.logprobs,
     };
     p.validate().map_err(|e| Status::invalid_argument(format!("sampler: {e}")))?;
     Ok((p, rng_position(&s.rng_position)?))
+}
+
+/// A token's logprob report as the wire carries it.
+pub fn logprobs_to_wire(l: &TokenLogprobs) -> w::TokenLogprobs {
+    w::TokenLogprobs {
+        token: l.token,
+        logprob: l.logprob,
+        top: l.top.iter().map(|&(token, logprob)| w::TopLogprob { token, logprob }).collect(),
+    }
+}
+
+/// A token's logprob report from the wire.
+pub fn logprobs_from_wire(l: &w::TokenLogprobs) -> TokenLogprobs {
+    TokenLogprobs {
+        token: l.token,
+        logprob: l.logprob,
+        top: l.top.iter().map(|t| (t.token, t.logprob)).collect(),
+    }
 }
 
 /// Stop strings one request may have, and the bytes of each.
@@ -101,7 +125,15 @@ mod tests {
 
     #[test]
     fn sampler_round_trips() {
-        let p = SamplingParams { temperature: 0.7, top_k: 40, seed: 9, ..Default::default() };
+        let p = SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            seed: 9,
+            frequency_penalty: 0.5,
+            presence_penalty: -0.25,
+            logprobs: Some(3),
+            ..Default::default()
+        };
         let pos = (1u128 << 70) + 5;
         let s = sampler_state(&p, pos);
         assert_eq!(sampling_from(Some(&s)).unwrap(), (p.clone(), pos));
@@ -111,6 +143,8 @@ mod tests {
         let bad = SamplerState { rng_position: vec![1, 2].into(), ..s };
         assert_eq!(sampling_from(Some(&bad)).unwrap_err().code(), tonic::Code::InvalidArgument);
         assert!(sampling_from(None).is_err());
+        let l = TokenLogprobs { token: 4, logprob: -0.5, top: vec![(4, -0.5), (9, -1.5)] };
+        assert_eq!(logprobs_from_wire(&logprobs_to_wire(&l)), l);
     }
 
     #[test]

@@ -66,7 +66,7 @@ pub(super) async fn run<C: Service>(
             *id = Some(format!("{name}-{i}"));
         }
         let main = bind_and_announce(C::NAME, &listen, "listening on").await?;
-        let l = Listeners { main, internal: None };
+        let l = Listeners { main, internal: None, http: None };
         let stopped = Box::pin(stop.clone().cancelled_owned());
         nodes.spawn(c.run(l, Metrics::default(), stopped));
     }

@@ -1,0 +1,584 @@
+//! The endpoints: authenticate, check, hand the request to the router's library API, and
+//! turn its events into the API's bodies — one JSON object, or server-sent events ending in
+//! `data: [DONE]`. The response starts only once the first token (or the failure) is known, so
+//! a request that cannot run gets its HTTP status; dropping the response (the client hung up)
+//! drops the router's event stream, which cancels the request on every node.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::response::sse::{Event as Sse, Sse as SseBody};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, Stream};
+use http::{HeaderMap, HeaderValue};
+use pdmesh_common::apikey::{KeyRing, Tenant};
+use pdmesh_common::trace;
+use pdmesh_engine::{FinishReason, Model, TokenLogprobs};
+use pdmesh_router::{Event, Events, Finished, Router};
+use serde::de::DeserializeOwned;
+use tracing::Span;
+use tracing::field::Empty;
+
+use crate::error::ApiError;
+use crate::prepare::{self, Plan};
+use crate::schema::*;
+
+/// The header a client sets to bound a request's time, in seconds (the router's
+/// `request_timeout_ms` bounds it anyway).
+pub const TIMEOUT_HEADER: &str = "x-request-timeout";
+/// The response header naming the request's trace.
+pub const TRACE_ID_HEADER: &str = "x-trace-id";
+/// The response header naming the request, as `Cancel` takes it.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub router: Router,
+    /// None: anonymous callers (the router runs `allow_anonymous`).
+    pub keys: Option<Arc<KeyRing>>,
+    pub model_id: Arc<str>,
+    /// When this server started: `created` of its model card.
+    pub started: u64,
+}
+
+fn now_s() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+impl AppState {
+    pub fn new(router: Router, keys: Option<Arc<KeyRing>>, model_id: String) -> Self {
+        Self { router, keys, model_id: model_id.into(), started: now_s() }
+    }
+
+    fn tenant(&self, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {
+        let Some(keys) = &self.keys else { return Ok(Arc::new(Tenant::anonymous())) };
+        keys.authenticate_http(headers).map_err(|e| ApiError::unauthenticated(e.to_string()))
+    }
+
+    fn model(&self) -> &Arc<Model> {
+        &self.router.mesh().model
+    }
+
+    fn card(&self) -> ModelCard {
+        ModelCard {
+            id: self.model_id.to_string(),
+            object: "model",
+            created: self.started,
+            owned_by: "pdmesh",
+            max_model_len: self.model().config.context as u32,
+        }
+    }
+}
+
+/// `GET /health`: 200 while a decode node can take requests, 503 otherwise (no key needed:
+/// load balancers probe it).
+pub async fn health(State(s): State<AppState>) -> Response {
+    let live =
+        s.router.mesh().registry().live_refs(pdmesh_proto::v1::Role::Decode, Instant::now()).len();
+    let status =
+        if live > 0 { http::StatusCode::OK } else { http::StatusCode::SERVICE_UNAVAILABLE };
+    (status, axum::Json(serde_json::json!({ "status": if live > 0 { "ok" } else { "no decode node" }, "decode_nodes": live })))
+        .into_response()
+}
+
+pub async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
+    s.tenant(&headers)?;
+    Ok(axum::Json(ModelList { object: "list", data: vec![s.card()] }).into_response())
+}
+
+pub async fn model(
+    State(s): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    s.tenant(&headers)?;
+    if id != *s.model_id {
+        return Err(ApiError::unknown_model(&id, &s.model_id));
+    }
+    Ok(axum::Json(s.card()).into_response())
+}
+
+pub async fn not_found(uri: http::Uri) -> ApiError {
+    ApiError::not_found(uri.path())
+}
+
+/// Which endpoint a request came in on: the shape of its answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+pub async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(s, headers, body, Kind::Chat).await
+}
+
+pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    generate(s, headers, body, Kind::Completion).await
+}
+
+/// A JSON body as `T`; a bad field is a 400 naming it.
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." || inner.is_syntax() || inner.is_eof() {
+            ApiError::malformed(format!("the body is not a valid request: {inner}"))
+        } else {
+            ApiError::invalid(path, inner.to_string())
+        }
+    })
+}
+
+async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> Response {
+    let root = pdmesh_common::span!(
+        "router.openai",
+        http.route = match kind {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        },
+        request_id = Empty,
+    );
+    if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        trace::continue_from(&root, tp);
+    }
+    let started = start(&s, &headers, body, kind, root.clone()).await;
+    let trace_id = trace_id_of(&root, &headers);
+    let mut response = match started {
+        Ok(r) => r,
+        Err(e) => {
+            trace::record_status(&root, code_of(&e), &e.message);
+            s.router.mesh().metrics.failed(code_of(&e));
+            e.into_response()
+        }
+    };
+    if let Some(t) = trace_id.and_then(|t| HeaderValue::from_str(&t).ok()) {
+        response.headers_mut().insert(TRACE_ID_HEADER, t);
+    }
+    response
+}
+
+/// The trace a request is in: its own span's when spans are exported, else the caller's.
+fn trace_id_of(root: &Span, headers: &HeaderMap) -> Option<String> {
+    let _in = root.enter();
+    trace::trace_id().or_else(|| {
+        let tp = headers.get("traceparent")?.to_str().ok()?;
+        let id = tp.split('-').nth(1)?;
+        (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then(|| id.to_string())
+    })
+}
+
+/// The gRPC code an API error corresponds to (for the router's metrics and the trace).
+fn code_of(e: &ApiError) -> tonic::Code {
+    use http::StatusCode as S;
+    match e.status {
+        S::BAD_REQUEST => tonic::Code::InvalidArgument,
+        S::UNAUTHORIZED => tonic::Code::Unauthenticated,
+        S::FORBIDDEN => tonic::Code::PermissionDenied,
+        S::NOT_FOUND => tonic::Code::NotFound,
+        S::CONFLICT => tonic::Code::AlreadyExists,
+        S::TOO_MANY_REQUESTS => tonic::Code::ResourceExhausted,
+        S::SERVICE_UNAVAILABLE => tonic::Code::Unavailable,
+        S::GATEWAY_TIMEOUT => tonic::Code::DeadlineExceeded,
+        _ => tonic::Code::Internal,
+    }
+}
+
+/// The deadline the client asked for with `x-request-timeout` (seconds), within the router's.
+fn deadline(s: &AppState, headers: &HeaderMap, now: Instant) -> Result<Instant, ApiError> {
+    let most = Duration::from_millis(s.router.mesh().config.request_timeout_ms);
+    let Some(v) = headers.get(TIMEOUT_HEADER) else { return Ok(now + most) };
+    let secs = v.to_str().ok().and_then(|v| v.trim().parse::<f64>().ok());
+    match secs {
+        Some(t) if t.is_finite() && t > 0.0 => Ok(now + Duration::from_secs_f64(t).min(most)),
+        _ => {
+            Err(ApiError::invalid(TIMEOUT_HEADER, "must be a positive number of seconds (header)"))
+        }
+    }
+}
+
+async fn start(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Bytes,
+    kind: Kind,
+    root: Span,
+) -> Result<Response, ApiError> {
+    let now = Instant::now();
+    let deadline = deadline(s, headers, now)?;
+    let tenant = s.tenant(headers)?;
+    trace::attr(&root, "tenant", tenant.tenant.clone());
+    // A place first: a full router refuses before it parses and tokenizes.
+    let admitted = s.router.admit(tenant)?;
+    let (model, id) = (Arc::clone(s.model()), Arc::clone(&s.model_id));
+    let plan = tokio::task::spawn_blocking(move || match kind {
+        Kind::Chat => prepare::chat(&model, &id, &parse(&body)?, &parse(&body)?),
+        Kind::Completion => prepare::completion(&model, &id, &parse(&body)?, &parse(&body)?),
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("validation task: {e}")))??;
+    trace::attr(&root, "prompt_tokens", plan.prep.prompt.len() as i64);
+    trace::attr(&root, "max_tokens", plan.prep.max_tokens as i64);
+    if let Some(u) = &plan.user {
+        trace::attr(&root, "user", u.clone());
+    }
+    let (request_id, mut events) =
+        s.router.generate_admitted(admitted, None, plan.prep.clone(), deadline, root.clone())?;
+    root.record("request_id", request_id.as_str());
+    // Started, then the first token or why there is none: the status is known before the
+    // response begins.
+    let mut first = Vec::new();
+    loop {
+        match events.recv().await {
+            None => return Err(ApiError::internal("the request ended without a finish")),
+            Some(Err(e)) => return Err(e.into()),
+            Some(Ok(Event::Started { .. })) => continue,
+            Some(Ok(ev)) => {
+                first.push(ev);
+                break;
+            }
+        }
+    }
+    let mut answer = Answer::new(s, kind, plan, &request_id);
+    let mut response = if answer.plan.stream {
+        let body = answer.stream(first, events);
+        SseBody::new(body).into_response()
+    } else {
+        answer.whole(first, events).await?
+    };
+    if let Ok(v) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert(REQUEST_ID_HEADER, v);
+    }
+    Ok(response)
+}
+
+fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Eos | FinishReason::Stop => "stop",
+        FinishReason::Length | FinishReason::ContextFull => "length",
+        // Cancelled through the API (`Cancel`): vLLM's word for it.
+        FinishReason::Cancelled => "abort",
+    }
+}
+
+fn usage(f: &Finished) -> Usage {
+    Usage {
+        prompt_tokens: f.usage.prompt_tokens,
+        completion_tokens: f.usage.completion_tokens,
+        total_tokens: f.usage.prompt_tokens + f.usage.completion_tokens,
+        prompt_tokens_details: PromptTokensDetails { cached_tokens: f.usage.cached_tokens },
+    }
+}
+
+/// One request's answer being built: ids, and what has been said so far.
+struct Answer {
+    kind: Kind,
+    plan: Plan,
+    model: Arc<Model>,
+    id: String,
+    created: u64,
+    model_id: String,
+    fingerprint: String,
+    /// Bytes of text sent so far (the legacy logprobs' `text_offset`).
+    offset: usize,
+}
+
+impl Answer {
+    fn new(s: &AppState, kind: Kind, plan: Plan, request_id: &str) -> Self {
+        let prefix = match kind {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        };
+        let model = Arc::clone(s.model());
+        let fingerprint = format!("fp_{:016x}", model.fingerprint);
+        Self {
+            kind,
+            plan,
+            model,
+            id: format!("{prefix}-{request_id}"),
+            created: now_s(),
+            model_id: s.model_id.to_string(),
+            fingerprint,
+            offset: 0,
+        }
+    }
+
+    fn piece(&self, id: u32) -> (String, Vec<u8>) {
+        let b = self.model.tokenizer.token_bytes(id).unwrap_or_default().to_vec();
+        (String::from_utf8_lossy(&b).into_owned(), b)
+    }
+
+    fn chat_logprobs(&self, l: &[TokenLogprobs]) -> Option<ChatLogprobs> {
+        self.plan.logprobs?;
+        let content = l
+            .iter()
+            .map(|t| {
+                let (token, bytes) = self.piece(t.token);
+                let top = t
+                    .top
+                    .iter()
+                    .map(|&(id, logprob)| {
+                        let (token, bytes) = self.piece(id);
+                        TopLogprob { token, logprob, bytes }
+                    })
+                    .collect();
+                ChatTokenLogprob { token, logprob: t.logprob, bytes, top_logprobs: Some(top) }
+            })
+            .collect();
+        Some(ChatLogprobs { content, refusal: None })
+    }
+
+    /// The legacy shape; `text` is the delta's text, for the offsets.
+    fn completion_logprobs(
+        &mut self,
+        l: &[TokenLogprobs],
+        text: &str,
+    ) -> Option<CompletionLogprobs> {
+        self.plan.logprobs?;
+        let mut out = CompletionLogprobs::default();
+        for t in l {
+            let (token, _) = self.piece(t.token);
+            out.text_offset.push(self.offset);
+            self.offset += token.len();
+            out.tokens.push(token);
+            out.token_logprobs.push(t.logprob);
+            let mut top = serde_json::Map::new();
+            for &(id, lp) in &t.top {
+                top.insert(self.piece(id).0, serde_json::json!(lp));
+            }
+            out.top_logprobs.push(top);
+        }
+        // Offsets follow the text actually sent, which held-back text can shift.
+        self.offset = self.offset.max(text.len());
+        Some(out)
+    }
+
+    fn ids(&self, tokens: &[u32]) -> Option<Vec<u32>> {
+        self.plan.return_token_ids.then(|| tokens.to_vec())
+    }
+
+    /// The whole answer, once the request finished.
+    async fn whole(&mut self, first: Vec<Event>, mut events: Events) -> Result<Response, ApiError> {
+        let (mut text, mut tokens, mut logprobs) = (String::new(), Vec::new(), Vec::new());
+        let mut pending = first.into_iter();
+        let finished = loop {
+            let ev = match pending.next() {
+                Some(ev) => ev,
+                None => match events.recv().await {
+                    Some(ev) => ev?,
+                    None => return Err(ApiError::internal("the request ended without a finish")),
+                },
+            };
+            match ev {
+                Event::Started { .. } => {}
+                Event::Delta { text: t, tokens: ids, logprobs: l } => {
+                    text.push_str(&t);
+                    tokens.extend(ids);
+                    logprobs.extend(l);
+                }
+                Event::Finished(f) => break f,
+            }
+        };
+        let usage = usage(&finished);
+        let reason = Some(finish_reason(finished.reason));
+        let prompt_ids = self.plan.return_token_ids.then(|| self.plan.prep.prompt.clone());
+        // Serialized as themselves (not through a JSON value, which widens every f32
+        // logprob to f64 digits the stream would not show).
+        Ok(match self.kind {
+            Kind::Chat => axum::Json(ChatCompletion {
+                id: self.id.clone(),
+                object: "chat.completion",
+                created: self.created,
+                model: self.model_id.clone(),
+                system_fingerprint: self.fingerprint.clone(),
+                choices: vec![ChatChoice {
+                    index: 0,
+                    message: AssistantMessage { role: "assistant", content: text, refusal: None },
+                    logprobs: self.chat_logprobs(&logprobs),
+                    finish_reason: reason,
+                    token_ids: self.ids(&tokens),
+                }],
+                usage,
+                prompt_token_ids: prompt_ids,
+            })
+            .into_response(),
+            Kind::Completion => {
+                let lp = self.completion_logprobs(&logprobs, &text);
+                axum::Json(Completion {
+                    id: self.id.clone(),
+                    object: "text_completion",
+                    created: self.created,
+                    model: self.model_id.clone(),
+                    system_fingerprint: self.fingerprint.clone(),
+                    choices: vec![CompletionChoice {
+                        index: 0,
+                        text,
+                        logprobs: lp,
+                        finish_reason: reason,
+                        token_ids: self.ids(&tokens),
+                    }],
+                    usage: Some(Some(usage)),
+                    prompt_token_ids: prompt_ids,
+                })
+                .into_response()
+            }
+        })
+    }
+
+    /// One streamed chunk: `text` and its tokens, or the finish.
+    fn chunk(
+        &mut self,
+        text: Option<String>,
+        tokens: &[u32],
+        l: &[TokenLogprobs],
+        reason: Option<&'static str>,
+        role: bool,
+    ) -> Sse {
+        let usage = self.plan.include_usage.then_some(None);
+        let v = match self.kind {
+            Kind::Chat => serde_json::to_string(&ChatChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk",
+                created: self.created,
+                model: self.model_id.clone(),
+                system_fingerprint: self.fingerprint.clone(),
+                choices: vec![ChatChunkChoice {
+                    index: 0,
+                    delta: ChatDelta { role: role.then_some("assistant"), content: text },
+                    logprobs: if l.is_empty() { None } else { self.chat_logprobs(l) },
+                    finish_reason: reason,
+                    token_ids: if tokens.is_empty() && reason.is_some() {
+                        None
+                    } else {
+                        self.ids(tokens)
+                    },
+                }],
+                usage,
+            }),
+            Kind::Completion => {
+                let text = text.unwrap_or_default();
+                let lp = if l.is_empty() { None } else { self.completion_logprobs(l, &text) };
+                serde_json::to_string(&Completion {
+                    id: self.id.clone(),
+                    object: "text_completion",
+                    created: self.created,
+                    model: self.model_id.clone(),
+                    system_fingerprint: self.fingerprint.clone(),
+                    choices: vec![CompletionChoice {
+                        index: 0,
+                        text,
+                        logprobs: lp,
+                        finish_reason: reason,
+                        token_ids: if tokens.is_empty() && reason.is_some() {
+                            None
+                        } else {
+                            self.ids(tokens)
+                        },
+                    }],
+                    usage,
+                    prompt_token_ids: None,
+                })
+            }
+        };
+        Sse::default().data(v.unwrap_or_else(|e| format!("{{\"error\":\"encoding: {e}\"}}")))
+    }
+
+    /// The last chunk of a stream with `include_usage`: no choices, the usage.
+    fn usage_chunk(&self, f: &Finished) -> Sse {
+        let usage = Some(Some(usage(f)));
+        let v = match self.kind {
+            Kind::Chat => serde_json::to_string(&ChatChunk {
+                id: self.id.clone(),
+                object: "chat.completion.chunk",
+                created: self.created,
+                model: self.model_id.clone(),
+                system_fingerprint: self.fingerprint.clone(),
+                choices: Vec::new(),
+                usage,
+            }),
+            Kind::Completion => serde_json::to_string(&Completion {
+                id: self.id.clone(),
+                object: "text_completion",
+                created: self.created,
+                model: self.model_id.clone(),
+                system_fingerprint: self.fingerprint.clone(),
+                choices: Vec::new(),
+                usage,
+                prompt_token_ids: None,
+            }),
+        };
+        Sse::default().data(v.unwrap_or_default())
+    }
+
+    /// The answer as server-sent events. The stream owns the router's events: dropping it
+    /// (the client went away) cancels the request on every node.
+    fn stream(
+        self,
+        first: Vec<Event>,
+        events: Events,
+    ) -> impl Stream<Item = Result<Sse, Infallible>> + Send + 'static {
+        let mut me = self;
+        let mut out: Vec<Sse> = Vec::new();
+        if me.kind == Kind::Chat {
+            out.push(me.chunk(Some(String::new()), &[], &[], None, true));
+        }
+        struct St {
+            me: Answer,
+            events: Events,
+            queued: std::collections::VecDeque<Sse>,
+            first: std::vec::IntoIter<Event>,
+            done: bool,
+        }
+        let st = St { me, events, queued: out.into(), first: first.into_iter(), done: false };
+        stream::unfold(st, |mut st| async move {
+            loop {
+                if let Some(ev) = st.queued.pop_front() {
+                    return Some((Ok(ev), st));
+                }
+                if st.done {
+                    return None;
+                }
+                let ev = match st.first.next() {
+                    Some(ev) => Ok(ev),
+                    None => match st.events.recv().await {
+                        Some(ev) => ev.map_err(ApiError::from),
+                        None => Err(ApiError::internal("the request ended without a finish")),
+                    },
+                };
+                match ev {
+                    Ok(Event::Started { .. }) => {}
+                    Ok(Event::Delta { text, tokens, logprobs }) => {
+                        let c = st.me.chunk(Some(text), &tokens, &logprobs, None, false);
+                        st.queued.push_back(c);
+                    }
+                    Ok(Event::Finished(f)) => {
+                        let reason = Some(finish_reason(f.reason));
+                        let c = match st.me.kind {
+                            Kind::Chat => st.me.chunk(None, &[], &[], reason, false),
+                            Kind::Completion => {
+                                st.me.chunk(Some(String::new()), &[], &[], reason, false)
+                            }
+                        };
+                        st.queued.push_back(c);
+                        if st.me.plan.include_usage {
+                            st.queued.push_back(st.me.usage_chunk(&f));
+                        }
+                        st.queued.push_back(Sse::default().data("[DONE]"));
+                        st.done = true;
+                    }
+                    Err(e) => {
+                        // Mid-stream, the status line is long gone: the error object is the
+                        // last event (the SDK raises it).
+                        let body = serde_json::to_string(&e.body()).unwrap_or_default();
+                        st.queued.push_back(Sse::default().data(body));
+                        st.done = true;
+                    }
+                }
+            }
+        })
+    }
+}
