@@ -33,7 +33,7 @@ run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
 
 # Run the whole test suite (unit, kernel, engine on the real model, CLI processes), after
 # checking the Kubernetes manifests.
-test: system-deps fetch-model vocab-fixtures test-models check-deploy
+test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai
     cargo test --workspace --locked
 
 # The Kubernetes manifests against the API's schemas, offline and strict (unknown fields fail).
@@ -69,7 +69,7 @@ check: system-deps
     cargo clippy --workspace --all-targets --locked -- -D warnings
 
 # Every benchmark.
-bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate bench-sim
+bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate bench-sim bench-http
 
 # KV transfer: UCX vs the gRPC stream vs memcpy for a 4,096-token prompt's KV between two
 # processes; then TTFT of a 2,048-token prompt with layer-wise push against push-after-prefill.
@@ -97,6 +97,13 @@ bench-migrate *args="": system-deps fetch-model
 # machine: served rate, router CPU per request and its own time (p50/p99) against node count and
 # offered rate; then the Mooncake trace made a day and compressed, the planner's pools against
 # the load's need. `--parts scale` or `--parts day` runs one.
+# The OpenAI HTTP frontend against gRPC on one router: TTFT/ITL overhead one request at a
+# time (simulated nodes), the requests a second one router sustains on each with a 1-token
+# completion, and TTFT/ITL on the real model under `pdmesh up` (~10 min).
+bench-http *args="": system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    python3 scripts/bench_http.py --model {{model}} {{args}}
+
 bench-sim *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_sim.py --model {{model}} {{args}}
@@ -152,6 +159,10 @@ _llamacpp_avx2:
         .bench/venv-avx2/bin/pip install --quiet --no-cache-dir llama-cpp-python==0.3.36 numpy; }
 
 # llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv.
+# The official OpenAI SDK, pinned, for `integration/tests/openai_sdk.py`.
+_openai: _llamacpp
+    {{bench_venv}}/bin/python -m pip install --quiet --disable-pip-version-check openai==3.57.0
+
 _llamacpp:
     @[ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null || { \
         python3 -m venv {{bench_venv}} && \

@@ -43,7 +43,7 @@ def free_port():
 class Mesh:
     def __init__(self, args, model, env=None):
         self.addr = f"127.0.0.1:{free_port()}"
-        cmd = [BIN, "up", "--listen", self.addr, "--model", model] + args
+        cmd = [BIN, "up", "--listen", self.addr, "--http-listen", "127.0.0.1:0", "--model", model] + args
         env = dict(os.environ, PDMESH_LOG="warn", **(env or {}))
         self.p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=sys.stderr, text=True, env=env)
         line = self.p.stdout.readline()

@@ -27,7 +27,8 @@ async fn up_autoscale_grows_and_shrinks_both_pools_without_failing_a_request() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr = format!("127.0.0.1:{port}");
     let mut c = std::process::Command::new(pdmesh_bin());
-    c.args(["--insecure", "up", "--listen", &addr, "--prefill", "1", "--decode", "1"])
+    c.args(["--insecure", "up", "--listen", &addr, "--http-listen", "127.0.0.1:0"])
+        .args(["--prefill", "1", "--decode", "1"])
         .args(["--threads", "1", "--kvstore-budget-bytes", "0", "--autoscale"])
         .args(["--max-prefill", "2", "--max-decode", "2", "--itl-slo-ms", "1"])
         .args(["--ttft-slo-ms", "1", "--planner-window-s", "3", "--planner-cooldown-s", "3"])

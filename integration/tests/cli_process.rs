@@ -159,10 +159,21 @@ fn up_restarts_a_node_that_dies() {
     let addr = format!("127.0.0.1:{port}");
     let model = model_path();
     let mut c = std::process::Command::new(pdmesh_bin());
-    c.args(["up", "--listen", &addr, "--prefill", "1", "--decode", "1", "--threads", "1"])
-        .args(["--kvstore-budget-bytes", "0", "--model"])
-        .arg(&model)
-        .env("PDMESH_HOME", home.path());
+    c.args([
+        "up",
+        "--listen",
+        &addr,
+        "--http-listen",
+        "127.0.0.1:0",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+    ])
+    .args(["--threads", "1"])
+    .args(["--kvstore-budget-bytes", "0", "--model"])
+    .arg(&model)
+    .env("PDMESH_HOME", home.path());
     let mut up = spawn_up(c);
     let generate = || {
         let out = std::process::Command::new(pdmesh_bin())

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.error
 import urllib.request
 
 import openai
@@ -249,6 +250,14 @@ def test_errors():
     expect(openai.NotFoundError, 404, lambda: client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}]), "model")
     nokey = openai.OpenAI(api_key="not-a-key", max_retries=0)
     expect(openai.AuthenticationError, 401, lambda: nokey.models.list())
+    expect(openai.AuthenticationError, 401, lambda: nokey.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}]))
+    # Plaintext HTTP on the HTTPS port is told to use https, not dropped.
+    plain = os.environ["OPENAI_BASE_URL"].replace("https://", "http://")
+    try:
+        urllib.request.urlopen(plain + "/models", timeout=10)
+        raise AssertionError("plaintext was served")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400 and b"HTTPS" in e.read(), e
     # A deadline the request cannot meet: 504.
     expect(
         openai.InternalServerError,

@@ -131,6 +131,10 @@ struct Material {
     internal: Arc<rustls::ServerConfig>,
     /// The public listener: clients authenticate with API keys; a certificate is optional.
     public: Arc<rustls::ServerConfig>,
+    /// `public` for HTTPS: HTTP/1.1 offered beside HTTP/2.
+    https: Arc<rustls::ServerConfig>,
+    /// The mesh CA, for clients that check a server by it.
+    roots: Arc<rustls::RootCertStore>,
     peer: Peer,
     stamp: Vec<FileStamp>,
 }
@@ -187,21 +191,34 @@ impl MeshTls {
         let peer = Peer::from_der(leaf).ok_or_else(|| TlsError::NoRole(files[1].clone()))?;
         let private = PrivateKeyDer::from_pem_slice(&key).map_err(|e| pem_error(&files[2], e))?;
         let roots = Arc::new(roots);
-        let server = |optional: bool| -> Result<Arc<rustls::ServerConfig>, TlsError> {
-            let v = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::clone(&roots),
-                provider(),
-            );
-            let v = if optional { v.allow_unauthenticated().build()? } else { v.build()? };
-            let mut c = rustls::ServerConfig::builder_with_provider(provider())
-                .with_safe_default_protocol_versions()?
-                .with_client_cert_verifier(v)
-                .with_single_cert(chain.clone(), private.clone_key())?;
-            // gRPC is HTTP/2 only, and tonic's clients insist on negotiating it.
-            c.alpn_protocols = vec![b"h2".to_vec()];
-            Ok(Arc::new(c))
-        };
-        Ok(Material { internal: server(false)?, public: server(true)?, ca, cert, key, peer, stamp })
+        let server =
+            |optional: bool, alpn: &[&[u8]]| -> Result<Arc<rustls::ServerConfig>, TlsError> {
+                let v = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                    Arc::clone(&roots),
+                    provider(),
+                );
+                let v = if optional { v.allow_unauthenticated().build()? } else { v.build()? };
+                let mut c = rustls::ServerConfig::builder_with_provider(provider())
+                    .with_safe_default_protocol_versions()?
+                    .with_client_cert_verifier(v)
+                    .with_single_cert(chain.clone(), private.clone_key())?;
+                c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+                Ok(Arc::new(c))
+            };
+        // gRPC is HTTP/2 only, and tonic's clients insist on negotiating it; most HTTP
+        // clients (the OpenAI SDK's) ask for HTTP/1.1.
+        let (h2, http11): (&[u8], &[u8]) = (b"h2", b"http/1.1");
+        Ok(Material {
+            internal: server(false, &[h2])?,
+            public: server(true, &[h2])?,
+            https: server(true, &[h2, http11])?,
+            roots,
+            ca,
+            cert,
+            key,
+            peer,
+            stamp,
+        })
     }
 
     /// Reads and checks `DIR/ca.pem`, `DIR/NAME.pem` (which must carry a pdmesh role) and
@@ -244,6 +261,24 @@ impl MeshTls {
     /// What the public server presents (a client certificate is optional there).
     pub fn public_server(&self) -> Arc<rustls::ServerConfig> {
         Arc::clone(&self.material().public)
+    }
+
+    /// What the public HTTPS server (the OpenAI API) presents: `public_server`, offering
+    /// HTTP/1.1 and HTTP/2.
+    pub fn https_server(&self) -> Arc<rustls::ServerConfig> {
+        Arc::clone(&self.material().https)
+    }
+
+    /// An HTTPS client of the mesh's public servers (HTTP/2 negotiated): it trusts the mesh
+    /// CA and presents no certificate (public callers authenticate with API keys). The server
+    /// is checked as `MESH_NAME`.
+    pub fn https_client(&self) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+        let mut c = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()?
+            .with_root_certificates(Arc::clone(&self.material().roots))
+            .with_no_client_auth();
+        c.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Arc::new(c))
     }
 
     /// What a client presents and checks.

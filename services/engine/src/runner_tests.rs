@@ -609,3 +609,81 @@ fn a_paused_sequence_moves_with_its_kv_or_stays_and_continues_bit_identically() 
         assert_eq!([generated, tokens(&after)].concat(), want, "stayed at event {at}");
     }
 }
+
+/// Each sampled token's report rides in the mark with the token, in order; a prefill run
+/// hands the first token's report over with it; a first token sampled elsewhere gets none.
+#[test]
+fn logprob_reports_follow_their_tokens() {
+    let model = TinyModel::default().build();
+    let prompt = model.tokenizer.encode(PROMPT).expect("encodes");
+    let params = GenerateParams {
+        sampling: SamplingParams { logprobs: Some(3), ..Default::default() },
+        max_tokens: 6,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    // Generation here, or decoding from a prefill run's first token and KV (`pushed`).
+    let run = |first_token: Option<u32>, pushed: Option<Vec<Vec<u8>>>| {
+        let mut e = engine(&model);
+        let mut runner = BatchRunner::new(&e, 4, pushed.is_none());
+        let mut connector: Box<dyn KvConnector> = match pushed {
+            Some(blocks) => Box::new(Pushed { prompt_len: prompt.len(), blocks }),
+            None => Box::new(NoConnector),
+        };
+        let s = SeqSpec { first_token, ..spec(&prompt, &params, Role::Generate) };
+        let mut out = runner.add(&mut e, connector.as_mut(), 1, s).expect("add");
+        let (mut tokens, mut reports) = (Vec::new(), Vec::new());
+        for _ in 0..100 {
+            for o in out.drain(..) {
+                match o.event {
+                    Event::Delta(_, Some(mark)) => {
+                        tokens.extend(mark.tokens);
+                        reports.extend(mark.logprobs);
+                    }
+                    Event::Delta(_, None) => {}
+                    Event::Done { end, .. } => {
+                        assert!(matches!(end, End::Finished { .. }), "{end:?}");
+                        return (tokens, reports);
+                    }
+                }
+            }
+            out = runner.step(&mut e, connector.as_mut()).expect("step");
+        }
+        panic!("never ended");
+    };
+    let (tokens, reports) = run(None, None);
+    assert_eq!(tokens.len(), 6);
+    assert_eq!(reports.iter().map(|r| r.token).collect::<Vec<_>>(), tokens);
+    for r in &reports {
+        // Greedy: the token is the most likely, first among its alternatives.
+        assert_eq!(r.top.len(), 3);
+        assert_eq!(r.top[0], (r.token, r.logprob));
+        assert!(r.logprob <= 0.0 && r.top[1].1 <= r.top[0].1 && r.top[2].1 <= r.top[1].1);
+    }
+    // A prefill run reports the first token's.
+    let mut e = engine(&model);
+    let mut runner = BatchRunner::new(&e, 4, true);
+    let mut export = Export::default();
+    let mut out =
+        runner.add(&mut e, &mut export, 1, spec(&prompt, &params, Role::Prefill)).expect("add");
+    let mut prefilled = None;
+    for _ in 0..100 {
+        for o in out.drain(..) {
+            if let Event::Done { end: End::Prefilled { first_token, logprobs, .. }, .. } = o.event {
+                prefilled = Some((first_token, logprobs));
+            }
+        }
+        if prefilled.is_some() {
+            break;
+        }
+        out = runner.step(&mut e, &mut export).expect("step");
+    }
+    let (first, first_report) = prefilled.expect("prefill ended");
+    assert_eq!(first, tokens[0]);
+    assert_eq!(first_report.as_ref(), Some(&reports[0]));
+    // Decoding from that first token: reports for the tokens sampled here only.
+    let blocks = export.blocks.remove(&1).expect("exported");
+    let (tokens2, reports2) = run(Some(first), Some(blocks));
+    assert_eq!(tokens2, tokens);
+    assert_eq!(reports2, reports[1..]);
+}

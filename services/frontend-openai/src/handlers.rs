@@ -120,16 +120,22 @@ pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: By
     generate(s, headers, body, Kind::Completion).await
 }
 
-/// A JSON body as `T`; a bad field is a 400 naming it.
-fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+/// A JSON body as `T`; a bad or missing field is a 400 naming it.
+pub(crate) fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let de = &mut serde_json::Deserializer::from_slice(body);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
-        if path == "." || inner.is_syntax() || inner.is_eof() {
-            ApiError::malformed(format!("the body is not a valid request: {inner}"))
-        } else {
-            ApiError::invalid(path, inner.to_string())
+        if inner.is_syntax() || inner.is_eof() {
+            return ApiError::malformed(format!("the body is not valid JSON: {inner}"));
+        }
+        let text = inner.to_string();
+        // serde says "missing field `name` at line ..": the field is the parameter.
+        let missing = text.strip_prefix("missing field `").and_then(|r| r.split_once('`'));
+        match missing {
+            Some((field, _)) if path == "." => ApiError::invalid(field, "is required"),
+            _ if path == "." => ApiError::malformed(format!("the body is not a request: {text}")),
+            _ => ApiError::invalid(path, text),
         }
     })
 }
@@ -150,9 +156,13 @@ async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> R
     let trace_id = trace_id_of(&root, &headers);
     let mut response = match started {
         Ok(r) => r,
-        Err(e) => {
+        Err(Refused { error: e, counted }) => {
             trace::record_status(&root, code_of(&e), &e.message);
-            s.router.mesh().metrics.failed(code_of(&e));
+            // A request that failed on the mesh was counted as it ended; one refused before
+            // it started (invalid, over the limit) is counted here, as gRPC's are.
+            if !counted {
+                s.router.mesh().metrics.failed(code_of(&e));
+            }
             e.into_response()
         }
     };
@@ -201,13 +211,37 @@ fn deadline(s: &AppState, headers: &HeaderMap, now: Instant) -> Result<Instant, 
     }
 }
 
+/// Why a request got no answer: the error, and whether the router already counted it (it
+/// failed on the mesh, after it started).
+struct Refused {
+    error: ApiError,
+    counted: bool,
+}
+
+impl From<ApiError> for Refused {
+    fn from(error: ApiError) -> Self {
+        Self { error, counted: false }
+    }
+}
+
+impl From<pdmesh_router::RequestError> for Refused {
+    fn from(e: pdmesh_router::RequestError) -> Self {
+        ApiError::from(e).into()
+    }
+}
+
+/// An error the mesh reported for a started request (the router counted it).
+fn on_mesh(e: impl Into<ApiError>) -> Refused {
+    Refused { error: e.into(), counted: true }
+}
+
 async fn start(
     s: &AppState,
     headers: &HeaderMap,
     body: Bytes,
     kind: Kind,
     root: Span,
-) -> Result<Response, ApiError> {
+) -> Result<Response, Refused> {
     let now = Instant::now();
     let deadline = deadline(s, headers, now)?;
     let tenant = s.tenant(headers)?;
@@ -216,8 +250,10 @@ async fn start(
     let admitted = s.router.admit(tenant)?;
     let (model, id) = (Arc::clone(s.model()), Arc::clone(&s.model_id));
     let plan = tokio::task::spawn_blocking(move || match kind {
-        Kind::Chat => prepare::chat(&model, &id, &parse(&body)?, &parse(&body)?),
-        Kind::Completion => prepare::completion(&model, &id, &parse(&body)?, &parse(&body)?),
+        Kind::Chat => prepare::chat(&model, &id, &parse_body(&body)?, &parse_body(&body)?),
+        Kind::Completion => {
+            prepare::completion(&model, &id, &parse_body(&body)?, &parse_body(&body)?)
+        }
     })
     .await
     .map_err(|e| ApiError::internal(format!("validation task: {e}")))??;
@@ -234,8 +270,8 @@ async fn start(
     let mut first = Vec::new();
     loop {
         match events.recv().await {
-            None => return Err(ApiError::internal("the request ended without a finish")),
-            Some(Err(e)) => return Err(e.into()),
+            None => return Err(on_mesh(ApiError::internal("the request ended without a finish"))),
+            Some(Err(e)) => return Err(on_mesh(e)),
             Some(Ok(Event::Started { .. })) => continue,
             Some(Ok(ev)) => {
                 first.push(ev);
@@ -248,7 +284,7 @@ async fn start(
         let body = answer.stream(first, events);
         SseBody::new(body).into_response()
     } else {
-        answer.whole(first, events).await?
+        answer.whole(first, events).await.map_err(on_mesh)?
     };
     if let Ok(v) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(REQUEST_ID_HEADER, v);

@@ -58,6 +58,9 @@ pub fn frontend(
     })
 }
 
+/// Time a client gets to send a request's headers.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// How a plaintext HTTP client on the HTTPS port is told what to do.
 const NEEDS_TLS: &str = "{\"error\":{\"message\":\"this server speaks HTTPS (with the mesh's CA): use https://\",\"type\":\"invalid_request_error\",\"param\":null,\"code\":null}}";
 
@@ -71,11 +74,7 @@ pub async fn serve(
 ) {
     let mut conns = match pdmesh_common::tls::current() {
         Some(tls) => pdmesh_common::serve::incoming(listener, move |tcp: TcpStream| {
-            // The mesh's public certificate, offering HTTP/1.1 beside HTTP/2 (gRPC's listener
-            // offers h2 alone, and most HTTP clients ask for http/1.1).
-            let mut config = (*tls.public_server()).clone();
-            config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-            let config = Arc::new(config);
+            let config = tls.https_server();
             Box::pin(async move {
                 let mut first = [0u8; 1];
                 // A TLS handshake opens with 0x16; anything else is plaintext HTTP.
@@ -95,7 +94,19 @@ pub async fn serve(
         }),
     };
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // The bounds the gRPC listeners keep: streams per connection, header bytes, and a client
+    // that never finishes its headers is let go.
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .max_buf_size(pdmesh_common::serve::MAX_HEADER_BYTES as usize + (64 << 10));
+    builder
+        .http2()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .max_concurrent_streams(pdmesh_common::serve::MAX_STREAMS_PER_CONNECTION)
+        .max_header_list_size(pdmesh_common::serve::MAX_HEADER_BYTES);
     tokio::pin!(shutdown);
     loop {
         let io = tokio::select! {

@@ -21,6 +21,11 @@ pub struct MeshBenchArgs {
     /// The router to drive.
     #[arg(long, default_value = "127.0.0.1:50051")]
     target: String,
+    /// Send the requests to the router's OpenAI HTTP API at this address (host:port;
+    /// `POST /v1/completions`, streamed, over HTTP/2) instead of gRPC Generate; --target
+    /// still names the mesh whose credentials are used.
+    #[arg(long, value_name = "ADDR")]
+    http: Option<String>,
     /// Requests to send.
     #[arg(long, default_value_t = 32)]
     requests: usize,
@@ -76,10 +81,10 @@ pub(crate) struct Sample {
     pub(crate) ok: bool,
     /// From the mesh's usage: prompt tokens whose KV came from the prefix cache.
     pub(crate) cached_tokens: u32,
-    error: Option<String>,
-    ttft_ms: f64,
-    e2e_ms: f64,
-    tokens: usize,
+    pub(crate) error: Option<String>,
+    pub(crate) ttft_ms: f64,
+    pub(crate) e2e_ms: f64,
+    pub(crate) tokens: usize,
     /// Gaps between consecutive token arrivals after the first.
     itl_ms: Vec<f64>,
     /// Where the mesh says the time to first token went.
@@ -92,6 +97,33 @@ pub(crate) struct Sample {
 }
 
 impl Sample {
+    /// This sample, failed with `why`.
+    pub(crate) fn failed(mut self, why: String) -> Sample {
+        self.error = Some(why);
+        self.ok = false;
+        self
+    }
+
+    /// `n` tokens arrived at `now` (the request left at `t0`; `last` is the previous arrival):
+    /// the first sets the time to first token, a later delta of several spreads its gap.
+    pub(crate) fn token_arrived(
+        &mut self,
+        t0: Instant,
+        last: &mut Option<Instant>,
+        now: Instant,
+        n: usize,
+    ) {
+        match *last {
+            None => self.ttft_ms = ms(now - t0),
+            Some(l) => {
+                let per = ms(now - l) / n as f64;
+                self.itl_ms.extend(std::iter::repeat_n(per, n));
+            }
+        }
+        self.tokens += n;
+        *last = Some(now);
+    }
+
     fn tpot_ms(&self) -> Option<f64> {
         (self.tokens > 1).then(|| (self.e2e_ms - self.ttft_ms) / (self.tokens - 1) as f64)
     }
@@ -110,7 +142,22 @@ fn prompt(rng: &mut impl Rng, n: usize) -> Vec<u32> {
     (0..n).map(|_| rng.random_range(200..40_000)).collect()
 }
 
-pub(crate) async fn one(
+/// A connection requests go out on: to the gRPC API or to the HTTP one.
+#[derive(Debug, Clone)]
+pub(crate) enum Client {
+    Grpc(pdmesh_common::apikey::GenerationClient),
+    Http(crate::http_load::HttpClient),
+}
+
+/// One request of `ids`, generating exactly `max_tokens`, timed.
+pub(crate) async fn one(client: Client, ids: Vec<u32>, max_tokens: u32) -> Sample {
+    match client {
+        Client::Grpc(c) => one_grpc(c, ids, max_tokens).await,
+        Client::Http(c) => crate::http_load::one(c, ids, max_tokens).await,
+    }
+}
+
+async fn one_grpc(
     mut client: pdmesh_common::apikey::GenerationClient,
     ids: Vec<u32>,
     max_tokens: u32,
@@ -135,17 +182,7 @@ pub(crate) async fn one(
         match stream.message().await {
             Ok(Some(m)) => match m.event {
                 Some(generate_response::Event::Delta(d)) if !d.token_ids.is_empty() => {
-                    let now = Instant::now();
-                    match last {
-                        None => s.ttft_ms = ms(now - t0),
-                        Some(l) => {
-                            // A delta carrying several tokens spreads its gap over them.
-                            let per = ms(now - l) / d.token_ids.len() as f64;
-                            s.itl_ms.extend(std::iter::repeat_n(per, d.token_ids.len()));
-                        }
-                    }
-                    s.tokens += d.token_ids.len();
-                    last = Some(now);
+                    s.token_arrived(t0, &mut last, Instant::now(), d.token_ids.len());
                 }
                 Some(generate_response::Event::Finished(f)) => {
                     s.cached_tokens = f.usage.unwrap_or_default().cached_tokens;
@@ -171,7 +208,7 @@ pub(crate) async fn one(
     }
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
@@ -273,19 +310,23 @@ pub fn run(a: MeshBenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Res
 pub(crate) const CONNECTIONS: usize = 8;
 
 /// `CONNECTIONS` clients of `target`.
-pub(crate) async fn connect_many(
-    target: &str,
-    key: Option<&str>,
-) -> anyhow::Result<Vec<pdmesh_common::apikey::GenerationClient>> {
+pub(crate) async fn connect_many(target: &str, key: Option<&str>) -> anyhow::Result<Vec<Client>> {
     let mut clients = Vec::with_capacity(CONNECTIONS);
     for _ in 0..CONNECTIONS {
-        clients.push(pdmesh_cli::client::connect(target, key).await?);
+        clients.push(Client::Grpc(pdmesh_cli::client::connect(target, key).await?));
     }
     Ok(clients)
 }
 
 async fn drive(a: MeshBenchArgs, key: Option<String>) -> anyhow::Result<()> {
-    let clients = connect_many(&a.target, key.as_deref()).await?;
+    let clients = match &a.http {
+        Some(addr) => crate::http_load::connect_many(addr, key.as_deref(), CONNECTIONS)
+            .await?
+            .into_iter()
+            .map(Client::Http)
+            .collect(),
+        None => connect_many(&a.target, key.as_deref()).await?,
+    };
     let client = clients[0].clone();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(a.seed);
     // Steady streams first, so the requests arrive into a running decode batch. Each stream
@@ -362,6 +403,7 @@ async fn drive(a: MeshBenchArgs, key: Option<String>) -> anyhow::Result<()> {
     let stream_wall = t0.elapsed().as_secs_f64() + 0.5;
     let mut report = serde_json::json!({
         "target": a.target,
+        "frontend": if a.http.is_some() { "http" } else { "grpc" },
         "mode": if a.rate.is_some() { "poisson" } else { "closed-loop" },
         "rate": a.rate,
         "concurrency": a.concurrency,
