@@ -317,12 +317,23 @@ def test_traceparent_names_the_trace():
     assert raw.headers["x-request-id"].startswith("req-")
 
 
+def after_every_decode_node_left():
+    """Run (by name) once the harness stopped the mesh's decode nodes."""
+    health = urllib.request.Request(os.environ["OPENAI_BASE_URL"].removesuffix("/v1") + "/health")
+    try:
+        urllib.request.urlopen(health, timeout=10)
+        raise AssertionError("healthy without a decode node")
+    except urllib.error.HTTPError as e:
+        assert e.code == 503, e.code
+    e = expect(openai.InternalServerError, 503, lambda: chat("x", max_tokens=2))
+    assert e.body["type"] == "service_unavailable_error", e.body
+
+
 def main():
-    tests = [(n, f) for n, f in globals().items() if n.startswith("test_") and callable(f)]
-    only = sys.argv[1:]
-    for name, fn in tests:
-        if only and name not in only:
-            continue
+    # The named checks, or every test_ one.
+    names = sys.argv[1:] or [n for n in globals() if n.startswith("test_")]
+    for name in names:
+        fn = globals()[name]
         t0 = time.monotonic()
         try:
             fn()

@@ -14,6 +14,7 @@ use std::time::Duration;
 use pdmesh_common::collector::Collector;
 use pdmesh_integration::reference::{PROMPTS, run_json};
 use pdmesh_integration::{Cluster, eventually, repo_root};
+use pdmesh_proto::v1::Role;
 
 /// The router's admission limit in this mesh: the overload check fills it.
 const MAX_IN_FLIGHT: usize = 3;
@@ -50,7 +51,7 @@ async fn the_official_openai_sdk_against_a_real_mesh() {
     let collector = Collector::default();
     tokio::spawn(collector.clone().serve(listener));
     let max_in_flight = MAX_IN_FLIGHT.to_string();
-    let c = Cluster::builder()
+    let mut c = Cluster::builder()
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &endpoint)
         .env("OTEL_BSP_SCHEDULE_DELAY", "100")
         .metrics()
@@ -61,25 +62,20 @@ async fn the_official_openai_sdk_against_a_real_mesh() {
     let metrics: Vec<String> =
         c.prefills.iter().chain(&c.decodes).map(|n| n.metrics.clone().unwrap()).collect();
     let script = repo_root().join("integration/tests/openai_sdk.py");
-    let out = tokio::task::spawn_blocking({
-        let ca = c.credentials().join("ca.pem");
-        let key = c.api_key("test").to_string();
-        move || {
-            Command::new(python)
-                .arg(script)
-                .env("OPENAI_BASE_URL", format!("https://{http}/v1"))
-                .env("OPENAI_API_KEY", key)
-                .env("SSL_CERT_FILE", ca)
-                .env("PDMESH_MODEL_ID", "SmolLM2-135M-Instruct.Q4_1")
-                .env("PDMESH_REFERENCE", reference_file)
-                .env("PDMESH_METRICS", metrics.join(","))
-                .env("PDMESH_MAX_IN_FLIGHT", max_in_flight)
-                .status()
-        }
-    })
-    .await
-    .unwrap()
-    .unwrap();
+    let mut sdk = Command::new(python);
+    sdk.arg(script)
+        .env("OPENAI_BASE_URL", format!("https://{http}/v1"))
+        .env("OPENAI_API_KEY", c.api_key("test"))
+        .env("SSL_CERT_FILE", c.credentials().join("ca.pem"))
+        .env("PDMESH_MODEL_ID", "SmolLM2-135M-Instruct.Q4_1")
+        .env("PDMESH_REFERENCE", reference_file)
+        .env("PDMESH_METRICS", metrics.join(","))
+        .env("PDMESH_MAX_IN_FLIGHT", max_in_flight);
+    let run = |mut cmd: Command, args: &[&str]| {
+        cmd.args(args);
+        tokio::task::spawn_blocking(move || cmd.status().unwrap())
+    };
+    let out = run(clone(&sdk), &[]).await.unwrap();
     assert!(out.success(), "openai_sdk.py failed (its output is above)");
     c.wait_blocks_free().await;
 
@@ -101,4 +97,27 @@ async fn the_official_openai_sdk_against_a_real_mesh() {
         let s = spans.iter().find(|s| s.name == n).unwrap();
         assert_eq!(s.parent_id, root.span_id, "{n} under the HTTP request's root: {s}");
     }
+
+    // No decode node left: health and requests say 503.
+    for d in &mut c.decodes {
+        d.stop();
+    }
+    eventually(Duration::from_secs(30), "the router drops the decode node", || async {
+        c.nodes().await.iter().all(|n| n.role != Role::Decode as i32)
+    })
+    .await;
+    let out = run(sdk, &["after_every_decode_node_left"]).await.unwrap();
+    assert!(out.success(), "openai_sdk.py after_every_decode_node_left failed (output above)");
+}
+
+/// The same command again (its program, arguments and environment).
+fn clone(c: &Command) -> Command {
+    let mut n = Command::new(c.get_program());
+    n.args(c.get_args());
+    for (k, v) in c.get_envs() {
+        if let Some(v) = v {
+            n.env(k, v);
+        }
+    }
+    n
 }
