@@ -560,8 +560,9 @@ async fn the_metrics_port_survives_slowloris_and_fd_exhaustion() {
 }
 
 /// Reserve in a loop with the longest lease (a router gone rogue): the node fills, says
-/// RESOURCE_EXHAUSTED at once rather than queueing, caps every lease at its own maximum, and
-/// once those lapse serves honest requests again with the same tokens.
+/// RESOURCE_EXHAUSTED at once rather than queueing, and caps every lease at its own maximum;
+/// an honest request waits at the router for room (never served from the full pool) and is
+/// served with the same tokens once the flood's leases lapse.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reserve_flood_is_refused_and_lapses() {
     let _serial = SERIAL.lock().await;
@@ -597,17 +598,20 @@ async fn a_reserve_flood_is_refused_and_lapses() {
     };
     assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
     assert!(held > 0);
-    let e = match client.generate(greedy(&prompt, 8)).await {
+    // An honest request waits for room rather than being refused: one that cannot wait for
+    // the flood's leases to lapse ends at its deadline, never served from a full pool...
+    let mut r = tonic::Request::new(greedy(&prompt, 8));
+    r.set_timeout(Duration::from_millis(300));
+    let e = match client.generate(r).await {
         Err(e) => e,
         Ok(s) => collect(s.into_inner()).await.expect_err("served while the pool was full"),
     };
-    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
-    eventually(WAIT, "the flood's leases lapse and requests are served", || async {
-        let mut client = c.client().await;
-        let Ok(s) = client.generate(greedy(&prompt, 8)).await else { return false };
-        collect(s.into_inner()).await.is_ok_and(|(toks, _)| toks == want)
-    })
-    .await;
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(e.message().contains("queued"), "{e:?}");
+    // ...and one that can is served once they lapse, with the same tokens.
+    let s = client.generate(greedy(&prompt, 8)).await.unwrap();
+    let (toks, _) = collect(s.into_inner()).await.expect("served once the flood lapsed");
+    assert_eq!(toks, want);
 }
 
 /// The first status of a Prefill call: its own, or the stream's first error.

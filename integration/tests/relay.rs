@@ -338,3 +338,89 @@ async fn a_prefill_node_that_leaves_after_its_part_does_not_fail_the_decode() {
     assert_eq!(end.unwrap().reason, FinishReason::Length as i32);
     assert_eq!(tokens, reference(100));
 }
+
+/// Tokens of a request that takes a quarter of a decode node's KV (256 blocks of 4): four
+/// fit on the node at once.
+const QUARTER: u32 = 256 * 4 / 4 - 21;
+
+/// A burst of three times what the decode node's KV holds: the requests that find no room
+/// wait for it, first come first served, and every one finishes with one engine's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_past_the_kv_waits_for_room_and_all_of_it_finishes() {
+    let want = reference(QUARTER as usize);
+    let m = Arc::new(Settings::new(1, 1).start().await);
+    let burst: Vec<_> = (0..12)
+        .map(|_| {
+            let m = Arc::clone(&m);
+            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
+        })
+        .collect();
+    for r in burst {
+        let (tokens, f) = r.await.unwrap().expect("a request of the burst failed");
+        assert_eq!(tokens, want);
+        assert_eq!(f.reason, FinishReason::Length as i32);
+    }
+}
+
+/// Past `max_queued` a request is refused at once, with a retry hint; a queued request
+/// whose deadline passes before room appears ends with DEADLINE_EXCEEDED saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_sheds_and_a_queued_deadline_is_kept() {
+    let mut s = Settings::new(1, 1);
+    s.router.max_queued = 2;
+    // Each request takes ~1 s, so the burst's arrival and the short deadline below fall
+    // well inside the first requests' time.
+    s.decode[0].fault_step_delay_ms = 5;
+    let m = Arc::new(s.start().await);
+    let burst: Vec<_> = (0..12)
+        .map(|_| {
+            let m = Arc::clone(&m);
+            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
+        })
+        .collect();
+    let (mut done, mut shed) = (0, 0);
+    for r in burst {
+        match r.await.unwrap() {
+            Ok(_) => done += 1,
+            Err(e) => {
+                assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+                assert!(e.message().contains("max_queued"), "{e:?}");
+                assert!(e.metadata().get(pdmesh_common::status::RETRY_AFTER_MS).is_some());
+                shed += 1;
+            }
+        }
+    }
+    // Four run, two wait, the rest are shed (the first four outlast the burst's arrival).
+    assert_eq!((done, shed), (6, 6), "{done} done, {shed} shed");
+    // The node full again, and a request that cannot wait long enough.
+    let long: Vec<_> = (0..4)
+        .map(|_| {
+            let m = Arc::clone(&m);
+            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut r = tonic::Request::new(req(QUARTER));
+    r.set_timeout(Duration::from_millis(300));
+    let e = m.client().await.generate(r).await;
+    let e = match e {
+        Err(e) => e,
+        Ok(s) => {
+            let mut s = s.into_inner();
+            loop {
+                match s.message().await {
+                    Err(e) => break e,
+                    Ok(Some(GenerateResponse { event: Some(Wire::Finished(_)) })) | Ok(None) => {
+                        panic!("served in 300 ms while the node was full")
+                    }
+                    Ok(_) => {}
+                }
+            }
+        }
+    };
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+    assert!(e.message().contains("queued"), "{e:?}");
+    for r in long {
+        r.await.unwrap().expect("the long requests finish");
+    }
+}

@@ -63,6 +63,8 @@ pub(crate) enum Failure {
     Lost { node: String, why: String },
     /// The deadline passed in `phase`, on `node`.
     Deadline { phase: Phase, node: Option<String> },
+    /// It found no room and the queue for room was full (`waiting` requests in it).
+    QueueFull { waiting: usize },
     /// `Cancel` was called for it.
     Cancelled,
     /// Its client went away.
@@ -109,9 +111,16 @@ impl Failure {
             Failure::Place(e @ PlaceError::NoDecodeNode) => {
                 RequestError::Unavailable(e.to_string())
             }
-            Failure::Place(e @ PlaceError::NoCapacity { .. }) => {
+            Failure::Place(e @ (PlaceError::NoCapacity { .. } | PlaceError::TooLarge { .. })) => {
                 RequestError::Overloaded { message: e.to_string(), retry_after }
             }
+            Failure::QueueFull { waiting } => RequestError::Overloaded {
+                message: format!(
+                    "no decode node has room, and {waiting} requests already wait for it (the \
+                     router's max_queued)"
+                ),
+                retry_after,
+            },
             Failure::Refused { status, .. } => RequestError::Node(status),
             Failure::Lost { node, why } => {
                 RequestError::Unavailable(pdmesh_common::status::naming(&node, &why))

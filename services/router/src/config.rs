@@ -35,6 +35,10 @@ pub struct RouterConfig {
     pub model: PathBuf,
     /// Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint.
     pub max_in_flight: usize,
+    /// Admitted requests that may wait for room on a decode node (a burst past the mesh's
+    /// KV), placed first come first served as room appears, each until its deadline. Past
+    /// it, RESOURCE_EXHAUSTED with a retry hint; 0 refuses every request that finds no room.
+    pub max_queued: usize,
     /// The retry hint given with RESOURCE_EXHAUSTED.
     pub retry_after_ms: u64,
     /// How often nodes heartbeat.
@@ -85,6 +89,7 @@ impl Default for RouterConfig {
             metrics_listen: None,
             model: PathBuf::from(pdmesh_engine::DEFAULT_MODEL_PATH),
             max_in_flight: 256,
+            max_queued: 1024,
             retry_after_ms: 500,
             heartbeat_interval_ms: 500,
             node_ttl_ms: 2_000,

@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod placement;
 pub mod planner;
 pub mod prefix;
+pub mod queue;
 pub mod registry;
 mod relay;
 pub mod request;

@@ -42,6 +42,8 @@ pub struct Mesh {
     turn: AtomicUsize,
     /// The planner, and its latest plan (`replan`).
     planner: Mutex<(Planner, Option<Plan>)>,
+    /// Requests waiting for room on a decode node.
+    pub queue: crate::queue::RoomQueue,
 }
 
 impl Mesh {
@@ -57,6 +59,7 @@ impl Mesh {
             metrics: RouterMetrics::default(),
             turn: AtomicUsize::new(0),
             planner: Mutex::new((Planner::new(config.planner.clone()), None)),
+            queue: crate::queue::RoomQueue::new(config.max_queued),
             config,
         }
     }
@@ -193,6 +196,8 @@ impl Mesh {
     pub fn finish(&self, id: &str, owner: &str) {
         let key = (owner.to_string(), id.to_string());
         self.active.lock().expect("active map lock is never poisoned").remove(&key);
+        // Its blocks are free again (the node's next heartbeat says how many).
+        self.queue.wake();
     }
 
     pub fn cancel(&self, id: &str, owner: &str) -> bool {

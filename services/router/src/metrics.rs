@@ -24,6 +24,7 @@ pub struct RouterMetrics {
     prompt_tokens: Counter,
     cached_tokens: Counter,
     migrations: Counter,
+    queued: Counter,
 }
 
 impl Default for RouterMetrics {
@@ -41,6 +42,7 @@ impl Default for RouterMetrics {
             prompt_tokens: Counter::default(),
             cached_tokens: Counter::default(),
             migrations: Counter::default(),
+            queued: Counter::default(),
         }
     }
 }
@@ -133,6 +135,11 @@ impl RouterMetrics {
             "Streams moved to another decode node mid-way (theirs died, hung or drained).",
             self.migrations.clone(),
         );
+        m.register(
+            "pdmesh_router_queued",
+            "Requests that found no decode node with room and waited for it.",
+            self.queued.clone(),
+        );
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
@@ -145,6 +152,12 @@ impl RouterMetrics {
                     "Requests admitted and running.",
                     Kind::Gauge,
                     in_flight as f64,
+                ),
+                Family::one(
+                    "pdmesh_router_waiting_requests",
+                    "Requests waiting for room on a decode node.",
+                    Kind::Gauge,
+                    mesh.queue.len() as f64,
                 ),
                 Family::labelled(
                     "pdmesh_router_nodes",
@@ -184,6 +197,11 @@ impl RouterMetrics {
     /// A started stream moved to another decode node.
     pub fn migrated(&self) {
         self.migrations.inc();
+    }
+
+    /// A request found no room and joined the queue for it.
+    pub fn queued(&self) {
+        self.queued.inc();
     }
 
     /// The client went away before the request ended.

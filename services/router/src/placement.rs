@@ -84,6 +84,9 @@ pub enum PlaceError {
     NoDecodeNode,
     #[error("no decode node has {need} free KV blocks (most free: {best})")]
     NoCapacity { need: usize, best: usize },
+    /// No decode node could hold it even empty: waiting for room would not help.
+    #[error("it needs {need} KV blocks and the largest decode node has {largest} in all")]
+    TooLarge { need: usize, largest: usize },
 }
 
 fn free_blocks(n: &Node) -> usize {
@@ -124,6 +127,14 @@ pub fn place(
     }) else {
         let need = decodes.iter().map(|n| blocks_needed(n, ask)).min().unwrap_or(0);
         let best = decodes.iter().map(|n| free_blocks(n)).max().unwrap_or(0);
+        // A node that has not said its size (0) might hold it.
+        let holds = |n: &&Node| {
+            n.load.total_blocks == 0 || n.load.total_blocks as usize >= blocks_needed(n, ask)
+        };
+        if !decodes.iter().any(holds) {
+            let largest = decodes.iter().map(|n| n.load.total_blocks as usize).max().unwrap_or(0);
+            return Err(PlaceError::TooLarge { need, largest });
+        }
         return Err(PlaceError::NoCapacity { need, best });
     };
     let colocate = ask.prompt_tokens < ask.colocate_below;
@@ -266,6 +277,11 @@ mod tests {
             Err(PlaceError::NoCapacity { need: 8, best: 3 })
         );
         assert_eq!(place_owned(&[], &[], &ask(1), &[]), Err(PlaceError::NoDecodeNode));
+        // More than the node holds in all: no wait would make room.
+        assert_eq!(
+            place_owned(&[], &d, &ask(16 * 101), &[]),
+            Err(PlaceError::TooLarge { need: 102, largest: 100 })
+        );
     }
 
     fn prefills(loads: &[u32]) -> Vec<Node> {

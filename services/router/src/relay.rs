@@ -23,10 +23,10 @@ use tracing::field::Empty;
 use pdmesh_common::apikey::Tenant;
 
 use crate::api::{Event, Finished, Usage};
-use crate::attempt::{Attempt, Decoded, Failure, Report, Request};
+use crate::attempt::{Attempt, Decoded, Failure, Phase, Report, Request};
 use crate::error::RequestError;
 use crate::mesh::Mesh;
-use crate::placement::{Ask, PrefillPolicy, place};
+use crate::placement::{Ask, PlaceError, PrefillPolicy, place};
 use crate::request::Prepared;
 
 /// Retries a request gets before its first token reaches the client, at least (more with a
@@ -131,16 +131,27 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
     let mut exclude: Vec<String> = Vec::new();
     let mut last: Option<Failure> = None;
     let mut retries = 0;
+    // The decode node chosen had no room after all: wait for room before trying again.
+    let mut full = false;
     loop {
         if let Some(done) = ended_before_moving(req, report).await? {
             return Ok(done);
         }
-        report.timings.attempts += 1;
-        let placed = match placement(req, &exclude) {
+        // A first attempt that finds no room waits for it; a retry takes what there is.
+        let wait = if full {
+            Wait::First
+        } else if last.is_none() && !report.first_sent {
+            Wait::IfFull
+        } else {
+            Wait::Never
+        };
+        let placed = match place_or_wait(req, &exclude, wait).await {
             Ok(p) => p,
             // No other node can take the retry: the first failure is the answer.
             Err(e) => return Err(last.unwrap_or(e)),
         };
+        report.timings.attempts += 1;
+        let decode_node = placed.0.id.clone();
         let a = Attempt {
             req,
             report: &mut *report,
@@ -154,6 +165,16 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
         };
         if let (Some(n), Failure::Lost { .. }) = (failure.node(), &failure) {
             mesh.registry().suspect(n, Instant::now());
+        }
+        // The router's view of the node's room is a heartbeat old: a node that turns the
+        // reservation down as full is waited on like any full mesh, not held against.
+        full = !report.first_sent
+            && last.is_none()
+            && matches!(&failure, Failure::Refused { node, status }
+                if *node == decode_node && status.code() == tonic::Code::ResourceExhausted);
+        if full {
+            tracing::debug!(request = req.id, node = decode_node, "decode node full; waiting");
+            continue;
         }
         if !failure.retryable() {
             return Err(failure);
@@ -228,12 +249,76 @@ async fn ended_before_moving(
     }))
 }
 
-/// Picks the decode (and prefill) node for an attempt, never one in `exclude`; returns them and
-/// the blocks the decode node is counted for.
-fn placement(
+/// How often a request waiting for room looks again without being woken (a missed wake costs
+/// at most this).
+const RECHECK: Duration = Duration::from_millis(250);
+
+/// Whether placing a request may wait for room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Take what there is (a retry after a failure).
+    Never,
+    /// Wait when no decode node has room (a request's first attempt).
+    IfFull,
+    /// Wait for room before trying (the node chosen turned it down as full).
+    First,
+}
+
+/// `placement`; when no decode node has room and `wait` allows, waits in the router's queue
+/// for room (first come first served: arrivals also queue behind requests already waiting)
+/// until the request's deadline, its cancellation or its client leaving.
+async fn place_or_wait(
     req: &Request<'_>,
     exclude: &[String],
-) -> Result<(crate::registry::Node, Option<crate::registry::Node>, u32), Failure> {
+    wait: Wait,
+) -> Result<Placed, Failure> {
+    let queue = &req.mesh.queue;
+    let full = || Failure::QueueFull { waiting: queue.len() };
+    let may_wait = wait != Wait::Never;
+    let mut ticket = None;
+    if wait == Wait::First || (may_wait && !queue.is_empty()) {
+        ticket = Some(queue.join().ok_or_else(full)?);
+        req.mesh.metrics.queued();
+    }
+    // Waiting for room first: the look comes after a change.
+    let mut look = wait != Wait::First;
+    loop {
+        let changed = queue.changed();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        if std::mem::replace(&mut look, true) && ticket.as_ref().is_none_or(|t| t.is_first()) {
+            match placement(req, exclude) {
+                // Leaving the queue (the ticket drops) lets the next one try.
+                Ok(p) => return Ok(p),
+                Err(Failure::Place(why @ PlaceError::NoCapacity { .. })) if may_wait => {
+                    if ticket.is_none() {
+                        ticket = Some(queue.join().ok_or_else(full)?);
+                        req.mesh.metrics.queued();
+                        tracing::debug!(request = req.id, "no room: {why}; queued");
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        tokio::select! {
+            () = &mut changed => {}
+            () = tokio::time::sleep(RECHECK) => {}
+            () = tokio::time::sleep_until(req.deadline.into()) => {
+                return Err(Failure::Deadline { phase: Phase::Queued, node: None });
+            }
+            () = req.cancel.cancelled() => return Err(Failure::Cancelled),
+            () = req.out.closed() => return Err(Failure::Abandoned),
+        }
+    }
+}
+
+/// Where an attempt runs: its decode node, its prefill node (None: colocated) and the blocks
+/// the decode node is counted for.
+type Placed = (crate::registry::Node, Option<crate::registry::Node>, u32);
+
+/// Picks the decode (and prefill) node for an attempt, never one in `exclude`; returns them and
+/// the blocks the decode node is counted for.
+fn placement(req: &Request<'_>, exclude: &[String]) -> Result<Placed, Failure> {
     let mesh = req.mesh;
     let cfg = &mesh.config;
     // Placement reads the registry in place, under its lock, and copies only the nodes chosen.

@@ -304,6 +304,7 @@ impl Membership for RouterService {
         };
         // Registering (first or again after a restart) means an empty cache.
         self.mesh().prefixes.forget(&r.node_id);
+        self.mesh().queue.wake();
         tracing::info!(
             node = r.node_id,
             role = role.as_str_name(),
@@ -327,6 +328,8 @@ impl Membership for RouterService {
             r.load.unwrap_or_default(),
             Instant::now(),
         );
+        // The node's free blocks are news to requests waiting for room.
+        self.mesh().queue.wake();
         Ok(Response::new(HeartbeatResponse {
             known: every.is_some(),
             heartbeat_interval_ms: every.map_or(0, |d| d.as_millis() as u32),
