@@ -192,19 +192,41 @@ pub(crate) struct Decoded {
 struct Reservation {
     client: DecodeClient<trace::Channel>,
     target: KvTarget,
+    /// When the node frees it by itself.
+    lapses: Instant,
     armed: bool,
 }
+
+/// How long one Release may take, and the pause before it is sent again.
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(2);
+const RELEASE_RETRY: Duration = Duration::from_secs(1);
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if self.armed {
             let mut c = self.client.clone();
-            let id = self.target.reservation_id.clone();
+            let (id, lapses) = (self.target.reservation_id.clone(), self.lapses);
+            // A node that cannot be reached now (hung, cut off) is sent the release again until
+            // it answers, so its blocks come back as soon as it does rather than at the lease's
+            // end; a node that is gone took the reservation with it.
             let release = async move {
-                let mut r = tonic::Request::new(ReleaseRequest { reservation_id: id });
-                r.set_timeout(Duration::from_secs(5));
-                // If the node is gone, so is the reservation; its lease covers the rest.
-                let _ = c.release(r).await;
+                loop {
+                    let mut r = tonic::Request::new(ReleaseRequest { reservation_id: id.clone() });
+                    r.set_timeout(RELEASE_TIMEOUT);
+                    match c.release(r).await {
+                        Ok(_) => return,
+                        Err(s)
+                            if !matches!(
+                                s.code(),
+                                Code::Unavailable | Code::DeadlineExceeded | Code::Unknown
+                            ) =>
+                        {
+                            return;
+                        }
+                        Err(_) if Instant::now() + RELEASE_RETRY >= lapses => return,
+                        Err(_) => tokio::time::sleep(RELEASE_RETRY).await,
+                    }
+                }
             };
             tokio::spawn(release.in_current_span());
         }
@@ -333,12 +355,16 @@ impl<'a> Attempt<'a> {
                 .await
                 .map_err(|_| Failure::lost(&d.id, "no answer to Reserve in time"))?
                 .map_err(|s| Failure::from_node(&d.id, &s))?;
-            answer.into_inner().target.ok_or_else(|| {
+            let answer = answer.into_inner();
+            let lease = Duration::from_millis(u64::from(answer.lease_ms));
+            let target = answer.target.ok_or_else(|| {
                 Failure::from_node(&d.id, &Status::internal("Reserve answered without a target"))
-            })
+            })?;
+            Ok((target, lease))
         };
-        let target = self.bounded(Phase::Queued, d, &[d], call).await?;
-        Ok(Reservation { client: client.clone(), target, armed: true })
+        let (target, lease) = self.bounded(Phase::Queued, d, &[d], call).await?;
+        let lapses = Instant::now() + lease;
+        Ok(Reservation { client: client.clone(), target, lapses, armed: true })
     }
 
     /// Has the prefill node compute the prompt and push its KV into the reservation; returns
