@@ -104,6 +104,12 @@ bench-http *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_http.py --model {{model}} {{args}}
 
+# A burst of the conversation trace against `pdmesh up --prefill 2 --decode 1`, with the
+# router's queue for room off (as before) and on: failures and TTFT of each (~10 min).
+bench-burst: system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    ./scripts/bench_burst.sh target/release
+
 bench-sim *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_sim.py --model {{model}} {{args}}
