@@ -145,47 +145,24 @@ impl Service {
         let mut child = c.spawn().expect("pdmesh starts");
         let stdout = child.stdout.take().expect("piped stdout");
         let mut lines = BufReader::new(stdout).lines();
-        let line = lines
-            .next()
-            .unwrap_or_else(|| panic!("{name} exited before listening"))
-            .expect("reading the child's stdout");
-        let addr = line
-            .rsplit_once(" listening on ")
-            .unwrap_or_else(|| panic!("{name} printed {line:?}"))
-            .1
-            .trim()
-            .to_string();
-        let internal = (role == "router").then(|| {
+        // The address the next line announces after `marker` (`pdmesh <service> listening on
+        // ADDR`, then the router's internal and HTTP listeners, then the metrics page).
+        let mut announced = |marker: &str| {
             let line = lines
                 .next()
-                .unwrap_or_else(|| panic!("{name} exited before its internal listener"))
+                .unwrap_or_else(|| panic!("{name} exited before announcing{marker}ADDR"))
                 .expect("reading the child's stdout");
-            line.rsplit_once(" internal on ")
-                .unwrap_or_else(|| panic!("{name} printed {line:?}"))
-                .1
-                .trim()
-                .to_string()
-        });
-        let http = args.iter().any(|a| a == "--http-listen").then(|| {
-            let line = lines
-                .next()
-                .unwrap_or_else(|| panic!("{name} exited before its HTTP listener"))
-                .expect("reading the child's stdout");
-            line.rsplit_once(" http on ")
-                .unwrap_or_else(|| panic!("{name} printed {line:?}"))
-                .1
-                .trim()
-                .to_string()
-        });
-        let metrics = args.iter().any(|a| a == "--metrics-listen").then(|| {
-            let line = lines
-                .next()
-                .unwrap_or_else(|| panic!("{name} exited before serving metrics"))
-                .expect("reading the child's stdout");
-            line.rsplit_once(" metrics on http://")
-                .and_then(|(_, a)| a.trim().strip_suffix("/metrics"))
-                .unwrap_or_else(|| panic!("{name} printed {line:?}"))
-                .to_string()
+            let addr = line.rsplit_once(marker).map(|(_, a)| a.trim().to_string());
+            addr.unwrap_or_else(|| panic!("{name} printed {line:?}"))
+        };
+        let addr = announced(" listening on ");
+        let internal = (role == "router").then(|| announced(" internal on "));
+        let flag = |f: &str| args.iter().any(|a| a == f);
+        let http = flag("--http-listen").then(|| announced(" http on "));
+        let metrics = flag("--metrics-listen").then(|| {
+            let page = announced(" metrics on http://");
+            let addr = page.strip_suffix("/metrics").map(str::to_string);
+            addr.unwrap_or_else(|| panic!("{name} serves metrics at {page:?}"))
         });
         // Drain anything else so the child never blocks on a full pipe.
         std::thread::spawn(move || lines.for_each(drop));

@@ -323,13 +323,13 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             Some(d) => println!(
                 "  OpenAI API on https://{http_addr}/v1 (model {}); e.g. \
                  OPENAI_BASE_URL=https://{http_addr}/v1 OPENAI_API_KEY=$(cat {}) SSL_CERT_FILE={}",
-                model_id(&a.model),
+                pdmesh_router::config::default_model_id(&a.model),
                 d.join(API_KEY_FILE).display(),
                 d.join("ca.pem").display()
             ),
             None => println!(
                 "  OpenAI API on http://{http_addr}/v1 (model {})",
-                model_id(&a.model)
+                pdmesh_router::config::default_model_id(&a.model)
             ),
         }
         anyhow::Ok(())
@@ -629,10 +629,4 @@ async fn wait_ready(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     bail!("mesh not ready after {timeout:?}: {last}")
-}
-
-/// The model's id in the HTTP API, as the router names it by default.
-fn model_id(model: &Path) -> String {
-    let cfg = pdmesh_router::RouterConfig { model: model.to_path_buf(), ..Default::default() };
-    cfg.model_id()
 }

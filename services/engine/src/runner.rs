@@ -571,7 +571,7 @@ impl BatchRunner {
                 slot.next = Some(t);
                 continue;
             }
-            let sampled = slot.sampler.sample_output(row, &slot.history, slot.prompt_len);
+            let sampled = slot.sampler.sample(row, &slot.history, slot.prompt_len);
             match slot.role {
                 Role::Prefill => ends.push((
                     s.id,

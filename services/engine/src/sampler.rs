@@ -98,7 +98,7 @@ impl SamplingParams {
             && n > MAX_TOP_LOGPROBS
         {
             return Err(Error::invalid(format!(
-                "top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {n}"
+                "logprobs must ask for at most {MAX_TOP_LOGPROBS} alternatives, got {n}"
             )));
         }
         Ok(())
@@ -143,17 +143,11 @@ impl Sampler {
         self.rng.get_word_pos()
     }
 
-    /// Picks a token from `logits`; `history` is the sequence so far, all of it counted as
-    /// output for the penalties.
-    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        self.sample_output(logits, history, 0).0
-    }
-
     /// Picks a token from `logits`; `history` is the sequence so far, the output being what
     /// follows its first `prompt_len` tokens (frequency and presence penalties count only it;
     /// the repetition penalty looks at the whole window). With `logprobs` set, also reports
     /// the token's log-probability and the most likely alternatives.
-    pub fn sample_output(
+    pub fn sample(
         &mut self,
         logits: &[f32],
         history: &[u32],
@@ -298,8 +292,8 @@ mod tests {
     #[test]
     fn greedy_takes_argmax_lowest_id_on_ties() {
         let mut s = Sampler::new(params(0.0)).unwrap();
-        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0], &[]), 1);
-        assert_eq!(s.sample(&[f32::NAN, 0.5, 0.2], &[]), 1);
+        assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0], &[], 0).0, 1);
+        assert_eq!(s.sample(&[f32::NAN, 0.5, 0.2], &[], 0).0, 1);
     }
 
     #[test]
@@ -329,7 +323,7 @@ mod tests {
         let l = logits();
         let run = |seed| {
             let mut s = Sampler::new(SamplingParams { seed, ..params(1.5) }).unwrap();
-            (0..50).map(|_| s.sample(&l, &[])).collect::<Vec<_>>()
+            (0..50).map(|_| s.sample(&l, &[], 0).0).collect::<Vec<_>>()
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8));
@@ -340,11 +334,11 @@ mod tests {
         let l = logits();
         let p = SamplingParams { seed: 11, ..params(1.2) };
         let mut one = Sampler::new(p.clone()).unwrap();
-        let whole: Vec<u32> = (0..40).map(|_| one.sample(&l, &[])).collect();
+        let whole: Vec<u32> = (0..40).map(|_| one.sample(&l, &[], 0).0).collect();
         let mut first = Sampler::new(p.clone()).unwrap();
-        let mut split: Vec<u32> = (0..7).map(|_| first.sample(&l, &[])).collect();
+        let mut split: Vec<u32> = (0..7).map(|_| first.sample(&l, &[], 0).0).collect();
         let mut second = Sampler::resume(p, first.rng_position()).unwrap();
-        split.extend((7..40).map(|_| second.sample(&l, &[])));
+        split.extend((7..40).map(|_| second.sample(&l, &[], 0).0));
         assert_eq!(whole, split);
     }
 
@@ -356,17 +350,17 @@ mod tests {
         let top3: Vec<u32> = best[..3].iter().map(|&(i, _)| i as u32).collect();
         let mut s = Sampler::new(SamplingParams { top_k: 3, seed: 1, ..params(5.0) }).unwrap();
         for _ in 0..200 {
-            assert!(top3.contains(&s.sample(&l, &[])));
+            assert!(top3.contains(&s.sample(&l, &[], 0).0));
         }
         // A tiny top_p keeps only the most likely token.
         let mut s = Sampler::new(SamplingParams { top_p: 1e-6, seed: 2, ..params(1.0) }).unwrap();
         for _ in 0..50 {
-            assert_eq!(s.sample(&l, &[]), top3[0]);
+            assert_eq!(s.sample(&l, &[], 0).0, top3[0]);
         }
         // min_p = 1 keeps only tokens as likely as the best.
         let mut s = Sampler::new(SamplingParams { min_p: 1.0, seed: 3, ..params(1.0) }).unwrap();
         for _ in 0..50 {
-            assert_eq!(s.sample(&l, &[]), top3[0]);
+            assert_eq!(s.sample(&l, &[], 0).0, top3[0]);
         }
     }
 
@@ -376,7 +370,7 @@ mod tests {
         let l = [3f32.ln(), 0.0];
         let mut s = Sampler::new(SamplingParams { seed: 9, ..params(1.0) }).unwrap();
         let n = 20_000;
-        let zeros = (0..n).filter(|_| s.sample(&l, &[]) == 0).count();
+        let zeros = (0..n).filter(|_| s.sample(&l, &[], 0).0 == 0).count();
         let frac = zeros as f64 / n as f64;
         assert!((frac - 0.75).abs() < 0.02, "{frac}");
     }
@@ -386,8 +380,8 @@ mod tests {
         let l = [2.0f32, 1.9, -1.0];
         let mut s =
             Sampler::new(SamplingParams { repetition_penalty: 1.5, ..params(0.0) }).unwrap();
-        assert_eq!(s.sample(&l, &[]), 0);
-        assert_eq!(s.sample(&l, &[0]), 1);
+        assert_eq!(s.sample(&l, &[], 0).0, 0);
+        assert_eq!(s.sample(&l, &[0], 0).0, 1);
         // Outside the window the penalty no longer applies.
         let mut s = Sampler::new(SamplingParams {
             repetition_penalty: 1.5,
@@ -395,7 +389,7 @@ mod tests {
             ..params(0.0)
         })
         .unwrap();
-        assert_eq!(s.sample(&l, &[0, 2]), 0);
+        assert_eq!(s.sample(&l, &[0, 2], 0).0, 0);
     }
 
     #[test]
@@ -404,19 +398,19 @@ mod tests {
         let freq = SamplingParams { frequency_penalty: 0.3, ..params(0.0) };
         let mut s = Sampler::new(freq).unwrap();
         // Token 0 twice in the output: 2.0 - 0.6 < 1.5.
-        assert_eq!(s.sample_output(&l, &[0, 0], 0).0, 1);
+        assert_eq!(s.sample(&l, &[0, 0], 0).0, 1);
         // Once: 2.0 - 0.3 > 1.5.
-        assert_eq!(s.sample_output(&l, &[0, 0], 1).0, 0);
+        assert_eq!(s.sample(&l, &[0, 0], 1).0, 0);
         // In the prompt only: no penalty at all.
-        assert_eq!(s.sample_output(&l, &[0, 0], 2).0, 0);
+        assert_eq!(s.sample(&l, &[0, 0], 2).0, 0);
         let pres = SamplingParams { presence_penalty: 0.6, ..params(0.0) };
         let mut s = Sampler::new(pres).unwrap();
-        assert_eq!(s.sample_output(&l, &[0], 0).0, 1);
+        assert_eq!(s.sample(&l, &[0], 0).0, 1);
         // A negative penalty encourages repeating.
         let enc = SamplingParams { presence_penalty: -1.0, ..params(0.0) };
         let mut s = Sampler::new(enc).unwrap();
-        assert_eq!(s.sample_output(&l, &[2], 0).0, 0);
-        assert_eq!(s.sample_output(&[2.0, 1.5, 1.2], &[2], 0).0, 2);
+        assert_eq!(s.sample(&l, &[2], 0).0, 0);
+        assert_eq!(s.sample(&[2.0, 1.5, 1.2], &[2], 0).0, 2);
         for bad in [2.5f32, -2.1, f32::NAN] {
             let p = SamplingParams { frequency_penalty: bad, ..params(0.0) };
             assert!(Sampler::new(p).unwrap_err().to_string().contains("frequency_penalty"));
@@ -429,7 +423,7 @@ mod tests {
         let p = SamplingParams { logprobs: Some(3), presence_penalty: 2.0, ..params(0.0) };
         let mut s = Sampler::new(p).unwrap();
         // The penalty moves the choice to token 3 but not the reported distribution.
-        let (tok, lp) = s.sample_output(&l, &[1], 0);
+        let (tok, lp) = s.sample(&l, &[1], 0);
         let lp = lp.unwrap();
         assert_eq!(tok, 3);
         let z: f64 = l.iter().map(|&v| f64::from(v).exp()).sum();
@@ -441,11 +435,11 @@ mod tests {
         let total: f32 = l.iter().map(|&v| want(v).exp()).sum();
         assert!((total - 1.0).abs() < 1e-5);
         // Without logprobs asked for, none; with zero alternatives, just the token's.
-        assert!(Sampler::new(params(0.0)).unwrap().sample_output(&l, &[], 0).1.is_none());
+        assert!(Sampler::new(params(0.0)).unwrap().sample(&l, &[], 0).1.is_none());
         let p = SamplingParams { logprobs: Some(0), ..params(0.0) };
-        let lp = Sampler::new(p).unwrap().sample_output(&l, &[], 0).1.unwrap();
+        let lp = Sampler::new(p).unwrap().sample(&l, &[], 0).1.unwrap();
         assert!(lp.top.is_empty() && lp.token == 1);
         let p = SamplingParams { logprobs: Some(21), ..params(0.0) };
-        assert!(Sampler::new(p).unwrap_err().to_string().contains("top_logprobs"));
+        assert!(Sampler::new(p).unwrap_err().to_string().contains("logprobs"));
     }
 }

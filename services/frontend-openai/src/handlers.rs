@@ -267,18 +267,12 @@ async fn start(
     root.record("request_id", request_id.as_str());
     // Started, then the first token or why there is none: the status is known before the
     // response begins.
-    let mut first = Vec::new();
-    loop {
-        match events.recv().await {
-            None => return Err(on_mesh(ApiError::internal("the request ended without a finish"))),
-            Some(Err(e)) => return Err(on_mesh(e)),
-            Some(Ok(Event::Started { .. })) => continue,
-            Some(Ok(ev)) => {
-                first.push(ev);
-                break;
-            }
+    let first = loop {
+        match next_event(&mut None, &mut events).await.map_err(on_mesh)? {
+            Event::Started { .. } => continue,
+            ev => break ev,
         }
-    }
+    };
     let mut answer = Answer::new(s, kind, plan, &request_id);
     let mut response = if answer.plan.stream {
         let body = answer.stream(first, events);
@@ -290,6 +284,17 @@ async fn start(
         response.headers_mut().insert(REQUEST_ID_HEADER, v);
     }
     Ok(response)
+}
+
+/// The event held back (`held`, taken once), else the request's next one.
+async fn next_event(held: &mut Option<Event>, events: &mut Events) -> Result<Event, ApiError> {
+    if let Some(ev) = held.take() {
+        return Ok(ev);
+    }
+    match events.recv().await {
+        Some(ev) => Ok(ev?),
+        None => Err(ApiError::internal("the request ended without a finish")),
+    }
 }
 
 fn finish_reason(r: FinishReason) -> &'static str {
@@ -397,19 +402,22 @@ impl Answer {
         self.plan.return_token_ids.then(|| tokens.to_vec())
     }
 
+    fn head(&self, object: &'static str) -> Head {
+        Head {
+            id: self.id.clone(),
+            object,
+            created: self.created,
+            model: self.model_id.clone(),
+            system_fingerprint: self.fingerprint.clone(),
+        }
+    }
+
     /// The whole answer, once the request finished.
-    async fn whole(&mut self, first: Vec<Event>, mut events: Events) -> Result<Response, ApiError> {
+    async fn whole(&mut self, first: Event, mut events: Events) -> Result<Response, ApiError> {
         let (mut text, mut tokens, mut logprobs) = (String::new(), Vec::new(), Vec::new());
-        let mut pending = first.into_iter();
+        let mut first = Some(first);
         let finished = loop {
-            let ev = match pending.next() {
-                Some(ev) => ev,
-                None => match events.recv().await {
-                    Some(ev) => ev?,
-                    None => return Err(ApiError::internal("the request ended without a finish")),
-                },
-            };
-            match ev {
+            match next_event(&mut first, &mut events).await? {
                 Event::Started { .. } => {}
                 Event::Delta { text: t, tokens: ids, logprobs: l } => {
                     text.push_str(&t);
@@ -426,11 +434,7 @@ impl Answer {
         // logprob to f64 digits the stream would not show).
         Ok(match self.kind {
             Kind::Chat => axum::Json(ChatCompletion {
-                id: self.id.clone(),
-                object: "chat.completion",
-                created: self.created,
-                model: self.model_id.clone(),
-                system_fingerprint: self.fingerprint.clone(),
+                head: self.head("chat.completion"),
                 choices: vec![ChatChoice {
                     index: 0,
                     message: AssistantMessage { role: "assistant", content: text, refusal: None },
@@ -445,11 +449,7 @@ impl Answer {
             Kind::Completion => {
                 let lp = self.completion_logprobs(&logprobs, &text);
                 axum::Json(Completion {
-                    id: self.id.clone(),
-                    object: "text_completion",
-                    created: self.created,
-                    model: self.model_id.clone(),
-                    system_fingerprint: self.fingerprint.clone(),
+                    head: self.head("text_completion"),
                     choices: vec![CompletionChoice {
                         index: 0,
                         text,
@@ -475,23 +475,17 @@ impl Answer {
         role: bool,
     ) -> Sse {
         let usage = self.plan.include_usage.then_some(None);
+        // The finish carries no tokens of its own.
+        let token_ids = if tokens.is_empty() && reason.is_some() { None } else { self.ids(tokens) };
         let v = match self.kind {
             Kind::Chat => serde_json::to_string(&ChatChunk {
-                id: self.id.clone(),
-                object: "chat.completion.chunk",
-                created: self.created,
-                model: self.model_id.clone(),
-                system_fingerprint: self.fingerprint.clone(),
+                head: self.head("chat.completion.chunk"),
                 choices: vec![ChatChunkChoice {
                     index: 0,
                     delta: ChatDelta { role: role.then_some("assistant"), content: text },
                     logprobs: if l.is_empty() { None } else { self.chat_logprobs(l) },
                     finish_reason: reason,
-                    token_ids: if tokens.is_empty() && reason.is_some() {
-                        None
-                    } else {
-                        self.ids(tokens)
-                    },
+                    token_ids: token_ids.clone(),
                 }],
                 usage,
             }),
@@ -499,21 +493,13 @@ impl Answer {
                 let text = text.unwrap_or_default();
                 let lp = if l.is_empty() { None } else { self.completion_logprobs(l, &text) };
                 serde_json::to_string(&Completion {
-                    id: self.id.clone(),
-                    object: "text_completion",
-                    created: self.created,
-                    model: self.model_id.clone(),
-                    system_fingerprint: self.fingerprint.clone(),
+                    head: self.head("text_completion"),
                     choices: vec![CompletionChoice {
                         index: 0,
                         text,
                         logprobs: lp,
                         finish_reason: reason,
-                        token_ids: if tokens.is_empty() && reason.is_some() {
-                            None
-                        } else {
-                            self.ids(tokens)
-                        },
+                        token_ids,
                     }],
                     usage,
                     prompt_token_ids: None,
@@ -528,20 +514,12 @@ impl Answer {
         let usage = Some(Some(usage(f)));
         let v = match self.kind {
             Kind::Chat => serde_json::to_string(&ChatChunk {
-                id: self.id.clone(),
-                object: "chat.completion.chunk",
-                created: self.created,
-                model: self.model_id.clone(),
-                system_fingerprint: self.fingerprint.clone(),
+                head: self.head("chat.completion.chunk"),
                 choices: Vec::new(),
                 usage,
             }),
             Kind::Completion => serde_json::to_string(&Completion {
-                id: self.id.clone(),
-                object: "text_completion",
-                created: self.created,
-                model: self.model_id.clone(),
-                system_fingerprint: self.fingerprint.clone(),
+                head: self.head("text_completion"),
                 choices: Vec::new(),
                 usage,
                 prompt_token_ids: None,
@@ -554,7 +532,7 @@ impl Answer {
     /// (the client went away) cancels the request on every node.
     fn stream(
         self,
-        first: Vec<Event>,
+        first: Event,
         events: Events,
     ) -> impl Stream<Item = Result<Sse, Infallible>> + Send + 'static {
         let mut me = self;
@@ -566,10 +544,10 @@ impl Answer {
             me: Answer,
             events: Events,
             queued: std::collections::VecDeque<Sse>,
-            first: std::vec::IntoIter<Event>,
+            first: Option<Event>,
             done: bool,
         }
-        let st = St { me, events, queued: out.into(), first: first.into_iter(), done: false };
+        let st = St { me, events, queued: out.into(), first: Some(first), done: false };
         stream::unfold(st, |mut st| async move {
             loop {
                 if let Some(ev) = st.queued.pop_front() {
@@ -578,14 +556,7 @@ impl Answer {
                 if st.done {
                     return None;
                 }
-                let ev = match st.first.next() {
-                    Some(ev) => Ok(ev),
-                    None => match st.events.recv().await {
-                        Some(ev) => ev.map_err(ApiError::from),
-                        None => Err(ApiError::internal("the request ended without a finish")),
-                    },
-                };
-                match ev {
+                match next_event(&mut st.first, &mut st.events).await {
                     Ok(Event::Started { .. }) => {}
                     Ok(Event::Delta { text, tokens, logprobs }) => {
                         let c = st.me.chunk(Some(text), &tokens, &logprobs, None, false);

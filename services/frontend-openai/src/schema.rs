@@ -108,14 +108,22 @@ pub struct ContentPart {
     pub text: Option<String>,
 }
 
-/// A chat completion (`object: "chat.completion"`).
+/// What every completion, whole or a chunk, opens with.
 #[derive(Debug, Clone, Serialize)]
-pub struct ChatCompletion {
+pub struct Head {
     pub id: String,
+    /// "chat.completion", "chat.completion.chunk" or "text_completion".
     pub object: &'static str,
     pub created: u64,
     pub model: String,
     pub system_fingerprint: String,
+}
+
+/// A chat completion (`object: "chat.completion"`).
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletion {
+    #[serde(flatten)]
+    pub head: Head,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -142,11 +150,8 @@ pub struct AssistantMessage {
 /// A streamed chat chunk (`object: "chat.completion.chunk"`).
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatChunk {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub system_fingerprint: String,
+    #[serde(flatten)]
+    pub head: Head,
     pub choices: Vec<ChatChunkChoice>,
     /// With `stream_options.include_usage`: null on every chunk but the last, which has no
     /// choices and the request's usage.
@@ -197,11 +202,8 @@ pub struct TopLogprob {
 /// A completion, whole or one streamed chunk (`object: "text_completion"` for both).
 #[derive(Debug, Clone, Serialize)]
 pub struct Completion {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
-    pub system_fingerprint: String,
+    #[serde(flatten)]
+    pub head: Head,
     pub choices: Vec<CompletionChoice>,
     /// Whole: the usage. Streamed: as `ChatChunk::usage`.
     #[serde(skip_serializing_if = "Option::is_none")]

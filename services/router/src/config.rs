@@ -168,13 +168,13 @@ impl RouterConfig {
 impl RouterConfig {
     /// The model's id in the HTTP API.
     pub fn model_id(&self) -> String {
-        match &self.served_model_name {
-            Some(n) => n.clone(),
-            None => {
-                let file = self.model.file_name().map(|f| f.to_string_lossy().into_owned());
-                let file = file.unwrap_or_else(|| "model".into());
-                file.strip_suffix(".gguf").map(str::to_string).unwrap_or(file)
-            }
-        }
+        self.served_model_name.clone().unwrap_or_else(|| default_model_id(&self.model))
     }
+}
+
+/// A model's id in the HTTP API unless one is given: its file's name without `.gguf`.
+pub fn default_model_id(model: &std::path::Path) -> String {
+    let file = model.file_name().map(|f| f.to_string_lossy().into_owned());
+    let file = file.unwrap_or_else(|| "model".into());
+    file.strip_suffix(".gguf").map(str::to_string).unwrap_or(file)
 }

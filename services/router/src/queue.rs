@@ -80,11 +80,6 @@ impl Ticket<'_> {
     pub fn is_first(&self) -> bool {
         self.queue.lock().order.front() == Some(&self.id)
     }
-
-    /// Requests ahead of this one.
-    pub fn ahead(&self) -> usize {
-        self.queue.lock().order.iter().take_while(|&&i| i != self.id).count()
-    }
 }
 
 impl Drop for Ticket<'_> {
@@ -108,14 +103,16 @@ mod tests {
         let c = q.join().expect("room");
         assert!(q.join().is_none(), "a full queue refuses");
         assert!(a.is_first() && !b.is_first() && !c.is_first());
-        assert_eq!((a.ahead(), b.ahead(), c.ahead()), (0, 1, 2));
         // Leaving from the middle (a deadline, a cancel) keeps the order of the rest.
         drop(b);
-        assert_eq!(c.ahead(), 1);
+        assert!(!c.is_first());
         drop(a);
         assert!(c.is_first());
         let d = q.join().expect("room again");
-        assert_eq!((q.len(), d.ahead()), (2, 1));
+        assert_eq!(q.len(), 2);
+        assert!(!d.is_first());
+        drop(c);
+        assert!(d.is_first());
         let none = RoomQueue::new(0);
         assert!(none.join().is_none());
     }

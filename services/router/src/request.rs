@@ -145,21 +145,6 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
     if !rp.is_finite() || rp <= 0.0 {
         return Err(format!("sampling.repetition_penalty: must be a finite number > 0, got {rp}"));
     }
-    for (name, v) in
-        [("frequency_penalty", s.frequency_penalty), ("presence_penalty", s.presence_penalty)]
-    {
-        if !(-2.0..=2.0).contains(&v) {
-            return Err(format!("sampling.{name}: must be in [-2, 2], got {v}"));
-        }
-    }
-    if let Some(n) = s.logprobs
-        && n > pdmesh_engine::MAX_TOP_LOGPROBS
-    {
-        return Err(format!(
-            "sampling.logprobs: at most {} alternatives, got {n}",
-            pdmesh_engine::MAX_TOP_LOGPROBS
-        ));
-    }
     pdmesh_wire::check_stops(&req.stop)?;
     let sampling = SamplingParams {
         temperature: s.temperature,
@@ -173,6 +158,11 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
         logprobs: s.logprobs,
         ..SamplingParams::default()
     };
+    // The sampler's own checks for the rest (penalties, logprobs); its message names the field.
+    sampling.validate().map_err(|e| match e {
+        pdmesh_engine::Error::InvalidRequest(m) => format!("sampling.{m}"),
+        other => format!("sampling: {other}"),
+    })?;
     Ok(Prepared {
         prompt,
         max_tokens,
@@ -180,4 +170,33 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
         stop: req.stop.clone(),
         ignore_eos: req.ignore_eos,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use pdmesh_engine::testing::tiny_model;
+    use pdmesh_proto::v1::{GenerateRequest, SamplingParams, TokenIds, generate_request};
+
+    /// The sampler's own checks reach a Generate caller with the field named.
+    #[test]
+    fn penalties_and_logprobs_out_of_range_name_the_field() {
+        let req = |s: SamplingParams| GenerateRequest {
+            input: Some(generate_request::Input::TokenIds(TokenIds { ids: vec![5, 6] })),
+            max_tokens: 4,
+            sampling: Some(s),
+            ..Default::default()
+        };
+        for (s, field) in [
+            (SamplingParams { frequency_penalty: 2.5, ..Default::default() }, "frequency_penalty"),
+            (SamplingParams { presence_penalty: -3.0, ..Default::default() }, "presence_penalty"),
+            (SamplingParams { logprobs: Some(21), ..Default::default() }, "logprobs"),
+        ] {
+            let e = super::prepare(&tiny_model(), &req(s)).unwrap_err();
+            assert!(e.starts_with(&format!("sampling.{field}")), "{e}");
+        }
+        let ok = SamplingParams { frequency_penalty: 1.0, logprobs: Some(3), ..Default::default() };
+        let p = super::prepare(&tiny_model(), &req(ok)).unwrap();
+        assert_eq!((p.sampling.frequency_penalty, p.sampling.logprobs), (1.0, Some(3)));
+    }
 }

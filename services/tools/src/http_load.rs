@@ -30,24 +30,26 @@ async fn open(addr: &str) -> anyhow::Result<(SendRequest<Full<Bytes>>, bool)> {
         .await
         .with_context(|| format!("connecting to {addr}"))?;
     tcp.set_nodelay(true)?;
-    let exec = TokioExecutor::new();
     match pdmesh_common::tls::current() {
         Some(tls) => {
             let config = tls.https_client()?;
             let name = rustls::pki_types::ServerName::try_from(pdmesh_common::tls::MESH_NAME)?;
             let io = tokio_rustls::TlsConnector::from(config).connect(name, tcp).await?;
-            let (send, conn) =
-                hyper::client::conn::http2::handshake(exec, TokioIo::new(io)).await?;
-            tokio::spawn(conn);
-            Ok((send, true))
+            Ok((handshake(io).await?, true))
         }
-        None => {
-            let (send, conn) =
-                hyper::client::conn::http2::handshake(exec, TokioIo::new(tcp)).await?;
-            tokio::spawn(conn);
-            Ok((send, false))
-        }
+        None => Ok((handshake(tcp).await?, false)),
     }
+}
+
+/// HTTP/2 over `io`, its connection driven by a task of its own.
+async fn handshake<IO>(io: IO) -> anyhow::Result<SendRequest<Full<Bytes>>>
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (send, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(io)).await?;
+    tokio::spawn(conn);
+    Ok(send)
 }
 
 impl HttpClient {
