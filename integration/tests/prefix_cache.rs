@@ -1,7 +1,8 @@
 //! The prefix cache end to end with real processes: a prompt served from cached KV gives the
 //! same tokens bit for bit, a prompt sharing a system prompt reuses it, two prefill nodes that
-//! compute the same prompt store it once, a dead KV-store only costs the cache, and
-//! prefix-aware placement sends a shared prefix back to the node that holds it.
+//! compute the same prompt store it once, a herd sharing a new prefix computes it once, a dead
+//! KV-store only costs the cache, and prefix-aware placement sends a shared prefix back to the
+//! node that holds it.
 
 #![allow(clippy::unwrap_used)]
 
@@ -10,7 +11,7 @@ use std::time::Duration;
 use pdmesh_integration::{Cluster, eventually, per_transport};
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::{
-    Finished, GenerateRequest, SamplingParams, StatsRequest, TokenIds, generate_request,
+    Finished, GenerateRequest, Role, SamplingParams, StatsRequest, TokenIds, generate_request,
     generate_response,
 };
 use tonic::transport::Channel;
@@ -116,10 +117,12 @@ async fn cached_prefixes_give_the_same_tokens_bit_for_bit(transport: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_prefill_nodes_computing_one_prompt_store_it_once() {
     let _serial = SERIAL.lock().await;
+    // Without in-flight coalescing the second request would compute the prompt too: this is
+    // also the control for `a_herd_sharing_a_new_prefix_computes_it_once`.
     let c = Cluster::builder()
         .prefill(2)
         .decode(1)
-        .router_args(&["--prefill-policy", "least-load"])
+        .router_args(&["--prefill-policy", "least-load", "--coalesce-wait-ms", "0"])
         .kvstore()
         .start()
         .await;
@@ -160,6 +163,39 @@ async fn two_prefill_nodes_computing_one_prompt_store_it_once() {
 }
 
 per_transport!(cached_prefixes_give_the_same_tokens_bit_for_bit);
+
+/// A herd: requests sharing a new 1,024-token system prompt arrive together. One computes it
+/// and the others wait for it (in-flight coalescing), then take it from the cache of the
+/// prefill node that computed it, so the prefill nodes' counters show it computed once. With
+/// `--coalesce-wait-ms 0` all four compute it (cached: [0, 0, 0, 0]).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_herd_sharing_a_new_prefix_computes_it_once() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(2).decode(1).kvstore().start().await;
+    let system = tokens(11, 1024);
+    let herd: Vec<Vec<u32>> =
+        (0..4).map(|q| system.iter().copied().chain(tokens(70 + q, 20)).collect()).collect();
+    let mut tasks = Vec::new();
+    for p in herd.clone() {
+        let mut client = c.client().await;
+        tasks.push(tokio::spawn(async move { generate(&mut client, p, 0).await }));
+    }
+    let mut cached = Vec::new();
+    for t in tasks {
+        let (_, f) = tokio::time::timeout(2 * WAIT, t).await.unwrap().unwrap();
+        cached.push(f.usage.unwrap().cached_tokens);
+    }
+    cached.sort_unstable();
+    assert_eq!(cached, [0, 1024, 1024, 1024], "one leader, three followers");
+    // The nodes' own counters: every prompt token not taken from a cache was computed once
+    // (the last token of each prompt is always computed and not counted).
+    let mut computed = 0;
+    for n in c.nodes().await.into_iter().filter(|n| n.role == Role::Prefill as i32) {
+        computed += prefill_stats(&c, &n.node_id).await.miss_tokens;
+    }
+    let want: u64 = herd.iter().map(|p| p.len() as u64 - 1).sum::<u64>() - 3 * 1024;
+    assert_eq!(computed, want, "the system prompt computed once");
+}
 
 async fn prefill_stats(c: &Cluster, node: &str) -> pdmesh_proto::v1::PrefixCacheStats {
     use pdmesh_proto::v1::prefill_client::PrefillClient;

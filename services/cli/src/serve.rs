@@ -221,6 +221,11 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     prefix_max_imbalance: Option<u32>,
+    /// Longest a request waits for a shared prefix another request is computing, in ms,
+    /// capped at half its deadline (0: compute it again) [default: 30000].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    coalesce_wait_ms: Option<u64>,
     /// How often nodes heartbeat, in ms.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -132,6 +132,7 @@ impl DecodeService {
             total_blocks: counts.total_blocks,
             committed_blocks: counts.committed_blocks,
             cache_blocks: 0,
+            publishes: false,
             draining: counts.draining,
         }
     }

@@ -74,6 +74,7 @@ pub async fn run(
     )?
     .map(Arc::new);
     let cache_blocks = cache.as_ref().map_or(0, |c| c.local_capacity());
+    let publishes = cache.is_some();
     metrics.register_snapshot({
         let (counts, transferring) = (Arc::clone(&counts), Arc::clone(&transferring));
         let (stats, cache) = (Arc::clone(&stats), cache.clone());
@@ -122,7 +123,7 @@ pub async fn run(
             let c = *load_counts.lock().expect("never poisoned");
             let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
             let draining = load_draining.load(std::sync::atomic::Ordering::Relaxed);
-            PrefillService::load(&c, t, cache_blocks, draining)
+            PrefillService::load(&c, t, cache_blocks, publishes, draining)
         }),
         died,
     };

@@ -61,9 +61,11 @@ impl PrefillService {
         counts: &Counts,
         transferring: u32,
         cache_blocks: usize,
+        publishes: bool,
         draining: bool,
     ) -> NodeLoad {
         NodeLoad {
+            publishes,
             cache_blocks: u32::try_from(cache_blocks).unwrap_or(u32::MAX),
             queued: counts.queued,
             running: counts.prefilling + transferring,
@@ -209,6 +211,7 @@ impl Prefill for PrefillService {
                 &c,
                 transferring,
                 self.cache_blocks(),
+                self.cache.is_some(),
                 self.draining.load(Ordering::Relaxed),
             )),
             layout: Some(self.layout.into()),

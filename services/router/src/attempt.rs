@@ -162,6 +162,11 @@ pub(crate) struct Report {
     /// Logprob reports (when asked for) of tokens generated but not yet sent in a delta, in
     /// order: text lags tokens, so a report waits here until its token's text goes out.
     pub logprobs: VecDeque<TokenLogprobs>,
+    /// Leading the computation of its prompt's new blocks: held until they are computed.
+    pub leading: Option<crate::coalesce::Lead>,
+    /// The prefill node that computed the prefix this request waited for: its first attempt
+    /// goes there, where the blocks are certain to be cached.
+    pub coalesced_on: Option<String>,
 }
 
 impl Report {
@@ -414,6 +419,10 @@ impl<'a> Attempt<'a> {
             }
         };
         let computed = self.bounded(Phase::Prefilling, p, &watched, first).await?;
+        // The prompt is in the node's cache: those waiting for its blocks may go there.
+        if let Some(l) = self.report.leading.take() {
+            l.computed_on(&p.id);
+        }
         if !self.report.first_sent {
             let t = &mut self.report.timings;
             t.queue_ms = ms(queued_at_router) + computed.queue_ms;
@@ -564,6 +573,7 @@ impl<'a> Attempt<'a> {
             turn: mesh.next_turn(),
             matched: Default::default(),
             max_imbalance: cfg.prefix_max_imbalance,
+            prefer: None,
         };
         let others = std::slice::from_ref(&from.node.id);
         // As placement does: in the registry, under its lock, copying only the node chosen.

@@ -71,6 +71,9 @@ pub struct RouterConfig {
     /// Most prompts a prefix-aware choice may have queued or running above the least-loaded
     /// prefill node; past it the cache is given up for the idle node.
     pub prefix_max_imbalance: u32,
+    /// Longest a request waits for a prefix another request is computing (in-flight prefix
+    /// coalescing), capped at half its remaining deadline; 0 = never wait, compute it again.
+    pub coalesce_wait_ms: u64,
     /// Time in-flight requests get to finish at shutdown.
     pub drain_ms: u64,
     /// How many nodes the load needs (`[planner]`): SLOs, headroom, bounds.
@@ -103,6 +106,7 @@ impl Default for RouterConfig {
             colocate_below_tokens: 0,
             prefill_policy: PrefillPolicy::PrefixAware,
             prefix_max_imbalance: 2,
+            coalesce_wait_ms: 30_000,
             drain_ms: 5_000,
             planner: crate::planner::PlannerConfig::default(),
         }

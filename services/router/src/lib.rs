@@ -6,6 +6,7 @@
 
 pub mod api;
 mod attempt;
+pub mod coalesce;
 pub mod config;
 pub mod error;
 pub mod mesh;

@@ -38,6 +38,8 @@ pub struct Mesh {
     active: Mutex<HashMap<(String, String), CancellationToken>>,
     /// What each prefill node is thought to hold in its own cache.
     pub prefixes: PrefixIndex,
+    /// Prompts a prefill node is computing now, for others sharing their prefix to wait on.
+    pub computing: crate::coalesce::Computing,
     pub metrics: RouterMetrics,
     turn: AtomicUsize,
     /// The planner, and its latest plan (`replan`).
@@ -56,6 +58,7 @@ impl Mesh {
             channels: ChannelCache::new(MAX_CHANNELS),
             active: Mutex::new(HashMap::new()),
             prefixes: PrefixIndex::default(),
+            computing: crate::coalesce::Computing::default(),
             metrics: RouterMetrics::default(),
             turn: AtomicUsize::new(0),
             planner: Mutex::new((Planner::new(config.planner.clone()), None)),

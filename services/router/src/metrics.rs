@@ -25,6 +25,7 @@ pub struct RouterMetrics {
     cached_tokens: Counter,
     migrations: Counter,
     queued: Counter,
+    coalesced: Counter,
 }
 
 impl Default for RouterMetrics {
@@ -43,6 +44,7 @@ impl Default for RouterMetrics {
             cached_tokens: Counter::default(),
             migrations: Counter::default(),
             queued: Counter::default(),
+            coalesced: Counter::default(),
         }
     }
 }
@@ -140,6 +142,11 @@ impl RouterMetrics {
             "Requests that found no decode node with room and waited for it.",
             self.queued.clone(),
         );
+        m.register(
+            "pdmesh_router_coalesced",
+            "Requests that waited for a shared prefix another request was computing.",
+            self.coalesced.clone(),
+        );
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
@@ -202,6 +209,11 @@ impl RouterMetrics {
     /// A request found no room and joined the queue for it.
     pub fn queued(&self) {
         self.queued.inc();
+    }
+
+    /// A request waited for its prefix to be computed by another.
+    pub fn coalesced(&self) {
+        self.coalesced.inc();
     }
 
     /// The client went away before the request ended.

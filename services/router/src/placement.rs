@@ -69,6 +69,10 @@ pub struct Ask {
     pub matched: HashMap<String, usize>,
     /// Most requests a prefix-aware choice may carry above the least-loaded prefill node.
     pub max_imbalance: u32,
+    /// The prefill node to use whatever the policy, if usable: the one that just computed the
+    /// prefix this request waited for (in-flight coalescing); only the prompt's own tail is
+    /// left to compute there.
+    pub prefer: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -143,7 +147,8 @@ pub fn place(
     } else {
         let nodes: Vec<&Node> =
             prefill.iter().copied().filter(|n| n.role == Role::Prefill).filter(usable).collect();
-        pick_prefill(&nodes, ask).map(|n| n.id.clone())
+        let preferred = nodes.iter().find(|n| ask.prefer.as_ref() == Some(&n.id));
+        preferred.copied().or_else(|| pick_prefill(&nodes, ask)).map(|n| n.id.clone())
     };
     Ok(Placement { decode: d.id.clone(), prefill: p })
 }
@@ -326,6 +331,23 @@ mod tests {
         assert_eq!(chosen(&p, &pa(&[("p0", 64)])), "p2", "only p0 matches: over the bound");
         // Equal matches: the less loaded node.
         assert_eq!(chosen(&p, &pa(&[("p1", 32), ("p2", 32)])), "p2");
+    }
+
+    /// A request that waited for its prefix goes to the node that computed it, over the
+    /// imbalance bound (only its own tail is left to compute), but never to one excluded.
+    #[test]
+    fn a_coalesced_request_goes_where_its_prefix_was_computed() {
+        let p = prefills(&[5, 0, 0]);
+        let a = Ask {
+            policy: PrefillPolicy::PrefixAware,
+            max_imbalance: 2,
+            prefer: Some("p0".into()),
+            ..ask(100)
+        };
+        assert_eq!(chosen(&p, &a), "p0");
+        let d = [node("d", Role::Decode, 100, 0)];
+        let placed = place_owned(&p, &d, &a, &["p0".into()]).unwrap();
+        assert_eq!(placed.prefill.as_deref(), Some("p1"), "excluded: placed as usual");
     }
 
     /// Every prompt shares one hot prefix that the first node holds. A policy without a bound

@@ -1,0 +1,196 @@
+//! In-flight prefix coalescing. When many requests that share a prefix nothing has cached yet
+//! arrive together (a new system prompt), only the first computes it: it becomes the prefix's
+//! leader, and the others wait until its prefill node has computed (and cached) the prompt,
+//! then go to placement like any request, where the prefix-aware policy or the KV-store finds
+//! the blocks. Without this, every request of the herd computes the same blocks on whichever
+//! prefill node it lands on.
+//!
+//! A leader registers the blocks of its prompt's chain that no prefill node is thought to hold
+//! yet; a later request waits on the leader whose chain shares the longest run of leading
+//! blocks with its own, past what is held. The wait is bounded by the router's
+//! `coalesce_wait_ms` and half the request's remaining deadline (it still needs time for its
+//! own prompt), so a slow leader never holds its followers past their deadlines; a leader that
+//! fails or goes away wakes them at once. This router's requests only: another router's
+//! leaders are not seen.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use pdmesh_kv_types::{BlockHash, KvLayout};
+use tokio::sync::watch;
+
+use crate::prefix::chain;
+
+#[derive(Debug, Default)]
+pub struct Computing {
+    leaders: Arc<Mutex<Leaders>>,
+}
+
+#[derive(Debug, Default)]
+struct Leaders {
+    next: u64,
+    by_id: HashMap<u64, Leader>,
+}
+
+#[derive(Debug)]
+struct Leader {
+    layout: KvLayout,
+    chain: Vec<BlockHash>,
+    /// Leading blocks of `chain` that were held somewhere already: not computed by it.
+    held: usize,
+    /// Closed when the leader's prompt is computed (naming the prefill node that holds it
+    /// now), or it gave up (naming none).
+    done: watch::Receiver<Option<String>>,
+}
+
+/// What a request does about its prefix.
+#[derive(Debug)]
+pub enum Coalesce {
+    /// Nothing another request is computing: compute it, as the leader of its blocks.
+    Lead(Lead),
+    /// Another request is computing `tokens` of its prompt's leading tokens: wait for it.
+    Follow { leader: watch::Receiver<Option<String>>, tokens: usize },
+}
+
+/// A leader's registration; dropping it (its prompt computed, or the request over) wakes
+/// the requests waiting on it.
+#[derive(Debug)]
+pub struct Lead {
+    leaders: Arc<Mutex<Leaders>>,
+    id: u64,
+    done: watch::Sender<Option<String>>,
+}
+
+impl Lead {
+    /// The prompt is computed and cached on prefill node `node`: its followers may go, and
+    /// had best go there.
+    pub fn computed_on(self, node: &str) {
+        self.done.send_replace(Some(node.to_string()));
+    }
+}
+
+impl Drop for Lead {
+    fn drop(&mut self) {
+        self.leaders.lock().unwrap_or_else(|p| p.into_inner()).by_id.remove(&self.id);
+    }
+}
+
+impl Computing {
+    /// Under one lock, so two requests of a herd never both lead: the leader computing the
+    /// longest run of `prompt`'s leading blocks past the `held` (thought cached somewhere),
+    /// or else a registration of this prompt's unheld blocks as computing. None when the
+    /// prompt fills no block that is not held.
+    pub fn lead_or_follow(
+        &self,
+        layout: &KvLayout,
+        salt: &[u8],
+        prompt: &[u32],
+        held: usize,
+    ) -> Option<Coalesce> {
+        let mut leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
+        let mut chains: Vec<(&KvLayout, Vec<BlockHash>)> = Vec::new();
+        let mut best: Option<(usize, &Leader)> = None;
+        for l in leaders.by_id.values() {
+            if !chains.iter().any(|(k, _)| **k == l.layout) {
+                chains.push((&l.layout, chain(&l.layout, salt, prompt)));
+            }
+            let mine = &chains.iter().find(|(k, _)| **k == l.layout).expect("just added").1;
+            let common = mine.iter().zip(&l.chain).take_while(|(a, b)| a == b).count();
+            // Not the caller's `held`: that counts what was sent to a node, which includes
+            // what a leader is computing there now.
+            if common > l.held && best.is_none_or(|(c, _)| common > c) {
+                best = Some((common, l));
+            }
+        }
+        if let Some((blocks, l)) = best {
+            let tokens = blocks * l.layout.block_size();
+            return Some(Coalesce::Follow { leader: l.done.clone(), tokens });
+        }
+        let chain = chain(layout, salt, prompt);
+        if chain.len() <= held {
+            return None;
+        }
+        let (tx, rx) = watch::channel(None);
+        let id = leaders.next;
+        leaders.next += 1;
+        leaders.by_id.insert(id, Leader { layout: *layout, chain, held, done: rx });
+        Some(Coalesce::Lead(Lead { leaders: Arc::clone(&self.leaders), id, done: tx }))
+    }
+
+    /// Prompts being computed by a leader now.
+    pub fn len(&self) -> usize {
+        self.leaders.lock().unwrap_or_else(|p| p.into_inner()).by_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout() -> KvLayout {
+        crate::registry::tests::layout(7, 4)
+    }
+
+    fn lead(c: &Computing, prompt: &[u32], held: usize) -> Lead {
+        match c.lead_or_follow(&layout(), b"t", prompt, held) {
+            Some(Coalesce::Lead(l)) => l,
+            other => panic!("expected to lead, got {other:?}"),
+        }
+    }
+
+    fn follows(c: &Computing, salt: &[u8], prompt: &[u32], held: usize) -> Option<usize> {
+        match c.lead_or_follow(&layout(), salt, prompt, held)? {
+            Coalesce::Follow { tokens, .. } => Some(tokens),
+            Coalesce::Lead(_) => None,
+        }
+    }
+
+    #[test]
+    fn a_herd_sharing_a_new_prefix_has_one_leader_until_it_is_done() {
+        let c = Computing::default();
+        let bs = layout().block_size();
+        let system: Vec<u32> = (0..4 * bs as u32).collect();
+        let with = |q: u32| system.iter().copied().chain(vec![q; bs + 1]).collect::<Vec<_>>();
+        let leader = lead(&c, &with(900), 0);
+        // The rest of the herd waits for the system prompt's blocks.
+        assert_eq!(follows(&c, b"t", &with(901), 0), Some(4 * bs));
+        assert_eq!(follows(&c, b"t", &with(902), 0), Some(4 * bs));
+        let Some(Coalesce::Follow { leader: mut rx, .. }) =
+            c.lead_or_follow(&layout(), b"t", &with(903), 0)
+        else {
+            panic!("expected to follow")
+        };
+        // Another tenant's prompt shares nothing; its own blocks make it a leader.
+        assert!(follows(&c, b"other tenant", &with(901), 0).is_none());
+        assert_eq!(c.len(), 1);
+        leader.computed_on("prefill-1");
+        assert!(rx.has_changed().is_err(), "the leader's end wakes its followers");
+        assert_eq!(rx.borrow().as_deref(), Some("prefill-1"), "and says where the prefix is");
+        assert!(c.is_empty());
+        // The system prompt is held now: the next request leads its own blocks.
+        let _next = lead(&c, &with(904), 4);
+        assert_eq!(follows(&c, b"t", &with(904), 4), Some(5 * bs));
+    }
+
+    #[test]
+    fn only_blocks_not_held_are_waited_for() {
+        let c = Computing::default();
+        let bs = layout().block_size() as u32;
+        let system: Vec<u32> = (0..3 * bs).collect();
+        let mut a = system.clone();
+        a.extend(100..100 + 2 * bs);
+        // The leader found the system prompt held: it computes only its own two blocks.
+        let _l = lead(&c, &a, 3);
+        let mut b = system.clone();
+        b.extend(500..500 + 2 * bs);
+        assert!(follows(&c, b"t", &b, 0).is_none(), "the shared blocks are cached already");
+        // The same prompt again waits for the leader's blocks.
+        assert_eq!(follows(&c, b"t", &a, 3), Some(5 * bs as usize));
+        // A prompt shorter than a block has nothing to lead.
+        assert!(c.lead_or_follow(&layout(), b"t", &[1, 2], 0).is_none());
+    }
+}
