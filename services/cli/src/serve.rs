@@ -130,6 +130,11 @@ pub struct DecodeArgs {
     /// decode nodes with their KV, or finish here when none has room, in ms [default: 30000].
     #[arg(long)]
     drain_grace_ms: Option<u64>,
+    /// Longest a step may take while streams run in it, when this node prefills a prompt
+    /// itself (colocated): prompt chunks get only the tokens that fit, so streams never stall
+    /// for a whole chunk; 0 = no target [default: 50].
+    #[arg(long)]
+    itl_target_ms: Option<u64>,
 }
 
 #[derive(Debug, Args)]
@@ -211,6 +216,11 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     colocate_below_tokens: Option<usize>,
+    /// Prompts of any length are prefilled on the decode node while every prefill node has at
+    /// least this many prompts queued or running (0 = never) [default: 0].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    colocate_when_prefill_busy: Option<u32>,
     /// How prefill nodes are chosen: prefix-aware (where the prompt's prefix is cached, within
     /// --prefix-max-imbalance), least-load or round-robin [default: prefix-aware].
     #[arg(long)]
@@ -375,6 +385,8 @@ struct DecodeExtra {
     lease_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     drain_grace_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    itl_target_ms: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -646,7 +658,11 @@ async fn serve<C: Service>(cfg: C, shutdown: Shutdown) -> anyhow::Result<()> {
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
     let overlay = NodeOverlay {
         node: &a.node,
-        extra: DecodeExtra { lease_ms: a.lease_ms, drain_grace_ms: a.drain_grace_ms },
+        extra: DecodeExtra {
+            lease_ms: a.lease_ms,
+            drain_grace_ms: a.drain_grace_ms,
+            itl_target_ms: a.itl_target_ms,
+        },
     };
     start::<pdmesh_decode::DecodeConfig>(
         a.node.config.as_deref(),

@@ -21,6 +21,11 @@ pub struct DecodeConfig {
     pub routers: Vec<String>,
     /// Requests decoding at once (the continuous batch).
     pub max_running: usize,
+    /// Longest a step may take while streams are running in it, when this node also prefills
+    /// prompts (colocated, or conditional disaggregation): a prompt's chunks get only the
+    /// tokens that fit, so streams never stall for a whole prompt chunk. 0 = no target (each
+    /// step takes up to `engine.max_batch_tokens`).
+    pub itl_target_ms: u64,
     /// Lease on a reservation until its request is attached and its KV complete.
     pub lease_ms: u64,
     /// Longest lease a caller may ask for.
@@ -49,6 +54,7 @@ impl Default for DecodeConfig {
             node_id: None,
             routers: Vec::new(),
             max_running: 64,
+            itl_target_ms: 50,
             lease_ms: 30_000,
             max_lease_ms: 300_000,
             drain_ms: 5_000,

@@ -233,6 +233,12 @@ impl DecodeCore {
         }
     }
 
+    /// Steps that prefill a prompt here beside running streams are sized to `target`
+    /// (`pdmesh_engine::pacing`); None: each takes the engine's `max_batch_tokens`.
+    pub fn set_itl_target(&mut self, target: Option<Duration>) {
+        self.runner.set_itl_target(&self.engine, target);
+    }
+
     pub fn engine(&self) -> &Engine {
         &self.engine
     }

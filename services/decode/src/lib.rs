@@ -46,11 +46,14 @@ pub async fn run(
     let pool = register_pool(config.kv_transport, ucx.as_ref(), &engine)?;
     let layout = engine.kv_layout();
     let context = engine.max_seq_len();
-    let core = DecodeCore::new(
+    let mut core = DecodeCore::new(
         engine,
         config.max_running,
         Duration::from_millis(config.lease_ms),
         Duration::from_millis(config.max_lease_ms),
+    );
+    core.set_itl_target(
+        (config.itl_target_ms > 0).then(|| Duration::from_millis(config.itl_target_ms)),
     );
     let counts = Arc::new(Mutex::new(core.counts()));
     let (tx, rx) = tokio::sync::mpsc::channel(COMMAND_QUEUE);

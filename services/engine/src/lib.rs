@@ -17,6 +17,7 @@ pub mod generate;
 pub mod gguf;
 pub mod kv_cache;
 pub mod model;
+pub mod pacing;
 pub mod runner;
 mod runtime;
 pub mod sampler;
@@ -35,6 +36,7 @@ pub use error::{Error, ErrorClass, Result};
 pub use generate::{Generation, generate, generate_batch};
 pub use kv_cache::{BlockAllocator, KvCache, KvView, SeqId};
 pub use model::{Model, ModelConfig};
+pub use pacing::StepPacer;
 pub use pdmesh_kernels::Phase;
 pub use runner::{
     BatchRunner, End, Event, FinishReason, GenerateParams, Mark, Output, Paused, Role, SeqSpec,

@@ -16,6 +16,7 @@ use crate::engine::{Engine, Logits, StepItem};
 use crate::error::{Error, Result};
 use crate::kv_cache::SeqId;
 use crate::model::Model;
+use crate::pacing::StepPacer;
 use crate::sampler::{Sampler, SamplingParams, TokenLogprobs};
 use crate::scheduler::{Scheduled, Scheduler, Work};
 use crate::text::{Piece, Pushed, TextStream};
@@ -241,6 +242,8 @@ pub struct BatchRunner {
     /// Outputs of sequences that failed at admission, delivered with the next step's.
     pending: Vec<Output>,
     model: std::sync::Arc<Model>,
+    /// Sizes steps that carry both streams and prompt chunks to an inter-token target.
+    pacer: StepPacer,
 }
 
 impl std::fmt::Debug for BatchRunner {
@@ -263,7 +266,15 @@ impl BatchRunner {
             promised: 0,
             pending: Vec::new(),
             model: std::sync::Arc::clone(engine.model()),
+            pacer: StepPacer::new(None, engine.config().max_batch_tokens),
         }
+    }
+
+    /// Steps with sequences decoding in them give prompt chunks only what fits `target`
+    /// (`pacing.rs`), so a prompt computed here never stalls running streams for longer;
+    /// None: every step takes `max_batch_tokens`.
+    pub fn set_itl_target(&mut self, engine: &Engine, target: Option<std::time::Duration>) {
+        self.pacer = StepPacer::new(target, engine.config().max_batch_tokens);
     }
 
     pub fn len(&self) -> usize {
@@ -486,7 +497,8 @@ impl BatchRunner {
     /// Admits what can be admitted and plans the next step (empty: nothing to compute).
     pub fn plan(&mut self, engine: &mut Engine, connector: &mut dyn KvConnector) -> Vec<Scheduled> {
         self.admit(engine, connector);
-        self.sched.plan()
+        let pacer = &self.pacer;
+        self.sched.plan_with(&|decoding| pacer.budget(decoding))
     }
 
     /// `plan` then `run`.
@@ -548,9 +560,13 @@ impl BatchRunner {
                 }
             })
             .collect();
+        let t0 = std::time::Instant::now();
         let stepped =
             engine.step_observed(&items, &mut |l, kv| connector.save_layer(l, kv, &saved));
         drop(items);
+        let decoding = plan.iter().filter(|s| s.work == Work::Decode).count();
+        let prompt: usize = plan.iter().map(|s| s.work.tokens()).sum::<usize>() - decoding;
+        self.pacer.observe(decoding, prompt, t0.elapsed());
         let logits = match stepped {
             Ok(l) => l,
             Err(e) => {

@@ -687,3 +687,65 @@ fn logprob_reports_follow_their_tokens() {
     assert_eq!(tokens2, tokens);
     assert_eq!(reports2, reports[1..]);
 }
+
+/// Stall-free steps: a long prompt added beside a running stream is computed in chunks the
+/// pacer sizes (here a target no step can meet: the smallest chunk), where without a target
+/// it takes the whole step budget; and pacing changes no token of either sequence.
+#[test]
+fn paced_steps_chunk_a_prompt_beside_a_stream_and_change_no_token() {
+    use crate::pacing::MIN_CHUNK;
+    let model = TinyModel::default().build();
+    let stream = model.tokenizer.encode(PROMPT).expect("tokenizes");
+    let long: Vec<u32> = stream.iter().cycle().take(120).copied().collect();
+    let run = |target: Option<std::time::Duration>| {
+        let cfg = EngineConfig {
+            threads: 1,
+            block_size: 4,
+            kv_blocks: 128,
+            max_batch_tokens: 128,
+            ..Default::default()
+        };
+        let mut e = Engine::new(std::sync::Arc::clone(&model), cfg).expect("engine");
+        let mut runner = BatchRunner::new(&e, 4, true);
+        runner.set_itl_target(&e, target);
+        let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut collect = |outs: Vec<Output>, tokens: &mut HashMap<u64, Vec<u32>>| {
+            for o in outs {
+                if let Event::Delta(p, _) = o.event {
+                    tokens.entry(o.id).or_default().extend(p.tokens);
+                }
+            }
+        };
+        let p = GenerateParams { ignore_eos: true, ..params(40) };
+        let out = runner.add(&mut e, &mut NoConnector, 1, spec(&stream, &p, Role::Generate));
+        collect(out.expect("add"), &mut tokens);
+        // The stream decodes before the long prompt arrives.
+        while tokens.get(&1).is_none_or(|t| t.len() < 2) {
+            collect(runner.step(&mut e, &mut NoConnector).expect("step"), &mut tokens);
+        }
+        let out = runner.add(&mut e, &mut NoConnector, 2, spec(&long, &params(3), Role::Generate));
+        collect(out.expect("add"), &mut tokens);
+        let mut chunks = Vec::new();
+        while !runner.is_empty() {
+            let plan = runner.plan(&mut e, &mut NoConnector);
+            let streaming = plan.iter().any(|s| s.id == 1 && s.work == Work::Decode);
+            for s in &plan {
+                if let (2, Work::Prefill { len, .. }, true) = (s.id, s.work, streaming) {
+                    chunks.push(len);
+                }
+            }
+            collect(
+                runner.run(&plan, &mut e, &mut NoConnector, &mut |_, _| {}).expect("step"),
+                &mut tokens,
+            );
+        }
+        (chunks, tokens)
+    };
+    let (whole, plain) = run(None);
+    let (paced, same) = run(Some(std::time::Duration::from_nanos(1)));
+    assert_eq!(whole, [120], "unpaced: the whole prompt in one step beside the stream");
+    assert_eq!(paced.len(), 120usize.div_ceil(MIN_CHUNK), "paced: {paced:?}");
+    assert!(paced.iter().all(|&c| c <= MIN_CHUNK), "paced: {paced:?}");
+    assert_eq!(plain, same, "pacing changed tokens");
+    assert_eq!(plain[&1].len(), 40);
+}

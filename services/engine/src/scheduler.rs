@@ -115,13 +115,26 @@ impl Scheduler {
     /// The next step's contents. Progress is recorded as planned: the caller runs the step and
     /// removes sequences that finish or fail.
     pub fn plan(&mut self) -> Vec<Scheduled> {
+        let budget = self.budget;
+        self.plan_with(&|_| budget)
+    }
+
+    /// `plan` with the step's token budget chosen by `budget` from the number of sequences
+    /// decoding in it (a pacer keeping steps with streams in them short), capped at this
+    /// scheduler's own.
+    pub fn plan_with(&mut self, budget: &dyn Fn(usize) -> usize) -> Vec<Scheduled> {
         while self.running.len() < self.max_running {
             match self.waiting.pop_front() {
                 Some(id) => self.running.push(id),
                 None => break,
             }
         }
-        let mut left = self.budget;
+        let decoding = self
+            .running
+            .iter()
+            .filter(|id| self.entries[id].prefilled == self.entries[id].prompt_len)
+            .count();
+        let mut left = budget(decoding).clamp(1, self.budget);
         let mut out = Vec::new();
         for &id in &self.running {
             if left == 0 {
@@ -190,6 +203,31 @@ mod tests {
             Scheduled { id: 2, work: Work::Prefill { offset: 19, len: 1, last: true } }
         );
         assert_eq!(s.plan().len(), 2);
+    }
+
+    /// A paced step: the budget follows the number decoding (here: room for 3 prompt tokens
+    /// beside them), and the prompt advances in smaller chunks while streams run.
+    #[test]
+    fn a_paced_budget_shrinks_prompt_chunks_while_streams_decode() {
+        let mut s = Scheduler::new(8, 4);
+        s.add_prefilled(1, 5).unwrap();
+        s.add_prefilled(2, 5).unwrap();
+        s.add(3, 20).unwrap();
+        let paced = |decoding: usize| decoding + 3;
+        let p = s.plan_with(&paced);
+        assert_eq!(p.len(), 3);
+        assert_eq!(
+            p[2],
+            Scheduled { id: 3, work: Work::Prefill { offset: 0, len: 3, last: false } }
+        );
+        s.remove(1);
+        s.remove(2);
+        // Nobody decoding: the pacer gives what it likes, never more than the scheduler's own.
+        let p = s.plan_with(&|_| 100);
+        assert_eq!(
+            p,
+            [Scheduled { id: 3, work: Work::Prefill { offset: 3, len: 8, last: false } }]
+        );
     }
 
     #[test]

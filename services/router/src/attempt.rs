@@ -23,9 +23,10 @@ use pdmesh_wire::{logprobs_from_wire, sampler_state};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tonic::{Code, Status};
-use tracing::Instrument;
+use tracing::{Instrument, Span};
 
 use crate::api::{Event, Timings};
+use crate::coalesce::Coalesce;
 use crate::error::RequestError;
 use crate::mesh::Mesh;
 use crate::placement::{Ask, PlaceError, blocks_needed, place};
@@ -164,9 +165,6 @@ pub(crate) struct Report {
     pub logprobs: VecDeque<TokenLogprobs>,
     /// Leading the computation of its prompt's new blocks: held until they are computed.
     pub leading: Option<crate::coalesce::Lead>,
-    /// The prefill node that computed the prefix this request waited for: its first attempt
-    /// goes there, where the blocks are certain to be cached.
-    pub coalesced_on: Option<String>,
 }
 
 impl Report {
@@ -316,7 +314,10 @@ impl<'a> Attempt<'a> {
         let ask = (prep.prompt.len(), prep.max_tokens);
         let reservation = self.reserve(&client, &decode, ask, self.prefill.is_some()).await?;
         let (start, rng_position) = match self.prefill.clone() {
-            Some(p) => self.prefill(&p, &reservation.target).await?,
+            Some(p) => {
+                let p = self.coalesce(p, reservation.lapses).await?;
+                self.prefill(&p, &reservation.target).await?
+            }
             None => {
                 self.report.timings.prefill_node = "colocated".into();
                 self.report.timings.kv_transport = "local".into();
@@ -331,6 +332,71 @@ impl<'a> Attempt<'a> {
                 Relayed::Moved(next) => leg = *next,
             }
         }
+    }
+
+    /// In-flight prefix coalescing (`coalesce.rs`), as the prompt is about to go to prefill
+    /// node `p`: while another request's prefill computes leading blocks of this prompt that
+    /// no prefill node held when it started, waits for it, then prefills on the node that
+    /// computed them (they are in its cache) instead of `p`. Otherwise leads the blocks it
+    /// computes itself (`report.leading`) for later prompts to wait on. The wait ends by
+    /// `coalesce_wait_ms`, half of what is left of the deadline or of the reservation's lease.
+    async fn coalesce(&mut self, p: Node, lease_lapses: Instant) -> Result<Node, Failure> {
+        let req = self.req;
+        let mesh = req.mesh;
+        // What an earlier attempt led is over: it must not wait on itself.
+        self.report.leading = None;
+        let wait = mesh.config.coalesce_wait_ms;
+        if wait == 0 || !p.load.publishes {
+            return Ok(p);
+        }
+        let t0 = Instant::now();
+        let half = |until: Instant| until.saturating_duration_since(t0) / 2;
+        let until =
+            t0 + half(req.deadline).min(half(lease_lapses)).min(Duration::from_millis(wait));
+        let mut on = p;
+        let mut waited = false;
+        loop {
+            let held = {
+                let reg = mesh.registry();
+                let prefills = reg.live_refs(Role::Prefill, Instant::now());
+                let matched = mesh.prefixes.matched(&prefills, &req.salt, &req.prep.prompt);
+                matched.values().max().copied().unwrap_or(0) / on.layout.block_size().max(1)
+            };
+            let next = mesh.computing.lead_or_follow(&on.layout, &req.salt, &req.prep.prompt, held);
+            let (mut leader, tokens) = match next {
+                None => break,
+                Some(Coalesce::Lead(l)) => {
+                    self.report.leading = Some(l);
+                    break;
+                }
+                Some(Coalesce::Follow { leader, tokens }) => (leader, tokens),
+            };
+            if Instant::now() >= until {
+                break;
+            }
+            if !std::mem::replace(&mut waited, true) {
+                mesh.metrics.coalesced();
+                tracing::debug!(request = req.id, tokens, "waiting for a prefix being computed");
+            }
+            tokio::select! {
+                _ = leader.changed() => {}
+                () = tokio::time::sleep_until(until.into()) => break,
+                () = req.cancel.cancelled() => return Err(Failure::Cancelled),
+                () = req.out.closed() => return Err(Failure::Abandoned),
+            }
+            // Where the leader computed it: its own cache holds the blocks for certain.
+            let computed_on = leader.borrow().clone();
+            if let Some(n) = computed_on.and_then(|id| mesh.registry().get(&id).cloned())
+                && n.load.cache_blocks > 0
+                && !n.load.draining
+            {
+                on = n;
+            }
+        }
+        if waited {
+            trace::attr(&Span::current(), "coalesce_wait_ms", ms(t0.elapsed()));
+        }
+        Ok(on)
     }
 
     /// Reserves KV blocks on decode node `d` for `(prompt_tokens, max_tokens)`; with
@@ -569,11 +635,11 @@ impl<'a> Attempt<'a> {
             prompt_tokens: kv_tokens,
             max_tokens: req.prep.max_tokens + 1 - generated,
             colocate_below: 0,
+            colocate_when_prefill_busy: 0,
             policy: cfg.prefill_policy,
             turn: mesh.next_turn(),
             matched: Default::default(),
             max_imbalance: cfg.prefix_max_imbalance,
-            prefer: None,
         };
         let others = std::slice::from_ref(&from.node.id);
         // As placement does: in the registry, under its lock, copying only the node chosen.

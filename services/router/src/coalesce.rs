@@ -1,17 +1,18 @@
 //! In-flight prefix coalescing. When many requests that share a prefix nothing has cached yet
-//! arrive together (a new system prompt), only the first computes it: it becomes the prefix's
-//! leader, and the others wait until its prefill node has computed (and cached) the prompt,
-//! then go to placement like any request, where the prefix-aware policy or the KV-store finds
-//! the blocks. Without this, every request of the herd computes the same blocks on whichever
-//! prefill node it lands on.
+//! arrive together (a new system prompt), only the first computes it: as it is sent to its
+//! prefill node it becomes the prefix's leader, and the others, each about to be sent to a
+//! prefill node in turn, wait until the leader's node has computed (and cached) its prompt,
+//! then prefill on that node, where only their own tails are left to compute. Without this,
+//! every request of the herd computes the same blocks on whichever node it lands on.
 //!
-//! A leader registers the blocks of its prompt's chain that no prefill node is thought to hold
-//! yet; a later request waits on the leader whose chain shares the longest run of leading
-//! blocks with its own, past what is held. The wait is bounded by the router's
-//! `coalesce_wait_ms` and half the request's remaining deadline (it still needs time for its
-//! own prompt), so a slow leader never holds its followers past their deadlines; a leader that
-//! fails or goes away wakes them at once. This router's requests only: another router's
-//! leaders are not seen.
+//! A leader registers the blocks of its prompt's chain that no prefill node was thought to
+//! hold; a later prompt waits on the leader whose chain shares the longest run of leading
+//! blocks with its own, past those. Leaders register only once dispatched, so nobody waits on
+//! a request that is itself still waiting for room. The wait is bounded by the router's
+//! `coalesce_wait_ms`, and by half of what is left of the request's deadline and of its
+//! decode reservation's lease, so a slow leader never holds its followers past either; a
+//! leader that fails or goes away wakes them at once. This router's requests only: another
+//! router's leaders are not seen.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -65,6 +65,10 @@ pub struct RouterConfig {
     /// Prompts shorter than this are prefilled on the decode node itself (conditional
     /// disaggregation); 0 = always disaggregate when a prefill node exists.
     pub colocate_below_tokens: usize,
+    /// Prompts of any length are prefilled on the decode node when every prefill node has at
+    /// least this many prompts queued or running (conditional disaggregation on live load:
+    /// the decode node computes them in chunks its streams do not stall on); 0 = never.
+    pub colocate_when_prefill_busy: u32,
     /// How prefill nodes are chosen: "prefix-aware" (where the prompt's prefix is cached,
     /// within `prefix_max_imbalance`), "least-load" or "round-robin".
     pub prefill_policy: PrefillPolicy,
@@ -104,6 +108,7 @@ impl Default for RouterConfig {
             lease_ms: 30_000,
             max_migrations: 3,
             colocate_below_tokens: 0,
+            colocate_when_prefill_busy: 0,
             prefill_policy: PrefillPolicy::PrefixAware,
             prefix_max_imbalance: 2,
             coalesce_wait_ms: 30_000,

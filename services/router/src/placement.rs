@@ -61,6 +61,10 @@ pub struct Ask {
     pub max_tokens: usize,
     /// Prompts shorter than this stay on the decode node (0 = never).
     pub colocate_below: usize,
+    /// Any prompt stays on the decode node when every prefill node has at least this many
+    /// prompts queued or running (0 = never): a backed-up prefill pool would make it wait
+    /// longer than the decode node takes to compute it beside its streams.
+    pub colocate_when_prefill_busy: u32,
     pub policy: PrefillPolicy,
     /// A counter that advances with every placement: the round-robin position and the
     /// rotation that breaks ties.
@@ -69,10 +73,6 @@ pub struct Ask {
     pub matched: HashMap<String, usize>,
     /// Most requests a prefix-aware choice may carry above the least-loaded prefill node.
     pub max_imbalance: u32,
-    /// The prefill node to use whatever the policy, if usable: the one that just computed the
-    /// prefix this request waited for (in-flight coalescing); only the prompt's own tail is
-    /// left to compute there.
-    pub prefer: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,15 +141,12 @@ pub fn place(
         }
         return Err(PlaceError::NoCapacity { need, best });
     };
-    let colocate = ask.prompt_tokens < ask.colocate_below;
-    let p = if colocate {
-        None
-    } else {
-        let nodes: Vec<&Node> =
-            prefill.iter().copied().filter(|n| n.role == Role::Prefill).filter(usable).collect();
-        let preferred = nodes.iter().find(|n| ask.prefer.as_ref() == Some(&n.id));
-        preferred.copied().or_else(|| pick_prefill(&nodes, ask)).map(|n| n.id.clone())
-    };
+    let nodes: Vec<&Node> =
+        prefill.iter().copied().filter(|n| n.role == Role::Prefill).filter(usable).collect();
+    let busy = ask.colocate_when_prefill_busy;
+    let backed_up = busy > 0 && !nodes.is_empty() && nodes.iter().all(|n| prefill_load(n) >= busy);
+    let colocate = ask.prompt_tokens < ask.colocate_below || backed_up;
+    let p = if colocate { None } else { pick_prefill(&nodes, ask).map(|n| n.id.clone()) };
     Ok(Placement { decode: d.id.clone(), prefill: p })
 }
 
@@ -333,21 +330,18 @@ mod tests {
         assert_eq!(chosen(&p, &pa(&[("p1", 32), ("p2", 32)])), "p2");
     }
 
-    /// A request that waited for its prefix goes to the node that computed it, over the
-    /// imbalance bound (only its own tail is left to compute), but never to one excluded.
+    /// Conditional disaggregation on live state: with every prefill node backed up to the
+    /// bound, even a long prompt stays on the decode node; one node below it takes it.
     #[test]
-    fn a_coalesced_request_goes_where_its_prefix_was_computed() {
-        let p = prefills(&[5, 0, 0]);
-        let a = Ask {
-            policy: PrefillPolicy::PrefixAware,
-            max_imbalance: 2,
-            prefer: Some("p0".into()),
-            ..ask(100)
-        };
-        assert_eq!(chosen(&p, &a), "p0");
+    fn a_backed_up_prefill_pool_colocates_prompts() {
         let d = [node("d", Role::Decode, 100, 0)];
-        let placed = place_owned(&p, &d, &a, &["p0".into()]).unwrap();
-        assert_eq!(placed.prefill.as_deref(), Some("p1"), "excluded: placed as usual");
+        let a = Ask { colocate_when_prefill_busy: 3, ..ask(1000) };
+        let busy = prefills(&[3, 4]);
+        assert_eq!(place_owned(&busy, &d, &a, &[]).unwrap().prefill, None);
+        let one_free = prefills(&[3, 2]);
+        assert_eq!(place_owned(&one_free, &d, &a, &[]).unwrap().prefill.as_deref(), Some("p1"));
+        let off = Ask { colocate_when_prefill_busy: 0, ..ask(1000) };
+        assert!(place_owned(&busy, &d, &off, &[]).unwrap().prefill.is_some());
     }
 
     /// Every prompt shares one hot prefix that the first node holds. A policy without a bound

@@ -133,7 +133,6 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
     let mut retries = 0;
     // The decode node chosen had no room after all: wait for room before trying again.
     let mut full = false;
-    coalesce(req, report).await?;
     loop {
         if let Some(done) = ended_before_moving(req, report).await? {
             return Ok(done);
@@ -146,18 +145,12 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
         } else {
             Wait::Never
         };
-        // Only the first attempt: a retry goes wherever there is room.
-        let prefer = report.coalesced_on.take();
-        let placed = match place_or_wait(req, &exclude, wait, prefer.as_deref()).await {
+        let placed = match place_or_wait(req, &exclude, wait).await {
             Ok(p) => p,
             // No other node can take the retry: the first failure is the answer.
             Err(e) => return Err(last.unwrap_or(e)),
         };
         report.timings.attempts += 1;
-        if placed.1.is_none() {
-            // The decode node computes it and caches nothing: nobody should wait for it.
-            report.leading = None;
-        }
         let decode_node = placed.0.id.clone();
         let a = Attempt {
             req,
@@ -213,61 +206,6 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
         exclude.extend(failure.node().map(str::to_string));
         last = Some(failure);
     }
-}
-
-/// In-flight prefix coalescing (`coalesce.rs`): waits while another request computes the
-/// leading blocks of this prompt that no prefill node holds yet, within the router's
-/// `coalesce_wait_ms` and half of what is left of the deadline; otherwise leads the blocks
-/// it computes itself (`report.leading`), for later requests to wait on.
-async fn coalesce(req: &Request<'_>, report: &mut Report) -> Result<(), Failure> {
-    let mesh = req.mesh;
-    let cfg = &mesh.config;
-    if cfg.coalesce_wait_ms == 0 || req.prep.prompt.len() < cfg.colocate_below_tokens {
-        return Ok(());
-    }
-    let t0 = Instant::now();
-    let left = req.deadline.saturating_duration_since(t0);
-    let until = t0 + (left / 2).min(Duration::from_millis(cfg.coalesce_wait_ms));
-    let mut waited = false;
-    loop {
-        let look = {
-            let reg = mesh.registry();
-            let prefills = reg.live_refs(Role::Prefill, Instant::now());
-            // Only a node that caches what it computes makes waiting for it worthwhile.
-            prefills.iter().find(|n| n.load.publishes).map(|n| {
-                let matched = mesh.prefixes.matched(&prefills, &req.salt, &req.prep.prompt);
-                let held = matched.values().max().copied().unwrap_or(0);
-                (n.layout, held / n.layout.block_size().max(1))
-            })
-        };
-        let Some((layout, held)) = look else { break };
-        let next = mesh.computing.lead_or_follow(&layout, &req.salt, &req.prep.prompt, held);
-        let (mut leader, tokens) = match next {
-            None => break,
-            Some(crate::coalesce::Coalesce::Lead(l)) => {
-                report.leading = Some(l);
-                break;
-            }
-            Some(crate::coalesce::Coalesce::Follow { leader, tokens }) => (leader, tokens),
-        };
-        if Instant::now() >= until {
-            break;
-        }
-        if !std::mem::replace(&mut waited, true) {
-            mesh.metrics.coalesced();
-            tracing::debug!(request = req.id, tokens, "waiting for a prefix being computed");
-        }
-        tokio::select! {
-            _ = leader.changed() => report.coalesced_on = leader.borrow().clone(),
-            () = tokio::time::sleep_until(until.into()) => break,
-            () = req.cancel.cancelled() => return Err(Failure::Cancelled),
-            () = req.out.closed() => return Err(Failure::Abandoned),
-        }
-    }
-    if waited {
-        trace::attr(&Span::current(), "coalesce_wait_ms", ms(t0.elapsed()));
-    }
-    Ok(())
 }
 
 /// Before a stream moves: whether what the client already has ends the request (its last
@@ -333,7 +271,6 @@ async fn place_or_wait(
     req: &Request<'_>,
     exclude: &[String],
     wait: Wait,
-    prefer: Option<&str>,
 ) -> Result<Placed, Failure> {
     let queue = &req.mesh.queue;
     let full = || Failure::QueueFull { waiting: queue.len() };
@@ -350,7 +287,7 @@ async fn place_or_wait(
         tokio::pin!(changed);
         changed.as_mut().enable();
         if std::mem::replace(&mut look, true) && ticket.as_ref().is_none_or(|t| t.is_first()) {
-            match placement(req, exclude, prefer) {
+            match placement(req, exclude) {
                 // Leaving the queue (the ticket drops) lets the next one try.
                 Ok(p) => return Ok(p),
                 Err(Failure::Place(why @ PlaceError::NoCapacity { .. })) if may_wait => {
@@ -379,14 +316,9 @@ async fn place_or_wait(
 /// the decode node is counted for.
 type Placed = (crate::registry::Node, Option<crate::registry::Node>, u32);
 
-/// Picks the decode (and prefill) node for an attempt, never one in `exclude`, the prefill
-/// node `prefer` when it is one that caches what it computes; returns them and the blocks the
-/// decode node is counted for.
-fn placement(
-    req: &Request<'_>,
-    exclude: &[String],
-    prefer: Option<&str>,
-) -> Result<Placed, Failure> {
+/// Picks the decode (and prefill) node for an attempt, never one in `exclude`; returns them and
+/// the blocks the decode node is counted for.
+fn placement(req: &Request<'_>, exclude: &[String]) -> Result<Placed, Failure> {
     let mesh = req.mesh;
     let cfg = &mesh.config;
     // Placement reads the registry in place, under its lock, and copies only the nodes chosen.
@@ -403,10 +335,7 @@ fn placement(
         matched_tokens = Empty,
     );
     let _entered = span.enter();
-    let mut ask = ask_of(mesh, req.prep, &req.salt, &prefills);
-    ask.prefer = prefer
-        .filter(|p| prefills.iter().any(|n| n.id == *p && n.load.cache_blocks > 0))
-        .map(str::to_string);
+    let ask = ask_of(mesh, req.prep, &req.salt, &prefills);
     let placed =
         place(&prefills, &reg.live_refs(Role::Decode, now), &ask, exclude).map_err(|e| {
             let retry_after = Duration::from_millis(cfg.retry_after_ms);
@@ -440,10 +369,10 @@ fn ask_of(mesh: &Mesh, prep: &Prepared, salt: &[u8], prefill: &[&crate::registry
         prompt_tokens: prep.prompt.len(),
         max_tokens: prep.max_tokens,
         colocate_below: cfg.colocate_below_tokens,
+        colocate_when_prefill_busy: cfg.colocate_when_prefill_busy,
         policy: cfg.prefill_policy,
         turn: mesh.next_turn(),
         matched,
         max_imbalance: cfg.prefix_max_imbalance,
-        prefer: None,
     }
 }
