@@ -111,11 +111,13 @@ bench-burst: system-deps fetch-model
     ./scripts/bench_replay_ab.sh target/release MAX_QUEUED 100 0.01 0 1024
 
 # In-flight prefix coalescing off and on: the first 200 requests of the conversation trace at
-# 10x speed (requests overlap) against `pdmesh up --prefill 2 --decode 1`: the prefix-cache
-# hit rate as a share of the trace's ideal, and TTFT of each (~10 min).
+# their own rate (they overlap: it is about 3x what two cores serve) against `pdmesh up
+# --prefill 2 --decode 1` with a KV-store that holds them all: the prefix-cache hit rate as a
+# share of the trace's ideal, and TTFT of each (~10 min).
 bench-coalesce: system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
-    ./scripts/bench_replay_ab.sh target/release COALESCE_WAIT_MS 200 0.1 0 30000
+    UP_ARGS="--kvstore-budget-bytes 4294967296" \
+        ./scripts/bench_replay_ab.sh target/release COALESCE_WAIT_MS 200 1 0 30000
 
 bench-sim *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools

@@ -4,11 +4,14 @@
 # conversation trace are replayed with `--time-scale SCALE`, and each run's failures, served
 # rate, goodput, TTFT and prefix-cache hit rate (against the trace's ideal) are printed.
 #   bench-burst:    MAX_QUEUED 100 0.01 0 1024        (a burst: refused vs queued for room)
-#   bench-coalesce: COALESCE_WAIT_MS 200 0.1 0 30000  (overlapping requests sharing prefixes)
+#   bench-coalesce: COALESCE_WAIT_MS 200 1 0 30000    (overlapping requests sharing prefixes)
+# UP_ARGS adds flags to `pdmesh up` (bench-coalesce gives the KV-store room for the whole
+# working set, so that eviction does not hide what coalescing changes).
 # Usage: scripts/bench_replay_ab.sh BIN_DIR SETTING LIMIT SCALE VALUE... (BIN_DIR: target/release)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 5 ] || { sed -n 2,8p "$0" >&2; exit 2; }
+[ $# -ge 5 ] || { sed -n 2,11p "$0" >&2; exit 2; }
+read -r -a up_args <<< "${UP_ARGS:-}"
 bin=$1 setting=$2 limit=$3 scale=$4
 shift 4
 model=models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -18,7 +21,8 @@ mkdir -p .bench
 for v in "$@"; do
   name="${setting,,}_$v"
   env "PDMESH_ROUTER_$setting=$v" "$bin/pdmesh" up --model "$model" --listen "127.0.0.1:$port" \
-    --http-listen 127.0.0.1:0 --prefill 2 --decode 1 > ".bench/replay_up_$name.log" 2>&1 &
+    --http-listen 127.0.0.1:0 --prefill 2 --decode 1 ${up_args[@]+"${up_args[@]}"} \
+    > ".bench/replay_up_$name.log" 2>&1 &
   up=$!
   for _ in $(seq 120); do grep -q "mesh ready" ".bench/replay_up_$name.log" && break; sleep 1; done
   "$bin/pdmesh" replay --target "127.0.0.1:$port" --trace "$trace" --limit "$limit" \

@@ -207,8 +207,9 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_in_flight: Option<usize>,
-    /// Admitted requests that may wait for room on a decode node, first come first served,
-    /// each until its deadline; beyond it RESOURCE_EXHAUSTED (0: no waiting) [default: 1024].
+    /// Admitted requests that may wait for room on a decode node, first come first served
+    /// per tenant (tenants take turns), each until its deadline; beyond it
+    /// RESOURCE_EXHAUSTED (0: no waiting) [default: 1024].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_queued: Option<usize>,

@@ -28,8 +28,11 @@ pub struct StepPacer {
     max_tokens: usize,
     /// A step of decodes alone, per decoding sequence and fixed.
     decode_ms: Option<f64>,
-    /// What each prompt token adds to a step.
+    /// What each prompt token adds to a step: the running estimate, and the latest step's.
+    /// The budget goes by the larger, so a cost that climbs (a prompt's later chunks attend
+    /// over more context) is followed at once rather than over several late steps.
     token_ms: Option<f64>,
+    last_token_ms: f64,
 }
 
 impl StepPacer {
@@ -41,6 +44,7 @@ impl StepPacer {
             max_tokens: max_tokens.max(1),
             decode_ms: None,
             token_ms: None,
+            last_token_ms: 0.0,
         }
     }
 
@@ -51,7 +55,10 @@ impl StepPacer {
         }
         let prompt = match (self.decode_ms, self.token_ms) {
             // (A hair over, so that a budget that fits exactly is not lost to rounding.)
-            (Some(d), Some(t)) if t > 0.0 => ((self.target_ms - d) / t + 1e-6).max(0.0) as usize,
+            (Some(d), Some(t)) if t > 0.0 => {
+                let t = t.max(self.last_token_ms);
+                ((self.target_ms - d) / t + 1e-6).max(0.0) as usize
+            }
             _ => FIRST_CHUNK,
         };
         (decoding + prompt.max(MIN_CHUNK)).min(self.max_tokens.max(decoding + MIN_CHUNK))
@@ -67,7 +74,8 @@ impl StepPacer {
             }
         } else if prompt >= LEARN_FROM {
             let base = if decoding > 0 { self.decode_ms.unwrap_or(0.0) } else { 0.0 };
-            self.token_ms = ewma(self.token_ms, ((ms - base) / prompt as f64).max(0.0));
+            self.last_token_ms = ((ms - base) / prompt as f64).max(0.0);
+            self.token_ms = ewma(self.token_ms, self.last_token_ms);
         }
     }
 

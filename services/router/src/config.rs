@@ -36,8 +36,9 @@ pub struct RouterConfig {
     /// Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint.
     pub max_in_flight: usize,
     /// Admitted requests that may wait for room on a decode node (a burst past the mesh's
-    /// KV), placed first come first served as room appears, each until its deadline. Past
-    /// it, RESOURCE_EXHAUSTED with a retry hint; 0 refuses every request that finds no room.
+    /// KV), placed as room appears (first come first served within a tenant, tenants taking
+    /// turns), each until its deadline. Past it, RESOURCE_EXHAUSTED with a retry hint; 0
+    /// refuses every request that finds no room.
     pub max_queued: usize,
     /// The retry hint given with RESOURCE_EXHAUSTED.
     pub retry_after_ms: u64,

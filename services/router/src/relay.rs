@@ -265,8 +265,9 @@ enum Wait {
 }
 
 /// `placement`; when no decode node has room and `wait` allows, waits in the router's queue
-/// for room (first come first served: arrivals also queue behind requests already waiting)
-/// until the request's deadline, its cancellation or its client leaving.
+/// for room (first come first served within a tenant, tenants taking turns; arrivals also
+/// queue behind requests already waiting) until the request's deadline, its cancellation or
+/// its client leaving.
 async fn place_or_wait(
     req: &Request<'_>,
     exclude: &[String],
@@ -277,7 +278,7 @@ async fn place_or_wait(
     let may_wait = wait != Wait::Never;
     let mut ticket = None;
     if wait == Wait::First || (may_wait && !queue.is_empty()) {
-        ticket = Some(queue.join().ok_or_else(full)?);
+        ticket = Some(queue.join(req.owner).ok_or_else(full)?);
         req.mesh.metrics.queued();
     }
     // Waiting for room first: the look comes after a change.
@@ -292,7 +293,7 @@ async fn place_or_wait(
                 Ok(p) => return Ok(p),
                 Err(Failure::Place(why @ PlaceError::NoCapacity { .. })) if may_wait => {
                     if ticket.is_none() {
-                        ticket = Some(queue.join().ok_or_else(full)?);
+                        ticket = Some(queue.join(req.owner).ok_or_else(full)?);
                         req.mesh.metrics.queued();
                         tracing::debug!(request = req.id, "no room: {why}; queued");
                     }
