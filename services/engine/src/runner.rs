@@ -244,6 +244,9 @@ pub struct BatchRunner {
     model: std::sync::Arc<Model>,
     /// Sizes steps that carry both streams and prompt chunks to an inter-token target.
     pacer: StepPacer,
+    /// The last step run: when it started, its decodes and its prompt tokens (what the pacer
+    /// learns from once the next step is planned).
+    last_step: Option<(std::time::Instant, usize, usize)>,
 }
 
 impl std::fmt::Debug for BatchRunner {
@@ -267,6 +270,7 @@ impl BatchRunner {
             pending: Vec::new(),
             model: std::sync::Arc::clone(engine.model()),
             pacer: StepPacer::new(None, engine.config().max_batch_tokens),
+            last_step: None,
         }
     }
 
@@ -497,6 +501,11 @@ impl BatchRunner {
     /// Admits what can be admitted and plans the next step (empty: nothing to compute).
     pub fn plan(&mut self, engine: &mut Engine, connector: &mut dyn KvConnector) -> Vec<Scheduled> {
         self.admit(engine, connector);
+        // The last step's time is what its streams waited: from its start to this plan (the
+        // caller's delivery and bookkeeping between steps included).
+        if let Some((started, decoding, prompt)) = self.last_step.take() {
+            self.pacer.observe(decoding, prompt, started.elapsed());
+        }
         let pacer = &self.pacer;
         self.sched.plan_with(&|decoding| pacer.budget(decoding))
     }
@@ -560,13 +569,12 @@ impl BatchRunner {
                 }
             })
             .collect();
-        let t0 = std::time::Instant::now();
+        let decoding = plan.iter().filter(|s| s.work == Work::Decode).count();
+        let prompt: usize = plan.iter().map(|s| s.work.tokens()).sum::<usize>() - decoding;
+        self.last_step = Some((std::time::Instant::now(), decoding, prompt));
         let stepped =
             engine.step_observed(&items, &mut |l, kv| connector.save_layer(l, kv, &saved));
         drop(items);
-        let decoding = plan.iter().filter(|s| s.work == Work::Decode).count();
-        let prompt: usize = plan.iter().map(|s| s.work.tokens()).sum::<usize>() - decoding;
-        self.pacer.observe(decoding, prompt, t0.elapsed());
         let logits = match stepped {
             Ok(l) => l,
             Err(e) => {
