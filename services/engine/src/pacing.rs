@@ -6,10 +6,12 @@
 //!
 //! It steers by what the streams see: the time from one step's start to the next one's (the
 //! compute, sampling, delivery and whatever the node's loop does between steps), not a model
-//! of the compute. After each such step it scales the chunk by target / took, which settles
-//! where the step takes the target whatever the step costs (a fixed part plus a part per
-//! prompt token: the fixed part makes each correction smaller than the last). A chunk the
-//! prompt did not fill (its last) teaches nothing unless the step was still too long. The
+//! of the compute. After each such step it scales the chunk by aim / took, where the aim is
+//! 80% of the target (headroom for steps that run long whatever the pacer does), which
+//! settles where a step takes the aim whatever the step costs (a fixed part plus a part per
+//! prompt token: the fixed part makes each correction smaller than the last). It shrinks at
+//! once (by half at most) and grows by a quarter at most. A chunk the prompt did not fill
+//! (its last) teaches nothing unless the step was still too long. The
 //! chunk is never below `MIN_CHUNK` tokens (a prompt always advances) nor above the engine's
 //! `max_batch_tokens`; with nothing decoding there is nobody to stall and a step takes the
 //! whole budget.
@@ -22,9 +24,17 @@ pub const MIN_CHUNK: usize = 16;
 /// Prompt tokens a step with streams in it gets before the pacer has seen one.
 pub const FIRST_CHUNK: usize = 64;
 
-/// Largest correction of one step, either way: one odd step (a page fault, another process
-/// taking the core) moves the chunk by at most this factor.
-const MAX_STEP: f64 = 2.0;
+/// Largest correction of one step downwards: one odd step (a page fault, another process
+/// taking the core) halves the chunk at most.
+const MAX_SHRINK: f64 = 2.0;
+
+/// Largest growth of one step: slower up than down, so that a step that ran long is not
+/// soon repeated.
+const MAX_GROW: f64 = 1.25;
+
+/// The share of the target steps aim at: the rest is headroom for the steps that run long
+/// anyway (the machine's other work), so that the target bounds the tail, not the mean.
+const AIM: f64 = 0.8;
 
 #[derive(Debug, Clone)]
 pub struct StepPacer {
@@ -66,9 +76,9 @@ impl StepPacer {
         if !self.paced() || decoding == 0 || prompt == 0 || ms <= 0.0 {
             return;
         }
-        let over = ms > self.target_ms;
+        let over = ms > AIM * self.target_ms;
         if over || prompt >= self.chunk as usize {
-            let scale = (self.target_ms / ms).clamp(1.0 / MAX_STEP, MAX_STEP);
+            let scale = (AIM * self.target_ms / ms).clamp(1.0 / MAX_SHRINK, MAX_GROW);
             self.chunk = (self.chunk * scale).clamp(MIN_CHUNK as f64, self.max_tokens as f64);
         }
     }
@@ -105,19 +115,19 @@ mod tests {
         assert_eq!(StepPacer::new(None, 512).budget(8), 512);
     }
 
-    /// A step costs 10 ms plus 0.5 ms a prompt token: a 50 ms target leaves 80 prompt tokens,
-    /// and the pacer settles there from its first cautious chunk.
+    /// A step costs 10 ms plus 0.5 ms a prompt token: a 50 ms target, aimed at 40 ms, leaves
+    /// 60 prompt tokens, and the pacer settles there from its first cautious chunk.
     #[test]
     fn the_prompt_gets_what_the_target_leaves_after_the_decodes() {
         let mut p = StepPacer::new(Some(ms(50.0)), 512);
         assert_eq!(p.budget(4), 4 + FIRST_CHUNK);
         let got = settle(&mut p, 4, 10.0, 0.5);
-        assert!((79..=80).contains(&got), "{got}");
+        assert!((59..=60).contains(&got), "{got}");
         // A slower machine (or a bigger model) gets smaller chunks from the same target.
-        let got = settle(&mut p, 4, 30.0, 1.0);
+        let got = settle(&mut p, 4, 20.0, 1.0);
         assert!((19..=20).contains(&got), "{got}");
         // The prompt's last, short chunk teaches nothing when the step was quick.
-        p.observe(4, 3, ms(31.0));
+        p.observe(4, 3, ms(21.0));
         assert!((19..=20).contains(&(p.budget(4) - 4)));
     }
 
