@@ -709,7 +709,7 @@ fn paced_steps_chunk_a_prompt_beside_a_stream_and_change_no_token() {
         let mut runner = BatchRunner::new(&e, 4, true);
         runner.set_itl_target(&e, target);
         let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
-        let mut collect = |outs: Vec<Output>, tokens: &mut HashMap<u64, Vec<u32>>| {
+        let collect = |outs: Vec<Output>, tokens: &mut HashMap<u64, Vec<u32>>| {
             for o in outs {
                 if let Event::Delta(p, _) = o.event {
                     tokens.entry(o.id).or_default().extend(p.tokens);

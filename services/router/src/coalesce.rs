@@ -160,7 +160,7 @@ mod tests {
         // The rest of the herd waits for the system prompt's blocks.
         assert_eq!(follows(&c, b"t", &with(901), 0), Some(4 * bs));
         assert_eq!(follows(&c, b"t", &with(902), 0), Some(4 * bs));
-        let Some(Coalesce::Follow { leader: mut rx, .. }) =
+        let Some(Coalesce::Follow { leader: rx, .. }) =
             c.lead_or_follow(&layout(), b"t", &with(903), 0)
         else {
             panic!("expected to follow")
