@@ -74,6 +74,9 @@ async fn cancellation_in_every_phase_frees_every_block(transport: &str) {
         .prefill(1)
         .decode(1)
         .transport(transport)
+        // B shares A's leading blocks: with in-flight coalescing it would wait for A at the
+        // router, not in the prefill node's queue this test cancels it from.
+        .router_args(&["--coalesce-wait-ms", "0"])
         // One prompt at a time, in small chunks (so a second prompt is seen waiting between
         // them), with KV messages slowed so a transfer outlasts the compute.
         .prefill_args(&[
