@@ -237,6 +237,10 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     coalesce_wait_ms: Option<u64>,
+    /// Fewest shared tokens, not cached anywhere yet, a request waits for [default: 128].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    coalesce_min_tokens: Option<usize>,
     /// How often nodes heartbeat, in ms.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -25,6 +25,8 @@ use crate::prefix::chain;
 #[derive(Debug, Default)]
 pub struct Computing {
     leaders: Arc<Mutex<Leaders>>,
+    /// Fewest shared tokens worth waiting for (whole blocks count).
+    min_tokens: usize,
 }
 
 #[derive(Debug, Default)]
@@ -77,6 +79,13 @@ impl Drop for Lead {
 }
 
 impl Computing {
+    /// Prompts wait only for a leader computing at least `min_tokens` of their leading
+    /// tokens: sharing a short one (a chat template's few tokens) saves little and would send
+    /// a whole burst to the leader's prefill node after it.
+    pub fn new(min_tokens: usize) -> Self {
+        Self { leaders: Arc::default(), min_tokens }
+    }
+
     /// Under one lock, so two requests of a herd never both lead: the leader computing the
     /// longest run of `prompt`'s leading blocks past the `held` (thought cached somewhere),
     /// or else a registration of this prompt's unheld blocks as computing. None when the
@@ -99,7 +108,8 @@ impl Computing {
             let common = mine.iter().zip(&l.chain).take_while(|(a, b)| a == b).count();
             // Not the caller's `held`: that counts what was sent to a node, which includes
             // what a leader is computing there now.
-            if common > l.held && best.is_none_or(|(c, _)| common > c) {
+            let saved = common.saturating_sub(l.held) * l.layout.block_size();
+            if common > l.held && saved >= self.min_tokens && best.is_none_or(|(c, _)| common > c) {
                 best = Some((common, l));
             }
         }
@@ -175,6 +185,18 @@ mod tests {
         // The system prompt is held now: the next request leads its own blocks.
         let _next = lead(&c, &with(904), 4);
         assert_eq!(follows(&c, b"t", &with(904), 4), Some(5 * bs));
+    }
+
+    #[test]
+    fn a_short_shared_prefix_is_not_waited_for() {
+        let bs = layout().block_size();
+        let c = Computing::new(3 * bs);
+        let shared: Vec<u32> = (0..2 * bs as u32).collect();
+        let a: Vec<u32> = shared.iter().copied().chain(100..100 + 3 * bs as u32).collect();
+        let b: Vec<u32> = shared.iter().copied().chain(500..500 + 3 * bs as u32).collect();
+        let _l = lead(&c, &a, 0);
+        assert!(follows(&c, b"t", &b, 0).is_none(), "two shared blocks: under the minimum");
+        assert_eq!(follows(&c, b"t", &a, 0), Some(5 * bs), "the whole prompt: over it");
     }
 
     #[test]

@@ -79,6 +79,9 @@ pub struct RouterConfig {
     /// Longest a request waits for a prefix another request is computing (in-flight prefix
     /// coalescing), capped at half its remaining deadline; 0 = never wait, compute it again.
     pub coalesce_wait_ms: u64,
+    /// Fewest shared tokens (not cached anywhere yet) a request waits for: a shorter shared
+    /// prefix (a chat template's) saves little and would send a whole burst after one node.
+    pub coalesce_min_tokens: usize,
     /// Time in-flight requests get to finish at shutdown.
     pub drain_ms: u64,
     /// How many nodes the load needs (`[planner]`): SLOs, headroom, bounds.
@@ -113,6 +116,7 @@ impl Default for RouterConfig {
             prefill_policy: PrefillPolicy::PrefixAware,
             prefix_max_imbalance: 2,
             coalesce_wait_ms: 30_000,
+            coalesce_min_tokens: 128,
             drain_ms: 5_000,
             planner: crate::planner::PlannerConfig::default(),
         }

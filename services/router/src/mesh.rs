@@ -58,7 +58,7 @@ impl Mesh {
             channels: ChannelCache::new(MAX_CHANNELS),
             active: Mutex::new(HashMap::new()),
             prefixes: PrefixIndex::default(),
-            computing: crate::coalesce::Computing::default(),
+            computing: crate::coalesce::Computing::new(config.coalesce_min_tokens),
             metrics: RouterMetrics::default(),
             turn: AtomicUsize::new(0),
             planner: Mutex::new((Planner::new(config.planner.clone()), None)),
