@@ -82,11 +82,6 @@ impl StepPacer {
             self.chunk = (self.chunk * scale).clamp(MIN_CHUNK as f64, self.max_tokens as f64);
         }
     }
-
-    /// The target in ms (0: none).
-    pub fn target_ms(&self) -> f64 {
-        self.target_ms
-    }
 }
 
 #[cfg(test)]

@@ -129,11 +129,13 @@ impl Computing {
     }
 
     /// Prompts being computed by a leader now.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.leaders.lock().unwrap_or_else(|p| p.into_inner()).by_id.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
