@@ -83,6 +83,7 @@ async fn guessed_and_forged_reservation_ids_are_refused() {
         lease_ms: 60_000,
         remote_kv: false,
         owner: String::new(),
+        reserve_tokens: 0,
     };
     let target = d.reserve(victim).await.unwrap().into_inner().target.unwrap();
     let id = target.reservation_id.clone();
@@ -324,6 +325,7 @@ async fn kv_that_no_request_ever_attaches_to_is_freed() {
         lease_ms: 60_000,
         remote_kv: false,
         owner: String::new(),
+        reserve_tokens: 0,
     };
     let target = d.reserve(r).await.unwrap().into_inner().target.unwrap();
     let blocks = target.blocks as usize;
@@ -586,6 +588,7 @@ async fn a_reserve_flood_is_refused_and_lapses() {
             lease_ms: 300_000,
             remote_kv: true,
             owner: String::new(),
+            reserve_tokens: 0,
         };
         match d.reserve(r).await {
             Ok(r) => {
@@ -653,6 +656,7 @@ async fn forged_ucx_targets_are_refused_before_a_byte_moves() {
         lease_ms: 60_000,
         remote_kv: true,
         owner: String::new(),
+        reserve_tokens: 0,
     };
     let victim = d.reserve(reserve("victim")).await.unwrap().into_inner().target.unwrap();
     let mine = d.reserve(reserve("mallory")).await.unwrap().into_inner().target.unwrap();

@@ -214,6 +214,7 @@ impl Target {
             lease_ms: 300,
             remote_kv,
             owner: String::new(),
+            reserve_tokens: 0,
         };
         d.reserve(r).await.unwrap().into_inner().target.unwrap().reservation_id
     }
@@ -336,6 +337,7 @@ fn every_internal_handler_survives_malformed_input() {
         lease_ms: 1_000,
         remote_kv: true,
         owner: String::new(),
+        reserve_tokens: 0,
     };
     t.fuzz(
         "Reserve",

@@ -304,6 +304,7 @@ async fn reservation_whose_kv_never_arrives_is_freed_at_lease_expiry() {
         lease_ms: 400,
         remote_kv: true,
         owner: String::new(),
+        reserve_tokens: 0,
     };
     let target = d.reserve(r).await.unwrap().into_inner().target.unwrap();
     assert_eq!(target.blocks, 7);

@@ -362,6 +362,32 @@ async fn a_burst_past_the_kv_waits_for_room_and_all_of_it_finishes() {
     }
 }
 
+/// Growing reservations: eight requests that each end up taking a quarter of the decode node's
+/// KV all start at once (each is promised its prompt and 8 tokens), outgrow the node together,
+/// and the youngest are preempted; each waits for room and continues, recomputed, so every
+/// one finishes with one engine's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn growing_reservations_are_preempted_and_finish_with_the_same_tokens() {
+    let want = reference(QUARTER as usize);
+    let mut s = Settings::new(1, 1);
+    s.router.reserve_tokens = 8;
+    let m = Arc::new(s.start().await);
+    let burst: Vec<_> = (0..8)
+        .map(|_| {
+            let m = Arc::clone(&m);
+            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
+        })
+        .collect();
+    let mut preemptions = 0;
+    for r in burst {
+        let (tokens, f) = r.await.unwrap().expect("a growing request failed");
+        assert_eq!(tokens, want);
+        assert_eq!(f.reason, FinishReason::Length as i32);
+        preemptions += f.timings.unwrap().preemptions;
+    }
+    assert!(preemptions > 0, "eight requests of a quarter each never outgrew the node");
+}
+
 /// Past `max_queued` a request is refused at once, with a retry hint; a queued request
 /// whose deadline passes before room appears ends with DEADLINE_EXCEEDED saying so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -167,7 +167,7 @@ async fn generate(a: GenerateArgs, key: Option<String>) -> anyhow::Result<()> {
                             "queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms,
                             "transfer_ms": t.transfer_ms, "ttft_ms": t.ttft_ms, "total_ms": t.total_ms,
                             "prefill_node": t.prefill_node, "decode_node": t.decode_node,
-                            "kv_transport": t.kv_transport, "kv_bytes": t.kv_bytes, "attempts": t.attempts, "migrations": t.migrations,
+                            "kv_transport": t.kv_transport, "kv_bytes": t.kv_bytes, "attempts": t.attempts, "migrations": t.migrations, "preemptions": t.preemptions,
                         },
                     });
                     writeln!(out, "{j}")?;

@@ -262,6 +262,13 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     max_migrations: Option<u32>,
+    /// Output tokens a decode reservation holds KV for up front; the rest is promised as
+    /// tokens come, and a node that runs out preempts its youngest growing stream, which
+    /// waits for room and continues bit-identically (0: all of max_tokens up front, never
+    /// preempted) [default: 256].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reserve_tokens: Option<usize>,
     #[command(flatten)]
     planner: PlannerFlags,
     #[arg(long, hide = true)]

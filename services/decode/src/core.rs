@@ -2,10 +2,14 @@
 //! arriving through the receive connector, requests attached to them, and the batch runner
 //! that generates for all of them. The worker thread drives it; unit tests drive it directly.
 //!
-//! Blocks are promised at reservation (prompt + max_tokens) so a running request never runs
-//! out of KV mid-stream; the engine allocates them as the prompt's KV arrives and tokens are
-//! generated. Every exit path (finish, cancel, failure, lease expiry) frees the sequence, or
-//! quarantines it while a remote writer may still reach its blocks.
+//! Blocks are promised at reservation: for the prompt and all of max_tokens, so the request
+//! never runs out mid-stream, or (a growing reservation) for the prompt and a first slice of
+//! its output, promised one more block at a time as tokens are generated. A node with no block
+//! left to promise preempts its youngest growing request: its stream ends with
+//! `DecodeError::Preempted` and its caller recomputes it where there is room. The engine
+//! allocates blocks as the prompt's KV arrives and tokens are generated. Every exit path
+//! (finish, cancel, failure, preemption, lease expiry) frees the sequence, or quarantines it
+//! while a remote writer may still reach its blocks.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -98,6 +102,8 @@ pub struct Counts {
     pub leases_expired: u64,
     /// Requests handed off to another node with their KV.
     pub moved: u64,
+    /// Growing requests ended because no block was left to promise them.
+    pub preempted: u64,
     pub draining: bool,
 }
 
@@ -150,7 +156,10 @@ struct Reservation {
     cap: Capability,
     seq: SeqId,
     prompt_len: usize,
+    /// Blocks promised now.
     committed: usize,
+    /// Blocks the prompt and all of max_tokens take: what `committed` may grow to.
+    ceiling: usize,
     phase: Phase,
     /// Remote access granted to the prompt's blocks (a UCX registration of them alone):
     /// dropped, which revokes it, once the KV is complete or the reservation ends.
@@ -258,6 +267,20 @@ impl DecodeCore {
         remote_kv: bool,
         now: Instant,
     ) -> Result<Reserved, DecodeError> {
+        self.reserve_growing(prompt_len, max_tokens, max_tokens, lease, remote_kv, now)
+    }
+
+    /// `reserve`, promising blocks for only the first `up_front` of the `max_tokens` (at least
+    /// one): the rest are promised as they are generated, and the request may be preempted.
+    pub fn reserve_growing(
+        &mut self,
+        prompt_len: usize,
+        max_tokens: usize,
+        up_front: usize,
+        lease: Option<Duration>,
+        remote_kv: bool,
+        now: Instant,
+    ) -> Result<Reserved, DecodeError> {
         let ctx = self.engine.max_seq_len();
         if self.draining {
             return Err(DecodeError::Draining);
@@ -273,9 +296,12 @@ impl DecodeCore {
                 "prompt_tokens {prompt_len} + max_tokens {max_tokens} exceed the context of {ctx}"
             )));
         }
-        let need = self.blocks_for(prompt_len + max_tokens);
+        let ceiling = self.blocks_for(prompt_len + max_tokens);
+        let need = self.blocks_for(prompt_len + up_front.clamp(1, max_tokens));
         let total = self.engine.kv().total_blocks();
-        if self.committed + need > total {
+        // A request the whole pool could not hold would only ever be preempted.
+        if self.committed + need > total || ceiling > total {
+            let need = if ceiling > total { ceiling } else { need };
             return Err(DecodeError::NoBlocks { need, free: total - self.committed });
         }
         let lease = lease.unwrap_or(self.default_lease).min(self.max_lease);
@@ -304,6 +330,7 @@ impl DecodeCore {
                 seq,
                 prompt_len,
                 committed: need,
+                ceiling,
                 phase,
                 remote: None,
                 granted: None,
@@ -349,7 +376,7 @@ impl DecodeCore {
                 r.prompt_len
             )));
         }
-        if a.max_tokens == 0 || self.blocks_for(a.prompt.len() + a.max_tokens) > r.committed {
+        if a.max_tokens == 0 || self.blocks_for(a.prompt.len() + a.max_tokens) > r.ceiling {
             return Err(DecodeError::Invalid(format!(
                 "max_tokens {} is not covered by the reservation",
                 a.max_tokens
@@ -558,8 +585,12 @@ impl DecodeCore {
             Err(e) => {
                 p.record("otel.status_code", "ERROR");
                 p.record("otel.status_description", tracing::field::display(&e));
+                if matches!(e, DecodeError::Preempted { .. }) {
+                    self.counts.preempted += 1;
+                } else {
+                    self.counts.failed += 1;
+                }
                 a.out.send(Event::Failed(e));
-                self.counts.failed += 1;
             }
         }
         // The runner released the sequence; quarantined, it waits for the writer.
@@ -612,6 +643,7 @@ impl DecodeCore {
 
     /// Runs one engine step over every scheduled request and delivers what it produced.
     pub fn step(&mut self, now: Instant) -> Result<(), DecodeError> {
+        self.grow();
         let plan = self.runner.plan(&mut self.engine, &mut self.receiver);
         for s in &plan {
             let Some(a) = self.attached(s.id) else { continue };
@@ -653,6 +685,69 @@ impl DecodeCore {
                 Err(f.error.into())
             }
         }
+    }
+
+    /// Before a step: each growing request about to decode past the blocks promised to it is
+    /// promised one more, oldest first. With none left to promise, the youngest growing
+    /// request (it may be this one) is preempted and its blocks go to the older ones: the
+    /// oldest always make progress, so a full node never stalls all of its streams.
+    fn grow(&mut self) {
+        let total = self.engine.kv().total_blocks();
+        let mut short = Vec::new();
+        for (&id, r) in &self.reservations {
+            if !self.preemptible(id, r) {
+                continue;
+            }
+            let Phase::Attached(a) = &r.phase else { continue };
+            let Ok(len) = self.engine.seq_len(r.seq) else { continue };
+            let need = self.blocks_for(len + 1).min(r.ceiling);
+            if need > r.committed {
+                short.push((a.attached_at, id, need));
+            }
+        }
+        short.sort_unstable();
+        for (_, id, need) in short {
+            while let Some(r) = self.reservations.get_mut(&id) {
+                if !matches!(r.phase, Phase::Attached(_)) {
+                    break;
+                }
+                let more = need.saturating_sub(r.committed);
+                if self.committed + more <= total {
+                    r.committed += more;
+                    self.committed += more;
+                    break;
+                }
+                let youngest = self
+                    .reservations
+                    .iter()
+                    .filter(|&(&v, r)| self.preemptible(v, r))
+                    .filter_map(|(&v, r)| match &r.phase {
+                        Phase::Attached(a) => Some((a.attached_at, v)),
+                        _ => None,
+                    })
+                    .max();
+                let Some((_, victim)) = youngest else { break };
+                tracing::info!(
+                    reservation = victim,
+                    for_reservation = id,
+                    "no KV block left to promise; preempting the youngest growing request"
+                );
+                self.fail(victim, DecodeError::Preempted { blocks: total });
+                if victim == id {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Whether `r` is a growing request decoding here, not being moved or failed: one that
+    /// may be promised more blocks, or preempted.
+    fn preemptible(&self, id: u64, r: &Reservation) -> bool {
+        let Phase::Attached(a) = &r.phase else { return false };
+        r.ceiling > r.committed
+            && a.moving == Moving::No
+            && !self.failing.contains_key(&id)
+            && self.runner.status(id) == Some(SeqStatus::Decoding)
     }
 
     pub fn counts(&self) -> Counts {

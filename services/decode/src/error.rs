@@ -31,6 +31,13 @@ pub enum DecodeError {
     /// The engine thread is gone (it died, or the node is stopping).
     #[error("the engine thread has stopped")]
     EngineStopped,
+    /// A growing reservation needed a block and none of the node's `blocks` was left to
+    /// promise: the request ends here, to be recomputed where there is room.
+    #[error(
+        "preempted: none of the node's {blocks} KV blocks was left to promise this growing \
+         request; continue it from its last mark where there is room"
+    )]
+    Preempted { blocks: usize },
     /// The node is stopping: it takes no new work.
     #[error("the node is draining (stopping); it takes no new requests")]
     Draining,
@@ -75,6 +82,8 @@ pub fn to_status(e: &DecodeError, node: &str) -> Status {
         // The registration failed on this node: another node (or the gRPC path) may serve.
         DecodeError::Remote(_) => Status::unavailable(msg),
         DecodeError::Forbidden(_) => Status::permission_denied(msg),
+        // The caller recomputes it (ReserveRequest.reserve_tokens says so).
+        DecodeError::Preempted { .. } => Status::aborted(msg),
     }
 }
 

@@ -213,6 +213,7 @@ fn metric_families(c: &core::Counts) -> Vec<Family> {
                 ("cancelled", c.cancelled as f64),
                 ("failed", c.failed as f64),
                 ("lease_expired", c.leases_expired as f64),
+                ("preempted", c.preempted as f64),
             ],
         ),
     ]

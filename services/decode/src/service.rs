@@ -215,6 +215,11 @@ impl Decode for DecodeService {
         let r = req.into_inner();
         let lease = (r.lease_ms > 0).then(|| Duration::from_millis(u64::from(r.lease_ms)));
         let (prompt_len, max_tokens) = (r.prompt_tokens as usize, r.max_tokens as usize);
+        // 0: all of them (callers that cannot continue a preempted request ask for that).
+        let up_front = match r.reserve_tokens {
+            0 => max_tokens,
+            n => (n as usize).min(max_tokens),
+        };
         let remote_kv = r.remote_kv;
         let grant = match (&self.pool, remote_kv) {
             (Some(pool), true) => {
@@ -231,6 +236,7 @@ impl Decode for DecodeService {
             .call(|reply| Command::Reserve {
                 prompt_len,
                 max_tokens,
+                up_front,
                 lease,
                 remote_kv,
                 grant,
@@ -361,6 +367,7 @@ impl Decode for DecodeService {
             transports: self.inbox.stats.snapshot(),
             prefix_cache: None,
             moved: c.moved,
+            preempted: c.preempted,
         }))
     }
 

@@ -36,6 +36,8 @@ pub enum Command {
     Reserve {
         prompt_len: usize,
         max_tokens: usize,
+        /// Of `max_tokens`, those promised now (the rest as they are generated).
+        up_front: usize,
         lease: Option<Duration>,
         remote_kv: bool,
         /// With `remote_kv`, when peers write the KV in place (UCX).
@@ -162,14 +164,16 @@ impl Core for Worker {
             Command::Reserve {
                 prompt_len,
                 max_tokens,
+                up_front,
                 lease,
                 remote_kv,
                 grant,
                 request,
                 reply,
             } => {
-                let r =
-                    core.reserve(prompt_len, max_tokens, lease, remote_kv, now).and_then(|res| {
+                let r = core
+                    .reserve_growing(prompt_len, max_tokens, up_front, lease, remote_kv, now)
+                    .and_then(|res| {
                         core.name(res.id(), request.0, request.1);
                         let Some(RemoteGrant(grant)) = grant else { return Ok((res, None)) };
                         match grant(&res.pool_blocks) {

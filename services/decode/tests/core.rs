@@ -369,11 +369,13 @@ fn remote_access_is_revoked_at_commit_and_at_the_end() {
 }
 
 /// Every token a request generated, from its marks (its text may lag them).
+/// Every token a request generated: those its marks carry, then those flushed at its end.
 fn marked(s: &Sink) -> Vec<u32> {
     let mut t = Vec::new();
     for e in s.events.lock().unwrap().iter() {
         match e {
             Event::Delta(_, Some(m)) | Event::Moving { mark: m, .. } => t.extend(&m.tokens),
+            Event::Delta(p, None) => t.extend(&p.tokens),
             _ => {}
         }
     }
@@ -484,4 +486,87 @@ fn a_request_is_cancelled_by_its_owner_and_id_attached_or_not_yet() {
     assert_eq!(reason(&late), Some(pdmesh_engine::FinishReason::Cancelled));
     assert!(c.is_empty());
     assert!(!c.cancel("acme", "req-2"), "already gone");
+}
+
+/// Growing reservations are promised blocks as tokens come. When the pool runs out, the
+/// youngest is preempted (its stream ends `Preempted` mid-way and its blocks are freed) and
+/// the older one finishes; the preempted one, recomputed from its prompt and its output so
+/// far, finishes with exactly the tokens it would have had.
+#[test]
+fn a_growing_reservation_that_runs_out_is_preempted_and_recomputed_identically() {
+    let prompts = [prompt("The capital of France is"), prompt("One, two, three,")];
+    let sampling = SamplingParams { temperature: 0.8, seed: 5, ..Default::default() };
+    let max = 40;
+    let mut want = Vec::new();
+    for p in &prompts {
+        let params = GenerateParams {
+            max_tokens: max,
+            ignore_eos: true,
+            sampling: sampling.clone(),
+            ..Default::default()
+        };
+        want.push(generate(&mut engine(64), p, &params, |_| true).unwrap().tokens);
+    }
+    let bs = engine(1).config().block_size;
+    let full: Vec<usize> = prompts.iter().map(|p| (p.len() + max).div_ceil(bs)).collect();
+    // Each alone fits; both at full length do not.
+    let pool = full[0].max(full[1]) + 1;
+    let mut c = core(pool);
+    let t0 = Instant::now();
+    let sinks = [Sink::default(), Sink::default()];
+    for (i, (p, s)) in prompts.iter().zip(&sinks).enumerate() {
+        let at = t0 + Duration::from_millis(i as u64);
+        let id = c.reserve_growing(p.len(), max, 4, None, false, at).unwrap().id();
+        let a = Attach { sampling: sampling.clone(), ..attach(p.clone(), max, Start::Local) };
+        c.attach(id, a, Box::new(s.clone()), at).unwrap();
+    }
+    let up_front: u32 = prompts.iter().map(|p| (p.len() + 4).div_ceil(bs) as u32).sum();
+    assert_eq!(c.counts().committed_blocks, up_front, "only the first slice is promised");
+    let preempted = |s: &Sink| {
+        s.events
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|e| matches!(e, Event::Failed(DecodeError::Preempted { .. })))
+    };
+    for _ in 0..10_000 {
+        if sinks[0].finished() && preempted(&sinks[1]) {
+            break;
+        }
+        c.step(Instant::now()).unwrap();
+    }
+    assert_eq!(sinks[0].tokens(), want[0], "the older one finishes undisturbed");
+    assert!(preempted(&sinks[1]), "the younger one is preempted");
+    let so_far = marked(&sinks[1]);
+    assert!(!so_far.is_empty() && so_far.len() < max, "mid-stream: {} tokens", so_far.len());
+    let k = c.counts();
+    assert_eq!((k.preempted, k.failed, k.completed, k.committed_blocks), (1, 0, 1, 0));
+
+    // Its caller continues it: the prompt and its output so far recomputed, the sampler where
+    // its last mark left it.
+    let rng = sinks[1]
+        .events
+        .lock()
+        .unwrap()
+        .iter()
+        .rev()
+        .find_map(|e| match e {
+            Event::Delta(_, Some(m)) => Some(m.rng_position),
+            _ => None,
+        })
+        .unwrap();
+    let p = &prompts[1];
+    let id = c.reserve_growing(p.len(), max, so_far.len() + 4, None, false, t0).unwrap().id();
+    let again = Sink::default();
+    let a = Attach {
+        sampling: sampling.clone(),
+        rng_position: rng,
+        resumed: so_far.clone(),
+        ..attach(p.clone(), max, Start::Local)
+    };
+    c.attach(id, a, Box::new(again.clone()), t0).unwrap();
+    run_until_done(&mut c, &[&again]);
+    assert_eq!([so_far, marked(&again)].concat(), want[1], "recomputed bit-identically");
+    let k = c.counts();
+    assert_eq!((k.preempted, k.completed, k.committed_blocks), (1, 2, 0));
 }

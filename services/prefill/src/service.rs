@@ -227,6 +227,7 @@ impl Prefill for PrefillService {
             transports: self.stats.snapshot(),
             prefix_cache: self.cache.as_ref().map(|c| c.stats()),
             moved: 0,
+            preempted: 0,
         }))
     }
 }

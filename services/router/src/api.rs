@@ -74,6 +74,8 @@ pub struct Timings {
     pub attempts: u32,
     /// Times the stream moved to another decode node mid-way and continued there.
     pub migrations: u32,
+    /// Times its decode node preempted it and it continued once a node had room.
+    pub preemptions: u32,
 }
 
 /// A request's events; dropping it cancels the request on every node.

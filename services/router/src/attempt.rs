@@ -27,6 +27,7 @@ use tracing::{Instrument, Span};
 
 use crate::api::{Event, Timings};
 use crate::coalesce::Coalesce;
+use crate::config::RouterConfig;
 use crate::error::RequestError;
 use crate::mesh::Mesh;
 use crate::placement::{Ask, PlaceError, blocks_needed, place};
@@ -104,6 +105,11 @@ impl Failure {
             Failure::Refused { status, .. } => status.code() == Code::ResourceExhausted,
             _ => false,
         }
+    }
+
+    /// Its decode node preempted it: out of blocks to promise its growing reservation.
+    pub fn preempted(&self) -> bool {
+        matches!(self, Failure::Refused { status, .. } if status.code() == Code::Aborted)
     }
 
     /// What the client is told.
@@ -189,6 +195,16 @@ pub(crate) struct Resume {
 pub(crate) struct Decoded {
     pub reason: i32,
     pub completion_tokens: u32,
+}
+
+/// Output tokens a decode reservation promises up front (`RouterConfig::reserve_tokens`): the
+/// `resumed` ones a moved or preempted stream recomputes there, and that many more; None (all
+/// of `max_tokens`) when reservations do not grow.
+pub(crate) fn up_front(cfg: &RouterConfig, max_tokens: usize, resumed: usize) -> Option<usize> {
+    match cfg.reserve_tokens {
+        0 => None,
+        n => Some((resumed + n).min(max_tokens)),
+    }
 }
 
 /// Releases a reservation on drop unless a decode stream took it over.
@@ -311,7 +327,9 @@ impl<'a> Attempt<'a> {
             self.report.cached_tokens = 0;
         }
         let prep = self.req.prep;
-        let ask = (prep.prompt.len(), prep.max_tokens);
+        let resumed = self.report.resume.tokens.len();
+        let up = up_front(&mesh.config, prep.max_tokens, resumed);
+        let ask = (prep.prompt.len(), prep.max_tokens, up);
         let reservation = self.reserve(&client, &decode, ask, self.prefill.is_some()).await?;
         let (start, rng_position) = match self.prefill.clone() {
             Some(p) => {
@@ -399,13 +417,14 @@ impl<'a> Attempt<'a> {
         Ok(on)
     }
 
-    /// Reserves KV blocks on decode node `d` for `(prompt_tokens, max_tokens)`; with
-    /// `remote_kv` the prompt's blocks are allocated for a transport to write into.
+    /// Reserves KV blocks on decode node `d` for `(prompt_tokens, max_tokens, up_front)`
+    /// (`Ask`); with `remote_kv` the prompt's blocks are allocated for a transport to write
+    /// into.
     async fn reserve(
         &self,
         client: &DecodeClient<trace::Channel>,
         d: &Node,
-        (prompt_tokens, max_tokens): (usize, usize),
+        (prompt_tokens, max_tokens, up_front): (usize, usize, Option<usize>),
         remote_kv: bool,
     ) -> Result<Reservation, Failure> {
         let req = self.req;
@@ -419,6 +438,8 @@ impl<'a> Attempt<'a> {
             lease_ms: cfg.lease_ms,
             remote_kv,
             owner: req.owner.to_string(),
+            // Never 0 when growing: 0 asks for all of max_tokens.
+            reserve_tokens: up_front.map_or(0, |u| u.max(1) as u32),
         };
         let mut c = client.clone();
         let call = async {
@@ -634,6 +655,7 @@ impl<'a> Attempt<'a> {
         let ask = Ask {
             prompt_tokens: kv_tokens,
             max_tokens: req.prep.max_tokens + 1 - generated,
+            up_front: up_front(cfg, req.prep.max_tokens + 1 - generated, 0),
             colocate_below: 0,
             colocate_when_prefill_busy: 0,
             policy: cfg.prefill_policy,
@@ -652,7 +674,7 @@ impl<'a> Attempt<'a> {
         let assigned = Assigned::new(mesh, &node, blocks_needed(&node, &ask) as u32);
         let client = DecodeClient::new(channel(mesh, &node).map_err(|f| failure_text(&f))?);
         let reservation = self
-            .reserve(&client, &node, (ask.prompt_tokens, ask.max_tokens), true)
+            .reserve(&client, &node, (ask.prompt_tokens, ask.max_tokens, ask.up_front), true)
             .await
             .map_err(|f| failure_text(&f))?;
         let until =

@@ -63,6 +63,12 @@ pub struct RouterConfig {
     /// died, hung or drained); it continues there bit-identically. Past it, the client gets
     /// the failure's status. 0 = never move a started stream.
     pub max_migrations: u32,
+    /// Output tokens a decode reservation promises blocks for up front (capped at
+    /// max_tokens): the rest are promised as they are generated, so short answers do not hold
+    /// KV for max_tokens. A node that runs out preempts its youngest growing request, which
+    /// waits here for room and continues bit-identically, its prompt and output recomputed.
+    /// 0 = promise all of max_tokens (never preempted).
+    pub reserve_tokens: usize,
     /// Prompts shorter than this are prefilled on the decode node itself (conditional
     /// disaggregation); 0 = always disaggregate when a prefill node exists.
     pub colocate_below_tokens: usize,
@@ -111,6 +117,7 @@ impl Default for RouterConfig {
             stall_timeout_ms: 60_000,
             lease_ms: 30_000,
             max_migrations: 3,
+            reserve_tokens: 256,
             colocate_below_tokens: 0,
             colocate_when_prefill_busy: 0,
             prefill_policy: PrefillPolicy::PrefixAware,

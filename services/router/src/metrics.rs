@@ -24,6 +24,7 @@ pub struct RouterMetrics {
     prompt_tokens: Counter,
     cached_tokens: Counter,
     migrations: Counter,
+    preemptions: Counter,
     queued: Counter,
     coalesced: Counter,
 }
@@ -43,6 +44,7 @@ impl Default for RouterMetrics {
             prompt_tokens: Counter::default(),
             cached_tokens: Counter::default(),
             migrations: Counter::default(),
+            preemptions: Counter::default(),
             queued: Counter::default(),
             coalesced: Counter::default(),
         }
@@ -138,6 +140,12 @@ impl RouterMetrics {
             self.migrations.clone(),
         );
         m.register(
+            "pdmesh_router_preemptions",
+            "Streams a decode node preempted (out of blocks for growing reservations) that \
+             waited for room and continued.",
+            self.preemptions.clone(),
+        );
+        m.register(
             "pdmesh_router_queued",
             "Requests that found no decode node with room and waited for it.",
             self.queued.clone(),
@@ -204,6 +212,11 @@ impl RouterMetrics {
     /// A started stream moved to another decode node.
     pub fn migrated(&self) {
         self.migrations.inc();
+    }
+
+    /// A started stream was preempted by its decode node.
+    pub fn preempted(&self) {
+        self.preemptions.inc();
     }
 
     /// A request found no room and joined the queue for it.

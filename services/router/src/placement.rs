@@ -59,6 +59,9 @@ impl std::fmt::Display for PrefillPolicy {
 pub struct Ask {
     pub prompt_tokens: usize,
     pub max_tokens: usize,
+    /// Of `max_tokens`, those the decode node promises blocks for up front (the rest as they
+    /// are generated); None: all of them.
+    pub up_front: Option<usize>,
     /// Prompts shorter than this stay on the decode node (0 = never).
     pub colocate_below: usize,
     /// Any prompt stays on the decode node when every prefill node has at least this many
@@ -97,8 +100,14 @@ fn free_blocks(n: &Node) -> usize {
     n.load.free_blocks.saturating_sub(n.pending_blocks) as usize
 }
 
-/// Blocks a request needs on its decode node, for the node's block size.
+/// Blocks a request needs on its decode node now, for the node's block size.
 pub fn blocks_needed(n: &Node, ask: &Ask) -> usize {
+    let output = ask.up_front.map_or(ask.max_tokens, |u| u.min(ask.max_tokens));
+    (ask.prompt_tokens + output).div_ceil(n.layout.block_size().max(1))
+}
+
+/// Blocks it takes at its longest: a node must be able to hold that much, even if it grows.
+fn blocks_at_most(n: &Node, ask: &Ask) -> usize {
     (ask.prompt_tokens + ask.max_tokens).div_ceil(n.layout.block_size().max(1))
 }
 
@@ -116,8 +125,13 @@ pub fn place(
         return Err(PlaceError::NoDecodeNode);
     }
     // Among decode nodes with room, the least busy relative to its size; ties by free blocks.
-    let fits: Vec<&&Node> =
-        decodes.iter().filter(|n| free_blocks(n) >= blocks_needed(n, ask)).collect();
+    let fits: Vec<&&Node> = decodes
+        .iter()
+        .filter(|n| free_blocks(n) >= blocks_needed(n, ask))
+        .filter(|n| {
+            n.load.total_blocks == 0 || n.load.total_blocks as usize >= blocks_at_most(n, ask)
+        })
+        .collect();
     let Some(d) = fits.into_iter().min_by(|a, b| {
         let score = |n: &Node| {
             let running = f64::from(n.load.running + n.load.queued + n.assigned);
@@ -133,10 +147,11 @@ pub fn place(
         let best = decodes.iter().map(|n| free_blocks(n)).max().unwrap_or(0);
         // A node that has not said its size (0) might hold it.
         let holds = |n: &&Node| {
-            n.load.total_blocks == 0 || n.load.total_blocks as usize >= blocks_needed(n, ask)
+            n.load.total_blocks == 0 || n.load.total_blocks as usize >= blocks_at_most(n, ask)
         };
         if !decodes.iter().any(holds) {
             let largest = decodes.iter().map(|n| n.load.total_blocks as usize).max().unwrap_or(0);
+            let need = decodes.iter().map(|n| blocks_at_most(n, ask)).min().unwrap_or(0);
             return Err(PlaceError::TooLarge { need, largest });
         }
         return Err(PlaceError::NoCapacity { need, best });
@@ -283,6 +298,25 @@ mod tests {
         assert_eq!(
             place_owned(&[], &d, &ask(16 * 101), &[]),
             Err(PlaceError::TooLarge { need: 102, largest: 100 })
+        );
+    }
+
+    #[test]
+    fn a_growing_request_needs_room_for_its_first_slice_and_a_node_for_all_of_it() {
+        // 16-token blocks: 100 prompt tokens and 16 of 1,600 output tokens take 8 blocks now.
+        let d = [node("d1", Role::Decode, 10, 0)];
+        let grows = |max: usize| Ask { max_tokens: max, up_front: Some(16), ..ask(100) };
+        let got = place_owned(&[], &d, &grows(1_500), &[]).unwrap();
+        assert_eq!(got.decode, "d1");
+        let full = Ask { up_front: None, ..grows(1_500) };
+        assert_eq!(
+            place_owned(&[], &d, &full, &[]),
+            Err(PlaceError::NoCapacity { need: 100, best: 10 })
+        );
+        // Grown to its end it would not fit even the empty node: refused, not placed.
+        assert_eq!(
+            place_owned(&[], &d, &grows(1_600), &[]),
+            Err(PlaceError::TooLarge { need: 107, largest: 100 })
         );
     }
 

@@ -34,6 +34,11 @@ use crate::request::Prepared;
 /// after it).
 const RETRIES: u32 = 1;
 
+/// Times a request may be preempted. The youngest growing stream is the one preempted, so a
+/// request waits its turn rather than being preempted again and again; past this bound
+/// something is wrong, and the client gets the node's ABORTED.
+const MAX_PREEMPTIONS: u32 = 32;
+
 /// Runs an admitted request to its end, sending everything to `out`.
 pub(crate) async fn run(
     mesh: &Mesh,
@@ -115,6 +120,7 @@ fn finished(req: &Request<'_>, report: Report, reason: FinishReason, completion:
         trace::attr(&root, "completion_tokens", i64::from(completion));
         trace::attr(&root, "attempts", i64::from(timings.attempts));
         trace::attr(&root, "migrations", i64::from(timings.migrations));
+        trace::attr(&root, "preemptions", i64::from(timings.preemptions));
         trace::attr(&root, "prefill_node", timings.prefill_node.clone());
         trace::attr(&root, "decode_node", timings.decode_node.clone());
         trace::attr(&root, "kv_transport", timings.kv_transport.clone());
@@ -145,7 +151,7 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
         } else {
             Wait::Never
         };
-        let placed = match place_or_wait(req, &exclude, wait).await {
+        let placed = match place_or_wait(req, &exclude, wait, report.resume.tokens.len()).await {
             Ok(p) => p,
             // No other node can take the retry: the first failure is the answer.
             Err(e) => return Err(last.unwrap_or(e)),
@@ -174,6 +180,23 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
                 if *node == decode_node && status.code() == tonic::Code::ResourceExhausted);
         if full {
             tracing::debug!(request = req.id, node = decode_node, "decode node full; waiting");
+            continue;
+        }
+        // Its node ran out of blocks for it: it waits for room (there or anywhere) and
+        // continues from where its stream stands, as a moved stream does.
+        if failure.preempted() && failure.node() == Some(decode_node.as_str()) {
+            if report.timings.preemptions >= MAX_PREEMPTIONS {
+                return Err(failure);
+            }
+            report.timings.preemptions += 1;
+            mesh.metrics.preempted();
+            tracing::info!(
+                request = req.id,
+                node = decode_node,
+                tokens = report.resume.tokens.len(),
+                "preempted; waiting for room to continue"
+            );
+            full = true;
             continue;
         }
         if !failure.retryable() {
@@ -272,6 +295,7 @@ async fn place_or_wait(
     req: &Request<'_>,
     exclude: &[String],
     wait: Wait,
+    resumed: usize,
 ) -> Result<Placed, Failure> {
     let queue = &req.mesh.queue;
     let full = || Failure::QueueFull { waiting: queue.len() };
@@ -288,7 +312,7 @@ async fn place_or_wait(
         tokio::pin!(changed);
         changed.as_mut().enable();
         if std::mem::replace(&mut look, true) && ticket.as_ref().is_none_or(|t| t.is_first()) {
-            match placement(req, exclude) {
+            match placement(req, exclude, resumed) {
                 // Leaving the queue (the ticket drops) lets the next one try.
                 Ok(p) => return Ok(p),
                 Err(Failure::Place(why @ PlaceError::NoCapacity { .. })) if may_wait => {
@@ -319,7 +343,7 @@ type Placed = (crate::registry::Node, Option<crate::registry::Node>, u32);
 
 /// Picks the decode (and prefill) node for an attempt, never one in `exclude`; returns them and
 /// the blocks the decode node is counted for.
-fn placement(req: &Request<'_>, exclude: &[String]) -> Result<Placed, Failure> {
+fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Placed, Failure> {
     let mesh = req.mesh;
     let cfg = &mesh.config;
     // Placement reads the registry in place, under its lock, and copies only the nodes chosen.
@@ -336,7 +360,7 @@ fn placement(req: &Request<'_>, exclude: &[String]) -> Result<Placed, Failure> {
         matched_tokens = Empty,
     );
     let _entered = span.enter();
-    let ask = ask_of(mesh, req.prep, &req.salt, &prefills);
+    let ask = ask_of(mesh, req.prep, &req.salt, &prefills, resumed);
     let placed =
         place(&prefills, &reg.live_refs(Role::Decode, now), &ask, exclude).map_err(|e| {
             let retry_after = Duration::from_millis(cfg.retry_after_ms);
@@ -359,7 +383,15 @@ fn placement(req: &Request<'_>, exclude: &[String]) -> Result<Placed, Failure> {
     Ok((decode, prefill, blocks))
 }
 
-fn ask_of(mesh: &Mesh, prep: &Prepared, salt: &[u8], prefill: &[&crate::registry::Node]) -> Ask {
+/// What placement is asked for; `resumed` tokens of the request's output (a moved or
+/// preempted stream's) are recomputed on its decode node.
+fn ask_of(
+    mesh: &Mesh,
+    prep: &Prepared,
+    salt: &[u8],
+    prefill: &[&crate::registry::Node],
+    resumed: usize,
+) -> Ask {
     let cfg = &mesh.config;
     let matched = if cfg.prefill_policy == PrefillPolicy::PrefixAware {
         mesh.prefixes.matched(prefill, salt, &prep.prompt)
@@ -369,6 +401,7 @@ fn ask_of(mesh: &Mesh, prep: &Prepared, salt: &[u8], prefill: &[&crate::registry
     Ask {
         prompt_tokens: prep.prompt.len(),
         max_tokens: prep.max_tokens,
+        up_front: crate::attempt::up_front(cfg, prep.max_tokens, resumed),
         colocate_below: cfg.colocate_below_tokens,
         colocate_when_prefill_busy: cfg.colocate_when_prefill_busy,
         policy: cfg.prefill_policy,

@@ -162,6 +162,7 @@ fn to_wire(e: Event) -> generate_response::Event {
                     kv_bytes: t.kv_bytes,
                     attempts: t.attempts,
                     migrations: t.migrations,
+                    preemptions: t.preemptions,
                 }),
             })
         }

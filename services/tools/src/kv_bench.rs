@@ -213,6 +213,7 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
                 lease_ms: 60_000,
                 remote_kv: true,
                 owner: String::new(),
+                reserve_tokens: 0,
             };
             let target =
                 client.reserve(reserve).await?.into_inner().target.context("no KV target")?;
