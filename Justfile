@@ -119,6 +119,17 @@ bench-coalesce: system-deps fetch-model
     UP_ARGS="--kvstore-budget-bytes 4294967296" \
         ./scripts/bench_replay_ab.sh target/release COALESCE_WAIT_MS 200 1 0 30000
 
+# Growing decode reservations off and on: a burst (the first 100 conversation trace requests
+# at --time-scale 0.01) whose requests ask for their whole trace output length (up to 1,024
+# tokens, ending early at the model's end of text) after 64-token prompts, on a decode node of
+# 128 blocks: KV for all of max_tokens up front (reserve_tokens 0) against the prompt and 64
+# tokens, grown as tokens come, preempting when the node runs out (~10 min).
+bench-grow: system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    UP_ARGS="--kv-blocks 128" \
+        REPLAY_ARGS="--token-scale 1 --max-output-tokens 1024 --max-prompt-tokens 64 --eos" \
+        ./scripts/bench_replay_ab.sh target/release RESERVE_TOKENS 100 0.01 0 64
+
 bench-sim *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_sim.py --model {{model}} {{args}}

@@ -362,17 +362,19 @@ async fn a_burst_past_the_kv_waits_for_room_and_all_of_it_finishes() {
     }
 }
 
-/// Growing reservations: eight requests that each end up taking a quarter of the decode node's
-/// KV all start at once (each is promised its prompt and 8 tokens), outgrow the node together,
-/// and the youngest are preempted; each waits for room and continues, recomputed, so every
-/// one finishes with one engine's tokens.
+/// Growing reservations: twelve requests that each end up taking a quarter of the decode
+/// node's KV start together (each is promised its prompt and 8 tokens), outgrow the node, and
+/// the youngest are preempted; each waits for room and continues, recomputed, so every one
+/// finishes with one engine's tokens. Heartbeats a second apart keep the router's view of the
+/// node's room stale, so a preempted request is also turned down as full: it waits again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn growing_reservations_are_preempted_and_finish_with_the_same_tokens() {
     let want = reference(QUARTER as usize);
     let mut s = Settings::new(1, 1);
     s.router.reserve_tokens = 8;
+    (s.router.heartbeat_interval_ms, s.router.node_ttl_ms) = (1_000, 5_000);
     let m = Arc::new(s.start().await);
-    let burst: Vec<_> = (0..8)
+    let burst: Vec<_> = (0..12)
         .map(|_| {
             let m = Arc::clone(&m);
             tokio::spawn(async move { generate(&m, req(QUARTER)).await })

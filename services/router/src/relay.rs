@@ -139,6 +139,8 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
     let mut retries = 0;
     // The decode node chosen had no room after all: wait for room before trying again.
     let mut full = false;
+    // The last attempt was preempted: until one gets a reservation, this one waits for room.
+    let mut preempted = false;
     loop {
         if let Some(done) = ended_before_moving(req, report).await? {
             return Ok(done);
@@ -173,15 +175,16 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
             mesh.registry().suspect(n, Instant::now());
         }
         // The router's view of the node's room is a heartbeat old: a node that turns the
-        // reservation down as full is waited on like any full mesh, not held against.
-        full = !report.first_sent
-            && last.is_none()
+        // reservation down as full is waited on like any full mesh, not held against. So is
+        // one that turns down a preempted request, which only ever waits for room.
+        full = (preempted || (!report.first_sent && last.is_none()))
             && matches!(&failure, Failure::Refused { node, status }
                 if *node == decode_node && status.code() == tonic::Code::ResourceExhausted);
         if full {
             tracing::debug!(request = req.id, node = decode_node, "decode node full; waiting");
             continue;
         }
+        preempted = false;
         // Its node ran out of blocks for it: it waits for room (there or anywhere) and
         // continues from where its stream stands, as a moved stream does.
         if failure.preempted() && failure.node() == Some(decode_node.as_str()) {
@@ -196,7 +199,7 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
                 tokens = report.resume.tokens.len(),
                 "preempted; waiting for room to continue"
             );
-            full = true;
+            (full, preempted) = (true, true);
             continue;
         }
         if !failure.retryable() {

@@ -105,15 +105,15 @@ pub async fn connect_many(
     Ok(clients)
 }
 
-/// One streamed completion of `ids` (`max_tokens` exactly: end-of-turn ignored), timed as
-/// the gRPC client times one: first token, then the gap before each next one.
-pub async fn one(mut c: HttpClient, ids: Vec<u32>, max_tokens: u32) -> Sample {
+/// One streamed completion of `ids` (`max_tokens` exactly: end-of-turn ignored, unless
+/// `eos`), timed as the gRPC client times one: first token, then the gap before each next one.
+pub async fn one(mut c: HttpClient, ids: Vec<u32>, max_tokens: u32, eos: bool) -> Sample {
     let body = serde_json::json!({
         "model": &*c.model,
         "prompt": ids,
         "max_tokens": max_tokens,
         "temperature": 0,
-        "ignore_eos": true,
+        "ignore_eos": !eos,
         "stream": true,
         "stream_options": {"include_usage": true},
         "return_token_ids": true,

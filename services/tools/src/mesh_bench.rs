@@ -94,6 +94,8 @@ pub(crate) struct Sample {
     /// The nodes the mesh placed it on.
     prefill_node: String,
     decode_node: String,
+    /// Times its decode node preempted it (growing reservations).
+    preemptions: u32,
 }
 
 impl Sample {
@@ -149,11 +151,12 @@ pub(crate) enum Client {
     Http(crate::http_load::HttpClient),
 }
 
-/// One request of `ids`, generating exactly `max_tokens`, timed.
-pub(crate) async fn one(client: Client, ids: Vec<u32>, max_tokens: u32) -> Sample {
+/// One request of `ids`, generating exactly `max_tokens` (with `eos`, at most: it ends at the
+/// model's end of text), timed.
+pub(crate) async fn one(client: Client, ids: Vec<u32>, max_tokens: u32, eos: bool) -> Sample {
     match client {
-        Client::Grpc(c) => one_grpc(c, ids, max_tokens).await,
-        Client::Http(c) => crate::http_load::one(c, ids, max_tokens).await,
+        Client::Grpc(c) => one_grpc(c, ids, max_tokens, eos).await,
+        Client::Http(c) => crate::http_load::one(c, ids, max_tokens, eos).await,
     }
 }
 
@@ -161,11 +164,12 @@ async fn one_grpc(
     mut client: pdmesh_common::apikey::GenerationClient,
     ids: Vec<u32>,
     max_tokens: u32,
+    eos: bool,
 ) -> Sample {
     let req = GenerateRequest {
         input: Some(generate_request::Input::TokenIds(TokenIds { ids })),
         max_tokens,
-        ignore_eos: true,
+        ignore_eos: !eos,
         ..Default::default()
     };
     let t0 = Instant::now();
@@ -190,6 +194,7 @@ async fn one_grpc(
                     (s.queue_ms, s.prefill_ms, s.transfer_ms) =
                         (t.queue_ms, t.prefill_ms, t.transfer_ms);
                     (s.prefill_node, s.decode_node) = (t.prefill_node, t.decode_node);
+                    s.preemptions = t.preemptions;
                     s.e2e_ms = ms(t0.elapsed());
                     s.ok = true;
                     return s;
@@ -262,6 +267,8 @@ pub(crate) fn summary(
         "prefill_ms": dist(&ok.iter().map(|s| s.prefill_ms).collect::<Vec<_>>()),
         "transfer_ms": dist(&ok.iter().map(|s| s.transfer_ms).collect::<Vec<_>>()),
         "output_tok_s": tokens as f64 / wall_s,
+        "output_tokens": tokens,
+        "preemptions": ok.iter().map(|s| u64::from(s.preemptions)).sum::<u64>(),
         "req_s": ok.len() as f64 / wall_s,
         "goodput_req_s": good as f64 / wall_s,
         "slo_attainment": if samples.is_empty() { 0.0 } else { good as f64 / samples.len() as f64 },
@@ -340,7 +347,7 @@ async fn drive(a: MeshBenchArgs, key: Option<String>) -> anyhow::Result<()> {
         streams.push(tokio::spawn(async move {
             let mut v = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let s = one(c.clone(), ids.clone(), n).await;
+                let s = one(c.clone(), ids.clone(), n, false).await;
                 let failed = !s.ok;
                 v.push(s);
                 if failed {
@@ -380,7 +387,7 @@ async fn drive(a: MeshBenchArgs, key: Option<String>) -> anyhow::Result<()> {
         let c = clients[i % CONNECTIONS].clone();
         let (done, max_tokens) = (Arc::clone(&done), a.max_tokens);
         tasks.push(tokio::spawn(async move {
-            let s = one(c, ids, max_tokens).await;
+            let s = one(c, ids, max_tokens, false).await;
             drop(permit);
             let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
             if n % 100 == 0 || n == total {

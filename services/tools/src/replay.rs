@@ -34,6 +34,11 @@ pub struct ReplayArgs {
     /// Most output tokens per request, after scaling.
     #[arg(long, default_value_t = 64)]
     max_output_tokens: u32,
+    /// Let requests end at the model's end of text: each asks for its trace output length as
+    /// max_tokens, the most it may take, as a client that cannot know an answer's length does
+    /// (without it each generates exactly that many).
+    #[arg(long)]
+    eos: bool,
     /// Longest prompt sent, after scaling (longer ones are cut: the model's context is finite).
     #[arg(long, default_value_t = 4096)]
     max_prompt_tokens: usize,
@@ -182,7 +187,7 @@ async fn replay(a: &ReplayArgs, trace: &[TraceRequest], key: Option<&str>) -> an
             writeln!(w, "{line}")?;
         }
         let c = clients[tasks.len() % CONNECTIONS].clone();
-        tasks.push(tokio::spawn(one(c, ids, out)));
+        tasks.push(tokio::spawn(one(c, ids, out, a.eos)));
     }
     if let Some(mut w) = schedule {
         use std::io::Write;
@@ -257,6 +262,7 @@ mod tests {
             token_scale: scale,
             time_scale: 1.0,
             max_output_tokens: 64,
+            eos: false,
             max_prompt_tokens: 4096,
             target: String::new(),
             ttft_slo_ms: 0.0,
