@@ -153,8 +153,13 @@ impl std::fmt::Debug for MeshTls {
     }
 }
 
+/// ring's suites with AES-128-GCM first: every mesh connection is ours at both ends, and
+/// AES-128 (10 rounds to AES-256's 14) is what bounds how fast KV moves over gRPC.
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    let mut p = rustls::crypto::ring::default_provider();
+    let first = rustls::CipherSuite::TLS13_AES_128_GCM_SHA256;
+    p.cipher_suites.sort_by_key(|s| s.suite() != first);
+    Arc::new(p)
 }
 
 fn pem_error(path: &Path, e: impl std::fmt::Display) -> TlsError {
@@ -203,6 +208,8 @@ impl MeshTls {
                     .with_client_cert_verifier(v)
                     .with_single_cert(chain.clone(), private.clone_key())?;
                 c.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+                // Ours, not the client's (tonic's client builds its own provider's order).
+                c.ignore_client_order = true;
                 Ok(Arc::new(c))
             };
         // gRPC is HTTP/2 only, and tonic's clients insist on negotiating it; most HTTP
@@ -458,6 +465,47 @@ mod tests {
         assert_eq!(MeshTls::load(dir.path(), "ops").unwrap().identity().role, MeshRole::Admin);
         assert!(matches!(MeshTls::load(dir.path(), "../ca"), Err(TlsError::Name(_))));
         assert!(matches!(MeshTls::load(dir.path(), "nobody"), Err(TlsError::Read { .. })));
+    }
+
+    /// KV moves over these connections: every mesh server picks AES-128-GCM even for a client
+    /// that prefers AES-256 (rustls' own order, which tonic's clients use).
+    #[test]
+    fn mesh_servers_choose_aes_128_whatever_the_client_prefers() {
+        use rustls::CipherSuite::{TLS13_AES_128_GCM_SHA256, TLS13_AES_256_GCM_SHA384};
+        let dir = tempfile::tempdir().unwrap();
+        issue(dir.path(), &[("r", MeshRole::Router)]).unwrap();
+        let t = MeshTls::load(dir.path(), "r").unwrap();
+        let ring = Arc::new(rustls::crypto::ring::default_provider());
+        assert_eq!(ring.cipher_suites[0].suite(), TLS13_AES_256_GCM_SHA384);
+        let client = rustls::ClientConfig::builder_with_provider(ring)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(Arc::clone(&t.material().roots))
+            .with_no_client_auth();
+        let name = rustls::pki_types::ServerName::try_from(MESH_NAME).unwrap();
+        for server in [t.public_server(), t.https_server()] {
+            let c = rustls::ClientConnection::new(Arc::new(client.clone()), name.clone());
+            let mut c = rustls::Connection::from(c.unwrap());
+            let mut s = rustls::Connection::from(rustls::ServerConnection::new(server).unwrap());
+            let pass = |from: &mut rustls::Connection, to: &mut rustls::Connection| {
+                let mut wire = Vec::new();
+                while from.wants_write() {
+                    from.write_tls(&mut wire).unwrap();
+                }
+                let mut rest = &wire[..];
+                while !rest.is_empty() {
+                    to.read_tls(&mut rest).unwrap();
+                    to.process_new_packets().unwrap();
+                }
+            };
+            for _ in 0..10 {
+                pass(&mut c, &mut s);
+                pass(&mut s, &mut c);
+            }
+            assert!(!c.is_handshaking() && !s.is_handshaking());
+            let got = s.negotiated_cipher_suite().unwrap().suite();
+            assert_eq!(got, TLS13_AES_128_GCM_SHA256);
+        }
     }
 
     #[test]
