@@ -188,7 +188,12 @@ impl Core for Worker {
                             }
                         }
                     });
-                let _ = reply.send(r);
+                // Its caller is gone (it gave up waiting, e.g. while this node was hung):
+                // nobody can name the reservation, so it is freed now rather than at its lease.
+                if let Err(Ok((res, _))) = reply.send(r) {
+                    tracing::debug!(reservation = res.id(), "reserved for a caller that left");
+                    core.release(res.id());
+                }
             }
             Command::Release { cap, reply } => {
                 // Releasing what you do not hold releases nothing, as for an expired one.

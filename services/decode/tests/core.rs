@@ -570,3 +570,43 @@ fn a_growing_reservation_that_runs_out_is_preempted_and_recomputed_identically()
     let k = c.counts();
     assert_eq!((k.preempted, k.completed, k.committed_blocks), (1, 2, 0));
 }
+
+/// A Reserve whose caller gave up before the engine thread got to it (its reply has nowhere
+/// to go: the call timed out while this node was hung) is freed at once, not at its lease:
+/// nobody could ever name it to release it.
+#[test]
+fn a_reservation_whose_caller_left_is_freed_at_once() {
+    use pdmesh_common::worker::Core;
+    use pdmesh_decode::worker::{Command, Worker};
+    let mut w = Worker::new(core(16));
+    let (reply, gone) = tokio::sync::oneshot::channel();
+    drop(gone);
+    let cmd = Command::Reserve {
+        prompt_len: 20,
+        max_tokens: 20,
+        up_front: 20,
+        lease: None,
+        remote_kv: false,
+        grant: None,
+        request: ("alice".into(), "r1".into()),
+        reply,
+    };
+    w.handle(cmd, Instant::now());
+    let k = w.counts();
+    assert_eq!((k.reserved, k.committed_blocks, k.free_blocks), (0, 0, 16));
+    // A caller that waits gets its reservation, and it stays.
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let cmd = Command::Reserve {
+        prompt_len: 20,
+        max_tokens: 20,
+        up_front: 20,
+        lease: None,
+        remote_kv: false,
+        grant: None,
+        request: ("alice".into(), "r2".into()),
+        reply,
+    };
+    w.handle(cmd, Instant::now());
+    assert!(answer.blocking_recv().unwrap().is_ok());
+    assert_eq!((w.counts().reserved, w.counts().committed_blocks), (1, 3));
+}
