@@ -126,9 +126,9 @@ async fn killed_decode_node_streams_continue_bit_identically(transport: &str) {
 async fn hung_decode_node_streams_continue_bit_identically() {
     let _serial = SERIAL.lock().await;
     tokio::task::spawn_blocking(expected).await.unwrap();
-    // A Reserve the hung node reads only once it is back, after its caller gave up, may be
-    // answered into the void: nobody can release it, and its lease frees it. Kept well under
-    // the 30 s the test waits for free blocks.
+    // What reaches the hung node only once it is back, after its caller gave up (a Reserve
+    // answered into the void, a transfer's end), is freed by a lease or a short grace past
+    // it, so the lease is kept well under the 30 s the test waits for free blocks.
     let c =
         Cluster::builder().prefill(1).decode(2).router_args(&["--lease-ms", "10000"]).start().await;
     let started = Arc::new(AtomicUsize::new(0));

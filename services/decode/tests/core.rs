@@ -610,3 +610,22 @@ fn a_reservation_whose_caller_left_is_freed_at_once() {
     assert!(answer.blocking_recv().unwrap().is_ok());
     assert_eq!((w.counts().reserved, w.counts().committed_blocks), (1, 3));
 }
+
+/// KV that completes long after its caller's lease (the prompt waited in a prefill queue, or
+/// this node was hung) waits for its request only a short grace, not a whole default lease: a
+/// caller that gave up stopped releasing it at the lease it was granted.
+#[test]
+fn complete_kv_past_its_granted_lease_waits_only_a_grace() {
+    let mut c = DecodeCore::new(engine(16), 8, Duration::from_secs(60), Duration::from_secs(300));
+    let t0 = Instant::now();
+    let bpb = c.engine().kv().geometry().bytes_per_block();
+    let r = c.reserve(8, 4, Some(Duration::from_secs(1)), false, t0).unwrap();
+    c.kv_begin(r.id(), false).unwrap();
+    c.kv_write(r.id(), 0, &vec![0; bpb]).unwrap();
+    let done = t0 + Duration::from_secs(20);
+    c.kv_end(r.id(), 1, &[], done).unwrap();
+    assert_eq!(c.sweep(done), Some(done + Duration::from_secs(10)));
+    c.sweep(done + Duration::from_millis(10_001));
+    let k = c.counts();
+    assert_eq!((k.reserved, k.leases_expired, k.committed_blocks), (0, 1, 0));
+}
