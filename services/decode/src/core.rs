@@ -160,8 +160,6 @@ struct Reservation {
     committed: usize,
     /// Blocks the prompt and all of max_tokens take: what `committed` may grow to.
     ceiling: usize,
-    /// The lease its caller was granted: what it reckons the reservation lives by.
-    granted_lease: Instant,
     phase: Phase,
     /// Remote access granted to the prompt's blocks (a UCX registration of them alone):
     /// dropped, which revokes it, once the KV is complete or the reservation ends.
@@ -193,9 +191,9 @@ impl Reserved {
     }
 }
 
-/// Longest complete KV waits for its request past the lease its caller was granted. The
-/// caller attaches as soon as it hears the transfer ended; one that has not by then gave up
-/// (and stopped releasing the reservation at that lease, so the node must not keep it long).
+/// Longest complete KV waits for its request (or the node's default lease, if shorter). The
+/// caller attaches as soon as it hears the transfer ended; one that has not by then is gone,
+/// and may have stopped releasing the reservation long ago (at the lease it was granted).
 const READY_GRACE: Duration = Duration::from_secs(10);
 
 pub struct DecodeCore {
@@ -338,7 +336,6 @@ impl DecodeCore {
                 prompt_len,
                 committed: need,
                 ceiling,
-                granted_lease: now + lease,
                 phase,
                 remote: None,
                 granted: None,

@@ -611,9 +611,10 @@ fn a_reservation_whose_caller_left_is_freed_at_once() {
     assert_eq!((w.counts().reserved, w.counts().committed_blocks), (1, 3));
 }
 
-/// KV that completes long after its caller's lease (the prompt waited in a prefill queue, or
-/// this node was hung) waits for its request only a short grace, not a whole default lease: a
-/// caller that gave up stopped releasing it at the lease it was granted.
+/// Complete KV waits for its request at most a short grace, however long the node's default
+/// lease: KV that completes long after its caller gave up (this node was hung) would otherwise
+/// hold its blocks a whole lease, while the caller stopped releasing it at the lease it was
+/// granted.
 #[test]
 fn complete_kv_past_its_granted_lease_waits_only_a_grace() {
     let mut c = DecodeCore::new(engine(16), 8, Duration::from_secs(60), Duration::from_secs(300));

@@ -96,9 +96,8 @@ impl DecodeCore {
     }
 
     /// The sender says the KV is complete with `blocks` blocks (see `Receiver::end`). A
-    /// checksum mismatch fails the reservation. KV that no request waits for yet is kept until
-    /// the lease its caller was granted, or a short grace from `now` (`READY_GRACE`) if that
-    /// has passed (the prompt waited long in a prefill node's queue).
+    /// checksum mismatch fails the reservation. KV that no request waits for yet is kept for
+    /// the node's default lease from `now`, at most `READY_GRACE`.
     pub fn kv_end(
         &mut self,
         id: u64,
@@ -115,7 +114,7 @@ impl DecodeCore {
             return Err(e);
         }
         let r = self.reservations.get_mut(&id).expect("checked above");
-        let lease = r.granted_lease.max(now + self.default_lease.min(super::READY_GRACE));
+        let lease = now + self.default_lease.min(super::READY_GRACE);
         // The KV is complete: no peer has anything more to write. Revoked once the caller
         // has its answer (`revoke_completed`), so the commit does not wait on it.
         if let Some(g) = r.remote.take() {
