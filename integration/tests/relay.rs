@@ -343,18 +343,26 @@ async fn a_prefill_node_that_leaves_after_its_part_does_not_fail_the_decode() {
 /// fit on the node at once.
 const QUARTER: u32 = 256 * 4 / 4 - 21;
 
+/// A request's tokens and finish, or its status.
+type Generated = Result<(Vec<u32>, Finished), tonic::Status>;
+
+/// `n` requests of `QUARTER` tokens sent at once, each in its own task.
+fn spawn_many(m: &Arc<Mesh>, n: usize) -> Vec<tokio::task::JoinHandle<Generated>> {
+    (0..n)
+        .map(|_| {
+            let m = Arc::clone(m);
+            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
+        })
+        .collect()
+}
+
 /// A burst of three times what the decode node's KV holds: the requests that find no room
 /// wait for it, first come first served, and every one finishes with one engine's tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_past_the_kv_waits_for_room_and_all_of_it_finishes() {
     let want = reference(QUARTER as usize);
     let m = Arc::new(Settings::new(1, 1).start().await);
-    let burst: Vec<_> = (0..12)
-        .map(|_| {
-            let m = Arc::clone(&m);
-            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
-        })
-        .collect();
+    let burst: Vec<_> = spawn_many(&m, 12);
     for r in burst {
         let (tokens, f) = r.await.unwrap().expect("a request of the burst failed");
         assert_eq!(tokens, want);
@@ -374,12 +382,7 @@ async fn growing_reservations_are_preempted_and_finish_with_the_same_tokens() {
     s.router.reserve_tokens = 8;
     (s.router.heartbeat_interval_ms, s.router.node_ttl_ms) = (1_000, 5_000);
     let m = Arc::new(s.start().await);
-    let burst: Vec<_> = (0..12)
-        .map(|_| {
-            let m = Arc::clone(&m);
-            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
-        })
-        .collect();
+    let burst: Vec<_> = spawn_many(&m, 12);
     let mut preemptions = 0;
     for r in burst {
         let (tokens, f) = r.await.unwrap().expect("a growing request failed");
@@ -387,7 +390,7 @@ async fn growing_reservations_are_preempted_and_finish_with_the_same_tokens() {
         assert_eq!(f.reason, FinishReason::Length as i32);
         preemptions += f.timings.unwrap().preemptions;
     }
-    assert!(preemptions > 0, "eight requests of a quarter each never outgrew the node");
+    assert!(preemptions > 0, "twelve requests of a quarter each never outgrew the node");
 }
 
 /// Past `max_queued` a request is refused at once, with a retry hint; a queued request
@@ -400,12 +403,7 @@ async fn a_full_queue_sheds_and_a_queued_deadline_is_kept() {
     // well inside the first requests' time.
     s.decode[0].fault_step_delay_ms = 5;
     let m = Arc::new(s.start().await);
-    let burst: Vec<_> = (0..12)
-        .map(|_| {
-            let m = Arc::clone(&m);
-            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
-        })
-        .collect();
+    let burst: Vec<_> = spawn_many(&m, 12);
     let (mut done, mut shed) = (0, 0);
     for r in burst {
         match r.await.unwrap() {
@@ -421,12 +419,7 @@ async fn a_full_queue_sheds_and_a_queued_deadline_is_kept() {
     // Four run, two wait, the rest are shed (the first four outlast the burst's arrival).
     assert_eq!((done, shed), (6, 6), "{done} done, {shed} shed");
     // The node full again, and a request that cannot wait long enough.
-    let long: Vec<_> = (0..4)
-        .map(|_| {
-            let m = Arc::clone(&m);
-            tokio::spawn(async move { generate(&m, req(QUARTER)).await })
-        })
-        .collect();
+    let long: Vec<_> = spawn_many(&m, 4);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let mut r = tonic::Request::new(req(QUARTER));
     r.set_timeout(Duration::from_millis(300));

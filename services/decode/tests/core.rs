@@ -579,34 +579,24 @@ fn a_reservation_whose_caller_left_is_freed_at_once() {
     use pdmesh_common::worker::Core;
     use pdmesh_decode::worker::{Command, Worker};
     let mut w = Worker::new(core(16));
-    let (reply, gone) = tokio::sync::oneshot::channel();
-    drop(gone);
-    let cmd = Command::Reserve {
+    let reserve = |name: &str, reply| Command::Reserve {
         prompt_len: 20,
         max_tokens: 20,
         up_front: 20,
         lease: None,
         remote_kv: false,
         grant: None,
-        request: ("alice".into(), "r1".into()),
+        request: ("alice".into(), name.into()),
         reply,
     };
-    w.handle(cmd, Instant::now());
+    let (reply, gone) = tokio::sync::oneshot::channel();
+    drop(gone);
+    w.handle(reserve("r1", reply), Instant::now());
     let k = w.counts();
     assert_eq!((k.reserved, k.committed_blocks, k.free_blocks), (0, 0, 16));
     // A caller that waits gets its reservation, and it stays.
     let (reply, answer) = tokio::sync::oneshot::channel();
-    let cmd = Command::Reserve {
-        prompt_len: 20,
-        max_tokens: 20,
-        up_front: 20,
-        lease: None,
-        remote_kv: false,
-        grant: None,
-        request: ("alice".into(), "r2".into()),
-        reply,
-    };
-    w.handle(cmd, Instant::now());
+    w.handle(reserve("r2", reply), Instant::now());
     assert!(answer.blocking_recv().unwrap().is_ok());
     assert_eq!((w.counts().reserved, w.counts().committed_blocks), (1, 3));
 }
