@@ -162,6 +162,7 @@ fetch-test-models *args="": fetch-model _llamacpp
 test-models: _llamacpp
     just fetch-test-models --only 'smollm2-*,synth-llama3-[QFB]*,synth-llama3-1b-Q4_K_M,synth-qwen2-*,synth-qwen3-*,synth-mistral-*'
     {{bench_venv}}/bin/python scripts/arch_reference.py $(ls models/test/smollm2-*.gguf models/test/synth-{llama3-[QFB],llama3-1b-,qwen2-,qwen3-,mistral-}*.gguf)
+    for kv in q8_0 q8_0-norot; do {{bench_venv}}/bin/python scripts/arch_reference.py --kv $kv models/test/{smollm2,synth-llama3,synth-qwen2,synth-qwen3,synth-mistral}-{Q8_0,Q4_K_M}.gguf; done
 
 # llama.cpp's prompt and decode logits (vec_dot path: micro-batches of 4, no repacking) for the
 # smollm2-* and synth-* models in models/test/, which services/engine/tests/architectures.rs

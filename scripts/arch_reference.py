@@ -12,6 +12,11 @@ one present), writes next to it
                         settings and the model's size and sha256
 with flash attention off, f16 KV, 2 threads and weight repacking off.
 
+With --kv q8_0 (or q8_0-norot) the files are X.ubatch4.q8_0.{f32,decode.f32,json}: llama.cpp
+with q8_0 K and V, which it computes only with flash attention on (one code path for prompt and
+decode rows), and with its default Hadamard rotation of Q/K/V around attention; q8_0-norot is
+the same with LLAMA_ATTN_ROT_DISABLE=1. pdmesh's `--kv-dtype` of the same name matches each.
+
 Why n_ubatch 4: llama.cpp picks its matmul kernels by micro-batch size. With 2 to 4 rows it
 runs the per-row dot products pdmesh reproduces; from 8 rows on, K-quant weights go through a
 tiled kernel that sums in another order, and a micro-batch of 1 takes yet another path. The
@@ -81,20 +86,49 @@ def model_params():
     return params
 
 
-def context_params(n_ctx):
+KV_TYPES = ("f16", "q8_0", "q8_0-norot")
+
+
+def context_params(n_ctx, kv):
     """A context that computes what pdmesh reproduces bit for bit: micro-batches of N_UBATCH,
-    flash attention off, f16 KV, THREADS threads."""
+    THREADS threads, and for f16 KV flash attention off; a q8_0 cache needs it on."""
     p = llama_cpp.llama_context_default_params()
     p.n_ctx = p.n_batch = n_ctx
     p.n_ubatch = N_UBATCH
     p.n_seq_max = 1
     p.n_threads = p.n_threads_batch = THREADS
-    p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    p.type_k = p.type_v = llama_cpp.GGML_TYPE_F16
+    if kv == "f16":
+        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k = p.type_v = llama_cpp.GGML_TYPE_F16
+    else:
+        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        p.type_k = p.type_v = llama_cpp.GGML_TYPE_Q8_0
     return p
 
 
-def reference(path):
+def init_context(model, kv):
+    """The context for `kv`; llama.cpp reads LLAMA_ATTN_ROT_DISABLE once, when the cache is
+    made, so it is set only around this call."""
+    if kv == "q8_0-norot":
+        os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
+    try:
+        ctx = llama_cpp.llama_init_from_model(model, context_params(N_CTX, kv))
+    finally:
+        os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+    if not ctx:
+        raise RuntimeError(f"llama_init_from_model failed:\n{LOG.tail()}")
+    log = "".join(LOG.lines)
+    if kv != "f16":
+        if "q8_0" not in log:
+            raise RuntimeError(f"llama.cpp did not make a q8_0 cache:\n{LOG.tail()}")
+        want = "0" if kv == "q8_0-norot" else None
+        for line in LOG.lines:
+            if "attn_rot_k" in line and want is not None and f"= {want}" not in line:
+                raise RuntimeError(f"rotation is not off for {kv}: {line.strip()}")
+    return ctx
+
+
+def reference(path, kv):
     LOG.lines.clear()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), model_params())
     if not model:
@@ -111,9 +145,7 @@ def reference(path):
             raise RuntimeError(f"llama_tokenize returned {n}")
         tokens = list(buf[:n])
 
-        ctx = llama_cpp.llama_init_from_model(model, context_params(N_CTX))
-        if not ctx:
-            raise RuntimeError(f"llama_init_from_model failed:\n{LOG.tail()}")
+        ctx = init_context(model, kv)
         try:
             batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
             try:
@@ -159,6 +191,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="*", type=Path)
+    ap.add_argument("--kv", choices=KV_TYPES, default="f16",
+                    help="llama.cpp's type_k/type_v (default f16; the files then have no KV "
+                         "suffix)")
     args = ap.parse_args()
     models = args.models or sorted(p for f in FAMILIES for p in MODELS.glob(f"{f}-*.gguf"))
     if not models:
@@ -167,10 +202,11 @@ def main():
     llama_cpp.llama_backend_init()
     for path in models:
         stem = path.name.removesuffix(".gguf")
-        tokens, n_vocab, logits, greedy, decoded = reference(path)
-        out = path.with_name(f"{stem}.ubatch4.f32")
+        tokens, n_vocab, logits, greedy, decoded = reference(path, args.kv)
+        tag = "ubatch4" if args.kv == "f16" else f"ubatch4.{args.kv}"
+        out = path.with_name(f"{stem}.{tag}.f32")
         write(out, logits)
-        decode_out = path.with_name(f"{stem}.ubatch4.decode.f32")
+        decode_out = path.with_name(f"{stem}.{tag}.decode.f32")
         write(decode_out, decoded)
         meta = {
             "model": path.name,
@@ -186,17 +222,19 @@ def main():
             "greedy": greedy,
             "decode_logits": decode_out.name,
             "settings": {"n_ctx": N_CTX, "n_batch": N_CTX, "n_ubatch": N_UBATCH,
-                         "n_threads": THREADS, "flash_attn": False, "type_k": "f16",
-                         "type_v": "f16", "use_extra_bufts": False},
+                         "n_threads": THREADS, "flash_attn": args.kv != "f16",
+                         "type_k": args.kv.removesuffix("-norot"),
+                         "type_v": args.kv.removesuffix("-norot"),
+                         "attn_rot": args.kv == "q8_0", "use_extra_bufts": False},
             "llama_cpp_version": llama_cpp.__version__,
             # Float weights take llama.cpp's AVX-512 (and AVX-512 BF16) kernels only when it
             # was built with them; the test bit-compares those formats only then.
             "system_info": llama_cpp.llama_print_system_info().decode(),
         }
-        jtmp = path.with_name(f"{stem}.ubatch4.json.tmp")
+        jtmp = path.with_name(f"{stem}.{tag}.json.tmp")
         jtmp.write_text(json.dumps(meta, indent=1) + "\n")
-        os.replace(jtmp, path.with_name(f"{stem}.ubatch4.json"))
-        print(f"{stem}: {len(tokens)} prompt positions and {len(greedy)} decoded x {n_vocab}",
+        os.replace(jtmp, path.with_name(f"{stem}.{tag}.json"))
+        print(f"{stem} ({args.kv} KV): {len(tokens)} prompt positions and {len(greedy)} decoded x {n_vocab}",
               file=sys.stderr)
 
 

@@ -35,15 +35,30 @@ pub fn sampling(i: usize) -> (f32, f32, u64) {
 
 /// `pdmesh run`'s tokens for prompt i (chat template applied), at most `max_tokens`.
 pub fn reference(i: usize, max_tokens: u32) -> Vec<u32> {
-    let v = run_json(PROMPTS[i], max_tokens, sampling(i));
+    reference_with(i, max_tokens, &[])
+}
+
+/// `reference` with `extra` flags for the engine.
+pub fn reference_with(i: usize, max_tokens: u32, extra: &[&str]) -> Vec<u32> {
+    let v = run_json_with(PROMPTS[i], max_tokens, sampling(i), extra);
     let ids = v["token_ids"].as_array().expect("token_ids");
     ids.iter().map(|x| x.as_u64().expect("a token id") as u32).collect()
 }
 
 /// `pdmesh run --json`'s answer for `prompt` (chat template applied) with (temperature,
 /// top_p, seed): `text`, `token_ids` and the rest.
-pub fn run_json(prompt: &str, max_tokens: u32, (t, p, seed): (f32, f32, u64)) -> serde_json::Value {
-    let (code, out, err) = run(pdmesh(&[
+pub fn run_json(prompt: &str, max_tokens: u32, sampling: (f32, f32, u64)) -> serde_json::Value {
+    run_json_with(prompt, max_tokens, sampling, &[])
+}
+
+/// `run_json` with `extra` flags for the engine (e.g. `--kv-dtype q8_0`).
+pub fn run_json_with(
+    prompt: &str,
+    max_tokens: u32,
+    (t, p, seed): (f32, f32, u64),
+    extra: &[&str],
+) -> serde_json::Value {
+    let mut c = pdmesh(&[
         "run",
         "--prompt",
         prompt,
@@ -56,7 +71,9 @@ pub fn run_json(prompt: &str, max_tokens: u32, (t, p, seed): (f32, f32, u64)) ->
         "--seed",
         &seed.to_string(),
         "--json",
-    ]));
+    ]);
+    c.args(extra);
+    let (code, out, err) = run(c);
     assert_eq!(code, 0, "{err}");
     serde_json::from_str(out.trim()).expect("`pdmesh run --json`")
 }

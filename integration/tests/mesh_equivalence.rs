@@ -9,7 +9,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use pdmesh_integration::reference::{PROMPTS, reference, request};
+use pdmesh_integration::reference::{PROMPTS, reference, reference_with, request};
 use pdmesh_integration::{Cluster, eventually, pdmesh_bin, per_transport, repo_root, run};
 use pdmesh_proto::v1::{
     FinishReason, GenerateRequest, SamplingParams, generate_request, generate_response,
@@ -99,6 +99,56 @@ async fn disaggregated_mesh_gives_the_tokens_of_one_engine(transport: &str) {
             }
         })
         .await;
+    }
+}
+
+per_transport!(q8_0_kv_through_the_mesh_gives_the_tokens_of_one_engine);
+
+/// With `--kv-dtype q8_0` everywhere, the blocks prefill ships are q8_0 (34 bytes per 32
+/// values, rotated), verified on arrival, and decode continues from them to exactly the tokens
+/// of `pdmesh run --kv-dtype q8_0`, greedy and seeded.
+async fn q8_0_kv_through_the_mesh_gives_the_tokens_of_one_engine(transport: &str) {
+    const Q8: [&str; 2] = ["--kv-dtype", "q8_0"];
+    // SmolLM2: 30 layers x (K+V) x 3 KV heads x 16 slots x 2 blocks of 34 bytes.
+    const Q8_BLOCK_BYTES: u64 = 195_840;
+    let _serial = SERIAL.lock().await;
+    let n = 6;
+    let expected = tokio::task::spawn_blocking(move || {
+        (0..n).map(|i| reference_with(i, MAX_TOKENS, &Q8)).collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
+    let cluster = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .transport(transport)
+        .prefill_args(&["--kv-verify", Q8[0], Q8[1]])
+        .decode_args(&Q8)
+        .start()
+        .await;
+    let mut client = cluster.client().await;
+    for (i, want) in expected.iter().enumerate() {
+        let mut s = client.generate(request(i, MAX_TOKENS)).await.unwrap().into_inner();
+        let (mut tokens, mut finished) = (Vec::new(), None);
+        while let Some(m) = s.message().await.unwrap() {
+            match m.event.unwrap() {
+                generate_response::Event::Delta(d) => tokens.extend(d.token_ids),
+                generate_response::Event::Finished(f) => finished = Some(f),
+                generate_response::Event::Started(_) => {}
+            }
+        }
+        assert_eq!(&tokens, want, "prompt {i}: q8_0 KV through the mesh differs from one engine");
+        let t = finished.expect("a finish message").timings.unwrap();
+        assert_eq!(t.kv_transport, transport);
+        assert!(
+            t.kv_bytes > 0 && t.kv_bytes % Q8_BLOCK_BYTES == 0,
+            "prompt {i}: {} KV bytes are not whole q8_0 blocks",
+            t.kv_bytes
+        );
+    }
+    let stats = cluster.prefill_stats(0).await;
+    for t in stats.transports {
+        assert_eq!((t.failures, t.fallbacks), (0, 0), "{t:?}");
     }
 }
 

@@ -163,6 +163,10 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         out: &mut Self::Buffer,
     );
 
+    /// The Hadamard transform of every run of `n` values (a power of two) of `x`, scaled by
+    /// `1/√n`: the rotation llama.cpp applies around attention over a quantized KV cache.
+    fn fwht(&self, x: &mut Self::Buffer, n: usize);
+
     /// Looks up (dequantizes) embedding rows.
     fn embed(&self, table: &Self::Weight, tokens: &[u32], out: &mut Self::Buffer);
 

@@ -9,7 +9,7 @@ use pdmesh_kv_types::{HostMemory, MemoryRegion};
 
 use crate::backend::{KvError, KvStorage};
 
-pub use pdmesh_kv_types::{KvDtype, KvGeometry};
+pub use pdmesh_kv_types::{KvDtype, KvGeometry, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 
 /// Where one token's K/V goes: a block of the pool and a slot in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +23,9 @@ pub struct KvSlot {
 pub enum KvData<'a> {
     F16(&'a [f16]),
     F32(&'a [f32]),
+    /// q8_0 rows (either rotation): `row_bytes` bytes per row, blocks of an f16 scale and 32
+    /// `i8`. Read the scale with `u16::from_le_bytes`: it is not aligned.
+    Q8_0(&'a [u8]),
 }
 
 /// The elements of a KV block pool, as the kernels write them.
@@ -30,6 +33,7 @@ pub enum KvData<'a> {
 pub enum KvDataMut<'a> {
     F16(&'a mut [f16]),
     F32(&'a mut [f32]),
+    Q8_0(&'a mut [u8]),
 }
 
 /// One contiguous allocation holding `n_blocks` blocks.
@@ -64,6 +68,7 @@ impl KvBuffer {
         match self.geometry.dtype {
             KvDtype::F16 => KvData::F16(bytemuck::cast_slice(b)),
             KvDtype::F32 => KvData::F32(bytemuck::cast_slice(b)),
+            KvDtype::Q8_0 | KvDtype::Q8_0NoRot => KvData::Q8_0(b),
         }
     }
 
@@ -73,6 +78,7 @@ impl KvBuffer {
         match dtype {
             KvDtype::F16 => KvDataMut::F16(bytemuck::cast_slice_mut(b)),
             KvDtype::F32 => KvDataMut::F32(bytemuck::cast_slice_mut(b)),
+            KvDtype::Q8_0 | KvDtype::Q8_0NoRot => KvDataMut::Q8_0(b),
         }
     }
 
@@ -122,10 +128,18 @@ impl KvBuffer {
     }
 
     /// Reads one element as f32 (for tests and checksums; kernels read the slices directly).
+    /// `idx` counts elements as `KvGeometry::offset` does; q8_0 ones are dequantized.
     pub fn get(&self, idx: usize) -> f32 {
         match self.data() {
             KvData::F16(v) => v[idx].to_f32(),
             KvData::F32(v) => v[idx],
+            KvData::Q8_0(b) => {
+                let g = &self.geometry;
+                let (row, within) = (idx / g.head_dim, idx % g.head_dim);
+                let at = row * g.row_bytes() + within / Q8_0_BLOCK * Q8_0_BLOCK_BYTES;
+                let d = f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
+                f32::from(b[at + 2 + within % Q8_0_BLOCK] as i8) * d
+            }
         }
     }
 }
@@ -182,8 +196,9 @@ mod tests {
 
     #[test]
     fn block_bytes_round_trip_between_pools() {
-        for dtype in [KvDtype::F16, KvDtype::F32] {
-            let g = KvGeometry { layers: 2, kv_heads: 1, head_dim: 4, block_size: 2, dtype };
+        for dtype in KvDtype::ALL {
+            let head_dim = if dtype.is_q8_0() { 32 } else { 4 };
+            let g = KvGeometry { layers: 2, kv_heads: 1, head_dim, block_size: 2, dtype };
             let mut a = KvBuffer::new(g, 3).unwrap();
             match a.data_mut() {
                 KvDataMut::F16(v) => {
@@ -191,6 +206,16 @@ mod tests {
                 }
                 KvDataMut::F32(v) => {
                     v.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32 * 0.5)
+                }
+                // Scale 1/4 (f16 0x3400) and quants counting up, wrapping.
+                KvDataMut::Q8_0(v) => {
+                    for (i, x) in v.iter_mut().enumerate() {
+                        *x = match i % 34 {
+                            0 => 0x00,
+                            1 => 0x34,
+                            _ => i as u8,
+                        }
+                    }
                 }
             }
             let mut bytes = Vec::new();

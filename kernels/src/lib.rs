@@ -20,6 +20,9 @@ pub mod quant;
 pub use backend::{Backend, KvError, KvStorage, MatmulJob, RopeMode};
 pub use cpu::{CpuBackend, Simd};
 pub use formats::ActForm;
-pub use kv::{AttnQuery, KvBuffer, KvData, KvDataMut, KvDtype, KvGeometry, KvSlot, Phase};
+pub use kv::{
+    AttnQuery, KvBuffer, KvData, KvDataMut, KvDtype, KvGeometry, KvSlot, Phase, Q8_0_BLOCK,
+    Q8_0_BLOCK_BYTES,
+};
 pub use pdmesh_kv_types::{MemoryKind, MemoryRegion};
 pub use quant::{ActNeeds, Activations, HostWeight, SharedBytes, WeightMatrix, WeightType};

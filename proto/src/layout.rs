@@ -65,5 +65,11 @@ mod tests {
         assert!(layout_from_wire(&bad).expect_err("dtype").contains("q4"));
         let bad = v1::KvLayout { head_dim: 0, ..w };
         assert!(layout_from_wire(&bad).expect_err("head_dim").contains("head_dim"));
+        for dtype in [KvDtype::Q8_0, KvDtype::Q8_0NoRot] {
+            let q = KvLayout { geometry: KvGeometry { dtype, ..l.geometry }, ..l };
+            let w = v1::KvLayout::from(&q);
+            assert_eq!(w.dtype, dtype.name());
+            assert_eq!(layout_from_wire(&w), Ok(q));
+        }
     }
 }

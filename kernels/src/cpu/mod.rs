@@ -5,6 +5,7 @@
 pub mod avx2;
 pub(crate) mod ops;
 pub mod portable;
+pub mod q8kv;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -133,6 +134,11 @@ impl Isa for Avx2Isa {
         // SAFETY: as above.
         unsafe { avx2::exp16(chunk, max, valid) }
     }
+    #[inline(always)]
+    fn dot_q8_0(self, k: &[u8], q: &[u8]) -> f32 {
+        // SAFETY: as above.
+        unsafe { avx2::dot_q8_0(k, q) }
+    }
 }
 
 /// The generic ops compiled with AVX2 enabled, so the compiler vectorises them for it.
@@ -174,7 +180,9 @@ mod avx2_ops {
         out: &mut [f32],
         scratch: &mut ops::AttnScratch,
     ) {
-        if avx2::attend_fits(geom.head_dim, query.phase) {
+        if let KvData::Q8_0(bytes) = kv {
+            q8kv::attend_q8(isa, geom, bytes, layer, kv_head, query, q, out, scratch)
+        } else if avx2::attend_fits(geom.head_dim, query.phase) {
             // SAFETY: AVX2 enabled here; the caller checked the block table.
             unsafe { avx2::attend(geom, kv, layer, kv_head, query, q, out, scratch) }
         } else {
@@ -541,6 +549,11 @@ impl Backend for CpuBackend {
                     match &mut data {
                         KvDataMut::F16(d) => d[off..off + g.head_dim].convert_from_f32_slice(row),
                         KvDataMut::F32(d) => d[off..off + g.head_dim].copy_from_slice(row),
+                        KvDataMut::Q8_0(d) => {
+                            let rb = g.row_bytes();
+                            let at = off / g.head_dim * rb;
+                            q8kv::quantize_row_q8_0(row, &mut d[at..at + rb]);
+                        }
                     }
                 }
             }
@@ -594,9 +607,30 @@ impl Backend for CpuBackend {
                 let os = unsafe { o.slice(base..base + width * hd) };
                 let query = &queries[qi];
                 match self.simd {
-                    Simd::Portable => {
-                        ops::attend(PortableIsa, g, data, layer, kh, query, qs, os, &mut scratch)
-                    }
+                    Simd::Portable => match data {
+                        KvData::Q8_0(bytes) => q8kv::attend_q8(
+                            PortableIsa,
+                            g,
+                            bytes,
+                            layer,
+                            kh,
+                            query,
+                            qs,
+                            os,
+                            &mut scratch,
+                        ),
+                        _ => ops::attend(
+                            PortableIsa,
+                            g,
+                            data,
+                            layer,
+                            kh,
+                            query,
+                            qs,
+                            os,
+                            &mut scratch,
+                        ),
+                    },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX2 verified at construction.
                     Simd::Avx2 | Simd::Avx512Vnni => unsafe {
@@ -626,6 +660,12 @@ impl Backend for CpuBackend {
             let t = self.pool.threads();
             self.pool.run(|tid| run(tid, t));
         }
+    }
+
+    fn fwht(&self, x: &mut Vec<f32>, n: usize) {
+        assert!(n.is_power_of_two() && x.len().is_multiple_of(n), "fwht: shape mismatch");
+        // A few runs per token and layer: cheap next to the matmuls, so one thread.
+        q8kv::fwht(x, n);
     }
 
     fn embed(&self, table: &HostWeight, tokens: &[u32], out: &mut Vec<f32>) {

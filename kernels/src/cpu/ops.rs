@@ -19,6 +19,11 @@ pub(crate) trait Isa: Copy + Send + Sync {
     fn kv_axpy(self, p: f32, kv: &KvData, off: usize, out: &mut [f32]);
     /// Rounds each value to the nearest f16 (ties to even) and back.
     fn round_f16(self, x: &mut [f32]);
+    /// `Σ k·q` over two q8_0 rows (`q8kv::dot_q8_0` is the reference).
+    #[inline(always)]
+    fn dot_q8_0(self, k: &[u8], q: &[u8]) -> f32 {
+        super::q8kv::dot_q8_0(k, q)
+    }
     /// Softmax's step over one 16-lane chunk: `v = exp(v - max)` for the first `valid` lanes
     /// (the rest are left as they are, zero), returning the chunk's `reduce16` with the
     /// lanes past `valid` counted as zero.
@@ -282,6 +287,8 @@ pub(crate) struct AttnScratch {
     pub(crate) acc: Vec<f32>,
     /// Element offsets of the K rows, position by position (the AVX2 kernel's).
     pub(crate) offs: Vec<usize>,
+    /// The group's query rows quantized to q8_0 (the q8_0 kernel's).
+    pub(crate) qq: Vec<u8>,
 }
 
 /// Attention of one query token for one KV head and the query heads that share it (GQA).

@@ -242,6 +242,7 @@ pub fn qk_dot(q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32 {
             let k = &v[off..off + q.len()];
             ops::qk_dot_lanes(q, |i| k[i], phase)
         }
+        KvData::Q8_0(_) => unreachable!("q8_0 KV is read by q8kv::attend_q8"),
     }
 }
 
@@ -260,5 +261,6 @@ pub fn kv_axpy(p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
                 *o = p.mul_add(x, *o);
             }
         }
+        KvData::Q8_0(_) => unreachable!("q8_0 KV is read by q8kv::attend_q8"),
     }
 }

@@ -16,7 +16,8 @@ pub struct EngineArgs {
     /// Compute threads (0 = one per core).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// KV cache element type: f16 or f32.
+    /// KV cache element type: f16, f32, q8_0 (llama.cpp's 8-bit blocks with its Hadamard
+    /// rotation: half of f16's memory and transfer bytes) or q8_0-norot (without it).
     #[arg(long, default_value = "f16")]
     pub kv_dtype: KvDtype,
     /// Tokens per KV block.

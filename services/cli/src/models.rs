@@ -95,8 +95,9 @@ fn inspect(a: InspectArgs) -> anyhow::Result<()> {
                     "kv_heads": c.kv_heads, "head_dim": c.head_dim, "vocab": c.vocab,
                 });
                 out["rope_base"] = json!(c.rope_base);
-                let ledger: serde_json::Map<_, _> = [KvDtype::F16, KvDtype::F32]
+                let ledger: serde_json::Map<_, _> = [KvDtype::F16, KvDtype::F32, KvDtype::Q8_0]
                     .into_iter()
+                    .filter(|d| d.row_bytes(c.head_dim).is_some())
                     .map(|d| {
                         let g = c.kv_geometry(a.block_size, d);
                         let per_token = g.bytes_per_token();
@@ -152,15 +153,18 @@ fn inspect(a: InspectArgs) -> anyhow::Result<()> {
     println!("formats:       {}", list.join(", "));
     if let Ok(m) = &loaded {
         let c = &m.config;
-        for d in [KvDtype::F16, KvDtype::F32] {
+        for d in [KvDtype::F16, KvDtype::F32, KvDtype::Q8_0] {
+            if d.row_bytes(c.head_dim).is_none() {
+                continue;
+            }
             let g = c.kv_geometry(a.block_size, d);
             println!(
-                "KV ledger {d}: {} B/token (2 × {} layers × {} KV heads × {} × {} B), {} KB per {}-token block, {} for the full {}-token context",
+                "KV ledger {d}: {} B/token (2 × {} layers × {} KV heads × {} B per {}-value head row), {} KB per {}-token block, {} for the full {}-token context",
                 g.bytes_per_token(),
                 c.layers,
                 c.kv_heads,
+                g.row_bytes(),
                 c.head_dim,
-                d.bytes(),
                 g.bytes_per_block() / 1024,
                 a.block_size,
                 mb(g.bytes_per_token() * c.context),

@@ -51,7 +51,8 @@ pub struct EngineFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     threads: Option<usize>,
-    /// KV cache element type: f16 or f32.
+    /// KV cache element type: f16, f32, q8_0 (llama.cpp's 8-bit blocks with its Hadamard
+    /// rotation: half of f16's memory and transfer bytes) or q8_0-norot (without it).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none", serialize_with = "by_name")]
     kv_dtype: Option<KvDtype>,
@@ -340,7 +341,7 @@ pub struct KvStoreArgs {
     #[arg(long, env = "PDMESH_MODEL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     model: Option<PathBuf>,
-    /// KV element type of the mesh: f16 or f32.
+    /// KV element type of the mesh: f16, f32, q8_0 or q8_0-norot.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none", serialize_with = "by_name")]
     kv_dtype: Option<KvDtype>,

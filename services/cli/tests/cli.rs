@@ -68,7 +68,7 @@ fn bad_input_is_a_clear_error() {
         (&["run", "--prompt", "x", "--top-p", "0", "--model", missing], "top_p"),
         (&["run", "--prompt", "x", "--max-tokens", "0", "--model", missing], "--max-tokens"),
         (&["run", "--prompt", "x", "--model", missing], "run `just fetch-model`"),
-        (&["run", "--prompt", "x", "--kv-dtype", "q4", "--model", missing], "f16 or f32"),
+        (&["run", "--prompt", "x", "--kv-dtype", "q4", "--model", missing], "f16, f32, q8_0"),
         (&["run", "--prompt", "x", "--simd", "neon", "--model", missing], "portable"),
         (&["perplexity", "--file", "/nonexistent.txt", "--model", missing], "/nonexistent.txt"),
         (&["run", "--prompt", "x", "--raw", "--system", "s"], "cannot be used with"),

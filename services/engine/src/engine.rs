@@ -160,6 +160,28 @@ impl Engine {
             BackendKind::Sim(_) => SimDevice::geometry(config.block_size, config.kv_dtype),
             BackendKind::Cpu { .. } => model.config.kv_geometry(config.block_size, config.kv_dtype),
         };
+        if matches!(config.backend, BackendKind::Sim(_)) && geom.dtype.is_q8_0() {
+            return Err(Error::invalid(format!(
+                "the simulated engine keeps f16 or f32 KV, not {}",
+                geom.dtype
+            )));
+        }
+        if geom.dtype.row_bytes(geom.head_dim).is_none() {
+            return Err(Error::invalid(format!(
+                "KV dtype {} needs a head dimension that is a multiple of {}; this model's is {}",
+                geom.dtype,
+                pdmesh_kernels::Q8_0_BLOCK,
+                geom.head_dim
+            )));
+        }
+        let group = model.config.heads / model.config.kv_heads.max(1);
+        if geom.dtype.is_q8_0() && group > pdmesh_kernels::cpu::q8kv::MAX_GROUP {
+            return Err(Error::invalid(format!(
+                "KV dtype {} supports at most {} query heads per KV head; this model has {group}",
+                geom.dtype,
+                pdmesh_kernels::cpu::q8kv::MAX_GROUP
+            )));
+        }
         let kv = KvCache::new(geom, config.kv_blocks)?;
         let device: Box<dyn Device> = match &config.backend {
             BackendKind::Cpu { simd: None } => {

@@ -250,6 +250,7 @@ impl<B: Backend> Device for Runtime<B> {
             .map(|((&pos, id), &phase)| AttnQuery { pos, blocks: &cache.seqs[id].blocks, phase })
             .collect();
 
+        let rotation = self.kv.geometry().rotation();
         for (li, l) in self.layers.iter().enumerate() {
             be.rms_norm(&s.x, &l.attn_norm, c.rms_eps, &mut s.xn);
             be.quantize(&s.xn, n, d, l.needs_qkv, batch.phases, &mut s.acts);
@@ -277,9 +278,20 @@ impl<B: Backend> Device for Runtime<B> {
             }
             be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin, c.rope_mode);
             be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin, c.rope_mode);
+            // A quantized cache holds K and V rotated, as llama.cpp's does: Q and K by the
+            // same Hadamard matrix (scores are unchanged in exact arithmetic), V by another
+            // that the output's rotation undoes.
+            if let Some((n_k, n_v)) = rotation {
+                be.fwht(&mut s.q, n_k);
+                be.fwht(&mut s.k, n_k);
+                be.fwht(&mut s.v, n_v);
+            }
             be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
             on_layer(li, &KvView::new(cache, &self.kv));
             be.attention(&self.kv, li, c.heads, &s.q, &queries, &mut s.attn);
+            if let Some((_, n_v)) = rotation {
+                be.fwht(&mut s.attn, n_v);
+            }
             be.quantize(&s.attn, n, qd, l.needs_o, batch.phases, &mut s.acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &l.wo, out: &mut s.proj }]);
             be.add_assign(&mut s.x, &s.proj);

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pdmesh_engine::{Engine, EngineConfig, Logits, Model, StepItem};
+use pdmesh_kernels::KvDtype;
 
 /// Every format `just test-models` makes of each family.
 const FORMATS: [&str; 11] =
@@ -56,9 +57,15 @@ fn floats(path: &Path) -> Vec<f32> {
     bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
 }
 
-fn reference(model: &Path) -> Reference {
+/// The reference files' infix for a KV dtype: `ubatch4` for f16, `ubatch4.q8_0` and so on.
+fn tag(kv: KvDtype) -> String {
+    if kv == KvDtype::F16 { "ubatch4".into() } else { format!("ubatch4.{kv}") }
+}
+
+fn reference(model: &Path, kv: KvDtype) -> Reference {
     let stem = model.file_stem().unwrap().to_string_lossy().into_owned();
-    let json = model.with_file_name(format!("{stem}.ubatch4.json"));
+    let tag = tag(kv);
+    let json = model.with_file_name(format!("{stem}.{tag}.json"));
     let meta =
         std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{}: {e}; {HOW}", json.display()));
     let meta: serde_json::Value = serde_json::from_str(&meta).unwrap();
@@ -74,9 +81,9 @@ fn reference(model: &Path) -> Reference {
         text: meta["prompt_text"].as_str().unwrap().to_string(),
         tokens: ids("prompt_tokens"),
         n_vocab: meta["n_vocab"].as_u64().unwrap() as usize,
-        logits: floats(&model.with_file_name(format!("{stem}.ubatch4.f32"))),
+        logits: floats(&model.with_file_name(format!("{stem}.{tag}.f32"))),
         greedy: ids("greedy"),
-        decode: floats(&model.with_file_name(format!("{stem}.ubatch4.decode.f32"))),
+        decode: floats(&model.with_file_name(format!("{stem}.{tag}.decode.f32"))),
         system_info: meta["system_info"].as_str().unwrap().to_string(),
     }
 }
@@ -93,8 +100,8 @@ struct Matched {
     lacks: Option<&'static str>,
 }
 
-fn compare(model: &Path) -> Matched {
-    let r = reference(model);
+fn compare(model: &Path, kv: KvDtype) -> Matched {
+    let r = reference(model, kv);
     let m = Arc::new(Model::load(model).unwrap());
     assert_eq!(m.config.vocab, r.n_vocab);
     assert_eq!(
@@ -103,11 +110,11 @@ fn compare(model: &Path) -> Matched {
         "{}: pdmesh tokenizes the prompt otherwise than llama.cpp",
         model.display()
     );
-    let (whole, decoded) = logits(&m, &r.tokens, r.tokens.len(), 2, &r.greedy);
+    let (whole, decoded) = logits(&m, kv, &r.tokens, r.tokens.len(), 2, &r.greedy);
     assert_eq!(whole.len(), r.logits.len(), "{}: prompt rows", model.display());
     assert_eq!(decoded.len(), r.decode.len(), "{}: decode rows", model.display());
     // pdmesh's own promise, whatever the architecture: chunks and threads change no bit.
-    let (chunked, chunked_decoded) = logits(&m, &r.tokens, 5, 1, &r.greedy);
+    let (chunked, chunked_decoded) = logits(&m, kv, &r.tokens, 5, 1, &r.greedy);
     assert!(
         bits(&chunked) == bits(&whole) && bits(&chunked_decoded) == bits(&decoded),
         "{}: a chunked prefill on one thread differs from one step on two",
@@ -156,12 +163,13 @@ fn compare(model: &Path) -> Matched {
 /// logits after each of `then` is fed as a generated token.
 fn logits(
     m: &Arc<Model>,
+    kv_dtype: KvDtype,
     tokens: &[u32],
     chunk: usize,
     threads: usize,
     then: &[u32],
 ) -> (Vec<f32>, Vec<f32>) {
-    let cfg = EngineConfig { threads, kv_blocks: 64, ..Default::default() };
+    let cfg = EngineConfig { threads, kv_blocks: 64, kv_dtype, ..Default::default() };
     let mut e = Engine::new(Arc::clone(m), cfg).unwrap();
     let seq = e.create_sequence();
     let mut prompt = Vec::new();
@@ -185,8 +193,12 @@ fn check_family(family: &str) {
     check(family, &FORMATS);
 }
 
-/// Compares the `formats` of `family`, failing when one is absent.
 fn check(family: &str, formats: &[&str]) {
+    check_kv(family, formats, KvDtype::F16);
+}
+
+/// Compares the `formats` of `family` with a `kv` cache, failing when one is absent.
+fn check_kv(family: &str, formats: &[&str], kv: KvDtype) {
     let dir = models_dir();
     for fmt in formats {
         let path = dir.join(format!("{family}-{fmt}.gguf"));
@@ -195,8 +207,10 @@ fn check(family: &str, formats: &[&str]) {
     let mut failed = Vec::new();
     for fmt in formats {
         let path = dir.join(format!("{family}-{fmt}.gguf"));
-        let Matched { prompt: (p, pn), decode: (d, dn), max_diff, top1, lacks } = compare(&path);
-        let line = format!("{fmt}: prompt {p}/{pn}, decode {d}/{dn}, max |diff| {max_diff:e}");
+        let Matched { prompt: (p, pn), decode: (d, dn), max_diff, top1, lacks } =
+            compare(&path, kv);
+        let line =
+            format!("{fmt} ({kv} KV): prompt {p}/{pn}, decode {d}/{dn}, max |diff| {max_diff:e}");
         eprintln!("{family}-{line} rows bit-identical to llama.cpp");
         if let Some(need) = lacks {
             eprintln!(
@@ -244,4 +258,30 @@ fn mistral_matches_llama_cpp() {
 #[test]
 fn llama3_1b_matches_llama_cpp() {
     check("synth-llama3-1b", &["Q4_K_M"]);
+}
+
+/// The families with a q8_0 KV cache (`--kv-dtype q8_0`) against llama.cpp with q8_0 K and V:
+/// its flash-attention path, with its default Hadamard rotation (heads of 64, and of 128 in
+/// synth-qwen3) and without it (`q8_0-norot`). Two weight formats each: attention does not
+/// depend on them, the rest of the model is checked above.
+const KV_FAMILIES: [&str; 5] =
+    ["smollm2", "synth-llama3", "synth-qwen2", "synth-qwen3", "synth-mistral"];
+const KV_FORMATS: [&str; 2] = ["Q8_0", "Q4_K_M"];
+
+#[test]
+fn q8_0_kv_matches_llama_cpp() {
+    // The rotation changes llama.cpp's logits, so matching both modes tells them apart.
+    let model = models_dir().join("smollm2-Q8_0.gguf");
+    let (rot, norot) = (reference(&model, KvDtype::Q8_0), reference(&model, KvDtype::Q8_0NoRot));
+    assert_ne!(bits(&rot.logits), bits(&norot.logits), "rotation changed nothing");
+    for family in KV_FAMILIES {
+        check_kv(family, &KV_FORMATS, KvDtype::Q8_0);
+    }
+}
+
+#[test]
+fn q8_0_kv_without_rotation_matches_llama_cpp() {
+    for family in KV_FAMILIES {
+        check_kv(family, &KV_FORMATS, KvDtype::Q8_0NoRot);
+    }
 }

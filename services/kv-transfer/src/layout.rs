@@ -59,4 +59,24 @@ mod tests {
         let s = check_layout(&smollm(), Some(&bad), "x").expect_err("malformed");
         assert_eq!(s.code(), tonic::Code::InvalidArgument);
     }
+
+    #[test]
+    fn q8_0_blocks_never_meet_f16_or_unrotated_ones() {
+        let q8 =
+            |dtype| KvLayout { geometry: KvGeometry { dtype, ..smollm().geometry }, ..smollm() };
+        let ours = q8(KvDtype::Q8_0);
+        assert!(check_layout(&ours, Some(&ours.into()), "x").is_ok());
+        for (theirs, says) in
+            [(smollm(), "dtype q8_0 vs f16"), (q8(KvDtype::Q8_0NoRot), "q8_0 vs q8_0-norot")]
+        {
+            let s = check_layout(&ours, Some(&theirs.into()), "decode-0").expect_err("refused");
+            assert_eq!(s.code(), tonic::Code::FailedPrecondition);
+            assert!(s.message().contains(says), "{}", s.message());
+        }
+        // A q8_0 layout whose heads do not split into 32-value blocks is malformed.
+        let bad = v1::KvLayout { head_dim: 80, ..ours.into() };
+        let s = check_layout(&ours, Some(&bad), "x").expect_err("malformed");
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert!(s.message().contains("head_dim 80"), "{}", s.message());
+    }
 }

@@ -6,25 +6,56 @@
 //! computed), and one head's keys for consecutive tokens are contiguous (so attention streams).
 
 /// Element type of the KV cache.
+///
+/// `Q8_0` is llama.cpp's q8_0 block format for `type_k`/`type_v` (32 values as an f16 scale and
+/// 32 `i8`, 34 bytes), with llama.cpp's default Hadamard rotation of Q, K, V and the attention
+/// output when the head dimension is a multiple of 64; `Q8_0NoRot` is the same format without
+/// the rotation (llama.cpp with `LLAMA_ATTN_ROT_DISABLE=1`). A rotated block means something
+/// else than an unrotated one, so they are two dtypes and never mix in a handshake.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum KvDtype {
     #[default]
     F16,
     F32,
+    Q8_0,
+    Q8_0NoRot,
 }
 
+/// Values per q8_0 block and its bytes (f16 scale + 32 `i8`).
+pub const Q8_0_BLOCK: usize = 32;
+pub const Q8_0_BLOCK_BYTES: usize = 34;
+
 impl KvDtype {
-    pub const fn bytes(self) -> usize {
-        match self {
-            KvDtype::F16 => 2,
-            KvDtype::F32 => 4,
-        }
-    }
+    /// Every dtype, in the order `--help` lists them.
+    pub const ALL: [KvDtype; 4] = [KvDtype::F16, KvDtype::F32, KvDtype::Q8_0, KvDtype::Q8_0NoRot];
 
     pub const fn name(self) -> &'static str {
         match self {
             KvDtype::F16 => "f16",
             KvDtype::F32 => "f32",
+            KvDtype::Q8_0 => "q8_0",
+            KvDtype::Q8_0NoRot => "q8_0-norot",
+        }
+    }
+
+    /// Whether this is a q8_0 block format (either rotation).
+    pub const fn is_q8_0(self) -> bool {
+        matches!(self, KvDtype::Q8_0 | KvDtype::Q8_0NoRot)
+    }
+
+    /// Bytes of one head's row of `head_dim` values, or None when `head_dim` does not split
+    /// into whole q8_0 blocks or the size overflows.
+    pub const fn row_bytes(self, head_dim: usize) -> Option<usize> {
+        match self {
+            KvDtype::F16 => head_dim.checked_mul(2),
+            KvDtype::F32 => head_dim.checked_mul(4),
+            KvDtype::Q8_0 | KvDtype::Q8_0NoRot => {
+                if head_dim.is_multiple_of(Q8_0_BLOCK) {
+                    (head_dim / Q8_0_BLOCK).checked_mul(Q8_0_BLOCK_BYTES)
+                } else {
+                    None
+                }
+            }
         }
     }
 }
@@ -38,11 +69,11 @@ impl std::fmt::Display for KvDtype {
 impl std::str::FromStr for KvDtype {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "f16" => Ok(KvDtype::F16),
-            "f32" => Ok(KvDtype::F32),
-            other => Err(format!("unknown KV dtype {other:?} (expected f16 or f32)")),
-        }
+        let lower = s.to_ascii_lowercase();
+        KvDtype::ALL.into_iter().find(|d| d.name() == lower).ok_or_else(|| {
+            let names: Vec<_> = KvDtype::ALL.iter().map(|d| d.name()).collect();
+            format!("unknown KV dtype {s:?} (expected one of {})", names.join(", "))
+        })
     }
 }
 
@@ -90,18 +121,43 @@ impl KvGeometry {
         self.layers * self.layer_elems()
     }
 
-    /// The memory ledger: bytes of KV one token costs (2 × layers × kv_heads × head_dim × bytes).
+    /// Bytes of one head's K (or V) row for one token. A geometry whose head_dim does not
+    /// fit its dtype never passes `KvLayout::validate` or a model's configuration check.
+    pub const fn row_bytes(&self) -> usize {
+        match self.dtype.row_bytes(self.head_dim) {
+            Some(n) => n,
+            None => panic!("head_dim does not fit the KV dtype"),
+        }
+    }
+
+    /// The memory ledger: bytes of KV one token costs (2 × layers × kv_heads × row bytes).
     pub const fn bytes_per_token(&self) -> usize {
-        2 * self.layers * self.kv_heads * self.head_dim * self.dtype.bytes()
+        2 * self.layers * self.kv_heads * self.row_bytes()
     }
 
     pub const fn bytes_per_block(&self) -> usize {
-        self.block_elems() * self.dtype.bytes()
+        self.layers * self.bytes_per_layer()
     }
 
     /// Bytes in one layer's part of a block.
     pub const fn bytes_per_layer(&self) -> usize {
-        self.layer_elems() * self.dtype.bytes()
+        2 * self.kv_heads * self.block_size * self.row_bytes()
+    }
+
+    /// The Hadamard rotation sizes `(n_k, n_v)` llama.cpp applies with this dtype and head
+    /// dimension: Q and K in runs of `n_k` (the largest power of two dividing head_dim), V and
+    /// the attention output in runs of 64; None for float KV, `q8_0-norot`, or a head_dim
+    /// that is not a multiple of 64.
+    pub const fn rotation(&self) -> Option<(usize, usize)> {
+        let hd = self.head_dim;
+        if !matches!(self.dtype, KvDtype::Q8_0) || hd == 0 || !hd.is_multiple_of(64) {
+            return None;
+        }
+        let mut n_k = 64;
+        while hd.is_multiple_of(n_k * 2) {
+            n_k *= 2;
+        }
+        Some((n_k, 64))
     }
 
     /// Blocks that hold `tokens` tokens.
@@ -109,7 +165,25 @@ impl KvGeometry {
         tokens.div_ceil(self.block_size)
     }
 
-    /// Element offset of `(block, layer, kv, head, slot)`'s first dim; `kv` is 0 for K, 1 for V.
+    /// Index of the row (one head's `head_dim` values) of `(block, layer, kv, head, slot)`;
+    /// `kv` is 0 for K, 1 for V. Its bytes start at `row * row_bytes()`.
+    #[inline(always)]
+    pub const fn row(
+        &self,
+        block: usize,
+        layer: usize,
+        kv: usize,
+        head: usize,
+        slot: usize,
+    ) -> usize {
+        let rows_per_layer = 2 * self.kv_heads * self.block_size;
+        (block * self.layers + layer) * rows_per_layer
+            + (kv * self.kv_heads + head) * self.block_size
+            + slot
+    }
+
+    /// Element offset of `(block, layer, kv, head, slot)`'s first dim, for the float dtypes
+    /// (whose elements have a size); `kv` is 0 for K, 1 for V.
     #[inline(always)]
     pub const fn offset(
         &self,
@@ -119,9 +193,7 @@ impl KvGeometry {
         head: usize,
         slot: usize,
     ) -> usize {
-        block * self.block_elems()
-            + layer * self.layer_elems()
-            + ((kv * self.kv_heads + head) * self.block_size + slot) * self.head_dim
+        self.row(block, layer, kv, head, slot) * self.head_dim
     }
 }
 
@@ -149,9 +221,19 @@ impl KvLayout {
                 return Err(format!("KV layout: {name} is 0"));
             }
         }
-        [g.block_size, g.layers, g.kv_heads, g.head_dim, 2]
-            .iter()
-            .try_fold(g.dtype.bytes(), |acc, &x| acc.checked_mul(x))
+        if g.dtype.is_q8_0() && !g.head_dim.is_multiple_of(Q8_0_BLOCK) {
+            return Err(format!(
+                "KV layout: head_dim {} is not a multiple of {Q8_0_BLOCK}, which {} needs",
+                g.head_dim, g.dtype
+            ));
+        }
+        g.dtype
+            .row_bytes(g.head_dim)
+            .and_then(|row| {
+                [g.block_size, g.layers, g.kv_heads, 2]
+                    .iter()
+                    .try_fold(row, |a, &x| a.checked_mul(x))
+            })
             .map(|_| ())
             .ok_or_else(|| "KV layout: a block's size overflows".to_string())
     }
@@ -266,6 +348,80 @@ mod tests {
     fn dtype_parses_its_names() {
         assert_eq!("F16".parse::<KvDtype>(), Ok(KvDtype::F16));
         assert_eq!("f32".parse::<KvDtype>(), Ok(KvDtype::F32));
-        assert!("q4".parse::<KvDtype>().expect_err("unknown").contains("q4"));
+        assert_eq!("Q8_0".parse::<KvDtype>(), Ok(KvDtype::Q8_0));
+        assert_eq!("q8_0-NoRot".parse::<KvDtype>(), Ok(KvDtype::Q8_0NoRot));
+        let e = "q4".parse::<KvDtype>().expect_err("unknown");
+        assert!(e.contains("\"q4\"") && e.contains("q8_0-norot"), "{e}");
+        for d in KvDtype::ALL {
+            assert_eq!(d.name().parse::<KvDtype>(), Ok(d));
+        }
+    }
+
+    #[test]
+    fn q8_0_blocks_cost_34_bytes_per_32_values() {
+        let g = KvGeometry { dtype: KvDtype::Q8_0, ..geom() };
+        // 16 tokens x 30 layers x (K+V) x 3 heads x 2 q8_0 blocks of 34 bytes: 53.1% of f16.
+        assert_eq!(g.row_bytes(), 68);
+        assert_eq!(g.bytes_per_block(), 195_840);
+        assert_eq!(g.bytes_per_token() * 16, g.bytes_per_block());
+        assert_eq!(g.bytes_per_layer() * 30, g.bytes_per_block());
+        // Rows tile a block in bytes, without overlap or gaps.
+        let g = KvGeometry {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            block_size: 3,
+            dtype: KvDtype::Q8_0,
+        };
+        let mut seen = vec![false; 2 * g.bytes_per_block()];
+        for b in 0..2 {
+            for l in 0..2 {
+                for kv in 0..2 {
+                    for h in 0..2 {
+                        for s in 0..3 {
+                            let start = g.row(b, l, kv, h, s) * g.row_bytes();
+                            for x in &mut seen[start..start + g.row_bytes()] {
+                                assert!(!*x);
+                                *x = true;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&s| s));
+    }
+
+    #[test]
+    fn q8_0_needs_whole_blocks_per_head() {
+        let l = |head_dim, dtype| KvLayout {
+            geometry: KvGeometry { head_dim, dtype, ..geom() },
+            ..smollm()
+        };
+        let e = l(80, KvDtype::Q8_0).validate().expect_err("80 is not a multiple of 32");
+        assert!(e.contains("head_dim 80") && e.contains("q8_0"), "{e}");
+        assert!(l(80, KvDtype::F16).validate().is_ok());
+        assert!(l(96, KvDtype::Q8_0NoRot).validate().is_ok());
+    }
+
+    #[test]
+    fn rotation_follows_llama_cpp() {
+        let rot = |head_dim, dtype| KvGeometry { head_dim, dtype, ..geom() }.rotation();
+        assert_eq!(rot(64, KvDtype::Q8_0), Some((64, 64)));
+        assert_eq!(rot(128, KvDtype::Q8_0), Some((128, 64)));
+        assert_eq!(rot(192, KvDtype::Q8_0), Some((64, 64)));
+        assert_eq!(rot(256, KvDtype::Q8_0), Some((256, 64)));
+        assert_eq!(rot(96, KvDtype::Q8_0), None);
+        assert_eq!(rot(64, KvDtype::Q8_0NoRot), None);
+        assert_eq!(rot(64, KvDtype::F16), None);
+    }
+
+    #[test]
+    fn rotated_and_unrotated_q8_0_never_match() {
+        let a = KvLayout { geometry: KvGeometry { dtype: KvDtype::Q8_0, ..geom() }, ..smollm() };
+        let b =
+            KvLayout { geometry: KvGeometry { dtype: KvDtype::Q8_0NoRot, ..geom() }, ..smollm() };
+        assert!(a.mismatch(&b).expect("differs").contains("dtype q8_0 vs q8_0-norot"));
+        assert!(smollm().mismatch(&a).expect("differs").contains("dtype f16 vs q8_0"));
     }
 }

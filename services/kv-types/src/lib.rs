@@ -10,7 +10,7 @@ mod layout;
 mod memory;
 
 pub use hash::{BlockHash, BlockHasher};
-pub use layout::{KvDtype, KvGeometry, KvLayout, KvShape};
+pub use layout::{KvDtype, KvGeometry, KvLayout, KvShape, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 pub use memory::{HOST_ALIGN, HostMemory, MemoryKind, MemoryRegion};
 
 /// The checksum of one KV block in verify mode (xxh3-64 of its bytes).

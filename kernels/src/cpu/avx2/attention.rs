@@ -24,6 +24,7 @@ unsafe fn load8(kv: &KvData, at: usize) -> __m256 {
             // SAFETY: bounds asserted above.
             unsafe { _mm256_loadu_ps(v.as_ptr().add(at)) }
         }
+        KvData::Q8_0(_) => unreachable!("q8_0 KV is read by q8kv::attend_q8"),
     }
 }
 
@@ -46,6 +47,7 @@ pub unsafe fn qk_dot(q: &[f32], kv: &KvData, off: usize, phase: Phase) -> f32 {
     let k1 = |i: usize| match kv {
         KvData::F16(v) => v[off + i].to_f32(),
         KvData::F32(v) => v[off + i],
+        KvData::Q8_0(_) => unreachable!("q8_0 KV is read by q8kv::attend_q8"),
     };
     // SAFETY: AVX2/FMA enabled here; the loads are in bounds as above.
     unsafe {
@@ -168,6 +170,7 @@ pub unsafe fn kv_axpy(p: f32, kv: &KvData, off: usize, out: &mut [f32]) {
                 }
             }
         }
+        KvData::Q8_0(_) => unreachable!("q8_0 KV is read by q8kv::attend_q8"),
     }
 }
 
@@ -281,6 +284,7 @@ pub(crate) unsafe fn attend(
         match kv {
             KvData::F16(v) => attend_in(geom, v, layer, kv_head, query, q, out, scratch),
             KvData::F32(v) => attend_in(geom, v, layer, kv_head, query, q, out, scratch),
+            KvData::Q8_0(_) => unreachable!("q8_0 KV is read by q8kv::attend_q8"),
         }
     }
 }
@@ -303,7 +307,7 @@ unsafe fn attend_in<E: KvElem>(
     let n = query.pos + 1;
     let bs = geom.block_size;
     let scale = 1.0 / (hd as f32).sqrt();
-    let AttnScratch { q: qh, p, acc, offs } = scratch;
+    let AttnScratch { q: qh, p, acc, offs, .. } = scratch;
     offs.clear();
     for (b, &block) in query.blocks[..n.div_ceil(bs)].iter().enumerate() {
         let row0 = geom.offset(block as usize, layer, 0, kv_head, 0);
@@ -525,6 +529,35 @@ unsafe fn pv_slice(
         u[1] = add(u[1], u[3]);
         add(u[0], u[1]).unwrap_or(_mm256_setzero_ps())
     }
+}
+
+/// `q8kv::dot_q8_0` with one 32-byte integer dot per block: the same eight exact lanes, the
+/// same FMA per lane and the same `hsum8`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_q8_0(k: &[u8], q: &[u8]) -> f32 {
+    use crate::cpu::q8kv::scale_of;
+    use crate::formats::x86;
+    use crate::kv::Q8_0_BLOCK_BYTES as B;
+    assert!(k.len() == q.len() && k.len().is_multiple_of(B));
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = _mm256_setzero_ps();
+    for (kb, qb) in k.chunks_exact(B).zip(q.chunks_exact(B)) {
+        let dd = _mm256_set1_ps(scale_of(kb) * scale_of(qb));
+        // SAFETY: each block has 32 quant bytes after its 2-byte scale.
+        let p = unsafe {
+            x86::dot_signed(
+                x86::load(kb.as_ptr().add(2).cast()),
+                x86::load(qb.as_ptr().add(2).cast()),
+                ones,
+            )
+        };
+        acc = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(p), acc);
+    }
+    hsum8(acc)
 }
 
 #[cfg(test)]
