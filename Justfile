@@ -78,6 +78,12 @@ bench-kv *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_kv.py --model {{model}} {{args}}
 
+# q8_0 KV against f16: one prompt's KV bytes and transfer time (UCX, gRPC), and perplexity on
+# Verne's novel for f16, q8_0 and q8_0-norot (~5 min).
+bench-kv-dtype *args="": system-deps fetch-model vocab-fixtures
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    {{bench_venv}}/bin/python scripts/bench_kv_dtype.py {{args}}
+
 # The mesh against the engine alone (TTFT, inter-token latency), and the mesh with its security
 # (mTLS, API keys) against `--insecure`; 1 prefill + 1 decode pinned to a core each against one
 # colocated engine under a mixed load; and throughput with tracing off vs on (every span
