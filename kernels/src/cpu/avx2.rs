@@ -319,16 +319,31 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
                 let chunk = rc..(rc + ROW_CHUNK).min(rows.end);
                 let mut t = tc;
                 while t + 8 <= te {
-                    rows_pass::<F, VNNI, 2, 1, 8>(
-                        w,
-                        chunk.clone(),
-                        acts,
-                        t,
-                        t == tc,
-                        out,
-                        ldo,
-                        col0,
-                    );
+                    // Two rows of 8 tokens hold 16 accumulators: AVX-512's 32 vector
+                    // registers keep them all, AVX2's 16 would spill, so it takes one row.
+                    if VNNI {
+                        rows_pass::<F, VNNI, 2, 1, 8>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            t == tc,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                    } else {
+                        rows_pass::<F, VNNI, 1, 1, 8>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            t == tc,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                    }
                     t += 8;
                 }
                 while t + 4 <= te {
