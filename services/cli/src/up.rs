@@ -55,6 +55,11 @@ pub struct UpArgs {
     /// prefix cache shares.
     #[arg(long)]
     block_size: Option<usize>,
+    /// KV element type on every node and the KV-store: f16 (default), f32, q8_0 (llama.cpp's
+    /// 8-bit blocks with its Hadamard rotation: half of f16's KV memory and transfer bytes)
+    /// or q8_0-norot.
+    #[arg(long)]
+    kv_dtype: Option<pdmesh_kernels::KvDtype>,
     /// Prompts shorter than this are prefilled on the decode node (0 = never).
     #[arg(long, default_value_t = 0)]
     colocate_below_tokens: usize,
@@ -277,6 +282,7 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             ]
             .into_iter()
             .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))
+            .chain(a.kv_dtype.iter().flat_map(|d| ["--kv-dtype".into(), d.name().to_string()]))
             .chain(a.kv_transport.iter().flat_map(|t| ["--kv-transport".into(), t.to_string()]))
             .chain(tls("kvstore"))
             .collect::<Vec<String>>();
@@ -405,6 +411,9 @@ async fn start_node(t: &NodeTemplate<'_>, role: &str, i: usize) -> anyhow::Resul
     ];
     if let Some(b) = a.block_size {
         args.extend(["--block-size".into(), b.to_string()]);
+    }
+    if let Some(d) = a.kv_dtype {
+        args.extend(["--kv-dtype".into(), d.name().to_string()]);
     }
     if let Some(tk) = &a.kv_transport {
         args.extend(["--kv-transport".into(), tk.to_string()]);
