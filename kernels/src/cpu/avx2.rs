@@ -21,7 +21,9 @@ mod attention;
 mod float;
 
 pub(crate) use attention::attend;
-pub use attention::{attend_fits, dot_q8_0, exp16, kv_axpy, qk_dot, round_f16_slice};
+pub use attention::{
+    attend_fits, dequantize_row_q8_0, dot_q8_0, exp16, kv_axpy, qk_dot, round_f16_slice,
+};
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -139,6 +139,11 @@ impl Isa for Avx2Isa {
         // SAFETY: as above.
         unsafe { avx2::dot_q8_0(k, q) }
     }
+    #[inline(always)]
+    fn dequantize_q8_0(self, row: &[u8], out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { avx2::dequantize_row_q8_0(row, out) }
+    }
 }
 
 /// The generic ops compiled with AVX2 enabled, so the compiler vectorises them for it.

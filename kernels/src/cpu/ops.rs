@@ -24,6 +24,11 @@ pub(crate) trait Isa: Copy + Send + Sync {
     fn dot_q8_0(self, k: &[u8], q: &[u8]) -> f32 {
         super::q8kv::dot_q8_0(k, q)
     }
+    /// q8_0 row to f32 (`q8kv::dequantize_row_q8_0` is the reference).
+    #[inline(always)]
+    fn dequantize_q8_0(self, row: &[u8], out: &mut [f32]) {
+        super::q8kv::dequantize_row_q8_0(row, out)
+    }
     /// Softmax's step over one 16-lane chunk: `v = exp(v - max)` for the first `valid` lanes
     /// (the rest are left as they are, zero), returning the chunk's `reduce16` with the
     /// lanes past `valid` counted as zero.

@@ -33,7 +33,8 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
 /// The f16 scale at the start of a q8_0 block.
 #[inline(always)]
 pub fn scale_of(block: &[u8]) -> f32 {
-    f16::from_bits(u16::from_le_bytes([block[0], block[1]])).to_f32()
+    let bits: [u8; 2] = block[..2].try_into().expect("a q8_0 block starts with its scale");
+    f16::from_bits(u16::from_le_bytes(bits)).to_f32()
 }
 
 /// `Σ k·q` over two q8_0 rows as llama.cpp's x86 `ggml_vec_dot_q8_0_q8_0`: per block, eight
@@ -215,7 +216,7 @@ pub(crate) fn attend_q8<I: Isa>(
     let mut s = [0f32; MAX_GROUP];
     assert!(group <= MAX_GROUP, "attention: more than {MAX_GROUP} query heads per KV head");
     for j in 0..n {
-        dequantize_row_q8_0(row(1, j), v32);
+        isa.dequantize_q8_0(row(1, j), v32);
         for h in 0..group {
             let sj = scores[h * n + j];
             let acc = &mut vkq[h * hd..(h + 1) * hd];

@@ -531,6 +531,32 @@ unsafe fn pv_slice(
     }
 }
 
+/// `q8kv::dequantize_row_q8_0` eight values at a time: each is one exact int-to-float
+/// conversion and one rounded product, as there.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dequantize_row_q8_0(row: &[u8], out: &mut [f32]) {
+    use crate::cpu::q8kv::scale_of;
+    use crate::kv::{Q8_0_BLOCK as N, Q8_0_BLOCK_BYTES as B};
+    assert_eq!(row.len() / B * N, out.len());
+    for (b, o) in row.chunks_exact(B).zip(out.chunks_exact_mut(N)) {
+        let d = _mm256_set1_ps(scale_of(b));
+        for k in 0..4 {
+            // SAFETY: 32 quant bytes follow the scale and `o` holds 32 floats.
+            unsafe {
+                let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.as_ptr().add(2 + 8 * k).cast()));
+                _mm256_storeu_ps(
+                    o.as_mut_ptr().add(8 * k),
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(q), d),
+                );
+            }
+        }
+    }
+}
+
 /// `q8kv::dot_q8_0` with one 32-byte integer dot per block: the same eight exact lanes, the
 /// same FMA per lane and the same `hsum8`.
 ///
