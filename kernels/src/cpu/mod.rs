@@ -163,6 +163,7 @@ mod avx2_ops {
     wrap! {
         rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
         swiglu(gate: &[f32], up: &[f32], out: &mut [f32]);
+        quantize_row_q8_0(x: &[f32], out: &mut [u8]);
         add_assign(x: &mut [f32], y: &[f32]);
         add_rows(x: &mut [f32], bias: &[f32]);
         rope_rows(
@@ -557,7 +558,9 @@ impl Backend for CpuBackend {
                         KvDataMut::Q8_0(d) => {
                             let rb = g.row_bytes();
                             let at = off / g.head_dim * rb;
-                            q8kv::quantize_row_q8_0(row, &mut d[at..at + rb]);
+                            // Under the ISA's features: its rounding is then one
+                            // instruction, not a libm call per value.
+                            dispatch!(self, quantize_row_q8_0(row, &mut d[at..at + rb]));
                         }
                     }
                 }

@@ -221,6 +221,12 @@ pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
+/// The q8_0 cache write's quantizer (`q8kv`), here so that each ISA compiles its own.
+#[inline(always)]
+pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
+    super::q8kv::quantize_row_q8_0(x, out)
+}
+
 #[inline(always)]
 pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
