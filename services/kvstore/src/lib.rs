@@ -41,6 +41,9 @@ pub async fn run(
     let layout = tokio::task::spawn_blocking(move || pdmesh_engine::Model::load(&model))
         .await??
         .kv_layout(block_size, dtype);
+    // The model may not fit the dtype (q8_0 needs heads of whole 32-value blocks): say so
+    // rather than size blocks that cannot exist.
+    layout.validate().map_err(|e| pdmesh_common::InvalidConfig::new("kv_dtype", e))?;
     let budget = usize::try_from(config.budget_bytes)
         .map_err(|_| pdmesh_common::InvalidConfig::new("budget_bytes", "is too large"))?;
     let ucx = config.kv_transport.start_ucx(&node_id)?;
