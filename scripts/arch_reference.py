@@ -117,13 +117,11 @@ def init_context(model, kv):
         os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
     if not ctx:
         raise RuntimeError(f"llama_init_from_model failed:\n{LOG.tail()}")
-    log = "".join(LOG.lines)
-    if kv != "f16":
-        if "q8_0" not in log:
-            raise RuntimeError(f"llama.cpp did not make a q8_0 cache:\n{LOG.tail()}")
-        want = "0" if kv == "q8_0-norot" else None
+    if kv != "f16" and not any("q8_0" in line for line in LOG.lines):
+        raise RuntimeError(f"llama.cpp did not make a q8_0 cache:\n{LOG.tail()}")
+    if kv == "q8_0-norot":
         for line in LOG.lines:
-            if "attn_rot_k" in line and want is not None and f"= {want}" not in line:
+            if "attn_rot_k" in line and "= 0" not in line:
                 raise RuntimeError(f"rotation is not off for {kv}: {line.strip()}")
     return ctx
 

@@ -137,8 +137,7 @@ impl KvBuffer {
                 let g = &self.geometry;
                 let (row, within) = (idx / g.head_dim, idx % g.head_dim);
                 let at = row * g.row_bytes() + within / Q8_0_BLOCK * Q8_0_BLOCK_BYTES;
-                let d = f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32();
-                f32::from(b[at + 2 + within % Q8_0_BLOCK] as i8) * d
+                f32::from(b[at + 2 + within % Q8_0_BLOCK] as i8) * crate::quant::f16_at(&b[at..])
             }
         }
     }

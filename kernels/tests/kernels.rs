@@ -230,8 +230,10 @@ fn attention_setup(
     rng: &mut ChaCha8Rng,
     dtype: KvDtype,
 ) -> (KvGeometry, Vec<Vec<u32>>, Vec<f32>, Vec<f32>, Vec<KvSlot>) {
-    // head_dim 80: one 64-wide decode chunk plus a 16-element tail.
-    let g = KvGeometry { layers: 2, kv_heads: 2, head_dim: 80, block_size: 4, dtype };
+    // head_dim 80: one 64-wide decode chunk plus a 16-element tail (q8_0 needs whole
+    // 32-value blocks: 64).
+    let head_dim = if dtype.is_q8_0() { 64 } else { 80 };
+    let g = KvGeometry { layers: 2, kv_heads: 2, head_dim, block_size: 4, dtype };
     // Two sequences of 11 and 6 tokens with scattered, non-contiguous blocks.
     let tables = vec![vec![7u32, 2, 9], vec![4u32, 0]];
     let lens = [11usize, 6];
@@ -325,18 +327,8 @@ fn attention_matches_reference_on_every_backend() {
 fn q8_0_attention_matches_reference_on_every_backend() {
     use pdmesh_kernels::cpu::q8kv::{dequantize_row_q8_0, quantize_row_q8_0};
     let mut rng = ChaCha8Rng::seed_from_u64(11);
-    let g =
-        KvGeometry { layers: 2, kv_heads: 2, head_dim: 64, block_size: 4, dtype: KvDtype::Q8_0 };
-    let tables = [vec![7u32, 2, 9], vec![4u32, 0]];
-    let lens = [11usize, 6];
-    let slots: Vec<KvSlot> = tables
-        .iter()
-        .zip(&lens)
-        .flat_map(|(tb, &n)| (0..n).map(move |p| KvSlot { block: tb[p / 4], slot: (p % 4) as u32 }))
-        .collect();
-    let k = random_vec(&mut rng, slots.len() * g.kv_dim(), 2.0);
-    let v = random_vec(&mut rng, slots.len() * g.kv_dim(), 1.0);
-    let (heads, hd) = (6, 64);
+    let (g, tables, k, v, slots) = attention_setup(&mut rng, KvDtype::Q8_0);
+    let (heads, hd) = (6, g.head_dim);
     let queries: Vec<AttnQuery<'_>> = (0..11)
         .map(|p| AttnQuery { pos: p, blocks: &tables[0], phase: Phase::Prefill })
         .chain((0..6).map(|p| AttnQuery { pos: p, blocks: &tables[1], phase: Phase::Decode }))
@@ -373,7 +365,7 @@ fn q8_0_attention_matches_reference_on_every_backend() {
                 .map(|j| {
                     let kr = row(&k, j);
                     qv.iter().zip(&kr).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>()
-                        / 8.0
+                        / (hd as f64).sqrt()
                 })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);

@@ -321,31 +321,16 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
                 let chunk = rc..(rc + ROW_CHUNK).min(rows.end);
                 let mut t = tc;
                 while t + 8 <= te {
-                    // Two rows of 8 tokens hold 16 accumulators: AVX-512's 32 vector
-                    // registers keep them all, AVX2's 16 would spill, so it takes one row.
-                    if VNNI {
-                        rows_pass::<F, VNNI, 2, 1, 8>(
-                            w,
-                            chunk.clone(),
-                            acts,
-                            t,
-                            t == tc,
-                            out,
-                            ldo,
-                            col0,
-                        );
-                    } else {
-                        rows_pass::<F, VNNI, 1, 1, 8>(
-                            w,
-                            chunk.clone(),
-                            acts,
-                            t,
-                            t == tc,
-                            out,
-                            ldo,
-                            col0,
-                        );
-                    }
+                    rows_pass::<F, VNNI, 2, 1, 8>(
+                        w,
+                        chunk.clone(),
+                        acts,
+                        t,
+                        t == tc,
+                        out,
+                        ldo,
+                        col0,
+                    );
                     t += 8;
                 }
                 while t + 4 <= te {
@@ -404,14 +389,25 @@ unsafe fn rows_pass<
     col0: usize,
 ) {
     let mut r = rows.start;
+    // A tile keeps R × T accumulators live: AVX-512's 32 vector registers hold 16 of them,
+    // AVX2's 16 would spill, so without VNNI (AVX-512) such a tile takes one row at a time.
+    let fits = VNNI || R * T < 16;
     // SAFETY: tiles stay within `rows` and the token group; AVX2 is enabled by the caller.
     unsafe {
-        let step = if F::CHUNKED { RK } else { R };
+        let step = if F::CHUNKED {
+            RK
+        } else if fits {
+            R
+        } else {
+            1
+        };
         while r + step <= rows.end {
             if F::CHUNKED {
                 tile::<F, VNNI, RK, T>(w, r, acts, t, out, ldo, col0, pf);
-            } else {
+            } else if fits {
                 tile::<F, VNNI, R, T>(w, r, acts, t, out, ldo, col0, pf);
+            } else {
+                tile::<F, VNNI, 1, T>(w, r, acts, t, out, ldo, col0, pf);
             }
             r += step;
         }

@@ -186,9 +186,7 @@ mod avx2_ops {
         out: &mut [f32],
         scratch: &mut ops::AttnScratch,
     ) {
-        if let KvData::Q8_0(bytes) = kv {
-            q8kv::attend_q8(isa, geom, bytes, layer, kv_head, query, q, out, scratch)
-        } else if avx2::attend_fits(geom.head_dim, query.phase) {
+        if !matches!(kv, KvData::Q8_0(_)) && avx2::attend_fits(geom.head_dim, query.phase) {
             // SAFETY: AVX2 enabled here; the caller checked the block table.
             unsafe { avx2::attend(geom, kv, layer, kv_head, query, q, out, scratch) }
         } else {
@@ -550,14 +548,15 @@ impl Backend for CpuBackend {
             );
             for (which, src) in [k, v].into_iter().enumerate() {
                 for h in 0..g.kv_heads {
-                    let off = g.offset(s.block as usize, layer, which, h, s.slot as usize);
+                    let r = g.row(s.block as usize, layer, which, h, s.slot as usize);
+                    let off = r * g.head_dim;
                     let row = &src[i * kd + h * g.head_dim..i * kd + (h + 1) * g.head_dim];
                     match &mut data {
                         KvDataMut::F16(d) => d[off..off + g.head_dim].convert_from_f32_slice(row),
                         KvDataMut::F32(d) => d[off..off + g.head_dim].copy_from_slice(row),
                         KvDataMut::Q8_0(d) => {
                             let rb = g.row_bytes();
-                            let at = off / g.head_dim * rb;
+                            let at = r * rb;
                             // Under the ISA's features: its rounding is then one
                             // instruction, not a libm call per value.
                             dispatch!(self, quantize_row_q8_0(row, &mut d[at..at + rb]));
@@ -615,30 +614,9 @@ impl Backend for CpuBackend {
                 let os = unsafe { o.slice(base..base + width * hd) };
                 let query = &queries[qi];
                 match self.simd {
-                    Simd::Portable => match data {
-                        KvData::Q8_0(bytes) => q8kv::attend_q8(
-                            PortableIsa,
-                            g,
-                            bytes,
-                            layer,
-                            kh,
-                            query,
-                            qs,
-                            os,
-                            &mut scratch,
-                        ),
-                        _ => ops::attend(
-                            PortableIsa,
-                            g,
-                            data,
-                            layer,
-                            kh,
-                            query,
-                            qs,
-                            os,
-                            &mut scratch,
-                        ),
-                    },
+                    Simd::Portable => {
+                        ops::attend(PortableIsa, g, data, layer, kh, query, qs, os, &mut scratch)
+                    }
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX2 verified at construction.
                     Simd::Avx2 | Simd::Avx512Vnni => unsafe {

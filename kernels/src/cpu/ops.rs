@@ -303,7 +303,7 @@ pub(crate) struct AttnScratch {
 }
 
 /// Attention of one query token for one KV head and the query heads that share it (GQA).
-/// `q` and `out` hold those `group` heads.
+/// `q` and `out` hold those `group` heads. A q8_0 cache goes to `q8kv::attend_q8`.
 ///
 /// Scores are `q·k` (q rounded to the KV type first); softmax exponentiates in 16-lane chunks
 /// aligned to position 0 and sums the chunks in f64; probabilities are rounded to the KV type
@@ -322,6 +322,9 @@ pub(crate) fn attend<I: Isa>(
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
+    if let KvData::Q8_0(bytes) = kv {
+        return super::q8kv::attend_q8(isa, geom, bytes, layer, kv_head, query, q, out, scratch);
+    }
     let hd = geom.head_dim;
     let group = q.len() / hd;
     let n = query.pos + 1;

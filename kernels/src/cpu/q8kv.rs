@@ -11,8 +11,9 @@ use half::f16;
 
 use super::ops::{AttnScratch, Isa};
 use super::portable::hsum8;
+use crate::formats::{Format, Q8_0, QuantFormat};
 use crate::kv::{AttnQuery, KvGeometry, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
-use crate::quant::quantize_block;
+use crate::quant::{f16_at, quantize_block};
 
 /// Quantizes `x` (a whole number of 32-value blocks) into q8_0 blocks in `out`, as the x86
 /// `quantize_row_q8_0` does: scale `amax/127` stored as f16, quants `round_half_even(x·127/amax)`.
@@ -30,39 +31,27 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// The f16 scale at the start of a q8_0 block.
-#[inline(always)]
-pub fn scale_of(block: &[u8]) -> f32 {
-    let bits: [u8; 2] = block[..2].try_into().expect("a q8_0 block starts with its scale");
-    f16::from_bits(u16::from_le_bytes(bits)).to_f32()
-}
-
-/// `Σ k·q` over two q8_0 rows as llama.cpp's x86 `ggml_vec_dot_q8_0_q8_0`: per block, eight
-/// exact integer lanes of four products, each FMA'd with the product of the scales into its
-/// f32 accumulator; the accumulators are folded as `hsum8`.
+/// `Σ k·q` over two q8_0 rows as llama.cpp's x86 `ggml_vec_dot_q8_0_q8_0`: per block, the
+/// eight exact integer lanes of the Q8_0 weight dot (K as the weight, q as the activation),
+/// each FMA'd with the product of the scales into its f32 accumulator, folded as `hsum8`.
 #[inline(always)]
 pub fn dot_q8_0(k: &[u8], q: &[u8]) -> f32 {
     let mut acc = [0f32; 8];
     for (kb, qb) in k.chunks_exact(Q8_0_BLOCK_BYTES).zip(q.chunks_exact(Q8_0_BLOCK_BYTES)) {
-        let dd = scale_of(kb) * scale_of(qb);
-        for (l, a) in acc.iter_mut().enumerate() {
-            let p: i32 = (4 * l..4 * l + 4)
-                .map(|j| i32::from(kb[2 + j] as i8) * i32::from(qb[2 + j] as i8))
-                .sum();
+        let dd = f16_at(kb) * f16_at(qb);
+        let lanes = Q8_0::lanes(kb, bytemuck::cast_slice(&qb[2..]), &[]);
+        for (a, p) in acc.iter_mut().zip(lanes) {
             *a = dd.mul_add(p as f32, *a);
         }
     }
     hsum8(acc)
 }
 
-/// Dequantizes a q8_0 row: `q · d`, one rounding each (llama.cpp's `dequantize_row_q8_0`).
+/// Dequantizes a q8_0 row: llama.cpp's `dequantize_row_q8_0`, block by block.
 #[inline(always)]
 pub fn dequantize_row_q8_0(row: &[u8], out: &mut [f32]) {
     for (b, o) in row.chunks_exact(Q8_0_BLOCK_BYTES).zip(out.chunks_exact_mut(Q8_0_BLOCK)) {
-        let d = scale_of(b);
-        for (o, &q) in o.iter_mut().zip(&b[2..]) {
-            *o = f32::from(q as i8) * d;
-        }
+        Q8_0::dequantize(b, o);
     }
 }
 
@@ -265,7 +254,7 @@ mod tests {
         x[3] = 0.5;
         let mut out = [0u8; 34];
         quantize_row_q8_0(&x, &mut out);
-        assert_eq!(scale_of(&out), 1.0);
+        assert_eq!(f16_at(&out), 1.0);
         assert_eq!([out[2] as i8, out[3] as i8, out[4] as i8, out[5] as i8], [127, 2, -4, 0]);
         let mut back = [0f32; 32];
         dequantize_row_q8_0(&out, &mut back);

@@ -539,11 +539,11 @@ unsafe fn pv_slice(
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dequantize_row_q8_0(row: &[u8], out: &mut [f32]) {
-    use crate::cpu::q8kv::scale_of;
     use crate::kv::{Q8_0_BLOCK as N, Q8_0_BLOCK_BYTES as B};
+    use crate::quant::f16_at;
     assert_eq!(row.len() / B * N, out.len());
     for (b, o) in row.chunks_exact(B).zip(out.chunks_exact_mut(N)) {
-        let d = _mm256_set1_ps(scale_of(b));
+        let d = _mm256_set1_ps(f16_at(b));
         for k in 0..4 {
             // SAFETY: 32 quant bytes follow the scale and `o` holds 32 floats.
             unsafe {
@@ -565,14 +565,14 @@ pub unsafe fn dequantize_row_q8_0(row: &[u8], out: &mut [f32]) {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_q8_0(k: &[u8], q: &[u8]) -> f32 {
-    use crate::cpu::q8kv::scale_of;
     use crate::formats::x86;
     use crate::kv::Q8_0_BLOCK_BYTES as B;
+    use crate::quant::f16_at;
     assert!(k.len() == q.len() && k.len().is_multiple_of(B));
     let ones = _mm256_set1_epi16(1);
     let mut acc = _mm256_setzero_ps();
     for (kb, qb) in k.chunks_exact(B).zip(q.chunks_exact(B)) {
-        let dd = _mm256_set1_ps(scale_of(kb) * scale_of(qb));
+        let dd = _mm256_set1_ps(f16_at(kb) * f16_at(qb));
         // SAFETY: each block has 32 quant bytes after its 2-byte scale.
         let p = unsafe {
             x86::dot_signed(
