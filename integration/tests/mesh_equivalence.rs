@@ -85,6 +85,9 @@ async fn disaggregated_mesh_gives_the_tokens_of_one_engine(transport: &str) {
         for t in cluster.prefill_stats(i).await.transports {
             assert_eq!(t.transport, transport, "{t:?}");
             assert_eq!((t.failures, t.fallbacks), (0, 0), "{t:?}");
+            // On one host UCX writers map the decode pool and copy into it.
+            let mapped = if transport == "ucx" { t.transfers } else { 0 };
+            assert_eq!(t.mapped, mapped, "{t:?}");
             sent += t.transfers;
         }
     }
@@ -106,7 +109,8 @@ per_transport!(q8_0_kv_through_the_mesh_gives_the_tokens_of_one_engine);
 
 /// With `--kv-dtype q8_0` everywhere, the blocks prefill ships are q8_0 (34 bytes per 32
 /// values, rotated), verified on arrival, and decode continues from them to exactly the tokens
-/// of `pdmesh run --kv-dtype q8_0`, greedy and seeded.
+/// of `pdmesh run --kv-dtype q8_0`, greedy and seeded. The decode node keeps its pool private
+/// (`--kv-shared-pool false`), so UCX carries the blocks by puts, as between hosts.
 async fn q8_0_kv_through_the_mesh_gives_the_tokens_of_one_engine(transport: &str) {
     const Q8: [&str; 2] = ["--kv-dtype", "q8_0"];
     // SmolLM2: 30 layers x (K+V) x 3 KV heads x 16 slots x 2 blocks of 34 bytes.
@@ -123,7 +127,7 @@ async fn q8_0_kv_through_the_mesh_gives_the_tokens_of_one_engine(transport: &str
         .decode(1)
         .transport(transport)
         .prefill_args(&["--kv-verify", Q8[0], Q8[1]])
-        .decode_args(&Q8)
+        .decode_args(&[Q8[0], Q8[1], "--kv-shared-pool", "false"])
         .start()
         .await;
     let mut client = cluster.client().await;
@@ -148,7 +152,8 @@ async fn q8_0_kv_through_the_mesh_gives_the_tokens_of_one_engine(transport: &str
     }
     let stats = cluster.prefill_stats(0).await;
     for t in stats.transports {
-        assert_eq!((t.failures, t.fallbacks), (0, 0), "{t:?}");
+        assert_eq!((t.failures, t.fallbacks, t.mapped), (0, 0, 0), "{t:?}");
+        assert_eq!(t.transfers, n as u64, "{t:?}");
     }
 }
 

@@ -9,7 +9,7 @@
 //! across threads: that is what makes a sequence's logits bit-identical whatever else is in its
 //! batch and however its prompt was chunked.
 
-use pdmesh_kv_types::{KvGeometry, MemoryRegion};
+use pdmesh_kv_types::{HostMemory, KvGeometry, MemoryRegion};
 
 use crate::kv::{AttnQuery, KvSlot, Phase};
 use crate::quant::{ActNeeds, HostWeight};
@@ -41,6 +41,8 @@ pub enum KvError {
     BlockSize { want: usize, got: usize },
     #[error("block {block} is outside a pool of {blocks}")]
     NoSuchBlock { block: usize, blocks: usize },
+    #[error("cannot move the KV pool: {0}")]
+    Rehome(String),
 }
 
 /// A paged KV pool in some backend's memory, as everything outside the kernels sees it: whole
@@ -59,6 +61,11 @@ pub trait KvStorage: Send + std::fmt::Debug {
     fn copy_block(&mut self, src: usize, dst: usize);
     /// The pool's memory, kept alive by the region.
     fn region(&self) -> MemoryRegion;
+    /// Moves the pool into `memory`, host memory of exactly the pool's size that someone
+    /// else allocated (a transport whose peers reach it directly). The blocks' bytes are not
+    /// carried over: the caller holds no KV yet. A pool that must stay where it is (device
+    /// memory) refuses.
+    fn rehome(&mut self, memory: HostMemory) -> Result<(), KvError>;
 }
 
 /// Compute operations of the llama forward pass, on the backend's own memory.

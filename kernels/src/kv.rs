@@ -165,6 +165,17 @@ impl KvStorage for KvBuffer {
     fn region(&self) -> MemoryRegion {
         KvBuffer::region(self)
     }
+    fn rehome(&mut self, memory: HostMemory) -> Result<(), KvError> {
+        if memory.len() != self.memory.len() {
+            return Err(KvError::Rehome(format!(
+                "the new memory is {} bytes, the pool {}",
+                memory.len(),
+                self.memory.len()
+            )));
+        }
+        self.memory = memory;
+        Ok(())
+    }
 }
 
 /// Whether a token is part of a prompt (prefill) or a generated token (decode).

@@ -55,6 +55,8 @@ struct DecodeExtra {
     drain_grace_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     itl_target_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_shared_pool: Option<bool>,
 }
 
 #[derive(Serialize)]
@@ -330,6 +332,7 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             lease_ms: a.lease_ms,
             drain_grace_ms: a.drain_grace_ms,
             itl_target_ms: a.itl_target_ms,
+            kv_shared_pool: a.kv_shared_pool,
         },
     };
     start::<pdmesh_decode::DecodeConfig>(

@@ -38,6 +38,10 @@ pub struct DecodeConfig {
     /// How prefill nodes may deliver KV here: "ucx" (register the KV pool with UCX; fail to
     /// start without it), "grpc" (the gRPC stream only), "auto" (UCX when it starts).
     pub kv_transport: TransportKind,
+    /// With UCX: keep the KV pool in shared memory that UCX allocates and offer it to writers
+    /// on this host, which then copy KV in with one memcpy (see kv-transfer's `pool`). They
+    /// could reach every block, not only their reservation's; false keeps writers to puts.
+    pub kv_shared_pool: bool,
     /// Fault injection for tests: the engine thread panics at this step. None in production.
     pub fault_engine_panic_at_step: Option<u64>,
     /// Fault injection for tests: each engine step waits this long first. 0 in production.
@@ -60,6 +64,7 @@ impl Default for DecodeConfig {
             drain_ms: 5_000,
             drain_grace_ms: 30_000,
             kv_transport: TransportKind::Auto,
+            kv_shared_pool: true,
             fault_engine_panic_at_step: None,
             fault_step_delay_ms: 0,
             engine: EngineSettings { kv_blocks: 1024, ..EngineSettings::default() },

@@ -37,13 +37,20 @@ pub async fn run(
     let bound = listener.local_addr().map_err(StartError::Listener)?;
     let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
     let node_id = config.node_id.clone().unwrap_or_else(|| format!("decode@{address}"));
-    let engine = tokio::task::spawn_blocking({
+    let mut engine = tokio::task::spawn_blocking({
         let s = config.engine.clone();
         move || s.load()
     })
     .await??;
     let ucx = config.kv_transport.start_ucx(&node_id)?;
-    let pool = register_pool(config.kv_transport, ucx.as_ref(), &engine)?;
+    let shared = match &ucx {
+        Some(node) if config.kv_shared_pool => share_pool(node, &mut engine),
+        _ => None,
+    };
+    let pool = register_pool(config.kv_transport, ucx.as_ref(), &engine)?.map(|p| match shared {
+        Some(s) => p.with_shared(s),
+        None => p,
+    });
     let layout = engine.kv_layout();
     let context = engine.max_seq_len();
     let mut core = DecodeCore::new(
@@ -85,7 +92,13 @@ pub async fn run(
     // What a draining node hands off is counted apart from what it receives.
     let sent = Arc::new(pdmesh_kv_transfer::TransferStats::new());
     let transport = pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, sent);
-    let inbox = service::Inbox { node_id: node_id.clone(), layout, tx: tx.clone(), stats };
+    let inbox = service::Inbox {
+        node_id: node_id.clone(),
+        layout,
+        tx: tx.clone(),
+        stats,
+        shared: pool.as_ref().and_then(|p| p.shared().cloned()),
+    };
     let drain = CancellationToken::new();
     let service = DecodeService {
         inbox: Arc::new(inbox),
@@ -153,6 +166,24 @@ async fn drained(
         c.reserved + c.transferring + c.queued + c.prefilling + c.decoding
     })
     .await;
+}
+
+/// Moves the KV pool into UCX-allocated shared memory for writers on this host; without
+/// it (UCX cannot allocate shared memory here) the pool stays where it is, reached by puts.
+fn share_pool(
+    node: &pdmesh_kv_transfer::ucx::UcxNode,
+    engine: &mut pdmesh_engine::Engine,
+) -> Option<pdmesh_proto::v1::UcxShared> {
+    match pdmesh_kv_transfer::share_kv_pool(node, engine) {
+        Ok(s) => {
+            tracing::info!(bytes = s.len, "KV pool in shared memory for writers on this host");
+            Some(s)
+        }
+        Err(e) => {
+            tracing::warn!("KV pool not in shared memory, writers on this host put KV: {e}");
+            None
+        }
+    }
 }
 
 /// Registers the KV pool with UCX as `kind` asks: required for `ucx`, tried for `auto`.

@@ -16,7 +16,7 @@ use pdmesh_proto::v1::{
     DrainRequest, DrainResponse, HandOffRequest, HandOffResponse, KvChunk, KvSessionRequest,
     KvTarget, NodeCancelRequest, NodeCancelResponse, NodeLoad, NodeStats, PushKvResponse,
     ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest,
-    decode_event, decode_request,
+    UcxShared, decode_event, decode_request,
 };
 use pdmesh_wire::{finish_reason, sampling_from};
 use tokio::sync::{mpsc, oneshot};
@@ -35,6 +35,8 @@ pub struct Inbox {
     pub layout: KvLayout,
     pub tx: mpsc::Sender<Command>,
     pub stats: Arc<TransferStats>,
+    /// The KV pool's shared memory, offered to UCX writers on this host.
+    pub shared: Option<UcxShared>,
 }
 
 impl Inbox {
@@ -84,6 +86,10 @@ impl KvInbox for Inbox {
     async fn abort(&self, id: u64, from: &str, why: String) {
         let why = DecodeError::TransferBroken { from: from.to_string(), why };
         let _ = self.tx.send(Command::KvAbort { id, why }).await;
+    }
+
+    fn shared_pool(&self) -> Option<UcxShared> {
+        self.shared.clone()
     }
 
     fn closed(&self, id: u64) {

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use pdmesh_kernels::{CpuBackend, KvDtype, KvSlot, MemoryRegion, Phase, Simd};
+use pdmesh_kv_types::HostMemory;
 use pdmesh_kv_types::KvLayout;
 
 use crate::error::{Error, Result};
@@ -237,6 +238,16 @@ impl Engine {
     /// `addr + b * bytes_per_block`.
     pub fn kv_memory(&self) -> MemoryRegion {
         self.device.store().region()
+    }
+
+    /// Moves the KV pool into `memory` (host memory of `kv_bytes()` that a transport
+    /// allocated for its peers to reach). Only before the engine holds any KV: blocks are not
+    /// carried over, and regions handed out earlier keep naming the old memory.
+    pub fn rehome_kv(&mut self, memory: HostMemory) -> Result<()> {
+        if self.kv.free_blocks() != self.kv.total_blocks() {
+            return Err(Error::invalid("the KV pool moves only while it holds no KV"));
+        }
+        self.device.store_mut().rehome(memory).map_err(|e| Error::KvAlloc(e.to_string()))
     }
 
     /// The layout of this engine's KV blocks: what a peer must match to exchange them.

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use pdmesh_common::ids::Capability;
 use pdmesh_common::trace;
 use pdmesh_kv_types::KvLayout;
-use pdmesh_proto::v1::KvHeader;
+use pdmesh_proto::v1::{KvHeader, UcxShared};
 use tonic::Status;
 use tracing::Span;
 use tracing::field::Empty;
@@ -37,6 +37,11 @@ pub trait KvInbox: Send + Sync + 'static {
     async fn abort(&self, reservation: u64, from: &str, why: String);
     /// A transfer's stream ended (a remote writer can put no more), however it ended.
     fn closed(&self, reservation: u64);
+    /// The pool's shared memory, offered to UCX writers on this host; `None` when the pool
+    /// is not in memory they can map.
+    fn shared_pool(&self) -> Option<UcxShared> {
+        None
+    }
 }
 
 /// Reports a transfer's stream closed when dropped, however the handler exits.

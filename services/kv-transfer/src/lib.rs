@@ -31,7 +31,7 @@ pub use auto::{AutoTransport, TransportKind};
 pub use grpc::{GrpcTransport, receive_push};
 pub use inbox::{KvInbox, parse_reservation};
 pub use layout::check_layout;
-pub use pool::{KvPool, register_kv_pool};
+pub use pool::{KvPool, register_kv_pool, share_kv_pool};
 pub use prefix_cache::{CacheError, Lookup, PrefixCache};
 pub use push::{Export, PushConnector, PushError, PushJob, PushMode};
 pub use receive::{ReceiveError, Receiver, Target};
@@ -131,6 +131,11 @@ pub trait KvSink: Send {
     fn transport(&self) -> &'static str;
     /// Whether pieces may be single layers (sent while later layers compute).
     fn layered(&self) -> bool;
+    /// Whether pieces are copied straight into the receiver's memory, mapped here (a decode
+    /// node's shared KV pool on this host).
+    fn mapped(&self) -> bool {
+        false
+    }
     /// Sends a piece. Whole blocks arrive in order; layers of a block in any order.
     async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError>;
     /// Marks the KV complete (`blocks` in all; `checksums` of each block in verify mode, else
@@ -161,6 +166,10 @@ impl KvSink for Delayed {
 
     fn layered(&self) -> bool {
         self.inner.layered()
+    }
+
+    fn mapped(&self) -> bool {
+        self.inner.mapped()
     }
 
     async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError> {

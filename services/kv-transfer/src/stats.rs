@@ -37,6 +37,12 @@ impl TransferStats {
         });
     }
 
+    /// A transfer by `transport` that succeeded by copying into the receiver's pool mapped
+    /// on this host (counted in `record` too).
+    pub fn mapped(&self, transport: &'static str) {
+        self.with(transport, |e| e.mapped += 1);
+    }
+
     /// A transfer that wanted `wanted` and used another transport.
     pub fn fallback(&self, wanted: &'static str) {
         self.with(wanted, |e| e.fallbacks += 1);
@@ -70,6 +76,11 @@ impl TransferStats {
             fam("transfer_fallbacks", "Transfers that wanted UCX and used gRPC.", &|t| {
                 t.fallbacks as f64
             }),
+            fam(
+                "transfers_mapped",
+                "Transfers copied into a decode node's KV pool mapped from shared memory.",
+                &|t| t.mapped as f64,
+            ),
         ]
     }
 }

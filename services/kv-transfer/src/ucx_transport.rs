@@ -18,17 +18,20 @@ use pdmesh_proto::v1::{
     kv_session_event, kv_session_request,
 };
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
 use crate::grpc::GrpcTransport;
 use crate::inbox::{self, ClosedOnDrop, KvInbox};
 use crate::scope::Keys;
-use crate::ucx::{Peer, Peers, Pending, UcxError, UcxNode};
+use crate::ucx::{Mapped, Peer, Peers, Pending, UcxError, UcxNode};
 use crate::{KvPiece, KvSink, KvTransport, TransferError};
 
 /// Puts a transfer keeps in flight before it waits for the oldest ones.
 const MAX_PENDING: usize = 1024;
+/// Copies into a mapped pool (one per piece) a transfer keeps in flight.
+const MAX_COPIES: usize = 8;
 
 #[derive(Debug)]
 pub struct UcxTransport {
@@ -110,8 +113,8 @@ impl KvTransport for UcxTransport {
                 .map_err(|s| TransferError::from_peer(&node, s))?
                 .into_inner();
             match events.message().await {
-                Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Accepted(_)) })) => {
-                    Ok(events)
+                Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Accepted(a)) })) => {
+                    Ok((events, a.shared))
                 }
                 Ok(_) => Err(unreachable(&node, "the session ended before it was accepted")),
                 Err(s) => Err(TransferError::from_peer(&node, s)),
@@ -122,17 +125,31 @@ impl KvTransport for UcxTransport {
             self.peers.evict(&peer);
             no_endpoint(&node, e)
         })?;
-        let events = events?;
+        let (events, shared) = events?;
+        // The decode node offers its pool's shared memory to a writer on its host: mapped
+        // here, blocks go in by one memcpy each. Should UCX not map it, puts carry them.
+        let mapped = match shared {
+            Some(sh) => match peer.shared(&sh.rkey, sh.base, sh.len).await {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    tracing::debug!(node, "the decode node's shared KV pool is not mappable: {e}");
+                    None
+                }
+            },
+            None => None,
+        };
         Ok(Box::new(UcxSink {
             node,
             peers: self.peers.clone(),
             peer,
             keys,
+            mapped,
             addrs: ucx.block_addrs.clone(),
             bpb,
             layers: layout.geometry.layers as u64,
             session: Some((tx, events)),
             pending: Vec::new(),
+            copies: Vec::new(),
             bytes: 0,
         }))
     }
@@ -146,13 +163,20 @@ struct UcxSink {
     peer: Arc<Peer>,
     /// The keys of the reservation's ranges; each put uses the one whose range holds it.
     keys: Keys,
+    /// The decode node's pool mapped here (same host): blocks are copied in, not put.
+    mapped: Option<Arc<Mapped>>,
     addrs: Vec<u64>,
     bpb: u64,
     layers: u64,
     session: Option<Session>,
     pending: Vec<Pending<()>>,
+    /// Copies into the mapped pool still running.
+    copies: Vec<JoinHandle<()>>,
     bytes: u64,
 }
+
+/// One run of bytes to copy into the mapped pool: the source and where it goes here.
+type CopyRun = (bytes::Bytes, usize);
 
 impl UcxSink {
     fn fail(&self, e: UcxError) -> TransferError {
@@ -160,12 +184,55 @@ impl UcxSink {
         unreachable(&self.node, e)
     }
 
+    /// Waits for all but the last `keep` puts.
     async fn settle(&mut self, keep: usize) -> Result<(), TransferError> {
         let n = self.pending.len().saturating_sub(keep);
         for p in self.pending.drain(..n).collect::<Vec<_>>() {
             p.await.map_err(|e| self.fail(e))?;
         }
         Ok(())
+    }
+
+    /// Waits for all but the last `keep` copies.
+    async fn settle_copies(&mut self, keep: usize) -> Result<(), TransferError> {
+        let n = self.copies.len().saturating_sub(keep);
+        // Awaited in place: a sink dropped meanwhile leaves the rest to `Drop`, which keeps
+        // the session open until they are done.
+        for _ in 0..n {
+            let r = (&mut self.copies[0]).await;
+            self.copies.remove(0);
+            r.map_err(|e| unreachable(&self.node, format!("a copy into the KV pool failed: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Where `len` bytes at the decode node's `start` are mapped here, when they lie in the
+    /// mapped pool.
+    fn local(&self, start: u64, len: u64) -> Option<usize> {
+        let m = self.mapped.as_ref()?;
+        let off = start.checked_sub(m.base)?;
+        (off.checked_add(len)? <= m.len).then(|| m.local + off as usize)
+    }
+
+    /// Starts copying `plan` into the mapped pool on a blocking thread, which holds the peer
+    /// (and with it the mapping) until it is done.
+    fn copy(&mut self, plan: Vec<CopyRun>) {
+        let peer = Arc::clone(&self.peer);
+        let mapped = self.mapped.clone();
+        self.copies.push(tokio::task::spawn_blocking(move || {
+            let _alive = (peer, mapped);
+            for (src, dst) in plan {
+                // SAFETY: `dst..dst + len` lies inside the peer's pool as mapped here (`local`
+                // checked it) and inside one of this reservation's granted ranges (`send`
+                // checked it), which the decode node neither reads nor writes until the
+                // commit; `_alive` keeps the mapping. Source and destination are distinct
+                // memory.
+                #[allow(unsafe_code)]
+                unsafe {
+                    std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len())
+                };
+            }
+        }));
     }
 }
 
@@ -177,6 +244,10 @@ impl KvSink for UcxSink {
 
     fn layered(&self) -> bool {
         true
+    }
+
+    fn mapped(&self) -> bool {
+        self.mapped.is_some()
     }
 
     async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError> {
@@ -204,7 +275,8 @@ impl KvSink for UcxSink {
             });
         }
         // Whole blocks that sit next to each other in the decode pool, within one granted
-        // range, go as one put. (Each block lies in a range: `open` checked them all.)
+        // range, go as one put or copy. (Each block lies in a range: `open` checked them all.)
+        let mut plan = Vec::new();
         let mut i = 0;
         while i < n {
             let start = self.addrs[first + i] + offset;
@@ -223,12 +295,21 @@ impl KvSink for UcxSink {
                 run += 1;
             }
             let data = piece.data.slice(i * unit as usize..(i + run) * unit as usize);
-            self.pending.push(self.peer.ep.put(data, start, key));
+            match self.local(start, data.len() as u64) {
+                Some(dst) => plan.push((data, dst)),
+                None => self.pending.push(self.peer.ep.put(data, start, key)),
+            }
             i += run;
+        }
+        if !plan.is_empty() {
+            self.copy(plan);
         }
         self.bytes += len;
         if self.pending.len() > MAX_PENDING {
             self.settle(MAX_PENDING / 2).await?;
+        }
+        if self.copies.len() > MAX_COPIES {
+            self.settle_copies(MAX_COPIES / 2).await?;
         }
         Ok(())
     }
@@ -239,6 +320,7 @@ impl KvSink for UcxSink {
         checksums: Vec<u64>,
     ) -> Result<u64, TransferError> {
         self.settle(0).await?;
+        self.settle_copies(0).await?;
         self.peer.ep.flush().await.map_err(|e| self.fail(e))?;
         let (tx, mut events) =
             self.session.take().ok_or_else(|| unreachable(&self.node, "the session is gone"))?;
@@ -262,11 +344,15 @@ impl Drop for UcxSink {
     fn drop(&mut self) {
         let Some(session) = self.session.take() else { return };
         let pending = std::mem::take(&mut self.pending);
+        let copies = std::mem::take(&mut self.copies);
         let node = self.node.clone();
         let (peers, peer) = (self.peers.clone(), Arc::clone(&self.peer));
         // The session must outlive every put: ending it lets the decode node reuse the blocks.
         let quiesce = async move {
             let mut failed = None;
+            for c in copies {
+                let _ = c.await;
+            }
             for p in pending {
                 if let Err(e) = p.await {
                     failed.get_or_insert(e);
@@ -305,6 +391,8 @@ pub async fn accept_session(
 ) -> Result<tonic::Response<SessionEvents>, tonic::Status> {
     use tonic::Status;
     use tracing::Instrument;
+    let shared =
+        if same_host(req.local_addr(), req.remote_addr()) { inbox.shared_pool() } else { None };
     let mut inbound = req.into_inner();
     let header = match inbound.message().await? {
         Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Open(h)) }) => Some(h),
@@ -316,7 +404,8 @@ pub async fn accept_session(
         pdmesh_common::trace::in_span(&span, inbox::open(&*inbox, header, true)).await?;
     let closed = ClosedOnDrop { inbox: Arc::clone(&inbox), id };
     let (events, rx) = mpsc::channel(2);
-    let accepted = KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted {})) };
+    let accepted =
+        KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted { shared })) };
     let _ = events.try_send(Ok(accepted));
     let session = async move {
         // Until the commit (or the end of the stream) the prefill node may be putting.
@@ -356,4 +445,31 @@ pub async fn accept_session(
     };
     tokio::spawn(session.instrument(span));
     Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+}
+
+/// Whether a connection's two ends are on one host: both loopback, or one address. A peer
+/// elsewhere cannot complete a TLS handshake from an address of this host, so the offer of
+/// shared memory rests on the connection the writer authenticated on.
+fn same_host(local: Option<std::net::SocketAddr>, remote: Option<std::net::SocketAddr>) -> bool {
+    let (Some(l), Some(r)) = (local, remote) else { return false };
+    let (l, r) = (l.ip().to_canonical(), r.ip().to_canonical());
+    (l.is_loopback() && r.is_loopback()) || (l == r && !l.is_unspecified())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::same_host;
+
+    #[test]
+    fn only_connections_within_one_host_are_same_host() {
+        let a = |s: &str| Some(s.parse().unwrap());
+        assert!(same_host(a("127.0.0.1:5000"), a("127.0.0.1:40000")));
+        assert!(same_host(a("127.0.0.1:5000"), a("127.0.0.2:40000")));
+        assert!(same_host(a("[::1]:5000"), a("[::ffff:127.0.0.1]:40000")));
+        assert!(same_host(a("10.0.0.5:5000"), a("10.0.0.5:40000")));
+        assert!(!same_host(a("10.0.0.5:5000"), a("10.0.0.6:40000")));
+        assert!(!same_host(a("127.0.0.1:5000"), a("10.0.0.6:40000")));
+        assert!(!same_host(a("0.0.0.0:5000"), a("0.0.0.0:40000")));
+        assert!(!same_host(None, a("127.0.0.1:40000")));
+    }
 }

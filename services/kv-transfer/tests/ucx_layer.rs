@@ -103,3 +103,65 @@ async fn operations_after_the_node_is_gone_fail_not_hang() {
         .expect("flush must not hang")
         .expect("empty flush succeeds");
 }
+
+/// Memory UCX allocates is shared memory a peer on this host maps into itself: what it writes
+/// through the mapping is what the owner reads, and registered private memory does not map.
+#[tokio::test]
+#[allow(unsafe_code)]
+async fn allocated_memory_is_mapped_by_a_peer_on_this_host() {
+    let a = UcxNode::start("a").expect("ucx a");
+    let b = UcxNode::start("b").expect("ucx b");
+    let alloc = b.allocate(1 << 20).expect("UCX allocates shared memory");
+    assert!(alloc.len >= 1 << 20);
+    // SAFETY: UCX allocated `alloc.len` fresh bytes that `keep` owns; only `owned` reads them
+    // in b, and a writes only through its mapping below, before b reads.
+    let owned = unsafe { HostMemory::adopt(alloc.addr, 1 << 20, alloc.keep.clone()) }
+        .expect("page-aligned");
+    assert!(owned.bytes().iter().all(|&x| x == 0), "fresh memory is zero");
+    let ep = a.connect(b.address().clone()).await.expect("connect");
+    let key = ep.remote_key(alloc.rkey.clone()).await.expect("rkey");
+    let base = alloc.addr as u64;
+    let local = ep.local_ptr(&key, base + 4096).await.expect("mapped");
+    assert_ne!(local, alloc.addr + 4096, "a's mapping is its own");
+    let data = pattern(100_000, 7);
+    // SAFETY: `local` maps b's bytes 4096..104_096 of the allocation while `key` and `ep` live.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), local as *mut u8, data.len()) };
+    assert_eq!(&owned.bytes()[4096..104_096], &data[..]);
+    assert!(owned.bytes()[..4096].iter().all(|&x| x == 0));
+
+    // Private memory registered for puts is no shared memory: no mapping, puts only.
+    let private = HostMemory::zeroed(4096).expect("4 KiB");
+    let region = b.register(&private.region()).expect("map");
+    let k2 = ep.remote_key(region.rkey().clone()).await.expect("rkey");
+    assert!(ep.local_ptr(&k2, region.base()).await.is_err());
+    drop((k2, key, ep, region, owned, alloc));
+}
+
+/// A peer's mapping is made once and let go once idle; a transfer still holding it keeps it.
+#[tokio::test]
+#[allow(unsafe_code)]
+async fn an_idle_mapping_is_let_go_but_not_under_a_transfer() {
+    use pdmesh_kv_transfer::ucx::Peers;
+    let a = UcxNode::start("a").expect("ucx a");
+    let b = UcxNode::start("b").expect("ucx b");
+    let alloc = b.allocate(8192).expect("shared memory");
+    // SAFETY: as in the test above; a writes only through its mapping, before b reads.
+    let owned = unsafe { HostMemory::adopt(alloc.addr, 8192, alloc.keep.clone()) }.expect("ok");
+    let peers = Peers::new(a.clone());
+    let peer = peers.get(b.address()).await.expect("peer");
+    let base = alloc.addr as u64;
+    assert!(peer.shared(&alloc.rkey, base, 0).await.is_err(), "an empty pool is refused");
+    let m = peer.shared(&alloc.rkey, base, 8192).await.expect("mapped");
+    let again = peer.shared(&alloc.rkey, base, 8192).await.expect("mapped");
+    assert!(std::sync::Arc::ptr_eq(&m, &again), "mapped once");
+    assert!(peer.holds_mapping());
+    peers.unmap_idle(Duration::from_secs(3600));
+    assert!(peer.holds_mapping(), "recently used");
+    peers.unmap_idle(Duration::ZERO);
+    assert!(!peer.holds_mapping(), "idle: let go");
+    // The transfer that still holds it writes on.
+    // SAFETY: `m` (with `peer`) keeps the mapping of b's 8192 bytes alive.
+    unsafe { *(m.local as *mut u8).add(100) = 42 };
+    assert_eq!(owned.bytes()[100], 42);
+    drop((m, again, peer, peers, owned, alloc));
+}

@@ -99,12 +99,20 @@ impl Drop for Alloc {
     }
 }
 
-/// A zeroed, fixed host allocation whose bytes its one owner reads and writes, and which
-/// `region()` can expose (address only) to others — a KV pool that UCX registers.
+/// A fixed host allocation whose bytes its one owner reads and writes, and which `region()`
+/// can expose (address only) to others — a KV pool that UCX registers. Zeroed by this
+/// module, or adopted from an allocator that hands out zeroed memory (UCX's shared memory).
 pub struct HostMemory {
-    alloc: Arc<Alloc>,
+    ptr: NonNull<u8>,
     len: usize,
+    keep: Arc<dyn Any + Send + Sync>,
 }
+
+// SAFETY: `HostMemory` owns its bytes like a `Box<[u8]>` does: access goes through `&self` /
+// `&mut self` only, and `keep` is `Send + Sync`.
+unsafe impl Send for HostMemory {}
+// SAFETY: as above; `&HostMemory` gives shared (read) access only.
+unsafe impl Sync for HostMemory {}
 
 impl std::fmt::Debug for HostMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -121,7 +129,26 @@ impl HostMemory {
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).ok_or_else(|| format!("cannot allocate {len} bytes"))?;
-        Ok(Self { alloc: Arc::new(Alloc { ptr, layout }), len })
+        Ok(Self { ptr, len, keep: Arc::new(Alloc { ptr, layout }) })
+    }
+
+    /// Adopts `len` bytes at `addr` that `keep` owns, e.g. memory a transport allocated so
+    /// that peers can reach it.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must be one zeroed, readable and writable host allocation aligned
+    /// to `HOST_ALIGN`, that stays at that address, unfreed, until `keep` is dropped, and that
+    /// nothing else in this process reads or writes while the `HostMemory` lives.
+    pub unsafe fn adopt(
+        addr: usize,
+        len: usize,
+        keep: Arc<dyn Any + Send + Sync>,
+    ) -> Result<Self, String> {
+        let ptr = NonNull::new(addr as *mut u8).ok_or("cannot adopt a null address")?;
+        if !addr.is_multiple_of(HOST_ALIGN) {
+            return Err(format!("{addr:#x} is not aligned to {HOST_ALIGN} bytes"));
+        }
+        Ok(Self { ptr, len, keep })
     }
 
     pub fn len(&self) -> usize {
@@ -133,25 +160,29 @@ impl HostMemory {
     }
 
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: `len` initialised (zeroed) bytes owned by `alloc`; other holders of the
+        // SAFETY: `len` initialised (zeroed) bytes kept alive by `keep`; other holders of the
         // allocation (regions) never make references to it, so this borrow follows `self`'s.
-        unsafe { std::slice::from_raw_parts(self.alloc.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `bytes`; `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.alloc.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
     /// The allocation as a region that keeps it alive. Whoever writes into the region from
     /// outside (another process, a NIC) must confine itself to memory the owner is not
     /// using at that moment: Rust's model does not describe such writes, the protocol does.
     pub fn region(&self) -> MemoryRegion {
-        let keep: Arc<dyn Any + Send + Sync> = self.alloc.clone();
-        // SAFETY: the allocation is fixed and freed only when its last `Arc` (this one
+        // SAFETY: the allocation is fixed and freed only when its last keeper (this one
         // included) drops.
         unsafe {
-            MemoryRegion::new(self.alloc.ptr.as_ptr() as usize, self.len, MemoryKind::Host, keep)
+            MemoryRegion::new(
+                self.ptr.as_ptr() as usize,
+                self.len,
+                MemoryKind::Host,
+                Arc::clone(&self.keep),
+            )
         }
     }
 }
@@ -176,6 +207,25 @@ mod tests {
         // SAFETY: the region keeps the allocation alive and nobody else holds it now.
         let b = unsafe { *(r.addr() as *const u8).add(7) };
         assert_eq!(b, 42);
+    }
+
+    #[test]
+    fn adopted_memory_is_kept_by_its_keeper_and_must_be_aligned() {
+        let backing = HostMemory::zeroed(256).expect("256 B");
+        let addr = backing.bytes().as_ptr() as usize;
+        let keep: Arc<dyn Any + Send + Sync> = Arc::new(backing);
+        // SAFETY: `keep` owns 256 zeroed, aligned bytes and nothing else touches them.
+        let mut m = unsafe { HostMemory::adopt(addr, 256, Arc::clone(&keep)) }.expect("adopted");
+        m.bytes_mut()[3] = 9;
+        assert_eq!((m.region().addr(), m.len()), (addr, 256));
+        // SAFETY: as above; the error paths never touch the memory.
+        assert!(unsafe { HostMemory::adopt(addr + 1, 8, Arc::clone(&keep)) }.is_err());
+        // SAFETY: as above.
+        assert!(unsafe { HostMemory::adopt(0, 8, keep) }.is_err());
+        let r = m.region();
+        drop(m);
+        // SAFETY: the region keeps the keeper, and with it the bytes, alive.
+        assert_eq!(unsafe { *(r.addr() as *const u8).add(3) }, 9);
     }
 
     #[test]

@@ -190,6 +190,7 @@ impl Prefill for PrefillService {
         let relay = Relay {
             node: self.node_id.clone(),
             transport: sink.transport(),
+            mapped: sink.mapped(),
             sink: Some(sink),
             stats: Arc::clone(&self.stats),
             transferring: Arc::clone(&self.transferring),
@@ -254,6 +255,8 @@ struct Relay {
     node: String,
     /// The transport carrying the transfer.
     transport: &'static str,
+    /// Whether the sink copies into the decode node's pool mapped here.
+    mapped: bool,
     /// Taken when the relay starts: dropping it unfinished aborts the transfer.
     sink: Option<Box<dyn KvSink>>,
     stats: Arc<TransferStats>,
@@ -341,6 +344,9 @@ impl Relay {
         let secs = t0.elapsed().as_secs_f64();
         let transport = self.transport;
         self.stats.record(transport, finished.as_ref().ok().copied(), secs);
+        if self.mapped && finished.is_ok() {
+            self.stats.mapped(transport);
+        }
         let bytes = finished.map_err(Status::from)?;
         self.transfer.record("bytes", bytes as i64);
         self.transfer.record("tail_ms", secs * 1e3);

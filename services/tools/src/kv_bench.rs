@@ -44,6 +44,9 @@ pub struct KvBenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Time only these paths (ucx, ucx-cma, grpc; comma-separated); the rest print NaN (null in --json).
+    #[arg(long, value_delimiter = ',', default_value = "ucx,ucx-cma,grpc")]
+    paths: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -198,10 +201,21 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         median(times)
     };
 
+    for p in &a.paths {
+        if !["ucx", "ucx-cma", "grpc"].contains(&p.as_str()) {
+            bail!("--paths: unknown path {p:?} (ucx, ucx-cma, grpc)");
+        }
+    }
     let mut ms = Vec::new();
-    for (kind, peer_failure) in
-        [(TransportKind::Ucx, true), (TransportKind::Ucx, false), (TransportKind::Grpc, true)]
-    {
+    for (path, kind, peer_failure) in [
+        ("ucx", TransportKind::Ucx, true),
+        ("ucx-cma", TransportKind::Ucx, false),
+        ("grpc", TransportKind::Grpc, true),
+    ] {
+        if !a.paths.iter().any(|p| p == path) {
+            ms.push(f64::NAN);
+            continue;
+        }
         let ucx = match kind {
             TransportKind::Grpc => None,
             _ => Some(

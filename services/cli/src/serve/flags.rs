@@ -128,6 +128,11 @@ pub struct DecodeArgs {
     /// for a whole chunk; 0 = no target [default: 50].
     #[arg(long)]
     pub(super) itl_target_ms: Option<u64>,
+    /// With UCX, keep the KV pool in shared memory and let prefill nodes on this host map it
+    /// and copy KV in with one memcpy, instead of putting it through a transport; such a
+    /// writer could reach every block of the pool, not only its reservation's [default: true].
+    #[arg(long, value_name = "BOOL")]
+    pub(super) kv_shared_pool: Option<bool>,
 }
 
 #[derive(Debug, Args)]

@@ -23,9 +23,12 @@ fn check(op: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
 }
 
 /// Settings pdmesh changes from UCX's defaults, unless the environment sets them.
-/// Shared-memory transports report a dead peer only with this on; without it, endpoints that
-/// detect peer failure (pdmesh's) reach a process on the same host over TCP alone.
-const DEFAULTS: &[(&str, &str)] = &[("POSIX_ERROR_HANDLING", "y")];
+/// Shared-memory transports report a dead peer only with `POSIX_ERROR_HANDLING` on; without
+/// it, endpoints that detect peer failure (pdmesh's) reach a process on the same host over TCP
+/// alone. `ALLOC_PRIO` makes memory UCX allocates (a decode node's KV pool) shared memory
+/// that a peer on the host can map, or nothing: the node then allocates the pool itself.
+const DEFAULTS: &[(&str, &str)] =
+    &[("POSIX_ERROR_HANDLING", "y"), ("ALLOC_PRIO", "md:sysv,md:posix")];
 
 /// A UCP context with the RMA and wakeup features. UCX reads its `UCX_*` environment
 /// variables (transports, devices, logging) here.
@@ -111,24 +114,78 @@ impl Context {
         let mut memh: sys::ucp_mem_h = ptr::null_mut();
         // SAFETY: the context is live; the caller guarantees the memory outlives the mapping.
         check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0, &p, &mut memh) })?;
+        let memh = MemHandle(memh);
+        match self.pack(memh.0) {
+            Ok(rkey) => Ok((memh, rkey)),
+            Err(e) => {
+                let _ = self.unmap(memh);
+                Err(e)
+            }
+        }
+    }
+
+    /// Allocates `len` bytes that UCX maps for remote write and read, in the memory its
+    /// allocation priority picks first (System V shared memory by default, which a peer on
+    /// the same host can map through `Rkey::ptr`). Returns the handle, the address and the
+    /// packed remote key of the whole allocation. The memory is zero (fresh pages) and lives
+    /// until the handle is unmapped.
+    pub(super) fn allocate(&self, len: usize) -> Result<(MemHandle, usize, Bytes), UcxError> {
+        // SAFETY: all-zero is the empty parameter set; length, flags and protection are set
+        // and flagged below (no address: UCX picks it).
+        let mut p: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        p.field_mask = (sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_FLAGS
+            | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_PROT)
+            as u64;
+        p.length = len;
+        p.flags = sys::UCP_MEM_MAP_ALLOCATE as _;
+        p.prot = (sys::UCP_MEM_MAP_PROT_LOCAL_READ
+            | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | sys::UCP_MEM_MAP_PROT_REMOTE_READ
+            | sys::UCP_MEM_MAP_PROT_REMOTE_WRITE) as _;
+        let mut memh: sys::ucp_mem_h = ptr::null_mut();
+        // SAFETY: the context is live; UCX owns the allocation until `unmap`.
+        check("ucp_mem_map", unsafe { sys::ucp_mem_map(self.0, &p, &mut memh) })?;
+        let memh = MemHandle(memh);
+        // SAFETY: all-zero is the empty attribute query; address and length are asked for.
+        let mut attr: sys::ucp_mem_attr_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        attr.field_mask = (sys::ucp_mem_attr_field_UCP_MEM_ATTR_FIELD_ADDRESS
+            | sys::ucp_mem_attr_field_UCP_MEM_ATTR_FIELD_LENGTH) as u64;
+        // SAFETY: `memh` was just mapped on this context.
+        let queried = check("ucp_mem_query", unsafe { sys::ucp_mem_query(memh.0, &mut attr) });
+        let packed = queried.and_then(|()| {
+            if attr.address.is_null() || attr.length < len {
+                return Err(UcxError::Usage(format!(
+                    "UCX allocated {} bytes at {:p} for {len}",
+                    attr.length, attr.address
+                )));
+            }
+            self.pack(memh.0)
+        });
+        match packed {
+            Ok(rkey) => Ok((memh, attr.address as usize, rkey)),
+            Err(e) => {
+                let _ = self.unmap(memh);
+                Err(e)
+            }
+        }
+    }
+
+    /// The packed remote key of a mapping of this context.
+    fn pack(&self, memh: sys::ucp_mem_h) -> Result<Bytes, UcxError> {
         let mut buf: *mut c_void = ptr::null_mut();
         let mut size = 0usize;
         // SAFETY: `memh` was just mapped on this context; `ucp_rkey_pack` is the packer that
         // works on UCX 1.22 (see the ucx-rs crate docs).
         let st = unsafe { sys::ucp_rkey_pack(self.0, memh, &mut buf, &mut size) };
-        if let Err(e) = check("ucp_rkey_pack", st) {
-            // SAFETY: the mapping was made above and nothing else refers to it yet.
-            unsafe { sys::ucp_mem_unmap(self.0, memh) };
-            return Err(e);
-        }
+        check("ucp_rkey_pack", st)?;
         // SAFETY: UCX returned a buffer of `size` bytes; it is copied before being released
         // with the matching release call.
-        let rkey = unsafe {
+        Ok(unsafe {
             let packed = Bytes::copy_from_slice(std::slice::from_raw_parts(buf as *const u8, size));
             sys::ucp_rkey_buffer_release(buf);
             packed
-        };
-        Ok((MemHandle(memh), rkey))
+        })
     }
 
     pub(super) fn unmap(&self, memh: MemHandle) -> Result<(), UcxError> {
@@ -337,6 +394,18 @@ impl Ep {
             // SAFETY: `self` is consumed, so the handle is never used after closing.
             |param| unsafe { sys::ucp_ep_close_nbx(ep, param) },
         );
+    }
+}
+
+impl Rkey {
+    /// Where the peer's `remote` is mapped in this process, when the key's memory can be
+    /// reached directly (shared memory of a peer on this host); an error otherwise.
+    pub(super) fn ptr(&self, remote: u64) -> Result<usize, UcxError> {
+        let mut local: *mut c_void = ptr::null_mut();
+        // SAFETY: the key is live; UCX maps the peer's segment (once per key) and reports
+        // an unreachable or unsupported one as an error status.
+        check("ucp_rkey_ptr", unsafe { sys::ucp_rkey_ptr(self.0, remote, &mut local) })?;
+        Ok(local as usize)
     }
 }
 

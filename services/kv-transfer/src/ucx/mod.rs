@@ -23,7 +23,7 @@ use bytes::Bytes;
 use pdmesh_kv_types::{MemoryKind, MemoryRegion};
 use tokio::sync::{mpsc, oneshot};
 
-pub use peers::{Peer, Peers};
+pub use peers::{Mapped, Peer, Peers};
 
 use ffi::{Completion, Context, Ep, EpFailure, MemHandle, Rkey, Worker};
 
@@ -67,6 +67,7 @@ enum Cmd {
     DropRkey { ep: u64, rkey: u64 },
     Put { ep: u64, rkey: u64, data: Bytes, remote: u64, done: Completion },
     Get { ep: u64, rkey: u64, len: usize, remote: u64, done: Completion },
+    Ptr { ep: u64, rkey: u64, remote: u64, reply: oneshot::Sender<Result<usize, UcxError>> },
     Flush { ep: u64, done: Completion },
     Close { ep: u64 },
 }
@@ -212,10 +213,62 @@ impl UcxNode {
         })
     }
 
+    /// Allocates `len` zeroed bytes through UCX, readable and writable by peers holding the
+    /// returned key. UCX allocates in System V shared memory when it can (its default
+    /// allocation priority), so a peer on this host can map the memory itself (`local_ptr`)
+    /// and write it with one memcpy instead of through a transport.
+    pub fn allocate(&self, len: usize) -> Result<Allocation, UcxError> {
+        if len == 0 {
+            return Err(UcxError::Usage("cannot allocate 0 bytes".into()));
+        }
+        let (memh, addr, rkey) = self.inner.ctx.allocate(len)?;
+        let keep = Arc::new(Allocated { ctx: Arc::clone(&self.inner.ctx), memh: Some(memh) });
+        Ok(Allocation { addr, len, rkey: seal(&rkey), keep })
+    }
+
     fn send(&self, cmd: Cmd) -> Result<(), UcxError> {
         self.inner.tx.send(cmd).map_err(|_| UcxError::Closed)
     }
 }
+
+/// Memory UCX allocated (`UcxNode::allocate`): the address, the length, the sealed key of the
+/// whole allocation, and what keeps it allocated.
+pub struct Allocation {
+    pub addr: usize,
+    pub len: usize,
+    pub rkey: Bytes,
+    /// Unmaps (frees) the memory when the last clone drops.
+    pub keep: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Allocation")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+struct Allocated {
+    ctx: Arc<Context>,
+    memh: Option<MemHandle>,
+}
+
+impl Drop for Allocated {
+    fn drop(&mut self) {
+        if let Some(m) = self.memh.take()
+            && let Err(e) = self.ctx.unmap(m)
+        {
+            tracing::error!("{e}");
+        }
+    }
+}
+
+// SAFETY: the handle is only touched in `Drop` (`&mut self`); the context's unmap is
+// thread-safe (see `Context`).
+#[allow(unsafe_code)]
+unsafe impl Sync for Allocated {}
 
 const SEAL_MAGIC: &[u8; 4] = b"PDU1";
 const KEYED_MAGIC: &[u8; 4] = b"PDU2";
@@ -432,6 +485,17 @@ impl Endpoint {
         Pending(rx)
     }
 
+    /// Where the peer's address `remote`, in the region of `rkey`, is mapped in this process:
+    /// the peer's memory is shared memory on this host that UCX attached for the key. Fails
+    /// (with UCX's status) for a peer elsewhere or memory UCX cannot map. The mapping lives
+    /// as long as the key and this endpoint both do.
+    pub async fn local_ptr(&self, rkey: &RemoteKey, remote: u64) -> Result<usize, UcxError> {
+        self.check_key(rkey)?;
+        let (reply, rx) = oneshot::channel();
+        self.node.send(Cmd::Ptr { ep: self.id, rkey: rkey.id, remote, reply })?;
+        rx.await.map_err(|_| UcxError::Closed)?
+    }
+
     /// Resolves when everything issued on this endpoint before it is complete at the peer.
     pub fn flush(&self) -> Pending<()> {
         let (tx, rx) = oneshot::channel();
@@ -554,6 +618,9 @@ impl State {
                     }
                 }
             },
+            Cmd::Ptr { ep, rkey, remote, reply } => {
+                let _ = reply.send(self.key(ep, rkey, "rkey ptr").and_then(|(_, k)| k.ptr(remote)));
+            }
             Cmd::Flush { ep, done } => match self.live(ep, "flush") {
                 Ok(s) => s.ep.flush(done),
                 Err(e) => complete_unit(done, Err(e)),
