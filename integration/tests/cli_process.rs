@@ -132,6 +132,26 @@ fn bench_engine_json_has_the_promised_fields() {
     assert!(v["batched_decode_tok_s"]["2"].as_f64().is_some_and(|x| x > 0.0), "{v}");
 }
 
+/// Each KV path moves bytes the decode node verifies (the bench fails otherwise): UCX into the
+/// shared pool, UCX puts into a private one, and the gRPC stream.
+#[test]
+fn bench_kv_moves_verified_kv_on_every_path() {
+    let bench = |args: &[&str]| {
+        let mut c = std::process::Command::new(pdmesh_bin());
+        c.args(["bench", "kv", "--model"]).arg(model_path()).args(args);
+        run(c)
+    };
+    let (code, out, err) = bench(&["--json", "--tokens", "64", "--reps", "1"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    for k in ["ucx_ms", "ucx_put_ms", "grpc_ms", "memcpy_ms"] {
+        assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "{k} missing or zero: {v}");
+    }
+    let (code, _, err) = bench(&["--paths", "ucx,rdma"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("unknown path \"rdma\""), "{err}");
+}
+
 #[test]
 fn closed_stdout_stops_generation_quietly() {
     let mut child = pdmesh(&["run", "--prompt", "Count to one hundred.", "--max-tokens", "200"])

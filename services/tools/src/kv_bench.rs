@@ -1,7 +1,9 @@
-//! `pdmesh bench kv`: how fast a prompt's KV moves into a decode node. It starts a real decode
-//! node process, reserves room for a prompt of `--tokens` tokens, and pushes that many blocks
-//! of KV into the reservation through the real transports (UCX puts into the registered pool,
-//! and the gRPC stream), timing each transfer from opening it to the decode node's commit.
+//! `pdmesh bench kv`: how fast a prompt's KV moves into a decode node. It starts real decode
+//! node processes, reserves room for a prompt of `--tokens` tokens, and pushes that many blocks
+//! of KV into the reservation through the real transports, timing each transfer from opening it
+//! to the decode node's commit: UCX as the nodes run it (on one host this process maps the
+//! decode node's shared pool and copies in), UCX puts into a private pool (`--kv-shared-pool
+//! false`, as between hosts), and the gRPC stream.
 //! The reference is a plain memcpy of the same bytes in this process. Medians of `--reps`
 //! after one verified warm-up transfer per transport (every block checksummed by the decode
 //! node, so a transport that moves the wrong bytes fails the bench).
@@ -44,8 +46,9 @@ pub struct KvBenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-    /// Time only these paths (ucx, ucx-cma, grpc; comma-separated); the rest print NaN (null in --json).
-    #[arg(long, value_delimiter = ',', default_value = "ucx,ucx-cma,grpc")]
+    /// Time only these paths (ucx, ucx-put, grpc; comma-separated); the rest print NaN (null
+    /// in --json).
+    #[arg(long, value_delimiter = ',', default_value = "ucx,ucx-put,grpc")]
     paths: Vec<String>,
 }
 
@@ -56,19 +59,19 @@ struct Report {
     blocks: usize,
     bytes: u64,
     reps: usize,
-    /// UCX as the nodes run it: endpoints that detect a dead peer.
+    /// UCX as the nodes run it: on one host, a memcpy into the decode node's shared pool.
     ucx_ms: f64,
-    /// UCX endpoints without peer-failure detection, which lets UCX put zero-copy over CMA
-    /// (process_vm_writev) on one host: the local ceiling, for comparison.
-    ucx_cma_ms: f64,
+    /// UCX puts into a decode node whose pool is private (`--kv-shared-pool false`): how KV
+    /// moves between hosts, and moved on one host before the shared pool.
+    ucx_put_ms: f64,
     grpc_ms: f64,
     memcpy_ms: f64,
     ucx_gbps: f64,
-    ucx_cma_gbps: f64,
+    ucx_put_gbps: f64,
     grpc_gbps: f64,
     memcpy_gbps: f64,
     ucx_vs_memcpy: f64,
-    ucx_cma_vs_memcpy: f64,
+    ucx_put_vs_memcpy: f64,
     grpc_vs_memcpy: f64,
     /// UCX_TLS as set for this run ("" = UCX's default choice).
     ucx_tls: String,
@@ -77,6 +80,11 @@ struct Report {
 pub fn run(a: KvBenchArgs) -> anyhow::Result<()> {
     if a.reps == 0 || a.blocks_per_piece == 0 {
         bail!("--reps and --blocks-per-piece must be at least 1");
+    }
+    for p in &a.paths {
+        if !["ucx", "ucx-put", "grpc"].contains(&p.as_str()) {
+            bail!("--paths: unknown path {p:?} (ucx, ucx-put, grpc)");
+        }
     }
     if !a.model.exists() {
         bail!("model file {} not found: run `just fetch-model`", a.model.display());
@@ -98,7 +106,7 @@ pub fn run(a: KvBenchArgs) -> anyhow::Result<()> {
         for (name, ms, gbps, r) in [
             ("memcpy", report.memcpy_ms, report.memcpy_gbps, 1.0),
             ("ucx", report.ucx_ms, report.ucx_gbps, report.ucx_vs_memcpy),
-            ("ucx-cma", report.ucx_cma_ms, report.ucx_cma_gbps, report.ucx_cma_vs_memcpy),
+            ("ucx-put", report.ucx_put_ms, report.ucx_put_gbps, report.ucx_put_vs_memcpy),
             ("grpc", report.grpc_ms, report.grpc_gbps, report.grpc_vs_memcpy),
         ] {
             println!("{name:<8} {ms:>10.2} {gbps:>10.2} {r:>12.3}");
@@ -156,13 +164,21 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
     let dir = certs.path().display().to_string();
     args.extend(["--tls-dir".into(), dir, "--tls-name".into(), "bench-decode".into()]);
     args.extend(["--seal-key".into(), seal.display().to_string()]);
-    let (_decode, addr) = spawn("decode", None, &args).await?;
-    let channel = pdmesh_common::tls::endpoint_with(&addr, &router)?
-        .connect()
-        .await
-        .with_context(|| format!("connecting to the decode node at {addr}"))?;
-    let mut client = DecodeClient::new(channel).max_decoding_message_size(64 << 20);
-    let layout = client
+    // Two decode nodes: one as nodes run (its pool shared with writers on this host), one
+    // whose pool is private, so UCX puts into it as it would from another host.
+    let mut nodes = Vec::new();
+    for shared in [true, false] {
+        let mut args = args.clone();
+        args.extend(["--kv-shared-pool".into(), shared.to_string()]);
+        let (child, addr) = spawn("decode", None, &args).await?;
+        let channel = pdmesh_common::tls::endpoint_with(&addr, &router)?
+            .connect()
+            .await
+            .with_context(|| format!("connecting to the decode node at {addr}"))?;
+        nodes.push((child, DecodeClient::new(channel).max_decoding_message_size(64 << 20)));
+    }
+    let layout = nodes[0]
+        .1
         .stats(StatsRequest {})
         .await?
         .into_inner()
@@ -201,26 +217,22 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         median(times)
     };
 
-    for p in &a.paths {
-        if !["ucx", "ucx-cma", "grpc"].contains(&p.as_str()) {
-            bail!("--paths: unknown path {p:?} (ucx, ucx-cma, grpc)");
-        }
-    }
     let mut ms = Vec::new();
-    for (path, kind, peer_failure) in [
-        ("ucx", TransportKind::Ucx, true),
-        ("ucx-cma", TransportKind::Ucx, false),
-        ("grpc", TransportKind::Grpc, true),
+    // (path, transport, decode node: 0 shares its pool, 1 does not)
+    for (path, kind, node) in [
+        ("ucx", TransportKind::Ucx, 0),
+        ("ucx-put", TransportKind::Ucx, 1),
+        ("grpc", TransportKind::Grpc, 0),
     ] {
         if !a.paths.iter().any(|p| p == path) {
             ms.push(f64::NAN);
             continue;
         }
+        let client = &mut nodes[node].1;
         let ucx = match kind {
             TransportKind::Grpc => None,
             _ => Some(
-                pdmesh_kv_transfer::ucx::UcxNode::start_with("bench-prefill", peer_failure)
-                    .context("starting UCX")?,
+                pdmesh_kv_transfer::ucx::UcxNode::start("bench-prefill").context("starting UCX")?,
             ),
         };
         let transport = AutoTransport::new(kind, ucx, Arc::new(TransferStats::new()));
@@ -266,7 +278,7 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let gbps = |ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
-    let (ucx_ms, ucx_cma_ms, grpc_ms) = (ms[0], ms[1], ms[2]);
+    let (ucx_ms, ucx_put_ms, grpc_ms) = (ms[0], ms[1], ms[2]);
     Ok(Report {
         kv_dtype: a.kv_dtype.name().to_string(),
         tokens: a.tokens,
@@ -274,15 +286,15 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         bytes,
         reps: a.reps,
         ucx_ms,
-        ucx_cma_ms,
+        ucx_put_ms,
         grpc_ms,
         memcpy_ms,
         ucx_gbps: gbps(ucx_ms),
-        ucx_cma_gbps: gbps(ucx_cma_ms),
+        ucx_put_gbps: gbps(ucx_put_ms),
         grpc_gbps: gbps(grpc_ms),
         memcpy_gbps: gbps(memcpy_ms),
         ucx_vs_memcpy: memcpy_ms / ucx_ms,
-        ucx_cma_vs_memcpy: memcpy_ms / ucx_cma_ms,
+        ucx_put_vs_memcpy: memcpy_ms / ucx_put_ms,
         grpc_vs_memcpy: memcpy_ms / grpc_ms,
         ucx_tls: std::env::var("UCX_TLS").unwrap_or_default(),
     })
