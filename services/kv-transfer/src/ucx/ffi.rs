@@ -25,10 +25,11 @@ fn check(op: &'static str, status: sys::ucs_status_t) -> Result<(), UcxError> {
 /// Settings pdmesh changes from UCX's defaults, unless the environment sets them.
 /// Shared-memory transports report a dead peer only with `POSIX_ERROR_HANDLING` on; without
 /// it, endpoints that detect peer failure (pdmesh's) reach a process on the same host over TCP
-/// alone. `ALLOC_PRIO` makes memory UCX allocates (a decode node's KV pool) shared memory
-/// that a peer on the host can map, or nothing: the node then allocates the pool itself.
-const DEFAULTS: &[(&str, &str)] =
-    &[("POSIX_ERROR_HANDLING", "y"), ("ALLOC_PRIO", "md:sysv,md:posix")];
+/// alone. `ALLOC_PRIO` makes memory UCX allocates (a decode node's KV pool) System V shared
+/// memory, which a peer on the host can map, or nothing: the node then allocates the pool
+/// itself. Not POSIX shared memory: that is a file in /dev/shm, often a small tmpfs in
+/// containers, where a pool larger than it allocates fine and faults (SIGBUS) when touched.
+const DEFAULTS: &[(&str, &str)] = &[("POSIX_ERROR_HANDLING", "y"), ("ALLOC_PRIO", "md:sysv")];
 
 /// A UCP context with the RMA and wakeup features. UCX reads its `UCX_*` environment
 /// variables (transports, devices, logging) here.
