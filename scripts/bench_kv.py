@@ -53,6 +53,9 @@ def compare(a, report):
     # Each run's time over its own memcpy as well: the machine's drift between runs cancels.
     print(f"{'path':8} {'this ms':>9} {'ref ms':>9} {'this/ref':>9} {'per memcpy':>11}")
     for name, key in (("ucx", "ucx"), ("ucx-put", "ucx_put"), ("grpc", "grpc"), ("memcpy", "memcpy")):
+        if any(r.get(f"{key}_ms") is None for r in runs["this"] + runs["reference"]):
+            print(f"{name:8} (not measured by both builds)")
+            continue
         t = statistics.median(r[f"{key}_ms"] for r in runs["this"])
         r = statistics.median(r[f"{key}_ms"] for r in runs["reference"])
         tn = statistics.median(r[f"{key}_ms"] / r["memcpy_ms"] for r in runs["this"])
