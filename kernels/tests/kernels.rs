@@ -383,11 +383,11 @@ fn q8_0_attention_matches_reference_on_every_backend() {
 
 /// Contexts long enough for every lane set (16 in prefill, 64 in decode) and more, lengths
 /// that are not multiples of 8 or 16, head sizes on and off the batched kernel's 64s, and
-/// GQA groups of 1 to 5 (the batched scores take heads four at a time): every backend agrees
+/// GQA groups of 1 to 5 and 7 (the batched scores take heads four at a time): every backend agrees
 /// with the portable one bit for bit, for each KV type and phase.
 #[test]
 fn long_context_attention_is_identical_on_every_backend() {
-    for (hd, group) in [(64usize, 5usize), (64, 1), (128, 3), (80, 2)] {
+    for (hd, group) in [(64usize, 5usize), (64, 1), (128, 3), (80, 2), (64, 7)] {
         for dtype in [KvDtype::F16, KvDtype::F32, KvDtype::Q8_0] {
             if dtype.row_bytes(hd).is_none() {
                 continue; // q8_0 needs whole 32-value blocks per head
