@@ -320,44 +320,31 @@ unsafe fn matmul_format<F: QuantFormat, const VNNI: bool>(
             while rc < rows.end {
                 let chunk = rc..(rc + ROW_CHUNK).min(rows.end);
                 let mut t = tc;
+                // One token group of `T` against the row chunk, `R` (`RK`) rows per tile.
+                macro_rules! pass {
+                    ($r:literal, $rk:literal, $t:literal) => {{
+                        let first = t == tc;
+                        rows_pass::<F, VNNI, $r, $rk, $t>(
+                            w,
+                            chunk.clone(),
+                            acts,
+                            t,
+                            first,
+                            out,
+                            ldo,
+                            col0,
+                        );
+                        t += $t;
+                    }};
+                }
                 while t + 8 <= te {
-                    rows_pass::<F, VNNI, 2, 1, 8>(
-                        w,
-                        chunk.clone(),
-                        acts,
-                        t,
-                        t == tc,
-                        out,
-                        ldo,
-                        col0,
-                    );
-                    t += 8;
+                    pass!(2, 1, 8);
                 }
                 while t + 4 <= te {
-                    rows_pass::<F, VNNI, 3, 1, 4>(
-                        w,
-                        chunk.clone(),
-                        acts,
-                        t,
-                        t == tc,
-                        out,
-                        ldo,
-                        col0,
-                    );
-                    t += 4;
+                    pass!(3, 1, 4);
                 }
                 while t < te {
-                    rows_pass::<F, VNNI, 4, 2, 1>(
-                        w,
-                        chunk.clone(),
-                        acts,
-                        t,
-                        t == tc,
-                        out,
-                        ldo,
-                        col0,
-                    );
-                    t += 1;
+                    pass!(4, 2, 1);
                 }
                 rc = chunk.end;
             }

@@ -173,7 +173,7 @@ async fn drained(
 fn share_pool(
     node: &pdmesh_kv_transfer::ucx::UcxNode,
     engine: &mut pdmesh_engine::Engine,
-) -> Option<pdmesh_proto::v1::UcxShared> {
+) -> Option<pdmesh_proto::v1::UcxRange> {
     match pdmesh_kv_transfer::share_kv_pool(node, engine) {
         Ok(s) => {
             tracing::info!(bytes = s.len, "KV pool in shared memory for writers on this host");

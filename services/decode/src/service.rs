@@ -15,8 +15,8 @@ use pdmesh_proto::v1::{
     DecodeEvent, DecodeFinished, DecodeMark, DecodeMoved, DecodeMoving, DecodeRequest, Delta,
     DrainRequest, DrainResponse, HandOffRequest, HandOffResponse, KvChunk, KvSessionRequest,
     KvTarget, NodeCancelRequest, NodeCancelResponse, NodeLoad, NodeStats, PushKvResponse,
-    ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest,
-    UcxShared, decode_event, decode_request,
+    ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest, UcxRange,
+    decode_event, decode_request,
 };
 use pdmesh_wire::{finish_reason, sampling_from};
 use tokio::sync::{mpsc, oneshot};
@@ -36,7 +36,7 @@ pub struct Inbox {
     pub tx: mpsc::Sender<Command>,
     pub stats: Arc<TransferStats>,
     /// The KV pool's shared memory, offered to UCX writers on this host.
-    pub shared: Option<UcxShared>,
+    pub shared: Option<UcxRange>,
 }
 
 impl Inbox {
@@ -88,7 +88,7 @@ impl KvInbox for Inbox {
         let _ = self.tx.send(Command::KvAbort { id, why }).await;
     }
 
-    fn shared_pool(&self) -> Option<UcxShared> {
+    fn shared_pool(&self) -> Option<UcxRange> {
         self.shared.clone()
     }
 

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use pdmesh_common::ids::Capability;
 use pdmesh_common::trace;
 use pdmesh_kv_types::KvLayout;
-use pdmesh_proto::v1::{KvHeader, UcxShared};
+use pdmesh_proto::v1::{KvHeader, UcxRange};
 use tonic::Status;
 use tracing::Span;
 use tracing::field::Empty;
@@ -39,7 +39,7 @@ pub trait KvInbox: Send + Sync + 'static {
     fn closed(&self, reservation: u64);
     /// The pool's shared memory, offered to UCX writers on this host; `None` when the pool
     /// is not in memory they can map.
-    fn shared_pool(&self) -> Option<UcxShared> {
+    fn shared_pool(&self) -> Option<UcxRange> {
         None
     }
 }

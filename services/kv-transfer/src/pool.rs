@@ -15,7 +15,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use pdmesh_engine::Engine;
 use pdmesh_kv_types::{HostMemory, KvGeometry, MemoryRegion};
-use pdmesh_proto::v1::{UcxShared, UcxTarget};
+use pdmesh_proto::v1::{UcxRange, UcxTarget};
 
 use crate::scope::{self, Grant};
 use crate::ucx::{Access, UcxError, UcxNode};
@@ -29,12 +29,12 @@ pub struct KvPool {
     worker_address: Bytes,
     bytes_per_block: u64,
     blocks: u32,
-    shared: Option<UcxShared>,
+    shared: Option<UcxRange>,
 }
 
 /// Moves `engine`'s KV pool into shared memory that `node` allocates, before the engine holds
 /// any KV. Returns what a writer on this host needs to map it (`KvPool::with_shared`).
-pub fn share_kv_pool(node: &UcxNode, engine: &mut Engine) -> Result<UcxShared, String> {
+pub fn share_kv_pool(node: &UcxNode, engine: &mut Engine) -> Result<UcxRange, String> {
     let len = engine.kv_bytes();
     let a = node.allocate(len).map_err(|e| e.to_string())?;
     let base = a.addr;
@@ -49,7 +49,7 @@ pub fn share_kv_pool(node: &UcxNode, engine: &mut Engine) -> Result<UcxShared, S
         memory.bytes_mut().fill(0);
     }
     engine.rehome_kv(memory).map_err(|e| e.to_string())?;
-    Ok(UcxShared { base: base as u64, len: len as u64, rkey: a.rkey })
+    Ok(UcxRange { base: base as u64, len: len as u64, rkey: a.rkey })
 }
 
 /// The KV pool in `memory` (blocks of `geometry`), reachable through `node`.
@@ -83,13 +83,13 @@ pub fn register_kv_pool(
 
 impl KvPool {
     /// The pool as `share_kv_pool` placed it: offered to writers on this host.
-    pub fn with_shared(mut self, shared: UcxShared) -> Self {
+    pub fn with_shared(mut self, shared: UcxRange) -> Self {
         self.shared = Some(shared);
         self
     }
 
     /// What a writer on this host needs to map the pool, when it is shared.
-    pub fn shared(&self) -> Option<&UcxShared> {
+    pub fn shared(&self) -> Option<&UcxRange> {
         self.shared.as_ref()
     }
 

@@ -205,8 +205,7 @@ impl UcxNode {
         let (memh, rkey) = unsafe { self.inner.ctx.map(addr, len, read, write)? };
         let rkey = seal(&rkey);
         Ok(Region {
-            ctx: Arc::clone(&self.inner.ctx),
-            memh: Some(memh),
+            _mapping: Mapping { ctx: Arc::clone(&self.inner.ctx), memh: Some(memh) },
             rkey,
             base: addr as u64,
             _memory: memory.clone(),
@@ -222,7 +221,7 @@ impl UcxNode {
             return Err(UcxError::Usage("cannot allocate 0 bytes".into()));
         }
         let (memh, addr, rkey) = self.inner.ctx.allocate(len)?;
-        let keep = Arc::new(Allocated { ctx: Arc::clone(&self.inner.ctx), memh: Some(memh) });
+        let keep = Arc::new(Mapping { ctx: Arc::clone(&self.inner.ctx), memh: Some(memh) });
         Ok(Allocation { addr, len, rkey: seal(&rkey), keep })
     }
 
@@ -250,12 +249,14 @@ impl std::fmt::Debug for Allocation {
     }
 }
 
-struct Allocated {
+/// A `ucp_mem_map` of a context (a registration, or memory UCX allocated), unmapped when
+/// dropped.
+struct Mapping {
     ctx: Arc<Context>,
     memh: Option<MemHandle>,
 }
 
-impl Drop for Allocated {
+impl Drop for Mapping {
     fn drop(&mut self) {
         if let Some(m) = self.memh.take()
             && let Err(e) = self.ctx.unmap(m)
@@ -268,7 +269,7 @@ impl Drop for Allocated {
 // SAFETY: the handle is only touched in `Drop` (`&mut self`); the context's unmap is
 // thread-safe (see `Context`).
 #[allow(unsafe_code)]
-unsafe impl Sync for Allocated {}
+unsafe impl Sync for Mapping {}
 
 const SEAL_MAGIC: &[u8; 4] = b"PDU1";
 const KEYED_MAGIC: &[u8; 4] = b"PDU2";
@@ -389,20 +390,14 @@ mod seal_tests {
     }
 }
 
-/// Registered memory. Dropping it unregisters the memory before returning.
+/// Registered memory. Dropping it unregisters the memory, then lets go of it (fields drop
+/// in order).
 pub struct Region {
-    ctx: Arc<Context>,
-    memh: Option<MemHandle>,
+    _mapping: Mapping,
     rkey: Bytes,
     base: u64,
-    /// Dropped after `Drop::drop` has unmapped it.
     _memory: MemoryRegion,
 }
-
-// SAFETY: no `&self` method touches the memory handle (only `Drop`, which has `&mut self`);
-// shared access reads the sealed key and base address, plain data.
-#[allow(unsafe_code)]
-unsafe impl Sync for Region {}
 
 impl std::fmt::Debug for Region {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -419,16 +414,6 @@ impl Region {
     /// The region's first address, as peers address it.
     pub fn base(&self) -> u64 {
         self.base
-    }
-}
-
-impl Drop for Region {
-    fn drop(&mut self) {
-        if let Some(m) = self.memh.take()
-            && let Err(e) = self.ctx.unmap(m)
-        {
-            tracing::error!("{e}");
-        }
     }
 }
 
