@@ -4,7 +4,8 @@
 Measures, for each engine: prefill tokens/s of one 512-token prompt, single-stream decode
 tokens/s over 128 tokens, and aggregate decode tokens/s with 1/4/16/32 sequences stepping
 together (32-token prompts, 64 timed steps; llama.cpp through its low-level batch API with one
-sequence id per stream). Prints both and the ratio pdmesh / llama.cpp. Medians of --repeats.
+sequence id per stream). Prints both and the ratio pdmesh / llama.cpp: medians of --repeats
+within a round; --rounds alternate the engines, and the ratio is the median of the rounds'.
 
 Needs llama-cpp-python (``just bench-engine`` installs it into .bench/venv).
 """
@@ -136,6 +137,8 @@ def main():
     ap.add_argument("--batch-prompt-tokens", type=int, default=32)
     ap.add_argument("--batch-steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="alternations of the two engines; ratios are per round, then their median")
     ap.add_argument("--simd", help="force pdmesh's kernel set (portable, avx2, avx512vnni)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
@@ -146,32 +149,53 @@ def main():
                 32 + args.decode_tokens + 64)
     lb = LlamaBench(args.model, args.threads, n_ctx)
     text_tokens = lb.llm.tokenize(TEXT.encode(), add_bos=False, special=True)
-    print("measuring llama.cpp ...", file=sys.stderr)
-    ref = llama_measure(lb, text_tokens, args)
-    del lb
-
-    print("measuring pdmesh ...", file=sys.stderr)
     cmd = [args.pdmesh, "bench", "engine", "--json", "--model", args.model, "--threads", str(args.threads),
            "--prompt-tokens", str(args.prompt_tokens), "--decode-tokens", str(args.decode_tokens),
            "--batch-sizes", ",".join(map(str, args.batch_sizes)),
            "--batch-prompt-tokens", str(args.batch_prompt_tokens), "--batch-steps", str(args.batch_steps),
            "--repeats", str(args.repeats)] + (["--simd", args.simd] if args.simd else [])
-    ours = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
-    rows = [("prefill (pp%d)" % args.prompt_tokens, ours["prefill_tok_s"], ref["prefill_tok_s"]),
-            ("decode (tg%d)" % args.decode_tokens, ours["decode_tok_s"], ref["decode_tok_s"])]
-    for b in args.batch_sizes:
-        rows.append((f"batched decode x{b}", ours["batched_decode_tok_s"][str(b)], ref["batched_decode_tok_s"][str(b)]))
+    def rows(ours, ref):
+        r = [("prefill (pp%d)" % args.prompt_tokens, ours["prefill_tok_s"], ref["prefill_tok_s"]),
+             ("decode (tg%d)" % args.decode_tokens, ours["decode_tok_s"], ref["decode_tok_s"])]
+        for b in args.batch_sizes:
+            r.append((f"batched decode x{b}", ours["batched_decode_tok_s"][str(b)],
+                      ref["batched_decode_tok_s"][str(b)]))
+        return r
+
+    # Rounds alternate the engines, each round's ratio from measurements a minute apart at
+    # most: on a shared machine the speed of both drifts by tens of percent over minutes, and
+    # one engine measured wholly before the other would carry that drift into the ratio.
+    rounds = []
+    for k in range(args.rounds):
+        print(f"round {k + 1}/{args.rounds}: llama.cpp ...", file=sys.stderr)
+        ref = llama_measure(lb, text_tokens, args)
+        print(f"round {k + 1}/{args.rounds}: pdmesh ...", file=sys.stderr)
+        ours = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        rounds.append((ours, ref))
+    del lb
+    ours = rounds[-1][0]
+    per_round = [rows(o, r) for o, r in rounds]
+    table = []
+    for i, (name, _, _) in enumerate(per_round[0]):
+        o = statistics.median(pr[i][1] for pr in per_round)
+        r = statistics.median(pr[i][2] for pr in per_round)
+        ratios = [pr[i][1] / pr[i][2] for pr in per_round]
+        table.append((name, o, r, statistics.median(ratios), min(ratios), max(ratios)))
     if args.json:
-        print(json.dumps({"pdmesh": ours, "llama_cpp": ref,
-                          "ratio": {name: o / r for name, o, r in rows}}))
+        print(json.dumps({"pdmesh": ours, "rounds": [{"pdmesh": o, "llama_cpp": r} for o, r in rounds],
+                          "ratio": {name: m for name, _, _, m, _, _ in table},
+                          "ratio_range": {name: [lo, hi] for name, _, _, _, lo, hi in table}}))
         return
-    print(f"pdmesh backend: {ours['backend']}")
-    print(f"{'tok/s, ' + str(args.threads) + ' threads':<24}{'pdmesh':>10}{'llama.cpp':>12}{'ratio':>8}")
-    for name, o, r in rows:
-        print(f"{name:<24}{o:>10.1f}{r:>12.1f}{o / r:>7.2f}x")
+    print(f"pdmesh backend: {ours['backend']}; {args.rounds} rounds, each llama.cpp then pdmesh")
+    print(f"{'tok/s, ' + str(args.threads) + ' threads':<24}{'pdmesh':>10}{'llama.cpp':>12}{'ratio':>8}"
+          f"{'rounds':>16}")
+    for name, o, r, m, lo, hi in table:
+        print(f"{name:<24}{o:>10.1f}{r:>12.1f}{m:>7.2f}x{lo:>9.2f}-{hi:.2f}x")
+    print("(tok/s: medians over rounds; ratio: the median of the rounds' ratios, then their range)")
     wb, bw = ours["decode_weight_bytes_per_token"], ours["read_bandwidth_gb_s"]
-    for name, tok_s in (("pdmesh", ours["decode_tok_s"]), ("llama.cpp", ref["decode_tok_s"])):
+    decode = table[1]
+    for name, tok_s in (("pdmesh", decode[1]), ("llama.cpp", decode[2])):
         gb_s = wb * tok_s / 1e9
         print(f"decode bandwidth {name:<10}{gb_s:>6.2f} GB/s of weights ({wb / 1e6:.1f} MB/token) = "
               f"{100 * gb_s / bw:.0f}% of the measured read bandwidth {bw:.2f} GB/s ({args.threads} threads)")
