@@ -147,6 +147,15 @@ fn bench_kv_moves_verified_kv_on_every_path() {
     for k in ["ucx_ms", "ucx_put_ms", "grpc_ms", "memcpy_ms"] {
         assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "{k} missing or zero: {v}");
     }
+    assert_eq!(v["tls"], true, "the gRPC stream runs over mutual TLS by default: {v}");
+    // Plaintext, to see what TLS costs the stream: the transfer is still verified end to end.
+    let (code, out, err) =
+        bench(&["--json", "--tokens", "64", "--reps", "1", "--paths", "grpc", "--insecure"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["tls"], false, "{v}");
+    assert!(v["grpc_ms"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    assert!(v["ucx_ms"].is_null(), "a path not asked for is not timed: {v}");
     let (code, _, err) = bench(&["--paths", "ucx,rdma"]);
     assert_ne!(code, 0);
     assert!(err.contains("unknown path \"rdma\""), "{err}");

@@ -58,7 +58,7 @@ pub struct EngineBenchArgs {
 pub fn run(a: BenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result<()> {
     match a.command {
         Some(BenchCommand::Engine(e)) => engine_bench(e),
-        Some(BenchCommand::Kv(k)) => crate::kv_bench::run(k),
+        Some(BenchCommand::Kv(k)) => crate::kv_bench::run(k, access.tls.insecure),
         None => crate::mesh_bench::run(a.mesh, access),
     }
 }

@@ -75,9 +75,11 @@ struct Report {
     grpc_vs_memcpy: f64,
     /// UCX_TLS as set for this run ("" = UCX's default choice).
     ucx_tls: String,
+    /// Whether the gRPC stream ran over mutual TLS (not with --insecure).
+    tls: bool,
 }
 
-pub fn run(a: KvBenchArgs) -> anyhow::Result<()> {
+pub fn run(a: KvBenchArgs, insecure: bool) -> anyhow::Result<()> {
     if a.reps == 0 || a.blocks_per_piece == 0 {
         bail!("--reps and --blocks-per-piece must be at least 1");
     }
@@ -90,17 +92,18 @@ pub fn run(a: KvBenchArgs) -> anyhow::Result<()> {
         bail!("model file {} not found: run `just fetch-model`", a.model.display());
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let report = rt.block_on(bench(&a))?;
+    let report = rt.block_on(bench(&a, insecure))?;
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
         println!(
-            "{} KV of {} tokens: {} blocks, {:.1} MB, median of {} transfers into a decode node process",
+            "{} KV of {} tokens: {} blocks, {:.1} MB, median of {} transfers into a decode node process{}",
             report.kv_dtype,
             report.tokens,
             report.blocks,
             report.bytes as f64 / 1e6,
-            report.reps
+            report.reps,
+            if report.tls { "" } else { " (plaintext: --insecure)" }
         );
         println!("{:<8} {:>10} {:>10} {:>12}", "path", "ms", "GB/s", "vs memcpy");
         for (name, ms, gbps, r) in [
@@ -115,7 +118,7 @@ pub fn run(a: KvBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
+async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     let model = a.model.display().to_string();
     let block_size = 16usize;
     let blocks = a.tokens.div_ceil(block_size);
@@ -144,7 +147,8 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
     .map(|s| s.to_string())
     .collect();
     // As the mesh runs: mutual TLS, this process pushing KV as a prefill node and reserving
-    // as the router, each with its own certificate.
+    // as the router, each with its own certificate; or plaintext with --insecure, which shows
+    // what TLS costs the gRPC stream (UCX moves KV outside TLS either way).
     let certs = tempfile::tempdir().context("a directory for the bench's certificates")?;
     pdmesh_common::tls::issue(
         certs.path(),
@@ -154,7 +158,11 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
             ("bench-router", MeshRole::Router),
         ],
     )?;
-    pdmesh_common::tls::init(Some(MeshTls::load(certs.path(), "bench-prefill")?));
+    pdmesh_common::tls::init(if insecure {
+        None
+    } else {
+        Some(MeshTls::load(certs.path(), "bench-prefill")?)
+    });
     let seal = certs.path().join("seal.key");
     std::fs::write(&seal, pdmesh_kv_transfer::ucx::new_seal_key())?;
     let key = pdmesh_kv_transfer::ucx::read_seal_key(&seal).map_err(anyhow::Error::msg)?;
@@ -162,7 +170,11 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
     let router = MeshTls::load(certs.path(), "bench-router")?;
     let mut args = args;
     let dir = certs.path().display().to_string();
-    args.extend(["--tls-dir".into(), dir, "--tls-name".into(), "bench-decode".into()]);
+    if insecure {
+        args.push("--insecure".into());
+    } else {
+        args.extend(["--tls-dir".into(), dir, "--tls-name".into(), "bench-decode".into()]);
+    }
     args.extend(["--seal-key".into(), seal.display().to_string()]);
     // Two decode nodes: one as nodes run (its pool shared with writers on this host), one
     // whose pool is private, so UCX puts into it as it would from another host.
@@ -171,7 +183,12 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         let mut args = args.clone();
         args.extend(["--kv-shared-pool".into(), shared.to_string()]);
         let (child, addr) = spawn("decode", None, &args).await?;
-        let channel = pdmesh_common::tls::endpoint_with(&addr, &router)?
+        let endpoint = if insecure {
+            tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
+        } else {
+            pdmesh_common::tls::endpoint_with(&addr, &router)?
+        };
+        let channel = endpoint
             .connect()
             .await
             .with_context(|| format!("connecting to the decode node at {addr}"))?;
@@ -297,5 +314,6 @@ async fn bench(a: &KvBenchArgs) -> anyhow::Result<Report> {
         ucx_put_vs_memcpy: memcpy_ms / ucx_put_ms,
         grpc_vs_memcpy: memcpy_ms / grpc_ms,
         ucx_tls: std::env::var("UCX_TLS").unwrap_or_default(),
+        tls: !insecure,
     })
 }
