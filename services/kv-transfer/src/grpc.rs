@@ -7,6 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use pdmesh_common::channels::ChannelCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_proto::v1::decode_client::DecodeClient;
@@ -23,6 +24,11 @@ use crate::{KvPiece, KvSink, KvTransport, TransferError};
 
 /// Messages buffered per transfer before `send` waits for the network.
 const IN_FLIGHT_MESSAGES: usize = 8;
+
+/// The most bytes one `PushKv` message carries (whole blocks, at least one): both ends refuse
+/// messages over 64 MiB, and a prefill node's piece can be larger (64 blocks of a big model's
+/// KV); a receiver also buffers a whole message before it can write any of it.
+pub const MAX_MESSAGE_BYTES: usize = 16 << 20;
 
 /// Decode nodes a prefill node keeps a channel to; the least recently used goes past this
 /// (addresses come with each request's target, so the set must not grow without end).
@@ -72,6 +78,16 @@ impl KvTransport for GrpcTransport {
         prefill_node: &str,
     ) -> Result<Box<dyn KvSink>, TransferError> {
         let node = target.decode_node.clone();
+        let block_bytes = target
+            .layout
+            .as_ref()
+            .and_then(|l| pdmesh_proto::layout_from_wire(l).ok())
+            .map(|l| l.bytes_per_block())
+            .filter(|&b| b > 0)
+            .ok_or_else(|| TransferError::Invalid {
+                node: node.clone(),
+                reason: "the KV target carries no valid layout".into(),
+            })?;
         let channel = self.channel(&target.address, &node)?;
         let (tx, rx) = mpsc::channel(IN_FLIGHT_MESSAGES);
         let header = KvChunk {
@@ -94,7 +110,7 @@ impl KvTransport for GrpcTransport {
             }
             .in_current_span(),
         );
-        Ok(Box::new(GrpcSink { node, tx: Some(tx), call: Some(call), sent: 0 }))
+        Ok(Box::new(GrpcSink { node, tx: Some(tx), call: Some(call), sent: 0, block_bytes }))
     }
 }
 
@@ -103,6 +119,25 @@ struct GrpcSink {
     tx: Option<mpsc::Sender<KvChunk>>,
     call: Option<JoinHandle<Result<u64, tonic::Status>>>,
     sent: u64,
+    block_bytes: usize,
+}
+
+/// `data` (blocks from `first_block` on, `block_bytes` each) as messages of at most
+/// `MAX_MESSAGE_BYTES`, cut at block boundaries; slices of the one buffer, not copies.
+fn messages(first_block: u32, data: Bytes, block_bytes: usize) -> Vec<KvBlocks> {
+    let per = (MAX_MESSAGE_BYTES / block_bytes).max(1);
+    let step = per * block_bytes;
+    let mut out = Vec::with_capacity(data.len().div_ceil(step).max(1));
+    let mut at = 0;
+    loop {
+        let end = (at + step).min(data.len());
+        let first_block = first_block + (at / block_bytes) as u32;
+        out.push(KvBlocks { first_block, data: data.slice(at..end) });
+        at = end;
+        if at >= data.len() {
+            return out;
+        }
+    }
 }
 
 fn closed(node: &str) -> TransferError {
@@ -141,15 +176,17 @@ impl KvSink for GrpcSink {
                 reason: "the gRPC stream carries whole blocks, not layers".into(),
             });
         }
-        let n = data.len() as u64;
-        let msg = KvChunk { chunk: Some(Chunk::Blocks(KvBlocks { first_block, data })) };
-        let tx = self.tx.as_ref().ok_or_else(|| closed(&self.node))?;
-        if tx.send(msg).await.is_err() {
-            // The call ended early: its status says why.
-            self.tx = None;
-            return Err(self.outcome().await.err().unwrap_or_else(|| closed(&self.node)));
+        for blocks in messages(first_block, data, self.block_bytes) {
+            let n = blocks.data.len() as u64;
+            let msg = KvChunk { chunk: Some(Chunk::Blocks(blocks)) };
+            let tx = self.tx.as_ref().ok_or_else(|| closed(&self.node))?;
+            if tx.send(msg).await.is_err() {
+                // The call ended early: its status says why.
+                self.tx = None;
+                return Err(self.outcome().await.err().unwrap_or_else(|| closed(&self.node)));
+            }
+            self.sent += n;
         }
-        self.sent += n;
         Ok(())
     }
 
@@ -237,6 +274,30 @@ async fn receive(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A piece over the message limit goes as several messages of whole blocks that cover
+    /// it in order (a 64-block piece of a large model's KV was one message both ends refuse).
+    #[test]
+    fn large_pieces_go_as_messages_of_whole_blocks() {
+        let block = 3 << 20;
+        let data = Bytes::from((0..20 * block).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+        let m = messages(7, data.clone(), block);
+        assert_eq!(m.len(), 4, "5 blocks (15 MiB) fit one message, 20 take four");
+        let mut next = 7;
+        let mut joined = Vec::new();
+        for b in &m {
+            assert!(b.data.len() <= MAX_MESSAGE_BYTES && b.data.len().is_multiple_of(block));
+            assert_eq!(b.first_block, next);
+            next += (b.data.len() / block) as u32;
+            joined.extend_from_slice(&b.data);
+        }
+        assert_eq!(joined, data);
+        // A block over the limit still goes, alone; a small piece stays one message.
+        let big = messages(0, Bytes::from(vec![1u8; 2 * (20 << 20)]), 20 << 20);
+        assert_eq!(big.iter().map(|b| b.first_block).collect::<Vec<_>>(), [0, 1]);
+        let small = messages(3, data.slice(..block), block);
+        assert_eq!((small.len(), small[0].first_block, small[0].data.len()), (1, 3, block));
+    }
 
     /// Targets name the decode node's address, so a caller could make a prefill node keep a
     /// channel to every address it names; the cache keeps the most recently used only.

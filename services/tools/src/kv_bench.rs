@@ -33,8 +33,9 @@ pub struct KvBenchArgs {
     /// Timed transfers per transport; the median is reported.
     #[arg(long, default_value_t = 5)]
     reps: usize,
-    /// Blocks per piece handed to the transport (a prefill node hands it one chunk's worth).
-    #[arg(long, default_value_t = 32)]
+    /// Blocks per piece handed to the transport: what a prefill node sends per message
+    /// (its `blocks_per_message`, 4 unless configured).
+    #[arg(long, default_value_t = 4)]
     blocks_per_piece: usize,
     /// A llama-architecture GGUF: the decode node loads it, which fixes the KV layout.
     #[arg(long, env = "PDMESH_MODEL", default_value = pdmesh_engine::DEFAULT_MODEL_PATH)]
