@@ -124,20 +124,13 @@ struct GrpcSink {
 
 /// `data` (blocks from `first_block` on, `block_bytes` each) as messages of at most
 /// `MAX_MESSAGE_BYTES`, cut at block boundaries; slices of the one buffer, not copies.
-fn messages(first_block: u32, data: Bytes, block_bytes: usize) -> Vec<KvBlocks> {
-    let per = (MAX_MESSAGE_BYTES / block_bytes).max(1);
-    let step = per * block_bytes;
-    let mut out = Vec::with_capacity(data.len().div_ceil(step).max(1));
-    let mut at = 0;
-    loop {
-        let end = (at + step).min(data.len());
-        let first_block = first_block + (at / block_bytes) as u32;
-        out.push(KvBlocks { first_block, data: data.slice(at..end) });
-        at = end;
-        if at >= data.len() {
-            return out;
-        }
-    }
+fn messages(first_block: u32, data: Bytes, block_bytes: usize) -> impl Iterator<Item = KvBlocks> {
+    let step = (MAX_MESSAGE_BYTES / block_bytes).max(1) * block_bytes;
+    // `max(1)`: an empty piece is still one (empty) message, as before the cut.
+    (0..data.len().max(1)).step_by(step).map(move |at| KvBlocks {
+        first_block: first_block + (at / block_bytes) as u32,
+        data: data.slice(at..(at + step).min(data.len())),
+    })
 }
 
 fn closed(node: &str) -> TransferError {
@@ -281,7 +274,7 @@ mod tests {
     fn large_pieces_go_as_messages_of_whole_blocks() {
         let block = 3 << 20;
         let data = Bytes::from((0..20 * block).map(|i| (i % 251) as u8).collect::<Vec<_>>());
-        let m = messages(7, data.clone(), block);
+        let m: Vec<_> = messages(7, data.clone(), block).collect();
         assert_eq!(m.len(), 4, "5 blocks (15 MiB) fit one message, 20 take four");
         let mut next = 7;
         let mut joined = Vec::new();
@@ -294,9 +287,13 @@ mod tests {
         assert_eq!(joined, data);
         // A block over the limit still goes, alone; a small piece stays one message.
         let big = messages(0, Bytes::from(vec![1u8; 2 * (20 << 20)]), 20 << 20);
-        assert_eq!(big.iter().map(|b| b.first_block).collect::<Vec<_>>(), [0, 1]);
-        let small = messages(3, data.slice(..block), block);
+        assert_eq!(big.map(|b| b.first_block).collect::<Vec<_>>(), [0, 1]);
+        let small: Vec<_> = messages(3, data.slice(..block), block).collect();
         assert_eq!((small.len(), small[0].first_block, small[0].data.len()), (1, 3, block));
+        assert_eq!(
+            messages(5, Bytes::new(), block).map(|b| b.first_block).collect::<Vec<_>>(),
+            [5]
+        );
     }
 
     /// Targets name the decode node's address, so a caller could make a prefill node keep a

@@ -150,32 +150,31 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     // As the mesh runs: mutual TLS, this process pushing KV as a prefill node and reserving
     // as the router, each with its own certificate; or plaintext with --insecure, which shows
     // what TLS costs the gRPC stream (UCX moves KV outside TLS either way).
-    let certs = tempfile::tempdir().context("a directory for the bench's certificates")?;
-    pdmesh_common::tls::issue(
-        certs.path(),
-        &[
-            ("bench-decode", MeshRole::Decode),
-            ("bench-prefill", MeshRole::Prefill),
-            ("bench-router", MeshRole::Router),
-        ],
-    )?;
-    pdmesh_common::tls::init(if insecure {
+    let certs = tempfile::tempdir().context("a directory for the bench's keys")?;
+    let mut args = args;
+    // The router's certificate, which reserves and releases; none in plaintext.
+    let router = if insecure {
+        pdmesh_common::tls::init(None);
+        args.push("--insecure".into());
         None
     } else {
-        Some(MeshTls::load(certs.path(), "bench-prefill")?)
-    });
+        pdmesh_common::tls::issue(
+            certs.path(),
+            &[
+                ("bench-decode", MeshRole::Decode),
+                ("bench-prefill", MeshRole::Prefill),
+                ("bench-router", MeshRole::Router),
+            ],
+        )?;
+        pdmesh_common::tls::init(Some(MeshTls::load(certs.path(), "bench-prefill")?));
+        let dir = certs.path().display().to_string();
+        args.extend(["--tls-dir".into(), dir, "--tls-name".into(), "bench-decode".into()]);
+        Some(MeshTls::load(certs.path(), "bench-router")?)
+    };
     let seal = certs.path().join("seal.key");
     std::fs::write(&seal, pdmesh_kv_transfer::ucx::new_seal_key())?;
     let key = pdmesh_kv_transfer::ucx::read_seal_key(&seal).map_err(anyhow::Error::msg)?;
     pdmesh_kv_transfer::ucx::set_seal_key(&key);
-    let router = MeshTls::load(certs.path(), "bench-router")?;
-    let mut args = args;
-    let dir = certs.path().display().to_string();
-    if insecure {
-        args.push("--insecure".into());
-    } else {
-        args.extend(["--tls-dir".into(), dir, "--tls-name".into(), "bench-decode".into()]);
-    }
     args.extend(["--seal-key".into(), seal.display().to_string()]);
     // Two decode nodes: one as nodes run (its pool shared with writers on this host), one
     // whose pool is private, so UCX puts into it as it would from another host.
@@ -184,10 +183,9 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
         let mut args = args.clone();
         args.extend(["--kv-shared-pool".into(), shared.to_string()]);
         let (child, addr) = spawn("decode", None, &args).await?;
-        let endpoint = if insecure {
-            tonic::transport::Endpoint::from_shared(format!("http://{addr}"))?
-        } else {
-            pdmesh_common::tls::endpoint_with(&addr, &router)?
+        let endpoint = match &router {
+            Some(tls) => pdmesh_common::tls::endpoint_with(&addr, tls)?,
+            None => pdmesh_common::tls::endpoint(&addr)?,
         };
         let channel = endpoint
             .connect()
