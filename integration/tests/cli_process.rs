@@ -133,7 +133,7 @@ fn bench_engine_json_has_the_promised_fields() {
 }
 
 /// Each KV path moves bytes the decode node verifies (the bench fails otherwise): UCX into the
-/// shared pool, UCX puts into a private one, and the gRPC stream.
+/// shared pool, UCX puts into a private one, and the gRPC stream; the references are timed too.
 #[test]
 fn bench_kv_moves_verified_kv_on_every_path() {
     let bench = |args: &[&str]| {
@@ -144,7 +144,7 @@ fn bench_kv_moves_verified_kv_on_every_path() {
     let (code, out, err) = bench(&["--json", "--tokens", "64", "--reps", "1"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
-    for k in ["ucx_ms", "ucx_put_ms", "grpc_ms", "memcpy_ms"] {
+    for k in ["ucx_ms", "ucx_put_ms", "grpc_ms", "memcpy_ms", "tcp_ms", "grpc_vs_tcp"] {
         assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "{k} missing or zero: {v}");
     }
     assert_eq!(v["tls"], true, "the gRPC stream runs over mutual TLS by default: {v}");

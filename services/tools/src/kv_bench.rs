@@ -4,7 +4,9 @@
 //! to the decode node's commit: UCX as the nodes run it (on one host this process maps the
 //! decode node's shared pool and copies in), UCX puts into a private pool (`--kv-shared-pool
 //! false`, as between hosts), and the gRPC stream.
-//! The reference is a plain memcpy of the same bytes in this process. Medians of `--reps`
+//! The reference is a plain memcpy of the same bytes in this process; a second reference moves
+//! them through a bare loopback TCP socket between two threads, the ceiling of any stream over
+//! TCP on this host (the gRPC stream runs on one). Medians of `--reps`
 //! after one verified warm-up transfer per transport (every block checksummed by the decode
 //! node, so a transport that moves the wrong bytes fails the bench).
 
@@ -67,13 +69,19 @@ struct Report {
     ucx_put_ms: f64,
     grpc_ms: f64,
     memcpy_ms: f64,
+    /// The bytes through a bare loopback TCP socket, no framing and no copies of our own.
+    tcp_ms: f64,
     ucx_gbps: f64,
     ucx_put_gbps: f64,
     grpc_gbps: f64,
     memcpy_gbps: f64,
+    tcp_gbps: f64,
     ucx_vs_memcpy: f64,
     ucx_put_vs_memcpy: f64,
     grpc_vs_memcpy: f64,
+    tcp_vs_memcpy: f64,
+    /// How close the gRPC stream comes to the socket it runs on (1 = no cost of its own).
+    grpc_vs_tcp: f64,
     /// UCX_TLS as set for this run ("" = UCX's default choice).
     ucx_tls: String,
     /// Whether the gRPC stream ran over mutual TLS (not with --insecure).
@@ -109,12 +117,18 @@ pub fn run(a: KvBenchArgs, insecure: bool) -> anyhow::Result<()> {
         println!("{:<8} {:>10} {:>10} {:>12}", "path", "ms", "GB/s", "vs memcpy");
         for (name, ms, gbps, r) in [
             ("memcpy", report.memcpy_ms, report.memcpy_gbps, 1.0),
+            ("tcp", report.tcp_ms, report.tcp_gbps, report.tcp_vs_memcpy),
             ("ucx", report.ucx_ms, report.ucx_gbps, report.ucx_vs_memcpy),
             ("ucx-put", report.ucx_put_ms, report.ucx_put_gbps, report.ucx_put_vs_memcpy),
             ("grpc", report.grpc_ms, report.grpc_gbps, report.grpc_vs_memcpy),
         ] {
             println!("{name:<8} {ms:>10.2} {gbps:>10.2} {r:>12.3}");
         }
+        println!(
+            "(tcp: a bare loopback socket between two threads, the ceiling of any TCP stream; \
+             grpc reaches {:.2} of it)",
+            report.grpc_vs_tcp
+        );
     }
     Ok(())
 }
@@ -232,6 +246,9 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
         times.remove(0);
         median(times)
     };
+    let samples = (3 * a.reps).max(21);
+    let tcp_ms = tokio::task::block_in_place(|| loopback_tcp_ms(&src, samples))
+        .context("the loopback TCP reference")?;
 
     let mut ms = Vec::new();
     // (path, transport, decode node: 0 shares its pool, 1 does not)
@@ -309,10 +326,49 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
         ucx_put_gbps: gbps(ucx_put_ms),
         grpc_gbps: gbps(grpc_ms),
         memcpy_gbps: gbps(memcpy_ms),
+        tcp_ms,
+        tcp_gbps: gbps(tcp_ms),
+        tcp_vs_memcpy: memcpy_ms / tcp_ms,
+        grpc_vs_tcp: tcp_ms / grpc_ms,
         ucx_vs_memcpy: memcpy_ms / ucx_ms,
         ucx_put_vs_memcpy: memcpy_ms / ucx_put_ms,
         grpc_vs_memcpy: memcpy_ms / grpc_ms,
         ucx_tls: std::env::var("UCX_TLS").unwrap_or_default(),
         tls: !insecure,
+    })
+}
+
+/// Median milliseconds, over `samples` after one warm-up, to write `src` into a loopback TCP
+/// socket and read all of it into a buffer on another thread (acknowledged by one byte back,
+/// as a transfer ends in the receiver's answer).
+fn loopback_tcp_ms(src: &[u8], samples: usize) -> anyhow::Result<f64> {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let mut tx = std::net::TcpStream::connect(listener.local_addr()?)?;
+    let (mut rx, _) = listener.accept()?;
+    tx.set_nodelay(true)?;
+    rx.set_nodelay(true)?;
+    let len = src.len();
+    std::thread::scope(|s| {
+        // A reader that fails drops its socket, so the writer fails too instead of blocking.
+        let reader = s.spawn(move || -> std::io::Result<()> {
+            let mut dst = vec![0u8; len];
+            for _ in 0..=samples {
+                rx.read_exact(&mut dst)?;
+                std::hint::black_box(&mut dst);
+                rx.write_all(&[1])?;
+            }
+            Ok(())
+        });
+        let mut times = Vec::new();
+        for _ in 0..=samples {
+            let t = Instant::now();
+            tx.write_all(src)?;
+            tx.read_exact(&mut [0u8])?;
+            times.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        reader.join().map_err(|_| anyhow::anyhow!("the reader thread panicked"))??;
+        times.remove(0);
+        Ok(median(times))
     })
 }
