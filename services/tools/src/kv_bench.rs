@@ -233,20 +233,17 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     let src = Bytes::from(src);
     let checksums: Vec<u64> = src.chunks(bpb).map(block_checksum).collect();
 
+    // The references are cheap and noisy on a shared machine: more samples than the
+    // transports get.
+    let samples = (3 * a.reps).max(21);
     let memcpy_ms = {
         let mut dst = vec![0u8; src.len()];
-        let mut times = Vec::new();
-        // Cheap and noisy on a shared machine: more samples than the transports get.
-        for _ in 0..(3 * a.reps).max(21) + 1 {
-            let t = Instant::now();
+        timed_median(samples, || {
             dst.copy_from_slice(&src);
             std::hint::black_box(&mut dst);
-            times.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        times.remove(0);
-        median(times)
+            Ok(())
+        })?
     };
-    let samples = (3 * a.reps).max(21);
     let tcp_ms = tokio::task::block_in_place(|| loopback_tcp_ms(&src, samples))
         .context("the loopback TCP reference")?;
 
@@ -338,9 +335,21 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     })
 }
 
-/// Median milliseconds, over `samples` after one warm-up, to write `src` into a loopback TCP
-/// socket and read all of it into a buffer on another thread (acknowledged by one byte back,
-/// as a transfer ends in the receiver's answer).
+/// The median milliseconds of `samples` runs of `f`, after one more that warms up.
+fn timed_median(samples: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let mut times = Vec::with_capacity(samples + 1);
+    for _ in 0..=samples {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.remove(0);
+    Ok(median(times))
+}
+
+/// Median milliseconds (`timed_median`) to write `src` into a loopback TCP socket and read all
+/// of it into a buffer on another thread, acknowledged by one byte back (as a transfer ends in
+/// the receiver's answer).
 fn loopback_tcp_ms(src: &[u8], samples: usize) -> anyhow::Result<f64> {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
@@ -360,15 +369,20 @@ fn loopback_tcp_ms(src: &[u8], samples: usize) -> anyhow::Result<f64> {
             }
             Ok(())
         });
-        let mut times = Vec::new();
-        for _ in 0..=samples {
-            let t = Instant::now();
+        let ms = timed_median(samples, || {
             tx.write_all(src)?;
             tx.read_exact(&mut [0u8])?;
-            times.push(t.elapsed().as_secs_f64() * 1e3);
+            Ok(())
+        });
+        if ms.is_err() {
+            // A writer that fails must not leave the reader waiting for bytes: the scope
+            // joins it before returning.
+            let _ = tx.shutdown(std::net::Shutdown::Both);
         }
-        reader.join().map_err(|_| anyhow::anyhow!("the reader thread panicked"))??;
-        times.remove(0);
-        Ok(median(times))
+        let read = reader.join().map_err(|_| anyhow::anyhow!("the reader thread panicked"))?;
+        // The writer's error first: the reader's then only says the writer went away.
+        let ms = ms?;
+        read?;
+        Ok(ms)
     })
 }
