@@ -3,7 +3,8 @@
 //! storage formats those kernels read, and the CPU backend (portable Rust plus AVX2/FMA/F16C
 //! chosen at run time, on a low-latency thread pool).
 //!
-//! A CUDA backend goes behind the same trait; nothing outside `cpu` assumes host memory.
+//! The CUDA backend (`cuda`) goes behind the same trait, over a device that is a GPU (cudarc)
+//! or the same kernels emulated on the host; nothing outside `cpu` assumes host memory.
 
 // KV blocks travel between machines as raw bytes in the host's order; every target this runs
 // on is little-endian, and a big-endian build would silently exchange garbage.
@@ -12,6 +13,7 @@ compile_error!("pdmesh assumes a little-endian target (KV blocks travel as raw b
 
 pub mod backend;
 pub mod cpu;
+pub mod cuda;
 pub mod formats;
 pub mod kv;
 pub mod pool;

@@ -1,0 +1,295 @@
+// Matrix products against the weights, in every format, and the embedding lookup.
+//
+// Each output `out[t * rows + r] = W[r] · x[t]` is summed in exactly the CPU backend's order
+// (`cpu::portable::dot_quantized` / `dot_float`), so the two backends agree bit for bit:
+// - quantized weights: eight lane accumulators, one FMA per block with the product of the two
+//   scales, the format's min term on the side, then `hsum8`;
+// - float weights: 16 lane accumulators for prompt tokens, 4 × 16 with a tail for generated
+//   ones (llama.cpp's batched and single-token kernels), then `reduce16`.
+// Two launch shapes compute the same sums: `_lanes` gives each of a row's eight lanes its own
+// thread and sums them with shuffles (decode: few tokens, many rows in flight); `_rows` gives
+// a thread a whole row for up to eight tokens, reading the weights once for all of them
+// (prompts).
+#include "common.cuh"
+#include "formats.cuh"
+
+// The activations a quantized matmul reads, as the backend lays them out: `qs` quants
+// (`ntok × cols`), per-block scales `d` and (Q8) scaled sums `s` or (Q8K) 16-element sums.
+#define PD_MM_PARAMS                                                                          \
+    const u8 *w, int rows, int row_bytes, int cols, const i8 *qs, const float *d,              \
+        const float *s, const i16 *ksums, int ntok, float *out
+#define PD_MM_ARGS w, rows, row_bytes, cols, qs, d, s, ksums, ntok, out
+
+// Everything one (row, token) dot carries from block to block for lane `l`.
+template <class F>
+struct Acc {
+    float acc = 0.0f, summs = 0.0f, acc_m = 0.0f;
+
+    __device__ void block(const u8* blk, const i8* a, float da, float sa, const i16* sums, int l) {
+        int lane = F::lane(blk, a, sums, l);
+        float dd = pd_f16_at(blk + F::SCALE_AT) * da;
+        acc = fmaf(dd, float(lane), acc);
+        if (F::MIN == PD_MIN_PER_BLOCK) {
+            summs = fmaf(pd_f16_at(blk + F::MIN_AT), sa, summs);
+        } else if (F::MIN == PD_MIN_SUPER_QUAD) {
+            float dmin = -(da * pd_f16_at(blk + F::MIN_AT));
+            acc_m = fmaf(dmin, float(min_lane(blk, sums, l & 3)), acc_m);
+        } else if (F::MIN == PD_MIN_SUPER_SCALAR) {
+            int p0 = min_lane(blk, sums, 0), p1 = min_lane(blk, sums, 1);
+            int p2 = min_lane(blk, sums, 2), p3 = min_lane(blk, sums, 3);
+            float dmin = -(da * pd_f16_at(blk + F::MIN_AT));
+            summs = fmaf(dmin, float((p0 + p1) + (p2 + p3)), summs);
+        }
+    }
+
+    __device__ static int min_lane(const u8* blk, const i16* sums, int m) {
+        if constexpr (F::MIN == PD_MIN_SUPER_QUAD || F::MIN == PD_MIN_SUPER_SCALAR)
+            return F::min_lane(blk, sums, m);
+        else
+            return 0;
+    }
+};
+
+// Where block `b` of token `t`'s activations is.
+template <class F>
+struct ActView {
+    const i8* qs;
+    const float *d, *s;
+    const i16* ksums;
+    int cols;
+
+    __device__ const i8* quants(int t, int b) const { return qs + (size_t)t * cols + b * F::BE; }
+    __device__ float scale(int t, int b) const { return d[(size_t)t * (cols / F::BE) + b]; }
+    __device__ float sum(int t, int b) const {
+        return F::ACT_K ? 0.0f : s[(size_t)t * (cols / F::BE) + b];
+    }
+    __device__ const i16* sums(int t, int b) const {
+        return F::ACT_K ? ksums + ((size_t)t * (cols / F::BE) + b) * 16 : nullptr;
+    }
+};
+
+// One row's eight lanes in eight threads; tokens one after another.
+template <class F>
+__device__ void mm_lanes(PD_MM_PARAMS) {
+    int tid = threadIdx.x;
+    int r = blockIdx.x * (blockDim.x / 8) + tid / 8;
+    int l = tid % 8;
+    bool live = r < rows;
+    const u8* row = w + (size_t)(live ? r : 0) * row_bytes;
+    int nb = cols / F::BE;
+    ActView<F> act{qs, d, s, ksums, cols};
+    for (int t = 0; t < ntok; t++) {
+        Acc<F> a;
+        for (int b = 0; b < nb; b++) {
+            a.block(row + (size_t)b * F::BB, act.quants(t, b), act.scale(t, b), act.sum(t, b),
+                    act.sums(t, b), l);
+        }
+        float total = pd_group8_hsum(a.acc);
+        if (F::MIN == PD_MIN_SUPER_QUAD) {
+            // Lanes l and l^4 hold the same quad term m[l & 3]: (m0+m2)+(m1+m3).
+            float m = a.acc_m + __shfl_xor_sync(PD_FULL_MASK, a.acc_m, 2);
+            total = total + (m + __shfl_xor_sync(PD_FULL_MASK, m, 1));
+        } else if (F::MIN != PD_MIN_NONE) {
+            total = total + a.summs;
+        }
+        if (live && l == 0) out[(size_t)t * rows + r] = total;
+    }
+}
+
+#define PD_TOK_CHUNK 8
+
+// One row in one thread, for up to eight tokens at once (`blockIdx.y` picks which eight).
+template <class F>
+__device__ void mm_rows(PD_MM_PARAMS) {
+    int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows) return;
+    int t0 = blockIdx.y * PD_TOK_CHUNK;
+    int n = pd_min(PD_TOK_CHUNK, ntok - t0);
+    const u8* row = w + (size_t)r * row_bytes;
+    int nb = cols / F::BE;
+    ActView<F> act{qs, d, s, ksums, cols};
+    Acc<F> a[PD_TOK_CHUNK][8];
+    for (int b = 0; b < nb; b++) {
+        const u8* blk = row + (size_t)b * F::BB;
+        for (int k = 0; k < n; k++) {
+            int t = t0 + k;
+            const i8* q = act.quants(t, b);
+            float da = act.scale(t, b), sa = act.sum(t, b);
+            const i16* sums = act.sums(t, b);
+            for (int l = 0; l < 8; l++) a[k][l].block(blk, q, da, sa, sums, l);
+        }
+    }
+    for (int k = 0; k < n; k++) {
+        float lanes[8];
+        for (int l = 0; l < 8; l++) lanes[l] = a[k][l].acc;
+        float total = pd_hsum8(lanes);
+        if (F::MIN == PD_MIN_SUPER_QUAD) {
+            total = total + ((a[k][0].acc_m + a[k][2].acc_m) + (a[k][1].acc_m + a[k][3].acc_m));
+        } else if (F::MIN != PD_MIN_NONE) {
+            total = total + a[k][0].summs;
+        }
+        out[(size_t)(t0 + k) * rows + r] = total;
+    }
+}
+
+extern "C" __global__ void mm_q8_0_lanes(PD_MM_PARAMS) { mm_lanes<FmtQ8_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_0_lanes(PD_MM_PARAMS) { mm_lanes<FmtQ4_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_1_lanes(PD_MM_PARAMS) { mm_lanes<FmtQ4_1>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_0_lanes(PD_MM_PARAMS) { mm_lanes<FmtQ5_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_1_lanes(PD_MM_PARAMS) { mm_lanes<FmtQ5_1>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_k_lanes(PD_MM_PARAMS) { mm_lanes<FmtQ4_K>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_k_lanes(PD_MM_PARAMS) { mm_lanes<FmtQ5_K>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q6_k_lanes(PD_MM_PARAMS) { mm_lanes<FmtQ6_K>(PD_MM_ARGS); }
+
+extern "C" __global__ void mm_q8_0_rows(PD_MM_PARAMS) { mm_rows<FmtQ8_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_0_rows(PD_MM_PARAMS) { mm_rows<FmtQ4_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_1_rows(PD_MM_PARAMS) { mm_rows<FmtQ4_1>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_0_rows(PD_MM_PARAMS) { mm_rows<FmtQ5_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_1_rows(PD_MM_PARAMS) { mm_rows<FmtQ5_1>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_k_rows(PD_MM_PARAMS) { mm_rows<FmtQ4_K>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_k_rows(PD_MM_PARAMS) { mm_rows<FmtQ5_K>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q6_k_rows(PD_MM_PARAMS) { mm_rows<FmtQ6_K>(PD_MM_ARGS); }
+
+// ---- Float weights ----
+
+#define PD_KIND_F32 0
+#define PD_KIND_F16 1
+#define PD_KIND_BF16 2
+
+template <int KIND>
+__device__ __forceinline__ float pd_wat(const u8* row, int i) {
+    if (KIND == PD_KIND_F32) return ((const float*)row)[i];
+    u16 h = ((const u16*)row)[i];
+    return KIND == PD_KIND_F16 ? pd_f16_to_f32(h) : pd_bf16_to_f32(h);
+}
+
+// `pd_reduce16` of the values the 16 lanes of a group hold.
+__device__ __forceinline__ float pd_group16_reduce(float v) {
+    v = v + __shfl_xor_sync(PD_FULL_MASK, v, 8);
+    return pd_group8_hsum(v);
+}
+
+// lane `t`'s share of one `_mm512_dpbf16_ps` over the 32 elements at `base`.
+template <int KIND>
+__device__ __forceinline__ float pd_dpbf16(float acc, const u8* row, const float* x, int base,
+                                           int t) {
+    int e = base + 2 * t, o = e + 1;
+    return fmaf(pd_wat<KIND>(row, e), x[e], fmaf(pd_wat<KIND>(row, o), x[o], acc));
+}
+
+// `W[r] · x` for one token in the order `cpu::portable::dot_float` takes for `tiled`; lane `t`
+// of a 16-lane group. Every lane returns the sum.
+template <int KIND>
+__device__ float pd_dot_float(const u8* row, const float* x, int n, bool tiled, int t) {
+    if (KIND == PD_KIND_BF16) {
+        if (tiled) {
+            float c = 0.0f;
+            for (int l = 0; l < n; l += 32) c = pd_dpbf16<KIND>(c, row, x, l, t);
+            return pd_group16_reduce(c);
+        }
+        float c1 = 0.0f, c2 = 0.0f;
+        int np = n & ~63;
+        for (int i = 0; i < np; i += 64) {
+            c1 = pd_dpbf16<KIND>(c1, row, x, i, t);
+            c2 = pd_dpbf16<KIND>(c2, row, x, i + 32, t);
+        }
+        double sum = double(pd_group16_reduce(c1)) + double(pd_group16_reduce(c2));
+        for (int i = np; i < n; i++) sum += double(pd_wat<KIND>(row, i) * x[i]);
+        return float(sum);
+    }
+    if (tiled) {
+        float c = 0.0f;
+        for (int l = 0; l < n; l += 16) c = fmaf(pd_wat<KIND>(row, l + t), x[l + t], c);
+        return pd_group16_reduce(c);
+    }
+    float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+    int np = n & ~63;
+    for (int i = 0; i < np; i += 64) {
+        s0 = fmaf(pd_wat<KIND>(row, i + t), x[i + t], s0);
+        s1 = fmaf(pd_wat<KIND>(row, i + 16 + t), x[i + 16 + t], s1);
+        s2 = fmaf(pd_wat<KIND>(row, i + 32 + t), x[i + 32 + t], s2);
+        s3 = fmaf(pd_wat<KIND>(row, i + 48 + t), x[i + 48 + t], s3);
+    }
+    float head = pd_group16_reduce((s0 + s2) + (s1 + s3));
+    if (KIND == PD_KIND_F32) {
+        // ggml_vec_dot_f32's tail, in float and unfused.
+        float sum = head;
+        for (int i = np; i < n; i++) sum += pd_wat<KIND>(row, i) * x[i];
+        return sum;
+    }
+    double sum = double(head);
+    for (int i = np; i < n; i++) sum += double(pd_wat<KIND>(row, i) * x[i]);
+    return float(sum);
+}
+
+// 16 lanes per row; `x` holds the activations rounded to the weight's type, `phases` each
+// token's phase (0 prompt, 1 generated), which picks llama.cpp's kernel and so the order.
+template <int KIND>
+__device__ void mm_float(const u8* w, int rows, int cols, const float* x, const u8* phases,
+                         int ntok, float* out) {
+    int tid = threadIdx.x;
+    int r = blockIdx.x * (blockDim.x / 16) + tid / 16;
+    int t16 = tid % 16;
+    bool live = r < rows;
+    const u8* row = w + (size_t)(live ? r : 0) * cols * (KIND == PD_KIND_F32 ? 4 : 2);
+    int width = KIND == PD_KIND_BF16 ? 32 : 16;
+    bool shape_tiles = cols % width == 0 && rows % 4 == 0;
+    for (int t = 0; t < ntok; t++) {
+        bool tiled = phases[t] == 0 && shape_tiles;
+        float v = pd_dot_float<KIND>(row, x + (size_t)t * cols, cols, tiled, t16);
+        if (live && t16 == 0) out[(size_t)t * rows + r] = v;
+    }
+}
+
+extern "C" __global__ void mm_f32(const u8* w, int rows, int cols, const float* x,
+                                  const u8* phases, int ntok, float* out) {
+    mm_float<PD_KIND_F32>(w, rows, cols, x, phases, ntok, out);
+}
+extern "C" __global__ void mm_f16(const u8* w, int rows, int cols, const float* x,
+                                  const u8* phases, int ntok, float* out) {
+    mm_float<PD_KIND_F16>(w, rows, cols, x, phases, ntok, out);
+}
+extern "C" __global__ void mm_bf16(const u8* w, int rows, int cols, const float* x,
+                                   const u8* phases, int ntok, float* out) {
+    mm_float<PD_KIND_BF16>(w, rows, cols, x, phases, ntok, out);
+}
+
+// ---- Embedding lookup ----
+
+// Row `tokens[t]` of a quantized table, dequantized: one thread per (token, block).
+template <class F>
+__device__ void embed_q(const u8* table, int row_bytes, const u32* tokens, int ntok, int cols,
+                        float* out) {
+    int nb = cols / F::BE;
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= ntok * nb) return;
+    int t = i / nb, b = i % nb;
+    const u8* blk = table + (size_t)tokens[t] * row_bytes + (size_t)b * F::BB;
+    float* o = out + (size_t)t * cols + b * F::BE;
+    for (int j = 0; j < F::BE; j++) o[j] = F::value(blk, j);
+}
+
+#define PD_EMBED_PARAMS const u8 *table, int row_bytes, const u32 *tokens, int ntok, int cols, float *out
+#define PD_EMBED_ARGS table, row_bytes, tokens, ntok, cols, out
+
+extern "C" __global__ void embed_q8_0(PD_EMBED_PARAMS) { embed_q<FmtQ8_0>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_q4_0(PD_EMBED_PARAMS) { embed_q<FmtQ4_0>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_q4_1(PD_EMBED_PARAMS) { embed_q<FmtQ4_1>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_q5_0(PD_EMBED_PARAMS) { embed_q<FmtQ5_0>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_q5_1(PD_EMBED_PARAMS) { embed_q<FmtQ5_1>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_q4_k(PD_EMBED_PARAMS) { embed_q<FmtQ4_K>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_q5_k(PD_EMBED_PARAMS) { embed_q<FmtQ5_K>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_q6_k(PD_EMBED_PARAMS) { embed_q<FmtQ6_K>(PD_EMBED_ARGS); }
+
+template <int KIND>
+__device__ void embed_float(const u8* table, int row_bytes, const u32* tokens, int ntok, int cols,
+                            float* out) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= ntok * cols) return;
+    int t = i / cols, c = i % cols;
+    out[i] = pd_wat<KIND>(table + (size_t)tokens[t] * row_bytes, c);
+}
+
+extern "C" __global__ void embed_f32(PD_EMBED_PARAMS) { embed_float<PD_KIND_F32>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_f16(PD_EMBED_PARAMS) { embed_float<PD_KIND_F16>(PD_EMBED_ARGS); }
+extern "C" __global__ void embed_bf16(PD_EMBED_PARAMS) { embed_float<PD_KIND_BF16>(PD_EMBED_ARGS); }

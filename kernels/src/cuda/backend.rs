@@ -1,0 +1,719 @@
+//! `CudaBackend<D>`: the `Backend` the engine runs on, over any `Device`. Buffers, quantized
+//! activations, the paged KV pool and the weights live in device memory (weights uploaded once);
+//! the host uploads only token ids, RoPE tables, slots and block tables (re-sent only when they
+//! changed since the last call, so a step's layers share one upload) and reads logits back.
+//!
+//! Every kernel computes in the CPU backend's order (see `kernels/cuda/*.cu`), so this backend's
+//! logits equal the CPU's bit for bit, except RMSNorm's f64 sum of squares (one f32 ulp of the
+//! row scale, rarely). Device failures panic with the device's reason: they are not input errors
+//! (the engine validates inputs before any kernel runs) but a broken device.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use pdmesh_kv_types::{HostMemory, KvDtype, KvGeometry, MemoryKind, MemoryRegion};
+
+use super::{Arg, Device, DeviceError, DeviceMem, Dims};
+use crate::backend::{Backend, KvError, KvStorage, MatmulJob, RopeMode};
+use crate::kv::{AttnQuery, KvSlot, Phase};
+use crate::quant::{ActNeeds, HostWeight, QK, QK_K, WeightType};
+
+/// Kernel launches stop at sizes a C `int` indexes; the engine's shapes are far below.
+const MAX_ELEMS: usize = i32::MAX as usize;
+/// Up to this many tokens a quantized matmul gives each of a row's lanes its own thread.
+const LANES_MAX_TOKENS: usize = 4;
+/// Attention's per-launch score scratch, in floats; longer batches launch in token chunks.
+const ATTN_SCRATCH_FLOATS: usize = 16 << 20;
+
+fn ok<T>(r: Result<T, DeviceError>) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA device: {e}"))
+}
+
+/// Device memory that grows to the largest size asked of it.
+#[derive(Debug, Default)]
+struct Grow {
+    mem: Option<DeviceMem>,
+}
+
+impl Grow {
+    fn ensure<D: Device>(&mut self, dev: &D, bytes: usize) -> &DeviceMem {
+        let bytes = bytes.max(4);
+        if self.mem.as_ref().is_none_or(|m| m.len() < bytes) {
+            self.mem = Some(ok(dev.alloc(bytes)));
+        }
+        self.mem.as_ref().expect("allocated above")
+    }
+
+    fn addr(&self) -> u64 {
+        self.mem.as_ref().map_or(0, DeviceMem::addr)
+    }
+}
+
+/// A buffer of f32 values in device memory.
+#[derive(Debug, Default)]
+pub struct DeviceVec {
+    mem: Grow,
+    len: usize,
+}
+
+impl DeviceVec {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn ptr(&self) -> Arg {
+        Arg::Ptr(self.mem.addr())
+    }
+
+    fn mem(&self) -> &DeviceMem {
+        self.mem.mem.as_ref().expect("a sized buffer has memory")
+    }
+}
+
+/// A batch of activation rows in the forms the matmuls reading it need (f32 always).
+#[derive(Debug, Default)]
+pub struct DeviceActs {
+    rows: usize,
+    cols: usize,
+    forms: ActNeeds,
+    x: DeviceVec,
+    h: DeviceVec,
+    bh: DeviceVec,
+    /// Q8: quants, per-block f16-rounded scales and scaled sums (token-major).
+    qs: Grow,
+    d: Grow,
+    s: Grow,
+    /// Q8K: quants, per-super-block scales, 16-element sums.
+    kqs: Grow,
+    kd: Grow,
+    ksums: Grow,
+    /// Each row's phase: 0 prompt, 1 generated.
+    phases: Grow,
+}
+
+/// A weight matrix in device memory, uploaded once.
+#[derive(Debug)]
+pub struct CudaWeight {
+    ty: WeightType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    mem: DeviceMem,
+}
+
+/// The paged KV pool in device memory, in `KvGeometry`'s byte layout.
+#[derive(Debug)]
+pub struct DeviceKv<D: Device> {
+    dev: Arc<D>,
+    geometry: KvGeometry,
+    n_blocks: usize,
+    mem: DeviceMem,
+}
+
+impl<D: Device> DeviceKv<D> {
+    fn block_range(&self, block: usize) -> (usize, usize) {
+        let n = self.geometry.bytes_per_block();
+        (block * n, n)
+    }
+
+    fn f16(&self) -> i32 {
+        i32::from(self.geometry.dtype == KvDtype::F16)
+    }
+
+    /// The pool and its layout as the kernels' first arguments.
+    fn args(&self) -> [Arg; 6] {
+        let g = &self.geometry;
+        [
+            Arg::ptr(&self.mem),
+            Arg::I32(self.f16()),
+            Arg::int(g.layers),
+            Arg::int(g.kv_heads),
+            Arg::int(g.head_dim),
+            Arg::int(g.block_size),
+        ]
+    }
+}
+
+impl<D: Device> KvStorage for DeviceKv<D> {
+    fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    fn n_blocks(&self) -> usize {
+        self.n_blocks
+    }
+
+    fn read_block(&self, block: usize, out: &mut Vec<u8>) {
+        let (at, n) = self.block_range(block);
+        let start = out.len();
+        out.resize(start + n, 0);
+        ok(self.dev.dtoh(&self.mem, at, &mut out[start..]));
+    }
+
+    fn read_layer(&self, block: usize, layer: usize, out: &mut Vec<u8>) {
+        let (at, _) = self.block_range(block);
+        let n = self.geometry.bytes_per_layer();
+        let start = out.len();
+        out.resize(start + n, 0);
+        ok(self.dev.dtoh(&self.mem, at + layer * n, &mut out[start..]));
+    }
+
+    fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), KvError> {
+        let want = self.geometry.bytes_per_block();
+        if data.len() != want {
+            return Err(KvError::BlockSize { want, got: data.len() });
+        }
+        if block >= self.n_blocks {
+            return Err(KvError::NoSuchBlock { block, blocks: self.n_blocks });
+        }
+        ok(self.dev.htod(data, &self.mem, block * want));
+        Ok(())
+    }
+
+    fn copy_block(&mut self, src: usize, dst: usize) {
+        let (s, n) = self.block_range(src);
+        let (d, _) = self.block_range(dst);
+        ok(self.dev.dtod(&self.mem, s, &self.mem, d, n));
+    }
+
+    fn region(&self) -> MemoryRegion {
+        self.mem.region()
+    }
+
+    fn rehome(&mut self, memory: HostMemory) -> Result<(), KvError> {
+        if self.dev.memory_kind() != MemoryKind::Host {
+            return Err(KvError::Rehome("a KV pool in GPU memory stays there".into()));
+        }
+        if memory.len() != self.mem.len() {
+            return Err(KvError::Rehome(format!(
+                "the new memory is {} bytes, the pool {}",
+                memory.len(),
+                self.mem.len()
+            )));
+        }
+        self.mem = self.dev.adopt_host(memory).map_err(|e| KvError::Rehome(e.to_string()))?;
+        Ok(())
+    }
+}
+
+/// Small host arrays (tokens, slots, block tables) in device memory, each kept under a name
+/// and sent again only when its bytes change.
+#[derive(Debug, Default)]
+struct Staging {
+    slots: HashMap<&'static str, (Vec<u8>, Grow)>,
+    attn_scratch: Grow,
+}
+
+impl Staging {
+    fn put<D: Device>(&mut self, dev: &D, name: &'static str, bytes: &[u8]) -> Arg {
+        let (last, mem) = self.slots.entry(name).or_default();
+        if mem.mem.is_none() || last.as_slice() != bytes {
+            let m = mem.ensure(dev, bytes.len());
+            ok(dev.htod(bytes, m, 0));
+            last.clear();
+            last.extend_from_slice(bytes);
+        }
+        Arg::Ptr(mem.addr())
+    }
+}
+
+/// The CUDA backend on device `D`.
+#[derive(Debug)]
+pub struct CudaBackend<D: Device> {
+    dev: Arc<D>,
+    staging: Mutex<Staging>,
+}
+
+impl<D: Device> CudaBackend<D> {
+    pub fn new(dev: D) -> Self {
+        Self { dev: Arc::new(dev), staging: Mutex::new(Staging::default()) }
+    }
+
+    pub fn device(&self) -> &D {
+        &self.dev
+    }
+
+    fn launch(&self, kernel: &str, dims: Dims, args: &[Arg]) {
+        ok(self.dev.launch(kernel, dims, args));
+    }
+
+    fn staging(&self) -> std::sync::MutexGuard<'_, Staging> {
+        self.staging.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn put(&self, name: &'static str, bytes: &[u8]) -> Arg {
+        self.staging().put(&*self.dev, name, bytes)
+    }
+}
+
+/// The kernel-name suffix of a weight format.
+fn suffix(ty: WeightType) -> &'static str {
+    match ty {
+        WeightType::F32 => "f32",
+        WeightType::F16 => "f16",
+        WeightType::BF16 => "bf16",
+        WeightType::Q8_0 => "q8_0",
+        WeightType::Q4_0 => "q4_0",
+        WeightType::Q4_1 => "q4_1",
+        WeightType::Q5_0 => "q5_0",
+        WeightType::Q5_1 => "q5_1",
+        WeightType::Q4_K => "q4_k",
+        WeightType::Q5_K => "q5_k",
+        WeightType::Q6_K => "q6_k",
+    }
+}
+
+fn check_size(what: &str, n: usize) {
+    assert!(n <= MAX_ELEMS, "{what}: {n} elements is more than one launch indexes");
+}
+
+impl<D: Device> Backend for CudaBackend<D> {
+    type Buffer = DeviceVec;
+    type Activations = DeviceActs;
+    type Kv = DeviceKv<D>;
+    type Weight = CudaWeight;
+
+    fn describe(&self) -> String {
+        self.dev.describe()
+    }
+
+    fn threads(&self) -> usize {
+        1
+    }
+
+    fn buffer(&self) -> DeviceVec {
+        DeviceVec::default()
+    }
+
+    fn activations(&self) -> DeviceActs {
+        DeviceActs::default()
+    }
+
+    fn resize(&self, buf: &mut DeviceVec, len: usize) {
+        check_size("resize", len);
+        buf.mem.ensure(&*self.dev, len * 4);
+        buf.len = len;
+    }
+
+    fn upload(&self, host: &[f32], buf: &mut DeviceVec) {
+        self.resize(buf, host.len());
+        ok(self.dev.htod(bytemuck::cast_slice(host), buf.mem(), 0));
+    }
+
+    fn read<'a>(&self, buf: &'a DeviceVec, host: &'a mut Vec<f32>) -> &'a [f32] {
+        host.resize(buf.len, 0.0);
+        if buf.len > 0 {
+            ok(self.dev.dtoh(buf.mem(), 0, bytemuck::cast_slice_mut(host)));
+        }
+        host
+    }
+
+    fn kv(&self, geometry: KvGeometry, blocks: usize) -> Result<DeviceKv<D>, KvError> {
+        if !matches!(geometry.dtype, KvDtype::F16 | KvDtype::F32) {
+            return Err(KvError::Alloc(format!(
+                "the CUDA backend keeps f16 or f32 KV, not {}",
+                geometry.dtype
+            )));
+        }
+        let bytes = geometry.bytes_per_block().checked_mul(blocks).ok_or_else(|| {
+            KvError::Alloc(format!("{blocks} KV blocks overflow the address space"))
+        })?;
+        let mem = self.dev.alloc(bytes).map_err(|e| KvError::Alloc(e.to_string()))?;
+        Ok(DeviceKv { dev: Arc::clone(&self.dev), geometry, n_blocks: blocks, mem })
+    }
+
+    fn weight(&self, w: &HostWeight) -> CudaWeight {
+        let m = w.matrix();
+        let mem = ok(self.dev.alloc(m.data.len()));
+        ok(self.dev.htod(m.data, &mem, 0));
+        CudaWeight { ty: w.ty, rows: w.rows, cols: w.cols, row_bytes: m.row_bytes(), mem }
+    }
+
+    fn quantize(
+        &self,
+        x: &DeviceVec,
+        rows: usize,
+        cols: usize,
+        needs: ActNeeds,
+        phases: &[Phase],
+        out: &mut DeviceActs,
+    ) {
+        let n = rows * cols;
+        assert!(x.len >= n && phases.len() == rows, "quantize: shape mismatch");
+        check_size("quantize", n);
+        let dev = &*self.dev;
+        out.rows = rows;
+        out.cols = cols;
+        out.forms = ActNeeds {
+            q8: needs.q8 && cols.is_multiple_of(QK),
+            q8k: needs.q8k && cols.is_multiple_of(QK_K),
+            f16: needs.f16,
+            bf16: needs.bf16,
+        };
+        self.resize(&mut out.x, n);
+        if n > 0 {
+            ok(dev.dtod(x.mem(), 0, out.x.mem(), 0, n * 4));
+        }
+        let ph: Vec<u8> = phases.iter().map(|p| u8::from(*p == Phase::Decode)).collect();
+        let m = out.phases.ensure(dev, ph.len());
+        ok(dev.htod(&ph, m, 0));
+        for (on, buf, bf16) in [(out.forms.f16, &mut out.h, 0), (out.forms.bf16, &mut out.bh, 1)] {
+            if on {
+                self.resize(buf, n);
+                self.launch(
+                    "round_to",
+                    Dims::per_item(n, 256),
+                    &[x.ptr(), Arg::long(n), Arg::I32(bf16), buf.ptr()],
+                );
+            }
+        }
+        if out.forms.q8 {
+            let blocks = n / QK;
+            out.qs.ensure(dev, n);
+            out.d.ensure(dev, blocks * 4);
+            out.s.ensure(dev, blocks * 4);
+            self.launch(
+                "quantize_q8",
+                Dims::per_item(blocks, 64),
+                &[
+                    x.ptr(),
+                    Arg::long(blocks),
+                    Arg::Ptr(out.qs.addr()),
+                    Arg::Ptr(out.d.addr()),
+                    Arg::Ptr(out.s.addr()),
+                ],
+            );
+        }
+        if out.forms.q8k {
+            let blocks = n / QK_K;
+            out.kqs.ensure(dev, n);
+            out.kd.ensure(dev, blocks * 4);
+            out.ksums.ensure(dev, blocks * 16 * 2);
+            self.launch(
+                "quantize_q8k",
+                Dims::per_item(blocks, 64),
+                &[
+                    x.ptr(),
+                    Arg::long(blocks),
+                    Arg::Ptr(out.kqs.addr()),
+                    Arg::Ptr(out.kd.addr()),
+                    Arg::Ptr(out.ksums.addr()),
+                ],
+            );
+        }
+    }
+
+    fn matmul(&self, x: &DeviceActs, jobs: &mut [MatmulJob<'_, CudaWeight, DeviceVec>]) {
+        let ntok = x.rows;
+        for job in jobs.iter_mut() {
+            let w = job.weight;
+            assert_eq!(w.cols, x.cols, "matmul: weight has {} columns, input {}", w.cols, x.cols);
+            check_size("matmul", ntok * w.rows);
+            self.resize(job.out, ntok * w.rows);
+            if ntok == 0 {
+                continue;
+            }
+            let out = job.out.ptr();
+            if let Some(kind) = w.ty.float_kind() {
+                let src = match kind {
+                    crate::formats::FloatKind::F32 => &x.x,
+                    crate::formats::FloatKind::F16 => &x.h,
+                    crate::formats::FloatKind::BF16 => &x.bh,
+                };
+                assert!(x.forms.has_float(kind), "matmul: activations lack {} rounding", w.ty);
+                self.launch(
+                    &format!("mm_{}", suffix(w.ty)),
+                    Dims::linear(w.rows.div_ceil(16), 256),
+                    &[
+                        Arg::ptr(&w.mem),
+                        Arg::int(w.rows),
+                        Arg::int(w.cols),
+                        src.ptr(),
+                        Arg::Ptr(x.phases.addr()),
+                        Arg::int(ntok),
+                        out,
+                    ],
+                );
+                continue;
+            }
+            let form = w.ty.act_form().expect("a quantized format has an activation form");
+            assert!(x.forms.has(form), "matmul: activations lack the {form:?} form for {}", w.ty);
+            let (qs, d, s, ksums) = match form {
+                crate::formats::ActForm::Q8 => (&x.qs, &x.d, x.s.addr(), 0),
+                crate::formats::ActForm::Q8K => (&x.kqs, &x.kd, 0, x.ksums.addr()),
+            };
+            let args = [
+                Arg::ptr(&w.mem),
+                Arg::int(w.rows),
+                Arg::int(w.row_bytes),
+                Arg::int(w.cols),
+                Arg::Ptr(qs.addr()),
+                Arg::Ptr(d.addr()),
+                Arg::Ptr(s),
+                Arg::Ptr(ksums),
+                Arg::int(ntok),
+                out,
+            ];
+            if ntok <= LANES_MAX_TOKENS {
+                let name = format!("mm_{}_lanes", suffix(w.ty));
+                self.launch(&name, Dims::linear(w.rows.div_ceil(32), 256), &args);
+            } else {
+                let name = format!("mm_{}_rows", suffix(w.ty));
+                let dims = Dims {
+                    grid: [w.rows.div_ceil(64) as u32, ntok.div_ceil(8) as u32, 1],
+                    block: [64, 1, 1],
+                };
+                self.launch(&name, dims, &args);
+            }
+        }
+    }
+
+    fn rms_norm(&self, x: &DeviceVec, weight: &DeviceVec, eps: f32, out: &mut DeviceVec) {
+        let n = weight.len;
+        assert!(n > 0 && x.len.is_multiple_of(n), "rms_norm: shape mismatch");
+        let rows = x.len / n;
+        self.resize(out, x.len);
+        if rows == 0 {
+            return;
+        }
+        self.launch(
+            "rms_norm",
+            Dims::linear(rows.div_ceil(8), 256),
+            &[x.ptr(), weight.ptr(), Arg::int(rows), Arg::int(n), Arg::F32(eps), out.ptr()],
+        );
+    }
+
+    fn rope(
+        &self,
+        x: &mut DeviceVec,
+        heads: usize,
+        head_dim: usize,
+        cos: &DeviceVec,
+        sin: &DeviceVec,
+        mode: RopeMode,
+    ) {
+        let row = heads * head_dim;
+        assert!(row > 0 && x.len.is_multiple_of(row), "rope: shape mismatch");
+        let ntok = x.len / row;
+        assert!(cos.len >= ntok * head_dim / 2 && sin.len == cos.len, "rope: tables too short");
+        if ntok == 0 {
+            return;
+        }
+        self.launch(
+            "rope",
+            Dims::per_item(ntok * heads * head_dim / 2, 256),
+            &[
+                x.ptr(),
+                Arg::int(ntok),
+                Arg::int(heads),
+                Arg::int(head_dim),
+                cos.ptr(),
+                sin.ptr(),
+                Arg::I32(i32::from(mode == RopeMode::Neox)),
+            ],
+        );
+    }
+
+    fn swiglu(&self, gate: &DeviceVec, up: &DeviceVec, out: &mut DeviceVec) {
+        assert_eq!(gate.len, up.len, "swiglu: shape mismatch");
+        self.resize(out, gate.len);
+        if gate.len > 0 {
+            self.launch(
+                "swiglu",
+                Dims::per_item(gate.len, 256),
+                &[gate.ptr(), up.ptr(), Arg::long(gate.len), out.ptr()],
+            );
+        }
+    }
+
+    fn add_assign(&self, x: &mut DeviceVec, y: &DeviceVec) {
+        assert_eq!(x.len, y.len, "add_assign: shape mismatch");
+        if x.len > 0 {
+            self.launch(
+                "add_assign",
+                Dims::per_item(x.len, 256),
+                &[x.ptr(), y.ptr(), Arg::long(x.len)],
+            );
+        }
+    }
+
+    fn add_rows(&self, x: &mut DeviceVec, bias: &DeviceVec) {
+        assert!(bias.len > 0 && x.len.is_multiple_of(bias.len), "add_rows: shape mismatch");
+        if x.len > 0 {
+            self.launch(
+                "add_rows",
+                Dims::per_item(x.len, 256),
+                &[x.ptr(), bias.ptr(), Arg::long(x.len), Arg::int(bias.len)],
+            );
+        }
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut DeviceKv<D>,
+        layer: usize,
+        k: &DeviceVec,
+        v: &DeviceVec,
+        slots: &[KvSlot],
+    ) {
+        let g = kv.geometry;
+        let kd = g.kv_dim();
+        assert!(k.len == slots.len() * kd && v.len == k.len, "kv_write: shape mismatch");
+        assert!(layer < g.layers, "kv_write: layer out of range");
+        let mut pairs = Vec::with_capacity(slots.len() * 8);
+        for s in slots {
+            assert!(
+                (s.block as usize) < kv.n_blocks && (s.slot as usize) < g.block_size,
+                "kv_write: bad slot {s:?}"
+            );
+            pairs.extend_from_slice(&s.block.to_le_bytes());
+            pairs.extend_from_slice(&s.slot.to_le_bytes());
+        }
+        if slots.is_empty() {
+            return;
+        }
+        let slots_arg = self.put("kv_slots", &pairs);
+        let mut args = kv.args().to_vec();
+        args.extend([Arg::int(layer), k.ptr(), v.ptr(), slots_arg, Arg::int(slots.len())]);
+        self.launch("kv_write", Dims::per_item(slots.len() * kd * 2, 256), &args);
+    }
+
+    fn attention(
+        &self,
+        kv: &DeviceKv<D>,
+        layer: usize,
+        heads: usize,
+        q: &DeviceVec,
+        queries: &[AttnQuery<'_>],
+        out: &mut DeviceVec,
+    ) {
+        let g = kv.geometry;
+        let hd = g.head_dim;
+        assert!(hd.is_multiple_of(16) && hd <= 256, "attention: head_dim must be 16..=256 by 16");
+        assert!(heads.is_multiple_of(g.kv_heads), "attention: heads not a multiple of KV heads");
+        assert!(q.len == queries.len() * heads * hd, "attention: shape mismatch");
+        assert!(layer < g.layers, "attention: layer out of range");
+        self.resize(out, q.len);
+        if queries.is_empty() {
+            return;
+        }
+        // Block tables, shared by a sequence's tokens (the same slice) and sent once.
+        let (mut tables, mut table_at, mut pos, mut phases) = (vec![], vec![], vec![], vec![]);
+        let mut last: Option<(*const u32, usize, u32)> = None;
+        for query in queries {
+            let need = query.pos / g.block_size + 1;
+            assert!(query.blocks.len() >= need, "attention: block table shorter than position");
+            let table = &query.blocks[..need];
+            assert!(
+                table.iter().all(|&b| (b as usize) < kv.n_blocks),
+                "attention: block id out of range"
+            );
+            let at = match last {
+                Some((p, len, at)) if p == query.blocks.as_ptr() && len >= need => at,
+                _ => {
+                    let at = u32::try_from(tables.len()).expect("block tables fit a u32 index");
+                    tables.extend_from_slice(query.blocks);
+                    last = Some((query.blocks.as_ptr(), query.blocks.len(), at));
+                    at
+                }
+            };
+            table_at.push(at);
+            pos.push(u32::try_from(query.pos).expect("positions fit a u32"));
+            phases.push(u8::from(query.phase == Phase::Decode));
+        }
+        let longest = queries.iter().map(|q| q.pos + 1).max().unwrap_or(1);
+        let stride = longest.next_multiple_of(16);
+        let per_token = g.kv_heads * (stride + stride / 16);
+        let chunk = (ATTN_SCRATCH_FLOATS / per_token).max(1);
+        let mut st = self.staging();
+        let dev = &*self.dev;
+        let tables_arg = st.put(dev, "attn_tables", bytemuck::cast_slice(&tables));
+        let at_arg = st.put(dev, "attn_table_at", bytemuck::cast_slice(&table_at));
+        let pos_arg = st.put(dev, "attn_pos", bytemuck::cast_slice(&pos));
+        let ph_arg = st.put(dev, "attn_phases", &phases);
+        let n = queries.len();
+        let scratch = st.attn_scratch.ensure(dev, chunk.min(n) * per_token * 4).addr();
+        drop(st);
+        let offset = |a: Arg, bytes: usize| match a {
+            Arg::Ptr(p) => Arg::Ptr(p + bytes as u64),
+            other => other,
+        };
+        for t0 in (0..n).step_by(chunk) {
+            let m = chunk.min(n - t0);
+            let mut args = kv.args().to_vec();
+            args.extend([
+                Arg::int(layer),
+                Arg::int(heads),
+                offset(q.ptr(), t0 * heads * hd * 4),
+                offset(pos_arg, t0 * 4),
+                offset(ph_arg, t0),
+                tables_arg,
+                offset(at_arg, t0 * 4),
+                offset(out.ptr(), t0 * heads * hd * 4),
+                Arg::Ptr(scratch),
+                Arg::int(stride),
+            ]);
+            let dims = Dims { grid: [m as u32, g.kv_heads as u32, 1], block: [64, 1, 1] };
+            self.launch("attention", dims, &args);
+        }
+    }
+
+    fn fwht(&self, x: &mut DeviceVec, n: usize) {
+        assert!(n.is_power_of_two() && x.len.is_multiple_of(n), "fwht: shape mismatch");
+        let runs = x.len / n;
+        if runs > 0 {
+            self.launch("fwht", Dims::per_item(runs, 64), &[x.ptr(), Arg::long(runs), Arg::int(n)]);
+        }
+    }
+
+    fn embed(&self, table: &CudaWeight, tokens: &[u32], out: &mut DeviceVec) {
+        let d = table.cols;
+        assert!(
+            tokens.iter().all(|&t| (t as usize) < table.rows),
+            "embed: token out of range of {} rows",
+            table.rows
+        );
+        check_size("embed", tokens.len() * d);
+        self.resize(out, tokens.len() * d);
+        if tokens.is_empty() {
+            return;
+        }
+        let toks = self.put("embed_tokens", bytemuck::cast_slice(tokens));
+        let items = if table.ty.is_quantized() {
+            tokens.len() * (d / table.ty.block_elems())
+        } else {
+            tokens.len() * d
+        };
+        self.launch(
+            &format!("embed_{}", suffix(table.ty)),
+            Dims::per_item(items, 256),
+            &[
+                Arg::ptr(&table.mem),
+                Arg::int(table.row_bytes),
+                toks,
+                Arg::int(tokens.len()),
+                Arg::int(d),
+                out.ptr(),
+            ],
+        );
+    }
+
+    fn gather_rows(&self, x: &DeviceVec, rows: &[usize], width: usize, out: &mut DeviceVec) {
+        assert!(rows.iter().all(|&r| (r + 1) * width <= x.len), "gather_rows: row out of range");
+        self.resize(out, rows.len() * width);
+        if rows.is_empty() || width == 0 {
+            return;
+        }
+        let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+        let idx = self.put("gather_rows", bytemuck::cast_slice(&idx));
+        self.launch(
+            "gather_rows",
+            Dims::per_item(rows.len() * width, 256),
+            &[x.ptr(), idx, Arg::int(rows.len()), Arg::int(width), out.ptr()],
+        );
+    }
+}

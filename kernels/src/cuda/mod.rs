@@ -1,0 +1,203 @@
+//! The CUDA backend: the kernels in `kernels/cuda/*.cu`, driven through a small `Device` trait
+//! (memory, copies, launches by kernel name). Two devices implement it: `EmuDevice`, the same
+//! sources built for the host against `cuda/emu/cuda_emu.h` (CUDA's execution model on OS
+//! threads), which runs everywhere and is what CI tests; and the real GPU through cudarc.
+//! `CudaBackend<D>` is the whole host side — buffers, weights, the KV pool, launch geometry,
+//! block tables — written once over `Device`, so CI exercises all of it but the last layer.
+
+mod backend;
+mod emu;
+
+use std::any::Any;
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use pdmesh_kv_types::{HostMemory, MemoryKind, MemoryRegion};
+
+pub use backend::{CudaBackend, CudaWeight, DeviceKv, DeviceVec};
+pub use emu::EmuDevice;
+
+// The kernel sources with their includes inlined and the kernels each defines (build.rs).
+include!(concat!(env!("OUT_DIR"), "/cuda_modules.rs"));
+
+/// Why a device operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    #[error("device memory: {0}")]
+    Memory(String),
+    #[error("copy out of bounds: {offset} + {len} bytes of a {size}-byte allocation")]
+    Bounds { offset: usize, len: usize, size: usize },
+    #[error("launch of {kernel}: {reason}")]
+    Launch { kernel: String, reason: String },
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+/// A device allocation: its address in the device's address space, freed when the last clone
+/// of its owner is dropped.
+#[derive(Clone)]
+pub struct DeviceMem {
+    addr: u64,
+    len: usize,
+    kind: MemoryKind,
+    keep: Arc<dyn Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for DeviceMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMem")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+impl DeviceMem {
+    /// # Safety
+    /// `[addr, addr + len)` must be one allocation of `kind` that `keep` frees only when
+    /// dropped.
+    pub unsafe fn new(
+        addr: u64,
+        len: usize,
+        kind: MemoryKind,
+        keep: Arc<dyn Any + Send + Sync>,
+    ) -> Self {
+        Self { addr, len, kind, keep }
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The allocation as a region a transport registers, keeping it alive.
+    pub fn region(&self) -> MemoryRegion {
+        // SAFETY: the allocation is fixed and freed only when `keep` (cloned here) is dropped.
+        unsafe { MemoryRegion::new(self.addr as usize, self.len, self.kind, self.keep.clone()) }
+    }
+
+    /// Checks that `len` bytes from `offset` lie inside the allocation.
+    pub fn check(&self, offset: usize, len: usize) -> Result<(), DeviceError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(DeviceError::Bounds { offset, len, size: self.len }),
+        }
+    }
+}
+
+/// One kernel argument, as the kernel's C parameter type.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Arg {
+    /// A device pointer.
+    Ptr(u64),
+    I32(i32),
+    U32(u32),
+    /// A C `long` (64-bit on every target CUDA and this emulator run on).
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    pub fn ptr(mem: &DeviceMem) -> Arg {
+        Arg::Ptr(mem.addr)
+    }
+
+    /// A count as a C `int`; the backend checks shapes against `i32::MAX` before launching.
+    pub fn int(v: usize) -> Arg {
+        Arg::I32(i32::try_from(v).expect("kernel sizes are checked to fit an int"))
+    }
+
+    pub fn long(v: usize) -> Arg {
+        Arg::I64(i64::try_from(v).expect("sizes fit an i64"))
+    }
+}
+
+/// Arguments laid out as `cuLaunchKernel` takes them: an array of pointers, one to each value.
+#[derive(Debug)]
+pub struct PackedArgs {
+    values: Vec<u64>,
+    ptrs: Vec<*mut c_void>,
+}
+
+impl PackedArgs {
+    pub fn new(args: &[Arg]) -> Self {
+        // Each value at the start of its own 8-byte slot (little-endian: the low bytes are the
+        // narrower types' bytes).
+        let mut values: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(p) => p,
+                Arg::I32(v) => u64::from(v as u32),
+                Arg::U32(v) => u64::from(v),
+                Arg::I64(v) => v as u64,
+                Arg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let ptrs = values.iter_mut().map(|v| (v as *mut u64).cast::<c_void>()).collect();
+        Self { values, ptrs }
+    }
+
+    /// The `void**` a launch takes, valid while `self` lives (the pointers point into the
+    /// heap buffer of `values`, which moving `self` does not move).
+    pub fn as_mut_ptr(&mut self) -> *mut *mut c_void {
+        debug_assert_eq!(self.ptrs.len(), self.values.len());
+        self.ptrs.as_mut_ptr()
+    }
+}
+
+/// A launch's geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+}
+
+impl Dims {
+    /// `grid` blocks of `block` threads along x.
+    pub fn linear(grid: usize, block: u32) -> Dims {
+        Dims { grid: [to_u32(grid), 1, 1], block: [block, 1, 1] }
+    }
+
+    /// Enough blocks of `block` threads for one thread per item.
+    pub fn per_item(items: usize, block: u32) -> Dims {
+        Dims::linear(items.div_ceil(block as usize).max(1), block)
+    }
+}
+
+fn to_u32(v: usize) -> u32 {
+    u32::try_from(v).expect("grid dimensions are checked to fit a u32")
+}
+
+/// What the CUDA backend needs of a device: zeroed allocations, copies, and launches of the
+/// kernels in `MODULES` by name, in order (a device runs them one after another on one
+/// stream; copies to the host wait for what came before).
+pub trait Device: Send + Sync + std::fmt::Debug + 'static {
+    /// E.g. `cuda/emu` or `cuda/NVIDIA H200 sm_90`.
+    fn describe(&self) -> String;
+    /// Where allocations live (what a transport registers them as).
+    fn memory_kind(&self) -> MemoryKind;
+    /// `bytes` zeroed bytes.
+    fn alloc(&self, bytes: usize) -> Result<DeviceMem, DeviceError>;
+    fn htod(&self, src: &[u8], dst: &DeviceMem, offset: usize) -> Result<(), DeviceError>;
+    fn dtoh(&self, src: &DeviceMem, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError>;
+    fn dtod(
+        &self,
+        src: &DeviceMem,
+        src_offset: usize,
+        dst: &DeviceMem,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), DeviceError>;
+    fn launch(&self, kernel: &str, dims: Dims, args: &[Arg]) -> Result<(), DeviceError>;
+    /// Takes host memory someone else allocated (a transport's shared memory) as device
+    /// memory, where the device computes on host memory; others refuse.
+    fn adopt_host(&self, memory: HostMemory) -> Result<DeviceMem, DeviceError>;
+}

@@ -1,0 +1,289 @@
+//! The CUDA backend's kernels, launch geometry and host side, run on the emulated device
+//! (`kernels/cuda/*.cu` built for the host), against the CPU backend on seeded random data.
+//!
+//! Bounds: every kernel sums in the CPU's order, so results must be bit-identical, except
+//! `rms_norm`, whose f64 sum of squares is a lane tree instead of a sequence: within one f32
+//! ulp of the row scale (2^-23 relative, checked at 2^-22).
+
+#![allow(clippy::unwrap_used)] // test helpers outside #[test] fns
+
+mod common;
+
+use common::{host, phase_of, random_vec, random_weights};
+use pdmesh_kernels::cuda::{CudaBackend, EmuDevice};
+use pdmesh_kernels::{
+    ActNeeds, AttnQuery, Backend, CpuBackend, KvDtype, KvGeometry, KvSlot, KvStorage, MatmulJob,
+    Phase, RopeMode, Simd, WeightMatrix, WeightType,
+};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn cpu() -> CpuBackend {
+    CpuBackend::with_simd(2, Simd::detect()).unwrap()
+}
+
+fn emu() -> CudaBackend<EmuDevice> {
+    CudaBackend::new(EmuDevice::new())
+}
+
+fn to_dev<B: Backend>(b: &B, v: &[f32]) -> B::Buffer {
+    let mut buf = b.buffer();
+    b.upload(v, &mut buf);
+    buf
+}
+
+fn to_host<B: Backend>(b: &B, buf: &B::Buffer) -> Vec<f32> {
+    let mut host = Vec::new();
+    b.read(buf, &mut host).to_vec()
+}
+
+/// Asserts that `got` and `want` hold the same bits, naming the first difference.
+fn same_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let diff: Vec<usize> =
+        (0..got.len()).filter(|&i| got[i].to_bits() != want[i].to_bits()).collect();
+    if let Some(&i) = diff.first() {
+        panic!(
+            "{what}: {} of {} values differ, first [{i}]: {} vs the CPU's {}",
+            diff.len(),
+            got.len(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+/// `w · x` on backend `b` for `tokens` rows of `x`, tokens `first..` (for their phases).
+fn matmul<B: Backend>(
+    b: &B,
+    w: &WeightMatrix<'_>,
+    x: &[f32],
+    tokens: usize,
+    first: usize,
+) -> Vec<f32> {
+    let phases: Vec<Phase> = (first..first + tokens).map(phase_of).collect();
+    let xb = to_dev(b, x);
+    let mut acts = b.activations();
+    b.quantize(&xb, tokens, w.cols, ActNeeds::of([w.ty]), &phases, &mut acts);
+    let weight = b.weight(&host(w));
+    let mut out = b.buffer();
+    b.resize(&mut out, tokens * w.rows);
+    b.matmul(&acts, &mut [MatmulJob { weight: &weight, out: &mut out }]);
+    to_host(b, &out)
+}
+
+#[test]
+fn matmul_equals_cpu_bit_for_bit_in_every_format_and_launch_shape() {
+    let (c, e) = (cpu(), emu());
+    let mut rng = ChaCha8Rng::seed_from_u64(19);
+    for &ty in WeightType::ALL {
+        // Columns with a float tail past the last 64 (80), whole K super-blocks (512); rows
+        // not a multiple of the launch's 32 or 64, and a multiple of 4 for the tiled float order.
+        let cols = match ty.block_elems() {
+            256 => 512,
+            32 => 96,
+            _ => 80,
+        };
+        for rows in [1, 36, 70] {
+            let data = random_weights(&mut rng, ty, rows, cols);
+            let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+            // 1..4 tokens: a thread per lane; more: a thread per row over chunks of 8.
+            for tokens in [1, 3, 5, 11] {
+                let x = random_vec(&mut rng, tokens * cols, 2.0);
+                let want = matmul(&c, &w, &x, tokens, 1);
+                let got = matmul(&e, &w, &x, tokens, 1);
+                same_bits(&got, &want, &format!("{ty} {rows}x{cols}, {tokens} tokens"));
+            }
+        }
+    }
+}
+
+#[test]
+fn embed_equals_cpu_in_every_format() {
+    let (c, e) = (cpu(), emu());
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for &ty in WeightType::ALL {
+        let cols = if ty.block_elems() == 256 { 256 } else { 64 };
+        let data = random_weights(&mut rng, ty, 9, cols);
+        let w = WeightMatrix::new(ty, 9, cols, &data).unwrap();
+        let tokens = [8u32, 0, 3, 3];
+        let mut want = vec![0f32; tokens.len() * cols];
+        c.embed(&c.weight(&host(&w)), &tokens, &mut want);
+        let mut out = e.buffer();
+        e.embed(&e.weight(&host(&w)), &tokens, &mut out);
+        same_bits(&to_host(&e, &out), &want, &format!("{ty}"));
+    }
+}
+
+#[test]
+fn elementwise_ops_equal_cpu() {
+    let (c, e) = (cpu(), emu());
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+
+    // RMSNorm: within one f32 ulp of the row scale (see the module doc).
+    let (rows, n) = (13, 600);
+    let x = random_vec(&mut rng, rows * n, 4.0);
+    let w = random_vec(&mut rng, n, 1.0);
+    let mut want = vec![0f32; x.len()];
+    c.rms_norm(&x, &w, 1e-5, &mut want);
+    let mut o = e.buffer();
+    e.rms_norm(&to_dev(&e, &x), &to_dev(&e, &w), 1e-5, &mut o);
+    let got = to_host(&e, &o);
+    let mut exact = 0;
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= w.abs() * 2f32.powi(-22), "rms_norm [{i}]: {g} vs {w}");
+        exact += usize::from(g.to_bits() == w.to_bits());
+    }
+    assert!(exact * 10 >= got.len() * 9, "rms_norm: only {exact} of {} exact", got.len());
+
+    // SwiGLU, including saturated and underflowing exponents.
+    let mut g = random_vec(&mut rng, 5000, 20.0);
+    g.extend([-200.0, 200.0, 0.0, -0.0, 88.7, -88.7]);
+    let u = random_vec(&mut rng, g.len(), 2.0);
+    let mut want = vec![0f32; g.len()];
+    c.swiglu(&g, &u, &mut want);
+    let mut o = e.buffer();
+    e.swiglu(&to_dev(&e, &g), &to_dev(&e, &u), &mut o);
+    same_bits(&to_host(&e, &o), &want, "swiglu");
+
+    // RoPE in both modes, with angles of every size.
+    let (heads, hd, tokens) = (3, 64, 5);
+    let x = random_vec(&mut rng, tokens * heads * hd, 3.0);
+    let angles: Vec<f32> = (0..tokens * hd / 2).map(|_| rng.random_range(-40.0f32..40.0)).collect();
+    let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+    let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+    for mode in [RopeMode::Normal, RopeMode::Neox] {
+        let mut want = x.clone();
+        c.rope(&mut want, heads, hd, &cos, &sin, mode);
+        let mut xb = to_dev(&e, &x);
+        e.rope(&mut xb, heads, hd, &to_dev(&e, &cos), &to_dev(&e, &sin), mode);
+        same_bits(&to_host(&e, &xb), &want, &format!("rope {mode:?}"));
+    }
+
+    // Residual adds, biases, row gathers and the Hadamard rotation.
+    let a = random_vec(&mut rng, 7 * 24, 1.0);
+    let bias = random_vec(&mut rng, 24, 1.0);
+    let mut want = a.clone();
+    c.add_assign(&mut want, &bias.repeat(7));
+    c.add_rows(&mut want, &bias);
+    let mut ab = to_dev(&e, &a);
+    e.add_assign(&mut ab, &to_dev(&e, &bias.repeat(7)));
+    e.add_rows(&mut ab, &to_dev(&e, &bias));
+    same_bits(&to_host(&e, &ab), &want, "add_assign + add_rows");
+
+    let rows = [6usize, 0, 6, 2];
+    let mut want = Vec::new();
+    c.gather_rows(&a, &rows, 24, &mut want);
+    let mut o = e.buffer();
+    e.gather_rows(&to_dev(&e, &a), &rows, 24, &mut o);
+    same_bits(&to_host(&e, &o), &want, "gather_rows");
+
+    for n in [64, 128] {
+        let mut want = random_vec(&mut rng, 3 * n, 2.0);
+        let mut xb = to_dev(&e, &want);
+        c.fwht(&mut want, n);
+        e.fwht(&mut xb, n);
+        same_bits(&to_host(&e, &xb), &want, &format!("fwht {n}"));
+    }
+}
+
+/// Sequences of the given lengths over scattered, shuffled blocks of `bs` slots (the last
+/// block of each partly filled): their block tables and each token's slot.
+fn ragged_tables(
+    rng: &mut ChaCha8Rng,
+    lens: &[usize],
+    bs: usize,
+    pool: usize,
+) -> (Vec<Vec<u32>>, Vec<KvSlot>) {
+    let mut free: Vec<u32> = (0..pool as u32).collect();
+    for i in (1..free.len()).rev() {
+        free.swap(i, rng.random_range(0..=i));
+    }
+    let mut tables = Vec::new();
+    let mut slots = Vec::new();
+    for &n in lens {
+        let table: Vec<u32> = (0..n.div_ceil(bs)).map(|_| free.pop().unwrap()).collect();
+        for p in 0..n {
+            slots.push(KvSlot { block: table[p / bs], slot: (p % bs) as u32 });
+        }
+        tables.push(table);
+    }
+    (tables, slots)
+}
+
+#[test]
+fn kv_write_and_paged_attention_equal_cpu_over_ragged_tables_and_gqa() {
+    let (c, e) = (cpu(), emu());
+    let mut rng = ChaCha8Rng::seed_from_u64(29);
+    // (dtype, head_dim, kv_heads, query heads, block size): GQA groups of 1, 2 and 3; a head
+    // of 80 has a decode tail past the last 64.
+    let cases = [
+        (KvDtype::F16, 64, 2, 6, 4),
+        (KvDtype::F32, 80, 1, 2, 16),
+        (KvDtype::F16, 80, 3, 3, 3),
+        (KvDtype::F32, 64, 2, 4, 5),
+    ];
+    for (case, &(dtype, head_dim, kv_heads, heads, bs)) in cases.iter().enumerate() {
+        let g = KvGeometry { layers: 2, kv_heads, head_dim, block_size: bs, dtype };
+        let lens: [usize; 3] = [rng.random_range(1..40), rng.random_range(1..9), 37];
+        let pool = lens.iter().map(|n| n.div_ceil(bs)).sum::<usize>() + 3;
+        let (tables, slots) = ragged_tables(&mut rng, &lens, bs, pool);
+        let k = random_vec(&mut rng, slots.len() * g.kv_dim(), 1.5);
+        let v = random_vec(&mut rng, slots.len() * g.kv_dim(), 1.5);
+        let mut kc = c.kv(g, pool).unwrap();
+        let mut ke = e.kv(g, pool).unwrap();
+        c.kv_write(&mut kc, 1, &k, &v, &slots);
+        e.kv_write(&mut ke, 1, &to_dev(&e, &k), &to_dev(&e, &v), &slots);
+        for blk in 0..pool {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            kc.read_block(blk, &mut a);
+            ke.read_block(blk, &mut b);
+            assert!(a == b, "case {case}: KV block {blk} differs after kv_write");
+        }
+        for phase in [Phase::Prefill, Phase::Decode] {
+            // Every position of every sequence, mixing sequences in one call.
+            let queries: Vec<AttnQuery<'_>> = lens
+                .iter()
+                .zip(&tables)
+                .flat_map(|(&n, t)| (0..n).map(move |pos| AttnQuery { pos, blocks: t, phase }))
+                .collect();
+            let q = random_vec(&mut rng, queries.len() * heads * head_dim, 2.0);
+            let mut want = vec![0f32; q.len()];
+            c.attention(&kc, 1, heads, &q, &queries, &mut want);
+            let mut out = e.buffer();
+            e.attention(&ke, 1, heads, &to_dev(&e, &q), &queries, &mut out);
+            same_bits(&to_host(&e, &out), &want, &format!("case {case} {phase:?}"));
+        }
+    }
+}
+
+#[test]
+fn device_kv_pool_moves_blocks_like_the_host_pool() {
+    let e = emu();
+    let g = KvGeometry { layers: 3, kv_heads: 2, head_dim: 16, block_size: 4, dtype: KvDtype::F16 };
+    let mut kv = e.kv(g, 5).unwrap();
+    let block: Vec<u8> = (0..g.bytes_per_block()).map(|i| (i * 7 % 251) as u8).collect();
+    kv.write_block(2, &block).unwrap();
+    kv.copy_block(2, 4);
+    let mut back = Vec::new();
+    kv.read_block(4, &mut back);
+    assert_eq!(back, block);
+    let mut layer = Vec::new();
+    kv.read_layer(2, 1, &mut layer);
+    assert_eq!(layer, block[g.bytes_per_layer()..2 * g.bytes_per_layer()]);
+    assert!(kv.write_block(5, &block).is_err(), "a block past the pool");
+    assert!(kv.write_block(0, &block[1..]).is_err(), "a short block");
+    let mut zero = Vec::new();
+    kv.read_block(0, &mut zero);
+    assert!(zero.iter().all(|&b| b == 0), "a rejected write changed the pool");
+    assert_eq!(kv.region().len(), 5 * g.bytes_per_block());
+}
+
+#[test]
+fn q8_0_kv_is_refused_with_a_reason() {
+    let e = emu();
+    let g =
+        KvGeometry { layers: 1, kv_heads: 1, head_dim: 64, block_size: 4, dtype: KvDtype::Q8_0 };
+    let err = e.kv(g, 2).unwrap_err().to_string();
+    assert!(err.contains("f16 or f32"), "{err}");
+}
