@@ -5,6 +5,7 @@
 // kernel writes `fmaf`) and by the host compiler under emu/cuda_emu.h (-ffp-contract=off).
 #pragma once
 
+typedef decltype(sizeof(0)) size_t;  // NVRTC has no <stddef.h>; the same type where there is one
 typedef signed char i8;
 typedef unsigned char u8;
 typedef short i16;

@@ -7,6 +7,8 @@
 
 mod backend;
 mod emu;
+mod gpu;
+pub mod nvrtc;
 
 use std::any::Any;
 use std::ffi::c_void;
@@ -16,6 +18,7 @@ use pdmesh_kv_types::{HostMemory, MemoryKind, MemoryRegion};
 
 pub use backend::{CudaBackend, CudaWeight, DeviceKv, DeviceVec};
 pub use emu::EmuDevice;
+pub use gpu::{GpuDevice, driver_missing};
 
 // The kernel sources with their includes inlined and the kernels each defines (build.rs).
 include!(concat!(env!("OUT_DIR"), "/cuda_modules.rs"));
@@ -148,8 +151,12 @@ impl PackedArgs {
     /// The `void**` a launch takes, valid while `self` lives (the pointers point into the
     /// heap buffer of `values`, which moving `self` does not move).
     pub fn as_mut_ptr(&mut self) -> *mut *mut c_void {
+        self.as_mut_slice().as_mut_ptr()
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [*mut c_void] {
         debug_assert_eq!(self.ptrs.len(), self.values.len());
-        self.ptrs.as_mut_ptr()
+        &mut self.ptrs
     }
 }
 

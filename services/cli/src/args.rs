@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pdmesh_engine::{DEFAULT_MODEL_PATH, Engine, EngineConfig, Model};
+use pdmesh_engine::{BackendKind, BackendName, DEFAULT_MODEL_PATH, Engine, EngineConfig, Model};
 use pdmesh_kernels::{KvDtype, Simd};
 
 #[derive(Debug, Clone, Args)]
@@ -29,21 +29,42 @@ pub struct EngineArgs {
     /// Most tokens one engine step processes (prompt chunk size).
     #[arg(long, default_value_t = 512)]
     pub max_batch_tokens: usize,
-    /// Force a kernel set: portable or avx2 (default: best available).
+    /// Force a kernel set of the cpu backend: portable or avx2 (default: best available).
     #[arg(long)]
     pub simd: Option<Simd>,
+    /// What computes: cpu; cuda (an NVIDIA GPU through the driver found at run time; fails at
+    /// start, saying why, where there is none); or cuda-emu (the CUDA backend's kernels on an
+    /// emulation of the GPU on this CPU: slow, for checking the CUDA backend without a GPU).
+    #[arg(long, default_value = "cpu")]
+    pub backend: BackendName,
+    /// Which GPU `--backend cuda` computes on (CUDA device ordinal).
+    #[arg(long, default_value_t = 0)]
+    pub cuda_device: usize,
 }
 
 impl EngineArgs {
-    pub fn config(&self) -> EngineConfig {
-        EngineConfig {
+    pub fn config(&self) -> anyhow::Result<EngineConfig> {
+        if self.simd.is_some() && self.backend != BackendName::Cpu {
+            bail!(
+                "--simd picks the cpu backend's kernels; it does not apply to --backend {}",
+                self.backend
+            );
+        }
+        if self.cuda_device != 0 && self.backend != BackendName::Cuda {
+            bail!("--cuda-device applies to --backend cuda only");
+        }
+        Ok(EngineConfig {
             threads: self.threads,
             block_size: self.block_size,
             kv_dtype: self.kv_dtype,
             kv_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
-            backend: pdmesh_engine::BackendKind::Cpu { simd: self.simd },
-        }
+            backend: match self.backend {
+                BackendName::Cpu => BackendKind::Cpu { simd: self.simd },
+                BackendName::Cuda => BackendKind::Cuda { device: self.cuda_device },
+                BackendName::CudaEmu => BackendKind::CudaEmu,
+            },
+        })
     }
 
     pub fn load_model(&self) -> anyhow::Result<Arc<Model>> {
@@ -61,7 +82,7 @@ impl EngineArgs {
     /// Loads the model and builds an engine, printing the memory ledger to stderr.
     pub fn engine(&self) -> anyhow::Result<Engine> {
         let model = self.load_model()?;
-        let engine = Engine::new(model, self.config())?;
+        let engine = Engine::new(model, self.config()?)?;
         let g = engine.kv().geometry();
         eprintln!(
             "model: {} ({} layers, {} MB) on {}; KV {}: {} B/token, {} KB/block, {} blocks = {} MB",

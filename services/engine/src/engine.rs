@@ -19,6 +19,11 @@ use crate::sim::{SimDevice, SimProfile};
 pub enum BackendKind {
     /// The host CPU; `simd` forces a kernel set (default: the best the CPU supports).
     Cpu { simd: Option<Simd> },
+    /// The CUDA backend on GPU `device` (by ordinal), through the driver loaded at run time.
+    Cuda { device: usize },
+    /// The CUDA backend's kernels and host side on the emulated device (CUDA's execution
+    /// model on the host's threads): slow, for checking the CUDA backend without a GPU.
+    CudaEmu,
     /// No computation: steps take the time `SimProfile` says the real engine would, and give
     /// deterministic tokens (for studying a mesh larger than the machine; see `sim`).
     Sim(SimProfile),
@@ -159,8 +164,18 @@ impl Engine {
         config.validate()?;
         let geom = match config.backend {
             BackendKind::Sim(_) => SimDevice::geometry(config.block_size, config.kv_dtype),
-            BackendKind::Cpu { .. } => model.config.kv_geometry(config.block_size, config.kv_dtype),
+            BackendKind::Cpu { .. } | BackendKind::Cuda { .. } | BackendKind::CudaEmu => {
+                model.config.kv_geometry(config.block_size, config.kv_dtype)
+            }
         };
+        if matches!(config.backend, BackendKind::Cuda { .. } | BackendKind::CudaEmu)
+            && !matches!(geom.dtype, KvDtype::F16 | KvDtype::F32)
+        {
+            return Err(Error::invalid(format!(
+                "the CUDA backend keeps f16 or f32 KV, not {} (use --kv-dtype f16)",
+                geom.dtype
+            )));
+        }
         if matches!(config.backend, BackendKind::Sim(_)) && geom.dtype.is_q8_0() {
             return Err(Error::invalid(format!(
                 "the simulated engine keeps f16 or f32 KV, not {}",
@@ -192,6 +207,16 @@ impl Engine {
             &BackendKind::Cpu { simd: Some(simd) } => {
                 let be = CpuBackend::with_simd(config.threads, simd)
                     .map_err(|e| Error::invalid(e.to_string()))?;
+                Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
+            }
+            &BackendKind::Cuda { device } => {
+                let dev = pdmesh_kernels::cuda::GpuDevice::open(device)
+                    .map_err(|e| Error::invalid(format!("--backend cuda: {e}")))?;
+                let be = pdmesh_kernels::cuda::CudaBackend::new(dev);
+                Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
+            }
+            BackendKind::CudaEmu => {
+                let be = pdmesh_kernels::cuda::CudaBackend::new(pdmesh_kernels::cuda::EmuDevice);
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
             BackendKind::Sim(profile) => Box::new(SimDevice::new(

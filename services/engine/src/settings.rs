@@ -19,6 +19,11 @@ pub enum BackendName {
     /// The host CPU, with the best kernels it supports.
     #[default]
     Cpu,
+    /// The first CUDA GPU.
+    Cuda,
+    /// The CUDA backend on its emulated device (no GPU; slow, for checking it).
+    #[serde(rename = "cuda-emu")]
+    CudaEmu,
 }
 
 impl std::str::FromStr for BackendName {
@@ -26,8 +31,9 @@ impl std::str::FromStr for BackendName {
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         match s.to_ascii_lowercase().as_str() {
             "cpu" => Ok(BackendName::Cpu),
-            "cuda" => Err("backend \"cuda\": this build has no CUDA backend yet (cpu only)".into()),
-            other => Err(format!("unknown backend {other:?} (expected cpu)")),
+            "cuda" => Ok(BackendName::Cuda),
+            "cuda-emu" => Ok(BackendName::CudaEmu),
+            other => Err(format!("unknown backend {other:?} (expected cpu, cuda or cuda-emu)")),
         }
     }
 }
@@ -36,6 +42,8 @@ impl std::fmt::Display for BackendName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             BackendName::Cpu => "cpu",
+            BackendName::Cuda => "cuda",
+            BackendName::CudaEmu => "cuda-emu",
         })
     }
 }
@@ -73,7 +81,8 @@ pub struct EngineSettings {
     /// With the sim engine: `pdmesh bench engine --json` output to take step times from
     /// (default: the calibration pdmesh bundles).
     pub sim_profile: Option<PathBuf>,
-    /// What computes: "cpu".
+    /// What computes: "cpu", "cuda" (the first GPU) or "cuda-emu" (the CUDA backend on its
+    /// emulated device).
     pub backend: BackendName,
     /// Compute threads (0 = one per core).
     pub threads: usize,
@@ -125,6 +134,10 @@ impl EngineSettings {
                 (EngineName::Real, BackendName::Cpu) => {
                     crate::engine::BackendKind::Cpu { simd: None }
                 }
+                (EngineName::Real, BackendName::Cuda) => {
+                    crate::engine::BackendKind::Cuda { device: 0 }
+                }
+                (EngineName::Real, BackendName::CudaEmu) => crate::engine::BackendKind::CudaEmu,
             },
         };
         if self.sim_profile.is_some() && self.engine != EngineName::Sim {
