@@ -157,6 +157,57 @@ async fn q8_0_kv_through_the_mesh_gives_the_tokens_of_one_engine(transport: &str
     }
 }
 
+/// The CUDA backend the mixed-mesh test runs: emulated, or the GPU when
+/// `PDMESH_CUDA_TEST_DEVICE=gpu` (`just test-gpu`).
+fn cuda_backend() -> &'static str {
+    match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
+        Ok("gpu") => "cuda",
+        _ => "cuda-emu",
+    }
+}
+
+per_transport!(cuda_prefill_feeds_a_cpu_decode_node);
+
+/// A prefill node on the CUDA backend (its emulated device: the same kernels and host side as
+/// on a GPU) hands its KV to a CPU decode node: both keep f16 paged blocks of one shape, the
+/// layout handshake accepts them, and the tokens are those of one CPU engine.
+async fn cuda_prefill_feeds_a_cpu_decode_node(transport: &str) {
+    let _serial = SERIAL.lock().await;
+    let expected = tokio::task::spawn_blocking(expected).await.unwrap();
+    let cluster = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .transport(transport)
+        .prefill_args(&["--kv-verify", "--backend", cuda_backend()])
+        .start()
+        .await;
+    let (p, d) = (cluster.prefill_stats(0).await, cluster.decode_stats(0).await);
+    assert!(p.backend.starts_with("cuda/"), "{}", p.backend);
+    assert!(d.backend.starts_with("cpu/"), "{}", d.backend);
+    assert_eq!(p.layout, d.layout, "the two backends' KV layouts differ");
+    let mut client = cluster.client().await;
+    // The emulated device is slow: three prompts (greedy and sampled) make the point.
+    for (i, want) in expected.iter().enumerate().take(3) {
+        let mut s = client.generate(request(i, MAX_TOKENS)).await.unwrap().into_inner();
+        let (mut tokens, mut finished) = (Vec::new(), None);
+        while let Some(m) = s.message().await.unwrap() {
+            match m.event.unwrap() {
+                generate_response::Event::Delta(d) => tokens.extend(d.token_ids),
+                generate_response::Event::Finished(f) => finished = Some(f),
+                generate_response::Event::Started(_) => {}
+            }
+        }
+        assert_eq!(&tokens, want, "prompt {i}: cuda-emu prefill + cpu decode differs");
+        let t = finished.expect("a finish message").timings.unwrap();
+        assert_eq!(t.kv_transport, transport);
+        assert!(t.kv_bytes > 0);
+    }
+    let stats = cluster.prefill_stats(0).await;
+    for t in stats.transports {
+        assert_eq!((t.failures, t.fallbacks), (0, 0), "{t:?}");
+    }
+}
+
 /// Greedy tokens of `pdmesh run --raw` on one engine for `model`.
 fn run_raw(model: &std::path::Path, prompt: &str) -> Vec<u32> {
     let mut c = std::process::Command::new(pdmesh_bin());

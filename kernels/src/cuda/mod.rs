@@ -183,6 +183,54 @@ fn to_u32(v: usize) -> u32 {
     u32::try_from(v).expect("grid dimensions are checked to fit a u32")
 }
 
+/// A device chosen at run time (the emulated one or a GPU) is a device too.
+impl Device for Box<dyn Device> {
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+    fn memory_kind(&self) -> MemoryKind {
+        (**self).memory_kind()
+    }
+    fn alloc(&self, bytes: usize) -> Result<DeviceMem, DeviceError> {
+        (**self).alloc(bytes)
+    }
+    fn htod(&self, src: &[u8], dst: &DeviceMem, offset: usize) -> Result<(), DeviceError> {
+        (**self).htod(src, dst, offset)
+    }
+    fn dtoh(&self, src: &DeviceMem, offset: usize, dst: &mut [u8]) -> Result<(), DeviceError> {
+        (**self).dtoh(src, offset, dst)
+    }
+    fn dtod(
+        &self,
+        src: &DeviceMem,
+        src_offset: usize,
+        dst: &DeviceMem,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), DeviceError> {
+        (**self).dtod(src, src_offset, dst, dst_offset, len)
+    }
+    fn launch(&self, kernel: &str, dims: Dims, args: &[Arg]) -> Result<(), DeviceError> {
+        (**self).launch(kernel, dims, args)
+    }
+    fn adopt_host(&self, memory: HostMemory) -> Result<DeviceMem, DeviceError> {
+        (**self).adopt_host(memory)
+    }
+}
+
+/// The device the CUDA test suites run on: the emulated one, or GPU 0 when
+/// `PDMESH_CUDA_TEST_DEVICE=gpu` (what `just test-gpu` sets).
+pub fn test_device() -> Box<dyn Device> {
+    match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
+        Ok("gpu") => match GpuDevice::open(0) {
+            Ok(d) => Box::new(d),
+            Err(e) => panic!("PDMESH_CUDA_TEST_DEVICE=gpu, but: {e}"),
+        },
+        Ok("emu") | Err(_) => Box::new(EmuDevice::new()),
+        Ok(other) => panic!("PDMESH_CUDA_TEST_DEVICE={other:?}: expected emu or gpu"),
+    }
+}
+
 /// What the CUDA backend needs of a device: zeroed allocations, copies, and launches of the
 /// kernels in `MODULES` by name, in order (a device runs them one after another on one
 /// stream; copies to the host wait for what came before).

@@ -81,8 +81,10 @@ impl EngineArgs {
 
     /// Loads the model and builds an engine, printing the memory ledger to stderr.
     pub fn engine(&self) -> anyhow::Result<Engine> {
+        // Flag mistakes first: they are caught without loading the model.
+        let config = self.config()?;
         let model = self.load_model()?;
-        let engine = Engine::new(model, self.config()?)?;
+        let engine = Engine::new(model, config)?;
         let g = engine.kv().geometry();
         eprintln!(
             "model: {} ({} layers, {} MB) on {}; KV {}: {} B/token, {} KB/block, {} blocks = {} MB",

@@ -72,6 +72,9 @@ fn bad_input_is_a_clear_error() {
         (&["run", "--prompt", "x", "--simd", "neon", "--model", missing], "portable"),
         (&["perplexity", "--file", "/nonexistent.txt", "--model", missing], "/nonexistent.txt"),
         (&["run", "--prompt", "x", "--raw", "--system", "s"], "cannot be used with"),
+        (&["run", "--prompt", "x", "--backend", "tpu"], "expected cpu, cuda or cuda-emu"),
+        (&["run", "--prompt", "x", "--backend", "cuda-emu", "--simd", "avx2"], "--simd picks"),
+        (&["run", "--prompt", "x", "--cuda-device", "1"], "--backend cuda only"),
     ];
     for (args, want) in cases {
         let (code, _, err) = pdmesh(args);
@@ -79,6 +82,23 @@ fn bad_input_is_a_clear_error() {
         assert!(err.contains(want), "{args:?}: stderr lacks {want:?}:\n{err}");
         assert!(!err.contains("panicked"), "{args:?} panicked:\n{err}");
     }
+}
+
+/// `--backend cuda` where there is no GPU driver stops at start and says why, in one line,
+/// instead of the panic the driver bindings raise when libcuda is absent.
+#[test]
+fn cuda_backend_without_a_driver_fails_at_start_with_the_reason() {
+    if pdmesh_kernels::cuda::driver_missing().is_none() {
+        eprintln!("SKIPPED: this machine has a CUDA driver (`just test-gpu` covers it)");
+        return;
+    }
+    let model = default_model();
+    let (code, out, err) =
+        pdmesh(&["run", "--prompt", "x", "--backend", "cuda", "--model", &model]);
+    assert_ne!(code, 0, "ran without a GPU: {out}");
+    assert!(err.contains("--backend cuda: no CUDA driver: libcuda.so was not found"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(out.is_empty(), "generated without a GPU: {out}");
 }
 
 #[test]

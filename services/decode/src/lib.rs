@@ -52,6 +52,7 @@ pub async fn run(
         None => p,
     });
     let layout = engine.kv_layout();
+    let backend = engine.describe_backend();
     let context = engine.max_seq_len();
     let mut core = DecodeCore::new(
         engine,
@@ -94,6 +95,7 @@ pub async fn run(
     let transport = pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, sent);
     let inbox = service::Inbox {
         node_id: node_id.clone(),
+        backend,
         layout,
         tx: tx.clone(),
         stats,

@@ -32,6 +32,8 @@ use crate::worker::{ChannelOutput, Command, RemoteGrant};
 #[derive(Debug, Clone)]
 pub struct Inbox {
     pub node_id: String,
+    /// What computes (`Engine::describe_backend`), for stats.
+    pub backend: String,
     pub layout: KvLayout,
     pub tx: mpsc::Sender<Command>,
     pub stats: Arc<TransferStats>,
@@ -374,6 +376,7 @@ impl Decode for DecodeService {
             prefix_cache: None,
             moved: c.moved,
             preempted: c.preempted,
+            backend: self.inbox.backend.clone(),
         }))
     }
 

@@ -45,6 +45,7 @@ pub async fn run(
     })
     .await??;
     let layout = engine.kv_layout();
+    let backend = engine.describe_backend();
     let core =
         PrefillCore::new(engine, config.max_running, config.max_queued, config.blocks_per_message);
     let counts = Arc::new(Mutex::new(core.counts()));
@@ -90,6 +91,7 @@ pub async fn run(
         pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, Arc::clone(&stats));
     let service = PrefillService {
         node_id: node_id.clone(),
+        backend,
         layout,
         tx,
         transport: Arc::new(transport),

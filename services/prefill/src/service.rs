@@ -32,6 +32,8 @@ use crate::worker::Submit;
 #[derive(Debug, Clone)]
 pub struct PrefillService {
     pub node_id: String,
+    /// What computes (`Engine::describe_backend`), for stats.
+    pub backend: String,
     pub layout: KvLayout,
     pub tx: mpsc::Sender<Submit>,
     pub transport: Arc<dyn KvTransport>,
@@ -229,6 +231,7 @@ impl Prefill for PrefillService {
             prefix_cache: self.cache.as_ref().map(|c| c.stats()),
             moved: 0,
             preempted: 0,
+            backend: self.backend.clone(),
         }))
     }
 }

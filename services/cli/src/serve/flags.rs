@@ -24,7 +24,9 @@ pub struct EngineFlags {
     #[arg(long, env = "PDMESH_MODEL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) model: Option<PathBuf>,
-    /// What computes: cpu [default: cpu].
+    /// What computes: cpu; cuda (the first NVIDIA GPU, through the driver found at run time);
+    /// or cuda-emu (the CUDA backend on an emulation of the GPU on this CPU: slow, for checking
+    /// it without a GPU) [default: cpu].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) backend: Option<pdmesh_engine::BackendName>,

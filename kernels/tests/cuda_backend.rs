@@ -1,5 +1,6 @@
-//! The CUDA backend's kernels, launch geometry and host side, run on the emulated device
-//! (`kernels/cuda/*.cu` built for the host), against the CPU backend on seeded random data.
+//! The CUDA backend's kernels, launch geometry and host side against the CPU backend on seeded
+//! random data: on the emulated device (`kernels/cuda/*.cu` built for the host), or on GPU 0
+//! with `PDMESH_CUDA_TEST_DEVICE=gpu` (`just test-gpu`).
 //!
 //! Bounds: every kernel sums in the CPU's order, so results must be bit-identical, except
 //! `rms_norm`, whose f64 sum of squares is a lane tree instead of a sequence: within one f32
@@ -10,7 +11,7 @@
 mod common;
 
 use common::{host, phase_of, random_vec, random_weights};
-use pdmesh_kernels::cuda::{CudaBackend, EmuDevice};
+use pdmesh_kernels::cuda::{CudaBackend, Device, test_device};
 use pdmesh_kernels::{
     ActNeeds, AttnQuery, Backend, CpuBackend, KvDtype, KvGeometry, KvSlot, KvStorage, MatmulJob,
     Phase, RopeMode, Simd, WeightMatrix, WeightType,
@@ -22,8 +23,8 @@ fn cpu() -> CpuBackend {
     CpuBackend::with_simd(2, Simd::detect()).unwrap()
 }
 
-fn emu() -> CudaBackend<EmuDevice> {
-    CudaBackend::new(EmuDevice::new())
+fn emu() -> CudaBackend<Box<dyn Device>> {
+    CudaBackend::new(test_device())
 }
 
 fn to_dev<B: Backend>(b: &B, v: &[f32]) -> B::Buffer {

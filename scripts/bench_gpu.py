@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""The CUDA backend's speed on GPU 0 (`just bench-gpu`): for each model, prefill tok/s of a
+512- and a 2,048-token prompt, and decode tok/s at batch 1, 16 and 64 with the weight bytes each
+step streams from HBM (GB/s; a decode step reads every weight once, whatever the batch), next to
+the H200's 4.8 TB/s. Each figure is the median of `--repeats` runs of `pdmesh bench engine`.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+
+H200_HBM_GB_S = 4800.0
+
+
+def bench(pdmesh, model, prompt, batches, repeats):
+    cmd = [
+        pdmesh, "bench", "engine", "--backend", "cuda", "--json",
+        "--model", model,
+        "--prompt-tokens", str(prompt),
+        "--max-batch-tokens", str(prompt),
+        "--batch-sizes", ",".join(str(b) for b in batches),
+        "--repeats", str(repeats),
+    ]
+    print("$", " ".join(cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--pdmesh", default="target/release/pdmesh")
+    ap.add_argument("--models", nargs="+", required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="one JSON object per model")
+    a = ap.parse_args()
+    batches = [1, 16, 64]
+    for model in a.models:
+        short = bench(a.pdmesh, model, 512, batches, a.repeats)
+        long = bench(a.pdmesh, model, 2048, [1], a.repeats)
+        weights = short["decode_weight_bytes_per_token"]
+        rows = {}
+        for b in batches:
+            tok_s = short["batched_decode_tok_s"][str(b)]
+            gb_s = weights * tok_s / b / 1e9
+            rows[b] = (tok_s, gb_s)
+        result = {
+            "model": model,
+            "backend": short["backend"],
+            "prefill_tok_s": {"512": short["prefill_tok_s"], "2048": long["prefill_tok_s"]},
+            "decode": {str(b): {"tok_s": t, "weight_gb_s": g} for b, (t, g) in rows.items()},
+            "weight_bytes_per_step": weights,
+        }
+        if a.json:
+            print(json.dumps(result))
+            continue
+        print(f"{model}  on {short['backend']}  ({weights / 1e6:.1f} MB of weights per step)")
+        print(f"  prefill   512 tokens {short['prefill_tok_s']:>10.1f} tok/s")
+        print(f"  prefill  2048 tokens {long['prefill_tok_s']:>10.1f} tok/s")
+        for b, (t, g) in rows.items():
+            print(f"  decode  batch {b:>3}    {t:>10.1f} tok/s  {g:>8.1f} GB/s "
+                  f"= {100 * g / H200_HBM_GB_S:.1f}% of the H200's {H200_HBM_GB_S:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
