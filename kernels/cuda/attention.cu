@@ -1,38 +1,55 @@
 // The paged KV cache: writing a step's K and V rows into their slots, and causal attention of
 // each query token over its sequence's blocks (block tables, GQA).
 //
-// Attention reproduces `cpu::ops::attend` operation for operation, so it agrees with the CPU
-// bit for bit: q rounded to the KV type, scores `q·k` in the token phase's lane order, the
-// maximum, llama.cpp's `exp` over 16-position chunks summed in f64, probabilities rounded to
-// the KV type, and V accumulated into 16 (prompt) or 64 (generated) lane sets per dimension,
-// folded in `reduce16`'s tree. Only f16 and f32 caches are computed here so far.
+// Attention over f16/f32 KV reproduces `cpu::ops::attend` operation for operation, so it agrees
+// with the CPU bit for bit: q rounded to the KV type, scores `q·k` in the token phase's lane
+// order, the maximum, llama.cpp's `exp` over 16-position chunks summed in f64, probabilities
+// rounded to the KV type, and V accumulated into 16 (prompt) or 64 (generated) lane sets per
+// dimension, folded in `reduce16`'s tree. Over q8_0 KV it reproduces `cpu::q8kv::attend_q8`
+// (llama.cpp's CPU flash attention): q quantized to q8_0, integer block dots, an online softmax
+// with glibc's `expf`, in position order.
 #include "common.cuh"
+#include "formats.cuh"
 
 #define PD_MAX_HEAD_DIM 256
 #define PD_ATTN_THREADS 64
 
+#define PD_KV_F32 0
+#define PD_KV_F16 1
+#define PD_KV_Q8_0 2
+
 // Where the caller's KV pool is and how it is laid out (`KvGeometry`).
 struct KvPool {
     const u8* base;
-    int f16;  // 1: f16 elements, 0: f32
+    int dtype;  // PD_KV_*
     int layers, kv_heads, head_dim, block_size;
 
-    // Element offset of row (block, layer, k/v, head, slot), as `KvGeometry::offset`.
-    __device__ size_t offset(int block, int layer, int kv, int head, int slot) const {
+    // Index of row (block, layer, k/v, head, slot), as `KvGeometry::row`.
+    __device__ size_t row(int block, int layer, int kv, int head, int slot) const {
         size_t rows_per_layer = (size_t)2 * kv_heads * block_size;
-        size_t row = ((size_t)block * layers + layer) * rows_per_layer +
-                     (size_t)(kv * kv_heads + head) * block_size + slot;
-        return row * head_dim;
+        return ((size_t)block * layers + layer) * rows_per_layer +
+               (size_t)(kv * kv_heads + head) * block_size + slot;
+    }
+
+    // Element offset of a row of f16/f32 elements, as `KvGeometry::offset`.
+    __device__ size_t offset(int block, int layer, int kv, int head, int slot) const {
+        return row(block, layer, kv, head, slot) * head_dim;
+    }
+
+    // A q8_0 row's bytes.
+    __device__ const u8* q8_row(int block, int layer, int kv, int head, int slot) const {
+        return base + row(block, layer, kv, head, slot) * (size_t)(head_dim / 32 * 34);
     }
 
     __device__ float at(size_t off) const {
-        return f16 ? pd_f16_to_f32(((const u16*)base)[off]) : ((const float*)base)[off];
+        return dtype == PD_KV_F16 ? pd_f16_to_f32(((const u16*)base)[off])
+                                  : ((const float*)base)[off];
     }
 };
 
 // Writes token `i`'s K and V (`kv_heads × head_dim` each) into slot `slots[2i+1]` of block
 // `slots[2i]`: one thread per element.
-extern "C" __global__ void kv_write(u8* base, int f16, int layers, int kv_heads, int head_dim,
+extern "C" __global__ void kv_write(u8* base, int dtype, int layers, int kv_heads, int head_dim,
                                     int block_size, int layer, const float* k, const float* v,
                                     const u32* slots, int ntok) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -42,13 +59,44 @@ extern "C" __global__ void kv_write(u8* base, int f16, int layers, int kv_heads,
     long rest = i % ((long)ntok * kvd);
     int t = int(rest / kvd), e = int(rest % kvd);
     int h = e / head_dim, d = e % head_dim;
-    KvPool pool{base, f16, layers, kv_heads, head_dim, block_size};
+    KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
     size_t off = pool.offset(int(slots[2 * t]), layer, which, h, int(slots[2 * t + 1])) + d;
     float val = (which == 0 ? k : v)[(size_t)t * kvd + e];
-    if (f16)
+    if (dtype == PD_KV_F16)
         ((u16*)base)[off] = pd_f32_to_f16(val);
     else
         ((float*)base)[off] = val;
+}
+
+// Quantizes `n` values into q8_0 blocks as `cpu::q8kv::quantize_row_q8_0` (the activation
+// quantizer's rounding; the f16 scale stored, the scaled sum dropped).
+__device__ void pd_quantize_q8_0_block(const float* x, u8* out) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    u16 d = pd_f32_to_f16(amax / 127.0f);
+    out[0] = u8(d & 0xff);
+    out[1] = u8(d >> 8);
+    for (int j = 0; j < 32; j++) out[2 + j] = u8(i8(int(rintf(x[j] * id))));
+}
+
+// q8_0 KV: one thread per 32-value block of token `i`'s K or V head row.
+extern "C" __global__ void kv_write_q8(u8* base, int dtype, int layers, int kv_heads,
+                                       int head_dim, int block_size, int layer, const float* k,
+                                       const float* v, const u32* slots, int ntok) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    int per_row = head_dim / 32;
+    int kvd = kv_heads * head_dim;
+    long per_tok = (long)kv_heads * per_row;
+    if (i >= (long)ntok * per_tok * 2) return;
+    int which = int(i / ((long)ntok * per_tok));
+    long rest = i % ((long)ntok * per_tok);
+    int t = int(rest / per_tok), hb = int(rest % per_tok);
+    int h = hb / per_row, b = hb % per_row;
+    KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
+    u8* row = (u8*)pool.q8_row(int(slots[2 * t]), layer, which, h, int(slots[2 * t + 1]));
+    const float* src = (which == 0 ? k : v) + (size_t)t * kvd + h * head_dim + b * 32;
+    pd_quantize_q8_0_block(src, row + b * 34);
 }
 
 // `q · k` of one head in the phase's order (`ops::qk_dot_lanes`): 16 lanes for prompt tokens,
@@ -81,7 +129,7 @@ __device__ float pd_qk(const float* q, const KvPool& pool, size_t off, int hd, b
 // every query's block table, query `t`'s from `table_at[t]`; `scratch` gives each block
 // `stride` floats of scores (`stride` ≥ the longest sequence, rounded up to 16) and
 // `stride / 16` chunk sums.
-extern "C" __global__ void attention(const u8* base, int f16, int layers, int kv_heads,
+extern "C" __global__ void attention(const u8* base, int dtype, int layers, int kv_heads,
                                      int head_dim, int block_size, int layer, int heads,
                                      const float* q, const u32* pos, const u8* phases,
                                      const u32* tables, const u32* table_at, float* out,
@@ -91,7 +139,8 @@ extern "C" __global__ void attention(const u8* base, int f16, int layers, int kv
     __shared__ float shared_max;
     __shared__ float shared_inv;
     int t = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, nthreads = blockDim.x;
-    KvPool pool{base, f16, layers, kv_heads, head_dim, block_size};
+    KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
+    bool f16 = dtype == PD_KV_F16;
     int hd = head_dim, group = heads / kv_heads;
     int n = int(pos[t]) + 1;
     bool decode = phases[t] != 0;
@@ -172,6 +221,124 @@ extern "C" __global__ void attention(const u8* base, int f16, int layers, int kv
             r[0] = r[0] + r[2];
             r[1] = r[1] + r[3];
             o[d] = r[0] + r[1];
+        }
+        __syncthreads();
+    }
+}
+
+// glibc's `__exp2f_data.tab`: `bits(2^(i/32)) - (i << 47)`.
+__constant__ u64 PD_EXP2F_TABLE[32] = {
+    0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,
+    0x3fef72b83c7d517bull, 0x3fef54873168b9aaull, 0x3fef387a6e756238ull, 0x3fef1e9df51fdee1ull,
+    0x3fef06fe0a31b715ull, 0x3feef1a7373aa9cbull, 0x3feedea64c123422ull, 0x3feece086061892dull,
+    0x3feebfdad5362a27ull, 0x3feeb42b569d4f82ull, 0x3feeab07dd485429ull, 0x3feea47eb03a5585ull,
+    0x3feea09e667f3bcdull, 0x3fee9f75e8ec5f74ull, 0x3feea11473eb0187ull, 0x3feea589994cce13ull,
+    0x3feeace5422aa0dbull, 0x3feeb737b0cdc5e5ull, 0x3feec49182a3f090ull, 0x3feed503b23e255dull,
+    0x3feee89f995ad3adull, 0x3feeff76f2fb5e47ull, 0x3fef199bdd85529cull, 0x3fef3720dcef9069ull,
+    0x3fef5818dcfba487ull, 0x3fef7c97337b9b5full, 0x3fefa4afa2a490daull, 0x3fefd0765b6e4540ull,
+};
+
+__device__ __forceinline__ double pd_u64_as_double(u64 b) { return __longlong_as_double((long long)b); }
+
+__device__ __forceinline__ u64 pd_double_as_u64(double d) {
+    return (u64)__double_as_longlong(d);
+}
+
+// glibc 2.36's `expf` (its FMA variant): `cpu::q8kv::glibc_expf`, step for step.
+__device__ float pd_glibc_expf(float x) {
+    const double inv_ln2_n = pd_u64_as_double(0x40471547652b82feull);
+    const double shift = pd_u64_as_double(0x4338000000000000ull);
+    const double c0 = pd_u64_as_double(0x3ebc6af84b912394ull);
+    const double c1 = pd_u64_as_double(0x3f2ebfce50fac4f3ull);
+    const double c2 = pd_u64_as_double(0x3f962e42ff0c52d6ull);
+    u32 b = __float_as_uint(x);
+    if (((b >> 20) & 0x7ff) >= 0x42b) {
+        if (b == 0xff800000u) return 0.0f;
+        if (((b >> 20) & 0x7ff) >= 0x7f8) return x + x;
+        if (x > __uint_as_float(0x42b17217u)) return __uint_as_float(0x7f800000u);
+        if (x < __uint_as_float(0xc2cff1b4u)) return 0.0f;
+        if (x < __uint_as_float(0xc2ce8ecfu)) return __uint_as_float(1u);
+    }
+    double xd = double(x);
+    double kd = fma(inv_ln2_n, xd, shift);
+    u64 ki = pd_double_as_u64(kd);
+    kd = kd - shift;
+    double r = fma(inv_ln2_n, xd, -kd);
+    double s = pd_u64_as_double(PD_EXP2F_TABLE[ki & 31] + (ki << 47));
+    double z = fma(c0, r, c1);
+    double r2 = r * r;
+    double y = fma(c2, r, 1.0);
+    y = fma(z, r2, y);
+    return float(y * s);
+}
+
+// `Σ k·q` over two q8_0 rows of `nb` blocks (`cpu::q8kv::dot_q8_0`): K as the weight, q as
+// the activation, eight lane accumulators, `hsum8`.
+__device__ float pd_dot_q8_0(const u8* k, const u8* q, int nb) {
+    float acc[8];
+    for (int l = 0; l < 8; l++) acc[l] = 0.0f;
+    for (int b = 0; b < nb; b++) {
+        const u8* kb = k + b * 34;
+        const u8* qb = q + b * 34;
+        float dd = pd_f16_at(kb) * pd_f16_at(qb);
+        for (int l = 0; l < 8; l++)
+            acc[l] = fmaf(dd, float(FmtQ8_0::lane(kb, (const i8*)(qb + 2), nullptr, l)), acc[l]);
+    }
+    return pd_hsum8(acc);
+}
+
+// Attention over q8_0 KV (see the top of the file): one block per (query token, KV head), its
+// query heads one after another; scores in `scratch` as `attention`'s. Every thread runs the
+// online softmax's scalar recurrence itself (the same values in each), and keeps the output
+// accumulator of its own dimensions.
+extern "C" __global__ void attention_q8(const u8* base, int dtype, int layers, int kv_heads,
+                                        int head_dim, int block_size, int layer, int heads,
+                                        const float* q, const u32* pos, const u8* phases,
+                                        const u32* tables, const u32* table_at, float* out,
+                                        float* scratch, int stride) {
+    __shared__ u8 qq[PD_MAX_HEAD_DIM / 32 * 34];
+    int t = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, nthreads = blockDim.x;
+    KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
+    int hd = head_dim, group = heads / kv_heads, nb = hd / 32;
+    int n = int(pos[t]) + 1;
+    const u32* table = tables + table_at[t];
+    float* p = scratch + ((size_t)t * kv_heads + kvh) * (stride + stride / 16);
+    float scale = 1.0f / sqrtf(float(hd));
+    for (int g = 0; g < group; g++) {
+        int h = kvh * group + g;
+        const float* qsrc = q + ((size_t)t * heads + h) * hd;
+        for (int b = tid; b < nb; b += nthreads) pd_quantize_q8_0_block(qsrc + b * 32, qq + b * 34);
+        __syncthreads();
+        for (int j = tid; j < n; j += nthreads) {
+            const u8* k = pool.q8_row(int(table[j / block_size]), layer, 0, kvh, j % block_size);
+            // `+ 0.0f` is llama.cpp's mask add: it turns a -0 score into +0.
+            p[j] = pd_dot_q8_0(k, qq, nb) * scale + 0.0f;
+        }
+        __syncthreads();
+        float* o = out + ((size_t)t * heads + h) * hd;
+        for (int d0 = 0; d0 < hd; d0 += nthreads) {
+            int d = d0 + tid;
+            float m = __uint_as_float(0xff800000u), s = 0.0f, acc = 0.0f;
+            for (int j = 0; j < n; j++) {
+                float sj = p[j], ms = 1.0f, vs = 1.0f;
+                if (sj > m) {
+                    float old = m;
+                    m = sj;
+                    ms = pd_glibc_expf(old - sj);
+                    if (ms != 1.0f) acc *= ms;
+                } else {
+                    vs = pd_glibc_expf(sj - m);
+                }
+                if (d < hd) {
+                    const u8* vr =
+                        pool.q8_row(int(table[j / block_size]), layer, 1, kvh, j % block_size);
+                    float v = float(i8(vr[(d / 32) * 34 + 2 + d % 32])) * pd_f16_at(vr + (d / 32) * 34);
+                    acc = fmaf(v, vs, acc);
+                }
+                s = fmaf(s, ms, vs);
+            }
+            float inv = s == 0.0f ? 0.0f : 1.0f / s;
+            if (d < hd) o[d] = acc * inv;
         }
         __syncthreads();
     }

@@ -217,12 +217,15 @@ fn kv_write_and_paged_attention_equal_cpu_over_ragged_tables_and_gqa() {
     let (c, e) = (cpu(), emu());
     let mut rng = ChaCha8Rng::seed_from_u64(29);
     // (dtype, head_dim, kv_heads, query heads, block size): GQA groups of 1, 2 and 3; a head
-    // of 80 has a decode tail past the last 64.
+    // of 80 has a decode tail past the last 64; q8_0 rows are whole 32-value blocks.
     let cases = [
         (KvDtype::F16, 64, 2, 6, 4),
         (KvDtype::F32, 80, 1, 2, 16),
         (KvDtype::F16, 80, 3, 3, 3),
         (KvDtype::F32, 64, 2, 4, 5),
+        (KvDtype::Q8_0, 64, 2, 6, 4),
+        (KvDtype::Q8_0NoRot, 96, 1, 2, 16),
+        (KvDtype::Q8_0, 128, 3, 3, 5),
     ];
     for (case, &(dtype, head_dim, kv_heads, heads, bs)) in cases.iter().enumerate() {
         let g = KvGeometry { layers: 2, kv_heads, head_dim, block_size: bs, dtype };
@@ -278,13 +281,4 @@ fn device_kv_pool_moves_blocks_like_the_host_pool() {
     kv.read_block(0, &mut zero);
     assert!(zero.iter().all(|&b| b == 0), "a rejected write changed the pool");
     assert_eq!(kv.region().len(), 5 * g.bytes_per_block());
-}
-
-#[test]
-fn q8_0_kv_is_refused_with_a_reason() {
-    let e = emu();
-    let g =
-        KvGeometry { layers: 1, kv_heads: 1, head_dim: 64, block_size: 4, dtype: KvDtype::Q8_0 };
-    let err = e.kv(g, 2).unwrap_err().to_string();
-    assert!(err.contains("f16 or f32"), "{err}");
 }

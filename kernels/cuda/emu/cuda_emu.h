@@ -251,6 +251,12 @@ inline double __longlong_as_double(long long x) {
     return d;
 }
 
+inline long long __double_as_longlong(double d) {
+    long long x;
+    std::memcpy(&x, &d, 8);
+    return x;
+}
+
 inline float __int_as_float(int x) {
     float f;
     std::memcpy(&f, &x, 4);

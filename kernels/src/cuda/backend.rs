@@ -120,8 +120,17 @@ impl<D: Device> DeviceKv<D> {
         (block * n, n)
     }
 
-    fn f16(&self) -> i32 {
-        i32::from(self.geometry.dtype == KvDtype::F16)
+    /// The dtype as the kernels number it (`PD_KV_*` in attention.cu).
+    fn dtype_code(&self) -> i32 {
+        match self.geometry.dtype {
+            KvDtype::F32 => 0,
+            KvDtype::F16 => 1,
+            KvDtype::Q8_0 | KvDtype::Q8_0NoRot => 2,
+        }
+    }
+
+    fn is_q8(&self) -> bool {
+        self.geometry.dtype.is_q8_0()
     }
 
     /// The pool and its layout as the kernels' first arguments.
@@ -129,7 +138,7 @@ impl<D: Device> DeviceKv<D> {
         let g = &self.geometry;
         [
             Arg::ptr(&self.mem),
-            Arg::I32(self.f16()),
+            Arg::I32(self.dtype_code()),
             Arg::int(g.layers),
             Arg::int(g.kv_heads),
             Arg::int(g.head_dim),
@@ -313,12 +322,6 @@ impl<D: Device> Backend for CudaBackend<D> {
     }
 
     fn kv(&self, geometry: KvGeometry, blocks: usize) -> Result<DeviceKv<D>, KvError> {
-        if !matches!(geometry.dtype, KvDtype::F16 | KvDtype::F32) {
-            return Err(KvError::Alloc(format!(
-                "the CUDA backend keeps f16 or f32 KV, not {}",
-                geometry.dtype
-            )));
-        }
         let bytes = geometry.bytes_per_block().checked_mul(blocks).ok_or_else(|| {
             KvError::Alloc(format!("{blocks} KV blocks overflow the address space"))
         })?;
@@ -579,7 +582,12 @@ impl<D: Device> Backend for CudaBackend<D> {
         let slots_arg = self.put("kv_slots", &pairs);
         let mut args = kv.args().to_vec();
         args.extend([Arg::int(layer), k.ptr(), v.ptr(), slots_arg, Arg::int(slots.len())]);
-        self.launch("kv_write", Dims::per_item(slots.len() * kd * 2, 256), &args);
+        if kv.is_q8() {
+            // One thread per 32-value block of each K and V head row.
+            self.launch("kv_write_q8", Dims::per_item(slots.len() * kd / 32 * 2, 256), &args);
+        } else {
+            self.launch("kv_write", Dims::per_item(slots.len() * kd * 2, 256), &args);
+        }
     }
 
     fn attention(
@@ -594,6 +602,7 @@ impl<D: Device> Backend for CudaBackend<D> {
         let g = kv.geometry;
         let hd = g.head_dim;
         assert!(hd.is_multiple_of(16) && hd <= 256, "attention: head_dim must be 16..=256 by 16");
+        assert!(!kv.is_q8() || hd.is_multiple_of(32), "attention: q8_0 KV needs whole blocks");
         assert!(heads.is_multiple_of(g.kv_heads), "attention: heads not a multiple of KV heads");
         assert!(q.len == queries.len() * heads * hd, "attention: shape mismatch");
         assert!(layer < g.layers, "attention: layer out of range");
@@ -658,7 +667,7 @@ impl<D: Device> Backend for CudaBackend<D> {
                 Arg::int(stride),
             ]);
             let dims = Dims { grid: [m as u32, g.kv_heads as u32, 1], block: [64, 1, 1] };
-            self.launch("attention", dims, &args);
+            self.launch(if kv.is_q8() { "attention_q8" } else { "attention" }, dims, &args);
         }
     }
 

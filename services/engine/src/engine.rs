@@ -168,14 +168,7 @@ impl Engine {
                 model.config.kv_geometry(config.block_size, config.kv_dtype)
             }
         };
-        if matches!(config.backend, BackendKind::Cuda { .. } | BackendKind::CudaEmu)
-            && !matches!(geom.dtype, KvDtype::F16 | KvDtype::F32)
-        {
-            return Err(Error::invalid(format!(
-                "the CUDA backend keeps f16 or f32 KV, not {} (use --kv-dtype f16)",
-                geom.dtype
-            )));
-        }
+
         if matches!(config.backend, BackendKind::Sim(_)) && geom.dtype.is_q8_0() {
             return Err(Error::invalid(format!(
                 "the simulated engine keeps f16 or f32 KV, not {}",

@@ -3,7 +3,7 @@
 //! (or on GPU 0 with `PDMESH_CUDA_TEST_DEVICE=gpu`, as `just test-gpu` runs it):
 //! for 12 prompts batched together, greedy generation gives the CPU backend's tokens and every
 //! logit it sampled from agrees (bit for bit, but for RMSNorm's f64 sum order, see
-//! `pdmesh_kernels::cuda`).
+//! `pdmesh_kernels::cuda`); and the same with a q8_0 KV cache.
 
 #![allow(clippy::unwrap_used)]
 
@@ -13,6 +13,7 @@ use std::sync::Arc;
 use pdmesh_engine::{
     BackendKind, Engine, EngineConfig, GenerateParams, Model, generate_batch_observed,
 };
+use pdmesh_kernels::KvDtype;
 
 const PROMPTS: [&str; 12] = [
     "The capital of France is",
@@ -37,22 +38,43 @@ fn model() -> Arc<Model> {
     Arc::new(Model::load(&path).unwrap())
 }
 
-/// Every prompt's greedy tokens and the logits each was picked from.
-fn run(model: &Arc<Model>, backend: BackendKind) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
-    let cfg = EngineConfig { kv_blocks: 64, max_batch_tokens: 256, backend, ..Default::default() };
+/// The backend the CUDA side of each comparison runs on.
+fn cuda() -> BackendKind {
+    match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
+        Ok("gpu") => BackendKind::Cuda { device: 0 },
+        _ => BackendKind::CudaEmu,
+    }
+}
+
+/// The first `prompts` prompts' greedy tokens (`max_tokens` each) and the logits each was
+/// picked from.
+fn run(
+    model: &Arc<Model>,
+    backend: BackendKind,
+    kv_dtype: KvDtype,
+    prompts: usize,
+    max_tokens: usize,
+) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
+    let cfg = EngineConfig {
+        kv_blocks: 64,
+        max_batch_tokens: 256,
+        kv_dtype,
+        backend,
+        ..Default::default()
+    };
     let mut e = Engine::new(Arc::clone(model), cfg).unwrap();
-    let reqs: Vec<(Vec<u32>, GenerateParams)> = PROMPTS
+    let reqs: Vec<(Vec<u32>, GenerateParams)> = PROMPTS[..prompts]
         .iter()
         .map(|p| {
             let ids = model.tokenizer.encode(p).unwrap();
-            (ids, GenerateParams { max_tokens: 8, ignore_eos: true, ..Default::default() })
+            (ids, GenerateParams { max_tokens, ignore_eos: true, ..Default::default() })
         })
         .collect();
-    let mut logits = vec![Vec::new(); PROMPTS.len()];
+    let mut logits = vec![Vec::new(); prompts];
     let out = generate_batch_observed(
         &mut e,
         &reqs,
-        PROMPTS.len(),
+        prompts,
         |i, l| logits[i].push(l.to_vec()),
         |_, _| true,
     )
@@ -61,19 +83,20 @@ fn run(model: &Arc<Model>, backend: BackendKind) -> (Vec<Vec<u32>>, Vec<Vec<Vec<
     (out.into_iter().map(|g| g.tokens).collect(), logits)
 }
 
-#[test]
-fn cuda_backend_generates_the_cpu_backends_tokens_on_smollm2() {
+/// Runs both backends and compares: the same tokens, and logits within the bound (all
+/// bit-identical so far; RMSNorm's sum order may cost one ulp of a row's scale).
+fn compare(kv_dtype: KvDtype, prompts: usize, max_tokens: usize) {
+    // The emulated device runs one launch at a time; two models at once only thrash it.
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let m = model();
     let start = std::time::Instant::now();
-    let (want, want_logits) = run(&m, BackendKind::Cpu { simd: None });
+    let (want, want_logits) =
+        run(&m, BackendKind::Cpu { simd: None }, kv_dtype, prompts, max_tokens);
     let cpu_time = start.elapsed();
     let start = std::time::Instant::now();
-    let cuda = match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
-        Ok("gpu") => BackendKind::Cuda { device: 0 },
-        _ => BackendKind::CudaEmu,
-    };
-    let (got, got_logits) = run(&m, cuda.clone());
-    eprintln!("cpu {cpu_time:?}, {cuda:?} {:?}", start.elapsed());
+    let (got, got_logits) = run(&m, cuda(), kv_dtype, prompts, max_tokens);
+    eprintln!("{kv_dtype} KV: cpu {cpu_time:?}, {:?} {:?}", cuda(), start.elapsed());
     let (mut exact, mut total, mut worst) = (0usize, 0usize, 0f32);
     for (i, (g, w)) in got_logits.iter().zip(&want_logits).enumerate() {
         assert_eq!(g.len(), w.len(), "prompt {i}: steps");
@@ -90,11 +113,23 @@ fn cuda_backend_generates_the_cpu_backends_tokens_on_smollm2() {
         assert_eq!(
             g,
             w,
-            "prompt {i} ({:?}): {:?} vs the CPU's {:?}",
+            "{kv_dtype} KV, prompt {i} ({:?}): {:?} vs the CPU's {:?}",
             PROMPTS[i],
             m.tokenizer.decode(g),
             m.tokenizer.decode(w)
         );
     }
     assert!(worst < 1e-3, "logits differ by up to {worst}");
+}
+
+#[test]
+fn cuda_backend_generates_the_cpu_backends_tokens_on_smollm2() {
+    compare(KvDtype::F16, PROMPTS.len(), 8);
+}
+
+/// q8_0 KV: the Hadamard rotations around attention and llama.cpp's flash-attention numerics,
+/// end to end (six prompts: the emulated device is slow).
+#[test]
+fn cuda_backend_with_q8_0_kv_generates_the_cpu_backends_tokens() {
+    compare(KvDtype::Q8_0, 6, 6);
 }
