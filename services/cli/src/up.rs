@@ -63,6 +63,13 @@ pub struct UpArgs {
     /// Prompts shorter than this are prefilled on the decode node (0 = never).
     #[arg(long, default_value_t = 0)]
     colocate_below_tokens: usize,
+    /// What prefill nodes compute on: cpu (default), cuda (the first GPU) or cuda-emu (see
+    /// `pdmesh prefill --help`).
+    #[arg(long)]
+    prefill_backend: Option<pdmesh_engine::BackendName>,
+    /// What decode nodes compute on: cpu (default), cuda or cuda-emu.
+    #[arg(long)]
+    decode_backend: Option<pdmesh_engine::BackendName>,
     /// Pin prefill nodes to these CPUs (taskset list, e.g. "0" or "0-1").
     #[arg(long)]
     prefill_cpus: Option<String>,
@@ -417,6 +424,10 @@ async fn start_node(t: &NodeTemplate<'_>, role: &str, i: usize) -> anyhow::Resul
     }
     if let Some(tk) = &a.kv_transport {
         args.extend(["--kv-transport".into(), tk.to_string()]);
+    }
+    let backend = if role == "prefill" { a.prefill_backend } else { a.decode_backend };
+    if let Some(b) = backend {
+        args.extend(["--backend".into(), b.to_string()]);
     }
     let cpus = if role == "prefill" {
         if let Some(p) = &a.kv_push {
