@@ -48,6 +48,12 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, long n, fl
     if (i < n) out[i] = pd_silu(gate[i]) * up[i];
 }
 
+// `dst = src`: a copy on the device that a graph can hold (a `cuMemcpy` would end one).
+extern "C" __global__ void copy_f32(const float* src, long n, float* dst) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) dst[i] = src[i];
+}
+
 extern "C" __global__ void add_assign(float* x, const float* y, long n) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += y[i];

@@ -282,3 +282,53 @@ fn device_kv_pool_moves_blocks_like_the_host_pool() {
     assert!(zero.iter().all(|&b| b == 0), "a rejected write changed the pool");
     assert_eq!(kv.region().len(), 5 * g.bytes_per_block());
 }
+
+/// The recorder behind the CUDA backend turns a repeated list of launches into a graph: a
+/// "step" of norms and matmuls over new inputs in the same buffers, run five times, is captured
+/// the second time and replayed after, every result still the CPU's (no stale inputs).
+#[test]
+fn repeated_steps_replay_as_graphs_with_fresh_inputs() {
+    let (c, e) = (cpu(), emu());
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    let (tokens, cols) = (5, 96);
+    let data = random_weights(&mut rng, WeightType::Q4_1, cols, cols);
+    let w = WeightMatrix::new(WeightType::Q4_1, cols, cols, &data).unwrap();
+    let (wc, we) = (c.weight(&host(&w)), e.weight(&host(&w)));
+    let norm = random_vec(&mut rng, cols, 1.0);
+    let norm_e = to_dev(&e, &norm);
+    let needs = ActNeeds::of([WeightType::Q4_1]);
+    let phases = vec![Phase::Decode; tokens];
+    let (mut xe, mut ne, mut acts_e) = (e.buffer(), e.buffer(), e.activations());
+    let before = e.graph_stats();
+    for step in 0..5 {
+        let x = random_vec(&mut rng, tokens * cols, 2.0);
+        // Four layers of norm, quantize, matmul: twelve launches per step.
+        let mut want = x.clone();
+        for _ in 0..4 {
+            let mut n = vec![0f32; want.len()];
+            c.rms_norm(&want, &norm, 1e-5, &mut n);
+            let mut acts = c.activations();
+            c.quantize(&n, tokens, cols, needs, &phases, &mut acts);
+            c.matmul(&acts, &mut [MatmulJob { weight: &wc, out: &mut want }]);
+        }
+        e.upload(&x, &mut xe);
+        for _ in 0..4 {
+            e.rms_norm(&xe, &norm_e, 1e-5, &mut ne);
+            e.quantize(&ne, tokens, cols, needs, &phases, &mut acts_e);
+            e.matmul(&acts_e, &mut [MatmulJob { weight: &we, out: &mut xe }]);
+        }
+        same_bits(&to_host(&e, &xe), &want, &format!("step {step}"));
+    }
+    // New values copied into a buffer that a held launch reads: the launch runs first.
+    let (a, b) =
+        (random_vec(&mut rng, tokens * cols, 2.0), random_vec(&mut rng, tokens * cols, 2.0));
+    let mut want = vec![0f32; a.len()];
+    c.rms_norm(&a, &norm, 1e-5, &mut want);
+    e.upload(&a, &mut xe);
+    e.rms_norm(&xe, &norm_e, 1e-5, &mut ne);
+    e.upload(&b, &mut xe);
+    same_bits(&to_host(&e, &ne), &want, "a copy overtook the launch reading its buffer");
+    let s = e.graph_stats();
+    assert_eq!(s.captured - before.captured, 1, "{s:?}");
+    assert!(s.replayed - before.replayed >= 3, "{s:?}");
+}

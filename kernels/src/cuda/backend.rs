@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use pdmesh_kv_types::{HostMemory, KvDtype, KvGeometry, MemoryKind, MemoryRegion};
 
-use super::{Arg, Device, DeviceError, DeviceMem, Dims};
+use super::{Arg, Device, DeviceError, DeviceMem, Dims, GraphStats, Recorder};
 use crate::backend::{Backend, KvError, KvStorage, MatmulJob, RopeMode};
 use crate::kv::{AttnQuery, KvSlot, Phase};
 use crate::quant::{ActNeeds, HostWeight, QK, QK_K, WeightType};
@@ -91,8 +91,9 @@ pub struct DeviceActs {
     kqs: Grow,
     kd: Grow,
     ksums: Grow,
-    /// Each row's phase: 0 prompt, 1 generated.
+    /// Each row's phase: 0 prompt, 1 generated; and what was last sent there.
     phases: Grow,
+    last_phases: Vec<u8>,
 }
 
 /// A weight matrix in device memory, uploaded once.
@@ -108,7 +109,7 @@ pub struct CudaWeight {
 /// The paged KV pool in device memory, in `KvGeometry`'s byte layout.
 #[derive(Debug)]
 pub struct DeviceKv<D: Device> {
-    dev: Arc<D>,
+    dev: Arc<Recorder<D>>,
     geometry: KvGeometry,
     n_blocks: usize,
     mem: DeviceMem,
@@ -233,17 +234,23 @@ impl Staging {
 /// The CUDA backend on device `D`.
 #[derive(Debug)]
 pub struct CudaBackend<D: Device> {
-    dev: Arc<D>,
+    /// The device, its launches held back and replayed as graphs (`graph`).
+    dev: Arc<Recorder<D>>,
     staging: Mutex<Staging>,
 }
 
 impl<D: Device> CudaBackend<D> {
     pub fn new(dev: D) -> Self {
-        Self { dev: Arc::new(dev), staging: Mutex::new(Staging::default()) }
+        Self { dev: Arc::new(Recorder::new(dev)), staging: Mutex::new(Staging::default()) }
     }
 
     pub fn device(&self) -> &D {
-        &self.dev
+        self.dev.inner()
+    }
+
+    /// How launches have run: as replayed graphs, captured, or one by one.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.dev.stats()
     }
 
     fn launch(&self, kernel: &str, dims: Dims, args: &[Arg]) {
@@ -359,11 +366,15 @@ impl<D: Device> Backend for CudaBackend<D> {
         };
         self.resize(&mut out.x, n);
         if n > 0 {
-            ok(dev.dtod(x.mem(), 0, out.x.mem(), 0, n * 4));
+            self.launch("copy_f32", Dims::per_item(n, 256), &[x.ptr(), Arg::long(n), out.x.ptr()]);
         }
         let ph: Vec<u8> = phases.iter().map(|p| u8::from(*p == Phase::Decode)).collect();
-        let m = out.phases.ensure(dev, ph.len());
-        ok(dev.htod(&ph, m, 0));
+        // Sent only when they change: a copy into memory a held launch reads ends the graph.
+        if out.phases.mem.is_none() || out.last_phases != ph {
+            let m = out.phases.ensure(dev, ph.len());
+            ok(dev.htod(&ph, m, 0));
+            out.last_phases = ph;
+        }
         for (on, buf, bf16) in [(out.forms.f16, &mut out.h, 0), (out.forms.bf16, &mut out.bh, 1)] {
             if on {
                 self.resize(buf, n);

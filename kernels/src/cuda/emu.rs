@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use pdmesh_kv_types::{HostMemory, MemoryKind};
 
-use super::{Arg, DeviceError, DeviceMem, Dims, PackedArgs};
+use super::{Arg, DeviceError, DeviceMem, Dims, Graph, Launch, PackedArgs};
 
 unsafe extern "C" {
     /// Runs kernel `name` over `grid` × `block` with the arguments `args` points at (as
@@ -117,6 +117,22 @@ impl super::Device for EmuDevice {
             // SAFETY: the launcher wrote a NUL-terminated string within `err`.
             let msg = unsafe { std::ffi::CStr::from_ptr(err.as_ptr()) };
             return Err(fail(msg.to_string_lossy().into_owned()));
+        }
+        Ok(())
+    }
+
+    /// The emulated graph is the list itself: replaying it launches each in turn.
+    fn capture(&self, launches: &[Launch]) -> Result<Graph, DeviceError> {
+        Ok(Box::new(launches.to_vec()))
+    }
+
+    fn replay(&self, graph: &Graph) -> Result<(), DeviceError> {
+        let list = graph.downcast_ref::<Vec<Launch>>().ok_or_else(|| DeviceError::Launch {
+            kernel: "graph".into(),
+            reason: "not a graph of the emulated device".into(),
+        })?;
+        for l in list {
+            super::Device::launch(self, &l.kernel, l.dims, &l.args)?;
         }
         Ok(())
     }

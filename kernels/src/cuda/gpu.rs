@@ -15,7 +15,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
 use pdmesh_kv_types::{HostMemory, MemoryKind};
 
 use super::nvrtc::{arch_for, module_ptx, nvrtc_missing};
-use super::{Arg, DeviceError, DeviceMem, Dims, MODULES, PackedArgs};
+use super::{Arg, DeviceError, DeviceMem, Dims, Graph, Launch, MODULES, PackedArgs};
 
 /// An NVIDIA GPU the CUDA backend computes on.
 pub struct GpuDevice {
@@ -94,6 +94,16 @@ impl GpuDevice {
         self.ctx.bind_to_thread().map_err(driver("cannot bind the CUDA context"))
     }
 }
+
+/// An instantiated CUDA graph. cudarc leaves it neither `Send` nor `Sync` (its handles are raw
+/// pointers and the driver forbids concurrent use of one graph); the mutex serialises every use.
+struct GpuGraph(std::sync::Mutex<cudarc::driver::CudaGraph>);
+
+// SAFETY: the graph's handles belong to the context, not to a thread; every use goes through
+// the mutex, so no two threads touch the graph at once.
+unsafe impl Send for GpuGraph {}
+// SAFETY: as above.
+unsafe impl Sync for GpuGraph {}
 
 /// A `cuMemAlloc` allocation, freed (after the stream's work) when dropped.
 struct GpuAlloc {
@@ -205,5 +215,35 @@ impl super::Device for GpuDevice {
 
     fn adopt_host(&self, _memory: HostMemory) -> Result<DeviceMem, DeviceError> {
         Err(DeviceError::Unavailable("a GPU computes on its own memory".into()))
+    }
+
+    fn capture(&self, launches: &[Launch]) -> Result<Graph, DeviceError> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        let fail = |e: result::DriverError| DeviceError::Launch {
+            kernel: "graph".into(),
+            reason: format!("capture: {e:?}"),
+        };
+        self.bind()?;
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(fail)?;
+        let launched: Result<(), DeviceError> =
+            launches.iter().try_for_each(|l| self.launch(&l.kernel, l.dims, &l.args));
+        // End the capture whatever happened, so the stream leaves capture mode.
+        let graph = self.stream.end_capture(CUgraphInstantiate_flags(0)).map_err(fail);
+        launched?;
+        let graph = graph?.ok_or_else(|| DeviceError::Launch {
+            kernel: "graph".into(),
+            reason: "capture produced no graph".into(),
+        })?;
+        Ok(Box::new(GpuGraph(std::sync::Mutex::new(graph))))
+    }
+
+    fn replay(&self, graph: &Graph) -> Result<(), DeviceError> {
+        let fail = |reason: String| DeviceError::Launch { kernel: "graph".into(), reason };
+        let g = graph.downcast_ref::<GpuGraph>().ok_or_else(|| fail("not a GPU graph".into()))?;
+        self.bind()?;
+        let g = g.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        g.launch().map_err(|e| fail(format!("{e:?}")))
     }
 }

@@ -8,6 +8,7 @@
 mod backend;
 mod emu;
 mod gpu;
+pub mod graph;
 pub mod nvrtc;
 
 use std::any::Any;
@@ -19,6 +20,7 @@ use pdmesh_kv_types::{HostMemory, MemoryKind, MemoryRegion};
 pub use backend::{CudaBackend, CudaWeight, DeviceKv, DeviceVec};
 pub use emu::EmuDevice;
 pub use gpu::{GpuDevice, driver_missing};
+pub use graph::{Graph, GraphStats, Launch, Recorder};
 
 // The kernel sources with their includes inlined and the kernels each defines (build.rs).
 include!(concat!(env!("OUT_DIR"), "/cuda_modules.rs"));
@@ -161,7 +163,7 @@ impl PackedArgs {
 }
 
 /// A launch's geometry.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Dims {
     pub grid: [u32; 3],
     pub block: [u32; 3],
@@ -216,6 +218,12 @@ impl Device for Box<dyn Device> {
     fn adopt_host(&self, memory: HostMemory) -> Result<DeviceMem, DeviceError> {
         (**self).adopt_host(memory)
     }
+    fn capture(&self, launches: &[Launch]) -> Result<Graph, DeviceError> {
+        (**self).capture(launches)
+    }
+    fn replay(&self, graph: &Graph) -> Result<(), DeviceError> {
+        (**self).replay(graph)
+    }
 }
 
 /// The device the CUDA test suites run on: the emulated one, or GPU 0 when
@@ -255,4 +263,8 @@ pub trait Device: Send + Sync + std::fmt::Debug + 'static {
     /// Takes host memory someone else allocated (a transport's shared memory) as device
     /// memory, where the device computes on host memory; others refuse.
     fn adopt_host(&self, memory: HostMemory) -> Result<DeviceMem, DeviceError>;
+    /// `launches` made into one graph, without running them.
+    fn capture(&self, launches: &[Launch]) -> Result<Graph, DeviceError>;
+    /// Runs a graph `capture` made.
+    fn replay(&self, graph: &Graph) -> Result<(), DeviceError>;
 }
