@@ -6,6 +6,7 @@ model := "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 bench_venv := ".bench/venv"
 # NVRTC (the CUDA kernel compiler, a library loaded at run time) from its PyPI wheel.
 nvrtc_lib := justfile_directory() / ".bench/nvrtc/nvidia/cuda_nvrtc/lib"
+nvrtc_env := "LD_LIBRARY_PATH=" + nvrtc_lib + "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 # List the recipes.
 default:
@@ -37,18 +38,16 @@ run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
 # checking the Kubernetes manifests. The CUDA backend runs on its emulated device, and NVRTC
 # compiles its kernels for sm_80 and sm_90 (no GPU needed).
 test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc
-    LD_LIBRARY_PATH={{nvrtc_lib}}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} cargo test --workspace --locked
+    {{nvrtc_env}} cargo test --workspace --locked
 
 # The CUDA backend's tests on GPU 0 instead of the emulated device: every kernel against the CPU
 # backend, SmolLM2's greedy tokens and logits, a GPU prefill node feeding a CPU decode node.
 # Needs an NVIDIA GPU (Ampere or newer) and its driver.
 test-gpu: system-deps fetch-model _nvrtc
     cargo build --locked -q -p pdmesh-cli -p pdmesh-tools
-    PDMESH_CUDA_TEST_DEVICE=gpu LD_LIBRARY_PATH={{nvrtc_lib}}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-        cargo test --locked -p pdmesh-kernels --test cuda_backend --test cuda_nvrtc
-    PDMESH_CUDA_TEST_DEVICE=gpu LD_LIBRARY_PATH={{nvrtc_lib}}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-        cargo test --locked -p pdmesh-engine --test cuda_model -- --nocapture
-    PDMESH_CUDA_TEST_DEVICE=gpu LD_LIBRARY_PATH={{nvrtc_lib}}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
+    export PDMESH_CUDA_TEST_DEVICE=gpu {{nvrtc_env}}; \
+        cargo test --locked -p pdmesh-kernels --test cuda_backend --test cuda_nvrtc && \
+        cargo test --locked -p pdmesh-engine --test cuda_model -- --nocapture && \
         cargo test --locked -p pdmesh-integration --test mesh_equivalence cuda_prefill
 
 # The CUDA backend's speed on GPU 0: decode tok/s and the weight bytes it streams (GB/s) at
@@ -56,8 +55,7 @@ test-gpu: system-deps fetch-model _nvrtc
 # test model (`just test-models` builds it). Needs an NVIDIA GPU and its driver.
 bench-gpu: system-deps fetch-model _nvrtc
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
-    LD_LIBRARY_PATH={{nvrtc_lib}}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} \
-        python3 scripts/bench_gpu.py --pdmesh target/release/pdmesh --models {{model}} models/test/synth-llama3-1b-Q4_K_M.gguf
+    {{nvrtc_env}} python3 scripts/bench_gpu.py --pdmesh target/release/pdmesh --models {{model}} models/test/synth-llama3-1b-Q4_K_M.gguf
 
 # NVRTC from the nvidia-cuda-nvrtc-cu12 wheel, unpacked into .bench/nvrtc (no CUDA toolkit).
 _nvrtc:

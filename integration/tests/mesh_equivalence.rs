@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use pdmesh_integration::reference::{PROMPTS, reference, reference_with, request};
-use pdmesh_integration::{Cluster, eventually, pdmesh_bin, per_transport, repo_root, run};
+use pdmesh_integration::{Cluster, collect, eventually, pdmesh_bin, per_transport, repo_root, run};
 use pdmesh_proto::v1::{
     FinishReason, GenerateRequest, SamplingParams, generate_request, generate_response,
 };
@@ -188,16 +188,9 @@ async fn cuda_prefill_feeds_a_cpu_decode_node(transport: &str) {
     let mut client = cluster.client().await;
     // The emulated device is slow: three prompts (greedy and sampled) make the point.
     for (i, want) in expected.iter().enumerate().take(3) {
-        let mut s = client.generate(request(i, MAX_TOKENS)).await.unwrap().into_inner();
-        let (mut tokens, mut finished) = (Vec::new(), None);
-        while let Some(m) = s.message().await.unwrap() {
-            match m.event.unwrap() {
-                generate_response::Event::Delta(d) => tokens.extend(d.token_ids),
-                generate_response::Event::Finished(f) => finished = Some(f),
-                generate_response::Event::Started(_) => {}
-            }
-        }
-        assert_eq!(&tokens, want, "prompt {i}: cuda-emu prefill + cpu decode differs");
+        let s = client.generate(request(i, MAX_TOKENS)).await.unwrap().into_inner();
+        let (tokens, finished) = collect(s).await.unwrap();
+        assert_eq!(&tokens, want, "prompt {i}: cuda prefill + cpu decode differs");
         let t = finished.expect("a finish message").timings.unwrap();
         assert_eq!(t.kv_transport, transport);
         assert!(t.kv_bytes > 0);

@@ -71,13 +71,10 @@ extern "C" __global__ void kv_write(u8* base, int dtype, int layers, int kv_head
 // Quantizes `n` values into q8_0 blocks as `cpu::q8kv::quantize_row_q8_0` (the activation
 // quantizer's rounding; the f16 scale stored, the scaled sum dropped).
 __device__ void pd_quantize_q8_0_block(const float* x, u8* out) {
-    float amax = 0.0f;
-    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
-    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    u16 d = pd_f32_to_f16(amax / 127.0f);
+    int sum;
+    u16 d = pd_f32_to_f16(pd_quantize_block32(x, (i8*)(out + 2), &sum));
     out[0] = u8(d & 0xff);
     out[1] = u8(d >> 8);
-    for (int j = 0; j < 32; j++) out[2 + j] = u8(i8(int(rintf(x[j] * id))));
 }
 
 // q8_0 KV: one thread per 32-value block of token `i`'s K or V head row.

@@ -135,4 +135,20 @@ __device__ __forceinline__ float pd_group8_hsum(float v) {
 }
 
 __device__ __forceinline__ int pd_min(int a, int b) { return a < b ? a : b; }
-__device__ __forceinline__ int pd_max(int a, int b) { return a > b ? a : b; }
+
+// Quantizes 32 values as `quant::quantize_block` (llama.cpp's `quantize_row_q8_1`): quants
+// `round_half_even(x·127/amax)` into `q`; returns the unrounded scale `amax/127` and their sum
+// in `sum`. Callers round the scale (and scaled sum) through f16 as their format stores it.
+__device__ __forceinline__ float pd_quantize_block32(const float* x, i8* q, int* sum) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int s = 0;
+    for (int j = 0; j < 32; j++) {
+        int r = int(rintf(x[j] * id));
+        q[j] = i8(r);
+        s += r;
+    }
+    *sum = s;
+    return amax / 127.0f;
+}

@@ -96,17 +96,8 @@ extern "C" __global__ void fwht(float* x, long runs, int n) {
 extern "C" __global__ void quantize_q8(const float* x, long blocks, i8* qs, float* d, float* s) {
     long b = (long)blockIdx.x * blockDim.x + threadIdx.x;
     if (b >= blocks) return;
-    const float* v = x + b * 32;
-    float amax = 0.0f;
-    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(v[j]));
-    float dd = amax / 127.0f;
-    float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int j = 0; j < 32; j++) {
-        int r = int(rintf(v[j] * id));
-        qs[b * 32 + j] = i8(r);
-        sum += r;
-    }
+    int sum;
+    float dd = pd_quantize_block32(x + b * 32, qs + b * 32, &sum);
     d[b] = pd_round_f16(dd);
     s[b] = pd_round_f16(dd * float(sum));
 }

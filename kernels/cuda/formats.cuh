@@ -131,25 +131,23 @@ __device__ __forceinline__ int pd_k4_min_lane(const u8* b, const i16* sums, int 
     return p;
 }
 
-struct FmtQ4_K {
-    static const int BE = 256, BB = 144, ACT_K = 1, MIN = PD_MIN_SUPER_QUAD, SCALE_AT = 0,
-                     MIN_AT = 2;
+// Q4_K and Q5_K: the same scales, mins and lanes over their own element values `V`.
+template <int (*V)(const u8*, int, int), int BYTES, int MIN_TERM>
+struct FmtK4 {
+    static const int BE = 256, BB = BYTES, ACT_K = 1, MIN = MIN_TERM, SCALE_AT = 0, MIN_AT = 2;
     __device__ static float value(const u8* b, int j) {
         int sub = j / 32, sc, mn;
         pd_k4_scale_min(b + 4, sub, &sc, &mn);
         float d1 = pd_f16_at(b) * float(sc), m1 = pd_f16_at(b + 2) * float(mn);
-        return d1 * float(pd_q4k_value(b, sub, j % 32)) - m1;
+        return d1 * float(V(b, sub, j % 32)) - m1;
     }
     __device__ static int lane(const u8* b, const i8* a, const i16*, int l) {
-        int sum = 0;
+        int sum = 0, e = 4 * l;
         for (int sub = 0; sub < 8; sub++) {
             int sc, mn;
             pd_k4_scale_min(b + 4, sub, &sc, &mn);
-            int e = 4 * l;
-            int part = __dp4a(pd_pack4(pd_q4k_value(b, sub, e), pd_q4k_value(b, sub, e + 1),
-                                       pd_q4k_value(b, sub, e + 2), pd_q4k_value(b, sub, e + 3)),
-                              pd_act4(a + 32 * sub + e), 0);
-            sum += sc * part;
+            int w = pd_pack4(V(b, sub, e), V(b, sub, e + 1), V(b, sub, e + 2), V(b, sub, e + 3));
+            sum += sc * __dp4a(w, pd_act4(a + 32 * sub + e), 0);
         }
         return sum;
     }
@@ -158,32 +156,8 @@ struct FmtQ4_K {
     }
 };
 
-struct FmtQ5_K {
-    static const int BE = 256, BB = 176, ACT_K = 1, MIN = PD_MIN_SUPER_SCALAR, SCALE_AT = 0,
-                     MIN_AT = 2;
-    __device__ static float value(const u8* b, int j) {
-        int sub = j / 32, sc, mn;
-        pd_k4_scale_min(b + 4, sub, &sc, &mn);
-        float d1 = pd_f16_at(b) * float(sc), m1 = pd_f16_at(b + 2) * float(mn);
-        return d1 * float(pd_q5k_value(b, sub, j % 32)) - m1;
-    }
-    __device__ static int lane(const u8* b, const i8* a, const i16*, int l) {
-        int sum = 0;
-        for (int sub = 0; sub < 8; sub++) {
-            int sc, mn;
-            pd_k4_scale_min(b + 4, sub, &sc, &mn);
-            int e = 4 * l;
-            int part = __dp4a(pd_pack4(pd_q5k_value(b, sub, e), pd_q5k_value(b, sub, e + 1),
-                                       pd_q5k_value(b, sub, e + 2), pd_q5k_value(b, sub, e + 3)),
-                              pd_act4(a + 32 * sub + e), 0);
-            sum += sc * part;
-        }
-        return sum;
-    }
-    __device__ static int min_lane(const u8* b, const i16* sums, int m) {
-        return pd_k4_min_lane(b, sums, m);
-    }
-};
+typedef FmtK4<pd_q4k_value, 144, PD_MIN_SUPER_QUAD> FmtQ4_K;
+typedef FmtK4<pd_q5k_value, 176, PD_MIN_SUPER_SCALAR> FmtQ5_K;
 
 // Element `e` of 32-element chunk `c` of a Q6_K block, before the −32 offset (0..64).
 __device__ __forceinline__ int pd_q6k_raw(const u8* b, int c, int e) {

@@ -11,7 +11,7 @@
 mod common;
 
 use common::{host, phase_of, random_vec, random_weights};
-use pdmesh_kernels::cuda::{CudaBackend, Device, test_device};
+use pdmesh_kernels::cuda::{CudaBackend, Device, EmuDevice, GpuDevice};
 use pdmesh_kernels::{
     ActNeeds, AttnQuery, Backend, CpuBackend, KvDtype, KvGeometry, KvSlot, KvStorage, MatmulJob,
     Phase, RopeMode, Simd, WeightMatrix, WeightType,
@@ -23,8 +23,15 @@ fn cpu() -> CpuBackend {
     CpuBackend::with_simd(2, Simd::detect()).unwrap()
 }
 
+/// The device under test: the emulated one, or GPU 0 when `PDMESH_CUDA_TEST_DEVICE=gpu` (what
+/// `just test-gpu` sets).
 fn emu() -> CudaBackend<Box<dyn Device>> {
-    CudaBackend::new(test_device())
+    let dev: Box<dyn Device> = match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
+        Ok("gpu") => Box::new(GpuDevice::open(0).unwrap_or_else(|e| panic!("{e}"))),
+        Ok("emu") | Err(_) => Box::new(EmuDevice::new()),
+        Ok(other) => panic!("PDMESH_CUDA_TEST_DEVICE={other:?}: expected emu or gpu"),
+    };
+    CudaBackend::new(dev)
 }
 
 fn to_dev<B: Backend>(b: &B, v: &[f32]) -> B::Buffer {

@@ -198,22 +198,26 @@ inline T atomicAdd(T* p, T v) {
     return std::atomic_ref<T>(*p).fetch_add(v);
 }
 
-template <class T>
-inline T atomicMax(T* p, T v) {
+namespace pdmesh_emu {
+// Stores `v` at `p` while `better(v, old)`; returns the old value.
+template <class T, class Better>
+inline T atomic_replace_if(T* p, T v, Better better) {
     std::atomic_ref<T> a(*p);
     T old = a.load();
-    while (old < v && !a.compare_exchange_weak(old, v)) {
+    while (better(v, old) && !a.compare_exchange_weak(old, v)) {
     }
     return old;
+}
+}  // namespace pdmesh_emu
+
+template <class T>
+inline T atomicMax(T* p, T v) {
+    return pdmesh_emu::atomic_replace_if(p, v, [](T x, T y) { return x > y; });
 }
 
 template <class T>
 inline T atomicMin(T* p, T v) {
-    std::atomic_ref<T> a(*p);
-    T old = a.load();
-    while (old > v && !a.compare_exchange_weak(old, v)) {
-    }
-    return old;
+    return pdmesh_emu::atomic_replace_if(p, v, [](T x, T y) { return x < y; });
 }
 
 template <class T>

@@ -30,18 +30,7 @@ pub struct Launch {
 impl Launch {
     /// The launch's arguments as bits, so that lists compare exactly (an f32 by its bits).
     fn key(&self) -> (&str, Dims, Vec<u64>) {
-        let bits = self
-            .args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) => p,
-                Arg::I32(v) => u64::from(v as u32),
-                Arg::U32(v) => u64::from(v),
-                Arg::I64(v) => v as u64,
-                Arg::F32(v) => u64::from(v.to_bits()),
-            })
-            .collect();
-        (&self.kernel, self.dims, bits)
+        (&self.kernel, self.dims, self.args.iter().map(|a| a.bits()).collect())
     }
 
     /// Whether any pointer argument points into `mem`.

@@ -104,7 +104,6 @@ pub enum Arg {
     /// A device pointer.
     Ptr(u64),
     I32(i32),
-    U32(u32),
     /// A C `long` (64-bit on every target CUDA and this emulator run on).
     I64(i64),
     F32(f32),
@@ -123,6 +122,16 @@ impl Arg {
     pub fn long(v: usize) -> Arg {
         Arg::I64(i64::try_from(v).expect("sizes fit an i64"))
     }
+
+    /// The value in the low bytes of an 8-byte slot (little-endian), as a launch passes it.
+    pub fn bits(self) -> u64 {
+        match self {
+            Arg::Ptr(p) => p,
+            Arg::I32(v) => u64::from(v as u32),
+            Arg::I64(v) => v as u64,
+            Arg::F32(v) => u64::from(v.to_bits()),
+        }
+    }
 }
 
 /// Arguments laid out as `cuLaunchKernel` takes them: an array of pointers, one to each value.
@@ -134,18 +143,8 @@ pub struct PackedArgs {
 
 impl PackedArgs {
     pub fn new(args: &[Arg]) -> Self {
-        // Each value at the start of its own 8-byte slot (little-endian: the low bytes are the
-        // narrower types' bytes).
-        let mut values: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                Arg::Ptr(p) => p,
-                Arg::I32(v) => u64::from(v as u32),
-                Arg::U32(v) => u64::from(v),
-                Arg::I64(v) => v as u64,
-                Arg::F32(v) => u64::from(v.to_bits()),
-            })
-            .collect();
+        // Each value at the start of its own 8-byte slot.
+        let mut values: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let ptrs = values.iter_mut().map(|v| (v as *mut u64).cast::<c_void>()).collect();
         Self { values, ptrs }
     }
@@ -223,19 +222,6 @@ impl Device for Box<dyn Device> {
     }
     fn replay(&self, graph: &Graph) -> Result<(), DeviceError> {
         (**self).replay(graph)
-    }
-}
-
-/// The device the CUDA test suites run on: the emulated one, or GPU 0 when
-/// `PDMESH_CUDA_TEST_DEVICE=gpu` (what `just test-gpu` sets).
-pub fn test_device() -> Box<dyn Device> {
-    match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
-        Ok("gpu") => match GpuDevice::open(0) {
-            Ok(d) => Box::new(d),
-            Err(e) => panic!("PDMESH_CUDA_TEST_DEVICE=gpu, but: {e}"),
-        },
-        Ok("emu") | Err(_) => Box::new(EmuDevice::new()),
-        Ok(other) => panic!("PDMESH_CUDA_TEST_DEVICE={other:?}: expected emu or gpu"),
     }
 }
 
