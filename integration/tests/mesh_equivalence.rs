@@ -201,6 +201,91 @@ async fn cuda_prefill_feeds_a_cpu_decode_node(transport: &str) {
     }
 }
 
+/// A decode node whose pool UCX writers must not reach directly (`--kv-staging staged`, what
+/// a GPU's pool gets from a UCX without CUDA) takes its KV through host staging blocks: in
+/// shared memory that a prefill node on this host maps, or by UCX puts; a reservation that
+/// finds the staging area full takes its KV over gRPC. Every path gives one engine's tokens,
+/// and stats name the path and count each use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staged_decode_pool_gives_the_tokens_of_one_engine() {
+    let _serial = SERIAL.lock().await;
+    let expected = tokio::task::spawn_blocking(expected).await.unwrap();
+    let by = |v: &[pdmesh_proto::v1::TransportStats], name: &str| {
+        v.iter().find(|t| t.transport == name).cloned().unwrap_or_default()
+    };
+
+    // Staged through shared memory: four prompts at once, over UCX only.
+    let cluster = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .transport("ucx")
+        .prefill_args(&["--kv-verify"])
+        .decode_args(&["--kv-staging", "staged"])
+        .start()
+        .await;
+    let d = cluster.decode_stats(0).await;
+    assert_eq!(d.kv_path, "staged-host");
+    assert!(d.kv_staging_blocks > 0);
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let mut client = cluster.client().await;
+        tasks.push(tokio::spawn(async move {
+            let s = client.generate(request(i, MAX_TOKENS)).await.unwrap().into_inner();
+            collect(s).await.unwrap().0
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        assert_eq!(t.await.unwrap(), expected[i], "prompt {i} through staging differs");
+    }
+    let ucx = by(&cluster.decode_stats(0).await.transports, "ucx");
+    assert_eq!((ucx.transfers, ucx.staged, ucx.failures), (4, 4, 0), "{ucx:?}");
+    assert_eq!(by(&cluster.prefill_stats(0).await.transports, "ucx").mapped, 4);
+    eventually(Duration::from_secs(10), "the staging blocks are back", || async {
+        let d = cluster.decode_stats(0).await;
+        d.kv_staging_free_blocks == d.kv_staging_blocks
+    })
+    .await;
+    drop(cluster);
+
+    // Staged through UCX puts, in a staging area of 5 blocks (2 MiB of 360 KiB blocks): a
+    // prompt of 3 blocks is put there, one of 7 finds it full and comes over gRPC (auto).
+    let cluster = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .transport("auto")
+        .prefill_args(&["--kv-verify"])
+        .decode_args(&["--kv-staging", "staged", "--kv-shared-pool", "false"])
+        .decode_args(&["--kv-staging-mb", "2"])
+        .start()
+        .await;
+    assert_eq!(cluster.decode_stats(0).await.kv_staging_blocks, 5);
+    let mut client = cluster.client().await;
+    let s = client.generate(request(0, MAX_TOKENS)).await.unwrap().into_inner();
+    assert_eq!(collect(s).await.unwrap().0, expected[0], "a staged put differs");
+    let long =
+        "The lighthouse keeper climbed the stairs and looked out over the grey sea. ".repeat(6);
+    let want = tokio::task::spawn_blocking({
+        let long = long.clone();
+        move || run_raw(&pdmesh_integration::model_path(), &long)
+    })
+    .await
+    .unwrap();
+    let req = GenerateRequest {
+        input: Some(generate_request::Input::Prompt(long)),
+        max_tokens: MAX_TOKENS,
+        sampling: Some(SamplingParams { temperature: 0.0, ..Default::default() }),
+        ..Default::default()
+    };
+    let s = client.generate(req).await.unwrap().into_inner();
+    assert_eq!(collect(s).await.unwrap().0, want, "a prompt past the staging area differs");
+    let d = cluster.decode_stats(0).await;
+    let (ucx, grpc) = (by(&d.transports, "ucx"), by(&d.transports, "grpc"));
+    assert_eq!((ucx.transfers, ucx.staged, grpc.transfers), (1, 1, 1), "{:?}", d.transports);
+    assert_eq!(d.kv_staging_full, 1);
+    let p = by(&cluster.prefill_stats(0).await.transports, "ucx");
+    assert_eq!((p.mapped, p.fallbacks), (0, 1), "{p:?}");
+}
+
 /// Greedy tokens of `pdmesh run --raw` on one engine for `model`.
 fn run_raw(model: &std::path::Path, prompt: &str) -> Vec<u32> {
     let mut c = std::process::Command::new(pdmesh_bin());

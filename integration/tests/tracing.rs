@@ -210,6 +210,9 @@ async fn one_request_is_one_trace_across_the_mesh(transport: &str) {
         "{transfer}"
     );
     assert_eq!(receive.str("transport"), Some(transport));
+    // How the KV reached the pool: a CPU pool in host memory takes UCX puts itself.
+    let path = if transport == "ucx" { "direct-host" } else { "stream" };
+    assert_eq!(receive.str("kv_path"), Some(path));
     assert_eq!(receive.int("bytes"), Some(t.kv_bytes as i64));
     assert_eq!(receive.str("prefill_node"), Some("prefill-0"));
     let computed: i64 = spans

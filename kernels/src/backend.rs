@@ -66,6 +66,12 @@ pub trait KvStorage: Send + std::fmt::Debug {
     /// carried over: the caller holds no KV yet. A pool that must stay where it is (device
     /// memory) refuses.
     fn rehome(&mut self, memory: HostMemory) -> Result<(), KvError>;
+    /// `len` zeroed bytes of host memory that `write_block` copies from fastest: where a
+    /// transport that cannot reach the pool's own memory stages blocks (page-locked for a
+    /// GPU).
+    fn staging(&self, len: usize) -> Result<HostMemory, KvError> {
+        HostMemory::zeroed(len).map_err(KvError::Alloc)
+    }
 }
 
 /// Compute operations of the llama forward pass, on the backend's own memory.

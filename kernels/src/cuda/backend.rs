@@ -181,6 +181,9 @@ impl<D: Device> KvStorage for DeviceKv<D> {
             return Err(KvError::NoSuchBlock { block, blocks: self.n_blocks });
         }
         ok(self.dev.htod(data, &self.mem, block * want));
+        // From page-locked memory (`staging`) the copy is asynchronous; the caller may reuse
+        // `data` once this returns.
+        ok(self.dev.sync());
         Ok(())
     }
 
@@ -207,6 +210,10 @@ impl<D: Device> KvStorage for DeviceKv<D> {
         }
         self.mem = self.dev.adopt_host(memory).map_err(|e| KvError::Rehome(e.to_string()))?;
         Ok(())
+    }
+
+    fn staging(&self, len: usize) -> Result<HostMemory, KvError> {
+        self.dev.host_alloc(len).map_err(|e| KvError::Alloc(e.to_string()))
     }
 }
 

@@ -143,4 +143,13 @@ impl super::Device for EmuDevice {
         // SAFETY: the region is `memory`'s allocation, kept alive by `keep`.
         Ok(unsafe { DeviceMem::new(region.addr() as u64, region.len(), MemoryKind::Host, keep) })
     }
+
+    fn host_alloc(&self, bytes: usize) -> Result<HostMemory, DeviceError> {
+        HostMemory::zeroed(bytes).map_err(DeviceError::Memory)
+    }
+
+    fn sync(&self) -> Result<(), DeviceError> {
+        // Every copy and launch has finished when its call returns.
+        Ok(())
+    }
 }

@@ -123,6 +123,21 @@ impl Drop for GpuAlloc {
     }
 }
 
+/// A `cuMemHostAlloc` allocation, freed when dropped.
+struct PinnedAlloc {
+    ptr: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for PinnedAlloc {
+    fn drop(&mut self) {
+        // Copies from it are waited for by whoever queued them (`sync`) before it is let go.
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by `malloc_host` in `host_alloc`, freed once, here.
+        let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
 impl super::Device for GpuDevice {
     fn describe(&self) -> String {
         format!("cuda/{} {} (device {})", self.name, self.arch, self.ordinal)
@@ -215,6 +230,25 @@ impl super::Device for GpuDevice {
 
     fn adopt_host(&self, _memory: HostMemory) -> Result<DeviceMem, DeviceError> {
         Err(DeviceError::Unavailable("a GPU computes on its own memory".into()))
+    }
+
+    fn host_alloc(&self, bytes: usize) -> Result<HostMemory, DeviceError> {
+        self.bind()?;
+        let mem =
+            |e| DeviceError::Memory(format!("cannot pin {bytes} bytes of host memory: {e:?}"));
+        // SAFETY: a plain page-locked allocation of a positive size, zeroed below.
+        let ptr = unsafe { result::malloc_host(bytes.max(1), 0) }.map_err(mem)?;
+        let keep = PinnedAlloc { ptr: ptr as usize, ctx: Arc::clone(&self.ctx) };
+        // SAFETY: the driver returned `bytes` writable bytes at `ptr`.
+        unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, bytes) };
+        // SAFETY: zeroed, page-aligned and owned by `keep` alone until it drops.
+        unsafe { HostMemory::adopt(ptr as usize, bytes, Arc::new(keep)) }
+            .map_err(DeviceError::Memory)
+    }
+
+    fn sync(&self) -> Result<(), DeviceError> {
+        self.bind()?;
+        self.stream.synchronize().map_err(|e| DeviceError::Memory(format!("synchronize: {e:?}")))
     }
 
     fn capture(&self, launches: &[Launch]) -> Result<Graph, DeviceError> {

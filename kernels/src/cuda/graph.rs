@@ -239,6 +239,15 @@ impl<D: Device> Device for Recorder<D> {
         Ok(self.guard(self.core.inner.adopt_host(memory)?))
     }
 
+    fn host_alloc(&self, bytes: usize) -> Result<HostMemory, DeviceError> {
+        self.core.inner.host_alloc(bytes)
+    }
+
+    fn sync(&self) -> Result<(), DeviceError> {
+        self.core.flush()?;
+        self.core.inner.sync()
+    }
+
     fn capture(&self, launches: &[Launch]) -> Result<Graph, DeviceError> {
         self.core.flush()?;
         self.core.inner.capture(launches)

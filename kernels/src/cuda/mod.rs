@@ -217,6 +217,12 @@ impl Device for Box<dyn Device> {
     fn adopt_host(&self, memory: HostMemory) -> Result<DeviceMem, DeviceError> {
         (**self).adopt_host(memory)
     }
+    fn host_alloc(&self, bytes: usize) -> Result<HostMemory, DeviceError> {
+        (**self).host_alloc(bytes)
+    }
+    fn sync(&self) -> Result<(), DeviceError> {
+        (**self).sync()
+    }
     fn capture(&self, launches: &[Launch]) -> Result<Graph, DeviceError> {
         (**self).capture(launches)
     }
@@ -249,6 +255,11 @@ pub trait Device: Send + Sync + std::fmt::Debug + 'static {
     /// Takes host memory someone else allocated (a transport's shared memory) as device
     /// memory, where the device computes on host memory; others refuse.
     fn adopt_host(&self, memory: HostMemory) -> Result<DeviceMem, DeviceError>;
+    /// `bytes` zeroed bytes of host memory this device copies from fastest (page-locked for
+    /// a GPU). A copy from such memory may still run when `htod` returns: `sync` waits.
+    fn host_alloc(&self, bytes: usize) -> Result<HostMemory, DeviceError>;
+    /// Waits until every copy and launch queued so far has finished.
+    fn sync(&self) -> Result<(), DeviceError>;
     /// `launches` made into one graph, without running them.
     fn capture(&self, launches: &[Launch]) -> Result<Graph, DeviceError>;
     /// Runs a graph `capture` made.

@@ -57,6 +57,10 @@ struct DecodeExtra {
     itl_target_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_shared_pool: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_staging: Option<pdmesh_kv_transfer::KvStaging>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_staging_mb: Option<u64>,
 }
 
 #[derive(Serialize)]
@@ -333,6 +337,8 @@ pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
             drain_grace_ms: a.drain_grace_ms,
             itl_target_ms: a.itl_target_ms,
             kv_shared_pool: a.kv_shared_pool,
+            kv_staging: a.kv_staging,
+            kv_staging_mb: a.kv_staging_mb,
         },
     };
     start::<pdmesh_decode::DecodeConfig>(

@@ -2,7 +2,7 @@
 
 use pdmesh_common::InvalidConfig;
 use pdmesh_engine::EngineSettings;
-use pdmesh_kv_transfer::TransportKind;
+use pdmesh_kv_transfer::{KvStaging, TransportKind};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,6 +42,15 @@ pub struct DecodeConfig {
     /// on this host, which then copy KV in with one memcpy (see kv-transfer's `pool`). They
     /// could reach every block, not only their reservation's; false keeps writers to puts.
     pub kv_shared_pool: bool,
+    /// With UCX: whether writers put into the KV pool itself ("direct"), into host staging
+    /// blocks that this node copies into the pool at each commit ("staged"), or "auto":
+    /// direct where UCX reaches the pool's memory (host memory; a GPU's with a CUDA-enabled
+    /// UCX), staged otherwise. Stats and traces show the path taken (`kv_path`).
+    pub kv_staging: KvStaging,
+    /// Size of the staging area in MiB (page-locked host memory for a GPU pool; shared memory
+    /// with `kv_shared_pool`), at most the pool's size. It holds the KV of transfers in
+    /// flight; a reservation that finds it full takes its KV over a stream instead.
+    pub kv_staging_mb: u64,
     /// Fault injection for tests: the engine thread panics at this step. None in production.
     pub fault_engine_panic_at_step: Option<u64>,
     /// Fault injection for tests: each engine step waits this long first. 0 in production.
@@ -65,6 +74,8 @@ impl Default for DecodeConfig {
             drain_grace_ms: 30_000,
             kv_transport: TransportKind::Auto,
             kv_shared_pool: true,
+            kv_staging: KvStaging::Auto,
+            kv_staging_mb: 1024,
             fault_engine_panic_at_step: None,
             fault_step_delay_ms: 0,
             engine: EngineSettings { kv_blocks: 1024, ..EngineSettings::default() },
@@ -84,7 +95,47 @@ impl DecodeConfig {
             );
             return Err(InvalidConfig::new("lease_ms", why));
         }
+        if self.kv_staging_mb == 0 {
+            return Err(InvalidConfig::new("kv_staging_mb", "must be at least 1"));
+        }
+        if self.kv_staging != KvStaging::Auto && self.kv_transport == TransportKind::Grpc {
+            let why = format!("{} needs UCX, but kv_transport is grpc", self.kv_staging);
+            return Err(InvalidConfig::new("kv_staging", why));
+        }
         self.engine.engine_config().map_err(|e| InvalidConfig::new("engine", e.to_string()))?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_settings_are_checked() {
+        let ok = DecodeConfig::default();
+        ok.validate().expect("the defaults are valid");
+        let zero = DecodeConfig { kv_staging_mb: 0, ..ok.clone() };
+        let e = zero.validate().expect_err("an empty staging area");
+        assert!(e.to_string().contains("kv_staging_mb"), "{e}");
+        let no_ucx = DecodeConfig {
+            kv_staging: KvStaging::Staged,
+            kv_transport: TransportKind::Grpc,
+            ..ok.clone()
+        };
+        let e = no_ucx.validate().expect_err("staging without UCX");
+        assert!(e.to_string().contains("needs UCX"), "{e}");
+        let auto = DecodeConfig { kv_transport: TransportKind::Grpc, ..ok };
+        auto.validate().expect("auto staging is fine without UCX");
+        assert_eq!("Staged".parse::<KvStaging>(), Ok(KvStaging::Staged));
+        assert!("sometimes".parse::<KvStaging>().is_err());
+    }
+
+    #[test]
+    fn auto_stages_only_what_ucx_cannot_reach() {
+        assert!(!KvStaging::Auto.stages(true));
+        assert!(KvStaging::Auto.stages(false));
+        assert!(!KvStaging::Direct.stages(false), "direct never stages: it fails instead");
+        assert!(KvStaging::Staged.stages(true));
     }
 }

@@ -166,6 +166,9 @@ struct Reservation {
     remote: Option<Box<dyn std::any::Any + Send>>,
     /// The digest of what was granted (`scope::digest`): a writer's session must name it.
     granted: Option<u64>,
+    /// The staging blocks the writer puts into, when the pool is staged: copied into the
+    /// prompt's blocks at the commit, and kept until no writer can reach them.
+    staged: Option<pdmesh_kv_transfer::StagedBlocks>,
     /// Whose request it is and its id (`name`), for a cancel from any router.
     request: Option<(String, String)>,
     /// Cancelled before its request attached: it finishes as soon as it does.
@@ -339,6 +342,7 @@ impl DecodeCore {
                 phase,
                 remote: None,
                 granted: None,
+                staged: None,
                 request: None,
                 cancelled: false,
             },

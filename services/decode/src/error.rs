@@ -48,6 +48,7 @@ impl From<ReceiveError> for DecodeError {
         match e {
             ReceiveError::Corrupt { block } => DecodeError::Corrupt { block },
             ReceiveError::Engine(e) => DecodeError::Engine(e),
+            ReceiveError::Staging { .. } => DecodeError::Remote(e.to_string()),
             ReceiveError::AlreadyReceiving(_)
             | ReceiveError::NotReceiving(_)
             | ReceiveError::NotPreallocated(_)
@@ -100,6 +101,8 @@ pub enum StartError {
     Load(#[from] tokio::task::JoinError),
     #[error("kv_transport = ucx: {0}")]
     Ucx(#[from] pdmesh_kv_transfer::ucx::UcxError),
+    #[error("kv_transport = ucx: cannot offer the KV pool to UCX writers: {0}")]
+    Pool(String),
     #[error("starting the engine thread: {0}")]
     Thread(#[source] std::io::Error),
     #[error("serving: {0}")]

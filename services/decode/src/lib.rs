@@ -14,8 +14,11 @@ use std::time::Duration;
 
 use pdmesh_common::metrics::{Family, Kind, Metrics};
 use pdmesh_common::worker::{COMMAND_QUEUE, Faults};
+use pdmesh_engine::Engine;
+use pdmesh_kv_transfer::ucx::UcxNode;
+use pdmesh_kv_transfer::{KvPool, StagingArea, TransportKind, register_kv_pool, stage_kv_pool};
 use pdmesh_proto::v1::decode_server::DecodeServer;
-use pdmesh_proto::v1::{RegisterRequest, Role};
+use pdmesh_proto::v1::{RegisterRequest, Role, UcxRange};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -43,14 +46,11 @@ pub async fn run(
     })
     .await??;
     let ucx = config.kv_transport.start_ucx(&node_id)?;
-    let shared = match &ucx {
-        Some(node) if config.kv_shared_pool => share_pool(node, &mut engine),
-        _ => None,
+    let pool = match &ucx {
+        Some(node) => offer_pool(&config, node, &mut engine)?,
+        None => None,
     };
-    let pool = register_pool(config.kv_transport, ucx.as_ref(), &engine)?.map(|p| match shared {
-        Some(s) => p.with_shared(s),
-        None => p,
-    });
+    let kv_path = pool.as_ref().map_or("", |p| p.path().name());
     let layout = engine.kv_layout();
     let backend = engine.describe_backend();
     let context = engine.max_seq_len();
@@ -83,10 +83,12 @@ pub async fn run(
     let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
     metrics.register_snapshot({
         let (counts, stats) = (Arc::clone(&counts), Arc::clone(&stats));
+        let staging = pool.as_ref().and_then(|p| p.staging().cloned());
         move || {
             let c = *counts.lock().expect("never poisoned");
             let mut v = metric_families(&c);
             v.extend(stats.metric_families("decode"));
+            v.extend(staging.as_deref().map(staging_families).into_iter().flatten());
             v
         }
     });
@@ -100,6 +102,7 @@ pub async fn run(
         tx: tx.clone(),
         stats,
         shared: pool.as_ref().and_then(|p| p.shared().cloned()),
+        kv_path,
     };
     let drain = CancellationToken::new();
     let service = DecodeService {
@@ -112,7 +115,7 @@ pub async fn run(
         drain: drain.clone(),
     };
     let load_counts = Arc::clone(&counts);
-    tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, ucx = service.pool.is_some(), "decode node serving");
+    tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, kv_path, "decode node serving");
     let routes = tonic::service::Routes::new(
         DecodeServer::new(service)
             .max_decoding_message_size(64 << 20)
@@ -170,12 +173,40 @@ async fn drained(
     .await;
 }
 
+/// Offers the KV pool to UCX writers: the pool itself, or host staging blocks in front of it,
+/// as `kv_staging` and what UCX reaches decide; in shared memory for writers on this host
+/// when `kv_shared_pool` and UCX can allocate it. Failing is fatal for `kv_transport = ucx`;
+/// for `auto` the KV arrives over gRPC.
+fn offer_pool(
+    config: &DecodeConfig,
+    node: &UcxNode,
+    engine: &mut Engine,
+) -> Result<Option<KvPool>, StartError> {
+    let memory = engine.kv_memory();
+    let staged = config.kv_staging.stages(node.reaches(memory.kind()));
+    let pool = if staged {
+        stage_pool(config, node, engine).map(Some)
+    } else {
+        let shared = if config.kv_shared_pool { share_pool(node, engine) } else { None };
+        // Moved into shared memory, or not: the region names where it is now.
+        let memory = engine.kv_memory();
+        register_kv_pool(node, &memory, engine.kv().geometry())
+            .map(|p| Some(shared.into_iter().fold(p, KvPool::with_shared)))
+            .map_err(|e| e.to_string())
+    };
+    match pool {
+        Ok(pool) => Ok(pool),
+        Err(e) if config.kv_transport == TransportKind::Ucx => Err(StartError::Pool(e)),
+        Err(e) => {
+            tracing::warn!("cannot offer the KV pool to UCX writers, KV arrives over gRPC: {e}");
+            Ok(None)
+        }
+    }
+}
+
 /// Moves the KV pool into UCX-allocated shared memory for writers on this host; without
 /// it (UCX cannot allocate shared memory here) the pool stays where it is, reached by puts.
-fn share_pool(
-    node: &pdmesh_kv_transfer::ucx::UcxNode,
-    engine: &mut pdmesh_engine::Engine,
-) -> Option<pdmesh_proto::v1::UcxRange> {
+fn share_pool(node: &UcxNode, engine: &mut Engine) -> Option<UcxRange> {
     match pdmesh_kv_transfer::share_kv_pool(node, engine) {
         Ok(s) => {
             tracing::info!(bytes = s.len, "KV pool in shared memory for writers on this host");
@@ -188,23 +219,65 @@ fn share_pool(
     }
 }
 
-/// Registers the KV pool with UCX as `kind` asks: required for `ucx`, tried for `auto`.
-fn register_pool(
-    kind: pdmesh_kv_transfer::TransportKind,
-    node: Option<&pdmesh_kv_transfer::ucx::UcxNode>,
-    engine: &pdmesh_engine::Engine,
-) -> Result<Option<pdmesh_kv_transfer::KvPool>, StartError> {
-    use pdmesh_kv_transfer::TransportKind;
-    let Some(node) = node else { return Ok(None) };
-    let memory = engine.kv_memory();
-    match pdmesh_kv_transfer::register_kv_pool(node, &memory, engine.kv().geometry()) {
-        Ok(pool) => Ok(Some(pool)),
-        Err(e) if kind == TransportKind::Ucx => Err(e.into()),
-        Err(e) => {
-            tracing::warn!("cannot register the KV pool with UCX, KV arrives over gRPC: {e}");
-            Ok(None)
-        }
+/// The staging area in front of the pool: `kv_staging_mb` (at most the pool's size) of
+/// shared memory for writers on this host when `kv_shared_pool` allows and UCX can allocate
+/// it, else of the memory the engine copies from fastest (page-locked for a GPU).
+fn stage_pool(config: &DecodeConfig, node: &UcxNode, engine: &Engine) -> Result<KvPool, String> {
+    let geometry = *engine.kv().geometry();
+    let bpb = geometry.bytes_per_block();
+    let want = usize::try_from(config.kv_staging_mb.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+    let len = want.min(engine.kv_bytes()) / bpb * bpb;
+    if len == 0 {
+        return Err(format!(
+            "kv_staging_mb = {} holds no KV block of {bpb} bytes",
+            config.kv_staging_mb
+        ));
     }
+    let shared = if config.kv_shared_pool {
+        match pdmesh_kv_transfer::allocate_shared(node, len) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tracing::warn!("KV staging not in shared memory, writers on this host put: {e}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let (memory, range) = match shared {
+        Some((m, r)) => (m, Some(r)),
+        None => (engine.kv_staging_memory(len).map_err(|e| e.to_string())?, None),
+    };
+    let area = StagingArea::new(memory, bpb)?;
+    let blocks = area.blocks();
+    let pool =
+        stage_kv_pool(node, area, &engine.kv_memory(), &geometry).map_err(|e| e.to_string())?;
+    tracing::info!(
+        blocks,
+        bytes = len,
+        shared = range.is_some(),
+        pool = engine.kv_memory().kind().name(),
+        "KV staged: writers put into host staging blocks, copied into the pool at each commit"
+    );
+    Ok(range.into_iter().fold(pool, KvPool::with_shared))
+}
+
+/// The staging area's occupancy as Prometheus families.
+fn staging_families(area: &StagingArea) -> Vec<Family> {
+    vec![
+        Family::one(
+            "pdmesh_decode_kv_staging_free_blocks",
+            "Host staging blocks free for incoming KV.",
+            Kind::Gauge,
+            area.free_blocks() as f64,
+        ),
+        Family::one(
+            "pdmesh_decode_kv_staging_full",
+            "Reservations that found every staging block taken and took their KV over gRPC.",
+            Kind::Counter,
+            area.full() as f64,
+        ),
+    ]
 }
 
 /// The node's counts as Prometheus families.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pdmesh_common::ids::Capability;
-use pdmesh_kv_transfer::{KvInbox, KvPiece, KvPool, KvTransport, TransferStats};
+use pdmesh_kv_transfer::{KvInbox, KvPiece, KvPool, KvTransport, TargetError, TransferStats};
 use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::decode_server::Decode;
 use pdmesh_proto::v1::{
@@ -26,7 +26,7 @@ use tracing::Span;
 
 use crate::core::{Attach, Counts, Event, Start};
 use crate::error::{DecodeError, to_status};
-use crate::worker::{ChannelOutput, Command, RemoteGrant};
+use crate::worker::{ChannelOutput, Command, Remote, RemoteGrant};
 
 /// The engine thread as the async side reaches it.
 #[derive(Debug, Clone)]
@@ -37,8 +37,11 @@ pub struct Inbox {
     pub layout: KvLayout,
     pub tx: mpsc::Sender<Command>,
     pub stats: Arc<TransferStats>,
-    /// The KV pool's shared memory, offered to UCX writers on this host.
+    /// The KV pool's shared memory (or its staging area's), offered to UCX writers on this
+    /// host.
     pub shared: Option<UcxRange>,
+    /// How UCX writers reach the pool (`KvPath::name`); empty without UCX.
+    pub kv_path: &'static str,
 }
 
 impl Inbox {
@@ -81,7 +84,12 @@ impl KvInbox for Inbox {
         self.tx.send(cmd).await.map_err(|_| self.status(&DecodeError::EngineStopped))
     }
 
-    async fn end(&self, id: u64, blocks: usize, checksums: Vec<u64>) -> Result<(), Status> {
+    async fn end(
+        &self,
+        id: u64,
+        blocks: usize,
+        checksums: Vec<u64>,
+    ) -> Result<Option<Duration>, Status> {
         self.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await
     }
 
@@ -92,6 +100,10 @@ impl KvInbox for Inbox {
 
     fn shared_pool(&self) -> Option<UcxRange> {
         self.shared.clone()
+    }
+
+    fn kv_path(&self) -> &str {
+        self.kv_path
     }
 
     fn closed(&self, id: u64) {
@@ -232,9 +244,16 @@ impl Decode for DecodeService {
         let grant = match (&self.pool, remote_kv) {
             (Some(pool), true) => {
                 let pool = pool.clone();
-                Some(RemoteGrant(Box::new(move |blocks: &[u32]| {
-                    let (target, grant) = pool.target(blocks).map_err(|e| e.to_string())?;
-                    Ok((target, Box::new(grant) as Box<dyn std::any::Any + Send>))
+                Some(RemoteGrant(Box::new(move |blocks: &[u32]| match pool.target(blocks) {
+                    Ok(g) => {
+                        let grant = Box::new(g.grant) as Box<dyn std::any::Any + Send>;
+                        Ok(Some(Remote { target: g.target, grant, staged: g.staged }))
+                    }
+                    Err(TargetError::StagingFull(e)) => {
+                        tracing::debug!("this reservation's KV comes over a stream: {e}");
+                        Ok(None)
+                    }
+                    Err(e) => Err(e.to_string()),
                 })))
             }
             _ => None,
@@ -358,6 +377,7 @@ impl Decode for DecodeService {
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
         let c = *self.counts.lock().expect("counts lock is never poisoned");
+        let staging = self.pool.as_ref().and_then(|p| p.staging());
         Ok(Response::new(NodeStats {
             node_id: self.node_id().to_string(),
             role: Role::Decode as i32,
@@ -377,6 +397,10 @@ impl Decode for DecodeService {
             moved: c.moved,
             preempted: c.preempted,
             backend: self.inbox.backend.clone(),
+            kv_path: self.inbox.kv_path.into(),
+            kv_staging_free_blocks: staging.map_or(0, |s| s.free_blocks() as u32),
+            kv_staging_blocks: staging.map_or(0, |s| s.blocks() as u32),
+            kv_staging_full: staging.map_or(0, |s| s.full()),
         }))
     }
 

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use pdmesh_common::ids::Capability;
 use pdmesh_common::worker::Core;
+use pdmesh_kv_transfer::StagedBlocks;
 use pdmesh_proto::v1::UcxTarget;
 use tokio::sync::{mpsc, oneshot};
 
@@ -20,10 +21,28 @@ pub type Reply<T> = oneshot::Sender<Result<T, DecodeError>>;
 /// reservation keeps until its KV is complete.
 pub struct RemoteGrant(pub Box<GrantFn>);
 
-/// Given a reservation's pool blocks: the target for peers, and what keeps it reachable
-/// (dropping it revokes the access).
-pub type GrantFn =
-    dyn FnOnce(&[u32]) -> Result<(UcxTarget, Box<dyn std::any::Any + Send>), String> + Send;
+/// Given a reservation's pool blocks: what peers are granted, or `None` when this one takes
+/// its KV over a stream (every staging block is taken).
+pub type GrantFn = dyn FnOnce(&[u32]) -> Result<Option<Remote>, String> + Send;
+
+/// A reservation's blocks made reachable by peers.
+pub struct Remote {
+    /// What the writer is handed.
+    pub target: UcxTarget,
+    /// Keeps it reachable; dropping it revokes the access.
+    pub grant: Box<dyn std::any::Any + Send>,
+    /// The staging blocks the target names, when the pool is staged.
+    pub staged: Option<StagedBlocks>,
+}
+
+impl std::fmt::Debug for Remote {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Remote")
+            .field("target", &self.target)
+            .field("staged", &self.staged)
+            .finish_non_exhaustive()
+    }
+}
 
 impl std::fmt::Debug for RemoteGrant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -69,7 +88,8 @@ pub enum Command {
         id: u64,
         blocks: usize,
         checksums: Vec<u64>,
-        reply: Reply<()>,
+        /// How long copying staged blocks into the pool took, when they were staged.
+        reply: Reply<Option<Duration>>,
     },
     /// A UCX session ended: its writer can put no more.
     WriterClosed {
@@ -177,11 +197,15 @@ impl Core for Worker {
                         core.name(res.id(), request.0, request.1);
                         let Some(RemoteGrant(grant)) = grant else { return Ok((res, None)) };
                         match grant(&res.pool_blocks) {
-                            Ok((target, g)) => {
+                            Ok(Some(Remote { target, grant, staged })) => {
                                 let digest = pdmesh_kv_transfer::scope::digest(&target.ranges);
-                                core.hold(res.id(), g, digest);
+                                core.hold(res.id(), grant, digest);
+                                if let Some(s) = staged {
+                                    core.stage(res.id(), s);
+                                }
                                 Ok((res, Some(target)))
                             }
+                            Ok(None) => Ok((res, None)),
                             Err(why) => {
                                 core.release(res.id());
                                 Err(DecodeError::Remote(why))

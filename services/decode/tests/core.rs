@@ -219,6 +219,73 @@ fn remote_writers_get_preallocated_blocks_and_quarantine_them() {
     assert_eq!((k.failed, k.free_blocks, k.transferring), (1, 16, 0));
 }
 
+/// Plays the remote writer: puts `data` (whole blocks) into a reservation's staging blocks,
+/// as a UCX put from another process would.
+#[allow(unsafe_code)]
+fn put_staged(staged: &pdmesh_kv_transfer::StagedBlocks, data: &[u8], bpb: usize) {
+    for (i, block) in data.chunks_exact(bpb).enumerate() {
+        // SAFETY: `addr(i)` starts one block of `bpb` bytes that the staging area keeps
+        // allocated while `staged` lives, and nothing in this process reads it meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(block.as_ptr(), staged.addr(i) as *mut u8, bpb) };
+    }
+}
+
+/// A staged pool (a GPU's, where UCX cannot reach it): the writer's puts land in staging
+/// blocks, the commit copies them into the reservation's own blocks (checked by verify
+/// mode), and the staging blocks go back only once no writer can reach them.
+#[test]
+fn staged_kv_is_copied_in_at_the_commit_and_its_blocks_wait_for_the_writer() {
+    use pdmesh_kv_transfer::StagingArea;
+    let mut c = core(16);
+    let t0 = Instant::now();
+    let bpb = c.engine().kv().geometry().bytes_per_block();
+    let area =
+        StagingArea::new(pdmesh_kv_types::HostMemory::zeroed(4 * bpb).unwrap(), bpb).unwrap();
+    let data: Vec<u8> = (0..2 * bpb).map(|i| (i % 239) as u8).collect();
+    let sums: Vec<u64> = data.chunks(bpb).map(pdmesh_kv_types::block_checksum).collect();
+
+    let r = c.reserve(20, 4, None, true, t0).unwrap();
+    let staged = area.take(r.pool_blocks.len()).unwrap();
+    put_staged(&staged, &data, bpb);
+    assert!(c.stage(r.id(), staged));
+    c.kv_begin(r.id(), true).unwrap();
+    // Verify mode checks the pool's blocks: they hold what was put into the staging ones.
+    let took = c.kv_end(r.id(), 2, &sums, t0).unwrap();
+    assert!(took.is_some(), "the copy out of staging is reported");
+    assert_eq!(area.free_blocks(), 2, "the writer's session is still open");
+    c.writer_closed(r.id(), "p");
+    assert_eq!(area.free_blocks(), 4);
+
+    // A staged block corrupted on its way fails the reservation at the commit.
+    let r = c.reserve(20, 4, None, true, t0).unwrap();
+    let staged = area.take(2).unwrap();
+    let mut bad = data.clone();
+    bad[bpb + 3] ^= 1;
+    put_staged(&staged, &bad, bpb);
+    assert!(c.stage(r.id(), staged));
+    c.kv_begin(r.id(), true).unwrap();
+    assert!(matches!(c.kv_end(r.id(), 2, &sums, t0), Err(DecodeError::Corrupt { block: 1 })));
+    c.writer_closed(r.id(), "p");
+    assert_eq!(area.free_blocks(), 4);
+
+    // Ended while its writer may still put: the staging blocks wait with the quarantine.
+    let r = c.reserve(20, 4, None, true, t0).unwrap();
+    assert!(c.stage(r.id(), area.take(2).unwrap()));
+    c.kv_begin(r.id(), true).unwrap();
+    assert!(c.release(r.id()));
+    assert_eq!((c.counts().quarantined, area.free_blocks()), (1, 2));
+    c.writer_closed(r.id(), "p");
+    assert_eq!((c.counts().quarantined, area.free_blocks()), (0, 4));
+
+    // KV that comes over a stream instead has no use for them.
+    let r = c.reserve(20, 4, None, true, t0).unwrap();
+    assert!(c.stage(r.id(), area.take(2).unwrap()));
+    c.kv_begin(r.id(), false).unwrap();
+    assert_eq!(area.free_blocks(), 4);
+    assert!(!c.stage(12345, area.take(1).unwrap()), "no such reservation");
+    assert_eq!(area.free_blocks(), 4, "dropped at once");
+}
+
 #[test]
 fn verify_mode_catches_a_corrupted_block() {
     let mut c = core(16);

@@ -268,6 +268,12 @@ impl Engine {
         self.device.store_mut().rehome(memory).map_err(|e| Error::KvAlloc(e.to_string()))
     }
 
+    /// `len` zeroed bytes of host memory that `write_block` copies from fastest (page-locked
+    /// for a GPU): a transport's staging area for a pool it cannot reach itself.
+    pub fn kv_staging_memory(&self, len: usize) -> Result<HostMemory> {
+        self.device.store().staging(len).map_err(|e| Error::KvAlloc(e.to_string()))
+    }
+
     /// The layout of this engine's KV blocks: what a peer must match to exchange them.
     pub fn kv_layout(&self) -> KvLayout {
         KvLayout { model_fingerprint: self.model.fingerprint, geometry: *self.kv.geometry() }

@@ -251,9 +251,9 @@ async fn receive(
                 let blocks = e.blocks as usize;
                 let r = inbox.end(id, blocks, e.checksums).await;
                 let secs = started.elapsed().as_secs_f64();
-                inbox.stats().record("grpc", r.as_ref().ok().map(|()| bytes), secs);
-                r?;
-                inbox::received(&tracing::Span::current(), blocks, bytes, secs);
+                inbox.stats().record("grpc", r.as_ref().ok().map(|_| bytes), secs);
+                let unstaged = r?;
+                inbox::received(&tracing::Span::current(), blocks, bytes, secs, unstaged);
                 return Ok(tonic::Response::new(PushKvResponse { bytes }));
             }
             _ => {

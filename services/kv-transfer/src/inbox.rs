@@ -5,6 +5,7 @@
 //! is here.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use pdmesh_common::ids::Capability;
@@ -30,9 +31,14 @@ pub trait KvInbox: Send + Sync + 'static {
     async fn begin(&self, cap: Capability, from: &str, remote: Option<u64>) -> Result<u64, Status>;
     /// Whole blocks of a streamed transfer.
     async fn write(&self, reservation: u64, first_block: usize, data: Bytes) -> Result<(), Status>;
-    /// The sender says the KV is complete.
-    async fn end(&self, reservation: u64, blocks: usize, checksums: Vec<u64>)
-    -> Result<(), Status>;
+    /// The sender says the KV is complete. Returns how long copying it from staging blocks
+    /// into the pool took, when it was put into staging blocks.
+    async fn end(
+        &self,
+        reservation: u64,
+        blocks: usize,
+        checksums: Vec<u64>,
+    ) -> Result<Option<Duration>, Status>;
     /// The transfer broke; `why` says how.
     async fn abort(&self, reservation: u64, from: &str, why: String);
     /// A transfer's stream ended (a remote writer can put no more), however it ended.
@@ -41,6 +47,10 @@ pub trait KvInbox: Send + Sync + 'static {
     /// is not in memory they can map.
     fn shared_pool(&self) -> Option<UcxRange> {
         None
+    }
+    /// How a UCX writer's puts reach the pool (`KvPath::name`); empty without UCX.
+    fn kv_path(&self) -> &str {
+        ""
     }
 }
 
@@ -102,9 +112,13 @@ pub(crate) fn receive_span(
     header: Option<&KvHeader>,
     transport: &'static str,
 ) -> Span {
+    // A stream's blocks are written into the pool as they arrive, whatever its memory.
+    let kv_path = if transport == "ucx" { inbox.kv_path() } else { "stream" };
     let span = pdmesh_common::span!(
         "decode.kv_receive",
         transport,
+        kv_path,
+        unstage_ms = Empty,
         reservation_id = Empty,
         prefill_node = Empty,
         blocks = Empty,
@@ -120,8 +134,18 @@ pub(crate) fn receive_span(
     span
 }
 
-/// Records a completed transfer's size and speed on its span.
-pub(crate) fn received(span: &Span, blocks: usize, bytes: u64, secs: f64) {
+/// Records a completed transfer's size and speed on its span, and the copy out of staging
+/// blocks when there was one.
+pub(crate) fn received(
+    span: &Span,
+    blocks: usize,
+    bytes: u64,
+    secs: f64,
+    unstaged: Option<Duration>,
+) {
+    if let Some(d) = unstaged {
+        span.record("unstage_ms", d.as_secs_f64() * 1e3);
+    }
     span.record("blocks", blocks as i64);
     span.record("bytes", bytes as i64);
     if secs > 0.0 {

@@ -17,6 +17,7 @@ pub mod prefix_cache;
 pub mod push;
 pub mod receive;
 pub mod scope;
+pub mod staging;
 pub mod stats;
 pub mod ucx;
 pub mod ucx_transport;
@@ -31,10 +32,14 @@ pub use auto::{AutoTransport, TransportKind};
 pub use grpc::{GrpcTransport, receive_push};
 pub use inbox::{KvInbox, parse_reservation};
 pub use layout::check_layout;
-pub use pool::{KvPool, register_kv_pool, share_kv_pool};
+pub use pool::{
+    Granted, KvPath, KvPool, KvStaging, TargetError, allocate_shared, register_kv_pool,
+    share_kv_pool, stage_kv_pool,
+};
 pub use prefix_cache::{CacheError, Lookup, PrefixCache};
 pub use push::{Export, PushConnector, PushError, PushJob, PushMode};
 pub use receive::{ReceiveError, Receiver, Target};
+pub use staging::{StagedBlocks, StagingArea, StagingFull};
 pub use stats::TransferStats;
 pub use ucx_transport::{SessionEvents, UcxTransport, accept_session};
 

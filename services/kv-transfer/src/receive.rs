@@ -6,8 +6,11 @@
 //! writer's session ends.
 
 use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
 
 use pdmesh_engine::{Engine, KvConnector, KvView, Release, SeqId};
+
+use crate::staging::StagedBlocks;
 
 /// Why KV could not be taken in.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -30,6 +33,8 @@ pub enum ReceiveError {
     Checksums { got: usize, want: usize },
     #[error("KV block {block} failed its checksum: the transfer corrupted it")]
     Corrupt { block: usize },
+    #[error("{staged} staging blocks for a prompt of {want} blocks")]
+    Staging { staged: usize, want: usize },
     #[error("engine: {0}")]
     Engine(#[from] pdmesh_engine::Error),
 }
@@ -156,35 +161,65 @@ impl Receiver {
     }
 
     /// The sender says the KV is complete with `blocks` blocks. A remote writer says so only
-    /// after its writes completed (and could put no more), so its blocks count as written now.
-    /// Too few blocks is refused and the transfer stays open; non-empty `checksums` (verify
-    /// mode) are checked against each block, and a mismatch ends the transfer.
+    /// after its writes completed (and could put no more), so its blocks count as written now;
+    /// when it put into `staged` blocks, they are copied into the pool here, and the time that
+    /// took is returned. Too few blocks is refused and the transfer stays open; non-empty
+    /// `checksums` (verify mode) are checked against each block in the pool, and a mismatch
+    /// ends the transfer.
     pub fn end(
         &mut self,
         id: u64,
         t: Target,
         blocks: usize,
         checksums: &[u64],
-        engine: &Engine,
-    ) -> Result<(), ReceiveError> {
+        staged: Option<&StagedBlocks>,
+        engine: &mut Engine,
+    ) -> Result<Option<Duration>, ReceiveError> {
         let want = Self::blocks(engine, t.prompt_len);
-        let got = match self.transfers.get(&id) {
-            Some(Transfer::Streaming { next }) => *next,
+        let (got, remote) = match self.transfers.get(&id) {
+            Some(Transfer::Streaming { next }) => (*next, false),
             Some(Transfer::Remote) => {
                 self.sessions.remove(&id);
-                blocks.min(want)
+                (blocks.min(want), true)
             }
             _ => return Err(ReceiveError::NotReceiving(id)),
         };
         if got != want || blocks != want {
             return Err(ReceiveError::Incomplete { got: got.min(blocks), want });
         }
+        let unstaged = match staged.filter(|_| remote) {
+            Some(s) => match Self::unstage(engine, t.seq, s, want) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    self.abort(id);
+                    return Err(e);
+                }
+            },
+            None => None,
+        };
         if let Err(e) = Self::verify(engine, t.seq, checksums, want) {
             self.abort(id);
             return Err(e);
         }
         self.transfers.insert(id, Transfer::Complete);
-        Ok(())
+        Ok(unstaged)
+    }
+
+    /// Copies the `want` staged blocks of `seq`'s prompt into its pool blocks.
+    fn unstage(
+        engine: &mut Engine,
+        seq: SeqId,
+        staged: &StagedBlocks,
+        want: usize,
+    ) -> Result<Duration, ReceiveError> {
+        if staged.len() != want {
+            return Err(ReceiveError::Staging { staged: staged.len(), want });
+        }
+        let started = Instant::now();
+        for i in 0..want {
+            engine.write_block(seq, i, staged.block(i))?;
+        }
+        Ok(started.elapsed())
     }
 
     fn verify(
@@ -291,7 +326,7 @@ mod tests {
         r.write(1, t, 0, &data[..2 * bpb], &mut e).expect("two blocks");
         assert_eq!(r.available(1, &[0; 10]), None);
         r.write(1, t, 2, &data[2 * bpb..], &mut e).expect("the tail block");
-        r.end(1, t, 3, &sums, &e).expect("complete and verified");
+        r.end(1, t, 3, &sums, None, &mut e).expect("complete and verified");
         assert_eq!(r.available(1, &[0; 10]), Some(10));
         assert_eq!(r.finished(1, seq, &e.kv_view()), Release::Free);
         assert_eq!(r.available(1, &[0; 10]), Some(0), "forgotten");
@@ -309,18 +344,21 @@ mod tests {
         let mut bad = data.clone();
         bad[bpb + 7] ^= 0x40;
         r.write(1, t, 0, &bad, &mut e).expect("written");
-        assert!(matches!(r.end(1, t, 2, &sums, &e), Err(ReceiveError::Corrupt { block: 1 })));
+        assert!(matches!(
+            r.end(1, t, 2, &sums, None, &mut e),
+            Err(ReceiveError::Corrupt { block: 1 })
+        ));
         assert!(!r.is_receiving(1), "a failed end ends the transfer");
         let t = Target { seq: e.create_sequence(), prompt_len: 8 };
         r.begin(2, t, false, &mut e).expect("begin");
         r.write(2, t, 0, &data[..bpb], &mut e).expect("one block");
         assert!(matches!(
-            r.end(2, t, 2, &[], &e),
+            r.end(2, t, 2, &[], None, &mut e),
             Err(ReceiveError::Incomplete { got: 1, want: 2 })
         ));
         assert!(r.is_receiving(2), "a short end leaves the transfer open");
         r.write(2, t, 1, &data[bpb..], &mut e).expect("the last block");
-        r.end(2, t, 2, &sums, &e).expect("complete");
+        r.end(2, t, 2, &sums, None, &mut e).expect("complete");
     }
 
     #[test]
@@ -338,7 +376,7 @@ mod tests {
         assert!(r.session_open(2));
         assert_eq!(r.forget(2), Release::Keep, "the writer's session is open");
         r.begin(4, t, true, &mut e).expect("begin");
-        r.end(4, t, 2, &[], &e).expect("committed: every put has landed");
+        r.end(4, t, 2, &[], None, &mut e).expect("committed: every put has landed");
         assert!(!r.session_open(4));
         assert_eq!(r.finished(4, seq, &e.kv_view()), Release::Free);
         assert!(!r.writer_closed(4), "it had committed");
@@ -348,5 +386,44 @@ mod tests {
         r.begin(3, Target { seq, prompt_len: 8 }, true, &mut e).expect("begin");
         assert!(r.writer_closed(3));
         assert_eq!(r.forget(3), Release::Free);
+    }
+
+    #[test]
+    fn staged_blocks_are_copied_into_the_pool_at_the_commit_in_prompt_order() {
+        let mut e = engine();
+        let mut r = Receiver::new();
+        let bpb = e.kv().geometry().bytes_per_block();
+        // What a remote writer left in a staging area of 4 blocks.
+        let mut mem = pdmesh_kv_types::HostMemory::zeroed(4 * bpb).expect("staging");
+        for (i, b) in mem.bytes_mut().iter_mut().enumerate() {
+            *b = (i % 241) as u8;
+        }
+        let area = crate::staging::StagingArea::new(mem, bpb).expect("area");
+        let staged = area.take(2).expect("2 blocks");
+        assert_ne!(staged.blocks(), [0, 1], "not the identity: the order must be followed");
+        let want: Vec<u8> = (0..2).flat_map(|i| staged.block(i).to_vec()).collect();
+        let sums: Vec<u64> = want.chunks(bpb).map(pdmesh_kv_types::block_checksum).collect();
+        let seq = e.create_sequence();
+        e.extend_sequence(seq, 8).expect("preallocated");
+        let t = Target { seq, prompt_len: 8 };
+        r.begin(1, t, true, &mut e).expect("begin");
+        let took = r.end(1, t, 2, &sums, Some(&staged), &mut e).expect("unstaged and verified");
+        assert!(took.is_some(), "the copy is timed");
+        let mut got = Vec::new();
+        for i in 0..2 {
+            e.read_block(seq, i, &mut got).expect("read");
+        }
+        assert_eq!(got, want);
+        // A staged set that does not match the prompt fails the transfer, not the node.
+        let seq = e.create_sequence();
+        e.extend_sequence(seq, 8).expect("preallocated");
+        let t = Target { seq, prompt_len: 8 };
+        let one = area.take(1).expect("1 block");
+        r.begin(2, t, true, &mut e).expect("begin");
+        assert!(matches!(
+            r.end(2, t, 2, &[], Some(&one), &mut e),
+            Err(ReceiveError::Staging { staged: 1, want: 2 })
+        ));
+        assert!(!r.is_receiving(2));
     }
 }

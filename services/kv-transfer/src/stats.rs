@@ -43,6 +43,15 @@ impl TransferStats {
         self.with(transport, |e| e.mapped += 1);
     }
 
+    /// A transfer by `transport` whose writer put into staging blocks, copied into the pool
+    /// in `seconds` (counted in `record` too).
+    pub fn staged(&self, transport: &'static str, seconds: f64) {
+        self.with(transport, |e| {
+            e.staged += 1;
+            e.staged_seconds += seconds;
+        });
+    }
+
     /// A transfer that wanted `wanted` and used another transport.
     pub fn fallback(&self, wanted: &'static str) {
         self.with(wanted, |e| e.fallbacks += 1);
@@ -81,6 +90,14 @@ impl TransferStats {
                 "Transfers copied into a decode node's KV pool mapped from shared memory.",
                 &|t| t.mapped as f64,
             ),
+            fam(
+                "transfers_staged",
+                "Transfers put into host staging blocks and copied into the KV pool.",
+                &|t| t.staged as f64,
+            ),
+            fam("transfer_unstage_seconds", "Time copying staged KV blocks into the pool.", &|t| {
+                t.staged_seconds
+            }),
         ]
     }
 }

@@ -415,9 +415,13 @@ pub async fn accept_session(
                 let bytes = blocks as u64 * inbox.layout().bytes_per_block() as u64;
                 let r = inbox.end(id, blocks, e.checksums).await;
                 let secs = started.elapsed().as_secs_f64();
-                inbox.stats().record("ucx", r.as_ref().ok().map(|()| bytes), secs);
-                inbox::received(&tracing::Span::current(), blocks, bytes, secs);
-                r.map(|()| bytes)
+                inbox.stats().record("ucx", r.as_ref().ok().map(|_| bytes), secs);
+                if let Ok(Some(d)) = r {
+                    inbox.stats().staged("ucx", d.as_secs_f64());
+                }
+                let unstaged = r.as_ref().ok().copied().flatten();
+                inbox::received(&tracing::Span::current(), blocks, bytes, secs, unstaged);
+                r.map(|_| bytes)
             }
             Ok(Some(_)) => {
                 Err(Status::invalid_argument("a UCX session takes one commit after its open"))

@@ -165,3 +165,61 @@ async fn an_idle_mapping_is_let_go_but_not_under_a_transfer() {
     assert_eq!(owned.bytes()[100], 42);
     drop((m, again, peer, peers, owned, alloc));
 }
+
+/// A pool UCX cannot reach is offered through host staging blocks: each target names as many
+/// staging blocks as the prompt has, in prompt order, a peer's puts land there, and the
+/// blocks go back when the reservation lets go of them. Device memory is refused by a UCX
+/// without a CUDA transport (this build's) rather than registered as if it were host memory.
+#[tokio::test]
+async fn a_staged_pool_hands_out_staging_blocks_in_prompt_order() {
+    use pdmesh_kv_transfer::{KvPath, StagingArea, TargetError, stage_kv_pool};
+    use pdmesh_kv_types::{KvDtype, KvGeometry, MemoryKind};
+    let a = UcxNode::start("a").expect("ucx a");
+    let b = UcxNode::start("b").expect("ucx b");
+    assert!(b.reaches(MemoryKind::Host));
+    assert!(!b.reaches(MemoryKind::Cuda { device: 0 }), "this UCX is built without CUDA");
+
+    let geometry =
+        KvGeometry { layers: 2, kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F16 };
+    let bpb = geometry.bytes_per_block();
+    let pool = HostMemory::zeroed(16 * bpb).expect("pool");
+    let area = StagingArea::new(HostMemory::zeroed(3 * bpb).expect("staging"), bpb).expect("3");
+    let staged_pool = stage_kv_pool(&b, area.clone(), &pool.region(), &geometry).expect("staged");
+    assert_eq!(staged_pool.path(), KvPath::Staged(MemoryKind::Host));
+    assert_eq!(staged_pool.path().name(), "staged-host");
+
+    // Pool blocks 9 and 4 (any: the puts do not go there) get two staging blocks.
+    let g = staged_pool.target(&[9, 4]).expect("granted");
+    let staged = g.staged.as_ref().expect("staged blocks");
+    assert_eq!(g.target.block_addrs.len(), 2);
+    for i in 0..2 {
+        assert_eq!(g.target.block_addrs[i], staged.addr(i) as u64, "prompt order");
+    }
+    assert_eq!(area.free_blocks(), 1);
+    assert!(matches!(
+        staged_pool.target(&[1, 2]),
+        Err(TargetError::StagingFull(f)) if f.want == 2 && f.free == 1
+    ));
+    assert!(staged_pool.target(&[16]).is_err(), "past the pool");
+
+    let ep = a.connect(g.target.worker_address.clone()).await.expect("connect");
+    // Each run of neighbouring staging blocks has a key of its own.
+    let mut keys = Vec::new();
+    for r in &g.target.ranges {
+        keys.push((r.base, r.len, ep.remote_key(r.rkey.clone()).await.expect("rkey")));
+    }
+    let blocks: Vec<Vec<u8>> = (0..2).map(|i| pattern(bpb, 7 + i as u8)).collect();
+    for (i, data) in blocks.iter().enumerate() {
+        let addr = g.target.block_addrs[i];
+        let (_, _, key) = keys.iter().find(|k| k.0 <= addr && addr < k.0 + k.1).expect("a range");
+        ep.put(Bytes::from(data.clone()), addr, key).await.expect("put");
+    }
+    ep.flush().await.expect("flush");
+    for (i, data) in blocks.iter().enumerate() {
+        assert_eq!(staged.block(i), &data[..], "block {i} landed in its staging block");
+    }
+    assert!(pool.bytes().iter().all(|&x| x == 0), "nothing was put into the pool itself");
+    drop(keys);
+    drop(g);
+    assert_eq!(area.free_blocks(), 3, "back once the reservation lets go");
+}

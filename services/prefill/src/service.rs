@@ -232,6 +232,7 @@ impl Prefill for PrefillService {
             moved: 0,
             preempted: 0,
             backend: self.backend.clone(),
+            ..NodeStats::default()
         }))
     }
 }

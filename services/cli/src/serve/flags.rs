@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use pdmesh_kernels::KvDtype;
-use pdmesh_kv_transfer::{PushMode, TransportKind};
+use pdmesh_kv_transfer::{KvStaging, PushMode, TransportKind};
 use pdmesh_router::placement::PrefillPolicy;
 use serde::Serialize;
 
@@ -135,6 +135,16 @@ pub struct DecodeArgs {
     /// writer could reach every block of the pool, not only its reservation's [default: true].
     #[arg(long, value_name = "BOOL")]
     pub(super) kv_shared_pool: Option<bool>,
+    /// With UCX, where prefill nodes put KV: direct (into the KV pool itself), staged (into
+    /// host staging blocks this node copies into the pool at each commit; a GPU's pool when
+    /// UCX has no CUDA transport), auto (direct where UCX reaches the pool's memory, else
+    /// staged). Stats show the path as kv_path [default: auto].
+    #[arg(long, value_name = "auto|direct|staged")]
+    pub(super) kv_staging: Option<KvStaging>,
+    /// Size of the staging area in MiB, at most the KV pool's: the KV of transfers in flight;
+    /// a reservation that finds it full takes its KV over gRPC [default: 1024].
+    #[arg(long, value_name = "MIB")]
+    pub(super) kv_staging_mb: Option<u64>,
 }
 
 #[derive(Debug, Args)]

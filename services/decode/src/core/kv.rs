@@ -2,10 +2,10 @@
 //! admits a sender, and a transfer's begin, writes, end, abort and writer closing, through
 //! the receive connector into the engine's blocks.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use pdmesh_common::ids::Capability;
-use pdmesh_kv_transfer::Target;
+use pdmesh_kv_transfer::{StagedBlocks, Target};
 
 use super::{DecodeCore, DecodeError, Phase, Reservation};
 
@@ -18,6 +18,18 @@ impl DecodeCore {
             Some(r) if !matches!(r.phase, Phase::Quarantined) => {
                 r.remote = Some(grant);
                 r.granted = Some(digest);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Keeps the staging blocks reservation `id`'s writer puts into (see `Reservation::staged`).
+    /// False, dropping them at once, when there is no such reservation.
+    pub fn stage(&mut self, id: u64, staged: StagedBlocks) -> bool {
+        match self.reservations.get_mut(&id) {
+            Some(r) if !matches!(r.phase, Phase::Quarantined) => {
+                r.staged = Some(staged);
                 true
             }
             _ => false,
@@ -74,6 +86,10 @@ impl DecodeCore {
         let t = Self::target(r);
         self.receiver.begin(id, t, writer, &mut self.engine)?;
         let r = self.reservations.get_mut(&id).expect("checked above");
+        if !writer {
+            // A stream writes the pool itself: the staging blocks are of no use to it.
+            r.staged = None;
+        }
         // From here the open transfer keeps the reservation: its end without the KV aborts
         // it, and the router's deadline bounds it. A lease would expire prompts that merely
         // wait in a busy prefill node's queue with their stream already open.
@@ -95,24 +111,34 @@ impl DecodeCore {
         Ok(self.receiver.write(id, t, first_block, data, &mut self.engine)?)
     }
 
-    /// The sender says the KV is complete with `blocks` blocks (see `Receiver::end`). A
-    /// checksum mismatch fails the reservation. KV that no request waits for yet is kept for
-    /// the node's default lease from `now`, at most `READY_GRACE`.
+    /// The sender says the KV is complete with `blocks` blocks (see `Receiver::end`): staged
+    /// KV is copied into the pool, and the time that took returned. A checksum mismatch fails
+    /// the reservation. KV that no request waits for yet is kept for the node's default lease
+    /// from `now`, at most `READY_GRACE`.
     pub fn kv_end(
         &mut self,
         id: u64,
         blocks: usize,
         checksums: &[u64],
         now: Instant,
-    ) -> Result<(), DecodeError> {
+    ) -> Result<Option<Duration>, DecodeError> {
         let t = Self::target(self.live(id)?);
-        if let Err(e) = self.receiver.end(id, t, blocks, checksums, &self.engine) {
-            let e = DecodeError::from(e);
-            if matches!(e, DecodeError::Corrupt { .. }) {
-                self.fail(id, e.clone());
+        let staged = self.reservations.get(&id).and_then(|r| r.staged.as_ref());
+        let unstaged = match self.receiver.end(id, t, blocks, checksums, staged, &mut self.engine) {
+            Ok(d) => d,
+            Err(e) => {
+                let e = DecodeError::from(e);
+                // These end the transfer (its KV is unusable), and so the reservation.
+                let ended = matches!(
+                    e,
+                    DecodeError::Corrupt { .. } | DecodeError::Remote(_) | DecodeError::Engine(_)
+                );
+                if ended {
+                    self.fail(id, e.clone());
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
+        };
         let r = self.reservations.get_mut(&id).expect("checked above");
         let lease = now + self.default_lease.min(super::READY_GRACE);
         // The KV is complete: no peer has anything more to write. Revoked once the caller
@@ -123,13 +149,17 @@ impl DecodeCore {
         if matches!(r.phase, Phase::Receiving) {
             r.phase = Phase::Ready { lease };
         }
-        Ok(())
+        Ok(unstaged)
     }
 
     /// The remote writer of reservation `id` can write no more (its session ended). Its
     /// quarantined blocks are freed; a reservation still waiting for that writer's KV fails.
     pub fn writer_closed(&mut self, id: u64, from: &str) {
         let broke = self.receiver.writer_closed(id);
+        if let Some(r) = self.reservations.get_mut(&id) {
+            // Nobody can put into them any more: back to the staging area.
+            r.staged = None;
+        }
         match self.reservations.get(&id).map(|r| &r.phase) {
             Some(Phase::Quarantined) => self.free(id),
             Some(_) if broke => {

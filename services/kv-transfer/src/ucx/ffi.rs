@@ -83,7 +83,19 @@ impl Context {
         Ok(Self(ctx))
     }
 
-    /// Registers `[addr, addr + len)` for remote access and packs its remote key.
+    /// Whether this context's transports reach memory of CUDA devices (UCX built with CUDA
+    /// and a `cuda_copy`, `cuda_ipc` or GPUDirect-capable transport loaded).
+    pub(super) fn reaches_cuda(&self) -> Result<bool, UcxError> {
+        // SAFETY: all-zero is the empty attribute query; only the memory types are asked for.
+        let mut attr: sys::ucp_context_attr_t = unsafe { MaybeUninit::zeroed().assume_init() };
+        attr.field_mask = sys::ucp_context_attr_field_UCP_ATTR_FIELD_MEMORY_TYPES as u64;
+        // SAFETY: the context is live and `attr` outlives the call.
+        check("ucp_context_query", unsafe { sys::ucp_context_query(self.0, &mut attr) })?;
+        Ok(attr.memory_types & (1 << sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA) != 0)
+    }
+
+    /// Registers `[addr, addr + len)` (host memory, or a CUDA device's when `cuda`) for
+    /// remote access and packs its remote key.
     ///
     /// # Safety
     /// The memory must stay allocated (and not move) until the returned handle is passed to
@@ -94,14 +106,21 @@ impl Context {
         len: usize,
         remote_read: bool,
         remote_write: bool,
+        cuda: bool,
     ) -> Result<(MemHandle, Bytes), UcxError> {
-        // SAFETY: all-zero is the empty parameter set; the address, length and protection
-        // fields are set and flagged below.
+        // SAFETY: all-zero is the empty parameter set; the address, length, protection and
+        // (for device memory) memory type fields are set and flagged below.
         let mut p: sys::ucp_mem_map_params_t = unsafe { MaybeUninit::zeroed().assume_init() };
         p.field_mask = (sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_ADDRESS
             | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_LENGTH
             | sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_PROT)
             as u64;
+        if cuda {
+            // Said rather than detected: UCX would otherwise probe the pointer on every map.
+            p.field_mask |=
+                sys::ucp_mem_map_params_field_UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE as u64;
+            p.memory_type = sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA;
+        }
         p.address = addr as *mut c_void;
         p.length = len;
         let mut prot = sys::UCP_MEM_MAP_PROT_LOCAL_READ | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE;

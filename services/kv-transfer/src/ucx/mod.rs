@@ -187,9 +187,10 @@ impl UcxNode {
                 memory.len()
             )));
         }
-        if memory.kind() != MemoryKind::Host {
+        let cuda = matches!(memory.kind(), MemoryKind::Cuda { .. });
+        if !self.reaches(memory.kind()) {
             return Err(UcxError::Usage(format!(
-                "this UCX build registers host memory, not {} memory",
+                "this UCX reaches host memory only, not {} memory (it has no CUDA transport)",
                 memory.kind().name()
             )));
         }
@@ -202,7 +203,7 @@ impl UcxNode {
         // SAFETY: a `MemoryRegion` names one fixed allocation that stays allocated while it
         // lives, and the range is inside it; `Region` holds it until after the unmap.
         #[allow(unsafe_code)]
-        let (memh, rkey) = unsafe { self.inner.ctx.map(addr, len, read, write)? };
+        let (memh, rkey) = unsafe { self.inner.ctx.map(addr, len, read, write, cuda)? };
         let rkey = seal(&rkey);
         Ok(Region {
             _mapping: Mapping { ctx: Arc::clone(&self.inner.ctx), memh: Some(memh) },
@@ -210,6 +211,18 @@ impl UcxNode {
             base: addr as u64,
             _memory: memory.clone(),
         })
+    }
+
+    /// Whether peers can reach memory of `kind` through this node: host memory always, a
+    /// CUDA device's when UCX was built with CUDA and a transport for it loaded.
+    pub fn reaches(&self, kind: MemoryKind) -> bool {
+        match kind {
+            MemoryKind::Host => true,
+            MemoryKind::Cuda { .. } => self.inner.ctx.reaches_cuda().unwrap_or_else(|e| {
+                tracing::debug!(node = self.inner.name, "cannot ask UCX for memory types: {e}");
+                false
+            }),
+        }
     }
 
     /// Allocates `len` zeroed bytes through UCX, readable and writable by peers holding the
