@@ -68,6 +68,43 @@ extern "C" __global__ void kv_write(u8* base, int dtype, int layers, int kv_head
         ((float*)base)[off] = val;
 }
 
+// `rope` of Q and K, then K and V stored as `kv_write` stores them, in one pass: one thread
+// per (token, head, pair) of Q; those of the first `kv_heads` heads also rotate their K pair
+// and store it with the V pair, so K never goes back to memory unstored. f16/f32 KV (a q8_0
+// cache rotates K and V by Hadamard matrices first). The same operations as the two kernels.
+extern "C" __global__ void rope_kv_write(u8* base, int dtype, int layers, int kv_heads,
+                                         int head_dim, int block_size, int layer, float* q,
+                                         const float* k, const float* v, const u32* slots,
+                                         int ntok, int heads, const float* cos_t,
+                                         const float* sin_t, int neox) {
+    int half = head_dim / 2;
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)ntok * heads * half) return;
+    int p = int(i % half);
+    long th = i / half;
+    int t = int(th / heads), h = int(th % heads);
+    float c = cos_t[(size_t)t * half + p], s = sin_t[(size_t)t * half + p];
+    int a = neox ? p : 2 * p, b = neox ? p + half : 2 * p + 1;
+    float* qh = q + th * head_dim;
+    float x0 = qh[a], x1 = qh[b];
+    qh[a] = fmaf(x0, c, -(x1 * s));
+    qh[b] = fmaf(x0, s, x1 * c);
+    if (h >= kv_heads) return;
+    size_t row = (size_t)t * kv_heads * head_dim + (size_t)h * head_dim;
+    float k0 = k[row + a], k1 = k[row + b];
+    float vals[4] = {fmaf(k0, c, -(k1 * s)), fmaf(k0, s, k1 * c), v[row + a], v[row + b]};
+    KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
+    int blk = int(slots[2 * t]), slot = int(slots[2 * t + 1]);
+    size_t ko = pool.offset(blk, layer, 0, h, slot), vo = pool.offset(blk, layer, 1, h, slot);
+    size_t offs[4] = {ko + a, ko + b, vo + a, vo + b};
+    for (int j = 0; j < 4; j++) {
+        if (dtype == PD_KV_F16)
+            ((u16*)base)[offs[j]] = pd_f32_to_f16(vals[j]);
+        else
+            ((float*)base)[offs[j]] = vals[j];
+    }
+}
+
 // Quantizes `n` values into q8_0 blocks as `cpu::q8kv::quantize_row_q8_0` (the activation
 // quantizer's rounding; the f16 scale stored, the scaled sum dropped).
 __device__ void pd_quantize_q8_0_block(const float* x, u8* out) {

@@ -24,6 +24,32 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, int row
     for (int i = lane; i < n; i += 32) o[i] = (xr[i] * scale) * weight[i];
 }
 
+// `rms_norm` then `quantize_q8` of each row in one pass, one warp per row as `rms_norm`: after
+// the row's scale, each lane normalizes whole 32-blocks into `out` and quantizes them as
+// `quantize_q8` does, while they are in cache. `n` is a multiple of 32.
+extern "C" __global__ void rms_norm_q8(const float* x, const float* weight, int rows, int n,
+                                       float eps, float* out, i8* qs, float* d, float* s) {
+    int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    bool live = r < rows;
+    const float* xr = x + (size_t)(live ? r : 0) * n;
+    double sum = 0.0;
+    for (int i = lane; i < n; i += 32) sum += double(xr[i] * xr[i]);
+    for (int m = 16; m >= 1; m /= 2) sum += __shfl_xor_sync(PD_FULL_MASK, sum, m);
+    if (!live) return;
+    float mean = float(sum / double(n));
+    float scale = 1.0f / sqrtf(mean + eps);
+    float* o = out + (size_t)r * n;
+    for (int c = lane * 32; c < n; c += 32 * 32) {
+        for (int i = c; i < c + 32; i++) o[i] = (xr[i] * scale) * weight[i];
+        size_t b = ((size_t)r * n + c) / 32;
+        int bsum;
+        float dd = pd_quantize_block32(o + c, qs + b * 32, &bsum);
+        d[b] = pd_round_f16(dd);
+        s[b] = pd_round_f16(dd * float(bsum));
+    }
+}
+
 // RoPE over `ntok` rows of `heads × head_dim`: one thread per (token, head, pair). Normal mode
 // rotates adjacent pairs, NeoX pairs `(i, i + head_dim/2)`; the first products fused, the
 // second rounded, as GCC compiles llama.cpp's `rotate_pairs`.

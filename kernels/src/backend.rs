@@ -32,6 +32,14 @@ pub enum RopeMode {
     Neox,
 }
 
+/// The angles RoPE rotates by: `head_dim / 2` cosines and sines per token, and which pairs.
+#[derive(Debug, Clone, Copy)]
+pub struct Rope<'a, B> {
+    pub cos: &'a B,
+    pub sin: &'a B,
+    pub mode: RopeMode,
+}
+
 /// Why a KV pool cannot be made or written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KvError {
@@ -127,6 +135,25 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         out: &mut Self::Activations,
     );
 
+    /// `rms_norm` of `x` (`rows × cols`) by `weight` into `scratch` (sized by the caller),
+    /// then `quantize` of it into `out`. A backend that fuses the two (one pass through memory) may leave
+    /// `scratch` untouched: nothing reads it after.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_quantize(
+        &self,
+        x: &Self::Buffer,
+        weight: &Self::Buffer,
+        eps: f32,
+        (rows, cols): (usize, usize),
+        needs: ActNeeds,
+        phases: &[Phase],
+        scratch: &mut Self::Buffer,
+        out: &mut Self::Activations,
+    ) {
+        self.rms_norm(x, weight, eps, scratch);
+        self.quantize(scratch, rows, cols, needs, phases, out);
+    }
+
     /// Runs every job against `x` in one parallel region (q/k/v or gate/up share an input).
     fn matmul(&self, x: &Self::Activations, jobs: &mut [MatmulJob<'_, Self::Weight, Self::Buffer>]);
 
@@ -163,6 +190,27 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
         v: &Self::Buffer,
         slots: &[KvSlot],
     );
+
+    /// `rope` of `q` (`heads` per token) and `k` (the pool's `kv_heads`), then `kv_write` of
+    /// `k` and `v` into layer `layer`. A backend that fuses them stores the rotated K straight
+    /// into the pool and may leave `k` as it was: nothing reads it after.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_kv_write(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        q: &mut Self::Buffer,
+        k: &mut Self::Buffer,
+        v: &Self::Buffer,
+        heads: usize,
+        rope: Rope<'_, Self::Buffer>,
+        slots: &[KvSlot],
+    ) {
+        let (kv_heads, hd) = (kv.geometry().kv_heads, kv.geometry().head_dim);
+        self.rope(q, heads, hd, rope.cos, rope.sin, rope.mode);
+        self.rope(k, kv_heads, hd, rope.cos, rope.sin, rope.mode);
+        self.kv_write(kv, layer, k, v, slots);
+    }
 
     /// Causal attention of each query token (`heads × head_dim` in `q`) over its sequence's
     /// paged KV in layer `layer`; writes `heads × head_dim` per token to `out`.

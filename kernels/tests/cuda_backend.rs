@@ -268,6 +268,93 @@ fn kv_write_and_paged_attention_equal_cpu_over_ragged_tables_and_gqa() {
     }
 }
 
+/// The fused RMSNorm + Q8 quantization gives the activations of the two kernels run apart,
+/// in every form at once (Q8 from the fused pass, the others from its normalized rows):
+/// every matmul reading them is bit-identical. Shapes the fused kernel does not take (no
+/// Q8 form, a width not of whole 32-blocks) fall back to the two kernels.
+#[test]
+fn fused_norm_quantize_gives_the_activations_of_norm_then_quantize() {
+    let e = emu();
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    use WeightType::{F16, F32, Q4_0, Q4_1, Q4_K, Q8_0};
+    let cases: [(usize, usize, &[WeightType]); 4] = [
+        (5, 512, &[Q4_0, Q4_1, Q8_0, Q4_K, F16, F32]),
+        (9, 96, &[Q8_0, Q4_1, F32]),
+        (3, 80, &[Q8_0, F16]),
+        (2, 256, &[F32]),
+    ];
+    for (rows, cols, types) in cases {
+        let needs = ActNeeds::of(types.iter().copied());
+        let phases: Vec<Phase> = (0..rows).map(phase_of).collect();
+        let x = to_dev(&e, &random_vec(&mut rng, rows * cols, 3.0));
+        let w = to_dev(&e, &random_vec(&mut rng, cols, 1.0));
+        let (mut apart, mut fused) = (e.activations(), e.activations());
+        let (mut xn, mut scratch) = (e.buffer(), e.buffer());
+        e.resize(&mut xn, rows * cols);
+        e.resize(&mut scratch, rows * cols);
+        e.rms_norm(&x, &w, 1e-6, &mut xn);
+        e.quantize(&xn, rows, cols, needs, &phases, &mut apart);
+        e.norm_quantize(&x, &w, 1e-6, (rows, cols), needs, &phases, &mut scratch, &mut fused);
+        for &ty in types {
+            if !cols.is_multiple_of(ty.block_elems()) {
+                continue;
+            }
+            let data = random_weights(&mut rng, ty, 33, cols);
+            let wm = WeightMatrix::new(ty, 33, cols, &data).unwrap();
+            let weight = e.weight(&host(&wm));
+            let run = |acts| {
+                let mut out = e.buffer();
+                e.resize(&mut out, rows * 33);
+                e.matmul(acts, &mut [MatmulJob { weight: &weight, out: &mut out }]);
+                to_host(&e, &out)
+            };
+            same_bits(&run(&fused), &run(&apart), &format!("{ty} on {rows}x{cols}"));
+        }
+    }
+}
+
+/// RoPE of Q and K fused with the KV append stores what RoPE then `kv_write` store, over
+/// scattered slots, GQA groups and both rotation modes, and leaves Q rotated as RoPE does.
+#[test]
+fn fused_rope_kv_write_equals_rope_then_kv_write() {
+    use pdmesh_kernels::Rope;
+    let (c, e) = (cpu(), emu());
+    let mut rng = ChaCha8Rng::seed_from_u64(37);
+    for (dtype, kv_heads, heads, hd, mode) in [
+        (KvDtype::F16, 2, 6, 64, RopeMode::Neox),
+        (KvDtype::F32, 1, 3, 80, RopeMode::Normal),
+        (KvDtype::F16, 3, 3, 32, RopeMode::Normal),
+        (KvDtype::Q8_0NoRot, 2, 4, 64, RopeMode::Neox),
+    ] {
+        let g = KvGeometry { layers: 3, kv_heads, head_dim: hd, block_size: 4, dtype };
+        let (_, slots) = ragged_tables(&mut rng, &[7, 2, 5], 4, 9);
+        let n = slots.len();
+        let q = random_vec(&mut rng, n * heads * hd, 2.0);
+        let k = random_vec(&mut rng, n * kv_heads * hd, 2.0);
+        let v = random_vec(&mut rng, n * kv_heads * hd, 2.0);
+        let angles: Vec<f32> = (0..n * hd / 2).map(|_| rng.random_range(-30.0f32..30.0)).collect();
+        let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+        let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+        let (mut qc, mut kc) = (q.clone(), k.clone());
+        let mut kvc = c.kv(g, 9).unwrap();
+        let rope = Rope { cos: &cos, sin: &sin, mode };
+        c.rope_kv_write(&mut kvc, 2, &mut qc, &mut kc, &v, heads, rope, &slots);
+        let (mut qe, mut ke) = (to_dev(&e, &q), to_dev(&e, &k));
+        let mut kve = e.kv(g, 9).unwrap();
+        let (ce, se) = (to_dev(&e, &cos), to_dev(&e, &sin));
+        let rope = Rope { cos: &ce, sin: &se, mode };
+        e.rope_kv_write(&mut kve, 2, &mut qe, &mut ke, &to_dev(&e, &v), heads, rope, &slots);
+        let what = format!("{dtype:?} {kv_heads}/{heads} heads of {hd}, {mode:?}");
+        same_bits(&to_host(&e, &qe), &qc, &format!("{what}: Q"));
+        for blk in 0..9 {
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            kvc.read_block(blk, &mut a);
+            kve.read_block(blk, &mut b);
+            assert!(a == b, "{what}: KV block {blk} differs");
+        }
+    }
+}
+
 #[test]
 fn device_kv_pool_moves_blocks_like_the_host_pool() {
     let e = emu();

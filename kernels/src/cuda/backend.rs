@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use pdmesh_kv_types::{HostMemory, KvDtype, KvGeometry, MemoryKind, MemoryRegion};
 
 use super::{Arg, Device, DeviceError, DeviceMem, Dims, GraphStats, Recorder};
-use crate::backend::{Backend, KvError, KvStorage, MatmulJob, RopeMode};
+use crate::backend::{Backend, KvError, KvStorage, MatmulJob, Rope, RopeMode};
 use crate::kv::{AttnQuery, KvSlot, Phase};
 use crate::quant::{ActNeeds, HostWeight, QK, QK_K, WeightType};
 
@@ -217,6 +217,20 @@ impl<D: Device> KvStorage for DeviceKv<D> {
     }
 }
 
+/// `(block, slot)` of each token as the kernels read them, each checked against the pool.
+fn slot_pairs<D: Device>(kv: &DeviceKv<D>, slots: &[KvSlot]) -> Vec<u8> {
+    let mut pairs = Vec::with_capacity(slots.len() * 8);
+    for s in slots {
+        assert!(
+            (s.block as usize) < kv.n_blocks && (s.slot as usize) < kv.geometry.block_size,
+            "kv_write: bad slot {s:?}"
+        );
+        pairs.extend_from_slice(&s.block.to_le_bytes());
+        pairs.extend_from_slice(&s.slot.to_le_bytes());
+    }
+    pairs
+}
+
 /// Small host arrays (tokens, slots, block tables) in device memory, each kept under a name
 /// and sent again only when its bytes change.
 #[derive(Debug, Default)]
@@ -262,6 +276,88 @@ impl<D: Device> CudaBackend<D> {
 
     fn launch(&self, kernel: &str, dims: Dims, args: &[Arg]) {
         ok(self.dev.launch(kernel, dims, args));
+    }
+
+    /// Sizes `out` for `rows × cols` activations in the forms `needs` names (those the shape
+    /// allows) and stages the rows' phases.
+    fn prepare_acts(
+        &self,
+        rows: usize,
+        cols: usize,
+        needs: ActNeeds,
+        phases: &[Phase],
+        out: &mut DeviceActs,
+    ) {
+        let n = rows * cols;
+        assert!(phases.len() == rows, "quantize: {} phases for {rows} rows", phases.len());
+        check_size("quantize", n);
+        let dev = &*self.dev;
+        out.rows = rows;
+        out.cols = cols;
+        out.forms = ActNeeds {
+            q8: needs.q8 && cols.is_multiple_of(QK),
+            q8k: needs.q8k && cols.is_multiple_of(QK_K),
+            f16: needs.f16,
+            bf16: needs.bf16,
+        };
+        self.resize(&mut out.x, n);
+        let ph: Vec<u8> = phases.iter().map(|p| u8::from(*p == Phase::Decode)).collect();
+        // Sent only when they change: a copy into memory a held launch reads ends the graph.
+        if out.phases.mem.is_none() || out.last_phases != ph {
+            let m = out.phases.ensure(dev, ph.len());
+            ok(dev.htod(&ph, m, 0));
+            out.last_phases = ph;
+        }
+    }
+
+    /// The quantized and rounded forms of the `n` values at `src` that `out.forms` names
+    /// (Q8 aside when `q8_done`).
+    fn act_forms(&self, src: Arg, n: usize, out: &mut DeviceActs, q8_done: bool) {
+        let dev = &*self.dev;
+        for (on, buf, bf16) in [(out.forms.f16, &mut out.h, 0), (out.forms.bf16, &mut out.bh, 1)] {
+            if on {
+                self.resize(buf, n);
+                self.launch(
+                    "round_to",
+                    Dims::per_item(n, 256),
+                    &[src, Arg::long(n), Arg::I32(bf16), buf.ptr()],
+                );
+            }
+        }
+        if out.forms.q8 && !q8_done {
+            let blocks = n / QK;
+            out.qs.ensure(dev, n);
+            out.d.ensure(dev, blocks * 4);
+            out.s.ensure(dev, blocks * 4);
+            self.launch(
+                "quantize_q8",
+                Dims::per_item(blocks, 64),
+                &[
+                    src,
+                    Arg::long(blocks),
+                    Arg::Ptr(out.qs.addr()),
+                    Arg::Ptr(out.d.addr()),
+                    Arg::Ptr(out.s.addr()),
+                ],
+            );
+        }
+        if out.forms.q8k {
+            let blocks = n / QK_K;
+            out.kqs.ensure(dev, n);
+            out.kd.ensure(dev, blocks * 4);
+            out.ksums.ensure(dev, blocks * 16 * 2);
+            self.launch(
+                "quantize_q8k",
+                Dims::per_item(blocks, 64),
+                &[
+                    src,
+                    Arg::long(blocks),
+                    Arg::Ptr(out.kqs.addr()),
+                    Arg::Ptr(out.kd.addr()),
+                    Arg::Ptr(out.ksums.addr()),
+                ],
+            );
+        }
     }
 
     fn staging(&self) -> std::sync::MutexGuard<'_, Staging> {
@@ -360,72 +456,55 @@ impl<D: Device> Backend for CudaBackend<D> {
         out: &mut DeviceActs,
     ) {
         let n = rows * cols;
-        assert!(x.len >= n && phases.len() == rows, "quantize: shape mismatch");
-        check_size("quantize", n);
-        let dev = &*self.dev;
-        out.rows = rows;
-        out.cols = cols;
-        out.forms = ActNeeds {
-            q8: needs.q8 && cols.is_multiple_of(QK),
-            q8k: needs.q8k && cols.is_multiple_of(QK_K),
-            f16: needs.f16,
-            bf16: needs.bf16,
-        };
-        self.resize(&mut out.x, n);
+        assert!(x.len >= n, "quantize: shape mismatch");
+        self.prepare_acts(rows, cols, needs, phases, out);
         if n > 0 {
             self.launch("copy_f32", Dims::per_item(n, 256), &[x.ptr(), Arg::long(n), out.x.ptr()]);
         }
-        let ph: Vec<u8> = phases.iter().map(|p| u8::from(*p == Phase::Decode)).collect();
-        // Sent only when they change: a copy into memory a held launch reads ends the graph.
-        if out.phases.mem.is_none() || out.last_phases != ph {
-            let m = out.phases.ensure(dev, ph.len());
-            ok(dev.htod(&ph, m, 0));
-            out.last_phases = ph;
+        self.act_forms(x.ptr(), n, out, false);
+    }
+
+    fn norm_quantize(
+        &self,
+        x: &DeviceVec,
+        weight: &DeviceVec,
+        eps: f32,
+        (rows, cols): (usize, usize),
+        needs: ActNeeds,
+        phases: &[Phase],
+        scratch: &mut DeviceVec,
+        out: &mut DeviceActs,
+    ) {
+        if !(needs.q8 && cols.is_multiple_of(QK) && weight.len == cols && x.len == rows * cols) {
+            self.rms_norm(x, weight, eps, scratch);
+            return self.quantize(scratch, rows, cols, needs, phases, out);
         }
-        for (on, buf, bf16) in [(out.forms.f16, &mut out.h, 0), (out.forms.bf16, &mut out.bh, 1)] {
-            if on {
-                self.resize(buf, n);
-                self.launch(
-                    "round_to",
-                    Dims::per_item(n, 256),
-                    &[x.ptr(), Arg::long(n), Arg::I32(bf16), buf.ptr()],
-                );
-            }
+        let n = rows * cols;
+        self.prepare_acts(rows, cols, needs, phases, out);
+        if n == 0 {
+            return;
         }
-        if out.forms.q8 {
-            let blocks = n / QK;
-            out.qs.ensure(dev, n);
-            out.d.ensure(dev, blocks * 4);
-            out.s.ensure(dev, blocks * 4);
-            self.launch(
-                "quantize_q8",
-                Dims::per_item(blocks, 64),
-                &[
-                    x.ptr(),
-                    Arg::long(blocks),
-                    Arg::Ptr(out.qs.addr()),
-                    Arg::Ptr(out.d.addr()),
-                    Arg::Ptr(out.s.addr()),
-                ],
-            );
-        }
-        if out.forms.q8k {
-            let blocks = n / QK_K;
-            out.kqs.ensure(dev, n);
-            out.kd.ensure(dev, blocks * 4);
-            out.ksums.ensure(dev, blocks * 16 * 2);
-            self.launch(
-                "quantize_q8k",
-                Dims::per_item(blocks, 64),
-                &[
-                    x.ptr(),
-                    Arg::long(blocks),
-                    Arg::Ptr(out.kqs.addr()),
-                    Arg::Ptr(out.kd.addr()),
-                    Arg::Ptr(out.ksums.addr()),
-                ],
-            );
-        }
+        let dev = &*self.dev;
+        out.qs.ensure(dev, n);
+        out.d.ensure(dev, n / QK * 4);
+        out.s.ensure(dev, n / QK * 4);
+        self.launch(
+            "rms_norm_q8",
+            Dims::linear(rows.div_ceil(8), 256),
+            &[
+                x.ptr(),
+                weight.ptr(),
+                Arg::int(rows),
+                Arg::int(cols),
+                Arg::F32(eps),
+                out.x.ptr(),
+                Arg::Ptr(out.qs.addr()),
+                Arg::Ptr(out.d.addr()),
+                Arg::Ptr(out.s.addr()),
+            ],
+        );
+        let normed = out.x.ptr();
+        self.act_forms(normed, n, out, true);
     }
 
     fn matmul(&self, x: &DeviceActs, jobs: &mut [MatmulJob<'_, CudaWeight, DeviceVec>]) {
@@ -585,19 +664,10 @@ impl<D: Device> Backend for CudaBackend<D> {
         let kd = g.kv_dim();
         assert!(k.len == slots.len() * kd && v.len == k.len, "kv_write: shape mismatch");
         assert!(layer < g.layers, "kv_write: layer out of range");
-        let mut pairs = Vec::with_capacity(slots.len() * 8);
-        for s in slots {
-            assert!(
-                (s.block as usize) < kv.n_blocks && (s.slot as usize) < g.block_size,
-                "kv_write: bad slot {s:?}"
-            );
-            pairs.extend_from_slice(&s.block.to_le_bytes());
-            pairs.extend_from_slice(&s.slot.to_le_bytes());
-        }
         if slots.is_empty() {
             return;
         }
-        let slots_arg = self.put("kv_slots", &pairs);
+        let slots_arg = self.put("kv_slots", &slot_pairs(kv, slots));
         let mut args = kv.args().to_vec();
         args.extend([Arg::int(layer), k.ptr(), v.ptr(), slots_arg, Arg::int(slots.len())]);
         if kv.is_q8() {
@@ -606,6 +676,49 @@ impl<D: Device> Backend for CudaBackend<D> {
         } else {
             self.launch("kv_write", Dims::per_item(slots.len() * kd * 2, 256), &args);
         }
+    }
+
+    fn rope_kv_write(
+        &self,
+        kv: &mut DeviceKv<D>,
+        layer: usize,
+        q: &mut DeviceVec,
+        k: &mut DeviceVec,
+        v: &DeviceVec,
+        heads: usize,
+        rope: Rope<'_, DeviceVec>,
+        slots: &[KvSlot],
+    ) {
+        let g = kv.geometry;
+        let (hd, kvd) = (g.head_dim, g.kv_dim());
+        if kv.is_q8() || heads < g.kv_heads || slots.is_empty() {
+            self.rope(q, heads, hd, rope.cos, rope.sin, rope.mode);
+            self.rope(k, g.kv_heads, hd, rope.cos, rope.sin, rope.mode);
+            return self.kv_write(kv, layer, k, v, slots);
+        }
+        let ntok = slots.len();
+        assert!(q.len == ntok * heads * hd, "rope_kv_write: q has {} values", q.len);
+        assert!(k.len == ntok * kvd && v.len == k.len, "rope_kv_write: shape mismatch");
+        assert!(layer < g.layers, "rope_kv_write: layer out of range");
+        assert!(
+            rope.cos.len >= ntok * hd / 2 && rope.sin.len == rope.cos.len,
+            "rope_kv_write: tables too short"
+        );
+        let slots_arg = self.put("kv_slots", &slot_pairs(kv, slots));
+        let mut args = kv.args().to_vec();
+        args.extend([
+            Arg::int(layer),
+            q.ptr(),
+            k.ptr(),
+            v.ptr(),
+            slots_arg,
+            Arg::int(ntok),
+            Arg::int(heads),
+            rope.cos.ptr(),
+            rope.sin.ptr(),
+            Arg::I32(i32::from(rope.mode == RopeMode::Neox)),
+        ]);
+        self.launch("rope_kv_write", Dims::per_item(ntok * heads * hd / 2, 256), &args);
     }
 
     fn attention(

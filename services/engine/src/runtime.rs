@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use pdmesh_kernels::{
-    ActNeeds, AttnQuery, Backend, KvGeometry, KvSlot, KvStorage, MatmulJob, Phase,
+    ActNeeds, AttnQuery, Backend, KvGeometry, KvSlot, KvStorage, MatmulJob, Phase, Rope,
 };
 
 use crate::error::{Error, Result};
@@ -252,8 +252,8 @@ impl<B: Backend> Device for Runtime<B> {
 
         let rotation = self.kv.geometry().rotation();
         for (li, l) in self.layers.iter().enumerate() {
-            be.rms_norm(&s.x, &l.attn_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, n, d, l.needs_qkv, batch.phases, &mut s.acts);
+            let (x, xn, acts) = (&s.x, &mut s.xn, &mut s.acts);
+            be.norm_quantize(x, &l.attn_norm, c.rms_eps, (n, d), l.needs_qkv, batch.phases, xn, acts);
             be.matmul(
                 &s.acts,
                 &mut [
@@ -276,17 +276,21 @@ impl<B: Backend> Device for Runtime<B> {
                     std::mem::swap(x, &mut s.normed);
                 }
             }
-            be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin, c.rope_mode);
-            be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin, c.rope_mode);
             // A quantized cache holds K and V rotated, as llama.cpp's does: Q and K by the
             // same Hadamard matrix (scores are unchanged in exact arithmetic), V by another
             // that the output's rotation undoes.
             if let Some((n_k, n_v)) = rotation {
+                be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin, c.rope_mode);
+                be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin, c.rope_mode);
                 be.fwht(&mut s.q, n_k);
                 be.fwht(&mut s.k, n_k);
                 be.fwht(&mut s.v, n_v);
+                be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
+            } else {
+                let rope = Rope { cos: &s.cos, sin: &s.sin, mode: c.rope_mode };
+                let (q, k, v) = (&mut s.q, &mut s.k, &s.v);
+                be.rope_kv_write(&mut self.kv, li, q, k, v, c.heads, rope, batch.slots);
             }
-            be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
             on_layer(li, &KvView::new(cache, &self.kv));
             be.attention(&self.kv, li, c.heads, &s.q, &queries, &mut s.attn);
             if let Some((_, n_v)) = rotation {
@@ -296,8 +300,8 @@ impl<B: Backend> Device for Runtime<B> {
             be.matmul(&s.acts, &mut [MatmulJob { weight: &l.wo, out: &mut s.proj }]);
             be.add_assign(&mut s.x, &s.proj);
 
-            be.rms_norm(&s.x, &l.ffn_norm, c.rms_eps, &mut s.xn);
-            be.quantize(&s.xn, n, d, l.needs_gate_up, batch.phases, &mut s.acts);
+            let (x, xn, acts) = (&s.x, &mut s.xn, &mut s.acts);
+            be.norm_quantize(x, &l.ffn_norm, c.rms_eps, (n, d), l.needs_gate_up, batch.phases, xn, acts);
             be.matmul(
                 &s.acts,
                 &mut [
@@ -317,10 +321,11 @@ impl<B: Backend> Device for Runtime<B> {
             // Only the rows whose logits were asked for go through the output head.
             be.gather_rows(&s.x, batch.logit_tokens, d, &mut s.sel);
             be.resize(&mut s.xn, m * d);
-            be.rms_norm(&s.sel, &self.output_norm, c.rms_eps, &mut s.xn);
             s.sel_phases.clear();
             s.sel_phases.extend(batch.logit_tokens.iter().map(|&t| batch.phases[t]));
-            be.quantize(&s.xn, m, d, self.needs_output, &s.sel_phases, &mut s.acts);
+            let (sel, xn, acts) = (&s.sel, &mut s.xn, &mut s.acts);
+            let (w, needs) = (&self.output_norm, self.needs_output);
+            be.norm_quantize(sel, w, c.rms_eps, (m, d), needs, &s.sel_phases, xn, acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &self.output, out: &mut s.logits }]);
         }
         be.read(&s.logits, &mut s.host_logits)
