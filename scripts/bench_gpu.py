@@ -3,6 +3,12 @@
 512- and a 2,048-token prompt, and decode tok/s at batch 1, 16 and 64 with the weight bytes each
 step streams from HBM (GB/s; a decode step reads every weight once, whatever the batch), next to
 the H200's 4.8 TB/s. Each figure is the median of `--repeats` runs of `pdmesh bench engine`.
+
+Then KV into a GPU decode node's pool through UCX (`pdmesh bench kv --decode-backend cuda`):
+a 4,096-token prompt's KV from host bytes (what a prefill node reads back from its GPU) into
+the pool by the path the node takes (`kv_path`: `direct-cuda` with a CUDA-enabled UCX, else
+`staged-cuda`: host staging blocks and a host-to-device copy at the commit), in GB/s against
+an in-process memcpy of the same bytes, with the copy's share.
 """
 
 import argparse
@@ -22,6 +28,14 @@ def bench(pdmesh, model, prompt, batches, repeats):
         "--batch-sizes", ",".join(str(b) for b in batches),
         "--repeats", str(repeats),
     ]
+    print("$", " ".join(cmd), file=sys.stderr, flush=True)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def kv_into_gpu(pdmesh, model, repeats):
+    cmd = [pdmesh, "bench", "kv", "--json", "--model", model, "--tokens", "4096",
+           "--reps", str(max(repeats, 3)), "--decode-backend", "cuda", "--paths", "ucx,ucx-put"]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -60,6 +74,16 @@ def main():
         for b, (t, g) in rows.items():
             print(f"  decode  batch {b:>3}    {t:>10.1f} tok/s  {g:>8.1f} GB/s "
                   f"= {100 * g / H200_HBM_GB_S:.1f}% of the H200's {H200_HBM_GB_S:.0f} GB/s")
+    kv = kv_into_gpu(a.pdmesh, a.models[0], a.repeats)
+    if a.json:
+        print(json.dumps({"kv_into_gpu": kv}))
+        return
+    print(f"KV of 4096 tokens ({kv['bytes'] / 1e6:.1f} MB) into a GPU decode pool "
+          f"({kv['decode_backend']}), memcpy {kv['memcpy_gbps']:.2f} GB/s:")
+    for path in ("ucx", "ucx_put"):
+        print(f"  {path:8} into {kv[path + '_kv_path']:12} {kv[path + '_gbps']:8.2f} GB/s "
+              f"({kv[path + '_vs_memcpy']:.3f} of memcpy; the copy into the pool "
+              f"{kv[path + '_unstage_ms']:.2f} of {kv[path + '_ms']:.2f} ms)")
 
 
 if __name__ == "__main__":

@@ -253,7 +253,7 @@ fn tool(args: Vec<OsString>) -> anyhow::Result<()> {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     if let Err(e) = init_tls(&cli) {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", pdmesh_cli::describe(&e));
         return std::process::ExitCode::FAILURE;
     }
     let result = match cli.command {
@@ -274,7 +274,7 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", pdmesh_cli::describe(&e));
             std::process::ExitCode::FAILURE
         }
     }

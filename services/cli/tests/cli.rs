@@ -99,6 +99,19 @@ fn cuda_backend_without_a_driver_fails_at_start_with_the_reason() {
     assert!(err.contains("--backend cuda: no CUDA driver: libcuda.so was not found"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert!(out.is_empty(), "generated without a GPU: {out}");
+    // A node says it once, not once per layer of error that wraps it.
+    let (code, _, err) = pdmesh(&[
+        "decode",
+        "--listen",
+        "127.0.0.1:0",
+        "--insecure",
+        "--backend",
+        "cuda",
+        "--model",
+        &model,
+    ]);
+    assert_ne!(code, 0);
+    assert_eq!(err.matches("libcuda.so was not found").count(), 1, "{err}");
 }
 
 #[test]

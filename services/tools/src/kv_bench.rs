@@ -46,6 +46,14 @@ pub struct KvBenchArgs {
     /// f16's bytes, so the same prompt moves that much less.
     #[arg(long, default_value = "f16")]
     kv_dtype: pdmesh_kv_types::KvDtype,
+    /// The decode nodes' backend (cpu, cuda, cuda-emu): with cuda their pool is GPU memory,
+    /// which UCX reaches through host staging blocks when it has no CUDA transport.
+    #[arg(long, default_value = "cpu")]
+    decode_backend: String,
+    /// The decode nodes' `--kv-staging` (auto, direct, staged): `staged` on a CPU pool shows
+    /// what the staging copy costs.
+    #[arg(long, default_value = "auto")]
+    kv_staging: pdmesh_kv_transfer::KvStaging,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -82,6 +90,15 @@ struct Report {
     tcp_vs_memcpy: f64,
     /// How close the gRPC stream comes to the socket it runs on (1 = no cost of its own).
     grpc_vs_tcp: f64,
+    /// What computes on the decode nodes, and how UCX writers reach each one's pool
+    /// (`kv_path`: shared pool, then private).
+    decode_backend: String,
+    ucx_kv_path: String,
+    ucx_put_kv_path: String,
+    /// Of the UCX times, the mean copy out of staging blocks into the pool per transfer
+    /// (0 when the pool takes puts directly).
+    ucx_unstage_ms: f64,
+    ucx_put_unstage_ms: f64,
     /// UCX_TLS as set for this run ("" = UCX's default choice).
     ucx_tls: String,
     /// Whether the gRPC stream ran over mutual TLS (not with --insecure).
@@ -129,6 +146,15 @@ pub fn run(a: KvBenchArgs, insecure: bool) -> anyhow::Result<()> {
              grpc reaches {:.2} of it)",
             report.grpc_vs_tcp
         );
+        println!(
+            "decode nodes on {}: ucx into {} (unstaging {:.2} ms a transfer), ucx-put into {} \
+             ({:.2} ms)",
+            report.decode_backend,
+            report.ucx_kv_path,
+            report.ucx_unstage_ms,
+            report.ucx_put_kv_path,
+            report.ucx_put_unstage_ms
+        );
     }
     Ok(())
 }
@@ -157,6 +183,10 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
         &block_size.to_string(),
         "--kv-dtype",
         a.kv_dtype.name(),
+        "--backend",
+        &a.decode_backend,
+        "--kv-staging",
+        a.kv_staging.name(),
     ]
     .iter()
     .map(|s| s.to_string())
@@ -196,15 +226,25 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     for shared in [true, false] {
         let mut args = args.clone();
         args.extend(["--kv-shared-pool".into(), shared.to_string()]);
-        let (child, addr) = spawn("decode", None, &args).await?;
+        let (mut child, addr) = spawn("decode", None, &args).await?;
         let endpoint = match &router {
             Some(tls) => pdmesh_common::tls::endpoint_with(&addr, tls)?,
             None => pdmesh_common::tls::endpoint(&addr)?,
         };
-        let channel = endpoint
-            .connect()
-            .await
-            .with_context(|| format!("connecting to the decode node at {addr}"))?;
+        let channel = match endpoint.connect().await {
+            Ok(c) => c,
+            Err(e) => {
+                // It listens before it loads its model: a node that cannot (no GPU for
+                // `--decode-backend cuda`) exits right after, its reason on stderr above.
+                for _ in 0..50 {
+                    if let Some(how) = child.exited() {
+                        bail!("{how} before serving (its log above says why)");
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                return Err(e).with_context(|| format!("connecting to the decode node at {addr}"));
+            }
+        };
         nodes.push((child, DecodeClient::new(channel).max_decoding_message_size(64 << 20)));
     }
     let layout = nodes[0]
@@ -309,7 +349,21 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     }
     let gbps = |ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
     let (ucx_ms, ucx_put_ms, grpc_ms) = (ms[0], ms[1], ms[2]);
+    let mut nodes_stats = Vec::new();
+    for (_, client) in &mut nodes {
+        let st = client.stats(StatsRequest {}).await?.into_inner();
+        let ucx = st.transports.iter().find(|t| t.transport == "ucx").cloned().unwrap_or_default();
+        let unstage_ms =
+            if ucx.staged > 0 { ucx.staged_seconds * 1e3 / ucx.staged as f64 } else { 0.0 };
+        nodes_stats.push((st.backend, st.kv_path, unstage_ms));
+    }
+    let decode_backend = nodes_stats[0].0.clone();
     Ok(Report {
+        decode_backend,
+        ucx_kv_path: nodes_stats[0].1.clone(),
+        ucx_put_kv_path: nodes_stats[1].1.clone(),
+        ucx_unstage_ms: nodes_stats[0].2,
+        ucx_put_unstage_ms: nodes_stats[1].2,
         kv_dtype: a.kv_dtype.name().to_string(),
         tokens: a.tokens,
         blocks,

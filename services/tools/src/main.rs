@@ -49,7 +49,7 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", pdmesh_cli::describe(&e));
             std::process::ExitCode::FAILURE
         }
     }
