@@ -133,14 +133,28 @@ extern "C" __global__ void kv_write_q8(u8* base, int dtype, int layers, int kv_h
     pd_quantize_q8_0_block(src, row + b * 34);
 }
 
+// A K row in the pool, as `pd_qk` reads it.
+struct PdPoolRow {
+    const KvPool& pool;
+    size_t off;
+    __device__ float operator()(int e) const { return pool.at(off + e); }
+};
+
+// A K row copied into shared memory (as f32).
+struct PdSharedRow {
+    const float* k;
+    __device__ float operator()(int e) const { return k[e]; }
+};
+
 // `q · k` of one head in the phase's order (`ops::qk_dot_lanes`): 16 lanes for prompt tokens,
 // 4 × 16 plus an f64 tail for generated ones.
-__device__ float pd_qk(const float* q, const KvPool& pool, size_t off, int hd, bool decode) {
+template <class Row>
+__device__ float pd_qk(const float* q, const Row& k, int hd, bool decode) {
     float c[16];
     for (int t = 0; t < 16; t++) c[t] = 0.0f;
     if (!decode) {
         for (int l = 0; l < hd; l += 16)
-            for (int t = 0; t < 16; t++) c[t] = fmaf(pool.at(off + l + t), q[l + t], c[t]);
+            for (int t = 0; t < 16; t++) c[t] = fmaf(k(l + t), q[l + t], c[t]);
         return pd_reduce16(c);
     }
     float s[4][16];
@@ -151,12 +165,29 @@ __device__ float pd_qk(const float* q, const KvPool& pool, size_t off, int hd, b
         for (int j = 0; j < 4; j++)
             for (int t = 0; t < 16; t++) {
                 int e = i + 16 * j + t;
-                s[j][t] = fmaf(pool.at(off + e), q[e], s[j][t]);
+                s[j][t] = fmaf(k(e), q[e], s[j][t]);
             }
     for (int t = 0; t < 16; t++) c[t] = (s[0][t] + s[2][t]) + (s[1][t] + s[3][t]);
     double sum = double(pd_reduce16(c));
-    for (int i = np; i < hd; i++) sum += double(pool.at(off + i) * q[i]);
+    for (int i = np; i < hd; i++) sum += double(k(i) * q[i]);
     return float(sum);
+}
+
+// Folds the weighted-V accumulators of one output value as `ops::attend` does: 64 sets for a
+// generated token, 16 for a prompt token.
+__device__ float pd_fold_sets(float* r, bool decode) {
+    if (decode) {
+        for (int k = 0; k < 16; k++) {
+            r[k] = r[k] + r[32 + k];
+            r[16 + k] = r[16 + k] + r[48 + k];
+            r[k] = r[k] + r[16 + k];
+        }
+    }
+    for (int i = 0; i < 8; i++) r[i] = r[i + 8] + r[i];
+    for (int i = 0; i < 4; i++) r[i] = r[i] + r[i + 4];
+    r[0] = r[0] + r[2];
+    r[1] = r[1] + r[3];
+    return r[0] + r[1];
 }
 
 // One block per (query token, KV head); its query heads one after another. `tables` holds
@@ -193,7 +224,7 @@ extern "C" __global__ void attention(const u8* base, int dtype, int layers, int 
         for (int j = tid; j < chunks * 16; j += nthreads) {
             if (j < n) {
                 size_t off = pool.offset(int(table[j / block_size]), layer, 0, kvh, j % block_size);
-                p[j] = pd_qk(qh, pool, off, hd, decode) * scale;
+                p[j] = pd_qk(qh, PdPoolRow{pool, off}, hd, decode) * scale;
                 m = fmaxf(m, p[j]);
             } else {
                 p[j] = 0.0f;
@@ -243,21 +274,137 @@ extern "C" __global__ void attention(const u8* base, int dtype, int layers, int 
                 int set = j % sets;
                 r[set] = fmaf(p[j], pool.at(off + d), r[set]);
             }
-            if (decode) {
-                for (int k = 0; k < 16; k++) {
-                    r[k] = r[k] + r[32 + k];
-                    r[16 + k] = r[16 + k] + r[48 + k];
-                    r[k] = r[k] + r[16 + k];
-                }
-            }
-            for (int i = 0; i < 8; i++) r[i] = r[i + 8] + r[i];
-            for (int i = 0; i < 4; i++) r[i] = r[i] + r[i + 4];
-            r[0] = r[0] + r[2];
-            r[1] = r[1] + r[3];
-            o[d] = r[0] + r[1];
+            o[d] = pd_fold_sets(r, decode);
         }
         __syncthreads();
     }
+}
+
+#define PD_TILE 16
+
+// K (`which` 0) or V (1) rows of positions `at .. at + 16` into `tile` as f32, zeros past
+// `len`: the block's threads share the work.
+__device__ void pd_load_tile(float* tile, const KvPool& pool, const u32* table, int layer,
+                             int which, int kvh, int at, int len) {
+    int hd = pool.head_dim, bs = pool.block_size;
+    for (int i = threadIdx.x; i < PD_TILE * hd; i += blockDim.x) {
+        int j = at + i / hd;
+        size_t off = j < len ? pool.offset(int(table[j / bs]), layer, which, kvh, j % bs) : 0;
+        tile[i] = j < len ? pool.at(off + i % hd) : 0.0f;
+    }
+}
+
+// `attention` for tiles of queries of one sequence and phase (consecutive positions), as
+// flash attention tiles the work: the block loads 16 keys (then 16 values) at a time into
+// shared memory once for all of its up to 16 queries, where `attention` reads every K and V
+// row once per query. Each query's scores still go to `scratch` and its softmax takes the
+// maximum first, as the CPU does, instead of flash attention's running rescale, which would
+// round differently; every sum keeps `attention`'s order, so the results are its bits.
+// `tiles` holds (first query, count) per block; f16/f32 KV.
+extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers, int kv_heads,
+                                           int head_dim, int block_size, int layer, int heads,
+                                           const float* q, const u32* pos, const u8* phases,
+                                           const u32* tables, const u32* table_at, float* out,
+                                           float* scratch, int stride, const u32* tiles) {
+    __shared__ float qs[PD_TILE * PD_MAX_HEAD_DIM];
+    __shared__ float kv[PD_TILE * PD_MAX_HEAD_DIM];
+    __shared__ float inv[PD_TILE];
+    int kvh = blockIdx.y, tid = threadIdx.x, nthreads = blockDim.x;
+    int first = int(tiles[2 * blockIdx.x]), count = int(tiles[2 * blockIdx.x + 1]);
+    KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
+    bool f16 = dtype == PD_KV_F16;
+    int hd = head_dim, group = heads / kv_heads;
+    bool decode = phases[first] != 0;
+    int sets = decode ? 64 : 16;
+    const u32* table = tables + table_at[first];
+    int longest = 0;
+    for (int i = 0; i < count; i++) longest = pd_max(longest, int(pos[first + i]) + 1);
+    int kchunks = (longest + 15) / 16;
+    float scale = 1.0f / sqrtf(float(hd));
+    size_t per_query = (size_t)stride + stride / 16;
+#define PD_SCORES(i) (scratch + ((size_t)(first + (i)) * kv_heads + kvh) * per_query)
+    for (int g = 0; g < group; g++) {
+        int h = kvh * group + g;
+        for (int i = tid; i < count * hd; i += nthreads) {
+            int qi = i / hd, d = i % hd;
+            float x = q[((size_t)(first + qi) * heads + h) * hd + d];
+            qs[qi * hd + d] = f16 ? pd_round_f16(x) : x;
+        }
+        // Scores, 16 keys at a time.
+        for (int kc = 0; kc < kchunks; kc++) {
+            __syncthreads();
+            pd_load_tile(kv, pool, table, layer, 0, kvh, kc * 16, longest);
+            __syncthreads();
+            for (int i = tid; i < count * PD_TILE; i += nthreads) {
+                int qi = i / PD_TILE, j = kc * 16 + i % PD_TILE;
+                int n = int(pos[first + qi]) + 1;
+                float* p = PD_SCORES(qi);
+                if (j < n)
+                    p[j] = pd_qk(qs + qi * hd, PdSharedRow{kv + (j % 16) * hd}, hd, decode) * scale;
+                else if (j < (n + 15) / 16 * 16)
+                    p[j] = 0.0f;
+            }
+        }
+        __syncthreads();
+        // Each query's softmax: its maximum, then exponentials summed in chunks of 16.
+        for (int qi = tid; qi < count; qi += nthreads) {
+            int n = int(pos[first + qi]) + 1, chunks = (n + 15) / 16;
+            float* p = PD_SCORES(qi);
+            float* csum = p + stride;
+            float mx = __uint_as_float(0xff800000u);
+            for (int j = 0; j < n; j++) mx = fmaxf(mx, p[j]);
+            double sum = 0.0;
+            for (int c = 0; c < chunks; c++) {
+                float e[16];
+                for (int k = 0; k < 16; k++) {
+                    int j = 16 * c + k;
+                    if (j < n) {
+                        p[j] = pd_exp(p[j] - mx);
+                        e[k] = p[j];
+                    } else {
+                        e[k] = 0.0f;
+                    }
+                }
+                csum[c] = pd_reduce16(e);
+                sum += double(csum[c]);
+            }
+            inv[qi] = float(1.0 / sum);
+        }
+        __syncthreads();
+        for (int i = tid; i < count * longest; i += nthreads) {
+            int qi = i / longest, j = i % longest;
+            if (j <= int(pos[first + qi])) {
+                float* p = PD_SCORES(qi);
+                float v = p[j] * inv[qi];
+                p[j] = f16 ? pd_round_f16(v) : v;
+            }
+        }
+        // Weighted values, 16 at a time, for `nthreads` (query, element) pairs per round.
+        for (int r0 = 0; r0 < count * hd; r0 += nthreads) {
+            int pair = r0 + tid;
+            bool live = pair < count * hd;
+            int qi = live ? pair / hd : 0, d = pair % hd;
+            int n = int(pos[first + qi]) + 1;
+            const float* p = PD_SCORES(qi);
+            float r[64];
+            for (int k = 0; k < sets; k++) r[k] = 0.0f;
+            for (int kc = 0; kc < kchunks; kc++) {
+                __syncthreads();
+                pd_load_tile(kv, pool, table, layer, 1, kvh, kc * 16, longest);
+                __syncthreads();
+                if (!live) continue;
+                for (int jj = 0; jj < 16; jj++) {
+                    int j = kc * 16 + jj;
+                    if (j >= n) break;
+                    int set = j % sets;
+                    r[set] = fmaf(p[j], kv[jj * hd + d], r[set]);
+                }
+            }
+            if (live) out[((size_t)(first + qi) * heads + h) * hd + d] = pd_fold_sets(r, decode);
+        }
+        __syncthreads();
+    }
+#undef PD_SCORES
 }
 
 // glibc's `__exp2f_data.tab`: `bits(2^(i/32)) - (i << 47)`.

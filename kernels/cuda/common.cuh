@@ -135,6 +135,7 @@ __device__ __forceinline__ float pd_group8_hsum(float v) {
 }
 
 __device__ __forceinline__ int pd_min(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int pd_max(int a, int b) { return a > b ? a : b; }
 
 // Quantizes 32 values as `quant::quantize_block` (llama.cpp's `quantize_row_q8_1`): quants
 // `round_half_even(x·127/amax)` into `q`; returns the unrounded scale `amax/127` and their sum

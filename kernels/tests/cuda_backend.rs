@@ -251,19 +251,34 @@ fn kv_write_and_paged_attention_equal_cpu_over_ragged_tables_and_gqa() {
             ke.read_block(blk, &mut b);
             assert!(a == b, "case {case}: KV block {blk} differs after kv_write");
         }
-        for phase in [Phase::Prefill, Phase::Decode] {
-            // Every position of every sequence, mixing sequences in one call.
-            let queries: Vec<AttnQuery<'_>> = lens
-                .iter()
+        // Every position of every sequence, mixing sequences in one call (prompt-like runs: the
+        // tiled kernel for f16/f32), then only each sequence's last (a decode batch: a block
+        // per query).
+        let every = |phase| -> Vec<AttnQuery<'_>> {
+            lens.iter()
                 .zip(&tables)
                 .flat_map(|(&n, t)| (0..n).map(move |pos| AttnQuery { pos, blocks: t, phase }))
-                .collect();
+                .collect()
+        };
+        let last = |phase| -> Vec<AttnQuery<'_>> {
+            lens.iter()
+                .zip(&tables)
+                .map(|(&n, t)| AttnQuery { pos: n - 1, blocks: t, phase })
+                .collect()
+        };
+        for (phase, queries) in [
+            (Phase::Prefill, every(Phase::Prefill)),
+            (Phase::Decode, every(Phase::Decode)),
+            (Phase::Decode, last(Phase::Decode)),
+            (Phase::Prefill, last(Phase::Prefill)),
+        ] {
             let q = random_vec(&mut rng, queries.len() * heads * head_dim, 2.0);
             let mut want = vec![0f32; q.len()];
             c.attention(&kc, 1, heads, &q, &queries, &mut want);
             let mut out = e.buffer();
             e.attention(&ke, 1, heads, &to_dev(&e, &q), &queries, &mut out);
-            same_bits(&to_host(&e, &out), &want, &format!("case {case} {phase:?}"));
+            let what = format!("case {case} {phase:?}, {} queries", queries.len());
+            same_bits(&to_host(&e, &out), &want, &what);
         }
     }
 }

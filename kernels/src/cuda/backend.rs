@@ -217,6 +217,37 @@ impl<D: Device> KvStorage for DeviceKv<D> {
     }
 }
 
+/// The tiles `attention_tiled` takes, per chunk of `chunk` queries: (first query within the
+/// chunk, count) for runs of up to 16 queries of one sequence (block table) and phase at
+/// consecutive positions.
+fn attention_tiles(
+    queries: &[AttnQuery<'_>],
+    table_at: &[u32],
+    chunk: usize,
+) -> Vec<Vec<(u32, u32)>> {
+    const TILE: u32 = 16;
+    let mut chunks = Vec::new();
+    for t0 in (0..queries.len()).step_by(chunk) {
+        let mut tiles: Vec<(u32, u32)> = Vec::new();
+        for t in t0..(t0 + chunk).min(queries.len()) {
+            let joins = tiles.last().is_some_and(|&(f, k)| {
+                let prev = t0 + (f + k) as usize - 1;
+                k < TILE
+                    && prev == t - 1
+                    && table_at[prev] == table_at[t]
+                    && queries[prev].phase == queries[t].phase
+                    && queries[prev].pos + 1 == queries[t].pos
+            });
+            match tiles.last_mut() {
+                Some(last) if joins => last.1 += 1,
+                _ => tiles.push(((t - t0) as u32, 1)),
+            }
+        }
+        chunks.push(tiles);
+    }
+    chunks
+}
+
 /// `(block, slot)` of each token as the kernels read them, each checked against the pool.
 fn slot_pairs<D: Device>(kv: &DeviceKv<D>, slots: &[KvSlot]) -> Vec<u8> {
     let mut pairs = Vec::with_capacity(slots.len() * 8);
@@ -776,13 +807,23 @@ impl<D: Device> Backend for CudaBackend<D> {
         let pos_arg = st.put(dev, "attn_pos", bytemuck::cast_slice(&pos));
         let ph_arg = st.put(dev, "attn_phases", &phases);
         let n = queries.len();
+        // Prompt tokens go through in tiles (see `attention_tiled`) when some tile holds more
+        // than one; generated tokens alone keep a block each, which reads their longer
+        // contexts with more threads.
+        let tiles = (!kv.is_q8()).then(|| attention_tiles(queries, &table_at, chunk));
+        let tiled = tiles.as_ref().filter(|t| t.iter().any(|c| c.iter().any(|&(_, k)| k > 1)));
+        let tiles_arg = tiled.map(|t| {
+            let flat: Vec<u32> = t.iter().flatten().flat_map(|&(f, k)| [f, k]).collect();
+            st.put(dev, "attn_tiles", bytemuck::cast_slice(&flat))
+        });
         let scratch = st.attn_scratch.ensure(dev, chunk.min(n) * per_token * 4).addr();
         drop(st);
         let offset = |a: Arg, bytes: usize| match a {
             Arg::Ptr(p) => Arg::Ptr(p + bytes as u64),
             other => other,
         };
-        for t0 in (0..n).step_by(chunk) {
+        let mut tiles_before = 0;
+        for (ci, t0) in (0..n).step_by(chunk).enumerate() {
             let m = chunk.min(n - t0);
             let mut args = kv.args().to_vec();
             args.extend([
@@ -797,6 +838,14 @@ impl<D: Device> Backend for CudaBackend<D> {
                 Arg::Ptr(scratch),
                 Arg::int(stride),
             ]);
+            if let (Some(tiles), Some(tiles_arg)) = (tiled, tiles_arg) {
+                let count = tiles[ci].len();
+                args.push(offset(tiles_arg, tiles_before * 8));
+                tiles_before += count;
+                let dims = Dims { grid: [count as u32, g.kv_heads as u32, 1], block: [64, 1, 1] };
+                self.launch("attention_tiled", dims, &args);
+                continue;
+            }
             let dims = Dims { grid: [m as u32, g.kv_heads as u32, 1], block: [64, 1, 1] };
             self.launch(if kv.is_q8() { "attention_q8" } else { "attention" }, dims, &args);
         }

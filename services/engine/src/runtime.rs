@@ -253,7 +253,16 @@ impl<B: Backend> Device for Runtime<B> {
         let rotation = self.kv.geometry().rotation();
         for (li, l) in self.layers.iter().enumerate() {
             let (x, xn, acts) = (&s.x, &mut s.xn, &mut s.acts);
-            be.norm_quantize(x, &l.attn_norm, c.rms_eps, (n, d), l.needs_qkv, batch.phases, xn, acts);
+            be.norm_quantize(
+                x,
+                &l.attn_norm,
+                c.rms_eps,
+                (n, d),
+                l.needs_qkv,
+                batch.phases,
+                xn,
+                acts,
+            );
             be.matmul(
                 &s.acts,
                 &mut [
@@ -301,7 +310,16 @@ impl<B: Backend> Device for Runtime<B> {
             be.add_assign(&mut s.x, &s.proj);
 
             let (x, xn, acts) = (&s.x, &mut s.xn, &mut s.acts);
-            be.norm_quantize(x, &l.ffn_norm, c.rms_eps, (n, d), l.needs_gate_up, batch.phases, xn, acts);
+            be.norm_quantize(
+                x,
+                &l.ffn_norm,
+                c.rms_eps,
+                (n, d),
+                l.needs_gate_up,
+                batch.phases,
+                xn,
+                acts,
+            );
             be.matmul(
                 &s.acts,
                 &mut [
