@@ -19,7 +19,7 @@ pub mod kv;
 pub mod pool;
 pub mod quant;
 
-pub use backend::{Backend, KvError, KvStorage, MatmulJob, Rope, RopeMode};
+pub use backend::{Backend, KvError, KvStorage, MatmulJob, Rope, RopeMode, argmax};
 pub use cpu::{CpuBackend, Simd};
 pub use formats::ActForm;
 pub use kv::{

@@ -370,6 +370,33 @@ fn fused_rope_kv_write_equals_rope_then_kv_write() {
     }
 }
 
+/// Greedy picks reduced on the device are the host scan's: the first of equal maxima, NaN
+/// never, 0 for a row with nothing above -inf; rows narrower and far wider than a block.
+#[test]
+fn argmax_rows_picks_as_the_host_does() {
+    let (c, e) = (cpu(), emu());
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    for cols in [1usize, 7, 128, 300, 49_152] {
+        let mut rows: Vec<Vec<f32>> = (0..5).map(|_| random_vec(&mut rng, cols, 10.0)).collect();
+        // Ties: the maximum again further on (and first where the row has room).
+        let m = rows[1].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        rows[1][cols - 1] = m;
+        rows[1][cols / 2] = m;
+        rows[2].iter_mut().step_by(3).for_each(|v| *v = f32::NAN);
+        rows[3].fill(f32::NEG_INFINITY);
+        rows[4].fill(f32::NAN);
+        rows[4][cols - 1] = f32::NEG_INFINITY;
+        let flat: Vec<f32> = rows.concat();
+        let want: Vec<u32> = rows.iter().map(|r| pdmesh_kernels::argmax(r)).collect();
+        let mut host = Vec::new();
+        c.argmax_rows(&flat, rows.len(), cols, &mut host);
+        assert_eq!(host, want, "{cols} columns on the CPU");
+        let mut got = Vec::new();
+        e.argmax_rows(&to_dev(&e, &flat), rows.len(), cols, &mut got);
+        assert_eq!(got, want, "{cols} columns on the device");
+    }
+}
+
 #[test]
 fn device_kv_pool_moves_blocks_like_the_host_pool() {
     let e = emu();

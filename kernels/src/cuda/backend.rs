@@ -268,6 +268,8 @@ fn slot_pairs<D: Device>(kv: &DeviceKv<D>, slots: &[KvSlot]) -> Vec<u8> {
 struct Staging {
     slots: HashMap<&'static str, (Vec<u8>, Grow)>,
     attn_scratch: Grow,
+    /// The greedy picks of a step's rows (`argmax_rows`).
+    ids: Grow,
 }
 
 impl Staging {
@@ -849,6 +851,21 @@ impl<D: Device> Backend for CudaBackend<D> {
             let dims = Dims { grid: [m as u32, g.kv_heads as u32, 1], block: [64, 1, 1] };
             self.launch(if kv.is_q8() { "attention_q8" } else { "attention" }, dims, &args);
         }
+    }
+
+    fn argmax_rows(&self, x: &DeviceVec, rows: usize, cols: usize, out: &mut Vec<u32>) {
+        assert!(cols > 0 && x.len >= rows * cols, "argmax_rows: shape mismatch");
+        out.clear();
+        if rows == 0 {
+            return;
+        }
+        let mut st = self.staging();
+        let ids = st.ids.ensure(&*self.dev, rows * 4).clone();
+        drop(st);
+        let args = [x.ptr(), Arg::int(rows), Arg::int(cols), Arg::ptr(&ids)];
+        self.launch("argmax_rows", Dims { grid: [rows as u32, 1, 1], block: [128, 1, 1] }, &args);
+        out.resize(rows, 0);
+        ok(self.dev.dtoh(&ids, 0, bytemuck::cast_slice_mut(out)));
     }
 
     fn fwht(&self, x: &mut DeviceVec, n: usize) {

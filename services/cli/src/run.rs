@@ -4,7 +4,7 @@ use std::io::Write;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pdmesh_engine::generate::generate_observed;
+use pdmesh_engine::generate::{generate, generate_observed};
 use pdmesh_engine::{GenerateParams, Message, SamplingParams, StreamDecoder};
 
 use pdmesh_cli::args::EngineArgs;
@@ -97,31 +97,31 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
     let mut io_err = None;
     let mut tops: Vec<Vec<(u32, f32)>> = Vec::new();
     let top_n = a.top_logits;
-    let g = generate_observed(
-        &mut engine,
-        &prompt,
-        &params,
-        |logits| {
-            if top_n > 0 {
-                let mut v: Vec<(u32, f32)> =
-                    logits.iter().copied().enumerate().map(|(i, l)| (i as u32, l)).collect();
-                v.sort_by(|x, y| y.1.total_cmp(&x.1));
-                v.truncate(top_n);
-                tops.push(v);
-            }
-        },
-        |tok| {
-            let piece = dec.push(&model.tokenizer, tok);
-            text_out.push_str(&piece);
-            if !a.json
-                && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
-            {
-                io_err = Some(e);
-                return false; // stdout closed (e.g. piped into `head`): stop generating
-            }
-            true
-        },
-    )?;
+    let on_token = |tok| {
+        let piece = dec.push(&model.tokenizer, tok);
+        text_out.push_str(&piece);
+        if !a.json
+            && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
+        {
+            io_err = Some(e);
+            return false; // stdout closed (e.g. piped into `head`): stop generating
+        }
+        true
+    };
+    // Logits are observed only when asked for: otherwise a device reduces greedy picks where
+    // the logits are (`Logits::Greedy`).
+    let g = if top_n > 0 {
+        let top = |logits: &[f32]| {
+            let mut v: Vec<(u32, f32)> =
+                logits.iter().copied().enumerate().map(|(i, l)| (i as u32, l)).collect();
+            v.sort_by(|x, y| y.1.total_cmp(&x.1));
+            v.truncate(top_n);
+            tops.push(v);
+        };
+        generate_observed(&mut engine, &prompt, &params, top, on_token)?
+    } else {
+        generate(&mut engine, &prompt, &params, on_token)?
+    };
     let tail = dec.finish();
     text_out.push_str(&tail);
     if let Some(e) = io_err {

@@ -672,7 +672,7 @@ impl DecodeCore {
                 a.prefill_started = Some(now);
             }
         }
-        let ran = self.runner.run(&plan, &mut self.engine, &mut self.receiver, &mut |_, _| {});
+        let ran = self.runner.run(&plan, &mut self.engine, &mut self.receiver, None);
         let done_at = Instant::now();
         for s in &plan {
             if let (Work::Prefill { last: true, .. }, Some(a)) = (s.work, self.attached(s.id))

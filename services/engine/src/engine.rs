@@ -11,7 +11,7 @@ use pdmesh_kv_types::KvLayout;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvView, SeqId};
 use crate::model::Model;
-use crate::runtime::{Batch, Device, Runtime};
+use crate::runtime::{Batch, Device, Rows, Runtime};
 use crate::sim::{SimDevice, SimProfile};
 
 /// Which backend computes, with its own options.
@@ -91,6 +91,10 @@ pub enum Logits {
     None,
     /// Only for the item's last token (end of a prompt, or a decode token).
     Last,
+    /// Only the greedy pick of the last token (`pdmesh_kernels::argmax`, see
+    /// `StepLogits::greedy_of`): when every item of a step asks for no more, a device reduces
+    /// the logits where they are and reads back only the ids. Otherwise as `Last`.
+    Greedy,
     /// For every token of the item (scoring, perplexity).
     All,
 }
@@ -117,10 +121,11 @@ impl<'a> StepItem<'a> {
     }
 }
 
-/// The logits a step produced, row by row in item order.
+/// The logits a step produced, row by row in item order: whole, or only each row's greedy
+/// pick when every item asked for no more (`Logits::Greedy`).
 #[derive(Debug)]
 pub struct StepLogits<'a> {
-    data: &'a [f32],
+    data: Rows<'a>,
     vocab: usize,
     /// `(item index, token index within the item)` per row.
     rows: &'a [(usize, usize)],
@@ -135,15 +140,33 @@ impl<'a> StepLogits<'a> {
         self.rows.is_empty()
     }
 
-    /// Row `i`: which item and token it belongs to, and its logits.
+    /// Row `i`: which item and token it belongs to, and its logits. A step whose items all
+    /// asked for `Logits::Greedy` has none to give (see `greedy_of`): asking is a bug.
     pub fn row(&self, i: usize) -> ((usize, usize), &'a [f32]) {
-        (self.rows[i], &self.data[i * self.vocab..(i + 1) * self.vocab])
+        (self.rows[i], self.logits(i).expect("the step gave greedy picks, not logits"))
     }
 
-    /// The logits of item `item`'s last requested token.
+    fn logits(&self, i: usize) -> Option<&'a [f32]> {
+        match self.data {
+            Rows::Logits(d) => Some(&d[i * self.vocab..(i + 1) * self.vocab]),
+            Rows::Argmax(_) => None,
+        }
+    }
+
+    /// The logits of item `item`'s last wanted token (none when only greedy picks came back).
     pub fn last_of(&self, item: usize) -> Option<&'a [f32]> {
         let i = self.rows.iter().rposition(|&(it, _)| it == item)?;
-        Some(self.row(i).1)
+        self.logits(i)
+    }
+
+    /// The greedy pick for item `item`'s last wanted token, when the step reduced its logits
+    /// on the device; `None` when they came back whole (sample from `last_of`).
+    pub fn greedy_of(&self, item: usize) -> Option<u32> {
+        let i = self.rows.iter().rposition(|&(it, _)| it == item)?;
+        match self.data {
+            Rows::Argmax(ids) => Some(ids[i]),
+            Rows::Logits(_) => None,
+        }
     }
 }
 
@@ -415,7 +438,7 @@ impl Engine {
             for (j, &t) in it.tokens.iter().enumerate() {
                 let want = match it.logits {
                     Logits::None => false,
-                    Logits::Last => j + 1 == it.tokens.len(),
+                    Logits::Last | Logits::Greedy => j + 1 == it.tokens.len(),
                     Logits::All => true,
                 };
                 if want {
@@ -435,6 +458,8 @@ impl Engine {
             slots: &slots,
             owner: &owner,
             phases: &phases,
+            argmax: !logit_tokens.is_empty()
+                && items.iter().all(|it| matches!(it.logits, Logits::Greedy | Logits::None)),
             logit_tokens: &logit_tokens,
         };
         let data = self.device.forward(&self.kv, &batch, on_layer);

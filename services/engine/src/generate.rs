@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use crate::connector::NoConnector;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::runner::{BatchRunner, End, Event, FinishReason, GenerateParams, SeqSpec};
+use crate::runner::{
+    BatchRunner, End, Event, FinishReason, GenerateParams, LogitsObserver, SeqSpec,
+};
 
 /// The result for one prompt.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,7 +33,7 @@ pub fn generate_batch(
     max_running: usize,
     on_token: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Generation>> {
-    generate_batch_observed(engine, requests, max_running, |_, _| {}, on_token)
+    generate_batch_with(engine, requests, max_running, None, on_token)
 }
 
 struct Progress {
@@ -39,12 +41,27 @@ struct Progress {
     ttft: Option<Duration>,
 }
 
-/// `generate_batch`, also showing `on_logits(i, logits)` the logits each token is sampled from.
+/// `generate_batch`, also showing `on_logits(i, logits)` the logits each token is sampled from
+/// (so they are read back whole even where only greedy picks are needed).
 pub fn generate_batch_observed(
     engine: &mut Engine,
     requests: &[(Vec<u32>, GenerateParams)],
     max_running: usize,
     mut on_logits: impl FnMut(usize, &[f32]),
+    on_token: impl FnMut(usize, u32) -> bool,
+) -> Result<Vec<Generation>> {
+    let mut observe = |id: usize, row: &[f32]| on_logits(id, row);
+    generate_batch_with(engine, requests, max_running, Some(&mut observe), on_token)
+}
+
+/// Shown the logits each token of request `i` is sampled from.
+type RequestObserver<'a> = dyn FnMut(usize, &[f32]) + 'a;
+
+fn generate_batch_with(
+    engine: &mut Engine,
+    requests: &[(Vec<u32>, GenerateParams)],
+    max_running: usize,
+    mut on_logits: Option<&mut RequestObserver<'_>>,
     mut on_token: impl FnMut(usize, u32) -> bool,
 ) -> Result<Vec<Generation>> {
     let start = Instant::now();
@@ -64,9 +81,15 @@ pub fn generate_batch_observed(
         let mut stopped = std::collections::HashSet::new();
         while !runner.is_empty() {
             let plan = runner.plan(engine, &mut none);
-            let mut observe = |id: u64, row: &[f32]| on_logits(id as usize, row);
-            let outputs =
-                runner.run(&plan, engine, &mut none, &mut observe).map_err(|f| f.error)?;
+            let observed = on_logits.is_some();
+            let mut observe = |id: u64, row: &[f32]| {
+                if let Some(f) = on_logits.as_mut() {
+                    f(id as usize, row);
+                }
+            };
+            let observer: Option<&mut LogitsObserver<'_>> =
+                if observed { Some(&mut observe) } else { None };
+            let outputs = runner.run(&plan, engine, &mut none, observer).map_err(|f| f.error)?;
             for o in outputs {
                 let i = o.id as usize;
                 let p = progress.get_mut(&o.id).expect("every request has progress");
@@ -135,9 +158,11 @@ pub fn generate(
     engine: &mut Engine,
     prompt: &[u32],
     params: &GenerateParams,
-    on_token: impl FnMut(u32) -> bool,
+    mut on_token: impl FnMut(u32) -> bool,
 ) -> Result<Generation> {
-    generate_observed(engine, prompt, params, |_| {}, on_token)
+    let reqs = [(prompt.to_vec(), params.clone())];
+    let mut out = generate_batch(engine, &reqs, 1, |_, t| on_token(t))?;
+    Ok(out.remove(0))
 }
 
 /// `generate`, also showing `on_logits` the logits each token is sampled from.
@@ -170,5 +195,36 @@ mod tests {
         let msg = err.to_string();
         assert!(msg.starts_with("invalid request: request 1: a prompt of 300 tokens"), "{msg}");
         assert_eq!(e.kv().free_blocks(), 64, "the request admitted before it was freed");
+    }
+
+    /// Unobserved greedy requests take their picks from the step (`Logits::Greedy`, reduced
+    /// by the backend) and observed or sampling ones from the logits: the same tokens, and
+    /// the same for a batch that mixes them (whose steps read logits back whole).
+    #[test]
+    fn greedy_picks_from_the_step_give_the_samplers_tokens() {
+        use crate::SamplingParams;
+        let cfg = EngineConfig { threads: 1, kv_blocks: 64, ..Default::default() };
+        let mut e = Engine::new(tiny_model(), cfg).expect("engine");
+        let greedy = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
+        let sampled = GenerateParams {
+            sampling: SamplingParams { temperature: 0.8, seed: 3, ..Default::default() },
+            ..greedy.clone()
+        };
+        let prompts: Vec<Vec<u32>> =
+            (0..3u32).map(|i| (0..9).map(|j| 7 + 31 * i + j).collect()).collect();
+        let reqs: Vec<_> = prompts.iter().map(|p| (p.clone(), greedy.clone())).collect();
+        let picked = generate_batch(&mut e, &reqs, 3, |_, _| true).expect("greedy");
+        let mut seen = 0;
+        let observed =
+            generate_batch_observed(&mut e, &reqs, 3, |_, _| seen += 1, |_, _| true).expect("seen");
+        assert!(seen > 0);
+        for (p, o) in picked.iter().zip(&observed) {
+            assert_eq!(p.tokens, o.tokens);
+            assert_eq!(p.tokens.len(), 12);
+        }
+        let mut mixed = reqs.clone();
+        mixed[1].1 = sampled;
+        let m = generate_batch(&mut e, &mixed, 3, |_, _| true).expect("mixed");
+        assert_eq!((&m[0].tokens, &m[2].tokens), (&picked[0].tokens, &picked[2].tokens));
     }
 }

@@ -203,6 +203,15 @@ pub struct StepFailed {
     pub outputs: Vec<Output>,
 }
 
+/// Shown each row of logits a sequence's token is sampled from, with the sequence's id.
+pub type LogitsObserver<'a> = dyn FnMut(u64, &[f32]) + 'a;
+
+/// How a row's next token is picked: it came back as its greedy pick, or as logits to sample.
+enum Pick<'a> {
+    Greedy(u32),
+    Sample(&'a [f32]),
+}
+
 struct Slot {
     seq: Option<SeqId>,
     admitted: bool,
@@ -405,19 +414,21 @@ impl BatchRunner {
         connector: &mut dyn KvConnector,
     ) -> Result<Vec<Output>, StepFailed> {
         let plan = self.plan(engine, connector);
-        self.run(&plan, engine, connector, &mut |_, _| {})
+        self.run(&plan, engine, connector, None)
     }
 
     /// Runs a planned step: computes it (the connector saving each layer as it is written),
     /// samples every sequence whose logits it produced, applies the finish rules, and returns
-    /// what came out, in plan order. `on_logits` sees each row sampled from. A failed step
-    /// changes no KV; every sequence in it fails.
+    /// what came out, in plan order. `on_logits` sees each row sampled from; without it, a
+    /// step whose sequences all pick greedily has the device reduce the logits to their picks
+    /// (`Logits::Greedy`) instead of reading them back. A failed step changes no KV; every
+    /// sequence in it fails.
     pub fn run(
         &mut self,
         plan: &[Scheduled],
         engine: &mut Engine,
         connector: &mut dyn KvConnector,
-        on_logits: &mut dyn FnMut(u64, &[f32]),
+        mut on_logits: Option<&mut LogitsObserver<'_>>,
     ) -> Result<Vec<Output>, StepFailed> {
         let mut out = std::mem::take(&mut self.pending);
         if plan.is_empty() {
@@ -441,19 +452,25 @@ impl BatchRunner {
                 });
             }
         }
+        let observed = on_logits.is_some();
         let items: Vec<StepItem<'_>> = plan
             .iter()
             .zip(&toks)
             .map(|(s, tok)| {
                 let slot = &self.slots[&s.id];
                 let seq = slot.seq.expect("admitted sequences have one");
+                let sampled = if observed || !slot.sampler.argmax_suffices() {
+                    Logits::Last
+                } else {
+                    Logits::Greedy
+                };
                 match s.work {
                     Work::Prefill { offset, len, last } => StepItem::prefill(
                         seq,
                         &slot.history[offset..offset + len],
-                        if last { Logits::Last } else { Logits::None },
+                        if last { sampled } else { Logits::None },
                     ),
-                    Work::Decode => StepItem::decode(seq, tok),
+                    Work::Decode => StepItem { logits: sampled, ..StepItem::decode(seq, tok) },
                 }
             })
             .collect();
@@ -475,15 +492,26 @@ impl BatchRunner {
         };
         let mut ends = Vec::new();
         for (k, s) in plan.iter().enumerate() {
-            let Some(row) = logits.last_of(k) else { continue };
+            let (row, greedy) = (logits.last_of(k), logits.greedy_of(k));
+            let pick = match (greedy, row) {
+                (Some(t), _) => Pick::Greedy(t),
+                (None, Some(row)) => Pick::Sample(row),
+                (None, None) => continue,
+            };
             let slot = self.slots.get_mut(&s.id).expect("planned sequences are running");
-            on_logits(s.id, row);
+            if let (Some(f), Some(row)) = (on_logits.as_mut(), row) {
+                f(s.id, row);
+            }
             if let Some(t) = slot.replay.pop_front() {
                 // A resumed token: fed, not sampled (it was sampled before the move).
                 slot.next = Some(t);
                 continue;
             }
-            let sampled = slot.sampler.sample(row, &slot.history, slot.prompt_len);
+            let sampled = match pick {
+                // Reduced on the device: what the sampler's greedy pick gives.
+                Pick::Greedy(t) => (t, None),
+                Pick::Sample(row) => slot.sampler.sample(row, &slot.history, slot.prompt_len),
+            };
             match slot.role {
                 Role::Prefill => ends.push((
                     s.id,

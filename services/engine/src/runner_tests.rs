@@ -357,7 +357,7 @@ fn waiting_sequences_do_not_hold_back_others_and_the_pool_bounds_admission() {
     use SeqStatus::{Prefilling, Waiting};
     assert_eq!(status, [Some(Waiting), Some(Prefilling), Some(Prefilling), Some(Waiting)]);
     assert_eq!(runner.promised_blocks(), 2 * per);
-    runner.run(&plan, &mut e, &mut Never, &mut |_, _| {}).expect("step");
+    runner.run(&plan, &mut e, &mut Never, None).expect("step");
     runner.cancel(&mut e, &mut Never, 2);
     runner.plan(&mut e, &mut Never);
     assert_eq!(runner.status(4), Some(Prefilling), "room made, 4 admitted");
@@ -734,10 +734,7 @@ fn paced_steps_chunk_a_prompt_beside_a_stream_and_change_no_token() {
                     chunks.push(len);
                 }
             }
-            collect(
-                runner.run(&plan, &mut e, &mut NoConnector, &mut |_, _| {}).expect("step"),
-                &mut tokens,
-            );
+            collect(runner.run(&plan, &mut e, &mut NoConnector, None).expect("step"), &mut tokens);
         }
         (chunks, tokens)
     };

@@ -24,6 +24,18 @@ pub(crate) struct Batch<'a> {
     pub phases: &'a [Phase],
     /// Indexes (into `tokens`) of the tokens whose logits are wanted.
     pub logit_tokens: &'a [usize],
+    /// Only each wanted row's greedy pick is needed (`Logits::Greedy`): a device may reduce
+    /// the rows where they are instead of reading them back.
+    pub argmax: bool,
+}
+
+/// What a step gives back for its wanted rows.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Rows<'a> {
+    /// Their logits, row after row.
+    Logits(&'a [f32]),
+    /// Each row's greedy pick (`pdmesh_kernels::argmax`).
+    Argmax(&'a [u32]),
 }
 
 /// A backend with its KV pool and the model's weights: what the engine runs steps on.
@@ -32,13 +44,14 @@ pub(crate) trait Device: Send + std::fmt::Debug {
     fn store(&self) -> &dyn KvStorage;
     fn store_mut(&mut self) -> &mut dyn KvStorage;
     /// Computes `batch` (its KV already has slots in `cache`), calling `on_layer(l, kv)` as soon
-    /// as layer `l`'s KV is written; returns the wanted logits, row by row.
+    /// as layer `l`'s KV is written; returns the wanted logits, row by row (or their greedy
+    /// picks, when `batch.argmax` lets it).
     fn forward(
         &mut self,
         cache: &KvCache,
         batch: &Batch<'_>,
         on_layer: &mut dyn FnMut(usize, &KvView<'_>),
-    ) -> &[f32];
+    ) -> Rows<'_>;
 }
 
 struct LayerWeights<B: Backend> {
@@ -86,6 +99,8 @@ struct Scratch<B: Backend> {
     host_cos: Vec<f32>,
     host_sin: Vec<f32>,
     host_logits: Vec<f32>,
+    /// The rows' greedy picks, when only those are wanted.
+    host_ids: Vec<u32>,
     /// The phases of the rows `sel` gathered.
     sel_phases: Vec<Phase>,
 }
@@ -168,6 +183,7 @@ impl<B: Backend> Runtime<B> {
             host_cos: Vec::new(),
             host_sin: Vec::new(),
             host_logits: Vec::new(),
+            host_ids: Vec::new(),
             sel_phases: Vec::new(),
         };
         let c = &model.config;
@@ -205,7 +221,7 @@ impl<B: Backend> Device for Runtime<B> {
         cache: &KvCache,
         batch: &Batch<'_>,
         on_layer: &mut dyn FnMut(usize, &KvView<'_>),
-    ) -> &[f32] {
+    ) -> Rows<'_> {
         let c = &self.model.config;
         let be = &self.backend;
         let s = &mut self.scratch;
@@ -346,7 +362,11 @@ impl<B: Backend> Device for Runtime<B> {
             be.norm_quantize(sel, w, c.rms_eps, (m, d), needs, &s.sel_phases, xn, acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &self.output, out: &mut s.logits }]);
         }
-        be.read(&s.logits, &mut s.host_logits)
+        if batch.argmax {
+            be.argmax_rows(&s.logits, m, c.vocab, &mut s.host_ids);
+            return Rows::Argmax(&s.host_ids);
+        }
+        Rows::Logits(be.read(&s.logits, &mut s.host_logits))
     }
 }
 

@@ -164,3 +164,28 @@ fn neox_rope_is_normal_rope_on_conversions_permuted_rows() {
     let (same, other) = (max_diff(&qwen, &llama), max_diff(&qwen, &unpermuted));
     assert!(same < 1e-4 && other > 1e-2, "permuted {same}, unpermuted {other}");
 }
+
+/// A step whose items all ask for `Logits::Greedy` gives each its pick and no logits; one
+/// item asking for logits makes the whole step give logits (greedy items sample from them).
+#[test]
+fn a_step_of_greedy_items_gives_picks_not_logits() {
+    let m = crate::testing::tiny_model();
+    let cfg = EngineConfig { threads: 1, kv_blocks: 32, ..Default::default() };
+    let prompts: [Vec<u32>; 2] = [(3..14).collect(), (40..45).collect()];
+    let step = |kinds: [Logits; 2]| {
+        let mut e = Engine::new(Arc::clone(&m), cfg.clone()).expect("engine");
+        let seqs = [e.create_sequence(), e.create_sequence()];
+        let items: Vec<StepItem<'_>> =
+            (0..2).map(|i| StepItem::prefill(seqs[i], &prompts[i], kinds[i])).collect();
+        let l = e.step(&items).expect("step");
+        (0..2).map(|i| (l.last_of(i).map(<[f32]>::to_vec), l.greedy_of(i))).collect::<Vec<_>>()
+    };
+    let full = step([Logits::Last, Logits::Last]);
+    let picks = step([Logits::Greedy, Logits::Greedy]);
+    for i in 0..2 {
+        let want = pdmesh_kernels::argmax(full[i].0.as_deref().expect("logits"));
+        assert_eq!(picks[i], (None, Some(want)), "item {i}");
+    }
+    let mixed = step([Logits::Greedy, Logits::Last]);
+    assert_eq!(mixed, full, "a step with logits wanted gives them to every item");
+}

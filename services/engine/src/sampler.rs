@@ -139,6 +139,18 @@ impl Sampler {
     }
 
     /// Where this sampler's random stream stands.
+    /// Whether this sampler's pick is the logits' argmax alone: greedy, no penalty that
+    /// moves logits, no log-probabilities to report. Then a device may reduce the logits
+    /// where they are (`Logits::Greedy`).
+    pub fn argmax_suffices(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy()
+            && p.repetition_penalty == 1.0
+            && p.frequency_penalty == 0.0
+            && p.presence_penalty == 0.0
+            && p.logprobs.is_none()
+    }
+
     pub fn rng_position(&self) -> u128 {
         self.rng.get_word_pos()
     }
@@ -196,16 +208,8 @@ impl Sampler {
         };
 
         if p.is_greedy() {
-            let mut best = 0usize;
-            let mut best_v = f32::NEG_INFINITY;
-            for (i, &v) in logits.iter().enumerate() {
-                // Strictly greater: ties go to the lowest id; NaN never wins.
-                if v > best_v {
-                    best = i;
-                    best_v = v;
-                }
-            }
-            return best as u32;
+            // Ties go to the lowest id; NaN never wins (the device reduction's rule too).
+            return pdmesh_kernels::argmax(logits);
         }
 
         let inv_t = 1.0 / p.temperature;

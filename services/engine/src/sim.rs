@@ -16,7 +16,7 @@ use serde::Deserialize;
 
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvView};
-use crate::runtime::{Batch, Device};
+use crate::runtime::{Batch, Device, Rows};
 
 /// The KV shape of a simulated node: the least that still moves block by block.
 pub const SIM_KV_SHAPE: KvShape = KvShape { layers: 1, kv_heads: 1, head_dim: 4 };
@@ -195,7 +195,7 @@ impl Device for SimDevice {
         cache: &KvCache,
         batch: &Batch<'_>,
         on_layer: &mut dyn FnMut(usize, &KvView<'_>),
-    ) -> &[f32] {
+    ) -> Rows<'_> {
         let decode = batch.phases.iter().filter(|&&p| p == Phase::Decode).count();
         let prompt = batch.phases.len() - decode;
         let secs = self.profile.step_seconds(prompt, decode);
@@ -208,7 +208,8 @@ impl Device for SimDevice {
             let t = sim_token(batch.tokens[i], batch.positions[i], v, &self.eog);
             row[t as usize] = 0.0;
         }
-        &self.logits
+        // The simulated device has its logits on the host already: it gives them whole.
+        Rows::Logits(&self.logits)
     }
 }
 

@@ -3,7 +3,8 @@
 //! (or on GPU 0 with `PDMESH_CUDA_TEST_DEVICE=gpu`, as `just test-gpu` runs it):
 //! for 12 prompts batched together, greedy generation gives the CPU backend's tokens and every
 //! logit it sampled from agrees (bit for bit, but for RMSNorm's f64 sum order, see
-//! `pdmesh_kernels::cuda`); and the same with a q8_0 KV cache.
+//! `pdmesh_kernels::cuda`); the same with a q8_0 KV cache; and with nobody observing the
+//! logits, greedy picks reduced on the device give the same tokens.
 
 #![allow(clippy::unwrap_used)]
 
@@ -11,7 +12,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdmesh_engine::{
-    BackendKind, Engine, EngineConfig, GenerateParams, Model, generate_batch_observed,
+    BackendKind, Engine, EngineConfig, GenerateParams, Model, generate_batch,
+    generate_batch_observed,
 };
 use pdmesh_kernels::KvDtype;
 
@@ -36,6 +38,12 @@ fn model() -> Arc<Model> {
         .join(pdmesh_engine::DEFAULT_MODEL_PATH);
     assert!(path.exists(), "{} is missing: run `just fetch-model`", path.display());
     Arc::new(Model::load(&path).unwrap())
+}
+
+/// The emulated device runs one launch at a time; two models at once only thrash it.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    ONE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The backend the CUDA side of each comparison runs on.
@@ -86,9 +94,7 @@ fn run(
 /// Runs both backends and compares: the same tokens, and logits within the bound (all
 /// bit-identical so far; RMSNorm's sum order may cost one ulp of a row's scale).
 fn compare(kv_dtype: KvDtype, prompts: usize, max_tokens: usize) {
-    // The emulated device runs one launch at a time; two models at once only thrash it.
-    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let _one = one_at_a_time();
     let m = model();
     let start = std::time::Instant::now();
     let (want, want_logits) =
@@ -132,4 +138,34 @@ fn cuda_backend_generates_the_cpu_backends_tokens_on_smollm2() {
 #[test]
 fn cuda_backend_with_q8_0_kv_generates_the_cpu_backends_tokens() {
     compare(KvDtype::Q8_0, 6, 6);
+}
+
+/// Unobserved greedy generation: each step's picks come from `argmax_rows` on the device, only
+/// the ids read back. Five prompts: a decode step of up to four tokens takes the matmuls'
+/// `_lanes` shape, whose warp shuffles the emulator pays for in barriers (minutes here; the
+/// kernel tests cover that shape).
+#[test]
+fn greedy_picks_on_the_device_give_the_cpu_backends_tokens() {
+    let _one = one_at_a_time();
+    let m = model();
+    let reqs: Vec<(Vec<u32>, GenerateParams)> = PROMPTS[..5]
+        .iter()
+        .map(|p| {
+            let ids = m.tokenizer.encode(p).unwrap();
+            (ids, GenerateParams { max_tokens: 6, ignore_eos: true, ..Default::default() })
+        })
+        .collect();
+    let tokens = |backend| {
+        let cfg =
+            EngineConfig { kv_blocks: 64, max_batch_tokens: 256, backend, ..Default::default() };
+        let mut e = Engine::new(Arc::clone(&m), cfg).unwrap();
+        let out = generate_batch(&mut e, &reqs, reqs.len(), |_, _| true).unwrap();
+        out.into_iter().map(|g| g.tokens).collect::<Vec<_>>()
+    };
+    let start = std::time::Instant::now();
+    let want = tokens(BackendKind::Cpu { simd: None });
+    let cpu_time = start.elapsed();
+    let got = tokens(cuda());
+    eprintln!("cpu {cpu_time:?}, {:?} {:?}", cuda(), start.elapsed() - cpu_time);
+    assert_eq!(got, want);
 }

@@ -233,8 +233,7 @@ impl PrefillCore {
                 ));
             }
         }
-        let outputs = match self.runner.run(&plan, &mut self.engine, &mut self.push, &mut |_, _| {})
-        {
+        let outputs = match self.runner.run(&plan, &mut self.engine, &mut self.push, None) {
             Ok(o) => o,
             Err(f) => {
                 tracing::error!("prefill step failed: {}", f.error);
