@@ -86,13 +86,11 @@ extern "C" __global__ void rope_kv_write(u8* base, int dtype, int layers, int kv
     float c = cos_t[(size_t)t * half + p], s = sin_t[(size_t)t * half + p];
     int a = neox ? p : 2 * p, b = neox ? p + half : 2 * p + 1;
     float* qh = q + th * head_dim;
-    float x0 = qh[a], x1 = qh[b];
-    qh[a] = fmaf(x0, c, -(x1 * s));
-    qh[b] = fmaf(x0, s, x1 * c);
+    pd_rotate(qh + a, qh + b, c, s);
     if (h >= kv_heads) return;
     size_t row = (size_t)t * kv_heads * head_dim + (size_t)h * head_dim;
-    float k0 = k[row + a], k1 = k[row + b];
-    float vals[4] = {fmaf(k0, c, -(k1 * s)), fmaf(k0, s, k1 * c), v[row + a], v[row + b]};
+    float vals[4] = {k[row + a], k[row + b], v[row + a], v[row + b]};
+    pd_rotate(vals, vals + 1, c, s);
     KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
     int blk = int(slots[2 * t]), slot = int(slots[2 * t + 1]);
     size_t ko = pool.offset(blk, layer, 0, h, slot), vo = pool.offset(blk, layer, 1, h, slot);
@@ -173,6 +171,22 @@ __device__ float pd_qk(const float* q, const Row& k, int hd, bool decode) {
     return float(sum);
 }
 
+// Chunk `c` of a query's `n` scores turned into `exp(score - mx)` in place, and their sum as
+// `ops::attend` forms it (16 lanes, zeros past `n`).
+__device__ float pd_exp_chunk(float* p, int c, int n, float mx) {
+    float e[16];
+    for (int k = 0; k < 16; k++) {
+        int j = 16 * c + k;
+        if (j < n) {
+            p[j] = pd_exp(p[j] - mx);
+            e[k] = p[j];
+        } else {
+            e[k] = 0.0f;
+        }
+    }
+    return pd_reduce16(e);
+}
+
 // Folds the weighted-V accumulators of one output value as `ops::attend` does: 64 sets for a
 // generated token, 16 for a prompt token.
 __device__ float pd_fold_sets(float* r, bool decode) {
@@ -239,19 +253,7 @@ extern "C" __global__ void attention(const u8* base, int dtype, int layers, int 
         }
         __syncthreads();
         float mx = shared_max;
-        for (int c = tid; c < chunks; c += nthreads) {
-            float e[16];
-            for (int k = 0; k < 16; k++) {
-                int j = 16 * c + k;
-                if (j < n) {
-                    p[j] = pd_exp(p[j] - mx);
-                    e[k] = p[j];
-                } else {
-                    e[k] = 0.0f;
-                }
-            }
-            csum[c] = pd_reduce16(e);
-        }
+        for (int c = tid; c < chunks; c += nthreads) csum[c] = pd_exp_chunk(p, c, n, mx);
         __syncthreads();
         if (tid == 0) {
             double sum = 0.0;
@@ -355,17 +357,7 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
             for (int j = 0; j < n; j++) mx = fmaxf(mx, p[j]);
             double sum = 0.0;
             for (int c = 0; c < chunks; c++) {
-                float e[16];
-                for (int k = 0; k < 16; k++) {
-                    int j = 16 * c + k;
-                    if (j < n) {
-                        p[j] = pd_exp(p[j] - mx);
-                        e[k] = p[j];
-                    } else {
-                        e[k] = 0.0f;
-                    }
-                }
-                csum[c] = pd_reduce16(e);
+                csum[c] = pd_exp_chunk(p, c, n, mx);
                 sum += double(csum[c]);
             }
             inv[qi] = float(1.0 / sum);

@@ -137,6 +137,14 @@ __device__ __forceinline__ float pd_group8_hsum(float v) {
 __device__ __forceinline__ int pd_min(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int pd_max(int a, int b) { return a > b ? a : b; }
 
+// Rotates the pair (`*a`, `*b`) by the angle of cosine `c` and sine `s`: the first products
+// fused, the second rounded, as GCC compiles llama.cpp's `rotate_pairs`.
+__device__ __forceinline__ void pd_rotate(float* a, float* b, float c, float s) {
+    float x0 = *a, x1 = *b;
+    *a = fmaf(x0, c, -(x1 * s));
+    *b = fmaf(x0, s, x1 * c);
+}
+
 // Quantizes 32 values as `quant::quantize_block` (llama.cpp's `quantize_row_q8_1`): quants
 // `round_half_even(x·127/amax)` into `q`; returns the unrounded scale `amax/127` and their sum
 // in `sum`. Callers round the scale (and scaled sum) through f16 as their format stores it.

@@ -3,6 +3,16 @@
 // `quant::quantize_block*`), except `rms_norm`'s sum of squares (see there).
 #include "common.cuh"
 
+// The RMSNorm scale of row `xr` (`n` values), the lanes of one warp together (every lane
+// must call it: the sum goes through shuffles).
+__device__ float pd_rms_scale(const float* xr, int n, int lane, float eps) {
+    double sum = 0.0;
+    for (int i = lane; i < n; i += 32) sum += double(xr[i] * xr[i]);
+    for (int m = 16; m >= 1; m /= 2) sum += __shfl_xor_sync(PD_FULL_MASK, sum, m);
+    float mean = float(sum / double(n));
+    return 1.0f / sqrtf(mean + eps);
+}
+
 // `out[t] = x[t] / rms(x[t]) * weight`, one warp per row. The CPU sums the squares one after
 // another in f64; here each lane sums every 32nd square in f64 and a shuffle tree adds the
 // lanes. Both are within a few f64 ulps of the exact sum, far below the f32 the mean is rounded
@@ -14,12 +24,8 @@ extern "C" __global__ void rms_norm(const float* x, const float* weight, int row
     int lane = threadIdx.x % 32;
     bool live = r < rows;
     const float* xr = x + (size_t)(live ? r : 0) * n;
-    double sum = 0.0;
-    for (int i = lane; i < n; i += 32) sum += double(xr[i] * xr[i]);
-    for (int m = 16; m >= 1; m /= 2) sum += __shfl_xor_sync(PD_FULL_MASK, sum, m);
+    float scale = pd_rms_scale(xr, n, lane, eps);
     if (!live) return;
-    float mean = float(sum / double(n));
-    float scale = 1.0f / sqrtf(mean + eps);
     float* o = out + (size_t)r * n;
     for (int i = lane; i < n; i += 32) o[i] = (xr[i] * scale) * weight[i];
 }
@@ -33,12 +39,8 @@ extern "C" __global__ void rms_norm_q8(const float* x, const float* weight, int 
     int lane = threadIdx.x % 32;
     bool live = r < rows;
     const float* xr = x + (size_t)(live ? r : 0) * n;
-    double sum = 0.0;
-    for (int i = lane; i < n; i += 32) sum += double(xr[i] * xr[i]);
-    for (int m = 16; m >= 1; m /= 2) sum += __shfl_xor_sync(PD_FULL_MASK, sum, m);
+    float scale = pd_rms_scale(xr, n, lane, eps);
     if (!live) return;
-    float mean = float(sum / double(n));
-    float scale = 1.0f / sqrtf(mean + eps);
     float* o = out + (size_t)r * n;
     for (int c = lane * 32; c < n; c += 32 * 32) {
         for (int i = c; i < c + 32; i++) o[i] = (xr[i] * scale) * weight[i];
@@ -64,9 +66,7 @@ extern "C" __global__ void rope(float* x, int ntok, int heads, int head_dim, con
     float* head = x + th * head_dim;
     float c = cos_t[(size_t)t * half + p], s = sin_t[(size_t)t * half + p];
     int a = neox ? p : 2 * p, b = neox ? p + half : 2 * p + 1;
-    float x0 = head[a], x1 = head[b];
-    head[a] = fmaf(x0, c, -(x1 * s));
-    head[b] = fmaf(x0, s, x1 * c);
+    pd_rotate(head + a, head + b, c, s);
 }
 
 extern "C" __global__ void swiglu(const float* gate, const float* up, long n, float* out) {

@@ -11,10 +11,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use pdmesh_kv_types::{HostMemory, KvDtype, KvGeometry, MemoryKind, MemoryRegion};
+use pdmesh_kv_types::KvGeometry;
 
-use super::{Arg, Device, DeviceError, DeviceMem, Dims, GraphStats, Recorder};
-use crate::backend::{Backend, KvError, KvStorage, MatmulJob, Rope, RopeMode};
+use super::device_kv::{attention_tiles, slot_pairs};
+use super::{Arg, Device, DeviceError, DeviceKv, DeviceMem, Dims, GraphStats, Recorder};
+use crate::backend::{Backend, KvError, MatmulJob, Rope, RopeMode};
 use crate::kv::{AttnQuery, KvSlot, Phase};
 use crate::quant::{ActNeeds, HostWeight, QK, QK_K, WeightType};
 
@@ -25,7 +26,7 @@ const LANES_MAX_TOKENS: usize = 4;
 /// Attention's per-launch score scratch, in floats; longer batches launch in token chunks.
 const ATTN_SCRATCH_FLOATS: usize = 16 << 20;
 
-fn ok<T>(r: Result<T, DeviceError>) -> T {
+pub(super) fn ok<T>(r: Result<T, DeviceError>) -> T {
     r.unwrap_or_else(|e| panic!("CUDA device: {e}"))
 }
 
@@ -104,162 +105,6 @@ pub struct CudaWeight {
     cols: usize,
     row_bytes: usize,
     mem: DeviceMem,
-}
-
-/// The paged KV pool in device memory, in `KvGeometry`'s byte layout.
-#[derive(Debug)]
-pub struct DeviceKv<D: Device> {
-    dev: Arc<Recorder<D>>,
-    geometry: KvGeometry,
-    n_blocks: usize,
-    mem: DeviceMem,
-}
-
-impl<D: Device> DeviceKv<D> {
-    fn block_range(&self, block: usize) -> (usize, usize) {
-        let n = self.geometry.bytes_per_block();
-        (block * n, n)
-    }
-
-    /// The dtype as the kernels number it (`PD_KV_*` in attention.cu).
-    fn dtype_code(&self) -> i32 {
-        match self.geometry.dtype {
-            KvDtype::F32 => 0,
-            KvDtype::F16 => 1,
-            KvDtype::Q8_0 | KvDtype::Q8_0NoRot => 2,
-        }
-    }
-
-    fn is_q8(&self) -> bool {
-        self.geometry.dtype.is_q8_0()
-    }
-
-    /// The pool and its layout as the kernels' first arguments.
-    fn args(&self) -> [Arg; 6] {
-        let g = &self.geometry;
-        [
-            Arg::ptr(&self.mem),
-            Arg::I32(self.dtype_code()),
-            Arg::int(g.layers),
-            Arg::int(g.kv_heads),
-            Arg::int(g.head_dim),
-            Arg::int(g.block_size),
-        ]
-    }
-}
-
-impl<D: Device> KvStorage for DeviceKv<D> {
-    fn geometry(&self) -> &KvGeometry {
-        &self.geometry
-    }
-
-    fn n_blocks(&self) -> usize {
-        self.n_blocks
-    }
-
-    fn read_block(&self, block: usize, out: &mut Vec<u8>) {
-        let (at, n) = self.block_range(block);
-        let start = out.len();
-        out.resize(start + n, 0);
-        ok(self.dev.dtoh(&self.mem, at, &mut out[start..]));
-    }
-
-    fn read_layer(&self, block: usize, layer: usize, out: &mut Vec<u8>) {
-        let (at, _) = self.block_range(block);
-        let n = self.geometry.bytes_per_layer();
-        let start = out.len();
-        out.resize(start + n, 0);
-        ok(self.dev.dtoh(&self.mem, at + layer * n, &mut out[start..]));
-    }
-
-    fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), KvError> {
-        let want = self.geometry.bytes_per_block();
-        if data.len() != want {
-            return Err(KvError::BlockSize { want, got: data.len() });
-        }
-        if block >= self.n_blocks {
-            return Err(KvError::NoSuchBlock { block, blocks: self.n_blocks });
-        }
-        ok(self.dev.htod(data, &self.mem, block * want));
-        // From page-locked memory (`staging`) the copy is asynchronous; the caller may reuse
-        // `data` once this returns.
-        ok(self.dev.sync());
-        Ok(())
-    }
-
-    fn copy_block(&mut self, src: usize, dst: usize) {
-        let (s, n) = self.block_range(src);
-        let (d, _) = self.block_range(dst);
-        ok(self.dev.dtod(&self.mem, s, &self.mem, d, n));
-    }
-
-    fn region(&self) -> MemoryRegion {
-        self.mem.region()
-    }
-
-    fn rehome(&mut self, memory: HostMemory) -> Result<(), KvError> {
-        if self.dev.memory_kind() != MemoryKind::Host {
-            return Err(KvError::Rehome("a KV pool in GPU memory stays there".into()));
-        }
-        if memory.len() != self.mem.len() {
-            return Err(KvError::Rehome(format!(
-                "the new memory is {} bytes, the pool {}",
-                memory.len(),
-                self.mem.len()
-            )));
-        }
-        self.mem = self.dev.adopt_host(memory).map_err(|e| KvError::Rehome(e.to_string()))?;
-        Ok(())
-    }
-
-    fn staging(&self, len: usize) -> Result<HostMemory, KvError> {
-        self.dev.host_alloc(len).map_err(|e| KvError::Alloc(e.to_string()))
-    }
-}
-
-/// The tiles `attention_tiled` takes, per chunk of `chunk` queries: (first query within the
-/// chunk, count) for runs of up to 16 queries of one sequence (block table) and phase at
-/// consecutive positions.
-fn attention_tiles(
-    queries: &[AttnQuery<'_>],
-    table_at: &[u32],
-    chunk: usize,
-) -> Vec<Vec<(u32, u32)>> {
-    const TILE: u32 = 16;
-    let mut chunks = Vec::new();
-    for t0 in (0..queries.len()).step_by(chunk) {
-        let mut tiles: Vec<(u32, u32)> = Vec::new();
-        for t in t0..(t0 + chunk).min(queries.len()) {
-            let joins = tiles.last().is_some_and(|&(f, k)| {
-                let prev = t0 + (f + k) as usize - 1;
-                k < TILE
-                    && prev == t - 1
-                    && table_at[prev] == table_at[t]
-                    && queries[prev].phase == queries[t].phase
-                    && queries[prev].pos + 1 == queries[t].pos
-            });
-            match tiles.last_mut() {
-                Some(last) if joins => last.1 += 1,
-                _ => tiles.push(((t - t0) as u32, 1)),
-            }
-        }
-        chunks.push(tiles);
-    }
-    chunks
-}
-
-/// `(block, slot)` of each token as the kernels read them, each checked against the pool.
-fn slot_pairs<D: Device>(kv: &DeviceKv<D>, slots: &[KvSlot]) -> Vec<u8> {
-    let mut pairs = Vec::with_capacity(slots.len() * 8);
-    for s in slots {
-        assert!(
-            (s.block as usize) < kv.n_blocks && (s.slot as usize) < kv.geometry.block_size,
-            "kv_write: bad slot {s:?}"
-        );
-        pairs.extend_from_slice(&s.block.to_le_bytes());
-        pairs.extend_from_slice(&s.slot.to_le_bytes());
-    }
-    pairs
 }
 
 /// Small host arrays (tokens, slots, block tables) in device memory, each kept under a name
@@ -469,7 +314,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             KvError::Alloc(format!("{blocks} KV blocks overflow the address space"))
         })?;
         let mem = self.dev.alloc(bytes).map_err(|e| KvError::Alloc(e.to_string()))?;
-        Ok(DeviceKv { dev: Arc::clone(&self.dev), geometry, n_blocks: blocks, mem })
+        Ok(DeviceKv::new(Arc::clone(&self.dev), geometry, blocks, mem))
     }
 
     fn weight(&self, w: &HostWeight) -> CudaWeight {

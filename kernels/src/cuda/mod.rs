@@ -6,6 +6,7 @@
 //! block tables — written once over `Device`, so CI exercises all of it but the last layer.
 
 mod backend;
+mod device_kv;
 mod emu;
 mod gpu;
 pub mod graph;
@@ -17,7 +18,8 @@ use std::sync::Arc;
 
 use pdmesh_kv_types::{HostMemory, MemoryKind, MemoryRegion};
 
-pub use backend::{CudaBackend, CudaWeight, DeviceKv, DeviceVec};
+pub use backend::{CudaBackend, CudaWeight, DeviceVec};
+pub use device_kv::DeviceKv;
 pub use emu::EmuDevice;
 pub use gpu::{GpuDevice, driver_missing};
 pub use graph::{Graph, GraphStats, Launch, Recorder};

@@ -26,7 +26,7 @@ use tracing::Span;
 
 use crate::core::{Attach, Counts, Event, Start};
 use crate::error::{DecodeError, to_status};
-use crate::worker::{ChannelOutput, Command, Remote, RemoteGrant};
+use crate::worker::{ChannelOutput, Command, RemoteGrant};
 
 /// The engine thread as the async side reaches it.
 #[derive(Debug, Clone)]
@@ -245,10 +245,7 @@ impl Decode for DecodeService {
             (Some(pool), true) => {
                 let pool = pool.clone();
                 Some(RemoteGrant(Box::new(move |blocks: &[u32]| match pool.target(blocks) {
-                    Ok(g) => {
-                        let grant = Box::new(g.grant) as Box<dyn std::any::Any + Send>;
-                        Ok(Some(Remote { target: g.target, grant, staged: g.staged }))
-                    }
+                    Ok(g) => Ok(Some(g)),
                     Err(TargetError::StagingFull(e)) => {
                         tracing::debug!("this reservation's KV comes over a stream: {e}");
                         Ok(None)

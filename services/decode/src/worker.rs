@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use pdmesh_common::ids::Capability;
 use pdmesh_common::worker::Core;
-use pdmesh_kv_transfer::StagedBlocks;
+use pdmesh_kv_transfer::Granted;
 use pdmesh_proto::v1::UcxTarget;
 use tokio::sync::{mpsc, oneshot};
 
@@ -23,26 +23,7 @@ pub struct RemoteGrant(pub Box<GrantFn>);
 
 /// Given a reservation's pool blocks: what peers are granted, or `None` when this one takes
 /// its KV over a stream (every staging block is taken).
-pub type GrantFn = dyn FnOnce(&[u32]) -> Result<Option<Remote>, String> + Send;
-
-/// A reservation's blocks made reachable by peers.
-pub struct Remote {
-    /// What the writer is handed.
-    pub target: UcxTarget,
-    /// Keeps it reachable; dropping it revokes the access.
-    pub grant: Box<dyn std::any::Any + Send>,
-    /// The staging blocks the target names, when the pool is staged.
-    pub staged: Option<StagedBlocks>,
-}
-
-impl std::fmt::Debug for Remote {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Remote")
-            .field("target", &self.target)
-            .field("staged", &self.staged)
-            .finish_non_exhaustive()
-    }
-}
+pub type GrantFn = dyn FnOnce(&[u32]) -> Result<Option<Granted>, String> + Send;
 
 impl std::fmt::Debug for RemoteGrant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -197,9 +178,9 @@ impl Core for Worker {
                         core.name(res.id(), request.0, request.1);
                         let Some(RemoteGrant(grant)) = grant else { return Ok((res, None)) };
                         match grant(&res.pool_blocks) {
-                            Ok(Some(Remote { target, grant, staged })) => {
+                            Ok(Some(Granted { target, grant, staged })) => {
                                 let digest = pdmesh_kv_transfer::scope::digest(&target.ranges);
-                                core.hold(res.id(), grant, digest);
+                                core.hold(res.id(), Box::new(grant), digest);
                                 if let Some(s) = staged {
                                     core.stage(res.id(), s);
                                 }
