@@ -3,6 +3,8 @@
 512- and a 2,048-token prompt, and decode tok/s at batch 1, 16 and 64 with the weight bytes each
 step streams from HBM (GB/s; a decode step reads every weight once, whatever the batch), next to
 the H200's 4.8 TB/s. Each figure is the median of `--repeats` runs of `pdmesh bench engine`.
+With them, decode at batch 64 with top-40 samplers, picking from the candidates the device
+cuts each row to against picking from whole logits read back.
 
 Then KV into a GPU decode node's pool through UCX (`pdmesh bench kv --decode-backend cuda`):
 a 4,096-token prompt's KV from host bytes (what a prefill node reads back from its GPU) into
@@ -19,7 +21,7 @@ import sys
 H200_HBM_GB_S = 4800.0
 
 
-def bench(pdmesh, model, prompt, batches, repeats):
+def bench(pdmesh, model, prompt, batches, repeats, sampled=0):
     cmd = [
         pdmesh, "bench", "engine", "--backend", "cuda", "--json",
         "--model", model,
@@ -27,6 +29,7 @@ def bench(pdmesh, model, prompt, batches, repeats):
         "--max-batch-tokens", str(prompt),
         "--batch-sizes", ",".join(str(b) for b in batches),
         "--repeats", str(repeats),
+        "--sampled-batch", str(sampled),
     ]
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -50,7 +53,7 @@ def main():
     a = ap.parse_args()
     batches = [1, 16, 64]
     for model in a.models:
-        short = bench(a.pdmesh, model, 512, batches, a.repeats)
+        short = bench(a.pdmesh, model, 512, batches, a.repeats, sampled=64)
         long = bench(a.pdmesh, model, 2048, [1], a.repeats)
         weights = short["decode_weight_bytes_per_token"]
         rows = {}
@@ -64,6 +67,7 @@ def main():
             "prefill_tok_s": {"512": short["prefill_tok_s"], "2048": long["prefill_tok_s"]},
             "decode": {str(b): {"tok_s": t, "weight_gb_s": g} for b, (t, g) in rows.items()},
             "weight_bytes_per_step": weights,
+            "sampled_decode": short["sampled_decode"],
         }
         if a.json:
             print(json.dumps(result))
@@ -74,6 +78,10 @@ def main():
         for b, (t, g) in rows.items():
             print(f"  decode  batch {b:>3}    {t:>10.1f} tok/s  {g:>8.1f} GB/s "
                   f"= {100 * g / H200_HBM_GB_S:.1f}% of the H200's {H200_HBM_GB_S:.0f} GB/s")
+        s = short["sampled_decode"]
+        print(f"  decode  batch {s['batch']:>3} top-{s['top_k']} {s['candidates_tok_s']:>10.1f} tok/s "
+              f"from device candidates, {s['whole_logits_tok_s']:.1f} from whole logits "
+              f"({s['ratio']:.3f}x)")
     kv = kv_into_gpu(a.pdmesh, a.models[0], a.repeats)
     if a.json:
         print(json.dumps({"kv_into_gpu": kv}))

@@ -166,37 +166,3 @@ extern "C" __global__ void round_to(const float* x, long n, int bf16, float* out
     if (i >= n) return;
     out[i] = bf16 ? pd_bf16_to_f32(pd_f32_to_bf16(x[i])) : pd_round_f16(x[i]);
 }
-
-// Each row's greedy pick (`backend::argmax`): a block per row (a power of two of threads, at
-// most 256); each thread keeps the first largest of its strided values (NaN never wins), then
-// a tree in shared memory keeps the larger value, or between equal ones the lower id. The
-// same pick as the host's scan; only the ids go back.
-extern "C" __global__ void argmax_rows(const float* x, int rows, int cols, u32* out) {
-    __shared__ float best_v[256];
-    __shared__ u32 best_i[256];
-    int r = blockIdx.x, tid = threadIdx.x, nthreads = blockDim.x;
-    if (r >= rows) return;
-    const float* row = x + (size_t)r * cols;
-    float v = __uint_as_float(0xff800000u);
-    u32 at = 0xffffffffu;
-    for (int i = tid; i < cols; i += nthreads)
-        if (row[i] > v) {
-            v = row[i];
-            at = u32(i);
-        }
-    best_v[tid] = v;
-    best_i[tid] = at;
-    __syncthreads();
-    for (int half = nthreads / 2; half > 0; half /= 2) {
-        if (tid < half) {
-            float ov = best_v[tid + half];
-            u32 oi = best_i[tid + half];
-            if (ov > best_v[tid] || (ov == best_v[tid] && oi < best_i[tid])) {
-                best_v[tid] = ov;
-                best_i[tid] = oi;
-            }
-        }
-        __syncthreads();
-    }
-    if (tid == 0) out[r] = best_i[0] == 0xffffffffu ? 0u : best_i[0];
-}

@@ -11,6 +11,7 @@
 
 use pdmesh_kv_types::{HostMemory, KvGeometry, MemoryRegion};
 
+use crate::candidates::{Candidates, Cut, MAX_CANDIDATES};
 use crate::kv::{AttnQuery, KvSlot, Phase};
 use crate::quant::{ActNeeds, HostWeight};
 
@@ -234,26 +235,27 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// Copies rows `rows` (each `width` values) of `x` into `out`, in that order.
     fn gather_rows(&self, x: &Self::Buffer, rows: &[usize], width: usize, out: &mut Self::Buffer);
 
-    /// The greedy pick (`argmax`) of each of the `rows` rows of `cols` values in `x`, into
-    /// `out`: a device reduces them where they are and reads back only the ids.
-    fn argmax_rows(&self, x: &Self::Buffer, rows: usize, cols: usize, out: &mut Vec<u32>) {
+    /// Each of `cuts.len()` rows of `cols` values in `x` cut to its candidates
+    /// (`Cut::apply`), into `out`: a device reduces the rows where they are and reads back
+    /// only the candidates. `false` (and `out` unspecified) when a row has more than
+    /// `MAX_CANDIDATES`: read the rows whole instead.
+    fn candidates(
+        &self,
+        x: &Self::Buffer,
+        cols: usize,
+        cuts: &[Cut],
+        out: &mut Candidates,
+    ) -> bool {
         let mut host = Vec::new();
         let v = self.read(x, &mut host);
         out.clear();
-        out.extend(v.chunks_exact(cols.max(1)).take(rows).map(argmax));
-    }
-}
-
-/// The greedy pick: the id of the largest value, the lowest id among equals; NaN never wins,
-/// and a row with nothing above -inf picks 0.
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &v) in row.iter().enumerate() {
-        if v > best_v {
-            best = i;
-            best_v = v;
+        for (row, cut) in v.chunks_exact(cols.max(1)).zip(cuts) {
+            cut.apply(row, &mut out.items);
+            if out.items.len() - out.offsets[out.offsets.len() - 1] > MAX_CANDIDATES {
+                return false;
+            }
+            out.offsets.push(out.items.len());
         }
+        true
     }
-    best as u32
 }

@@ -12,6 +12,7 @@
 compile_error!("pdmesh assumes a little-endian target (KV blocks travel as raw bytes)");
 
 pub mod backend;
+pub mod candidates;
 pub mod cpu;
 pub mod cuda;
 pub mod formats;
@@ -19,7 +20,8 @@ pub mod kv;
 pub mod pool;
 pub mod quant;
 
-pub use backend::{Backend, KvError, KvStorage, MatmulJob, Rope, RopeMode, argmax};
+pub use backend::{Backend, KvError, KvStorage, MatmulJob, Rope, RopeMode};
+pub use candidates::{Candidates, Cut, MAX_CANDIDATES, argmax, argmax_of};
 pub use cpu::{CpuBackend, Simd};
 pub use formats::ActForm;
 pub use kv::{

@@ -13,8 +13,9 @@ mod common;
 use common::{host, phase_of, random_vec, random_weights};
 use pdmesh_kernels::cuda::{CudaBackend, Device, EmuDevice, GpuDevice};
 use pdmesh_kernels::{
-    ActNeeds, AttnQuery, Backend, CpuBackend, KvDtype, KvGeometry, KvSlot, KvStorage, MatmulJob,
-    Phase, RopeMode, Simd, WeightMatrix, WeightType,
+    ActNeeds, AttnQuery, Backend, Candidates, CpuBackend, Cut, KvDtype, KvGeometry, KvSlot,
+    KvStorage, MAX_CANDIDATES, MatmulJob, Phase, RopeMode, Simd, WeightMatrix, WeightType, argmax,
+    argmax_of,
 };
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -370,30 +371,76 @@ fn fused_rope_kv_write_equals_rope_then_kv_write() {
     }
 }
 
-/// Greedy picks reduced on the device are the host scan's: the first of equal maxima, NaN
-/// never, 0 for a row with nothing above -inf; rows narrower and far wider than a block.
+/// Rows cut to their sampler's candidates on the device hold the host rule's set
+/// (`Cut::apply`): greedy ties, NaN never, -inf rows, the temperature's margin on scaled
+/// values, top-k with ties at the k-th and -0 below +0; rows narrower and far wider than a
+/// block; a row over `MAX_CANDIDATES` sends the step back whole on both.
 #[test]
-fn argmax_rows_picks_as_the_host_does() {
+fn candidates_are_the_host_rules_set() {
     let (c, e) = (cpu(), emu());
     let mut rng = ChaCha8Rng::seed_from_u64(41);
-    for cols in [1usize, 7, 128, 300, 49_152] {
-        let mut rows: Vec<Vec<f32>> = (0..5).map(|_| random_vec(&mut rng, cols, 10.0)).collect();
+    let by_id = |mut v: Vec<(u32, f32)>| {
+        v.sort_by_key(|p| p.0);
+        v.into_iter().map(|(i, x)| (i, x.to_bits())).collect::<Vec<_>>()
+    };
+    let sampled = |t: f32, top_k| Cut { scale: 1.0 / t, margin: 30.0, top_k };
+    for cols in [1usize, 7, 300, 49_152] {
+        let mut rows: Vec<Vec<f32>> = (0..8).map(|_| random_vec(&mut rng, cols, 10.0)).collect();
         // Ties: the maximum again further on (and first where the row has room).
         let m = rows[1].iter().copied().fold(f32::NEG_INFINITY, f32::max);
         rows[1][cols - 1] = m;
         rows[1][cols / 2] = m;
         rows[2].iter_mut().step_by(3).for_each(|v| *v = f32::NAN);
         rows[3].fill(f32::NEG_INFINITY);
+        rows[3][0] = f32::NAN;
+        if cols > MAX_CANDIDATES {
+            // Otherwise every -inf is a candidate, more than fit.
+            rows[3][5] = 1.0;
+            rows[3][cols - 2] = 1.0;
+        }
         rows[4].fill(f32::NAN);
-        rows[4][cols - 1] = f32::NEG_INFINITY;
+        // Ties at the k-th: values on a grid.
+        rows[5].iter_mut().for_each(|v| *v = (*v * 20.0).round());
+        // A spread wide enough that the margin cuts, all below zero.
+        rows[6].iter_mut().for_each(|v| *v = *v * 40.0 - 500.0);
+        // Signed zeros tied at the top: total_cmp ranks -0 below +0.
+        if cols <= 300 {
+            rows[7] = (0..cols).map(|i| [0.0, -0.0, -1.0][i % 3]).collect();
+        } else {
+            rows[7].iter_mut().for_each(|v| *v = (*v * 20.0).round() * 0.25);
+        }
+        let cuts = [
+            Cut::GREEDY,
+            Cut::GREEDY,
+            sampled(0.7, 40),
+            sampled(1.0, 5),
+            sampled(0.5, 1),
+            sampled(1.0, 7),
+            sampled(0.3, if cols < 300 { 0 } else { 50 }),
+            if cols <= 300 { sampled(1.0, 1) } else { sampled(1.3, 64) },
+        ];
         let flat: Vec<f32> = rows.concat();
-        let want: Vec<u32> = rows.iter().map(|r| pdmesh_kernels::argmax(r)).collect();
-        let mut host = Vec::new();
-        c.argmax_rows(&flat, rows.len(), cols, &mut host);
-        assert_eq!(host, want, "{cols} columns on the CPU");
-        let mut got = Vec::new();
-        e.argmax_rows(&to_dev(&e, &flat), rows.len(), cols, &mut got);
-        assert_eq!(got, want, "{cols} columns on the device");
+        let mut host = Candidates::default();
+        assert!(c.candidates(&flat, cols, &cuts, &mut host), "{cols} columns on the CPU");
+        let mut got = Candidates::default();
+        assert!(e.candidates(&to_dev(&e, &flat), cols, &cuts, &mut got), "{cols} columns");
+        assert_eq!(got.rows(), cuts.len());
+        for (r, (row, cut)) in rows.iter().zip(&cuts).enumerate() {
+            let mut want = Vec::new();
+            cut.apply(row, &mut want);
+            assert_eq!(by_id(host.row(r).to_vec()), by_id(want.clone()), "CPU row {r}");
+            assert_eq!(by_id(got.row(r).to_vec()), by_id(want.clone()), "{cols} columns, row {r}");
+            if *cut == Cut::GREEDY {
+                assert_eq!(argmax_of(got.row(r)), argmax(row), "{cols} columns, row {r}");
+            }
+        }
+        if cols > MAX_CANDIDATES {
+            // Every value of a -inf row is its maximum's tie; a loose cut keeps most of a row.
+            let loose = [Cut::GREEDY, sampled(1.0, 0)];
+            let two: Vec<f32> = [vec![f32::NEG_INFINITY; cols], rows[0].clone()].concat();
+            assert!(!c.candidates(&two, cols, &loose, &mut host), "over the cap on the CPU");
+            assert!(!e.candidates(&to_dev(&e, &two), cols, &loose, &mut got), "over the cap");
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use pdmesh_kv_types::KvGeometry;
 use super::device_kv::{attention_tiles, slot_pairs};
 use super::{Arg, Device, DeviceError, DeviceKv, DeviceMem, Dims, GraphStats, Recorder};
 use crate::backend::{Backend, KvError, MatmulJob, Rope, RopeMode};
+use crate::candidates::{Candidates, Cut, MAX_CANDIDATES};
 use crate::kv::{AttnQuery, KvSlot, Phase};
 use crate::quant::{ActNeeds, HostWeight, QK, QK_K, WeightType};
 
@@ -113,8 +114,9 @@ pub struct CudaWeight {
 struct Staging {
     slots: HashMap<&'static str, (Vec<u8>, Grow)>,
     attn_scratch: Grow,
-    /// The greedy picks of a step's rows (`argmax_rows`).
-    ids: Grow,
+    /// The candidates of a step's rows, per row (`candidates_rows`) and packed.
+    cand_rows: Grow,
+    cand_packed: Grow,
 }
 
 impl Staging {
@@ -698,19 +700,47 @@ impl<D: Device> Backend for CudaBackend<D> {
         }
     }
 
-    fn argmax_rows(&self, x: &DeviceVec, rows: usize, cols: usize, out: &mut Vec<u32>) {
-        assert!(cols > 0 && x.len >= rows * cols, "argmax_rows: shape mismatch");
+    fn candidates(&self, x: &DeviceVec, cols: usize, cuts: &[Cut], out: &mut Candidates) -> bool {
+        let rows = cuts.len();
+        assert!(cols > 0 && x.len >= rows * cols, "candidates: shape mismatch");
+        check_size("candidates", rows * MAX_CANDIDATES * 2);
         out.clear();
         if rows == 0 {
-            return;
+            return true;
         }
+        let packed_len = rows + 1 + 2 * rows * MAX_CANDIDATES;
+        let cut_bytes: Vec<u8> = cuts
+            .iter()
+            .flat_map(|c| [c.scale.to_bits(), c.margin.to_bits(), c.top_k])
+            .flat_map(u32::to_le_bytes)
+            .collect();
         let mut st = self.staging();
-        let ids = st.ids.ensure(&*self.dev, rows * 4).clone();
+        let cuts_arg = st.put(&*self.dev, "cuts", &cut_bytes);
+        let per_row = st.cand_rows.ensure(&*self.dev, rows * (1 + 2 * MAX_CANDIDATES) * 4).addr();
+        let packed = st.cand_packed.ensure(&*self.dev, packed_len * 4).clone();
         drop(st);
-        let args = [x.ptr(), Arg::int(rows), Arg::int(cols), Arg::ptr(&ids)];
-        self.launch("argmax_rows", Dims { grid: [rows as u32, 1, 1], block: [128, 1, 1] }, &args);
-        out.resize(rows, 0);
-        ok(self.dev.dtoh(&ids, 0, bytemuck::cast_slice_mut(out)));
+        let (counts, ids) = (Arg::Ptr(per_row), Arg::Ptr(per_row + rows as u64 * 4));
+        let vals = Arg::Ptr(per_row + (rows * (1 + MAX_CANDIDATES)) as u64 * 4);
+        let cap = Arg::int(MAX_CANDIDATES);
+        let args = [x.ptr(), Arg::int(cols), cuts_arg, cap, counts, ids, vals];
+        self.launch(
+            "candidates_rows",
+            Dims { grid: [rows as u32, 1, 1], block: [128, 1, 1] },
+            &args,
+        );
+        let args = [Arg::int(rows), cap, counts, ids, vals, Arg::ptr(&packed)];
+        self.launch("candidates_pack", Dims { grid: [1, 1, 1], block: [128, 1, 1] }, &args);
+        let mut offsets = vec![0u32; rows + 1];
+        ok(self.dev.dtoh(&packed, 0, bytemuck::cast_slice_mut(&mut offsets)));
+        if offsets.windows(2).any(|w| (w[1] - w[0]) as usize > MAX_CANDIDATES) {
+            return false;
+        }
+        let mut pairs = vec![0u32; 2 * offsets[rows] as usize];
+        ok(self.dev.dtoh(&packed, (rows + 1) * 4, bytemuck::cast_slice_mut(&mut pairs)));
+        out.offsets.clear();
+        out.offsets.extend(offsets.iter().map(|&o| o as usize));
+        out.items.extend(pairs.chunks_exact(2).map(|p| (p[0], f32::from_bits(p[1]))));
+        true
     }
 
     fn fwht(&self, x: &mut DeviceVec, n: usize) {

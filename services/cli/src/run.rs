@@ -108,8 +108,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         }
         true
     };
-    // Logits are observed only when asked for: otherwise a device reduces greedy picks where
-    // the logits are (`Logits::Greedy`).
+    // Logits are observed only when asked for: otherwise a device cuts them to the sampler's
+    // candidates where they are (`Logits::Cut`).
     let g = if top_n > 0 {
         let top = |logits: &[f32]| {
             let mut v: Vec<(u32, f32)> =

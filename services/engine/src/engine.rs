@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use pdmesh_kernels::{CpuBackend, KvDtype, KvSlot, MemoryRegion, Phase, Simd};
+use pdmesh_kernels::{CpuBackend, Cut, KvDtype, KvSlot, MemoryRegion, Phase, Simd};
 use pdmesh_kv_types::HostMemory;
 use pdmesh_kv_types::KvLayout;
 
@@ -86,15 +86,16 @@ impl EngineConfig {
 }
 
 /// Which logits a step item wants back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Logits {
     None,
     /// Only for the item's last token (end of a prompt, or a decode token).
     Last,
-    /// Only the greedy pick of the last token (`pdmesh_kernels::argmax`, see
-    /// `StepLogits::greedy_of`): when every item of a step asks for no more, a device reduces
-    /// the logits where they are and reads back only the ids. Otherwise as `Last`.
-    Greedy,
+    /// Only the last token's candidates under this cut (`pdmesh_kernels::Cut`, see
+    /// `StepLogits::candidates_of`): what a sampler without penalties picks from. When every
+    /// item of a step asks for no more, a device reduces the logits where they are and reads
+    /// back only the candidates. Otherwise as `Last`.
+    Cut(Cut),
     /// For every token of the item (scoring, perplexity).
     All,
 }
@@ -122,7 +123,7 @@ impl<'a> StepItem<'a> {
 }
 
 /// The logits a step produced, row by row in item order: whole, or only each row's greedy
-/// pick when every item asked for no more (`Logits::Greedy`).
+/// candidates when every item asked for no more (`Logits::Cut`).
 #[derive(Debug)]
 pub struct StepLogits<'a> {
     data: Rows<'a>,
@@ -141,7 +142,7 @@ impl<'a> StepLogits<'a> {
     }
 
     /// Row `i`: which item and token it belongs to, and its logits. A step whose items all
-    /// asked for `Logits::Greedy` has none to give (see `greedy_of`): asking is a bug.
+    /// asked for `Logits::Cut` may have none to give (see `candidates_of`): asking is a bug.
     pub fn row(&self, i: usize) -> ((usize, usize), &'a [f32]) {
         (self.rows[i], self.logits(i).expect("the step gave greedy picks, not logits"))
     }
@@ -149,7 +150,7 @@ impl<'a> StepLogits<'a> {
     fn logits(&self, i: usize) -> Option<&'a [f32]> {
         match self.data {
             Rows::Logits(d) => Some(&d[i * self.vocab..(i + 1) * self.vocab]),
-            Rows::Argmax(_) => None,
+            Rows::Candidates(_) => None,
         }
     }
 
@@ -159,12 +160,12 @@ impl<'a> StepLogits<'a> {
         self.logits(i)
     }
 
-    /// The greedy pick for item `item`'s last wanted token, when the step reduced its logits
-    /// on the device; `None` when they came back whole (sample from `last_of`).
-    pub fn greedy_of(&self, item: usize) -> Option<u32> {
+    /// The candidates of item `item`'s last wanted token, in no particular order, when the
+    /// step cut its logits on the device; `None` when they came back whole (see `last_of`).
+    pub fn candidates_of(&self, item: usize) -> Option<&'a [(u32, f32)]> {
         let i = self.rows.iter().rposition(|&(it, _)| it == item)?;
         match self.data {
-            Rows::Argmax(ids) => Some(ids[i]),
+            Rows::Candidates(c) => Some(c.row(i)),
             Rows::Logits(_) => None,
         }
     }
@@ -432,18 +433,24 @@ impl Engine {
         let mut logit_rows = std::mem::take(&mut self.logit_rows);
         logit_rows.clear();
         let mut logit_tokens = Vec::new();
+        // Each wanted row's cut, while every wanted row has one.
+        let (mut cuts, mut all_cut) = (Vec::new(), true);
         for (i, it) in items.iter().enumerate() {
             let start = self.kv.len(it.seq)?;
             let s = self.kv.append(it.seq, it.tokens.len(), self.device.store_mut())?;
             for (j, &t) in it.tokens.iter().enumerate() {
                 let want = match it.logits {
                     Logits::None => false,
-                    Logits::Last | Logits::Greedy => j + 1 == it.tokens.len(),
+                    Logits::Last | Logits::Cut(_) => j + 1 == it.tokens.len(),
                     Logits::All => true,
                 };
                 if want {
                     logit_rows.push((i, j));
                     logit_tokens.push(tokens.len());
+                    match it.logits {
+                        Logits::Cut(c) => cuts.push(c),
+                        _ => all_cut = false,
+                    }
                 }
                 tokens.push(t);
                 positions.push(start + j);
@@ -452,14 +459,16 @@ impl Engine {
             }
             slots.extend(s);
         }
+        if !all_cut {
+            cuts.clear();
+        }
         let batch = Batch {
             tokens: &tokens,
             positions: &positions,
             slots: &slots,
             owner: &owner,
             phases: &phases,
-            argmax: !logit_tokens.is_empty()
-                && items.iter().all(|it| matches!(it.logits, Logits::Greedy | Logits::None)),
+            cuts: &cuts,
             logit_tokens: &logit_tokens,
         };
         let data = self.device.forward(&self.kv, &batch, on_layer);

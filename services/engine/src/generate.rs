@@ -197,23 +197,24 @@ mod tests {
         assert_eq!(e.kv().free_blocks(), 64, "the request admitted before it was freed");
     }
 
-    /// Unobserved greedy requests take their picks from the step (`Logits::Greedy`, reduced
-    /// by the backend) and observed or sampling ones from the logits: the same tokens, and
-    /// the same for a batch that mixes them (whose steps read logits back whole).
+    /// Unobserved requests whose samplers have a cut (greedy, or top-k without penalties)
+    /// pick from the candidates the step gives (`Logits::Cut`, cut by the backend); observed
+    /// ones, and a batch with a sampler that has none, from whole logits: the same tokens.
     #[test]
-    fn greedy_picks_from_the_step_give_the_samplers_tokens() {
+    fn candidates_from_the_step_give_the_samplers_tokens() {
         use crate::SamplingParams;
         let cfg = EngineConfig { threads: 1, kv_blocks: 64, ..Default::default() };
         let mut e = Engine::new(tiny_model(), cfg).expect("engine");
         let greedy = GenerateParams { max_tokens: 12, ignore_eos: true, ..Default::default() };
-        let sampled = GenerateParams {
-            sampling: SamplingParams { temperature: 0.8, seed: 3, ..Default::default() },
-            ..greedy.clone()
-        };
+        let with = |sampling| GenerateParams { sampling, ..greedy.clone() };
+        let top_k = SamplingParams { temperature: 1.3, top_k: 6, seed: 3, ..Default::default() };
+        let nucleus = SamplingParams { top_k: 40, top_p: 0.9, min_p: 0.02, seed: 4, ..top_k };
+        let sampled = with(SamplingParams { temperature: 0.8, seed: 3, ..Default::default() });
         let prompts: Vec<Vec<u32>> =
             (0..3u32).map(|i| (0..9).map(|j| 7 + 31 * i + j).collect()).collect();
-        let reqs: Vec<_> = prompts.iter().map(|p| (p.clone(), greedy.clone())).collect();
-        let picked = generate_batch(&mut e, &reqs, 3, |_, _| true).expect("greedy");
+        let params = [greedy.clone(), with(top_k), with(nucleus)];
+        let reqs: Vec<_> = prompts.iter().cloned().zip(params).collect();
+        let picked = generate_batch(&mut e, &reqs, 3, |_, _| true).expect("cut");
         let mut seen = 0;
         let observed =
             generate_batch_observed(&mut e, &reqs, 3, |_, _| seen += 1, |_, _| true).expect("seen");

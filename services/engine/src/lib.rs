@@ -42,7 +42,7 @@ pub use runner::{
     BatchRunner, End, Event, FinishReason, GenerateParams, Mark, Output, Paused, Role, SeqSpec,
     SeqStatus, StepFailed,
 };
-pub use sampler::{MAX_TOP_LOGPROBS, Sampler, SamplingParams, TokenLogprobs};
+pub use sampler::{MAX_DEVICE_TOP_K, MAX_TOP_LOGPROBS, Sampler, SamplingParams, TokenLogprobs};
 pub use scheduler::{Scheduled, Scheduler, Work};
 pub use settings::{BackendName, EngineName, EngineSettings};
 pub use sim::SimProfile;

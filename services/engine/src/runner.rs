@@ -206,9 +206,9 @@ pub struct StepFailed {
 /// Shown each row of logits a sequence's token is sampled from, with the sequence's id.
 pub type LogitsObserver<'a> = dyn FnMut(u64, &[f32]) + 'a;
 
-/// How a row's next token is picked: it came back as its greedy pick, or as logits to sample.
+/// How a row's next token is picked: from the candidates it came back as, or from its logits.
 enum Pick<'a> {
-    Greedy(u32),
+    Candidates(&'a [(u32, f32)]),
     Sample(&'a [f32]),
 }
 
@@ -420,9 +420,9 @@ impl BatchRunner {
     /// Runs a planned step: computes it (the connector saving each layer as it is written),
     /// samples every sequence whose logits it produced, applies the finish rules, and returns
     /// what came out, in plan order. `on_logits` sees each row sampled from; without it, a
-    /// step whose sequences all pick greedily has the device reduce the logits to their picks
-    /// (`Logits::Greedy`) instead of reading them back. A failed step changes no KV; every
-    /// sequence in it fails.
+    /// step whose samplers all have a cut (`Sampler::cut`: greedy, or a small top-k, without
+    /// penalties) has the device cut the logits to their candidates (`Logits::Cut`) instead of
+    /// reading them back. A failed step changes no KV; every sequence in it fails.
     pub fn run(
         &mut self,
         plan: &[Scheduled],
@@ -459,10 +459,9 @@ impl BatchRunner {
             .map(|(s, tok)| {
                 let slot = &self.slots[&s.id];
                 let seq = slot.seq.expect("admitted sequences have one");
-                let sampled = if observed || !slot.sampler.argmax_suffices() {
-                    Logits::Last
-                } else {
-                    Logits::Greedy
+                let sampled = match slot.sampler.cut() {
+                    Some(cut) if !observed => Logits::Cut(cut),
+                    _ => Logits::Last,
                 };
                 match s.work {
                     Work::Prefill { offset, len, last } => StepItem::prefill(
@@ -492,9 +491,9 @@ impl BatchRunner {
         };
         let mut ends = Vec::new();
         for (k, s) in plan.iter().enumerate() {
-            let (row, greedy) = (logits.last_of(k), logits.greedy_of(k));
-            let pick = match (greedy, row) {
-                (Some(t), _) => Pick::Greedy(t),
+            let (row, cut) = (logits.last_of(k), logits.candidates_of(k));
+            let pick = match (cut, row) {
+                (Some(c), _) => Pick::Candidates(c),
                 (None, Some(row)) => Pick::Sample(row),
                 (None, None) => continue,
             };
@@ -508,8 +507,8 @@ impl BatchRunner {
                 continue;
             }
             let sampled = match pick {
-                // Reduced on the device: what the sampler's greedy pick gives.
-                Pick::Greedy(t) => (t, None),
+                // Cut on the device: the token the whole row would have given.
+                Pick::Candidates(c) => (slot.sampler.sample_candidates(c), None),
                 Pick::Sample(row) => slot.sampler.sample(row, &slot.history, slot.prompt_len),
             };
             match slot.role {

@@ -7,7 +7,8 @@
 use std::sync::Arc;
 
 use pdmesh_kernels::{
-    ActNeeds, AttnQuery, Backend, KvGeometry, KvSlot, KvStorage, MatmulJob, Phase, Rope,
+    ActNeeds, AttnQuery, Backend, Candidates, Cut, KvGeometry, KvSlot, KvStorage, MatmulJob, Phase,
+    Rope,
 };
 
 use crate::error::{Error, Result};
@@ -24,9 +25,10 @@ pub(crate) struct Batch<'a> {
     pub phases: &'a [Phase],
     /// Indexes (into `tokens`) of the tokens whose logits are wanted.
     pub logit_tokens: &'a [usize],
-    /// Only each wanted row's greedy pick is needed (`Logits::Greedy`): a device may reduce
-    /// the rows where they are instead of reading them back.
-    pub argmax: bool,
+    /// Each wanted row's cut when the step's samplers need no more than its candidates
+    /// (`Logits::Cut`): a device may reduce the rows where they are instead of reading them
+    /// back. Empty: the rows come back whole.
+    pub cuts: &'a [Cut],
 }
 
 /// What a step gives back for its wanted rows.
@@ -34,8 +36,8 @@ pub(crate) struct Batch<'a> {
 pub(crate) enum Rows<'a> {
     /// Their logits, row after row.
     Logits(&'a [f32]),
-    /// Each row's greedy pick (`pdmesh_kernels::argmax`).
-    Argmax(&'a [u32]),
+    /// Each row's candidates (`pdmesh_kernels::Cut::apply`).
+    Candidates(&'a Candidates),
 }
 
 /// A backend with its KV pool and the model's weights: what the engine runs steps on.
@@ -45,7 +47,7 @@ pub(crate) trait Device: Send + std::fmt::Debug {
     fn store_mut(&mut self) -> &mut dyn KvStorage;
     /// Computes `batch` (its KV already has slots in `cache`), calling `on_layer(l, kv)` as soon
     /// as layer `l`'s KV is written; returns the wanted logits, row by row (or their greedy
-    /// picks, when `batch.argmax` lets it).
+    /// candidates, when `batch.cuts` lets it).
     fn forward(
         &mut self,
         cache: &KvCache,
@@ -100,7 +102,7 @@ struct Scratch<B: Backend> {
     host_sin: Vec<f32>,
     host_logits: Vec<f32>,
     /// The rows' greedy picks, when only those are wanted.
-    host_ids: Vec<u32>,
+    host_cands: Candidates,
     /// The phases of the rows `sel` gathered.
     sel_phases: Vec<Phase>,
 }
@@ -183,7 +185,7 @@ impl<B: Backend> Runtime<B> {
             host_cos: Vec::new(),
             host_sin: Vec::new(),
             host_logits: Vec::new(),
-            host_ids: Vec::new(),
+            host_cands: Candidates::default(),
             sel_phases: Vec::new(),
         };
         let c = &model.config;
@@ -362,9 +364,11 @@ impl<B: Backend> Device for Runtime<B> {
             be.norm_quantize(sel, w, c.rms_eps, (m, d), needs, &s.sel_phases, xn, acts);
             be.matmul(&s.acts, &mut [MatmulJob { weight: &self.output, out: &mut s.logits }]);
         }
-        if batch.argmax {
-            be.argmax_rows(&s.logits, m, c.vocab, &mut s.host_ids);
-            return Rows::Argmax(&s.host_ids);
+        // A row with more candidates than fit sends the step's rows back whole.
+        if !batch.cuts.is_empty()
+            && be.candidates(&s.logits, c.vocab, batch.cuts, &mut s.host_cands)
+        {
+            return Rows::Candidates(&s.host_cands);
         }
         Rows::Logits(be.read(&s.logits, &mut s.host_logits))
     }

@@ -7,6 +7,8 @@
 
 use std::sync::Arc;
 
+use pdmesh_kernels::Cut;
+
 use crate::gguf::writer::GgufBuilder;
 use crate::gguf::{GgufFile, Value};
 use crate::testing::{TinyArch, TinyModel};
@@ -165,10 +167,10 @@ fn neox_rope_is_normal_rope_on_conversions_permuted_rows() {
     assert!(same < 1e-4 && other > 1e-2, "permuted {same}, unpermuted {other}");
 }
 
-/// A step whose items all ask for `Logits::Greedy` gives each its pick and no logits; one
-/// item asking for logits makes the whole step give logits (greedy items sample from them).
+/// A step whose items all ask for `Logits::Cut` gives each its candidates and no logits; one
+/// item asking for logits makes the whole step give logits (the others sample from them).
 #[test]
-fn a_step_of_greedy_items_gives_picks_not_logits() {
+fn a_step_of_cut_items_gives_candidates_not_logits() {
     let m = crate::testing::tiny_model();
     let cfg = EngineConfig { threads: 1, kv_blocks: 32, ..Default::default() };
     let prompts: [Vec<u32>; 2] = [(3..14).collect(), (40..45).collect()];
@@ -178,14 +180,18 @@ fn a_step_of_greedy_items_gives_picks_not_logits() {
         let items: Vec<StepItem<'_>> =
             (0..2).map(|i| StepItem::prefill(seqs[i], &prompts[i], kinds[i])).collect();
         let l = e.step(&items).expect("step");
-        (0..2).map(|i| (l.last_of(i).map(<[f32]>::to_vec), l.greedy_of(i))).collect::<Vec<_>>()
+        let cands = |i| l.candidates_of(i).map(<[(u32, f32)]>::to_vec);
+        (0..2).map(|i| (l.last_of(i).map(<[f32]>::to_vec), cands(i))).collect::<Vec<_>>()
     };
     let full = step([Logits::Last, Logits::Last]);
-    let picks = step([Logits::Greedy, Logits::Greedy]);
+    let cuts = [Cut::GREEDY, Cut { scale: 1.0 / 0.8, margin: 30.0, top_k: 7 }];
+    let cut = step(cuts.map(Logits::Cut));
     for i in 0..2 {
-        let want = pdmesh_kernels::argmax(full[i].0.as_deref().expect("logits"));
-        assert_eq!(picks[i], (None, Some(want)), "item {i}");
+        let mut want = Vec::new();
+        cuts[i].apply(full[i].0.as_deref().expect("logits"), &mut want);
+        assert!(want.len() >= [1, 7][i], "item {i}: {want:?}");
+        assert_eq!(cut[i], (None, Some(want)), "item {i}");
     }
-    let mixed = step([Logits::Greedy, Logits::Last]);
+    let mixed = step([Logits::Cut(Cut::GREEDY), Logits::Last]);
     assert_eq!(mixed, full, "a step with logits wanted gives them to every item");
 }

@@ -6,6 +6,8 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use pdmesh_kernels::Cut;
+
 use crate::error::{Error, Result};
 
 /// How to pick the next token.
@@ -114,6 +116,11 @@ impl SamplingParams {
 /// sorting the whole vocabulary every token.
 const PRUNE_BELOW_MAX: f32 = 30.0;
 
+/// The largest top-k a device cuts logits to (`Sampler::cut`); larger ones, and samplers
+/// without a top-k, whose candidates within the prune margin can be most of the vocabulary,
+/// read the logits whole.
+pub const MAX_DEVICE_TOP_K: u32 = 1024;
+
 /// A per-request sampler.
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -138,19 +145,29 @@ impl Sampler {
         Ok(s)
     }
 
-    /// Where this sampler's random stream stands.
-    /// Whether this sampler's pick is the logits' argmax alone: greedy, no penalty that
-    /// moves logits, no log-probabilities to report. Then a device may reduce the logits
-    /// where they are (`Logits::Greedy`).
-    pub fn argmax_suffices(&self) -> bool {
+    /// The cut of a row of logits whose candidates are all this sampler picks from, when
+    /// there is one worth making: no penalty moves logits and no log-probabilities are
+    /// reported, and the sampler is greedy (the maximum's ties) or keeps a top-k of at most
+    /// `MAX_DEVICE_TOP_K` (the temperature's prune margin and the top-k). Then a device may
+    /// cut the logits where they are (`Logits::Cut`) and `sample_candidates` picks the token
+    /// `sample` would have.
+    pub fn cut(&self) -> Option<Cut> {
         let p = &self.params;
-        p.is_greedy()
-            && p.repetition_penalty == 1.0
+        let plain = p.repetition_penalty == 1.0
             && p.frequency_penalty == 0.0
             && p.presence_penalty == 0.0
-            && p.logprobs.is_none()
+            && p.logprobs.is_none();
+        if !plain {
+            return None;
+        }
+        if p.is_greedy() {
+            return Some(Cut::GREEDY);
+        }
+        let top_k = u32::try_from(p.top_k).ok().filter(|&k| k > 0 && k <= MAX_DEVICE_TOP_K)?;
+        Some(Cut { scale: 1.0 / p.temperature, margin: PRUNE_BELOW_MAX, top_k })
     }
 
+    /// Where this sampler's random stream stands.
     pub fn rng_position(&self) -> u128 {
         self.rng.get_word_pos()
     }
@@ -211,25 +228,47 @@ impl Sampler {
             // Ties go to the lowest id; NaN never wins (the device reduction's rule too).
             return pdmesh_kernels::argmax(logits);
         }
+        self.draw(logits.iter().enumerate().map(|(i, &l)| (i as u32, l)))
+    }
 
+    /// The token `sample` picks from logits whose candidates under `cut()` are `candidates`
+    /// (in any order): the same token, and the same random numbers drawn. Only for a sampler
+    /// that has a cut.
+    pub fn sample_candidates(&mut self, candidates: &[(u32, f32)]) -> u32 {
+        debug_assert!(self.cut().is_some(), "a sampler without a cut needs whole logits");
+        if self.params.is_greedy() {
+            return pdmesh_kernels::argmax_of(candidates);
+        }
+        self.draw(candidates.iter().copied())
+    }
+
+    /// Draws from `(id, logit)` pairs: every token of the row, or a superset of those within
+    /// the prune margin of the maximum that holds the top-k (so the same draw either way).
+    fn draw(&mut self, logits: impl Iterator<Item = (u32, f32)> + Clone) -> u32 {
+        let p = &self.params;
         let inv_t = 1.0 / p.temperature;
-        let max = logits.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max)
-            * inv_t;
+        let max =
+            logits.clone().map(|l| l.1).filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max)
+                * inv_t;
         self.cand.clear();
-        for (i, &l) in logits.iter().enumerate() {
+        for (i, l) in logits {
             let z = l * inv_t;
             if z >= max - PRUNE_BELOW_MAX {
-                self.cand.push((i as u32, z));
+                self.cand.push((i, z));
             }
         }
         if self.cand.is_empty() {
             return 0;
         }
-        // Descending by logit; ties by id so the order (and the draw) is deterministic.
-        self.cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if p.top_k > 0 {
+        // Descending by logit; ties by id so the order (and the draw) is deterministic. The
+        // order is total, so selecting the top-k before sorting keeps the same k in the same
+        // order, without sorting the thousands a high temperature leaves within the margin.
+        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && self.cand.len() > p.top_k {
+            self.cand.select_nth_unstable_by(p.top_k - 1, order);
             self.cand.truncate(p.top_k);
         }
+        self.cand.sort_unstable_by(order);
         let top = self.cand[0].1;
         let mut probs: Vec<f64> =
             self.cand.iter().map(|&(_, z)| f64::from(z - top).exp()).collect();
@@ -445,5 +484,52 @@ mod tests {
         assert!(lp.top.is_empty() && lp.token == 1);
         let p = SamplingParams { logprobs: Some(21), ..params(0.0) };
         assert!(Sampler::new(p).unwrap_err().to_string().contains("logprobs"));
+    }
+
+    /// A sampler with a cut picks from the cut's candidates, in any order, what it picks
+    /// from the whole row, drawing the same random numbers; one without a cut says so.
+    #[test]
+    fn candidates_give_the_whole_rows_pick() {
+        use rand::seq::SliceRandom;
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let row = |rng: &mut ChaCha8Rng| -> Vec<f32> {
+            let mut v: Vec<f32> = (0..500).map(|_| rng.random_range(-12.0..12.0f32)).collect();
+            // Ties at the top and beyond the k-th, NaN and -inf among them.
+            v[7] = v.iter().copied().fold(f32::MIN, f32::max);
+            v[300] = v[7];
+            v[11] = f32::NAN;
+            v[12] = f32::NEG_INFINITY;
+            v.iter_mut().skip(400).for_each(|x| *x = x.round());
+            v
+        };
+        let kinds = [
+            params(0.0),
+            SamplingParams { top_k: 1, ..params(0.7) },
+            SamplingParams { top_k: 40, seed: 5, ..params(1.0) },
+            SamplingParams { top_k: 200, top_p: 0.8, seed: 6, ..params(1.6) },
+            SamplingParams { top_k: 1024, min_p: 0.05, seed: 7, ..params(0.3) },
+        ];
+        for p in kinds {
+            let (mut whole, mut cut) = (Sampler::new(p.clone()).unwrap(), Sampler::new(p).unwrap());
+            let c = cut.cut().expect("a plain sampler with a small top-k has a cut");
+            for _ in 0..40 {
+                let r = row(&mut rng);
+                let mut cands = Vec::new();
+                c.apply(&r, &mut cands);
+                cands.shuffle(&mut rng);
+                assert_eq!(cut.sample_candidates(&cands), whole.sample(&r, &[], 0).0);
+                assert_eq!(cut.rng_position(), whole.rng_position());
+            }
+        }
+        for p in [
+            params(1.0),
+            SamplingParams { top_k: 1025, ..params(1.0) },
+            SamplingParams { repetition_penalty: 1.1, ..params(0.0) },
+            SamplingParams { presence_penalty: 0.5, top_k: 5, ..params(1.0) },
+            SamplingParams { frequency_penalty: -0.5, ..params(0.0) },
+            SamplingParams { logprobs: Some(0), ..params(0.0) },
+        ] {
+            assert_eq!(Sampler::new(p.clone()).unwrap().cut(), None, "{p:?}");
+        }
     }
 }

@@ -4,7 +4,8 @@
 //! for 12 prompts batched together, greedy generation gives the CPU backend's tokens and every
 //! logit it sampled from agrees (bit for bit, but for RMSNorm's f64 sum order, see
 //! `pdmesh_kernels::cuda`); the same with a q8_0 KV cache; and with nobody observing the
-//! logits, greedy picks reduced on the device give the same tokens.
+//! logits, greedy and top-k samplers picking from the candidates the device cuts the logits
+//! to give the tokens the CPU backend samples from whole logits.
 
 #![allow(clippy::unwrap_used)]
 
@@ -12,7 +13,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdmesh_engine::{
-    BackendKind, Engine, EngineConfig, GenerateParams, Model, generate_batch,
+    BackendKind, Engine, EngineConfig, GenerateParams, Model, SamplingParams, generate_batch,
     generate_batch_observed,
 };
 use pdmesh_kernels::KvDtype;
@@ -140,32 +141,46 @@ fn cuda_backend_with_q8_0_kv_generates_the_cpu_backends_tokens() {
     compare(KvDtype::Q8_0, 6, 6);
 }
 
-/// Unobserved greedy generation: each step's picks come from `argmax_rows` on the device, only
-/// the ids read back. Five prompts: a decode step of up to four tokens takes the matmuls'
-/// `_lanes` shape, whose warp shuffles the emulator pays for in barriers (minutes here; the
-/// kernel tests cover that shape).
+/// Unobserved generation: each step's logits are cut on the device (`candidates_rows`) to
+/// what the samplers pick from — the greedy maximum, or a top-k under a temperature — and
+/// only those read back; the CPU reference samples from whole logits (observed). Five
+/// prompts: a decode step of up to four tokens takes the matmuls' `_lanes` shape, whose warp
+/// shuffles the emulator pays for in barriers (minutes here; the kernel tests cover it).
 #[test]
-fn greedy_picks_on_the_device_give_the_cpu_backends_tokens() {
+fn samplers_picking_from_device_candidates_give_the_cpu_backends_tokens() {
     let _one = one_at_a_time();
     let m = model();
+    let sampling = |i: usize| SamplingParams {
+        temperature: [0.0, 0.8, 1.2][i % 3],
+        top_k: [0, 20, 60][i % 3],
+        top_p: [1.0, 1.0, 0.9][i % 3],
+        seed: i as u64,
+        ..Default::default()
+    };
     let reqs: Vec<(Vec<u32>, GenerateParams)> = PROMPTS[..5]
         .iter()
-        .map(|p| {
+        .enumerate()
+        .map(|(i, p)| {
             let ids = m.tokenizer.encode(p).unwrap();
-            (ids, GenerateParams { max_tokens: 6, ignore_eos: true, ..Default::default() })
+            let params = GenerateParams { sampling: sampling(i), ..Default::default() };
+            (ids, GenerateParams { max_tokens: 6, ignore_eos: true, ..params })
         })
         .collect();
-    let tokens = |backend| {
+    let tokens = |backend, whole: bool| {
         let cfg =
             EngineConfig { kv_blocks: 64, max_batch_tokens: 256, backend, ..Default::default() };
         let mut e = Engine::new(Arc::clone(&m), cfg).unwrap();
-        let out = generate_batch(&mut e, &reqs, reqs.len(), |_, _| true).unwrap();
-        out.into_iter().map(|g| g.tokens).collect::<Vec<_>>()
+        let out = if whole {
+            generate_batch_observed(&mut e, &reqs, reqs.len(), |_, _| {}, |_, _| true)
+        } else {
+            generate_batch(&mut e, &reqs, reqs.len(), |_, _| true)
+        };
+        out.unwrap().into_iter().map(|g| g.tokens).collect::<Vec<_>>()
     };
     let start = std::time::Instant::now();
-    let want = tokens(BackendKind::Cpu { simd: None });
+    let want = tokens(BackendKind::Cpu { simd: None }, true);
     let cpu_time = start.elapsed();
-    let got = tokens(cuda());
+    let got = tokens(cuda(), false);
     eprintln!("cpu {cpu_time:?}, {:?} {:?}", cuda(), start.elapsed() - cpu_time);
     assert_eq!(got, want);
 }

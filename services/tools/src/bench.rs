@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
-use pdmesh_engine::{Engine, Logits, SeqId, StepItem};
+use pdmesh_engine::{Engine, Logits, Sampler, SamplingParams, SeqId, StepItem};
 
 use pdmesh_cli::args::EngineArgs;
 
@@ -45,6 +45,16 @@ pub struct EngineBenchArgs {
     /// Decode steps timed in the batched measurement.
     #[arg(long, default_value_t = 64)]
     batch_steps: usize,
+    /// Concurrent sequences for the sampled decode measurement: top-k samplers picking from
+    /// whole logits against picking from the candidates each row is cut to (0 skips it).
+    #[arg(long, default_value_t = 16)]
+    sampled_batch: usize,
+    /// The sampled decode's top-k (1 to 1024: larger ones read whole logits anyway).
+    #[arg(long, default_value_t = 40)]
+    top_k: usize,
+    /// The sampled decode's temperature (> 0).
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
     /// Repetitions of each measurement; the median is reported.
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -116,9 +126,23 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     if a.repeats == 0 || a.prompt_tokens == 0 || a.decode_tokens == 0 || a.batch_steps == 0 {
         bail!("--repeats, --prompt-tokens, --decode-tokens and --batch-steps must be at least 1");
     }
+    let sampling =
+        SamplingParams { temperature: a.temperature, top_k: a.top_k, ..Default::default() };
+    if a.sampled_batch > 0 {
+        let sampler = Sampler::new(sampling.clone())?;
+        if a.temperature <= 0.0 || sampler.cut().is_none() {
+            bail!(
+                "--temperature must be > 0 and --top-k in 1..={} for the sampled decode, got {} \
+                 and {}",
+                pdmesh_engine::MAX_DEVICE_TOP_K,
+                a.temperature,
+                a.top_k
+            );
+        }
+    }
     let mut ea = a.engine.clone();
     ea.max_batch_tokens = ea.max_batch_tokens.max(a.prompt_tokens);
-    let max_b = a.batch_sizes.iter().copied().max().unwrap_or(1);
+    let max_b = a.batch_sizes.iter().copied().max().unwrap_or(1).max(a.sampled_batch);
     let need_tokens = (max_b * (a.batch_prompt_tokens + a.batch_steps))
         .max(a.prompt_tokens + a.decode_tokens + 32);
     let need_blocks = need_tokens.div_ceil(ea.block_size) + max_b;
@@ -188,6 +212,11 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         }
         batched.insert(b, median(rates));
     }
+    let sampled = if a.sampled_batch > 0 {
+        Some(sampled_decode(&mut engine, &a, &bp, &sampling)?)
+    } else {
+        None
+    };
     let peak = rss_bytes("VmHWM:").unwrap_or(0);
 
     // Decode streams every weight once per step: its bytes per token against what this
@@ -211,6 +240,14 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
             "decode_weight_bytes_per_token": weight_bytes,
             "decode_gb_s": decode_gb_s,
             "read_bandwidth_gb_s": read_gb_s,
+            "sampled_decode": sampled.map(|(whole, cut)| serde_json::json!({
+                "batch": a.sampled_batch,
+                "top_k": a.top_k,
+                "temperature": a.temperature,
+                "whole_logits_tok_s": whole,
+                "candidates_tok_s": cut,
+                "ratio": cut / whole,
+            })),
         });
         println!("{obj}");
     } else {
@@ -225,6 +262,16 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         );
         for (b, v) in &batched {
             println!("batched decode x{b:<3}{v:>9.1} tok/s  (aggregate)");
+        }
+        if let Some((whole, cut)) = sampled {
+            println!(
+                "sampled decode x{:<3}{cut:>9.1} tok/s  from candidates, {whole:.1} from whole \
+                 logits: {:.3}x (top-k {}, temperature {})",
+                a.sampled_batch,
+                cut / whole,
+                a.top_k,
+                a.temperature
+            );
         }
         println!(
             "decode bandwidth   {decode_gb_s:>9.2} GB/s of weights ({:.1} MB per token) = {:.0}% \
@@ -242,6 +289,66 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Aggregate decode of `a.sampled_batch` sequences with `sampling`'s top-k samplers, each
+/// repeat once sampling from whole logits and once from the candidates the backend cuts each
+/// row to (`Logits::Cut`): tok/s of each, medians. The same seeds draw the same tokens.
+fn sampled_decode(
+    engine: &mut Engine,
+    a: &EngineBenchArgs,
+    prompt: &[u32],
+    sampling: &SamplingParams,
+) -> anyhow::Result<(f64, f64)> {
+    let b = a.sampled_batch;
+    let mut rates = [Vec::new(), Vec::new()];
+    let mut drawn: [Vec<u32>; 2] = Default::default();
+    for _ in 0..a.repeats {
+        for cut in [false, true] {
+            let seqs: Vec<SeqId> = (0..b).map(|_| engine.create_sequence()).collect();
+            let mut samplers = (0..b)
+                .map(|i| Sampler::new(SamplingParams { seed: i as u64, ..sampling.clone() }))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut next = Vec::with_capacity(b);
+            for &s in &seqs {
+                next.push([prefill(engine, s, prompt)?]);
+            }
+            let logits = |s: &Sampler| match s.cut() {
+                Some(c) if cut => Logits::Cut(c),
+                _ => Logits::Last,
+            };
+            let t = Instant::now();
+            for _ in 0..a.batch_steps {
+                let items: Vec<StepItem<'_>> = seqs
+                    .iter()
+                    .zip(&next)
+                    .zip(&samplers)
+                    .map(|((&seq, tok), s)| StepItem {
+                        logits: logits(s),
+                        ..StepItem::decode(seq, tok)
+                    })
+                    .collect();
+                let l = engine.step(&items)?;
+                for (i, s) in samplers.iter_mut().enumerate() {
+                    next[i] = [match (l.candidates_of(i), l.last_of(i)) {
+                        (Some(c), _) => s.sample_candidates(c),
+                        (None, Some(row)) => s.sample(row, &[], 0).0,
+                        (None, None) => bail!("step gave nothing to sample row {i} from"),
+                    }];
+                }
+                drawn[usize::from(cut)].extend(next.iter().map(|t| t[0]));
+            }
+            rates[usize::from(cut)].push((b * a.batch_steps) as f64 / t.elapsed().as_secs_f64());
+            for s in seqs {
+                engine.free_sequence(s)?;
+            }
+        }
+    }
+    if drawn[0] != drawn[1] {
+        bail!("sampling from candidates drew other tokens than from whole logits");
+    }
+    let [whole, cut] = rates;
+    Ok((median(whole), median(cut)))
 }
 
 /// Memory read bandwidth with `threads` threads: each sums its share of a 1 GiB buffer (far
