@@ -6,7 +6,8 @@ model := "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 bench_venv := ".bench/venv"
 # NVRTC (the CUDA kernel compiler, a library loaded at run time) from its PyPI wheel.
 nvrtc_lib := justfile_directory() / ".bench/nvrtc/nvidia/cuda_nvrtc/lib"
-nvrtc_env := "LD_LIBRARY_PATH=" + nvrtc_lib + "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+ptxas := justfile_directory() / ".bench/nvrtc/nvidia/cuda_nvcc/bin/ptxas"
+nvrtc_env := "LD_LIBRARY_PATH=" + nvrtc_lib + "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PDMESH_PTXAS=" + ptxas
 
 # List the recipes.
 default:
@@ -57,10 +58,13 @@ bench-gpu: system-deps fetch-model _nvrtc
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     {{nvrtc_env}} python3 scripts/bench_gpu.py --pdmesh target/release/pdmesh --models {{model}} models/test/synth-llama3-1b-Q4_K_M.gguf
 
-# NVRTC from the nvidia-cuda-nvrtc-cu12 wheel, unpacked into .bench/nvrtc (no CUDA toolkit).
+# NVRTC and ptxas from the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels, unpacked
+# into .bench/nvrtc (no CUDA toolkit). One pip call: a second --target install would replace
+# the first's nvidia/ folder.
 _nvrtc:
-    @[ -f {{nvrtc_lib}}/libnvrtc.so.12 ] || python3 -m pip install --quiet --disable-pip-version-check \
-        --target .bench/nvrtc nvidia-cuda-nvrtc-cu12==12.9.86
+    @[ -f {{nvrtc_lib}}/libnvrtc.so.12 ] && [ -x {{ptxas}} ] || { rm -rf .bench/nvrtc && \
+        python3 -m pip install --quiet --disable-pip-version-check --target .bench/nvrtc \
+        nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-nvcc-cu12==12.9.86; }
 
 # The Kubernetes manifests against the API's schemas, offline and strict (unknown fields fail).
 check-deploy: _llamacpp

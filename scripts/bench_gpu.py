@@ -4,7 +4,8 @@
 step streams from HBM (GB/s; a decode step reads every weight once, whatever the batch), next to
 the H200's 4.8 TB/s. Each figure is the median of `--repeats` runs of `pdmesh bench engine`.
 With them, decode at batch 64 with top-40 samplers, picking from the candidates the device
-cuts each row to against picking from whole logits read back.
+cuts each row to against picking from whole logits read back; and prefill again with
+`--cuda-mma` (prompt matmuls of the 32-element formats on the int8 tensor cores), as a ratio.
 
 Then KV into a GPU decode node's pool through UCX (`pdmesh bench kv --decode-backend cuda`):
 a 4,096-token prompt's KV from host bytes (what a prefill node reads back from its GPU) into
@@ -21,7 +22,7 @@ import sys
 H200_HBM_GB_S = 4800.0
 
 
-def bench(pdmesh, model, prompt, batches, repeats, sampled=0):
+def bench(pdmesh, model, prompt, batches, repeats, sampled=0, mma=False):
     cmd = [
         pdmesh, "bench", "engine", "--backend", "cuda", "--json",
         "--model", model,
@@ -30,7 +31,7 @@ def bench(pdmesh, model, prompt, batches, repeats, sampled=0):
         "--batch-sizes", ",".join(str(b) for b in batches),
         "--repeats", str(repeats),
         "--sampled-batch", str(sampled),
-    ]
+    ] + (["--cuda-mma"] if mma else [])
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -55,6 +56,8 @@ def main():
     for model in a.models:
         short = bench(a.pdmesh, model, 512, batches, a.repeats, sampled=64)
         long = bench(a.pdmesh, model, 2048, [1], a.repeats)
+        mma = {p: bench(a.pdmesh, model, p, [1], a.repeats, mma=True)["prefill_tok_s"]
+               for p in (512, 2048)}
         weights = short["decode_weight_bytes_per_token"]
         rows = {}
         for b in batches:
@@ -65,6 +68,7 @@ def main():
             "model": model,
             "backend": short["backend"],
             "prefill_tok_s": {"512": short["prefill_tok_s"], "2048": long["prefill_tok_s"]},
+            "prefill_mma_tok_s": {str(p): v for p, v in mma.items()},
             "decode": {str(b): {"tok_s": t, "weight_gb_s": g} for b, (t, g) in rows.items()},
             "weight_bytes_per_step": weights,
             "sampled_decode": short["sampled_decode"],
@@ -73,8 +77,9 @@ def main():
             print(json.dumps(result))
             continue
         print(f"{model}  on {short['backend']}  ({weights / 1e6:.1f} MB of weights per step)")
-        print(f"  prefill   512 tokens {short['prefill_tok_s']:>10.1f} tok/s")
-        print(f"  prefill  2048 tokens {long['prefill_tok_s']:>10.1f} tok/s")
+        for p, r in ((512, short), (2048, long)):
+            print(f"  prefill  {p:>4} tokens {r['prefill_tok_s']:>10.1f} tok/s; tensor cores "
+                  f"{mma[p]:.1f} tok/s ({mma[p] / r['prefill_tok_s']:.3f}x)")
         for b, (t, g) in rows.items():
             print(f"  decode  batch {b:>3}    {t:>10.1f} tok/s  {g:>8.1f} GB/s "
                   f"= {100 * g / H200_HBM_GB_S:.1f}% of the H200's {H200_HBM_GB_S:.0f} GB/s")

@@ -161,3 +161,20 @@ __device__ __forceinline__ float pd_quantize_block32(const float* x, i8* q, int*
     *sum = s;
     return amax / 127.0f;
 }
+
+// D += A·B for one warp on the int8 tensor cores (`mma.m16n8k32`, sm_80 and later): A 16×32 and
+// B 32×8 signed bytes, D 16×8 int32, in the fragments the PTX ISA gives for this shape
+// (lane = 4g + t): a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..], a[2] = A[g][16+4t..],
+// a[3] = A[g+8][16+4t..]; b[0] = B[4t..4t+3][g], b[1] = B[16+4t..][g]; d[0], d[1] =
+// D[g][2t], D[g][2t+1] and d[2], d[3] the same of row g+8. Every lane of the warp calls it.
+__device__ __forceinline__ void pd_mma_s8(int* d, const u32* a, const u32* b) {
+#ifdef PDMESH_EMU
+    pdmesh_emu::mma_m16n8k32_s8(d, a, b);
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}

@@ -34,6 +34,7 @@ __device__ __forceinline__ int pd_lane32(const i8* a, int l, int v0, int v1, int
 struct FmtQ8_0 {
     static const int BE = 32, BB = 34, ACT_K = 0, MIN = PD_MIN_NONE, SCALE_AT = 0, MIN_AT = 2;
     __device__ static float value(const u8* b, int j) { return float(i8(b[2 + j])) * pd_f16_at(b); }
+    __device__ static int q(const u8* b, int j) { return i8(b[2 + j]); }
     __device__ static int lane(const u8* b, const i8* a, const i16*, int l) {
         const u8* q = b + 2 + 4 * l;
         return pd_lane32(a, l, i8(q[0]), i8(q[1]), i8(q[2]), i8(q[3]));
@@ -45,6 +46,7 @@ struct FmtQ4_0 {
     __device__ static float value(const u8* b, int j) {
         return float(pd_nibble(b + 2, j) - 8) * pd_f16_at(b);
     }
+    __device__ static int q(const u8* b, int j) { return pd_nibble(b + 2, j) - 8; }
     __device__ static int lane(const u8* b, const i8* a, const i16*, int l) {
         const u8* q = b + 2;
         int j = 4 * l;
@@ -58,6 +60,7 @@ struct FmtQ4_1 {
     __device__ static float value(const u8* b, int j) {
         return float(pd_nibble(b + 4, j)) * pd_f16_at(b) + pd_f16_at(b + 2);
     }
+    __device__ static int q(const u8* b, int j) { return pd_nibble(b + 4, j); }
     __device__ static int lane(const u8* b, const i8* a, const i16*, int l) {
         const u8* q = b + 4;
         int j = 4 * l;
@@ -75,6 +78,7 @@ struct FmtQ5_0 {
     __device__ static float value(const u8* b, int j) {
         return float(pd_q5(b + 6, pd_u32_at(b + 2), j) - 16) * pd_f16_at(b);
     }
+    __device__ static int q(const u8* b, int j) { return pd_q5(b + 6, pd_u32_at(b + 2), j) - 16; }
     __device__ static int lane(const u8* b, const i8* a, const i16*, int l) {
         u32 qh = pd_u32_at(b + 2);
         const u8* q = b + 6;
@@ -89,6 +93,7 @@ struct FmtQ5_1 {
     __device__ static float value(const u8* b, int j) {
         return float(pd_q5(b + 8, pd_u32_at(b + 4), j)) * pd_f16_at(b) + pd_f16_at(b + 2);
     }
+    __device__ static int q(const u8* b, int j) { return pd_q5(b + 8, pd_u32_at(b + 4), j); }
     __device__ static int lane(const u8* b, const i8* a, const i16*, int l) {
         u32 qh = pd_u32_at(b + 4);
         const u8* q = b + 8;

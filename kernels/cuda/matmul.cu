@@ -150,6 +150,77 @@ extern "C" __global__ void mm_q4_k_rows(PD_MM_PARAMS) { mm_rows<FmtQ4_K>(PD_MM_A
 extern "C" __global__ void mm_q5_k_rows(PD_MM_PARAMS) { mm_rows<FmtQ5_K>(PD_MM_ARGS); }
 extern "C" __global__ void mm_q6_k_rows(PD_MM_PARAMS) { mm_rows<FmtQ6_K>(PD_MM_ARGS); }
 
+// ---- Tensor cores (opt-in: `CudaBackend::with_mma`) ----
+//
+// Prompt matmuls of the 32-element formats on the int8 tensor cores. A warp takes 16 rows × 32
+// tokens; for each block of K, one m16n8k32 MMA per 8 tokens gives the block's exact integer
+// dot for every (row, token). The float steps are then the CPU's per block (an FMA with the
+// product of the two scales, the min term on the side), but on the block's whole dot rather
+// than on each of the CPU's eight lanes, so the sum rounds differently: within the bound the
+// tests state, not the CPU's bits.
+
+#define PD_MMA_ROWS 64
+#define PD_MMA_TOKS 32
+
+// Quants `j..j+3` of a block as the four bytes of an MMA fragment register.
+template <class F>
+__device__ __forceinline__ u32 pd_quad(const u8* blk, int j) {
+    return u32(pd_pack4(F::q(blk, j), F::q(blk, j + 1), F::q(blk, j + 2), F::q(blk, j + 3)));
+}
+
+// Four warps of 16 rows; `blockIdx.y` picks 32 tokens. Rows and tokens past the ends compute
+// on row 0 and zero quants and are not stored: every lane takes part in every MMA.
+template <class F>
+__device__ void mm_mma(PD_MM_PARAMS) {
+    int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    int r0 = blockIdx.x * PD_MMA_ROWS + (threadIdx.x / 32) * 16 + g, r1 = r0 + 8;
+    int tok0 = blockIdx.y * PD_MMA_TOKS;
+    const u8* row0 = w + (size_t)(r0 < rows ? r0 : 0) * row_bytes;
+    const u8* row1 = w + (size_t)(r1 < rows ? r1 : 0) * row_bytes;
+    ActView<F> act{qs, d, s, ksums, cols};
+    float acc[4][4] = {}, summs[4][4] = {};
+    for (int b = 0; b < cols / F::BE; b++) {
+        const u8* blk[2] = {row0 + (size_t)b * F::BB, row1 + (size_t)b * F::BB};
+        u32 a[4] = {pd_quad<F>(blk[0], 4 * t), pd_quad<F>(blk[1], 4 * t),
+                    pd_quad<F>(blk[0], 16 + 4 * t), pd_quad<F>(blk[1], 16 + 4 * t)};
+        for (int j = 0; j < 4; j++) {
+            int tb = tok0 + 8 * j + g;
+            u32 bq[2] = {0, 0};
+            if (tb < ntok) {
+                const i8* q = act.quants(tb, b);
+                bq[0] = u32(pd_act4(q + 4 * t));
+                bq[1] = u32(pd_act4(q + 16 + 4 * t));
+            }
+            int c[4] = {0, 0, 0, 0};
+            pd_mma_s8(c, a, bq);
+            for (int i = 0; i < 4; i++) {
+                int tok = tok0 + 8 * j + 2 * t + (i & 1);
+                if (tok >= ntok) continue;
+                const u8* wb = blk[i >> 1];
+                float dd = pd_f16_at(wb + F::SCALE_AT) * act.scale(tok, b);
+                acc[j][i] = fmaf(dd, float(c[i]), acc[j][i]);
+                if (F::MIN == PD_MIN_PER_BLOCK)
+                    summs[j][i] = fmaf(pd_f16_at(wb + F::MIN_AT), act.sum(tok, b), summs[j][i]);
+            }
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        for (int i = 0; i < 4; i++) {
+            int r = i < 2 ? r0 : r1, tok = tok0 + 8 * j + 2 * t + (i & 1);
+            if (r >= rows || tok >= ntok) continue;
+            float total = acc[j][i];
+            if (F::MIN == PD_MIN_PER_BLOCK) total = total + summs[j][i];
+            out[(size_t)tok * rows + r] = total;
+        }
+    }
+}
+
+extern "C" __global__ void mm_q8_0_mma(PD_MM_PARAMS) { mm_mma<FmtQ8_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_0_mma(PD_MM_PARAMS) { mm_mma<FmtQ4_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_1_mma(PD_MM_PARAMS) { mm_mma<FmtQ4_1>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_0_mma(PD_MM_PARAMS) { mm_mma<FmtQ5_0>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_1_mma(PD_MM_PARAMS) { mm_mma<FmtQ5_1>(PD_MM_ARGS); }
+
 // ---- Float weights ----
 
 #define PD_KIND_F32 0

@@ -12,6 +12,8 @@ mod common;
 
 use common::{host, phase_of, random_vec, random_weights};
 use pdmesh_kernels::cuda::{CudaBackend, Device, EmuDevice, GpuDevice};
+use pdmesh_kernels::formats::{FloatFormat, MinTerm, QuantFormat};
+use pdmesh_kernels::quant::FormatVisitor;
 use pdmesh_kernels::{
     ActNeeds, AttnQuery, Backend, Candidates, CpuBackend, Cut, KvDtype, KvGeometry, KvSlot,
     KvStorage, MAX_CANDIDATES, MatmulJob, Phase, RopeMode, Simd, WeightMatrix, WeightType, argmax,
@@ -105,6 +107,85 @@ fn matmul_equals_cpu_bit_for_bit_in_every_format_and_launch_shape() {
             }
         }
     }
+}
+
+/// The sums an output of a 32-element format's matmul is made of, for its rounding bound: per
+/// `(token, row)`, `Σ_b |d_w·d_a|·Σ_l |lane_l|` (the CPU's lane products) and `Σ_b |m·s|` (the
+/// min term), from the CPU's activations.
+struct TermSums<'a> {
+    w: &'a [u8],
+    rows: usize,
+    acts: &'a pdmesh_kernels::Activations,
+}
+
+impl FormatVisitor for TermSums<'_> {
+    type Out = Vec<(f64, f64)>;
+    fn float<F: FloatFormat>(self) -> Self::Out {
+        unreachable!("quantized formats only")
+    }
+    fn quant<F: QuantFormat>(self) -> Self::Out {
+        let (a, nb) = (self.acts, self.acts.cols / F::BLOCK_ELEMS);
+        let f16_at = |b: &[u8], at| f64::from(half::f16::from_le_bytes([b[at], b[at + 1]]));
+        let mut out = Vec::new();
+        for t in 0..a.rows {
+            for r in 0..self.rows {
+                let (mut lanes, mut mins) = (0.0, 0.0);
+                for b in 0..nb {
+                    let at = (r * nb + b) * F::BLOCK_BYTES;
+                    let blk = &self.w[at..at + F::BLOCK_BYTES];
+                    let q = &a.qs[t * a.cols + b * 32..][..32];
+                    let (da, sa) = (f64::from(a.d[b * a.rows + t]), f64::from(a.s[b * a.rows + t]));
+                    let l: i64 = F::lanes(blk, q, &[]).iter().map(|&v| i64::from(v).abs()).sum();
+                    lanes += (f16_at(blk, F::SCALE_AT) * da).abs() * l as f64;
+                    if F::MIN != MinTerm::None {
+                        mins += (f16_at(blk, F::MIN_AT) * sa).abs();
+                    }
+                }
+                out.push((lanes, mins));
+            }
+        }
+        out
+    }
+}
+
+/// Prompt matmuls on the int8 tensor cores (`with_mma`): each block's integer dot is exact and
+/// its float steps are the CPU's, but one FMA per block where the CPU has one per lane, so
+/// the two round differently within `(2·nb + 8)·2^-24·(T + M)` (`TermSums`: the CPU's eight
+/// lane sums each err by at most `nb + 4` roundings of `T`, the block sums by `nb + 1`; the
+/// min terms are the same operations in both, and each adds them once). Partial row and
+/// token tiles; a mutated fragment layout is off by whole terms.
+#[test]
+fn mma_matmul_is_within_its_rounding_bound_of_the_cpu() {
+    let (c, e) = (cpu(), emu().with_mma(true));
+    let mut rng = ChaCha8Rng::seed_from_u64(29);
+    let mut worst = 0.0f64;
+    for ty in
+        [WeightType::Q8_0, WeightType::Q4_0, WeightType::Q4_1, WeightType::Q5_0, WeightType::Q5_1]
+    {
+        for (rows, cols, tokens) in [(16, 256, 5), (70, 256, 37), (130, 64, 9), (256, 96, 63)] {
+            let nb = (cols / 32) as f64;
+            let data = random_weights(&mut rng, ty, rows, cols);
+            let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
+            let x = random_vec(&mut rng, tokens * cols, 2.0);
+            let want = matmul(&c, &w, &x, tokens, 0);
+            let got = matmul(&e, &w, &x, tokens, 0);
+            let mut acts = c.activations();
+            let phases = vec![Phase::Prefill; tokens];
+            c.quantize(&x, tokens, cols, ActNeeds::of([ty]), &phases, &mut acts);
+            let sums = ty.visit(TermSums { w: &data, rows, acts: &acts });
+            let mut differ = 0;
+            for (i, ((g, w), (t, m))) in got.iter().zip(&want).zip(&sums).enumerate() {
+                let bound = (2.0 * nb + 8.0) * 2f64.powi(-24) * (t + m);
+                let err = (f64::from(*g) - f64::from(*w)).abs();
+                assert!(err <= bound, "{ty} {rows}x{cols}, {tokens} tokens [{i}]: {g} vs {w}");
+                worst = worst.max(err / bound);
+                differ += usize::from(g.to_bits() != w.to_bits());
+            }
+            // The tensor-core path ran: its rounding shows somewhere.
+            assert!(differ > 0, "{ty} {rows}x{cols}, {tokens} tokens: the CPU's bits exactly");
+        }
+    }
+    eprintln!("mma matmul: worst error {worst:.3} of its bound");
 }
 
 #[test]

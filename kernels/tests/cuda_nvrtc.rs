@@ -1,18 +1,28 @@
 //! The compile tier of the CUDA backend: every kernel module compiled by NVRTC for the
 //! Ampere (sm_80) and Hopper (sm_90) architectures, the PTX defining every kernel the backend
-//! launches. NVRTC comes from the `nvidia-cuda-nvrtc-cu12` wheel (`just test` installs it and
-//! puts it on LD_LIBRARY_PATH); without it the test fails in CI and says SKIPPED elsewhere.
+//! launches, then assembled by `ptxas` for each (which checks the inline PTX, such as the
+//! tensor-core `mma.sync`, that NVRTC passes through unread). NVRTC and ptxas come from the
+//! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-nvcc-cu12` wheels (`just test` installs them and
+//! sets LD_LIBRARY_PATH and PDMESH_PTXAS); without them the test fails in CI and says SKIPPED
+//! elsewhere.
 
 use pdmesh_kernels::cuda::MODULES;
 use pdmesh_kernels::cuda::nvrtc::{compile, nvrtc_missing};
 
 #[test]
-fn every_kernel_compiles_for_sm80_and_sm90() {
+fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
     if let Some(why) = nvrtc_missing() {
         assert!(std::env::var_os("CI").is_none(), "CI must compile the kernels: {why}");
         eprintln!("SKIPPED: {why}");
         return;
     }
+    let ptxas = std::env::var_os("PDMESH_PTXAS").map(std::path::PathBuf::from);
+    if ptxas.is_none() {
+        assert!(std::env::var_os("CI").is_none(), "CI must assemble the kernels: no PDMESH_PTXAS");
+        eprintln!("SKIPPED assembling: PDMESH_PTXAS is not set (just test sets it)");
+    }
+    let dir = std::env::temp_dir().join(format!("pdmesh-ptx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
     for arch in ["compute_80", "compute_90"] {
         for (name, src, kernels) in MODULES {
             let ptx = compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
@@ -22,6 +32,23 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
             for k in *kernels {
                 assert!(text.contains(&format!(".entry {k}(")), "{name} for {arch}: no {k}");
             }
+            if let Some(ptxas) = &ptxas {
+                let file = dir.join(format!("{name}.{target}.ptx"));
+                std::fs::write(&file, &text).unwrap();
+                let out = std::process::Command::new(ptxas)
+                    .arg(format!("-arch={target}"))
+                    .arg(&file)
+                    .arg("-o")
+                    .arg(dir.join(format!("{name}.{target}.cubin")))
+                    .output()
+                    .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.display()));
+                assert!(
+                    out.status.success(),
+                    "ptxas {name} for {target}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
         }
     }
+    std::fs::remove_dir_all(&dir).ok();
 }

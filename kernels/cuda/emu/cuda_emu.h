@@ -249,6 +249,49 @@ inline int __dp4a(int a, int b, int c) {
     return c;
 }
 
+namespace pdmesh_emu {
+
+// `mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32` for the calling warp: D += A·B with A
+// 16×32 and B 32×8 signed bytes, gathered from every lane's fragments in the layout the PTX
+// ISA gives for this shape (lane = 4g + t; bytes low first in each register):
+//   a[0] = A[g][4t..4t+3], a[1] = A[g+8][4t..], a[2] = A[g][16+4t..], a[3] = A[g+8][16+4t..];
+//   b[0] = B[4t..4t+3][g], b[1] = B[16+4t..][g];
+//   d[0], d[1] = D[g][2t], D[g][2t+1]; d[2], d[3] = D[g+8][2t], D[g+8][2t+1].
+// The whole warp must take part, as on a GPU.
+inline void mma_m16n8k32_s8(int* d, const unsigned* a, const unsigned* b) {
+    if (warp_width() != WARP) fail("mma.sync with a partial warp");
+    uint64_t mine[3] = {a[0] | uint64_t(a[1]) << 32, a[2] | uint64_t(a[3]) << 32,
+                        b[0] | uint64_t(b[1]) << 32};
+    uint64_t all[3][WARP];
+    unsigned base = linear_tid - lane_id();
+    for (int r = 0; r < 3; r++) {
+        current->exchange[linear_tid] = mine[r];
+        warp_barrier().arrive_and_wait();
+        for (unsigned l = 0; l < WARP; l++) all[r][l] = current->exchange[base + l];
+        warp_barrier().arrive_and_wait();
+    }
+    int8_t A[16][32], B[32][8];
+    for (unsigned l = 0; l < WARP; l++) {
+        unsigned g = l / 4, t = l % 4;
+        unsigned ar[4] = {unsigned(all[0][l]), unsigned(all[0][l] >> 32), unsigned(all[1][l]),
+                          unsigned(all[1][l] >> 32)};
+        unsigned br[2] = {unsigned(all[2][l]), unsigned(all[2][l] >> 32)};
+        for (unsigned e = 0; e < 4; e++) {
+            for (unsigned i = 0; i < 4; i++) A[g + 8 * (i & 1)][16 * (i >> 1) + 4 * t + e] = int8_t(ar[i] >> (8 * e));
+            for (unsigned i = 0; i < 2; i++) B[16 * i + 4 * t + e][g] = int8_t(br[i] >> (8 * e));
+        }
+    }
+    unsigned g = lane_id() / 4, t = lane_id() % 4;
+    for (unsigned i = 0; i < 4; i++) {
+        unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+        int sum = 0;
+        for (unsigned k = 0; k < 32; k++) sum += int(A[row][k]) * int(B[k][col]);
+        d[i] += sum;
+    }
+}
+
+}  // namespace pdmesh_emu
+
 inline double __longlong_as_double(long long x) {
     double d;
     std::memcpy(&d, &x, 8);

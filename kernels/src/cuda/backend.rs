@@ -138,11 +138,23 @@ pub struct CudaBackend<D: Device> {
     /// The device, its launches held back and replayed as graphs (`graph`).
     dev: Arc<Recorder<D>>,
     staging: Mutex<Staging>,
+    /// Prompt matmuls of the formats that allow it on the int8 tensor cores (`mm_*_mma`).
+    mma: bool,
 }
 
 impl<D: Device> CudaBackend<D> {
     pub fn new(dev: D) -> Self {
-        Self { dev: Arc::new(Recorder::new(dev)), staging: Mutex::new(Staging::default()) }
+        let staging = Mutex::new(Staging::default());
+        Self { dev: Arc::new(Recorder::new(dev)), staging, mma: false }
+    }
+
+    /// Computes prompt matmuls (more than `LANES_MAX_TOKENS` tokens) of the 32-element
+    /// formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) on the int8 tensor cores: each block's integer
+    /// dot exact, the float sum per block instead of per lane, so no longer the CPU's bits but
+    /// within `MMA_BOUND` of them. Off by default.
+    pub fn with_mma(mut self, on: bool) -> Self {
+        self.mma = on;
+        self
     }
 
     pub fn device(&self) -> &D {
@@ -264,6 +276,19 @@ fn suffix(ty: WeightType) -> &'static str {
         WeightType::Q5_K => "q5_k",
         WeightType::Q6_K => "q6_k",
     }
+}
+
+/// The formats whose blocks the int8 tensor cores take whole: 32 quants that fit a signed byte
+/// and one scale (and a min) per block.
+fn mma_format(ty: WeightType) -> bool {
+    matches!(
+        ty,
+        WeightType::Q8_0
+            | WeightType::Q4_0
+            | WeightType::Q4_1
+            | WeightType::Q5_0
+            | WeightType::Q5_1
+    )
 }
 
 fn check_size(what: &str, n: usize) {
@@ -441,6 +466,13 @@ impl<D: Device> Backend for CudaBackend<D> {
             if ntok <= LANES_MAX_TOKENS {
                 let name = format!("mm_{}_lanes", suffix(w.ty));
                 self.launch(&name, Dims::linear(w.rows.div_ceil(32), 256), &args);
+            } else if self.mma && mma_format(w.ty) {
+                let name = format!("mm_{}_mma", suffix(w.ty));
+                let dims = Dims {
+                    grid: [w.rows.div_ceil(64) as u32, ntok.div_ceil(32) as u32, 1],
+                    block: [128, 1, 1],
+                };
+                self.launch(&name, dims, &args);
             } else {
                 let name = format!("mm_{}_rows", suffix(w.ty));
                 let dims = Dims {

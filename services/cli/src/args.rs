@@ -40,6 +40,11 @@ pub struct EngineArgs {
     /// Which GPU `--backend cuda` computes on (CUDA device ordinal).
     #[arg(long, default_value_t = 0)]
     pub cuda_device: usize,
+    /// With --backend cuda or cuda-emu: prompt matmuls of the Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1
+    /// formats on the int8 tensor cores. Logits are then within a stated bound of the CPU's,
+    /// no longer bit for bit.
+    #[arg(long)]
+    pub cuda_mma: bool,
 }
 
 impl EngineArgs {
@@ -53,6 +58,9 @@ impl EngineArgs {
         if self.cuda_device != 0 && self.backend != BackendName::Cuda {
             bail!("--cuda-device applies to --backend cuda only");
         }
+        if self.cuda_mma && self.backend == BackendName::Cpu {
+            bail!("--cuda-mma applies to --backend cuda or cuda-emu only");
+        }
         Ok(EngineConfig {
             threads: self.threads,
             block_size: self.block_size,
@@ -61,8 +69,10 @@ impl EngineArgs {
             max_batch_tokens: self.max_batch_tokens,
             backend: match self.backend {
                 BackendName::Cpu => BackendKind::Cpu { simd: self.simd },
-                BackendName::Cuda => BackendKind::Cuda { device: self.cuda_device },
-                BackendName::CudaEmu => BackendKind::CudaEmu,
+                BackendName::Cuda => {
+                    BackendKind::Cuda { device: self.cuda_device, mma: self.cuda_mma }
+                }
+                BackendName::CudaEmu => BackendKind::CudaEmu { mma: self.cuda_mma },
             },
         })
     }

@@ -75,6 +75,10 @@ fn bad_input_is_a_clear_error() {
         (&["run", "--prompt", "x", "--backend", "tpu"], "expected cpu, cuda or cuda-emu"),
         (&["run", "--prompt", "x", "--backend", "cuda-emu", "--simd", "avx2"], "--simd picks"),
         (&["run", "--prompt", "x", "--cuda-device", "1"], "--backend cuda only"),
+        (
+            &["run", "--prompt", "x", "--cuda-mma"],
+            "--cuda-mma applies to --backend cuda or cuda-emu",
+        ),
     ];
     for (args, want) in cases {
         let (code, _, err) = pdmesh(args);

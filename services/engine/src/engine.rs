@@ -19,11 +19,13 @@ use crate::sim::{SimDevice, SimProfile};
 pub enum BackendKind {
     /// The host CPU; `simd` forces a kernel set (default: the best the CPU supports).
     Cpu { simd: Option<Simd> },
-    /// The CUDA backend on GPU `device` (by ordinal), through the driver loaded at run time.
-    Cuda { device: usize },
+    /// The CUDA backend on GPU `device` (by ordinal), through the driver loaded at run time;
+    /// `mma`: prompt matmuls of the 32-element formats on the int8 tensor cores, within a
+    /// stated bound of the CPU's logits instead of bit for bit (`CudaBackend::with_mma`).
+    Cuda { device: usize, mma: bool },
     /// The CUDA backend's kernels and host side on the emulated device (CUDA's execution
     /// model on the host's threads): slow, for checking the CUDA backend without a GPU.
-    CudaEmu,
+    CudaEmu { mma: bool },
     /// No computation: steps take the time `SimProfile` says the real engine would, and give
     /// deterministic tokens (for studying a mesh larger than the machine; see `sim`).
     Sim(SimProfile),
@@ -188,7 +190,7 @@ impl Engine {
         config.validate()?;
         let geom = match config.backend {
             BackendKind::Sim(_) => SimDevice::geometry(config.block_size, config.kv_dtype),
-            BackendKind::Cpu { .. } | BackendKind::Cuda { .. } | BackendKind::CudaEmu => {
+            BackendKind::Cpu { .. } | BackendKind::Cuda { .. } | BackendKind::CudaEmu { .. } => {
                 model.config.kv_geometry(config.block_size, config.kv_dtype)
             }
         };
@@ -226,14 +228,15 @@ impl Engine {
                     .map_err(|e| Error::invalid(e.to_string()))?;
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
-            &BackendKind::Cuda { device } => {
+            &BackendKind::Cuda { device, mma } => {
                 let dev = pdmesh_kernels::cuda::GpuDevice::open(device)
                     .map_err(|e| Error::invalid(format!("--backend cuda: {e}")))?;
-                let be = pdmesh_kernels::cuda::CudaBackend::new(dev);
+                let be = pdmesh_kernels::cuda::CudaBackend::new(dev).with_mma(mma);
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
-            BackendKind::CudaEmu => {
-                let be = pdmesh_kernels::cuda::CudaBackend::new(pdmesh_kernels::cuda::EmuDevice);
+            &BackendKind::CudaEmu { mma } => {
+                let dev = pdmesh_kernels::cuda::EmuDevice;
+                let be = pdmesh_kernels::cuda::CudaBackend::new(dev).with_mma(mma);
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
             BackendKind::Sim(profile) => Box::new(SimDevice::new(

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use pdmesh_kernels::KvDtype;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::{BackendKind, Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -94,6 +94,9 @@ pub struct EngineSettings {
     pub kv_blocks: usize,
     /// Most tokens one engine step processes.
     pub max_batch_tokens: usize,
+    /// With a cuda backend: prompt matmuls of the 32-element formats on the int8 tensor
+    /// cores, within a stated bound of the CPU's logits instead of bit for bit.
+    pub cuda_mma: bool,
 }
 
 impl Default for EngineSettings {
@@ -109,6 +112,7 @@ impl Default for EngineSettings {
             block_size: d.block_size,
             kv_blocks: d.kv_blocks,
             max_batch_tokens: d.max_batch_tokens,
+            cuda_mma: false,
         }
     }
 }
@@ -127,19 +131,26 @@ impl EngineSettings {
             kv_blocks: self.kv_blocks,
             max_batch_tokens: self.max_batch_tokens,
             backend: match (self.engine, self.backend) {
-                (EngineName::Sim, _) => crate::engine::BackendKind::Sim(match &self.sim_profile {
+                (EngineName::Sim, _) => BackendKind::Sim(match &self.sim_profile {
                     Some(p) => crate::sim::SimProfile::load(p)?,
                     None => crate::sim::SimProfile::builtin(),
                 }),
-                (EngineName::Real, BackendName::Cpu) => {
-                    crate::engine::BackendKind::Cpu { simd: None }
-                }
+                (EngineName::Real, BackendName::Cpu) => BackendKind::Cpu { simd: None },
                 (EngineName::Real, BackendName::Cuda) => {
-                    crate::engine::BackendKind::Cuda { device: 0 }
+                    BackendKind::Cuda { device: 0, mma: self.cuda_mma }
                 }
-                (EngineName::Real, BackendName::CudaEmu) => crate::engine::BackendKind::CudaEmu,
+                (EngineName::Real, BackendName::CudaEmu) => {
+                    BackendKind::CudaEmu { mma: self.cuda_mma }
+                }
             },
         };
+        if self.cuda_mma
+            && !matches!(c.backend, BackendKind::Cuda { .. } | BackendKind::CudaEmu { .. })
+        {
+            return Err(Error::invalid(
+                "engine.cuda_mma applies to the cuda and cuda-emu backends only",
+            ));
+        }
         if self.sim_profile.is_some() && self.engine != EngineName::Sim {
             return Err(Error::invalid("engine.sim_profile is for engine = \"sim\" only"));
         }
@@ -197,5 +208,10 @@ mod tests {
             ..Default::default()
         };
         assert!(s.engine_config().unwrap_err().to_string().contains("cannot read"));
+        let s = EngineSettings { cuda_mma: true, ..Default::default() };
+        assert!(s.engine_config().unwrap_err().to_string().contains("engine.cuda_mma"));
+        let s =
+            EngineSettings { cuda_mma: true, backend: BackendName::CudaEmu, ..Default::default() };
+        assert_eq!(s.engine_config().unwrap().backend, BackendKind::CudaEmu { mma: true });
     }
 }

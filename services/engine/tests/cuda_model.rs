@@ -50,8 +50,8 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 /// The backend the CUDA side of each comparison runs on.
 fn cuda() -> BackendKind {
     match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
-        Ok("gpu") => BackendKind::Cuda { device: 0 },
-        _ => BackendKind::CudaEmu,
+        Ok("gpu") => BackendKind::Cuda { device: 0, mma: false },
+        _ => BackendKind::CudaEmu { mma: false },
     }
 }
 
