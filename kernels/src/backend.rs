@@ -66,6 +66,12 @@ pub trait KvStorage: Send + std::fmt::Debug {
     fn read_layer(&self, block: usize, layer: usize, out: &mut Vec<u8>);
     /// Overwrites block `block` with one block's bytes; on error nothing changed.
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), KvError>;
+    /// `write_block` for each `(block, bytes)`, all checked before any is written; a device
+    /// waits for its copies once, at the end, rather than after each.
+    fn write_blocks(&mut self, writes: &[(usize, &[u8])]) -> Result<(), KvError> {
+        check_writes(self.geometry().bytes_per_block(), self.n_blocks(), writes)?;
+        writes.iter().try_for_each(|&(b, d)| self.write_block(b, d))
+    }
     /// Copies block `src` over block `dst` (copy-on-write of a shared partial block).
     fn copy_block(&mut self, src: usize, dst: usize);
     /// The pool's memory, kept alive by the region.
@@ -81,6 +87,27 @@ pub trait KvStorage: Send + std::fmt::Debug {
     fn staging(&self, len: usize) -> Result<HostMemory, KvError> {
         HostMemory::zeroed(len).map_err(KvError::Alloc)
     }
+
+    /// Makes fresh host memory someone else allocated (a transport's shared staging area)
+    /// as fast for `write_block` to copy from as `staging`'s, for as long as the returned
+    /// memory lives: page-locked for a GPU; a pool in host memory takes it as it is. On
+    /// failure the memory comes back with the reason.
+    fn pin(&self, memory: HostMemory) -> Result<HostMemory, (HostMemory, KvError)> {
+        Ok(memory)
+    }
+}
+
+/// Checks `KvStorage::write_blocks`'s writes against a pool of `blocks` blocks of `bytes`.
+pub fn check_writes(bytes: usize, blocks: usize, writes: &[(usize, &[u8])]) -> Result<(), KvError> {
+    for &(block, data) in writes {
+        if data.len() != bytes {
+            return Err(KvError::BlockSize { want: bytes, got: data.len() });
+        }
+        if block >= blocks {
+            return Err(KvError::NoSuchBlock { block, blocks });
+        }
+    }
+    Ok(())
 }
 
 /// Compute operations of the llama forward pass, on the backend's own memory.

@@ -11,7 +11,8 @@ pub const MAX_CANDIDATES: usize = 2048;
 /// How one row is cut: with `m` the largest non-NaN value, a value `v` is kept when
 /// `v * scale >= m * scale - margin` (each product rounded to f32, NaN never kept), and,
 /// with `top_k > 0`, when its scaled value is among the `top_k` largest of those kept in
-/// `f32::total_cmp` order, all ties with the `top_k`-th kept.
+/// `f32::total_cmp` order, all ties with the `top_k`-th kept. `scale` is finite and > 0 (an
+/// inverse temperature), `margin` finite and >= 0; the engine rejects other cuts.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Cut {
     pub scale: f32,

@@ -547,6 +547,66 @@ fn device_kv_pool_moves_blocks_like_the_host_pool() {
     assert_eq!(kv.region().len(), 5 * g.bytes_per_block());
 }
 
+/// Launches of different block sizes in turn, each checked: a thread of the emulator's team
+/// that takes no part in a launch must not look at it, for the launch may end (and its
+/// record with it) the moment its own threads are done. Reading the launch's size outside
+/// the team's lock once let such a thread run a finished launch's blocks again (CI's SIGFPE
+/// on a garbage block size).
+#[test]
+fn launches_of_alternating_block_sizes_each_run_once() {
+    use pdmesh_kernels::cuda::{Arg, Dims};
+    let mut rng = ChaCha8Rng::seed_from_u64(37);
+    let x = random_vec(&mut rng, 64 * 3, 1.0);
+    let mut want = x.clone();
+    cpu().fwht(&mut want, 64);
+    // A launch run twice can also leave the team waiting forever: a hang fails too.
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let dev = EmuDevice::new();
+        let mem = dev.alloc(x.len() * 4).unwrap();
+        let mut got = vec![0f32; x.len()];
+        // Launches of 32 and 256 threads in turn: most of the team wakes for each small one
+        // and takes no part in it, and the big one that follows may reuse its record's memory.
+        for i in 0..4000 {
+            let block = if i % 2 == 0 { 32 } else { 256 };
+            dev.htod(bytemuck::cast_slice(&x), &mem, 0).unwrap();
+            let args = [Arg::ptr(&mem), Arg::long(3), Arg::int(64)];
+            dev.launch("fwht", Dims { grid: [1, 1, 1], block: [block, 1, 1] }, &args).unwrap();
+            dev.dtoh(&mem, 0, bytemuck::cast_slice_mut(&mut got)).unwrap();
+            same_bits(&got, &want, &format!("launch {i} of {block} threads"));
+        }
+        done.send(()).unwrap();
+    });
+    finished
+        .recv_timeout(std::time::Duration::from_secs(120))
+        .expect("4,000 small launches did not finish in 2 minutes: the team hung (or failed)");
+}
+
+/// `write_blocks` checks every write before it makes any, on the host pool and the device's.
+#[test]
+fn write_blocks_writes_all_or_nothing() {
+    let g = KvGeometry { layers: 2, kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F16 };
+    let bytes = |seed: u8| -> Vec<u8> {
+        (0..g.bytes_per_block()).map(|i| (i as u8).wrapping_mul(seed).wrapping_add(1)).collect()
+    };
+    let (a, b) = (bytes(3), bytes(5));
+    let check = |kv: &mut dyn KvStorage, what: &str| {
+        let read = |kv: &dyn KvStorage, i| {
+            let mut v = Vec::new();
+            kv.read_block(i, &mut v);
+            v
+        };
+        let zero = vec![0u8; g.bytes_per_block()];
+        assert!(kv.write_blocks(&[(1, &a), (4, &b)]).is_err(), "{what}: block 4 of 4");
+        assert!(kv.write_blocks(&[(1, &a), (2, &b[1..])]).is_err(), "{what}: a short block");
+        assert_eq!((read(kv, 1), read(kv, 2)), (zero.clone(), zero), "{what}: partly written");
+        kv.write_blocks(&[(3, &a), (0, &b)]).unwrap();
+        assert_eq!((read(kv, 3), read(kv, 0)), (a.clone(), b.clone()), "{what}");
+    };
+    check(&mut cpu().kv(g, 4).unwrap(), "host pool");
+    check(&mut emu().kv(g, 4).unwrap(), "device pool");
+}
+
 /// The recorder behind the CUDA backend turns a repeated list of launches into a graph: a
 /// "step" of norms and matmuls over new inputs in the same buffers, run five times, is captured
 /// the second time and replayed after, every result still the CPU's (no stale inputs).

@@ -379,8 +379,10 @@ class Team {
                 cv_.wait(g, [&] { return generation_ != seen; });
                 seen = generation_;
                 job = job_;
+                // Decided under the lock: a launch this thread takes no part in may finish,
+                // and its `Launch` (on the launcher's stack) end, as soon as it is released.
+                if (job == nullptr || id >= job->threads) continue;
             }
-            if (job == nullptr || id >= job->threads) continue;
             run_thread(*job, id);
             std::lock_guard<std::mutex> g(m_);
             if (--remaining_ == 0) done_.notify_one();

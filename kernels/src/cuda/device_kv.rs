@@ -8,7 +8,7 @@ use pdmesh_kv_types::{HostMemory, KvDtype, KvGeometry, MemoryKind, MemoryRegion}
 
 use super::backend::ok;
 use super::{Arg, Device, DeviceMem, Recorder};
-use crate::backend::{KvError, KvStorage};
+use crate::backend::{KvError, KvStorage, check_writes};
 use crate::kv::{AttnQuery, KvSlot};
 
 /// The paged KV pool in device memory, in `KvGeometry`'s byte layout.
@@ -87,16 +87,17 @@ impl<D: Device> KvStorage for DeviceKv<D> {
     }
 
     fn write_block(&mut self, block: usize, data: &[u8]) -> Result<(), KvError> {
+        self.write_blocks(&[(block, data)])
+    }
+
+    fn write_blocks(&mut self, writes: &[(usize, &[u8])]) -> Result<(), KvError> {
         let want = self.geometry.bytes_per_block();
-        if data.len() != want {
-            return Err(KvError::BlockSize { want, got: data.len() });
+        check_writes(want, self.n_blocks, writes)?;
+        for &(block, data) in writes {
+            ok(self.dev.htod(data, &self.mem, block * want));
         }
-        if block >= self.n_blocks {
-            return Err(KvError::NoSuchBlock { block, blocks: self.n_blocks });
-        }
-        ok(self.dev.htod(data, &self.mem, block * want));
-        // From page-locked memory (`staging`) the copy is asynchronous; the caller may reuse
-        // `data` once this returns.
+        // From page-locked memory (`staging`) the copies are asynchronous; the caller may
+        // reuse the sources once this returns.
         ok(self.dev.sync());
         Ok(())
     }
@@ -128,6 +129,10 @@ impl<D: Device> KvStorage for DeviceKv<D> {
 
     fn staging(&self, len: usize) -> Result<HostMemory, KvError> {
         self.dev.host_alloc(len).map_err(|e| KvError::Alloc(e.to_string()))
+    }
+
+    fn pin(&self, memory: HostMemory) -> Result<HostMemory, (HostMemory, KvError)> {
+        self.dev.host_register(memory).map_err(|u| (u.memory, KvError::Alloc(u.reason.to_string())))
     }
 }
 

@@ -9,6 +9,7 @@
 //! register it.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, result};
@@ -134,7 +135,24 @@ impl Drop for PinnedAlloc {
         // Copies from it are waited for by whoever queued them (`sync`) before it is let go.
         let _ = self.ctx.bind_to_thread();
         // SAFETY: allocated by `malloc_host` in `host_alloc`, freed once, here.
-        let _ = unsafe { result::free_host(self.ptr as *mut std::ffi::c_void) };
+        let _ = unsafe { result::free_host(self.ptr as *mut c_void) };
+    }
+}
+
+/// Host memory page-locked by `cuMemHostRegister`: unregistered when dropped, before the
+/// memory itself is let go (it is a field, dropped after `drop` runs).
+struct Registered {
+    ptr: usize,
+    ctx: Arc<CudaContext>,
+    _memory: HostMemory,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        // Copies from it are waited for by whoever queued them (`sync`) before it is let go.
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: registered by `host_register`, unregistered once, here.
+        let _ = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr as *mut c_void) };
     }
 }
 
@@ -244,6 +262,32 @@ impl super::Device for GpuDevice {
         // SAFETY: zeroed, page-aligned and owned by `keep` alone until it drops.
         unsafe { HostMemory::adopt(ptr as usize, bytes, Arc::new(keep)) }
             .map_err(DeviceError::Memory)
+    }
+
+    fn host_register(&self, memory: HostMemory) -> Result<HostMemory, super::Unregistered> {
+        if let Err(reason) = self.bind() {
+            return Err(super::Unregistered { memory, reason });
+        }
+        let region = memory.region();
+        if !region.addr().is_multiple_of(pdmesh_kv_types::HOST_ALIGN) {
+            let reason = DeviceError::Memory(format!("{:#x} is not aligned", region.addr()));
+            return Err(super::Unregistered { memory, reason });
+        }
+        // SAFETY: `region` is `memory`'s allocation, which `Registered` keeps until it has
+        // unregistered it.
+        let r = unsafe {
+            cudarc::driver::sys::cuMemHostRegister_v2(region.addr() as *mut c_void, region.len(), 0)
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            let reason =
+                DeviceError::Memory(format!("cannot page-lock {} bytes: {r:?}", region.len()));
+            return Err(super::Unregistered { memory, reason });
+        }
+        let keep = Registered { ptr: region.addr(), ctx: Arc::clone(&self.ctx), _memory: memory };
+        // SAFETY: the same allocation, still zeroed (fresh, as `host_register` asks), owned by
+        // `keep` (through the `HostMemory` it holds and never touches) until it drops.
+        let adopted = unsafe { HostMemory::adopt(region.addr(), region.len(), Arc::new(keep)) };
+        Ok(adopted.expect("a non-null, aligned address (checked above)"))
     }
 
     fn sync(&self) -> Result<(), DeviceError> {

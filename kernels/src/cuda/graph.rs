@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use pdmesh_kv_types::{HostMemory, MemoryKind};
 
-use super::{Arg, Device, DeviceError, DeviceMem, Dims};
+use super::{Arg, Device, DeviceError, DeviceMem, Dims, Unregistered};
 
 /// A launch as the recorder holds it.
 #[derive(Debug, Clone)]
@@ -241,6 +241,10 @@ impl<D: Device> Device for Recorder<D> {
 
     fn host_alloc(&self, bytes: usize) -> Result<HostMemory, DeviceError> {
         self.core.inner.host_alloc(bytes)
+    }
+
+    fn host_register(&self, memory: HostMemory) -> Result<HostMemory, Unregistered> {
+        self.core.inner.host_register(memory)
     }
 
     fn sync(&self) -> Result<(), DeviceError> {

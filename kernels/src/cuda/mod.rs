@@ -100,6 +100,13 @@ impl DeviceMem {
     }
 }
 
+/// Host memory `host_register` could not page-lock, given back with the reason.
+#[derive(Debug)]
+pub struct Unregistered {
+    pub memory: HostMemory,
+    pub reason: DeviceError,
+}
+
 /// One kernel argument, as the kernel's C parameter type.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Arg {
@@ -222,6 +229,9 @@ impl Device for Box<dyn Device> {
     fn host_alloc(&self, bytes: usize) -> Result<HostMemory, DeviceError> {
         (**self).host_alloc(bytes)
     }
+    fn host_register(&self, memory: HostMemory) -> Result<HostMemory, Unregistered> {
+        (**self).host_register(memory)
+    }
     fn sync(&self) -> Result<(), DeviceError> {
         (**self).sync()
     }
@@ -260,6 +270,11 @@ pub trait Device: Send + Sync + std::fmt::Debug + 'static {
     /// `bytes` zeroed bytes of host memory this device copies from fastest (page-locked for
     /// a GPU). A copy from such memory may still run when `htod` returns: `sync` waits.
     fn host_alloc(&self, bytes: usize) -> Result<HostMemory, DeviceError>;
+    /// Page-locks `memory` — fresh host memory someone else allocated, such as a transport's
+    /// shared memory — so that `htod` copies from it as fast as from `host_alloc`'s, for as
+    /// long as the returned memory lives; a device that computes on host memory takes it as
+    /// it is. On failure the memory comes back with the reason.
+    fn host_register(&self, memory: HostMemory) -> Result<HostMemory, Unregistered>;
     /// Waits until every copy and launch queued so far has finished.
     fn sync(&self) -> Result<(), DeviceError>;
     /// `launches` made into one graph, without running them.

@@ -245,7 +245,17 @@ fn stage_pool(config: &DecodeConfig, node: &UcxNode, engine: &Engine) -> Result<
         None
     };
     let (memory, range) = match shared {
-        Some((m, r)) => (m, Some(r)),
+        // Page-locked like `kv_staging_memory`'s where the pool is a GPU's, so the copy at
+        // the commit is a DMA rather than a pass through the driver's bounce buffers.
+        Some((m, r)) => match engine.kv_pin(m) {
+            Ok(m) => (m, Some(r)),
+            Err((m, e)) => {
+                tracing::warn!(
+                    "KV staging in shared memory is not page-locked, copies are slower: {e}"
+                );
+                (m, Some(r))
+            }
+        },
         None => (engine.kv_staging_memory(len).map_err(|e| e.to_string())?, None),
     };
     let area = StagingArea::new(memory, bpb)?;

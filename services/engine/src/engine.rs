@@ -146,7 +146,7 @@ impl<'a> StepLogits<'a> {
     /// Row `i`: which item and token it belongs to, and its logits. A step whose items all
     /// asked for `Logits::Cut` may have none to give (see `candidates_of`): asking is a bug.
     pub fn row(&self, i: usize) -> ((usize, usize), &'a [f32]) {
-        (self.rows[i], self.logits(i).expect("the step gave greedy picks, not logits"))
+        (self.rows[i], self.logits(i).expect("the step gave candidates, not logits"))
     }
 
     fn logits(&self, i: usize) -> Option<&'a [f32]> {
@@ -301,6 +301,16 @@ impl Engine {
         self.device.store().staging(len).map_err(|e| Error::KvAlloc(e.to_string()))
     }
 
+    /// Fresh host memory a transport allocated for staging (its shared memory), made as
+    /// fast to copy into the pool from as `kv_staging_memory`'s (page-locked for a GPU). On
+    /// failure the memory comes back, usable but slower, with the reason.
+    pub fn kv_pin(
+        &self,
+        memory: HostMemory,
+    ) -> std::result::Result<HostMemory, (HostMemory, Error)> {
+        self.device.store().pin(memory).map_err(|(m, e)| (m, Error::KvAlloc(e.to_string())))
+    }
+
     /// The layout of this engine's KV blocks: what a peer must match to exchange them.
     pub fn kv_layout(&self) -> KvLayout {
         KvLayout { model_fingerprint: self.model.fingerprint, geometry: *self.kv.geometry() }
@@ -357,8 +367,23 @@ impl Engine {
     /// Overwrites the sequence's `index`-th block with bytes from `read_block` on an engine of
     /// the same KV layout.
     pub fn write_block(&mut self, seq: SeqId, index: usize, data: &[u8]) -> Result<()> {
-        let block = self.kv.block(seq, index)?;
-        self.device.store_mut().write_block(block, data).map_err(|e| Error::invalid(e.to_string()))
+        self.write_blocks(seq, index, [data])
+    }
+
+    /// `write_block` of consecutive blocks from the sequence's `first`-th, all checked before
+    /// any is written, and one wait for a device's copies (not one per block).
+    pub fn write_blocks<'d>(
+        &mut self,
+        seq: SeqId,
+        first: usize,
+        blocks: impl IntoIterator<Item = &'d [u8]>,
+    ) -> Result<()> {
+        let writes = blocks
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| Ok((self.kv.block(seq, first + i)?, d)))
+            .collect::<Result<Vec<_>>>()?;
+        self.device.store_mut().write_blocks(&writes).map_err(|e| Error::invalid(e.to_string()))
     }
 
     /// Checks a step without changing anything.
@@ -382,6 +407,18 @@ impl Engine {
             }
             if !seen.insert(it.seq) {
                 return Err(Error::invalid(format!("{} appears twice in one step", it.seq)));
+            }
+            if let Logits::Cut(c) = it.logits
+                && !(c.scale.is_finite()
+                    && c.scale > 0.0
+                    && c.margin.is_finite()
+                    && c.margin >= 0.0)
+            {
+                return Err(Error::invalid(format!(
+                    "step item {i} ({}) asks for a cut with scale {} and margin {}: the scale \
+                     must be finite and > 0, the margin finite and >= 0",
+                    it.seq, c.scale, c.margin
+                )));
             }
             if let Some(&bad) = it.tokens.iter().find(|&&t| t as usize >= self.model.config.vocab) {
                 return Err(Error::invalid(format!(

@@ -12,7 +12,7 @@ use pdmesh_engine::{
     Engine, EngineConfig, GenerateParams, Logits, Message, Model, SamplingParams, SeqId, StepItem,
     StreamDecoder, generate, generate_batch,
 };
-use pdmesh_kernels::Simd;
+use pdmesh_kernels::{Cut, Simd};
 
 fn model() -> Arc<Model> {
     static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
@@ -332,6 +332,11 @@ fn step_validation_changes_nothing() {
             "twice",
         ),
     ];
+    let mut cases = cases;
+    for (scale, margin) in [(0.0, 30.0), (f32::NAN, 30.0), (1.0, -1.0), (1.0, f32::INFINITY)] {
+        let cut = Logits::Cut(Cut { scale, margin, top_k: 0 });
+        cases.push((vec![StepItem::prefill(s, &[1], cut)], "the scale must be finite and > 0"));
+    }
     for (items, want) in cases {
         let err = e.step(&items).unwrap_err().to_string();
         assert!(err.contains(want), "{err} (wanted {want:?})");

@@ -190,9 +190,7 @@ impl KvConnector for PushConnector {
         let Some(a) = self.jobs.get_mut(&id) else { return Ok(()) };
         let cached = std::mem::take(&mut a.job.cached);
         engine.extend_sequence(seq, cached.len() * self.block_size)?;
-        for (i, b) in cached.iter().enumerate() {
-            engine.write_block(seq, i, b)?;
-        }
+        engine.write_blocks(seq, 0, cached.iter().map(|b| &b[..]))?;
         Ok(())
     }
 

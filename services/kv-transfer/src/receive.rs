@@ -153,9 +153,7 @@ impl Receiver {
         if first_block != next {
             return Err(ReceiveError::OutOfOrder { got: first_block, want: next });
         }
-        for (i, chunk) in data.chunks_exact(bpb).enumerate() {
-            engine.write_block(t.seq, first_block + i, chunk)?;
-        }
+        engine.write_blocks(t.seq, first_block, data.chunks_exact(bpb))?;
         self.transfers.insert(id, Transfer::Streaming { next: next + n });
         Ok(())
     }
@@ -216,9 +214,7 @@ impl Receiver {
             return Err(ReceiveError::Staging { staged: staged.len(), want });
         }
         let started = Instant::now();
-        for i in 0..want {
-            engine.write_block(seq, i, staged.block(i))?;
-        }
+        engine.write_blocks(seq, 0, (0..want).map(|i| staged.block(i)))?;
         Ok(started.elapsed())
     }
 
