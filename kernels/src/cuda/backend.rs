@@ -16,7 +16,7 @@ use pdmesh_kv_types::KvGeometry;
 use super::device_kv::{attention_tiles, slot_pairs};
 use super::{Arg, Device, DeviceError, DeviceKv, DeviceMem, Dims, GraphStats, Recorder};
 use crate::backend::{Backend, KvError, MatmulJob, Rope, RopeMode};
-use crate::candidates::{Candidates, Cut, MAX_CANDIDATES};
+use crate::candidates::{Candidates, Cut};
 use crate::kv::{AttnQuery, KvSlot, Phase};
 use crate::quant::{ActNeeds, HostWeight, QK, QK_K, WeightType};
 
@@ -26,6 +26,9 @@ const MAX_ELEMS: usize = i32::MAX as usize;
 const LANES_MAX_TOKENS: usize = 4;
 /// Attention's per-launch score scratch, in floats; longer batches launch in token chunks.
 const ATTN_SCRATCH_FLOATS: usize = 16 << 20;
+
+mod candidates;
+mod matmul;
 
 pub(super) fn ok<T>(r: Result<T, DeviceError>) -> T {
     r.unwrap_or_else(|e| panic!("CUDA device: {e}"))
@@ -151,7 +154,7 @@ impl<D: Device> CudaBackend<D> {
     /// Computes prompt matmuls (more than `LANES_MAX_TOKENS` tokens) of the 32-element
     /// formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) on the int8 tensor cores: each block's integer
     /// dot exact, the float sum per block instead of per lane, so no longer the CPU's bits but
-    /// within `MMA_BOUND` of them. Off by default.
+    /// within the rounding bound `cuda_backend.rs` states for them. Off by default.
     pub fn with_mma(mut self, on: bool) -> Self {
         self.mma = on;
         self
@@ -278,19 +281,6 @@ fn suffix(ty: WeightType) -> &'static str {
     }
 }
 
-/// The formats whose blocks the int8 tensor cores take whole: 32 quants that fit a signed byte
-/// and one scale (and a min) per block.
-fn mma_format(ty: WeightType) -> bool {
-    matches!(
-        ty,
-        WeightType::Q8_0
-            | WeightType::Q4_0
-            | WeightType::Q4_1
-            | WeightType::Q5_0
-            | WeightType::Q5_1
-    )
-}
-
 fn check_size(what: &str, n: usize) {
     assert!(n <= MAX_ELEMS, "{what}: {n} elements is more than one launch indexes");
 }
@@ -413,75 +403,7 @@ impl<D: Device> Backend for CudaBackend<D> {
     }
 
     fn matmul(&self, x: &DeviceActs, jobs: &mut [MatmulJob<'_, CudaWeight, DeviceVec>]) {
-        let ntok = x.rows;
-        for job in jobs.iter_mut() {
-            let w = job.weight;
-            assert_eq!(w.cols, x.cols, "matmul: weight has {} columns, input {}", w.cols, x.cols);
-            check_size("matmul", ntok * w.rows);
-            self.resize(job.out, ntok * w.rows);
-            if ntok == 0 {
-                continue;
-            }
-            let out = job.out.ptr();
-            if let Some(kind) = w.ty.float_kind() {
-                let src = match kind {
-                    crate::formats::FloatKind::F32 => &x.x,
-                    crate::formats::FloatKind::F16 => &x.h,
-                    crate::formats::FloatKind::BF16 => &x.bh,
-                };
-                assert!(x.forms.has_float(kind), "matmul: activations lack {} rounding", w.ty);
-                self.launch(
-                    &format!("mm_{}", suffix(w.ty)),
-                    Dims::linear(w.rows.div_ceil(16), 256),
-                    &[
-                        Arg::ptr(&w.mem),
-                        Arg::int(w.rows),
-                        Arg::int(w.cols),
-                        src.ptr(),
-                        Arg::Ptr(x.phases.addr()),
-                        Arg::int(ntok),
-                        out,
-                    ],
-                );
-                continue;
-            }
-            let form = w.ty.act_form().expect("a quantized format has an activation form");
-            assert!(x.forms.has(form), "matmul: activations lack the {form:?} form for {}", w.ty);
-            let (qs, d, s, ksums) = match form {
-                crate::formats::ActForm::Q8 => (&x.qs, &x.d, x.s.addr(), 0),
-                crate::formats::ActForm::Q8K => (&x.kqs, &x.kd, 0, x.ksums.addr()),
-            };
-            let args = [
-                Arg::ptr(&w.mem),
-                Arg::int(w.rows),
-                Arg::int(w.row_bytes),
-                Arg::int(w.cols),
-                Arg::Ptr(qs.addr()),
-                Arg::Ptr(d.addr()),
-                Arg::Ptr(s),
-                Arg::Ptr(ksums),
-                Arg::int(ntok),
-                out,
-            ];
-            if ntok <= LANES_MAX_TOKENS {
-                let name = format!("mm_{}_lanes", suffix(w.ty));
-                self.launch(&name, Dims::linear(w.rows.div_ceil(32), 256), &args);
-            } else if self.mma && mma_format(w.ty) {
-                let name = format!("mm_{}_mma", suffix(w.ty));
-                let dims = Dims {
-                    grid: [w.rows.div_ceil(64) as u32, ntok.div_ceil(32) as u32, 1],
-                    block: [128, 1, 1],
-                };
-                self.launch(&name, dims, &args);
-            } else {
-                let name = format!("mm_{}_rows", suffix(w.ty));
-                let dims = Dims {
-                    grid: [w.rows.div_ceil(64) as u32, ntok.div_ceil(8) as u32, 1],
-                    block: [64, 1, 1],
-                };
-                self.launch(&name, dims, &args);
-            }
-        }
+        self.matmul_jobs(x, jobs);
     }
 
     fn rms_norm(&self, x: &DeviceVec, weight: &DeviceVec, eps: f32, out: &mut DeviceVec) {
@@ -733,46 +655,7 @@ impl<D: Device> Backend for CudaBackend<D> {
     }
 
     fn candidates(&self, x: &DeviceVec, cols: usize, cuts: &[Cut], out: &mut Candidates) -> bool {
-        let rows = cuts.len();
-        assert!(cols > 0 && x.len >= rows * cols, "candidates: shape mismatch");
-        check_size("candidates", rows * MAX_CANDIDATES * 2);
-        out.clear();
-        if rows == 0 {
-            return true;
-        }
-        let packed_len = rows + 1 + 2 * rows * MAX_CANDIDATES;
-        let cut_bytes: Vec<u8> = cuts
-            .iter()
-            .flat_map(|c| [c.scale.to_bits(), c.margin.to_bits(), c.top_k])
-            .flat_map(u32::to_le_bytes)
-            .collect();
-        let mut st = self.staging();
-        let cuts_arg = st.put(&*self.dev, "cuts", &cut_bytes);
-        let per_row = st.cand_rows.ensure(&*self.dev, rows * (1 + 2 * MAX_CANDIDATES) * 4).addr();
-        let packed = st.cand_packed.ensure(&*self.dev, packed_len * 4).clone();
-        drop(st);
-        let (counts, ids) = (Arg::Ptr(per_row), Arg::Ptr(per_row + rows as u64 * 4));
-        let vals = Arg::Ptr(per_row + (rows * (1 + MAX_CANDIDATES)) as u64 * 4);
-        let cap = Arg::int(MAX_CANDIDATES);
-        let args = [x.ptr(), Arg::int(cols), cuts_arg, cap, counts, ids, vals];
-        self.launch(
-            "candidates_rows",
-            Dims { grid: [rows as u32, 1, 1], block: [128, 1, 1] },
-            &args,
-        );
-        let args = [Arg::int(rows), cap, counts, ids, vals, Arg::ptr(&packed)];
-        self.launch("candidates_pack", Dims { grid: [1, 1, 1], block: [128, 1, 1] }, &args);
-        let mut offsets = vec![0u32; rows + 1];
-        ok(self.dev.dtoh(&packed, 0, bytemuck::cast_slice_mut(&mut offsets)));
-        if offsets.windows(2).any(|w| (w[1] - w[0]) as usize > MAX_CANDIDATES) {
-            return false;
-        }
-        let mut pairs = vec![0u32; 2 * offsets[rows] as usize];
-        ok(self.dev.dtoh(&packed, (rows + 1) * 4, bytemuck::cast_slice_mut(&mut pairs)));
-        out.offsets.clear();
-        out.offsets.extend(offsets.iter().map(|&o| o as usize));
-        out.items.extend(pairs.chunks_exact(2).map(|p| (p[0], f32::from_bits(p[1]))));
-        true
+        self.cut_rows(x, cols, cuts, out)
     }
 
     fn fwht(&self, x: &mut DeviceVec, n: usize) {

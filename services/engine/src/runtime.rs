@@ -46,7 +46,7 @@ pub(crate) trait Device: Send + std::fmt::Debug {
     fn store(&self) -> &dyn KvStorage;
     fn store_mut(&mut self) -> &mut dyn KvStorage;
     /// Computes `batch` (its KV already has slots in `cache`), calling `on_layer(l, kv)` as soon
-    /// as layer `l`'s KV is written; returns the wanted logits, row by row (or their greedy
+    /// as layer `l`'s KV is written; returns the wanted logits, row by row (or their
     /// candidates, when `batch.cuts` lets it).
     fn forward(
         &mut self,
@@ -101,7 +101,7 @@ struct Scratch<B: Backend> {
     host_cos: Vec<f32>,
     host_sin: Vec<f32>,
     host_logits: Vec<f32>,
-    /// The rows' greedy picks, when only those are wanted.
+    /// The rows' candidates, when only those are wanted.
     host_cands: Candidates,
     /// The phases of the rows `sel` gathered.
     sel_phases: Vec<Phase>,

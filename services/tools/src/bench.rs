@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::bail;
 use clap::{Args, Subcommand};
-use pdmesh_engine::{Engine, Logits, Sampler, SamplingParams, SeqId, StepItem};
+use pdmesh_engine::{Engine, Logits, Sampler, SamplingParams, SeqId, StepItem, StepLogits};
 
 use pdmesh_cli::args::EngineArgs;
 
@@ -191,24 +191,9 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
         }
         let mut rates = Vec::new();
         for _ in 0..a.repeats {
-            let seqs: Vec<SeqId> = (0..b).map(|_| engine.create_sequence()).collect();
-            let mut next = Vec::with_capacity(b);
-            for &s in &seqs {
-                next.push([prefill(&mut engine, s, &bp)?]);
-            }
-            let t = Instant::now();
-            for _ in 0..a.batch_steps {
-                let items: Vec<StepItem<'_>> =
-                    seqs.iter().zip(&next).map(|(&seq, tok)| StepItem::decode(seq, tok)).collect();
-                let l = engine.step(&items)?;
-                let new: Vec<[u32; 1]> =
-                    (0..b).map(|i| [argmax(l.last_of(i).unwrap_or(&[0.0]))]).collect();
-                next = new;
-            }
-            rates.push((b * a.batch_steps) as f64 / t.elapsed().as_secs_f64());
-            for s in seqs {
-                engine.free_sequence(s)?;
-            }
+            let last = vec![Logits::Last; b];
+            let greedy = |i, l: &StepLogits<'_>| Ok(argmax(l.last_of(i).unwrap_or(&[0.0])));
+            rates.push(batch_decode(&mut engine, &bp, &last, a.batch_steps, greedy)?);
         }
         batched.insert(b, median(rates));
     }
@@ -291,6 +276,36 @@ fn engine_bench(a: EngineBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Aggregate tok/s of `logits.len()` sequences after `prompt`, decoding `steps` steps
+/// together; sequence `i` asks for `logits[i]` and `pick(i, step)` gives its next token.
+fn batch_decode(
+    engine: &mut Engine,
+    prompt: &[u32],
+    logits: &[Logits],
+    steps: usize,
+    mut pick: impl FnMut(usize, &StepLogits<'_>) -> anyhow::Result<u32>,
+) -> anyhow::Result<f64> {
+    let seqs: Vec<SeqId> = logits.iter().map(|_| engine.create_sequence()).collect();
+    let mut next = Vec::with_capacity(seqs.len());
+    for &s in &seqs {
+        next.push([prefill(engine, s, prompt)?]);
+    }
+    let t = Instant::now();
+    for _ in 0..steps {
+        let items: Vec<StepItem<'_>> = (0..seqs.len())
+            .map(|i| StepItem { logits: logits[i], ..StepItem::decode(seqs[i], &next[i]) })
+            .collect();
+        let l = engine.step(&items)?;
+        let new = (0..seqs.len()).map(|i| pick(i, &l).map(|t| [t])).collect::<Result<_, _>>()?;
+        next = new;
+    }
+    let rate = (seqs.len() * steps) as f64 / t.elapsed().as_secs_f64();
+    for s in seqs {
+        engine.free_sequence(s)?;
+    }
+    Ok(rate)
+}
+
 /// Aggregate decode of `a.sampled_batch` sequences with `sampling`'s top-k samplers, each
 /// repeat once sampling from whole logits and once from the candidates the backend cuts each
 /// row to (`Logits::Cut`): tok/s of each, medians. The same seeds draw the same tokens.
@@ -305,43 +320,34 @@ fn sampled_decode(
     let mut drawn: [Vec<u32>; 2] = Default::default();
     for _ in 0..a.repeats {
         for cut in [false, true] {
-            let seqs: Vec<SeqId> = (0..b).map(|_| engine.create_sequence()).collect();
             let mut samplers = (0..b)
                 .map(|i| Sampler::new(SamplingParams { seed: i as u64, ..sampling.clone() }))
                 .collect::<Result<Vec<_>, _>>()?;
-            let mut next = Vec::with_capacity(b);
-            for &s in &seqs {
-                next.push([prefill(engine, s, prompt)?]);
-            }
-            let logits = |s: &Sampler| match s.cut() {
-                Some(c) if cut => Logits::Cut(c),
-                _ => Logits::Last,
+            let logits: Vec<Logits> = samplers
+                .iter()
+                .map(|s| match s.cut() {
+                    Some(c) if cut => Logits::Cut(c),
+                    _ => Logits::Last,
+                })
+                .collect();
+            let seen = &mut drawn[usize::from(cut)];
+            let pick = |i: usize, l: &StepLogits<'_>| {
+                let s = &mut samplers[i];
+                let t = match (l.candidates_of(i), l.last_of(i)) {
+                    (Some(c), _) => s.sample_candidates(c),
+                    (None, Some(row)) => s.sample(row, &[], 0).0,
+                    (None, None) => bail!("step gave nothing to sample row {i} from"),
+                };
+                seen.push(t);
+                Ok(t)
             };
-            let t = Instant::now();
-            for _ in 0..a.batch_steps {
-                let items: Vec<StepItem<'_>> = seqs
-                    .iter()
-                    .zip(&next)
-                    .zip(&samplers)
-                    .map(|((&seq, tok), s)| StepItem {
-                        logits: logits(s),
-                        ..StepItem::decode(seq, tok)
-                    })
-                    .collect();
-                let l = engine.step(&items)?;
-                for (i, s) in samplers.iter_mut().enumerate() {
-                    next[i] = [match (l.candidates_of(i), l.last_of(i)) {
-                        (Some(c), _) => s.sample_candidates(c),
-                        (None, Some(row)) => s.sample(row, &[], 0).0,
-                        (None, None) => bail!("step gave nothing to sample row {i} from"),
-                    }];
-                }
-                drawn[usize::from(cut)].extend(next.iter().map(|t| t[0]));
-            }
-            rates[usize::from(cut)].push((b * a.batch_steps) as f64 / t.elapsed().as_secs_f64());
-            for s in seqs {
-                engine.free_sequence(s)?;
-            }
+            rates[usize::from(cut)].push(batch_decode(
+                engine,
+                prompt,
+                &logits,
+                a.batch_steps,
+                pick,
+            )?);
         }
     }
     if drawn[0] != drawn[1] {
