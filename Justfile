@@ -58,6 +58,14 @@ bench-gpu: system-deps fetch-model _nvrtc
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     {{nvrtc_env}} python3 scripts/bench_gpu.py --pdmesh target/release/pdmesh --models {{model}} models/test/synth-llama3-1b-Q4_K_M.gguf
 
+# Both on a GPU machine without Rust or a network (this workplace's lent H200): build the
+# bundle here (release and CUDA test binaries, the RDMA libraries, the models' shapes; under
+# 64 MiB with the tree), then there, from the repository root, carrying .gpu-bundle, run
+# `scripts/gpu_tier.sh` (`--emu` runs the same steps here, on the emulated device).
+gpu-bundle: system-deps fetch-model _llamacpp
+    [ -f models/test/synth-llama3-1b-Q4_K_M.gguf ] || just fetch-test-models --only synth-llama3-1b-Q4_K_M
+    ./scripts/gpu_bundle.sh
+
 # NVRTC and ptxas from the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-nvcc-cu12 wheels, unpacked
 # into .bench/nvrtc (no CUDA toolkit). One pip call: a second --target install would replace
 # the first's nvidia/ folder.

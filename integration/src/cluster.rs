@@ -246,6 +246,16 @@ impl Service {
     }
 }
 
+/// Whether process `pid` has exited but was not reaped (a zombie), or is gone.
+fn zombie(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()) == Some("Z")
+        }
+        Err(_) => true,
+    }
+}
+
 impl Drop for Service {
     fn drop(&mut self) {
         self.kill();
@@ -468,7 +478,31 @@ impl ClusterBuilder {
         for _ in 0..self.decode {
             c.add_decode(&[]);
         }
-        c.wait_nodes(self.prefill, self.decode).await;
+        // A node that dies at start (a backend it cannot load) fails the start at once, not
+        // after the 30 s the wait gives nodes to register.
+        let mut watch = tokio::spawn({
+            let pids: Vec<(String, u32)> = c
+                .prefills
+                .iter()
+                .chain(&c.decodes)
+                .filter_map(|s| Some((s.name.clone(), s.child.as_ref()?.id())))
+                .collect();
+            async move {
+                loop {
+                    if let Some((name, _)) = pids.iter().find(|(_, pid)| zombie(*pid)) {
+                        return name.clone();
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        });
+        tokio::select! {
+            () = c.wait_nodes(self.prefill, self.decode) => watch.abort(),
+            dead = &mut watch => panic!(
+                "{} exited while the mesh was starting (its log above says why)",
+                dead.unwrap_or_default()
+            ),
+        }
         c
     }
 }

@@ -82,9 +82,11 @@ pub fn pdmesh_bin() -> PathBuf {
     bin
 }
 
-/// The default model, which `just fetch-model` provides.
+/// The default model, which `just fetch-model` provides, or the file `PDMESH_TEST_MODEL` names
+/// (the GPU tier's synthetic SmolLM2, where the real file cannot travel).
 pub fn model_path() -> PathBuf {
-    let p = repo_root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p = std::env::var_os("PDMESH_TEST_MODEL")
+        .map_or_else(|| repo_root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf"), PathBuf::from);
     assert!(p.exists(), "{} is missing: run `just fetch-model`", p.display());
     p
 }

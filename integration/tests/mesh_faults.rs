@@ -582,3 +582,26 @@ async fn auto_falls_back_to_grpc_and_ucx_refuses_a_decode_node_without_it() {
     assert!(err.message().contains("UCX") && err.message().contains("decode-0"), "{err:?}");
     c.wait_blocks_free().await;
 }
+
+/// A node that dies after it listens — its engine cannot load: here a CUDA backend with no
+/// device to use, driver or not — fails the mesh's start at once, naming the node, instead of
+/// after the wait for nodes to register: the GPU tier's mixed-mesh step spent its whole time
+/// limit that way when no driver loaded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_dies_at_start_fails_the_start_naming_it() {
+    let _serial = SERIAL.lock().await;
+    let start = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .decode_args(&["--backend", "cuda"])
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .start();
+    let err = tokio::spawn(start).await.expect_err("a mesh with a node that cannot start");
+    let panic = err.into_panic();
+    let msg = panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(msg.contains("decode-0 exited while the mesh was starting"), "{msg}");
+}

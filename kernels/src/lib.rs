@@ -19,6 +19,7 @@ pub mod formats;
 pub mod kv;
 pub mod pool;
 pub mod quant;
+pub mod random;
 
 pub use backend::{Backend, KvError, KvStorage, MatmulJob, Rope, RopeMode};
 pub use candidates::{Candidates, Cut, MAX_CANDIDATES, argmax, argmax_of};

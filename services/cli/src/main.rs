@@ -26,9 +26,10 @@ use clap::{Parser, Subcommand};
         commands (`run`, `perplexity`) use the engine in this process. The default model\n\
         is SmolLM2-135M-Instruct (Q4_1), fetched by `just fetch-model` into models/.",
     after_help = "Tools (in the pdmesh-tools binary beside this one, run as `pdmesh <tool>`):\n  \
-        bench    Drive a running mesh (TTFT, TPOT, goodput); `bench engine`, `bench kv`\n  \
-        replay   Replay a Mooncake-format trace against a running mesh\n  \
-        collect  Receive OTLP spans and print them (Jaeger's job, without Jaeger)"
+        bench        Drive a running mesh (TTFT, TPOT, goodput); `bench engine`, `bench kv`\n  \
+        replay       Replay a Mooncake-format trace against a running mesh\n  \
+        collect      Receive OTLP spans and print them (Jaeger's job, without Jaeger)\n  \
+        synth-model  A model's shape with seeded random weights (the GPU tier's models)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -117,7 +118,7 @@ enum Command {
     /// (fidelity tooling: compared against llama.cpp by scripts/compare_llamacpp.py).
     #[command(hide = true)]
     DumpLogits(perplexity::DumpLogitsArgs),
-    /// A tool of the tools binary (`bench`, `replay`, `collect`).
+    /// A tool of the tools binary (`bench`, `replay`, `collect`, `synth-model`).
     #[command(external_subcommand)]
     Tool(Vec<OsString>),
 }
@@ -227,7 +228,7 @@ fn certs(a: CertsArgs) -> anyhow::Result<()> {
 }
 
 /// The commands the tools binary provides.
-const TOOLS: [&str; 3] = ["bench", "replay", "collect"];
+const TOOLS: [&str; 4] = ["bench", "replay", "collect", "synth-model"];
 
 /// Runs `pdmesh-tools <args>` in this process's place.
 fn tool(args: Vec<OsString>) -> anyhow::Result<()> {

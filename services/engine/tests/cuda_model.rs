@@ -33,10 +33,17 @@ const PROMPTS: [&str; 12] = [
     "Photosynthesis turns light into",
 ];
 
+/// SmolLM2, or the file `PDMESH_TEST_MODEL` names (the GPU tier's synthetic SmolLM2, its shapes
+/// and vocabulary with random weights, where the real file cannot travel).
 fn model() -> Arc<Model> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .join(pdmesh_engine::DEFAULT_MODEL_PATH);
+    let path = std::env::var_os("PDMESH_TEST_MODEL").map_or_else(
+        || {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../..")
+                .join(pdmesh_engine::DEFAULT_MODEL_PATH)
+        },
+        PathBuf::from,
+    );
     assert!(path.exists(), "{} is missing: run `just fetch-model`", path.display());
     Arc::new(Model::load(&path).unwrap())
 }

@@ -8,6 +8,7 @@ mod http_load;
 mod kv_bench;
 mod mesh_bench;
 mod replay;
+mod synth_model;
 
 use clap::{Parser, Subcommand};
 
@@ -16,7 +17,7 @@ use clap::{Parser, Subcommand};
     name = "pdmesh",
     bin_name = "pdmesh",
     version,
-    about = "pdmesh tools: benchmarks, trace replay and a trace collector (run as `pdmesh <tool>`)"
+    about = "pdmesh tools: benchmarks, trace replay, a trace collector and synthetic models (run as `pdmesh <tool>`)"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -37,6 +38,10 @@ enum Command {
     /// Receive spans over OTLP/gRPC (what the services export to
     /// OTEL_EXPORTER_OTLP_ENDPOINT) and print one line per span: Jaeger's job, without Jaeger.
     Collect(collect::CollectArgs),
+    /// Write a GGUF with a model's metadata, vocabulary and tensor shapes but seeded random
+    /// weights, or only its shape (`--shape-only`, a few MB): how the GPU tier gets a model
+    /// onto a machine its file cannot reach.
+    SynthModel(synth_model::SynthArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,6 +50,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(b) => bench::run(*b, &cli.access),
         Command::Replay(a) => replay::run(a, &cli.access),
         Command::Collect(a) => collect::run(a),
+        Command::SynthModel(a) => synth_model::run(a),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
