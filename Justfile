@@ -8,6 +8,10 @@ bench_venv := ".bench/venv"
 nvrtc_lib := justfile_directory() / ".bench/nvrtc/nvidia/cuda_nvrtc/lib"
 ptxas := justfile_directory() / ".bench/nvrtc/nvidia/cuda_nvcc/bin/ptxas"
 nvrtc_env := "LD_LIBRARY_PATH=" + nvrtc_lib + "${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} PDMESH_PTXAS=" + ptxas
+# CUDA 13's, what a CUDA 13 machine compiles with; `link/` holds libnvrtc.so, the name cudarc's
+# loader tries first (it knows no `.so.13`).
+nvrtc13 := justfile_directory() / ".bench/nvrtc13"
+nvrtc13_env := "LD_LIBRARY_PATH=" + nvrtc13 / "link:" + nvrtc13 / "nvidia/cu13/lib PDMESH_PTXAS=" + nvrtc13 / "nvidia/cu13/bin/ptxas PDMESH_NVRTC_MAJOR=13"
 
 # List the recipes.
 default:
@@ -37,9 +41,10 @@ run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
 
 # Run the whole test suite (unit, kernel, engine on the real model, CLI processes), after
 # checking the Kubernetes manifests. The CUDA backend runs on its emulated device, and NVRTC
-# compiles its kernels for sm_80 and sm_90 (no GPU needed).
-test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc
+# compiles its kernels for sm_80 and sm_90 (no GPU needed), CUDA 12.9's and then 13.0's.
+test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
     {{nvrtc_env}} cargo test --workspace --locked
+    {{nvrtc13_env}} cargo test --locked -p pdmesh-kernels --test cuda_nvrtc -- --nocapture
 
 # The CUDA backend's tests on GPU 0 instead of the emulated device: every kernel against the CPU
 # backend, SmolLM2's greedy tokens and logits, a GPU prefill node feeding a CPU decode node.
@@ -73,6 +78,14 @@ _nvrtc:
     @[ -f {{nvrtc_lib}}/libnvrtc.so.12 ] && [ -x {{ptxas}} ] || { rm -rf .bench/nvrtc && \
         python3 -m pip install --quiet --disable-pip-version-check --target .bench/nvrtc \
         nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-nvcc-cu12==12.9.86; }
+
+# CUDA 13.0's NVRTC and ptxas into .bench/nvrtc13 (their dependencies, nvvm and the runtime,
+# are not needed to compile to PTX and assemble it).
+_nvrtc13:
+    @[ -e {{nvrtc13}}/link/libnvrtc.so ] && [ -x {{nvrtc13}}/nvidia/cu13/bin/ptxas ] || { rm -rf {{nvrtc13}} && \
+        python3 -m pip install --quiet --disable-pip-version-check --no-deps --target {{nvrtc13}} \
+        nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-nvcc==13.0.88 && mkdir -p {{nvrtc13}}/link && \
+        ln -s ../nvidia/cu13/lib/libnvrtc.so.13 {{nvrtc13}}/link/libnvrtc.so; }
 
 # The Kubernetes manifests against the API's schemas, offline and strict (unknown fields fail).
 check-deploy: _llamacpp

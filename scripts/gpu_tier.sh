@@ -101,7 +101,7 @@ export PDMESH_TEST_MODEL=$smollm2
 # The test binaries take libtest's arguments; the mesh test finds pdmesh at ../pdmesh.
 t=$bin/deps
 # CI=true: without NVRTC or ptxas the test fails instead of skipping.
-step nvrtc-compile 45 env CI=true "$t/cuda_nvrtc"
+step nvrtc-compile 45 env CI=true "$t/cuda_nvrtc" --nocapture
 step kernels 90 "$t/cuda_backend"
 if [ "$mode" = gpu ]; then
     step bench 240 python3 scripts/bench_gpu.py --pdmesh "$bin/pdmesh" \

@@ -2,12 +2,14 @@
 //! Ampere (sm_80) and Hopper (sm_90) architectures, the PTX defining every kernel the backend
 //! launches, then assembled by `ptxas` for each (which checks the inline PTX, such as the
 //! tensor-core `mma.sync`, that NVRTC passes through unread). NVRTC and ptxas come from the
-//! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-nvcc-cu12` wheels (`just test` installs them and
-//! sets LD_LIBRARY_PATH and PDMESH_PTXAS); without them the test fails in CI and says SKIPPED
-//! elsewhere.
+//! CUDA 12.9 wheels `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-nvcc-cu12`; `just test` installs
+//! them and sets LD_LIBRARY_PATH and PDMESH_PTXAS, then runs this test again with CUDA 13.0's
+//! (what a CUDA 13 machine, such as the lent H200, compiles with), `PDMESH_NVRTC_MAJOR=13`
+//! checking that those were the ones loaded. Without them the test fails in CI and says
+//! SKIPPED elsewhere.
 
 use pdmesh_kernels::cuda::MODULES;
-use pdmesh_kernels::cuda::nvrtc::{compile, nvrtc_missing};
+use pdmesh_kernels::cuda::nvrtc::{compile, nvrtc_missing, nvrtc_version};
 
 #[test]
 fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
@@ -15,6 +17,11 @@ fn every_kernel_compiles_and_assembles_for_sm80_and_sm90() {
         assert!(std::env::var_os("CI").is_none(), "CI must compile the kernels: {why}");
         eprintln!("SKIPPED: {why}");
         return;
+    }
+    let version = nvrtc_version().expect("the loaded NVRTC's version");
+    eprintln!("NVRTC {}.{}", version.0, version.1);
+    if let Ok(want) = std::env::var("PDMESH_NVRTC_MAJOR") {
+        assert_eq!(version.0.to_string(), want, "PDMESH_NVRTC_MAJOR: another NVRTC was loaded");
     }
     let ptxas = std::env::var_os("PDMESH_PTXAS").map(std::path::PathBuf::from);
     if ptxas.is_none() {

@@ -1,5 +1,6 @@
 //! The kernels compiled for a GPU architecture by NVRTC, loaded at run time from wherever the
-//! dynamic loader finds `libnvrtc.so.12` (the PyPI wheel `nvidia-cuda-nvrtc-cu12` ships one), so
+//! dynamic loader finds `libnvrtc.so` or `libnvrtc.so.12` (the PyPI wheel
+//! `nvidia-cuda-nvrtc-cu12` ships one; CUDA 13's, linked as `libnvrtc.so`, compiles them too), so
 //! no CUDA toolkit is needed to build or to compile. PTX is cached per architecture and source
 //! under `$PDMESH_CUDA_CACHE` (default `$XDG_CACHE_HOME/pdmesh/cuda` or `~/.cache/pdmesh/cuda`).
 
@@ -15,11 +16,23 @@ pub fn nvrtc_present() -> bool {
     unsafe { cudarc::nvrtc::sys::is_culib_present() }
 }
 
+/// The loaded NVRTC's (major, minor) version, or None when there is none.
+pub fn nvrtc_version() -> Option<(i32, i32)> {
+    if !nvrtc_present() {
+        return None;
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present (checked above); nvrtcVersion only writes the two ints.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    (r == cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS).then_some((major, minor))
+}
+
 /// Why NVRTC cannot be used here, or None when it can.
 pub fn nvrtc_missing() -> Option<String> {
     (!nvrtc_present()).then(|| {
-        "libnvrtc.so.12 was not found on the dynamic loader's path: install the \
-         nvidia-cuda-nvrtc-cu12 wheel and put its nvidia/cuda_nvrtc/lib on LD_LIBRARY_PATH"
+        "neither libnvrtc.so nor libnvrtc.so.12 is on the dynamic loader's path: install \
+         the nvidia-cuda-nvrtc-cu12 wheel and put its nvidia/cuda_nvrtc/lib on LD_LIBRARY_PATH \
+         (a later NVRTC, such as CUDA 13's libnvrtc.so.13, works linked as libnvrtc.so)"
             .to_string()
     })
 }
