@@ -45,6 +45,23 @@ run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
 test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
     {{nvrtc_env}} cargo test --workspace --locked
     {{nvrtc13_env}} cargo test --locked -p pdmesh-kernels --test cuda_nvrtc -- --nocapture
+    just test-emu-asan
+
+# The CUDA kernels on the emulated device under AddressSanitizer (~6 min cold): the kernel
+# suite, every architecture's 300-token prompt and SmolLM2's 12 prompts, with every kernel's
+# reads and writes checked against the buffers' bounds (on a GPU, a stray one is an illegal
+# address or silently wrong numbers). Its own target dir: every crate is rebuilt to link it.
+test-emu-asan: system-deps fetch-model
+    #!/usr/bin/env bash
+    set -euo pipefail
+    asan=$(gcc -print-file-name=libasan.so)
+    [ -f "$asan" ] || { echo "no $asan: run scripts/system-deps.sh" >&2; exit 1; }
+    export CARGO_TARGET_DIR=target/asan RUSTFLAGS="-Clink-arg=-lasan" \
+        CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -g" \
+        CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0"
+    cargo test --locked -p pdmesh-kernels --test cuda_backend
+    cargo test --locked -p pdmesh-engine --lib cuda_backend_gives_the_cpu_backends_bits
+    cargo test --locked -p pdmesh-engine --test cuda_model
 
 # The CUDA backend's tests on GPU 0 instead of the emulated device: every kernel against the CPU
 # backend, SmolLM2's greedy tokens and logits, a GPU prefill node feeding a CPU decode node.

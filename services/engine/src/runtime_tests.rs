@@ -233,3 +233,42 @@ fn tensor_core_prompts_stay_near_the_cpu_backends_logits() {
     assert!(exact < got.len(), "every row the CPU's bits: the tensor cores did not run");
     assert!(worst <= 2f32.powi(-4), "logits differ by {worst} of the row's largest");
 }
+
+/// Every architecture's forward pass on the CUDA backend (its emulated device) against the
+/// CPU backend, bit for bit, at a length the kernel tests do not reach: a 300-token prompt
+/// (19 attention tiles, the last ragged; prompt matmuls past their first token tiles; 19 KV
+/// blocks) with every position's logits, then three generated tokens. Run under
+/// AddressSanitizer (`just test-emu-asan`), it also checks that no kernel reads or writes
+/// outside its buffers at this length.
+#[test]
+fn cuda_backend_gives_the_cpu_backends_bits_on_a_long_prompt_in_every_architecture() {
+    for arch in [TinyArch::Llama, TinyArch::Llama3, TinyArch::Qwen2, TinyArch::Qwen3] {
+        let m = load(TinyModel { arch, context: 512, ..Default::default() }.builder());
+        let prompt: Vec<u32> = (0..300).map(|i| (i * 37 + 5) % 250).collect();
+        let run = |backend| {
+            let cfg = EngineConfig {
+                threads: 1,
+                kv_blocks: 24,
+                max_batch_tokens: 300,
+                backend,
+                ..Default::default()
+            };
+            let mut e = Engine::new(Arc::clone(&m), cfg).expect("engine");
+            let seq = e.create_sequence();
+            let l = e.step(&[StepItem::prefill(seq, &prompt, Logits::All)]).expect("prefill");
+            let mut rows: Vec<Vec<f32>> = (0..l.len()).map(|i| l.row(i).1.to_vec()).collect();
+            for _ in 0..3 {
+                let next = [pdmesh_kernels::argmax(rows.last().expect("a row"))];
+                let l = e.step(&[StepItem::decode(seq, &next)]).expect("decode");
+                rows.push(l.row(0).1.to_vec());
+            }
+            rows
+        };
+        let want = run(crate::BackendKind::Cpu { simd: None });
+        let got = run(crate::BackendKind::CudaEmu { mma: false });
+        assert_eq!(got.len(), 303, "{arch:?}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(bits(g) == bits(w), "{arch:?} row {i}: differs by {}", max_diff(g, w));
+        }
+    }
+}
