@@ -45,7 +45,7 @@ run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
 test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
     {{nvrtc_env}} cargo test --workspace --locked
     {{nvrtc13_env}} cargo test --locked -p pdmesh-kernels --test cuda_nvrtc -- --nocapture
-    just test-emu-asan
+    just test-emu-asan test-emu-tsan
 
 # The CUDA kernels on the emulated device under AddressSanitizer (~6 min cold): the kernel
 # suite, every architecture's 300-token prompt and SmolLM2's 12 prompts, with every kernel's
@@ -62,6 +62,33 @@ test-emu-asan: system-deps fetch-model
     cargo test --locked -p pdmesh-kernels --test cuda_backend
     cargo test --locked -p pdmesh-engine --lib cuda_backend_gives_the_cpu_backends_bits
     cargo test --locked -p pdmesh-engine --test cuda_model
+
+# The CUDA kernels on the emulated device under ThreadSanitizer (~4 min cold). A block's threads
+# are real threads there, so a write to shared or global memory that another thread reads
+# without a __syncthreads or __syncwarp between them is a data race TSan reports whatever the
+# schedule (compute-sanitizer's racecheck, without a GPU). Rust's std is not instrumented and
+# draws reports of its own; only a report with a frame in a kernel source fails.
+test-emu-tsan: system-deps
+    #!/usr/bin/env bash
+    set -euo pipefail
+    tsan=$(gcc -print-file-name=libtsan.so)
+    [ -f "$tsan" ] || { echo "no $tsan: run scripts/system-deps.sh" >&2; exit 1; }
+    logs=$(mktemp -d)
+    export CARGO_TARGET_DIR=target/tsan RUSTFLAGS="-Clink-arg=-ltsan" \
+        CXXFLAGS="-fsanitize=thread -g -O1" \
+        CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$tsan TSAN_OPTIONS=report_signal_unsafe=0:exitcode=0:log_path=$logs/tsan"
+    cargo test --locked -p pdmesh-kernels --test cuda_backend
+    cargo test --locked -p pdmesh-engine --lib cuda_backend_gives_the_cpu_backends_bits
+    cat "$logs"/tsan.* 2>/dev/null | awk '
+        /^WARNING: ThreadSanitizer/ { n++; buf = "" }
+        { buf = buf $0 "\n" }
+        /\.cuh?:[0-9]+/ { kernel[n] = 1 }
+        /^SUMMARY: ThreadSanitizer/ { if (kernel[n]) { printf "%s", buf; bad++ } }
+        END {
+            printf "ThreadSanitizer: %d reports, %d in kernel code\n", n, bad
+            exit bad > 0
+        }'
+    rm -rf "$logs"
 
 # The CUDA backend's tests on GPU 0 instead of the emulated device: every kernel against the CPU
 # backend, SmolLM2's greedy tokens and logits, a GPU prefill node feeding a CPU decode node.

@@ -2,7 +2,7 @@
 # Installs the system packages the build needs on Debian/Ubuntu: the rdma-core headers UCX is
 # compiled against (libibverbs-dev, librdmacm-dev; headers only — no RDMA hardware is needed,
 # UCX then runs over TCP and shared memory), and what the tests drive processes and hosts with:
-# iproute2 (`ip netns`, the chaos soak) and procps (`kill`); and gcc's AddressSanitizer runtime.
+# iproute2 (`ip netns`, the chaos soak) and procps (`kill`); and gcc's Address and Thread Sanitizer runtimes.
 # A no-op when they are present.
 set -euo pipefail
 
@@ -11,8 +11,10 @@ missing=()
 [ -f /usr/include/rdma/rdma_cma.h ] || missing+=(librdmacm-dev)
 command -v make >/dev/null 2>&1 || missing+=(make)
 command -v gcc >/dev/null 2>&1 || missing+=(gcc)
-# AddressSanitizer's runtime, for the emulated CUDA kernels under it (`just test-emu-asan`).
-if command -v gcc >/dev/null 2>&1 && [ ! -f "$(gcc -print-file-name=libasan.so)" ]; then
+# The Address and Thread Sanitizers' runtimes, for the emulated CUDA kernels under them
+# (`just test-emu-asan`, `just test-emu-tsan`).
+if command -v gcc >/dev/null 2>&1 && { [ ! -f "$(gcc -print-file-name=libasan.so)" ] ||
+    [ ! -f "$(gcc -print-file-name=libtsan.so)" ]; }; then
   missing+=("libgcc-$(gcc -dumpversion | cut -d. -f1)-dev")
 fi
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
