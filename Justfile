@@ -47,20 +47,21 @@ test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _n
     {{nvrtc13_env}} cargo test --locked -p pdmesh-kernels --test cuda_nvrtc -- --nocapture
     just test-emu-asan test-emu-tsan
 
-# The CUDA kernels on the emulated device under AddressSanitizer (~6 min cold): the kernel
-# suite, every architecture's 300-token prompt and SmolLM2's 12 prompts, with every kernel's
-# reads and writes checked against the buffers' bounds (on a GPU, a stray one is an illegal
-# address or silently wrong numbers). Its own target dir: every crate is rebuilt to link it.
+# The CUDA kernels on the emulated device under AddressSanitizer and UBSan (~6 min cold): the
+# kernel suite, every architecture's 300-token prompt and SmolLM2's 12 prompts, with every
+# kernel's reads and writes checked against the buffers' bounds (on a GPU, a stray one is an
+# illegal address or silently wrong numbers) and every typed load against its alignment (a GPU
+# faults on a misaligned int where x86 does not). Its own target dir: every crate is rebuilt.
 test-emu-asan: system-deps fetch-model
     #!/usr/bin/env bash
     set -euo pipefail
     asan=$(gcc -print-file-name=libasan.so)
     [ -f "$asan" ] || { echo "no $asan: run scripts/system-deps.sh" >&2; exit 1; }
-    export CARGO_TARGET_DIR=target/asan RUSTFLAGS="-Clink-arg=-lasan" \
-        CXXFLAGS="-fsanitize=address -fno-omit-frame-pointer -g" \
-        CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0"
+    export CARGO_TARGET_DIR=target/asan RUSTFLAGS="-Clink-arg=-lasan -Clink-arg=-lubsan" \
+        CXXFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g" \
+        CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1"
     cargo test --locked -p pdmesh-kernels --test cuda_backend
-    cargo test --locked -p pdmesh-engine --lib cuda_backend_gives_the_cpu_backends_bits
+    cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits tensor_core_prompts
     cargo test --locked -p pdmesh-engine --test cuda_model
 
 # The CUDA kernels on the emulated device under ThreadSanitizer (~4 min cold). A block's threads
@@ -78,7 +79,7 @@ test-emu-tsan: system-deps
         CXXFLAGS="-fsanitize=thread -g -O1" \
         CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$tsan TSAN_OPTIONS=report_signal_unsafe=0:exitcode=0:log_path=$logs/tsan"
     cargo test --locked -p pdmesh-kernels --test cuda_backend
-    cargo test --locked -p pdmesh-engine --lib cuda_backend_gives_the_cpu_backends_bits
+    cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits tensor_core_prompts
     cat "$logs"/tsan.* 2>/dev/null | awk '
         /^WARNING: ThreadSanitizer/ { n++; buf = "" }
         { buf = buf $0 "\n" }

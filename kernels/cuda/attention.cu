@@ -445,14 +445,20 @@ __device__ float pd_glibc_expf(float x) {
     return float(y * s);
 }
 
-// `Σ k·q` over two q8_0 rows of `nb` blocks (`cpu::q8kv::dot_q8_0`): K as the weight, q as
-// the activation, eight lane accumulators, `hsum8`.
+// A quantized query's blocks: q8_0's 34 bytes each at 2 bytes into a 36-byte slot, so that
+// the quants start 4-byte aligned — the activation side of a lane reads them as one int, and
+// a GPU faults on a misaligned one (x86, and so the emulator, would not notice).
+#define PD_Q8_SLOT 36
+
+// `Σ k·q` over a q8_0 K row of `nb` blocks and a query in `PD_Q8_SLOT` slots
+// (`cpu::q8kv::dot_q8_0`): K as the weight, q as the activation, eight lane accumulators,
+// `hsum8`.
 __device__ float pd_dot_q8_0(const u8* k, const u8* q, int nb) {
     float acc[8];
     for (int l = 0; l < 8; l++) acc[l] = 0.0f;
     for (int b = 0; b < nb; b++) {
         const u8* kb = k + b * 34;
-        const u8* qb = q + b * 34;
+        const u8* qb = q + b * PD_Q8_SLOT + 2;
         float dd = pd_f16_at(kb) * pd_f16_at(qb);
         for (int l = 0; l < 8; l++)
             acc[l] = fmaf(dd, float(FmtQ8_0::lane(kb, (const i8*)(qb + 2), nullptr, l)), acc[l]);
@@ -469,7 +475,9 @@ extern "C" __global__ void attention_q8(const u8* base, int dtype, int layers, i
                                         const float* q, const u32* pos, const u8* phases,
                                         const u32* tables, const u32* table_at, float* out,
                                         float* scratch, int stride) {
-    __shared__ u8 qq[PD_MAX_HEAD_DIM / 32 * 34];
+    // Words, for the slots' alignment.
+    __shared__ u32 qq_words[PD_MAX_HEAD_DIM / 32 * PD_Q8_SLOT / 4];
+    u8* qq = (u8*)qq_words;
     int t = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, nthreads = blockDim.x;
     KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
     int hd = head_dim, group = heads / kv_heads, nb = hd / 32;
@@ -480,7 +488,8 @@ extern "C" __global__ void attention_q8(const u8* base, int dtype, int layers, i
     for (int g = 0; g < group; g++) {
         int h = kvh * group + g;
         const float* qsrc = q + ((size_t)t * heads + h) * hd;
-        for (int b = tid; b < nb; b += nthreads) pd_quantize_q8_0_block(qsrc + b * 32, qq + b * 34);
+        for (int b = tid; b < nb; b += nthreads)
+            pd_quantize_q8_0_block(qsrc + b * 32, qq + b * PD_Q8_SLOT + 2);
         __syncthreads();
         for (int j = tid; j < n; j += nthreads) {
             const u8* k = pool.q8_row(int(table[j / block_size]), layer, 0, kvh, j % block_size);

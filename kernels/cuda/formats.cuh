@@ -20,7 +20,8 @@ __device__ __forceinline__ int pd_pack4(int a, int b, int c, int d) {
     return (a & 0xff) | ((b & 0xff) << 8) | ((c & 0xff) << 16) | ((d & 0xff) << 24);
 }
 
-// Four activation quants at `a` (4-byte aligned: activations are laid out in whole blocks).
+// Four activation quants at `a`, which must be 4-byte aligned: a GPU faults on a misaligned
+// int load (`just test-emu-asan` runs the emulator with UBSan's alignment check for this).
 __device__ __forceinline__ int pd_act4(const i8* a) { return *(const int*)a; }
 
 __device__ __forceinline__ int pd_nibble(const u8* qs, int j) {
