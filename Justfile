@@ -50,8 +50,9 @@ test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _n
 # The CUDA kernels on the emulated device under AddressSanitizer and UBSan (~6 min cold): the
 # kernel suite, every architecture's 300-token prompt and SmolLM2's 12 prompts, with every
 # kernel's reads and writes checked against the buffers' bounds (on a GPU, a stray one is an
-# illegal address or silently wrong numbers) and every typed load against its alignment (a GPU
-# faults on a misaligned int where x86 does not). Its own target dir: every crate is rebuilt.
+# illegal address or silently wrong numbers), every typed load against its alignment (a GPU
+# faults on a misaligned int where x86 does not), and shared memory filled with garbage before
+# each block (PDMESH_EMU_POISON: a read before the write). Its own target dir: all rebuilt.
 test-emu-asan: system-deps fetch-model
     #!/usr/bin/env bash
     set -euo pipefail
@@ -59,7 +60,7 @@ test-emu-asan: system-deps fetch-model
     [ -f "$asan" ] || { echo "no $asan: run scripts/system-deps.sh" >&2; exit 1; }
     export CARGO_TARGET_DIR=target/asan RUSTFLAGS="-Clink-arg=-lasan -Clink-arg=-lubsan" \
         CXXFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g" \
-        CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1"
+        CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 PDMESH_EMU_POISON=1"
     cargo test --locked -p pdmesh-kernels --test cuda_backend
     cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits tensor_core_prompts
     cargo test --locked -p pdmesh-engine --test cuda_model
