@@ -69,7 +69,8 @@ test-emu-asan: system-deps fetch-model
 # are real threads there, so a write to shared or global memory that another thread reads
 # without a __syncthreads or __syncwarp between them is a data race TSan reports whatever the
 # schedule (compute-sanitizer's racecheck, without a GPU). Rust's std is not instrumented and
-# draws reports of its own; only a report with a frame in a kernel source fails.
+# draws reports of its own; only a report with a frame in a kernel source fails. Blocks run
+# last to first (PDMESH_EMU_REVERSE_BLOCKS): a result that depends on their order fails too.
 test-emu-tsan: system-deps
     #!/usr/bin/env bash
     set -euo pipefail
@@ -78,7 +79,7 @@ test-emu-tsan: system-deps
     logs=$(mktemp -d)
     export CARGO_TARGET_DIR=target/tsan RUSTFLAGS="-Clink-arg=-ltsan" \
         CXXFLAGS="-fsanitize=thread -g -O1" \
-        CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$tsan TSAN_OPTIONS=report_signal_unsafe=0:exitcode=0:log_path=$logs/tsan"
+        CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$tsan TSAN_OPTIONS=report_signal_unsafe=0:exitcode=0:log_path=$logs/tsan PDMESH_EMU_REVERSE_BLOCKS=1"
     cargo test --locked -p pdmesh-kernels --test cuda_backend
     cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits tensor_core_prompts
     cat "$logs"/tsan.* 2>/dev/null | awk '

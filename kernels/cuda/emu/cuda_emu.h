@@ -1,8 +1,9 @@
 // CUDA's execution model on the host, so that the very `.cu` sources NVRTC compiles for the GPU
 // run in CI without one. The host C++ compiler builds them with this header forced in front:
 //
-// - blocks run one after another, in grid order (CUDA promises no order, so a kernel that is
-//   right on the GPU is right here, and `__shared__` can be a static shared by one block);
+// - blocks run one after another, in grid order or (PDMESH_EMU_REVERSE_BLOCKS) the reverse
+//   (CUDA promises no order, so a kernel that is right on the GPU is right here in both, and
+//   `__shared__` can be a static shared by one block);
 // - a block's threads are real OS threads, one per CUDA thread, meeting at a `std::barrier` for
 //   `__syncthreads` and at the end of every block;
 // - warp shuffles, votes and `__syncwarp` go through a per-warp exchange and a per-warp barrier
@@ -75,6 +76,14 @@ inline dim3 grid_dim, block_dim;
 [[noreturn]] inline void fail(const char* what) {
     std::fprintf(stderr, "pdmesh CUDA emulator: %s\n", what);
     std::abort();
+}
+
+// With PDMESH_EMU_REVERSE_BLOCKS set, blocks run last to first: CUDA promises no order, so a
+// kernel whose result depends on it (a block reading what another wrote, float atomics summed
+// in block order) gives other numbers, and the tests that compare bits fail.
+inline bool reversed() {
+    static const bool on = std::getenv("PDMESH_EMU_REVERSE_BLOCKS") != nullptr;
+    return on;
 }
 
 // The linker's bounds of the `__shared__` section (weak: a build with no shared variable).
@@ -416,19 +425,21 @@ class Team {
     static void run_thread(Launch& l, unsigned id) {
         linear_tid = id;
         thread_idx = dim3{id % l.block.x, (id / l.block.x) % l.block.y, id / (l.block.x * l.block.y)};
-        for (unsigned z = 0; z < l.grid.z; z++)
-            for (unsigned y = 0; y < l.grid.y; y++)
-                for (unsigned x = 0; x < l.grid.x; x++) {
-                    block_idx = dim3{x, y, z};
-                    if (poisoning()) {
-                        // After the last block's end barrier, before this one's threads start.
-                        if (id == 0) poison_shared((x ^ y ^ z) & 1 ? 0xff : 0x7f);
-                        l.block_barrier->arrive_and_wait();
-                    }
-                    l.entry(l.args);
-                    // The block ends when all its threads have: the next may reuse `__shared__`.
-                    l.block_barrier->arrive_and_wait();
-                }
+        uint64_t blocks = uint64_t(l.grid.x) * l.grid.y * l.grid.z;
+        for (uint64_t k = 0; k < blocks; k++) {
+            uint64_t b = reversed() ? blocks - 1 - k : k;
+            unsigned x = unsigned(b % l.grid.x), y = unsigned(b / l.grid.x % l.grid.y),
+                     z = unsigned(b / (uint64_t(l.grid.x) * l.grid.y));
+            block_idx = dim3{x, y, z};
+            if (poisoning()) {
+                // After the last block's end barrier, before this one's threads start.
+                if (id == 0) poison_shared((x ^ y ^ z) & 1 ? 0xff : 0x7f);
+                l.block_barrier->arrive_and_wait();
+            }
+            l.entry(l.args);
+            // The block ends when all its threads have: the next may reuse `__shared__`.
+            l.block_barrier->arrive_and_wait();
+        }
     }
 
     std::mutex launch_lock_;
