@@ -42,9 +42,10 @@ run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps
 # Run the whole test suite (unit, kernel, engine on the real model, CLI processes), after
 # checking the Kubernetes manifests. The CUDA backend runs on its emulated device, and NVRTC
 # compiles its kernels for sm_80 and sm_90 (no GPU needed), CUDA 12.9's and then 13.0's.
+# (`--workspace` on the second run: the same features, so the same test binary, not a rebuild.)
 test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
     {{nvrtc_env}} cargo test --workspace --locked
-    {{nvrtc13_env}} cargo test --locked -p pdmesh-kernels --test cuda_nvrtc -- --nocapture
+    {{nvrtc13_env}} cargo test --workspace --locked --test cuda_nvrtc -- --nocapture
     just test-emu-asan test-emu-tsan
 
 # The CUDA kernels on the emulated device under AddressSanitizer and UBSan (~6 min cold): the
