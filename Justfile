@@ -39,10 +39,11 @@ generate prompt="Explain in one paragraph why the sky is blue." *args="": system
 run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps fetch-model
     cargo run --release --locked -q -p pdmesh-cli -- run --model {{model}} --prompt "{{prompt}}" {{args}}
 
-# Run the whole test suite (unit, kernel, engine on the real model, CLI processes), after
-# checking the Kubernetes manifests. The CUDA backend runs on its emulated device, and NVRTC
-# compiles its kernels for sm_80 and sm_90 (no GPU needed), CUDA 12.9's and then 13.0's.
-# (`--workspace` on the second run: the same features, so the same test binary, not a rebuild.)
+# The CUDA backend runs on its emulated device (also under the sanitizers), and NVRTC compiles
+# its kernels for sm_80 and sm_90 (no GPU needed), CUDA 12.9's and then 13.0's (`--workspace`
+# on that second run: the same features, so the same test binary, not a rebuild).
+# The Kubernetes manifests are checked first.
+# Run the whole test suite (unit, kernel, engine on the real model, CLI processes).
 test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
     {{nvrtc_env}} cargo test --workspace --locked
     {{nvrtc13_env}} cargo test --workspace --locked --test cuda_nvrtc -- --nocapture
@@ -54,6 +55,7 @@ test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _n
 # illegal address or silently wrong numbers), every typed load against its alignment (a GPU
 # faults on a misaligned int where x86 does not), and shared memory filled with garbage before
 # each block (PDMESH_EMU_POISON: a read before the write). Its own target dir: all rebuilt.
+# The emulated CUDA kernels under AddressSanitizer and UBSan, shared memory poisoned.
 test-emu-asan: system-deps fetch-model
     #!/usr/bin/env bash
     set -euo pipefail
@@ -72,6 +74,7 @@ test-emu-asan: system-deps fetch-model
 # schedule (compute-sanitizer's racecheck, without a GPU). Rust's std is not instrumented and
 # draws reports of its own; only a report with a frame in a kernel source fails. Blocks run
 # last to first (PDMESH_EMU_REVERSE_BLOCKS): a result that depends on their order fails too.
+# The emulated CUDA kernels under ThreadSanitizer, blocks in reverse order.
 test-emu-tsan: system-deps
     #!/usr/bin/env bash
     set -euo pipefail
@@ -111,10 +114,10 @@ bench-gpu: system-deps fetch-model _nvrtc
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     {{nvrtc_env}} python3 scripts/bench_gpu.py --pdmesh target/release/pdmesh --models {{model}} models/test/synth-llama3-1b-Q4_K_M.gguf
 
-# Both on a GPU machine without Rust or a network (this workplace's lent H200): build the
-# bundle here (release and CUDA test binaries, the RDMA libraries, the models' shapes; under
-# 64 MiB with the tree), then there, from the repository root, carrying .gpu-bundle, run
-# `scripts/gpu_tier.sh` (`--emu` runs the same steps here, on the emulated device).
+# For a GPU machine without Rust or a network (this workplace's lent H200): there, from the
+# repository root, carrying .gpu-bundle, run `scripts/gpu_tier.sh` (`--emu`: the same steps
+# here, on the emulated device).
+# Pack the hardware tier (release and CUDA test binaries, RDMA libraries, the models' shapes).
 gpu-bundle: system-deps fetch-model _llamacpp
     [ -f models/test/synth-llama3-1b-Q4_K_M.gguf ] || just fetch-test-models --only synth-llama3-1b-Q4_K_M
     ./scripts/gpu_bundle.sh
