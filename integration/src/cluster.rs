@@ -248,12 +248,7 @@ impl Service {
 
 /// Whether process `pid` has exited but was not reaped (a zombie), or is gone.
 fn zombie(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()) == Some("Z")
-        }
-        Err(_) => true,
-    }
+    crate::proc_stat(pid).is_none_or(|f| f.first().is_some_and(|s| s == "Z"))
 }
 
 impl Drop for Service {

@@ -131,12 +131,18 @@ pub fn run(mut c: Command) -> (i32, String, String) {
     )
 }
 
+/// The fields of `/proc/<pid>/stat` after the command name (state first, then the parent's
+/// pid, …), or None when the process is gone.
+pub fn proc_stat(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(stat.rsplit_once(')')?.1.split_whitespace().map(str::to_string).collect())
+}
+
 /// The pid of a direct child of `parent` whose command line contains `needle`.
 pub fn child_pid(parent: u32, needle: &str) -> Option<u32> {
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let ppid: u32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
+        let ppid: u32 = proc_stat(pid)?.get(1)?.parse().ok()?;
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
         let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
         (ppid == parent && cmd.contains(needle)).then_some(pid)
