@@ -64,13 +64,15 @@ struct Launch {
     void** args = nullptr;
     std::unique_ptr<std::barrier<>> block_barrier;
     std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
-    // One exchange slot per thread for shuffles and votes.
+    // Three words per thread for shuffles, votes and MMA fragments, in two sets (`next_set`).
     std::vector<uint64_t> exchange;
 };
 
 inline thread_local dim3 thread_idx;
 inline thread_local dim3 block_idx;
 inline thread_local unsigned linear_tid = 0;
+// Which exchange set this thread's next warp operation writes (reset at each launch).
+inline thread_local unsigned exchange_set = 0;
 inline Launch* current = nullptr;
 inline dim3 grid_dim, block_dim;
 
@@ -140,27 +142,34 @@ inline T from_bits(uint64_t b) {
     return v;
 }
 
-// Every lane publishes `v`, meets the others, reads lane `src(lane)`'s value, and meets them
-// again so the slot can be reused.
+// The exchange slots of this thread's warp for its next warp operation: three words a lane,
+// lane `l`'s at `3 * l`. Consecutive operations take alternate sets, so one barrier each
+// suffices: a lane writes a set again only two operations on, after every lane has passed the
+// barrier between and so has finished reading it. Every lane of a warp takes part in every
+// warp operation (masks must be full), so the lanes agree on the set.
+inline uint64_t* next_set() {
+    uint64_t* set = &current->exchange[3 * (size_t(exchange_set) * current->threads)];
+    exchange_set ^= 1;
+    return set + 3 * size_t(linear_tid - lane_id());
+}
+
+// Every lane publishes `v`, meets the others, and reads lane `src(lane)`'s value.
 template <class T, class Src>
 inline T exchange(T v, Src src) {
-    unsigned base = linear_tid - lane_id();
-    current->exchange[linear_tid] = to_bits(v);
+    uint64_t* set = next_set();
+    set[3 * lane_id()] = to_bits(v);
     warp_barrier().arrive_and_wait();
     unsigned s = src(lane_id());
-    uint64_t got = current->exchange[base + (s < warp_width() ? s : lane_id())];
-    warp_barrier().arrive_and_wait();
-    return from_bits<T>(got);
+    return from_bits<T>(set[3 * (s < warp_width() ? s : lane_id())]);
 }
 
 // The lanes' predicates as a bit mask.
 inline unsigned ballot(bool pred) {
-    unsigned base = linear_tid - lane_id();
-    current->exchange[linear_tid] = pred ? 1 : 0;
+    uint64_t* set = next_set();
+    set[3 * lane_id()] = pred ? 1 : 0;
     warp_barrier().arrive_and_wait();
     unsigned bits = 0;
-    for (unsigned l = 0; l < warp_width(); l++) bits |= unsigned(current->exchange[base + l]) << l;
-    warp_barrier().arrive_and_wait();
+    for (unsigned l = 0; l < warp_width(); l++) bits |= unsigned(set[3 * l]) << l;
     return bits;
 }
 
@@ -296,14 +305,12 @@ inline void mma_m16n8k32_s8(int* d, const unsigned* a, const unsigned* b) {
     if (warp_width() != WARP) fail("mma.sync with a partial warp");
     uint64_t mine[3] = {a[0] | uint64_t(a[1]) << 32, a[2] | uint64_t(a[3]) << 32,
                         b[0] | uint64_t(b[1]) << 32};
+    uint64_t* set = next_set();
+    for (int r = 0; r < 3; r++) set[3 * lane_id() + r] = mine[r];
+    warp_barrier().arrive_and_wait();
     uint64_t all[3][WARP];
-    unsigned base = linear_tid - lane_id();
-    for (int r = 0; r < 3; r++) {
-        current->exchange[linear_tid] = mine[r];
-        warp_barrier().arrive_and_wait();
-        for (unsigned l = 0; l < WARP; l++) all[r][l] = current->exchange[base + l];
-        warp_barrier().arrive_and_wait();
-    }
+    for (unsigned l = 0; l < WARP; l++)
+        for (int r = 0; r < 3; r++) all[r][l] = set[3 * l + r];
     int8_t A[16][32], B[32][8];
     for (unsigned l = 0; l < WARP; l++) {
         unsigned g = l / 4, t = l % 4;
@@ -425,6 +432,7 @@ class Team {
 
     static void run_thread(Launch& l, unsigned id) {
         linear_tid = id;
+        exchange_set = 0;
         thread_idx = dim3{id % l.block.x, (id / l.block.x) % l.block.y, id / (l.block.x * l.block.y)};
         uint64_t blocks = uint64_t(l.grid.x) * l.grid.y * l.grid.z;
         for (uint64_t k = 0; k < blocks; k++) {
@@ -494,7 +502,7 @@ inline int launch(const KernelEntry* table, size_t n, const char* name, const un
     for (unsigned w = 0; w < l.threads; w += WARP)
         l.warp_barriers.push_back(
             std::make_unique<std::barrier<>>(l.threads - w < WARP ? l.threads - w : WARP));
-    l.exchange.assign(l.threads, 0);
+    l.exchange.assign(6 * size_t(l.threads), 0);
     Team& team = Team::get();
     team.run(l, [&] {
         current = &l;
