@@ -5,7 +5,7 @@ step streams from HBM (GB/s; a decode step reads every weight once, whatever the
 the H200's 4.8 TB/s. Each figure is the median of `--repeats` runs of `pdmesh bench engine`.
 With them, decode at batch 64 with top-40 samplers, picking from the candidates the device
 cuts each row to against picking from whole logits read back; and prefill again with
-`--cuda-mma` (prompt matmuls of the 32-element formats on the int8 tensor cores), as a ratio.
+`--cuda-mma` (prompt matmuls of the quantized formats on the int8 tensor cores), as a ratio.
 
 Then KV into a GPU decode node's pool through UCX (`pdmesh bench kv --decode-backend cuda`):
 a 4,096-token prompt's KV from host bytes (what a prefill node reads back from its GPU) into

@@ -160,6 +160,17 @@ struct FmtK4 {
     __device__ static int min_lane(const u8* b, const i16* sums, int m) {
         return pd_k4_min_lane(b, sums, m);
     }
+    // For the tensor cores (`mm_mma_k`): quants `e..e+3` of sub-block `c` as one fragment
+    // register, and the sub-block's scale.
+    static const int HALVES = 1;
+    __device__ static u32 quad(const u8* b, int c, int e) {
+        return u32(pd_pack4(V(b, c, e), V(b, c, e + 1), V(b, c, e + 2), V(b, c, e + 3)));
+    }
+    __device__ static int chunk_scale(const u8* b, int c, int) {
+        int sc, mn;
+        pd_k4_scale_min(b + 4, c, &sc, &mn);
+        return sc;
+    }
 };
 
 typedef FmtK4<pd_q4k_value, 144, PD_MIN_SUPER_QUAD> FmtQ4_K;
@@ -196,4 +207,12 @@ struct FmtQ6_K {
         int s0 = i8(b[192 + 2 * l]), s1 = i8(b[192 + 2 * l + 1]);
         return sum - ((s0 * int(sums[2 * l]) + s1 * int(sums[2 * l + 1])) << 5);
     }
+    // For the tensor cores: signed quants (−32..31) of chunk `c`, whose halves of 16 have
+    // their own scales.
+    static const int HALVES = 2;
+    __device__ static u32 quad(const u8* b, int c, int e) {
+        return u32(pd_pack4(pd_q6k_raw(b, c, e) - 32, pd_q6k_raw(b, c, e + 1) - 32,
+                            pd_q6k_raw(b, c, e + 2) - 32, pd_q6k_raw(b, c, e + 3) - 32));
+    }
+    __device__ static int chunk_scale(const u8* b, int c, int h) { return i8(b[192 + 2 * c + h]); }
 };

@@ -152,9 +152,9 @@ extern "C" __global__ void mm_q6_k_rows(PD_MM_PARAMS) { mm_rows<FmtQ6_K>(PD_MM_A
 
 // ---- Tensor cores (opt-in: `CudaBackend::with_mma`) ----
 //
-// Prompt matmuls of the 32-element formats on the int8 tensor cores. A warp takes 16 rows × 32
-// tokens; for each block of K, one m16n8k32 MMA per 8 tokens gives the block's exact integer
-// dot for every (row, token). The float steps are then the CPU's per block (an FMA with the
+// Prompt matmuls of the quantized formats on the int8 tensor cores. A warp takes 16 rows × 32
+// tokens; for each block of K, m16n8k32 MMAs (one per 8 tokens and 32 quants) give the
+// block's exact integer dot for every (row, token). The float steps are then the CPU's per block (an FMA with the
 // product of the two scales, the min term on the side), but on the block's whole dot rather
 // than on each of the CPU's eight lanes, so the sum rounds differently: within the bound the
 // tests state, not the CPU's bits.
@@ -168,8 +168,64 @@ __device__ __forceinline__ u32 pd_quad(const u8* blk, int j) {
     return u32(pd_pack4(F::q(blk, j), F::q(blk, j + 1), F::q(blk, j + 2), F::q(blk, j + 3)));
 }
 
+// The B fragments of the warp's four groups of 8 tokens for the 32 activation quants at `at`
+// in block `b`; zero past the last token.
+template <class F>
+__device__ __forceinline__ void pd_act_frags(const ActView<F>& act, int b, int at, int tok0,
+                                             int ntok, int g, int t, u32 (&bq)[4][2]) {
+    for (int j = 0; j < 4; j++) {
+        int tb = tok0 + 8 * j + g;
+        bq[j][0] = bq[j][1] = 0;
+        if (tb >= ntok) continue;
+        const i8* q = act.quants(tb, b) + at;
+        bq[j][0] = u32(pd_act4(q + 4 * t));
+        bq[j][1] = u32(pd_act4(q + 16 + 4 * t));
+    }
+}
+
+// Block `b`'s exact integer dot for the fragment's (row, token) pairs, `dot[j][i]` (rows `blk`).
+// The 32-element formats: one MMA per 8 tokens. The K-quants: a super-block's chunks of 32
+// quants each carry their own small integer scale (Q6_K's two, one per 16), so one MMA per
+// chunk gives the chunk's dot, the scales weight it in integers, and the super-block's dot is
+// exact too (|dot| < 2^28 in every format; as a float it rounds once, as the CPU's lane sums
+// may). Q6_K's halves take the same m16n8k32 MMA, each with the other half's weights zero:
+// one instruction shape, whose fragment layout every format relies on alike.
+template <class F>
+__device__ __forceinline__ void pd_mma_block(const ActView<F>& act, int b, const u8* const (&blk)[2],
+                                             int tok0, int ntok, int g, int t, int (&dot)[4][4]) {
+    u32 bq[4][2];
+    if constexpr (F::BE == PD_QK) {
+        u32 a[4] = {pd_quad<F>(blk[0], 4 * t), pd_quad<F>(blk[1], 4 * t),
+                    pd_quad<F>(blk[0], 16 + 4 * t), pd_quad<F>(blk[1], 16 + 4 * t)};
+        pd_act_frags(act, b, 0, tok0, ntok, g, t, bq);
+        for (int j = 0; j < 4; j++) pd_mma_s8(dot[j], a, bq[j]);
+    } else {
+        for (int c = 0; c < 8; c++) {
+            u32 wq[4] = {F::quad(blk[0], c, 4 * t), F::quad(blk[1], c, 4 * t),
+                         F::quad(blk[0], c, 16 + 4 * t), F::quad(blk[1], c, 16 + 4 * t)};
+            pd_act_frags(act, b, 32 * c, tok0, ntok, g, t, bq);
+            for (int h = 0; h < F::HALVES; h++) {
+                u32 a[4] = {wq[0], wq[1], wq[2], wq[3]};
+                if (F::HALVES == 2) {
+                    // Half 0 is the fragments' columns 0..15 (a[0], a[1]), half 1 16..31.
+                    a[2 * (1 - h)] = 0;
+                    a[2 * (1 - h) + 1] = 0;
+                }
+                int sc[2] = {F::chunk_scale(blk[0], c, h), F::chunk_scale(blk[1], c, h)};
+                for (int j = 0; j < 4; j++) {
+                    int part[4] = {0, 0, 0, 0};
+                    pd_mma_s8(part, a, bq[j]);
+                    for (int i = 0; i < 4; i++) dot[j][i] += sc[i >> 1] * part[i];
+                }
+            }
+        }
+    }
+}
+
 // Four warps of 16 rows; `blockIdx.y` picks 32 tokens. Rows and tokens past the ends compute
-// on row 0 and zero quants and are not stored: every lane takes part in every MMA.
+// on row 0 and zero quants and are not stored: every lane takes part in every MMA. Per block,
+// the CPU's float steps on the block's integer dot; the K-quants' min term from the CPU's
+// integer `min_lane`s in one accumulator (Q5_K's own order; Q4_K's four become one).
 template <class F>
 __device__ void mm_mma(PD_MM_PARAMS) {
     int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -180,27 +236,25 @@ __device__ void mm_mma(PD_MM_PARAMS) {
     ActView<F> act{qs, d, s, ksums, cols};
     float acc[4][4] = {}, summs[4][4] = {};
     for (int b = 0; b < cols / F::BE; b++) {
-        const u8* blk[2] = {row0 + (size_t)b * F::BB, row1 + (size_t)b * F::BB};
-        u32 a[4] = {pd_quad<F>(blk[0], 4 * t), pd_quad<F>(blk[1], 4 * t),
-                    pd_quad<F>(blk[0], 16 + 4 * t), pd_quad<F>(blk[1], 16 + 4 * t)};
+        const u8* const blk[2] = {row0 + (size_t)b * F::BB, row1 + (size_t)b * F::BB};
+        int dot[4][4] = {};
+        pd_mma_block(act, b, blk, tok0, ntok, g, t, dot);
         for (int j = 0; j < 4; j++) {
-            int tb = tok0 + 8 * j + g;
-            u32 bq[2] = {0, 0};
-            if (tb < ntok) {
-                const i8* q = act.quants(tb, b);
-                bq[0] = u32(pd_act4(q + 4 * t));
-                bq[1] = u32(pd_act4(q + 16 + 4 * t));
-            }
-            int c[4] = {0, 0, 0, 0};
-            pd_mma_s8(c, a, bq);
             for (int i = 0; i < 4; i++) {
                 int tok = tok0 + 8 * j + 2 * t + (i & 1);
                 if (tok >= ntok) continue;
                 const u8* wb = blk[i >> 1];
-                float dd = pd_f16_at(wb + F::SCALE_AT) * act.scale(tok, b);
-                acc[j][i] = fmaf(dd, float(c[i]), acc[j][i]);
-                if (F::MIN == PD_MIN_PER_BLOCK)
+                float da = act.scale(tok, b);
+                acc[j][i] = fmaf(pd_f16_at(wb + F::SCALE_AT) * da, float(dot[j][i]), acc[j][i]);
+                if (F::MIN == PD_MIN_PER_BLOCK) {
                     summs[j][i] = fmaf(pd_f16_at(wb + F::MIN_AT), act.sum(tok, b), summs[j][i]);
+                } else if (F::MIN != PD_MIN_NONE) {
+                    const i16* sums = act.sums(tok, b);
+                    int p0 = Acc<F>::min_lane(wb, sums, 0), p1 = Acc<F>::min_lane(wb, sums, 1);
+                    int p2 = Acc<F>::min_lane(wb, sums, 2), p3 = Acc<F>::min_lane(wb, sums, 3);
+                    float dmin = -(da * pd_f16_at(wb + F::MIN_AT));
+                    summs[j][i] = fmaf(dmin, float((p0 + p1) + (p2 + p3)), summs[j][i]);
+                }
             }
         }
     }
@@ -209,7 +263,7 @@ __device__ void mm_mma(PD_MM_PARAMS) {
             int r = i < 2 ? r0 : r1, tok = tok0 + 8 * j + 2 * t + (i & 1);
             if (r >= rows || tok >= ntok) continue;
             float total = acc[j][i];
-            if (F::MIN == PD_MIN_PER_BLOCK) total = total + summs[j][i];
+            if (F::MIN != PD_MIN_NONE) total = total + summs[j][i];
             out[(size_t)tok * rows + r] = total;
         }
     }
@@ -220,6 +274,9 @@ extern "C" __global__ void mm_q4_0_mma(PD_MM_PARAMS) { mm_mma<FmtQ4_0>(PD_MM_ARG
 extern "C" __global__ void mm_q4_1_mma(PD_MM_PARAMS) { mm_mma<FmtQ4_1>(PD_MM_ARGS); }
 extern "C" __global__ void mm_q5_0_mma(PD_MM_PARAMS) { mm_mma<FmtQ5_0>(PD_MM_ARGS); }
 extern "C" __global__ void mm_q5_1_mma(PD_MM_PARAMS) { mm_mma<FmtQ5_1>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q4_k_mma(PD_MM_PARAMS) { mm_mma<FmtQ4_K>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q5_k_mma(PD_MM_PARAMS) { mm_mma<FmtQ5_K>(PD_MM_ARGS); }
+extern "C" __global__ void mm_q6_k_mma(PD_MM_PARAMS) { mm_mma<FmtQ6_K>(PD_MM_ARGS); }
 
 // ---- Float weights ----
 

@@ -12,7 +12,7 @@ mod common;
 
 use common::{host, phase_of, random_vec, random_weights};
 use pdmesh_kernels::cuda::{CudaBackend, Device, EmuDevice, GpuDevice};
-use pdmesh_kernels::formats::{FloatFormat, MinTerm, QuantFormat};
+use pdmesh_kernels::formats::{ActForm, FloatFormat, MinTerm, QuantFormat};
 use pdmesh_kernels::quant::FormatVisitor;
 use pdmesh_kernels::{
     ActNeeds, AttnQuery, Backend, Candidates, CpuBackend, Cut, KvDtype, KvGeometry, KvSlot,
@@ -109,9 +109,10 @@ fn matmul_equals_cpu_bit_for_bit_in_every_format_and_launch_shape() {
     }
 }
 
-/// The sums an output of a 32-element format's matmul is made of, for its rounding bound: per
-/// `(token, row)`, `Σ_b |d_w·d_a|·Σ_l |lane_l|` (the CPU's lane products) and `Σ_b |m·s|` (the
-/// min term), from the CPU's activations.
+/// The sums an output of a quantized matmul is made of, for its rounding bound: per
+/// `(token, row)`, `Σ_b |d_w·d_a|·Σ_l |lane_l|` (the CPU's lane products) and the min term's
+/// `Σ_b |m·s|` (Q4_1, Q5_1) or `Σ_b |d_a·dmin|·Σ_m |min_lane_m|` (Q4_K, Q5_K), from the CPU's
+/// activations.
 struct TermSums<'a> {
     w: &'a [u8],
     rows: usize,
@@ -124,7 +125,8 @@ impl FormatVisitor for TermSums<'_> {
         unreachable!("quantized formats only")
     }
     fn quant<F: QuantFormat>(self) -> Self::Out {
-        let (a, nb) = (self.acts, self.acts.cols / F::BLOCK_ELEMS);
+        let (a, be) = (self.acts, F::BLOCK_ELEMS);
+        let nb = a.cols / be;
         let f16_at = |b: &[u8], at| f64::from(half::f16::from_le_bytes([b[at], b[at + 1]]));
         let mut out = Vec::new();
         for t in 0..a.rows {
@@ -133,12 +135,29 @@ impl FormatVisitor for TermSums<'_> {
                 for b in 0..nb {
                     let at = (r * nb + b) * F::BLOCK_BYTES;
                     let blk = &self.w[at..at + F::BLOCK_BYTES];
-                    let q = &a.qs[t * a.cols + b * 32..][..32];
-                    let (da, sa) = (f64::from(a.d[b * a.rows + t]), f64::from(a.s[b * a.rows + t]));
-                    let l: i64 = F::lanes(blk, q, &[]).iter().map(|&v| i64::from(v).abs()).sum();
+                    let (q, da, sums) = match F::ACT {
+                        ActForm::Q8 => {
+                            (&a.qs[t * a.cols + b * be..][..be], a.d[b * a.rows + t], &[][..])
+                        }
+                        ActForm::Q8K => (
+                            &a.kqs[t * a.cols + b * be..][..be],
+                            a.kd[t * nb + b],
+                            &a.ksums[(t * nb + b) * 16..][..16],
+                        ),
+                    };
+                    let da = f64::from(da);
+                    let l: i64 = F::lanes(blk, q, sums).iter().map(|&v| i64::from(v).abs()).sum();
                     lanes += (f16_at(blk, F::SCALE_AT) * da).abs() * l as f64;
-                    if F::MIN != MinTerm::None {
-                        mins += (f16_at(blk, F::MIN_AT) * sa).abs();
+                    match F::MIN {
+                        MinTerm::None => {}
+                        MinTerm::PerBlock => {
+                            mins += (f16_at(blk, F::MIN_AT) * f64::from(a.s[b * a.rows + t])).abs()
+                        }
+                        MinTerm::SuperQuad | MinTerm::SuperScalar => {
+                            let p: i64 =
+                                F::min_lanes(blk, sums).iter().map(|&v| i64::from(v).abs()).sum();
+                            mins += (f16_at(blk, F::MIN_AT) * da).abs() * p as f64;
+                        }
                     }
                 }
                 out.push((lanes, mins));
@@ -148,22 +167,27 @@ impl FormatVisitor for TermSums<'_> {
     }
 }
 
-/// Prompt matmuls on the int8 tensor cores (`with_mma`): each block's integer dot is exact and
-/// its float steps are the CPU's, but one FMA per block where the CPU has one per lane, so
-/// the two round differently within `(2·nb + 8)·2^-24·(T + M)` (`TermSums`: the CPU's eight
-/// lane sums each err by at most `nb + 4` roundings of `T`, the block sums by `nb + 1`; the
-/// min terms are the same operations in both, and each adds them once). Partial row and
-/// token tiles; a mutated fragment layout is off by whole terms.
+/// Prompt matmuls on the int8 tensor cores (`with_mma`), every quantized format: each
+/// block's integer dot is exact (the K-quants' sub-block dots weighted by their scales in
+/// integers) and its float steps are the CPU's, but one FMA per block where the CPU has one
+/// per lane, so the two round differently within `(2·nb + 8)·2^-24·(T + M)` (`TermSums`: the
+/// CPU's eight lane sums each err by at most `nb + 5` roundings of `T` counting the lanes'
+/// conversion to float, the block sums by `nb + 2`; the min terms by at most `nb + 3` of `M`
+/// in either). Partial row and token tiles, several super-blocks; a mutated fragment layout,
+/// scale or half is off by whole terms.
 #[test]
 fn mma_matmul_is_within_its_rounding_bound_of_the_cpu() {
     let (c, e) = (cpu(), emu().with_mma(true));
     let mut rng = ChaCha8Rng::seed_from_u64(29);
     let mut worst = 0.0f64;
-    for ty in
-        [WeightType::Q8_0, WeightType::Q4_0, WeightType::Q4_1, WeightType::Q5_0, WeightType::Q5_1]
-    {
-        for (rows, cols, tokens) in [(16, 256, 5), (70, 256, 37), (130, 64, 9), (256, 96, 63)] {
-            let nb = (cols / 32) as f64;
+    for &ty in WeightType::ALL.iter().filter(|t| t.float_kind().is_none()) {
+        let shapes: &[(usize, usize, usize)] = if ty.block_elems() == 256 {
+            &[(16, 256, 5), (70, 512, 37), (130, 256, 9)]
+        } else {
+            &[(16, 256, 5), (70, 256, 37), (130, 64, 9), (256, 96, 63)]
+        };
+        for &(rows, cols, tokens) in shapes {
+            let nb = (cols / ty.block_elems()) as f64;
             let data = random_weights(&mut rng, ty, rows, cols);
             let w = WeightMatrix::new(ty, rows, cols, &data).unwrap();
             let x = random_vec(&mut rng, tokens * cols, 2.0);

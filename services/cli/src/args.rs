@@ -40,9 +40,9 @@ pub struct EngineArgs {
     /// Which GPU `--backend cuda` computes on (CUDA device ordinal).
     #[arg(long, default_value_t = 0)]
     pub cuda_device: usize,
-    /// With --backend cuda or cuda-emu: prompt matmuls of the Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1
-    /// formats on the int8 tensor cores. Logits are then within a stated bound of the CPU's,
-    /// no longer bit for bit.
+    /// With --backend cuda or cuda-emu: prompt matmuls of quantized weights (Q8_0, Q4_0, Q4_1,
+    /// Q5_0, Q5_1 and the K-quants) on the int8 tensor cores. Logits are then within a stated
+    /// bound of the CPU's, no longer bit for bit.
     #[arg(long)]
     pub cuda_mma: bool,
 }

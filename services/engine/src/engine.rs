@@ -20,7 +20,7 @@ pub enum BackendKind {
     /// The host CPU; `simd` forces a kernel set (default: the best the CPU supports).
     Cpu { simd: Option<Simd> },
     /// The CUDA backend on GPU `device` (by ordinal), through the driver loaded at run time;
-    /// `mma`: prompt matmuls of the 32-element formats on the int8 tensor cores, within a
+    /// `mma`: prompt matmuls of the quantized formats on the int8 tensor cores, within a
     /// stated bound of the CPU's logits instead of bit for bit (`CudaBackend::with_mma`).
     Cuda { device: usize, mma: bool },
     /// The CUDA backend's kernels and host side on the emulated device (CUDA's execution

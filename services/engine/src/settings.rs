@@ -94,7 +94,7 @@ pub struct EngineSettings {
     pub kv_blocks: usize,
     /// Most tokens one engine step processes.
     pub max_batch_tokens: usize,
-    /// With a cuda backend: prompt matmuls of the 32-element formats on the int8 tensor
+    /// With a cuda backend: prompt matmuls of the quantized formats on the int8 tensor
     /// cores, within a stated bound of the CPU's logits instead of bit for bit.
     pub cuda_mma: bool,
 }

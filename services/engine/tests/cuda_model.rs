@@ -5,7 +5,8 @@
 //! logit it sampled from agrees (bit for bit, but for RMSNorm's f64 sum order, see
 //! `pdmesh_kernels::cuda`); the same with a q8_0 KV cache; and with nobody observing the
 //! logits, greedy and top-k samplers picking from the candidates the device cuts the logits
-//! to give the tokens the CPU backend samples from whole logits.
+//! to give the tokens the CPU backend samples from whole logits; and with prompt matmuls on the
+//! int8 tensor cores, logits near the CPU's.
 
 #![allow(clippy::unwrap_used)]
 
@@ -146,6 +147,42 @@ fn cuda_backend_generates_the_cpu_backends_tokens_on_smollm2() {
 #[test]
 fn cuda_backend_with_q8_0_kv_generates_the_cpu_backends_tokens() {
     compare(KvDtype::Q8_0, 6, 6);
+}
+
+/// Prompt matmuls on the int8 tensor cores (`--cuda-mma`), end to end: three prompts batched
+/// into one prefill step, each one's logits against the CPU backend's. Block
+/// sums round differently (`cuda_backend.rs` bounds each matmul), and a flipped quant in a
+/// layer's requantized input travels, so this is loose — within 2^-3 of each row's largest —
+/// and catches a broken kernel (a wrong fragment layout or scale is off by whole terms), not
+/// rounding. The hardware tier runs it on the 1B-shaped model too, whose K-quant weights take
+/// `mm_mma_k` (SmolLM2's are Q4_1 and Q8_0).
+#[test]
+fn tensor_core_prompts_stay_near_the_cpu_backends_logits() {
+    let _one = one_at_a_time();
+    let m = model();
+    let mma = match cuda() {
+        BackendKind::Cuda { device, .. } => BackendKind::Cuda { device, mma: true },
+        _ => BackendKind::CudaEmu { mma: true },
+    };
+    let start = std::time::Instant::now();
+    let (_, want) = run(&m, BackendKind::Cpu { simd: None }, KvDtype::F16, 3, 1);
+    let cpu_time = start.elapsed();
+    let (_, got) = run(&m, mma.clone(), KvDtype::F16, 3, 1);
+    eprintln!("cpu {cpu_time:?}, {mma:?} {:?}", start.elapsed() - cpu_time);
+    let (mut rows, mut exact, mut worst) = (0usize, 0usize, 0f32);
+    for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+        let top = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let diff = g.iter().zip(w).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        worst = worst.max(diff / top);
+        rows += 1;
+        exact += usize::from(g.iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits()));
+    }
+    eprintln!(
+        "tensor cores: {exact} of {rows} rows bit-identical, worst {worst:e} of a row's largest"
+    );
+    assert_eq!(rows, 3, "one row per prompt");
+    assert!(exact < rows, "every row the CPU's bits: the tensor cores did not run");
+    assert!(worst <= 2f32.powi(-3), "logits differ by {worst} of the row's largest");
 }
 
 /// Unobserved generation: each step's logits are cut on the device (`candidates_rows`) to

@@ -1,11 +1,10 @@
 //! The matrix products against the weights: which kernel and launch shape each takes — the
 //! float kernels, `_lanes` for a few tokens, `_rows` for prompts, and with `with_mma` the
-//! int8 tensor cores for prompts of the formats that allow it.
+//! int8 tensor cores for prompts of the quantized formats.
 
 use super::{CudaBackend, CudaWeight, DeviceActs, DeviceVec, LANES_MAX_TOKENS, check_size, suffix};
 use crate::backend::{Backend, MatmulJob};
 use crate::cuda::{Arg, Device, Dims};
-use crate::quant::WeightType;
 
 impl<D: Device> CudaBackend<D> {
     pub(super) fn matmul_jobs(
@@ -66,7 +65,9 @@ impl<D: Device> CudaBackend<D> {
             if ntok <= LANES_MAX_TOKENS {
                 let name = format!("mm_{}_lanes", suffix(w.ty));
                 self.launch(&name, Dims::linear(w.rows.div_ceil(32), 256), &args);
-            } else if self.mma && mma_format(w.ty) {
+            } else if self.mma {
+                // Every quantized format: quants that fit a signed byte, integer scales inside
+                // a block (`mm_mma_k` for the K-quants' sub-blocks).
                 let name = format!("mm_{}_mma", suffix(w.ty));
                 let dims = Dims {
                     grid: [w.rows.div_ceil(64) as u32, ntok.div_ceil(32) as u32, 1],
@@ -83,17 +84,4 @@ impl<D: Device> CudaBackend<D> {
             }
         }
     }
-}
-
-/// The formats whose blocks the int8 tensor cores take whole: 32 quants that fit a signed byte
-/// and one scale (and a min) per block.
-fn mma_format(ty: WeightType) -> bool {
-    matches!(
-        ty,
-        WeightType::Q8_0
-            | WeightType::Q4_0
-            | WeightType::Q4_1
-            | WeightType::Q5_0
-            | WeightType::Q5_1
-    )
 }

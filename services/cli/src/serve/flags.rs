@@ -62,9 +62,9 @@ pub struct EngineFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) max_batch_tokens: Option<usize>,
-    /// With --backend cuda or cuda-emu: prompt matmuls of the 32-element formats (Q8_0, Q4_0,
-    /// Q4_1, Q5_0, Q5_1) on the int8 tensor cores, within a stated bound of the CPU's logits
-    /// instead of bit for bit [default: false].
+    /// With --backend cuda or cuda-emu: prompt matmuls of quantized weights (Q8_0, Q4_0, Q4_1,
+    /// Q5_0, Q5_1 and the K-quants) on the int8 tensor cores, within a stated bound of the
+    /// CPU's logits instead of bit for bit [default: false].
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) cuda_mma: Option<bool>,
