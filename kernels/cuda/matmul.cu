@@ -239,7 +239,21 @@ __device__ void mm_mma(PD_MM_PARAMS) {
         const u8* const blk[2] = {row0 + (size_t)b * F::BB, row1 + (size_t)b * F::BB};
         int dot[4][4] = {};
         pd_mma_block(act, b, blk, tok0, ntok, g, t, dot);
+        // The K-quants' sub-block mins, per row: what `min_lane` would decode for every token.
+        int mins[2][8] = {};
+        if constexpr (F::MIN == PD_MIN_SUPER_QUAD || F::MIN == PD_MIN_SUPER_SCALAR) {
+            for (int r = 0; r < 2; r++) {
+                for (int sub = 0; sub < 8; sub++) {
+                    int sc, mn;
+                    pd_k4_scale_min(blk[r] + 4, sub, &sc, &mn);
+                    mins[r][sub] = mn;
+                }
+            }
+        }
+        // Unrolled, so that the accumulators stay in registers (ptxas -v: no stack frame).
+#pragma unroll
         for (int j = 0; j < 4; j++) {
+#pragma unroll
             for (int i = 0; i < 4; i++) {
                 int tok = tok0 + 8 * j + 2 * t + (i & 1);
                 if (tok >= ntok) continue;
@@ -249,11 +263,13 @@ __device__ void mm_mma(PD_MM_PARAMS) {
                 if (F::MIN == PD_MIN_PER_BLOCK) {
                     summs[j][i] = fmaf(pd_f16_at(wb + F::MIN_AT), act.sum(tok, b), summs[j][i]);
                 } else if (F::MIN != PD_MIN_NONE) {
+                    // The CPU's `(p0 + p1) + (p2 + p3)` of `min_lane`s: the same integer.
                     const i16* sums = act.sums(tok, b);
-                    int p0 = Acc<F>::min_lane(wb, sums, 0), p1 = Acc<F>::min_lane(wb, sums, 1);
-                    int p2 = Acc<F>::min_lane(wb, sums, 2), p3 = Acc<F>::min_lane(wb, sums, 3);
+                    int p = 0;
+                    for (int sub = 0; sub < 8; sub++)
+                        p += mins[i >> 1][sub] * (int(sums[2 * sub]) + int(sums[2 * sub + 1]));
                     float dmin = -(da * pd_f16_at(wb + F::MIN_AT));
-                    summs[j][i] = fmaf(dmin, float((p0 + p1) + (p2 + p3)), summs[j][i]);
+                    summs[j][i] = fmaf(dmin, float(p), summs[j][i]);
                 }
             }
         }
