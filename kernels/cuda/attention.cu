@@ -189,19 +189,45 @@ __device__ float pd_exp_chunk(float* p, int c, int n, float mx) {
 
 // Folds the weighted-V accumulators of one output value as `ops::attend` does: 64 sets for a
 // generated token, 16 for a prompt token.
-__device__ float pd_fold_sets(float* r, bool decode) {
+__device__ __forceinline__ float pd_fold_sets(float* r, bool decode) {
     if (decode) {
+#pragma unroll
         for (int k = 0; k < 16; k++) {
             r[k] = r[k] + r[32 + k];
             r[16 + k] = r[16 + k] + r[48 + k];
             r[k] = r[k] + r[16 + k];
         }
     }
+#pragma unroll
     for (int i = 0; i < 8; i++) r[i] = r[i + 8] + r[i];
+#pragma unroll
     for (int i = 0; i < 4; i++) r[i] = r[i] + r[i + 4];
     r[0] = r[0] + r[2];
     r[1] = r[1] + r[3];
     return r[0] + r[1];
+}
+
+// Element `d` of `Σ_j p[j]·V[j]` over a query's `n` positions, as `ops::attend` sums it: in
+// `SETS` accumulators (position j into set j % SETS, in increasing j; 64 for a generated
+// token, 16 for a prompt token), then folded. The set count is a template parameter and the
+// inner loop unrolled so that the accumulators are registers: with a runtime count and
+// `r[j % sets]`, ptxas kept them in local memory (a 256-byte stack frame).
+template <int SETS>
+__device__ float pd_weighted_v(const float* p, int n, const KvPool& pool, const u32* table,
+                               int block_size, int layer, int kvh, int d) {
+    float r[SETS];
+#pragma unroll
+    for (int k = 0; k < SETS; k++) r[k] = 0.0f;
+    for (int j0 = 0; j0 < n; j0 += SETS) {
+#pragma unroll
+        for (int k = 0; k < SETS; k++) {
+            int j = j0 + k;
+            if (j >= n) break;
+            size_t off = pool.offset(int(table[j / block_size]), layer, 1, kvh, j % block_size);
+            r[k] = fmaf(p[j], pool.at(off + d), r[k]);
+        }
+    }
+    return pd_fold_sets(r, SETS == 64);
 }
 
 // One block per (query token, KV head); its query heads one after another. `tables` holds
@@ -223,7 +249,6 @@ extern "C" __global__ void attention(const u8* base, int dtype, int layers, int 
     int hd = head_dim, group = heads / kv_heads;
     int n = int(pos[t]) + 1;
     bool decode = phases[t] != 0;
-    int sets = decode ? 64 : 16;
     const u32* table = tables + table_at[t];
     float* p = scratch + ((size_t)t * kv_heads + kvh) * (stride + stride / 16);
     float* csum = p + stride;
@@ -269,14 +294,8 @@ extern "C" __global__ void attention(const u8* base, int dtype, int layers, int 
         __syncthreads();
         float* o = out + ((size_t)t * heads + h) * hd;
         for (int d = tid; d < hd; d += nthreads) {
-            float r[64];
-            for (int k = 0; k < sets; k++) r[k] = 0.0f;
-            for (int j = 0; j < n; j++) {
-                size_t off = pool.offset(int(table[j / block_size]), layer, 1, kvh, j % block_size);
-                int set = j % sets;
-                r[set] = fmaf(p[j], pool.at(off + d), r[set]);
-            }
-            o[d] = pd_fold_sets(r, decode);
+            o[d] = decode ? pd_weighted_v<64>(p, n, pool, table, block_size, layer, kvh, d)
+                          : pd_weighted_v<16>(p, n, pool, table, block_size, layer, kvh, d);
         }
         __syncthreads();
     }
@@ -294,6 +313,37 @@ __device__ void pd_load_tile(float* tile, const KvPool& pool, const u32* table, 
         size_t off = j < len ? pool.offset(int(table[j / bs]), layer, which, kvh, j % bs) : 0;
         tile[i] = j < len ? pool.at(off + i % hd) : 0.0f;
     }
+}
+
+// `pd_weighted_v` for `attention_tiled`: V tile by tile through shared memory (`kv`, which the
+// whole block loads, live thread or not). Position `16·kc + jj` goes to set
+// `(16·kc + jj) % SETS`, that is `16·(kc % (SETS/16)) + jj`: the tiles are taken SETS/16 at a
+// time, unrolled, so every set index is a constant and the sets stay in registers.
+template <int SETS>
+__device__ float pd_tiled_weighted_v(const float* p, int n, bool live, int d, int hd, float* kv,
+                                     const KvPool& pool, const u32* table, int layer, int kvh,
+                                     int kchunks, int longest) {
+    float r[SETS];
+#pragma unroll
+    for (int k = 0; k < SETS; k++) r[k] = 0.0f;
+    for (int kc0 = 0; kc0 < kchunks; kc0 += SETS / 16) {
+#pragma unroll
+        for (int q = 0; q < SETS / 16; q++) {
+            int kc = kc0 + q;
+            if (kc >= kchunks) break;
+            __syncthreads();
+            pd_load_tile(kv, pool, table, layer, 1, kvh, kc * 16, longest);
+            __syncthreads();
+            if (!live) continue;
+#pragma unroll
+            for (int jj = 0; jj < 16; jj++) {
+                int j = kc * 16 + jj;
+                if (j >= n) break;
+                r[16 * q + jj] = fmaf(p[j], kv[jj * hd + d], r[16 * q + jj]);
+            }
+        }
+    }
+    return pd_fold_sets(r, SETS == 64);
 }
 
 // `attention` for tiles of queries of one sequence and phase (consecutive positions), as
@@ -317,7 +367,6 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
     bool f16 = dtype == PD_KV_F16;
     int hd = head_dim, group = heads / kv_heads;
     bool decode = phases[first] != 0;
-    int sets = decode ? 64 : 16;
     const u32* table = tables + table_at[first];
     int longest = 0;
     for (int i = 0; i < count; i++) longest = pd_max(longest, int(pos[first + i]) + 1);
@@ -378,21 +427,12 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
             int qi = live ? pair / hd : 0, d = pair % hd;
             int n = int(pos[first + qi]) + 1;
             const float* p = PD_SCORES(qi);
-            float r[64];
-            for (int k = 0; k < sets; k++) r[k] = 0.0f;
-            for (int kc = 0; kc < kchunks; kc++) {
-                __syncthreads();
-                pd_load_tile(kv, pool, table, layer, 1, kvh, kc * 16, longest);
-                __syncthreads();
-                if (!live) continue;
-                for (int jj = 0; jj < 16; jj++) {
-                    int j = kc * 16 + jj;
-                    if (j >= n) break;
-                    int set = j % sets;
-                    r[set] = fmaf(p[j], kv[jj * hd + d], r[set]);
-                }
-            }
-            if (live) out[((size_t)(first + qi) * heads + h) * hd + d] = pd_fold_sets(r, decode);
+            // `decode` is the block's: every thread takes the same branch to its barriers.
+            float v = decode ? pd_tiled_weighted_v<64>(p, n, live, d, hd, kv, pool, table, layer,
+                                                       kvh, kchunks, longest)
+                             : pd_tiled_weighted_v<16>(p, n, live, d, hd, kv, pool, table, layer,
+                                                       kvh, kchunks, longest);
+            if (live) out[((size_t)(first + qi) * heads + h) * hd + d] = v;
         }
         __syncthreads();
     }
