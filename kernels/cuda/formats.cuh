@@ -160,7 +160,7 @@ struct FmtK4 {
     __device__ static int min_lane(const u8* b, const i16* sums, int m) {
         return pd_k4_min_lane(b, sums, m);
     }
-    // For the tensor cores (`mm_mma_k`): quants `e..e+3` of sub-block `c` as one fragment
+    // For the tensor cores (`pd_mma_block`): quants `e..e+3` of sub-block `c` as one fragment
     // register, and the sub-block's scale.
     static const int HALVES = 1;
     __device__ static u32 quad(const u8* b, int c, int e) {

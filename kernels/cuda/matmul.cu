@@ -162,10 +162,10 @@ extern "C" __global__ void mm_q6_k_rows(PD_MM_PARAMS) { mm_rows<FmtQ6_K>(PD_MM_A
 //
 // Prompt matmuls of the quantized formats on the int8 tensor cores. A warp takes 16 rows × 32
 // tokens; for each block of K, m16n8k32 MMAs (one per 8 tokens and 32 quants) give the
-// block's exact integer dot for every (row, token). The float steps are then the CPU's per block (an FMA with the
-// product of the two scales, the min term on the side), but on the block's whole dot rather
-// than on each of the CPU's eight lanes, so the sum rounds differently: within the bound the
-// tests state, not the CPU's bits.
+// block's exact integer dot for every (row, token). The float steps are then the CPU's per
+// block (an FMA with the product of the two scales, the min term on the side), but on the
+// block's whole dot rather than on each of the CPU's eight lanes, so the sum rounds
+// differently: within the bound the tests state, not the CPU's bits.
 
 #define PD_MMA_ROWS 64
 #define PD_MMA_TOKS 32
@@ -214,7 +214,7 @@ __device__ __forceinline__ void pd_mma_block(const ActView<F>& act, int b, const
             pd_act_frags(act, b, 32 * c, tok0, ntok, g, t, bq);
             for (int h = 0; h < F::HALVES; h++) {
                 u32 a[4] = {wq[0], wq[1], wq[2], wq[3]};
-                if (F::HALVES == 2) {
+                if constexpr (F::HALVES == 2) {
                     // Half 0 is the fragments' columns 0..15 (a[0], a[1]), half 1 16..31.
                     a[2 * (1 - h)] = 0;
                     a[2 * (1 - h) + 1] = 0;

@@ -155,7 +155,7 @@ fn cuda_backend_with_q8_0_kv_generates_the_cpu_backends_tokens() {
 /// layer's requantized input travels, so this is loose — within 2^-3 of each row's largest —
 /// and catches a broken kernel (a wrong fragment layout or scale is off by whole terms), not
 /// rounding. The hardware tier runs it on the 1B-shaped model too, whose K-quant weights take
-/// `mm_mma_k` (SmolLM2's are Q4_1 and Q8_0).
+/// `mm_mma`'s sub-block path (SmolLM2's are Q4_1 and Q8_0).
 #[test]
 fn tensor_core_prompts_stay_near_the_cpu_backends_logits() {
     let _one = one_at_a_time();

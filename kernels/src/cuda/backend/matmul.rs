@@ -67,7 +67,7 @@ impl<D: Device> CudaBackend<D> {
                 self.launch(&name, Dims::linear(w.rows.div_ceil(32), 256), &args);
             } else if self.mma {
                 // Every quantized format: quants that fit a signed byte, integer scales inside
-                // a block (`mm_mma_k` for the K-quants' sub-blocks).
+                // a block (the K-quants' sub-blocks: `pd_mma_block` in matmul.cu).
                 let name = format!("mm_{}_mma", suffix(w.ty));
                 let dims = Dims {
                     grid: [w.rows.div_ceil(64) as u32, ntok.div_ceil(32) as u32, 1],
