@@ -65,7 +65,7 @@ test-emu-asan: system-deps fetch-model
         CXXFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g" \
         CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 PDMESH_EMU_POISON=1"
     cargo test --locked -p pdmesh-kernels --test cuda_backend
-    cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits tensor_core_prompts
+    cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits bounded_kernels
     cargo test --locked -p pdmesh-engine --test cuda_model
 
 # The CUDA kernels on the emulated device under ThreadSanitizer (~4 min cold). A block's threads
@@ -85,7 +85,7 @@ test-emu-tsan: system-deps
         CXXFLAGS="-fsanitize=thread -g -O1" \
         CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$tsan TSAN_OPTIONS=report_signal_unsafe=0:exitcode=0:log_path=$logs/tsan PDMESH_EMU_REVERSE_BLOCKS=1"
     cargo test --locked -p pdmesh-kernels --test cuda_backend
-    cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits tensor_core_prompts
+    cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits bounded_kernels
     cat "$logs"/tsan.* 2>/dev/null | awk '
         /^WARNING: ThreadSanitizer/ { n++; buf = "" }
         { buf = buf $0 "\n" }

@@ -5,7 +5,8 @@ step streams from HBM (GB/s; a decode step reads every weight once, whatever the
 the H200's 4.8 TB/s. Each figure is the median of `--repeats` runs of `pdmesh bench engine`.
 With them, decode at batch 64 with top-40 samplers, picking from the candidates the device
 cuts each row to against picking from whole logits read back; and prefill again with
-`--cuda-mma` (prompt matmuls of the quantized formats on the int8 tensor cores), as a ratio.
+`--cuda-mma` (prompt matmuls of the quantized formats on the int8 tensor cores), then with
+`--cuda-flash` added (prompt attention with flash attention's running softmax), as ratios.
 
 Then KV into a GPU decode node's pool through UCX (`pdmesh bench kv --decode-backend cuda`):
 a 4,096-token prompt's KV from host bytes (what a prefill node reads back from its GPU) into
@@ -32,7 +33,7 @@ def run_json(cmd):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench(a, model, prompt, batches, sampled=0, mma=False):
+def bench(a, model, prompt, batches, sampled=0, flags=()):
     return run_json([
         a.pdmesh, "bench", "engine", "--backend", a.backend, "--json",
         "--model", model,
@@ -41,7 +42,7 @@ def bench(a, model, prompt, batches, sampled=0, mma=False):
         "--batch-sizes", ",".join(str(b) for b in batches),
         "--repeats", str(a.repeats),
         "--sampled-batch", str(sampled),
-    ] + (["--cuda-mma"] if mma else []))
+    ] + list(flags))
 
 
 def kv_into_gpu(a, model):
@@ -55,9 +56,14 @@ def model_result(a, model):
     batches = a.batch_sizes
     short = bench(a, model, short_p, batches, sampled=max(batches))
     long = bench(a, model, long_p, [1])
-    # Tensor cores are a CUDA option; the CPU backend refuses --cuda-mma.
-    mma = ({p: bench(a, model, p, [1], mma=True)["prefill_tok_s"] for p in (short_p, long_p)}
-           if a.backend == "cuda" else {})
+    # The bounded kernels are CUDA options; the CPU backend refuses them.
+    def prefill(flags):
+        if a.backend != "cuda":
+            return {}
+        return {str(p): bench(a, model, p, [1], flags=flags)["prefill_tok_s"]
+                for p in (short_p, long_p)}
+    mma = prefill(["--cuda-mma"])
+    flash = prefill(["--cuda-mma", "--cuda-flash"])
     weights = short["decode_weight_bytes_per_token"]
     rows = {}
     for b in batches:
@@ -67,7 +73,8 @@ def model_result(a, model):
         "model": model,
         "backend": short["backend"],
         "prefill_tok_s": {str(short_p): short["prefill_tok_s"], str(long_p): long["prefill_tok_s"]},
-        "prefill_mma_tok_s": {str(p): v for p, v in mma.items()},
+        "prefill_mma_tok_s": mma,
+        "prefill_mma_flash_tok_s": flash,
         "decode": {str(b): {"tok_s": t, "weight_gb_s": g} for b, (t, g) in rows.items()},
         "weight_bytes_per_step": weights,
         "sampled_decode": short["sampled_decode"],
@@ -79,7 +86,10 @@ def print_model(r):
     print(f"{r['model']}  on {r['backend']}  ({weights / 1e6:.1f} MB of weights per step)")
     for p, tok_s in r["prefill_tok_s"].items():
         mma = r["prefill_mma_tok_s"].get(p)
+        flash = r["prefill_mma_flash_tok_s"].get(p)
         extra = f"; tensor cores {mma:.1f} tok/s ({mma / tok_s:.3f}x)" if mma else ""
+        if flash:
+            extra += f", with flash attention {flash:.1f} tok/s ({flash / tok_s:.3f}x)"
         print(f"  prefill  {p:>4} tokens {tok_s:>10.1f} tok/s{extra}")
     for b, d in r["decode"].items():
         g = d["weight_gb_s"]

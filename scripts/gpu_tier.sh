@@ -112,8 +112,9 @@ else
         --kv-tokens 256 --json-out "$out/bench.json"
 fi
 step whole-model 60 "$t/cuda_model" --nocapture
-# The tensor cores on K-quant weights (SmolLM2's are Q4_1 and Q8_0): the 1B shape's Q4_K/Q6_K.
-step mma-1b 75 env PDMESH_TEST_MODEL="$llama1b" "$t/cuda_model" tensor_core --nocapture
+# The bounded kernels (tensor cores, flash attention) on K-quant weights (SmolLM2's are Q4_1
+# and Q8_0): the 1B shape's Q4_K/Q6_K.
+step bounded-1b 75 env PDMESH_TEST_MODEL="$llama1b" "$t/cuda_model" bounded_kernels --nocapture
 step mixed-mesh 75 "$t/mesh_equivalence" cuda_prefill
 
 echo "=== $(date +%T) done: $failed step(s) failed"

@@ -439,6 +439,103 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
 #undef PD_SCORES
 }
 
+// Threads of an `attention_flash` block, and the outputs (query, element) each keeps: a
+// tile's 16 queries × up to 256 elements.
+#define PD_FLASH_THREADS 256
+#define PD_FLASH_OUTS (PD_TILE * PD_MAX_HEAD_DIM / PD_FLASH_THREADS)
+
+// `attention_tiled`'s tiles with flash attention's running softmax (opt-in: `--cuda-flash`).
+// A tile's scores exist only 16 keys at a time, in shared memory; each query keeps a running
+// maximum and sum, and its outputs stay in registers, rescaled by `exp(old max - new max)`
+// whenever the maximum grows. So no scores go through global memory and K and V are read
+// once per tile, in one pass. It rounds differently from the CPU (each `exp(s - max)` as a
+// product of rescales, probabilities kept in f32, the division last, prompt-order dots for
+// every query), so `cuda_backend.rs` holds it to a bound instead of bits. f16/f32 KV;
+// launched with `PD_FLASH_THREADS` threads, which `PD_FLASH_OUTS` assumes.
+extern "C" __global__ void attention_flash(const u8* base, int dtype, int layers, int kv_heads,
+                                           int head_dim, int block_size, int layer, int heads,
+                                           const float* q, const u32* pos, const u32* tables,
+                                           const u32* table_at, float* out, const u32* tiles) {
+    __shared__ float qs[PD_TILE * PD_MAX_HEAD_DIM];
+    __shared__ float kv[PD_TILE * PD_MAX_HEAD_DIM];
+    // A tile's scores, then its probabilities: [query][key].
+    __shared__ float pr[PD_TILE * PD_TILE];
+    __shared__ float run_max[PD_TILE], run_sum[PD_TILE], rescale[PD_TILE];
+    int kvh = blockIdx.y, tid = threadIdx.x, nthreads = blockDim.x;
+    int first = int(tiles[2 * blockIdx.x]), count = int(tiles[2 * blockIdx.x + 1]);
+    KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
+    bool f16 = dtype == PD_KV_F16;
+    int hd = head_dim, group = heads / kv_heads, outs = count * hd;
+    const u32* table = tables + table_at[first];
+    int longest = 0;
+    for (int i = 0; i < count; i++) longest = pd_max(longest, int(pos[first + i]) + 1);
+    int kchunks = (longest + 15) / 16;
+    float scale = 1.0f / sqrtf(float(hd));
+    const float neg_inf = __uint_as_float(0xff800000u);
+    for (int g = 0; g < group; g++) {
+        int h = kvh * group + g;
+        for (int i = tid; i < outs; i += nthreads) {
+            float x = q[((size_t)(first + i / hd) * heads + h) * hd + i % hd];
+            qs[i] = f16 ? pd_round_f16(x) : x;
+        }
+        for (int qi = tid; qi < count; qi += nthreads) {
+            run_max[qi] = neg_inf;
+            run_sum[qi] = 0.0f;
+        }
+        float o[PD_FLASH_OUTS];
+#pragma unroll
+        for (int r = 0; r < PD_FLASH_OUTS; r++) o[r] = 0.0f;
+        for (int kc = 0; kc < kchunks; kc++) {
+            __syncthreads();
+            pd_load_tile(kv, pool, table, layer, 0, kvh, kc * 16, longest);
+            __syncthreads();
+            for (int i = tid; i < count * PD_TILE; i += nthreads) {
+                int qi = i / PD_TILE, jj = i % PD_TILE;
+                bool seen = kc * 16 + jj <= int(pos[first + qi]);
+                pr[i] = seen ? pd_qk(qs + qi * hd, PdSharedRow{kv + jj * hd}, hd, false) * scale
+                             : neg_inf;
+            }
+            __syncthreads();
+            // The first tile holds position 0 of every query, so the maximum is finite from
+            // then on; `pd_exp(-inf)` is 0, for masked keys and the first rescale alike.
+            for (int qi = tid; qi < count; qi += nthreads) {
+                float* s = pr + qi * PD_TILE;
+                float m = run_max[qi];
+                for (int jj = 0; jj < PD_TILE; jj++) m = fmaxf(m, s[jj]);
+                float a = pd_exp(run_max[qi] - m), sum = 0.0f;
+                for (int jj = 0; jj < PD_TILE; jj++) {
+                    s[jj] = pd_exp(s[jj] - m);
+                    sum += s[jj];
+                }
+                run_sum[qi] = fmaf(run_sum[qi], a, sum);
+                run_max[qi] = m;
+                rescale[qi] = a;
+            }
+            __syncthreads();
+            pd_load_tile(kv, pool, table, layer, 1, kvh, kc * 16, longest);
+            __syncthreads();
+#pragma unroll
+            for (int r = 0; r < PD_FLASH_OUTS; r++) {
+                int i = tid + r * PD_FLASH_THREADS;
+                if (i >= outs) break;
+                int qi = i / hd, d = i % hd;
+                const float* p = pr + qi * PD_TILE;
+                float acc = o[r] * rescale[qi];
+                for (int jj = 0; jj < PD_TILE; jj++) acc = fmaf(p[jj], kv[jj * hd + d], acc);
+                o[r] = acc;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < PD_FLASH_OUTS; r++) {
+            int i = tid + r * PD_FLASH_THREADS;
+            if (i >= outs) break;
+            int qi = i / hd;
+            out[((size_t)(first + qi) * heads + h) * hd + i % hd] = o[r] / run_sum[qi];
+        }
+        __syncthreads();
+    }
+}
+
 // glibc's `__exp2f_data.tab`: `bits(2^(i/32)) - (i << 47)`.
 __constant__ u64 PD_EXP2F_TABLE[32] = {
     0x3ff0000000000000ull, 0x3fefd9b0d3158574ull, 0x3fefb5586cf9890full, 0x3fef9301d0125b51ull,

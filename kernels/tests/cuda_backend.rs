@@ -325,6 +325,36 @@ fn ragged_tables(
     (tables, slots)
 }
 
+/// A CPU and a device KV pool of geometry `g`, each given the same random K and V at `layer`
+/// for sequences of `lens` over scattered blocks (`ragged_tables`, 3 blocks to spare).
+struct Pools {
+    tables: Vec<Vec<u32>>,
+    blocks: usize,
+    v: Vec<f32>,
+    kc: <CpuBackend as Backend>::Kv,
+    ke: <CudaBackend<Box<dyn Device>> as Backend>::Kv,
+}
+
+fn filled_pools(
+    c: &CpuBackend,
+    e: &CudaBackend<Box<dyn Device>>,
+    rng: &mut ChaCha8Rng,
+    g: KvGeometry,
+    lens: &[usize],
+    layer: usize,
+) -> Pools {
+    let bs = g.block_size;
+    let blocks = lens.iter().map(|n| n.div_ceil(bs)).sum::<usize>() + 3;
+    let (tables, slots) = ragged_tables(rng, lens, bs, blocks);
+    let k = random_vec(rng, slots.len() * g.kv_dim(), 1.5);
+    let v = random_vec(rng, slots.len() * g.kv_dim(), 1.5);
+    let mut kc = c.kv(g, blocks).unwrap();
+    let mut ke = e.kv(g, blocks).unwrap();
+    c.kv_write(&mut kc, layer, &k, &v, &slots);
+    e.kv_write(&mut ke, layer, &to_dev(e, &k), &to_dev(e, &v), &slots);
+    Pools { tables, blocks, v, kc, ke }
+}
+
 #[test]
 fn kv_write_and_paged_attention_equal_cpu_over_ragged_tables_and_gqa() {
     let (c, e) = (cpu(), emu());
@@ -343,14 +373,8 @@ fn kv_write_and_paged_attention_equal_cpu_over_ragged_tables_and_gqa() {
     for (case, &(dtype, head_dim, kv_heads, heads, bs)) in cases.iter().enumerate() {
         let g = KvGeometry { layers: 2, kv_heads, head_dim, block_size: bs, dtype };
         let lens: [usize; 3] = [rng.random_range(1..40), rng.random_range(1..9), 37];
-        let pool = lens.iter().map(|n| n.div_ceil(bs)).sum::<usize>() + 3;
-        let (tables, slots) = ragged_tables(&mut rng, &lens, bs, pool);
-        let k = random_vec(&mut rng, slots.len() * g.kv_dim(), 1.5);
-        let v = random_vec(&mut rng, slots.len() * g.kv_dim(), 1.5);
-        let mut kc = c.kv(g, pool).unwrap();
-        let mut ke = e.kv(g, pool).unwrap();
-        c.kv_write(&mut kc, 1, &k, &v, &slots);
-        e.kv_write(&mut ke, 1, &to_dev(&e, &k), &to_dev(&e, &v), &slots);
+        let Pools { tables, blocks: pool, kc, ke, .. } =
+            filled_pools(&c, &e, &mut rng, g, &lens, 1);
         for blk in 0..pool {
             let (mut a, mut b) = (Vec::new(), Vec::new());
             kc.read_block(blk, &mut a);
@@ -387,6 +411,76 @@ fn kv_write_and_paged_attention_equal_cpu_over_ragged_tables_and_gqa() {
             same_bits(&to_host(&e, &out), &want, &what);
         }
     }
+}
+
+/// Prompt attention with flash attention's running softmax (`with_flash`), f16/f32 KV over
+/// ragged tables, GQA and several 16-key tiles per query (so the running maximum grows and
+/// the outputs are rescaled): each output within `(u + 2^-17)·max|V|` of the CPU's, `u` the
+/// CPU's rounding of its probabilities to the KV type (2^-10 for f16, twice f16's unit
+/// roundoff for the probability and its normalization; 0 for f32), 2^-17 for the f32
+/// roundings of the exponentials' arguments and results across a few rescales. A missed
+/// rescale is off by a whole share of the weights. Batches of generated tokens alone keep
+/// the exact kernel: the CPU's bits.
+#[test]
+fn flash_attention_is_within_its_bound_of_the_cpu() {
+    let (c, e) = (cpu(), emu().with_flash(true));
+    let mut rng = ChaCha8Rng::seed_from_u64(37);
+    // (dtype, head_dim, kv_heads, query heads, block size)
+    let cases = [
+        (KvDtype::F16, 64, 2, 6, 4),
+        (KvDtype::F32, 80, 1, 2, 16),
+        (KvDtype::F16, 256, 1, 2, 16),
+        (KvDtype::F32, 64, 3, 3, 5),
+    ];
+    let mut worst = [0.0f64; 2];
+    for (case, &(dtype, head_dim, kv_heads, heads, bs)) in cases.iter().enumerate() {
+        let g = KvGeometry { layers: 1, kv_heads, head_dim, block_size: bs, dtype };
+        let lens: [usize; 3] = [rng.random_range(40..80), rng.random_range(1..9), 37];
+        let Pools { tables, v, kc, ke, .. } = filled_pools(&c, &e, &mut rng, g, &lens, 0);
+        let vmax = f64::from(v.iter().fold(0f32, |m, x| m.max(x.abs())));
+        let u = if dtype == KvDtype::F16 { 2f64.powi(-10) } else { 0.0 };
+        let bound = (u + 2f64.powi(-17)) * vmax;
+        let query = |s: usize, pos: usize, phase| AttnQuery { pos, blocks: &tables[s], phase };
+        let every = |phase| -> Vec<AttnQuery<'_>> {
+            (0..3).flat_map(|s| (0..lens[s]).map(move |p| query(s, p, phase))).collect()
+        };
+        // A prompt chunk of the first sequence beside the others' next tokens.
+        let mixed: Vec<AttnQuery<'_>> = (20..lens[0])
+            .map(|p| query(0, p, Phase::Prefill))
+            .chain((1..3).map(|s| query(s, lens[s] - 1, Phase::Decode)))
+            .collect();
+        let last: Vec<AttnQuery<'_>> =
+            (0..3).map(|s| query(s, lens[s] - 1, Phase::Decode)).collect();
+        for (name, queries) in [
+            ("prompts", every(Phase::Prefill)),
+            ("decode-phase runs", every(Phase::Decode)),
+            ("mixed", mixed),
+            ("generated alone", last),
+        ] {
+            let q = random_vec(&mut rng, queries.len() * heads * head_dim, 2.0);
+            let mut want = vec![0f32; q.len()];
+            c.attention(&kc, 0, heads, &q, &queries, &mut want);
+            let mut out = e.buffer();
+            e.attention(&ke, 0, heads, &to_dev(&e, &q), &queries, &mut out);
+            let got = to_host(&e, &out);
+            let what = format!("case {case} {name}, {} queries", queries.len());
+            if name == "generated alone" {
+                same_bits(&got, &want, &what);
+                continue;
+            }
+            let mut differ = 0;
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let err = (f64::from(*g) - f64::from(*w)).abs();
+                assert!(err <= bound, "{what} [{i}]: {g} vs the CPU's {w}, bound {bound:e}");
+                let at = usize::from(dtype == KvDtype::F32);
+                worst[at] = worst[at].max(err / bound);
+                differ += usize::from(g.to_bits() != w.to_bits());
+            }
+            // The flash kernel ran: its rounding shows somewhere.
+            assert!(differ > 0, "{what}: the CPU's bits exactly");
+        }
+    }
+    eprintln!("flash attention: worst error f16 {:.3}, f32 {:.3} of the bound", worst[0], worst[1]);
 }
 
 /// The fused RMSNorm + Q8 quantization gives the activations of the two kernels run apart,

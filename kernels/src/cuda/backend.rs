@@ -26,6 +26,8 @@ const MAX_ELEMS: usize = i32::MAX as usize;
 const LANES_MAX_TOKENS: usize = 4;
 /// Attention's per-launch score scratch, in floats; longer batches launch in token chunks.
 const ATTN_SCRATCH_FLOATS: usize = 16 << 20;
+/// Threads of an `attention_flash` block (`PD_FLASH_THREADS`).
+const FLASH_THREADS: u32 = 256;
 
 mod candidates;
 mod matmul;
@@ -141,22 +143,34 @@ pub struct CudaBackend<D: Device> {
     /// The device, its launches held back and replayed as graphs (`graph`).
     dev: Arc<Recorder<D>>,
     staging: Mutex<Staging>,
-    /// Prompt matmuls of the formats that allow it on the int8 tensor cores (`mm_*_mma`).
+    /// Prompt matmuls of the quantized formats on the int8 tensor cores (`mm_*_mma`).
     mma: bool,
+    /// Prompt attention with flash attention's running softmax (`attention_flash`).
+    flash: bool,
 }
 
 impl<D: Device> CudaBackend<D> {
     pub fn new(dev: D) -> Self {
         let staging = Mutex::new(Staging::default());
-        Self { dev: Arc::new(Recorder::new(dev)), staging, mma: false }
+        Self { dev: Arc::new(Recorder::new(dev)), staging, mma: false, flash: false }
     }
 
-    /// Computes prompt matmuls (more than `LANES_MAX_TOKENS` tokens) of the 32-element
-    /// formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) on the int8 tensor cores: each block's integer
-    /// dot exact, the float sum per block instead of per lane, so no longer the CPU's bits but
-    /// within the rounding bound `cuda_backend.rs` states for them. Off by default.
+    /// Computes prompt matmuls (more than `LANES_MAX_TOKENS` tokens) of every quantized
+    /// format on the int8 tensor cores: each block's integer dot exact, the float sum per
+    /// block instead of per lane, so no longer the CPU's bits but within the rounding bound
+    /// `cuda_backend.rs` states for them. Off by default.
     pub fn with_mma(mut self, on: bool) -> Self {
         self.mma = on;
+        self
+    }
+
+    /// Computes the attention of batches with prompt runs (f16/f32 KV) with flash attention's
+    /// running softmax (`attention_flash`): no scores through global memory and one launch
+    /// for the whole batch, but no longer the CPU's bits, only within the bound
+    /// `cuda_backend.rs` states. Batches of generated tokens alone keep `attention`. Off by
+    /// default.
+    pub fn with_flash(mut self, on: bool) -> Self {
+        self.flash = on;
         self
     }
 
@@ -610,6 +624,31 @@ impl<D: Device> Backend for CudaBackend<D> {
         let pos_arg = st.put(dev, "attn_pos", bytemuck::cast_slice(&pos));
         let ph_arg = st.put(dev, "attn_phases", &phases);
         let n = queries.len();
+        if self.flash && !kv.is_q8() {
+            let tiles = attention_tiles(queries, &table_at, n).concat();
+            if tiles.iter().any(|&(_, k)| k > 1) {
+                let flat: Vec<u32> = tiles.iter().flat_map(|&(f, k)| [f, k]).collect();
+                let tiles_arg = st.put(dev, "attn_tiles", bytemuck::cast_slice(&flat));
+                drop(st);
+                let mut args = kv.args().to_vec();
+                args.extend([
+                    Arg::int(layer),
+                    Arg::int(heads),
+                    q.ptr(),
+                    pos_arg,
+                    tables_arg,
+                    at_arg,
+                    out.ptr(),
+                    tiles_arg,
+                ]);
+                let dims = Dims {
+                    grid: [tiles.len() as u32, g.kv_heads as u32, 1],
+                    block: [FLASH_THREADS, 1, 1],
+                };
+                self.launch("attention_flash", dims, &args);
+                return;
+            }
+        }
         // Prompt tokens go through in tiles (see `attention_tiled`) when some tile holds more
         // than one; generated tokens alone keep a block each, which reads their longer
         // contexts with more threads.

@@ -5,7 +5,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pdmesh_engine::{BackendKind, BackendName, DEFAULT_MODEL_PATH, Engine, EngineConfig, Model};
+use pdmesh_engine::{
+    BackendKind, BackendName, CudaOptions, DEFAULT_MODEL_PATH, Engine, EngineConfig, Model,
+};
 use pdmesh_kernels::{KvDtype, Simd};
 
 #[derive(Debug, Clone, Args)]
@@ -45,6 +47,11 @@ pub struct EngineArgs {
     /// bound of the CPU's, no longer bit for bit.
     #[arg(long)]
     pub cuda_mma: bool,
+    /// With --backend cuda or cuda-emu: attention of batches with prompt tokens (f16/f32 KV)
+    /// with flash attention's running softmax (no scores through GPU memory). Logits are then
+    /// within a stated bound of the CPU's, no longer bit for bit.
+    #[arg(long)]
+    pub cuda_flash: bool,
 }
 
 impl EngineArgs {
@@ -58,9 +65,12 @@ impl EngineArgs {
         if self.cuda_device != 0 && self.backend != BackendName::Cuda {
             bail!("--cuda-device applies to --backend cuda only");
         }
-        if self.cuda_mma && self.backend == BackendName::Cpu {
-            bail!("--cuda-mma applies to --backend cuda or cuda-emu only");
+        for (flag, on) in [("--cuda-mma", self.cuda_mma), ("--cuda-flash", self.cuda_flash)] {
+            if on && self.backend == BackendName::Cpu {
+                bail!("{flag} applies to --backend cuda or cuda-emu only");
+            }
         }
+        let opts = CudaOptions { mma: self.cuda_mma, flash: self.cuda_flash };
         Ok(EngineConfig {
             threads: self.threads,
             block_size: self.block_size,
@@ -69,10 +79,8 @@ impl EngineArgs {
             max_batch_tokens: self.max_batch_tokens,
             backend: match self.backend {
                 BackendName::Cpu => BackendKind::Cpu { simd: self.simd },
-                BackendName::Cuda => {
-                    BackendKind::Cuda { device: self.cuda_device, mma: self.cuda_mma }
-                }
-                BackendName::CudaEmu => BackendKind::CudaEmu { mma: self.cuda_mma },
+                BackendName::Cuda => BackendKind::Cuda { device: self.cuda_device, opts },
+                BackendName::CudaEmu => BackendKind::CudaEmu { opts },
             },
         })
     }

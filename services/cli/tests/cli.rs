@@ -79,6 +79,10 @@ fn bad_input_is_a_clear_error() {
             &["run", "--prompt", "x", "--cuda-mma"],
             "--cuda-mma applies to --backend cuda or cuda-emu",
         ),
+        (
+            &["run", "--prompt", "x", "--cuda-flash"],
+            "--cuda-flash applies to --backend cuda or cuda-emu",
+        ),
     ];
     for (args, want) in cases {
         let (code, _, err) = pdmesh(args);

@@ -14,18 +14,36 @@ use crate::model::Model;
 use crate::runtime::{Batch, Device, Rows, Runtime};
 use crate::sim::{SimDevice, SimProfile};
 
+/// The CUDA backend's opt-in kernels, each faster where the GPU allows it and each within a
+/// stated bound of the CPU's logits instead of bit for bit. Off by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Prompt matmuls of the quantized formats on the int8 tensor cores
+    /// (`CudaBackend::with_mma`).
+    pub mma: bool,
+    /// Prompt attention with flash attention's running softmax (`CudaBackend::with_flash`).
+    pub flash: bool,
+}
+
+impl CudaOptions {
+    fn apply<D: pdmesh_kernels::cuda::Device>(
+        self,
+        be: pdmesh_kernels::cuda::CudaBackend<D>,
+    ) -> pdmesh_kernels::cuda::CudaBackend<D> {
+        be.with_mma(self.mma).with_flash(self.flash)
+    }
+}
+
 /// Which backend computes, with its own options.
 #[derive(Debug, Clone, PartialEq)]
 pub enum BackendKind {
     /// The host CPU; `simd` forces a kernel set (default: the best the CPU supports).
     Cpu { simd: Option<Simd> },
-    /// The CUDA backend on GPU `device` (by ordinal), through the driver loaded at run time;
-    /// `mma`: prompt matmuls of the quantized formats on the int8 tensor cores, within a
-    /// stated bound of the CPU's logits instead of bit for bit (`CudaBackend::with_mma`).
-    Cuda { device: usize, mma: bool },
+    /// The CUDA backend on GPU `device` (by ordinal), through the driver loaded at run time.
+    Cuda { device: usize, opts: CudaOptions },
     /// The CUDA backend's kernels and host side on the emulated device (CUDA's execution
     /// model on the host's threads): slow, for checking the CUDA backend without a GPU.
-    CudaEmu { mma: bool },
+    CudaEmu { opts: CudaOptions },
     /// No computation: steps take the time `SimProfile` says the real engine would, and give
     /// deterministic tokens (for studying a mesh larger than the machine; see `sim`).
     Sim(SimProfile),
@@ -228,15 +246,15 @@ impl Engine {
                     .map_err(|e| Error::invalid(e.to_string()))?;
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
-            &BackendKind::Cuda { device, mma } => {
+            &BackendKind::Cuda { device, opts } => {
                 let dev = pdmesh_kernels::cuda::GpuDevice::open(device)
                     .map_err(|e| Error::invalid(format!("--backend cuda: {e}")))?;
-                let be = pdmesh_kernels::cuda::CudaBackend::new(dev).with_mma(mma);
+                let be = opts.apply(pdmesh_kernels::cuda::CudaBackend::new(dev));
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
-            &BackendKind::CudaEmu { mma } => {
+            &BackendKind::CudaEmu { opts } => {
                 let dev = pdmesh_kernels::cuda::EmuDevice;
-                let be = pdmesh_kernels::cuda::CudaBackend::new(dev).with_mma(mma);
+                let be = opts.apply(pdmesh_kernels::cuda::CudaBackend::new(dev));
                 Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
             }
             BackendKind::Sim(profile) => Box::new(SimDevice::new(

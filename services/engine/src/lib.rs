@@ -31,7 +31,7 @@ pub mod tokenizer;
 
 pub use chat::{ChatTemplate, Message};
 pub use connector::{KvConnector, NoConnector, Release, Saved};
-pub use engine::{BackendKind, Engine, EngineConfig, Logits, StepItem, StepLogits};
+pub use engine::{BackendKind, CudaOptions, Engine, EngineConfig, Logits, StepItem, StepLogits};
 pub use error::{Error, ErrorClass, Result};
 pub use generate::{Generation, generate, generate_batch, generate_batch_observed};
 pub use kv_cache::{BlockAllocator, KvCache, KvView, SeqId};

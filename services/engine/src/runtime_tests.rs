@@ -196,17 +196,17 @@ fn a_step_of_cut_items_gives_candidates_not_logits() {
     assert_eq!(mixed, full, "a step with logits wanted gives them to every item");
 }
 
-/// The whole forward pass with prompt matmuls on the (emulated) int8 tensor cores
-/// (`BackendKind::CudaEmu { mma: true }`): a 40-token prompt and a batch of three, every
-/// token's logits, against the CPU backend. The kernels round per block instead of per lane
-/// (`cuda_backend.rs` bounds each matmul at ~1e-7 relative), but a difference that flips one
-/// Q8 activation quant moves it by 1/254 of its block's largest, and that travels: scaling
-/// half of layer 0's norm weights by 1 + 2^-20 moves the CPU's own logits by 0.9% of a row's
-/// largest. So the model-level check is loose — within 2^-4 of each row's largest (1.7%
-/// measured) and the same greedy picks on all 63 rows — and catches a broken kernel, not
-/// rounding.
+/// The whole forward pass with the CUDA backend's bounded kernels on the emulated device
+/// (`CudaOptions`: prompt matmuls on the int8 tensor cores, flash attention's running softmax,
+/// each alone and both): a 40-token prompt and a batch of three, every token's logits, against
+/// the CPU backend. The kernels round differently (`cuda_backend.rs` bounds each matmul at
+/// ~1e-7 relative, each attention output at ~2^-10 of its values), but a difference that
+/// flips one Q8 activation quant moves it by 1/254 of its block's largest, and that travels:
+/// scaling half of layer 0's norm weights by 1 + 2^-20 moves the CPU's own logits by 0.9% of
+/// a row's largest. So the model-level check is loose — within 2^-4 of each row's largest
+/// and the same greedy picks on all 63 rows — and catches a broken kernel, not rounding.
 #[test]
-fn tensor_core_prompts_stay_near_the_cpu_backends_logits() {
+fn bounded_kernels_stay_near_the_cpu_backends_logits() {
     let m = crate::testing::tiny_model();
     let prompts: [Vec<u32>; 3] =
         [(3..43).collect(), (40..49).collect(), (7..100).step_by(7).collect()];
@@ -220,18 +220,21 @@ fn tensor_core_prompts_stay_near_the_cpu_backends_logits() {
         (0..l.len()).map(|i| l.row(i).1.to_vec()).collect::<Vec<_>>()
     };
     let want = run(crate::BackendKind::Cpu { simd: None });
-    let got = run(crate::BackendKind::CudaEmu { mma: true });
-    assert_eq!(got.len(), want.len());
-    let (mut worst, mut exact) = (0f32, 0usize);
-    for (g, w) in got.iter().zip(&want) {
-        let top = w.iter().fold(0f32, |a, v| a.max(v.abs()));
-        worst = worst.max(max_diff(g, w) / top);
-        exact += usize::from(bits(g) == bits(w));
-        assert_eq!(pdmesh_kernels::argmax(g), pdmesh_kernels::argmax(w));
+    for (mma, flash) in [(true, false), (false, true), (true, true)] {
+        let opts = crate::CudaOptions { mma, flash };
+        let got = run(crate::BackendKind::CudaEmu { opts });
+        assert_eq!(got.len(), want.len());
+        let (mut worst, mut exact) = (0f32, 0usize);
+        for (g, w) in got.iter().zip(&want) {
+            let top = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+            worst = worst.max(max_diff(g, w) / top);
+            exact += usize::from(bits(g) == bits(w));
+            assert_eq!(pdmesh_kernels::argmax(g), pdmesh_kernels::argmax(w), "{opts:?}");
+        }
+        eprintln!("{opts:?}: {exact} of {} rows bit-identical, worst {worst:e}", got.len());
+        assert!(exact < got.len(), "{opts:?}: every row the CPU's bits: the kernels did not run");
+        assert!(worst <= 2f32.powi(-4), "{opts:?}: logits differ by {worst} of a row's largest");
     }
-    eprintln!("tensor cores: {exact} of {} rows bit-identical, worst {worst:e}", got.len());
-    assert!(exact < got.len(), "every row the CPU's bits: the tensor cores did not run");
-    assert!(worst <= 2f32.powi(-4), "logits differ by {worst} of the row's largest");
 }
 
 /// Every architecture's forward pass on the CUDA backend (its emulated device) against the
@@ -265,7 +268,7 @@ fn cuda_backend_gives_the_cpu_backends_bits_on_a_long_prompt_in_every_architectu
             rows
         };
         let want = run(crate::BackendKind::Cpu { simd: None });
-        let got = run(crate::BackendKind::CudaEmu { mma: false });
+        let got = run(crate::BackendKind::CudaEmu { opts: Default::default() });
         assert_eq!(got.len(), 303, "{arch:?}");
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!(bits(g) == bits(w), "{arch:?} row {i}: differs by {}", max_diff(g, w));

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use pdmesh_kernels::KvDtype;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{BackendKind, Engine, EngineConfig};
+use crate::engine::{BackendKind, CudaOptions, Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::model::Model;
 
@@ -97,6 +97,9 @@ pub struct EngineSettings {
     /// With a cuda backend: prompt matmuls of the quantized formats on the int8 tensor
     /// cores, within a stated bound of the CPU's logits instead of bit for bit.
     pub cuda_mma: bool,
+    /// With a cuda backend: prompt attention with flash attention's running softmax, within
+    /// a stated bound of the CPU's instead of bit for bit.
+    pub cuda_flash: bool,
 }
 
 impl Default for EngineSettings {
@@ -113,6 +116,7 @@ impl Default for EngineSettings {
             kv_blocks: d.kv_blocks,
             max_batch_tokens: d.max_batch_tokens,
             cuda_mma: false,
+            cuda_flash: false,
         }
     }
 }
@@ -124,6 +128,7 @@ impl EngineSettings {
             .kv_dtype
             .parse()
             .map_err(|e: String| Error::invalid(format!("engine.kv_dtype: {e}")))?;
+        let opts = CudaOptions { mma: self.cuda_mma, flash: self.cuda_flash };
         let c = EngineConfig {
             threads: self.threads,
             block_size: self.block_size,
@@ -136,20 +141,17 @@ impl EngineSettings {
                     None => crate::sim::SimProfile::builtin(),
                 }),
                 (EngineName::Real, BackendName::Cpu) => BackendKind::Cpu { simd: None },
-                (EngineName::Real, BackendName::Cuda) => {
-                    BackendKind::Cuda { device: 0, mma: self.cuda_mma }
-                }
-                (EngineName::Real, BackendName::CudaEmu) => {
-                    BackendKind::CudaEmu { mma: self.cuda_mma }
-                }
+                (EngineName::Real, BackendName::Cuda) => BackendKind::Cuda { device: 0, opts },
+                (EngineName::Real, BackendName::CudaEmu) => BackendKind::CudaEmu { opts },
             },
         };
-        if self.cuda_mma
-            && !matches!(c.backend, BackendKind::Cuda { .. } | BackendKind::CudaEmu { .. })
-        {
-            return Err(Error::invalid(
-                "engine.cuda_mma applies to the cuda and cuda-emu backends only",
-            ));
+        let cuda = matches!(c.backend, BackendKind::Cuda { .. } | BackendKind::CudaEmu { .. });
+        for (key, on) in [("cuda_mma", self.cuda_mma), ("cuda_flash", self.cuda_flash)] {
+            if on && !cuda {
+                return Err(Error::invalid(format!(
+                    "engine.{key} applies to the cuda and cuda-emu backends only"
+                )));
+            }
         }
         if self.sim_profile.is_some() && self.engine != EngineName::Sim {
             return Err(Error::invalid("engine.sim_profile is for engine = \"sim\" only"));
@@ -210,8 +212,15 @@ mod tests {
         assert!(s.engine_config().unwrap_err().to_string().contains("cannot read"));
         let s = EngineSettings { cuda_mma: true, ..Default::default() };
         assert!(s.engine_config().unwrap_err().to_string().contains("engine.cuda_mma"));
-        let s =
-            EngineSettings { cuda_mma: true, backend: BackendName::CudaEmu, ..Default::default() };
-        assert_eq!(s.engine_config().unwrap().backend, BackendKind::CudaEmu { mma: true });
+        let s = EngineSettings { cuda_flash: true, ..Default::default() };
+        assert!(s.engine_config().unwrap_err().to_string().contains("engine.cuda_flash"));
+        let s = EngineSettings {
+            cuda_mma: true,
+            cuda_flash: true,
+            backend: BackendName::CudaEmu,
+            ..Default::default()
+        };
+        let opts = CudaOptions { mma: true, flash: true };
+        assert_eq!(s.engine_config().unwrap().backend, BackendKind::CudaEmu { opts });
     }
 }

@@ -14,8 +14,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdmesh_engine::{
-    BackendKind, Engine, EngineConfig, GenerateParams, Model, SamplingParams, generate_batch,
-    generate_batch_observed,
+    BackendKind, CudaOptions, Engine, EngineConfig, GenerateParams, Model, SamplingParams,
+    generate_batch, generate_batch_observed,
 };
 use pdmesh_kernels::KvDtype;
 
@@ -58,8 +58,8 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
 /// The backend the CUDA side of each comparison runs on.
 fn cuda() -> BackendKind {
     match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
-        Ok("gpu") => BackendKind::Cuda { device: 0, mma: false },
-        _ => BackendKind::CudaEmu { mma: false },
+        Ok("gpu") => BackendKind::Cuda { device: 0, opts: CudaOptions::default() },
+        _ => BackendKind::CudaEmu { opts: CudaOptions::default() },
     }
 }
 
@@ -149,20 +149,22 @@ fn cuda_backend_with_q8_0_kv_generates_the_cpu_backends_tokens() {
     compare(KvDtype::Q8_0, 6, 6);
 }
 
-/// Prompt matmuls on the int8 tensor cores (`--cuda-mma`), end to end: three prompts batched
-/// into one prefill step, each one's logits against the CPU backend's. Block
-/// sums round differently (`cuda_backend.rs` bounds each matmul), and a flipped quant in a
-/// layer's requantized input travels, so this is loose — within 2^-3 of each row's largest —
-/// and catches a broken kernel (a wrong fragment layout or scale is off by whole terms), not
-/// rounding. The hardware tier runs it on the 1B-shaped model too, whose K-quant weights take
-/// `mm_mma`'s sub-block path (SmolLM2's are Q4_1 and Q8_0).
+/// The bounded kernels end to end (`--cuda-mma --cuda-flash`: prompt matmuls on the int8
+/// tensor cores, prompt attention with flash attention's running softmax): three prompts
+/// batched into one prefill step, each one's logits against the CPU backend's. Both round
+/// differently (`cuda_backend.rs` bounds each kernel), and a flipped quant in a layer's
+/// requantized input travels, so this is loose — within 2^-3 of each row's largest — and
+/// catches a broken kernel (a wrong fragment layout, scale or rescale is off by whole terms),
+/// not rounding. The hardware tier runs it on the 1B-shaped model too, whose K-quant weights
+/// take `mm_mma`'s sub-block path (SmolLM2's are Q4_1 and Q8_0).
 #[test]
-fn tensor_core_prompts_stay_near_the_cpu_backends_logits() {
+fn bounded_kernels_stay_near_the_cpu_backends_logits() {
     let _one = one_at_a_time();
     let m = model();
+    let opts = CudaOptions { mma: true, flash: true };
     let mma = match cuda() {
-        BackendKind::Cuda { device, .. } => BackendKind::Cuda { device, mma: true },
-        _ => BackendKind::CudaEmu { mma: true },
+        BackendKind::Cuda { device, .. } => BackendKind::Cuda { device, opts },
+        _ => BackendKind::CudaEmu { opts },
     };
     let start = std::time::Instant::now();
     let (_, want) = run(&m, BackendKind::Cpu { simd: None }, KvDtype::F16, 3, 1);
@@ -178,10 +180,10 @@ fn tensor_core_prompts_stay_near_the_cpu_backends_logits() {
         exact += usize::from(g.iter().zip(w).all(|(x, y)| x.to_bits() == y.to_bits()));
     }
     eprintln!(
-        "tensor cores: {exact} of {rows} rows bit-identical, worst {worst:e} of a row's largest"
+        "bounded kernels: {exact} of {rows} rows bit-identical, worst {worst:e} of a row's largest"
     );
     assert_eq!(rows, 3, "one row per prompt");
-    assert!(exact < rows, "every row the CPU's bits: the tensor cores did not run");
+    assert!(exact < rows, "every row the CPU's bits: the bounded kernels did not run");
     assert!(worst <= 2f32.powi(-3), "logits differ by {worst} of the row's largest");
 }
 

@@ -68,6 +68,12 @@ pub struct EngineFlags {
     #[arg(long, value_name = "BOOL")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) cuda_mma: Option<bool>,
+    /// With --backend cuda or cuda-emu: attention of batches with prompt tokens (f16/f32 KV)
+    /// with flash attention's running softmax, within a stated bound of the CPU's logits
+    /// instead of bit for bit [default: false].
+    #[arg(long, value_name = "BOOL")]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) cuda_flash: Option<bool>,
 }
 
 #[derive(Debug, Clone, Args, Serialize)]
