@@ -622,7 +622,6 @@ impl<D: Device> Backend for CudaBackend<D> {
         let tables_arg = st.put(dev, "attn_tables", bytemuck::cast_slice(&tables));
         let at_arg = st.put(dev, "attn_table_at", bytemuck::cast_slice(&table_at));
         let pos_arg = st.put(dev, "attn_pos", bytemuck::cast_slice(&pos));
-        let ph_arg = st.put(dev, "attn_phases", &phases);
         let n = queries.len();
         if self.flash && !kv.is_q8() {
             let tiles = attention_tiles(queries, &table_at, n).concat();
@@ -658,6 +657,8 @@ impl<D: Device> Backend for CudaBackend<D> {
             let flat: Vec<u32> = t.iter().flatten().flat_map(|&(f, k)| [f, k]).collect();
             st.put(dev, "attn_tiles", bytemuck::cast_slice(&flat))
         });
+        // Phases and scratch only here: `attention_flash` takes neither.
+        let ph_arg = st.put(dev, "attn_phases", &phases);
         let scratch = st.attn_scratch.ensure(dev, chunk.min(n) * per_token * 4).addr();
         drop(st);
         let offset = |a: Arg, bytes: usize| match a {

@@ -5,8 +5,8 @@
 //! logit it sampled from agrees (bit for bit, but for RMSNorm's f64 sum order, see
 //! `pdmesh_kernels::cuda`); the same with a q8_0 KV cache; and with nobody observing the
 //! logits, greedy and top-k samplers picking from the candidates the device cuts the logits
-//! to give the tokens the CPU backend samples from whole logits; and with prompt matmuls on the
-//! int8 tensor cores, logits near the CPU's.
+//! to give the tokens the CPU backend samples from whole logits; and with the bounded kernels
+//! (tensor-core prompt matmuls, flash attention), logits near the CPU's.
 
 #![allow(clippy::unwrap_used)]
 
@@ -162,15 +162,15 @@ fn bounded_kernels_stay_near_the_cpu_backends_logits() {
     let _one = one_at_a_time();
     let m = model();
     let opts = CudaOptions { mma: true, flash: true };
-    let mma = match cuda() {
+    let bounded = match cuda() {
         BackendKind::Cuda { device, .. } => BackendKind::Cuda { device, opts },
         _ => BackendKind::CudaEmu { opts },
     };
     let start = std::time::Instant::now();
     let (_, want) = run(&m, BackendKind::Cpu { simd: None }, KvDtype::F16, 3, 1);
     let cpu_time = start.elapsed();
-    let (_, got) = run(&m, mma.clone(), KvDtype::F16, 3, 1);
-    eprintln!("cpu {cpu_time:?}, {mma:?} {:?}", start.elapsed() - cpu_time);
+    let (_, got) = run(&m, bounded.clone(), KvDtype::F16, 3, 1);
+    eprintln!("cpu {cpu_time:?}, {bounded:?} {:?}", start.elapsed() - cpu_time);
     let (mut rows, mut exact, mut worst) = (0usize, 0usize, 0f32);
     for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
         let top = w.iter().fold(0f32, |a, v| a.max(v.abs()));
