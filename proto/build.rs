@@ -19,5 +19,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // KV block data moves as `Bytes`: no copy between the engine and the wire.
         .bytes(".")
         .compile_protos(&files, &["."])?;
+    // The public port's reflection describes the public API alone: the internal services'
+    // schema is no business of a caller without a mesh certificate.
+    let public = out.join("pdmesh_public_descriptor.bin");
+    let status = std::process::Command::new(protoc_bin_vendored::protoc_bin_path()?)
+        .arg("--include_imports")
+        .arg(format!("--descriptor_set_out={}", public.display()))
+        .args(["-I.", files[0]])
+        .status()?;
+    if !status.success() {
+        return Err(format!("protoc for the public descriptor set: {status}").into());
+    }
     Ok(())
 }

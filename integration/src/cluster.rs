@@ -55,9 +55,14 @@ pub fn pki() -> &'static Pki {
 impl Pki {
     /// A certificate for `name` in `role` (say, an attacker holding a real prefill node's).
     pub fn identity(&self, name: &str, role: MeshRole) -> MeshTls {
+        MeshTls::load(&self.identity_dir(name, role), name).expect("certificate loads")
+    }
+
+    /// `identity`'s files: a directory to give a process as `--tls-dir`.
+    pub fn identity_dir(&self, name: &str, role: MeshRole) -> PathBuf {
         let d = self.dir.path().join("ids").join(format!("{name}-{role}"));
         self.ca.issue(&d, name, role).expect("certificate issued");
-        MeshTls::load(&d, name).expect("certificate loads")
+        d
     }
 
     /// The CA's certificate file.
@@ -79,9 +84,9 @@ impl Pki {
     }
 }
 
-/// An endpoint to a TLS cluster's process at `addr`, as `tls`.
-pub fn endpoint_as(addr: &str, tls: &MeshTls) -> tonic::transport::Endpoint {
-    pdmesh_common::tls::endpoint_with(addr, tls).expect("a valid address")
+/// An endpoint to a TLS cluster's process of role `serves` at `addr`, as `tls`.
+pub fn endpoint_as(addr: &str, tls: &MeshTls, serves: MeshRole) -> tonic::transport::Endpoint {
+    pdmesh_common::tls::endpoint_with(addr, tls, serves).expect("a valid address")
 }
 
 /// One service process.
@@ -591,9 +596,32 @@ impl Cluster {
         let ep = if self.builder.insecure {
             tonic::transport::Endpoint::from_shared(format!("http://{addr}")).expect("an address")
         } else {
-            endpoint_as(addr, &pki().harness)
+            self.endpoint_as(addr, &pki().harness)
         };
         ep.connect().await.unwrap_or_else(|e| panic!("{addr} unreachable: {e}"))
+    }
+
+    /// `endpoint_as` to this cluster's process at `addr`, whose role it knows.
+    pub fn endpoint_as(&self, addr: &str, tls: &MeshTls) -> tonic::transport::Endpoint {
+        endpoint_as(addr, tls, self.role_at(addr))
+    }
+
+    /// The role of this cluster's process at `addr` (a router's ports, or a node's).
+    pub fn role_at(&self, addr: &str) -> MeshRole {
+        let routers = std::iter::once(&self.router).chain(&self.more_routers);
+        if routers.clone().any(|r| r.addr == addr || r.internal.as_deref() == Some(addr)) {
+            return MeshRole::Router;
+        }
+        if self.prefills.iter().any(|p| p.addr == addr) {
+            return MeshRole::Prefill;
+        }
+        if self.decodes.iter().any(|d| d.addr == addr) {
+            return MeshRole::Decode;
+        }
+        if self.kvstore.as_ref().is_some_and(|k| k.addr == addr) {
+            return MeshRole::KvStore;
+        }
+        panic!("no process of this cluster is at {addr}")
     }
 
     /// A client of the public API, as tenant "test".

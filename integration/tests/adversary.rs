@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use pdmesh_common::apikey::Tenant;
 use pdmesh_common::tls::MeshRole;
-use pdmesh_integration::cluster::{endpoint_as, pki};
+use pdmesh_integration::cluster::pki;
 use pdmesh_integration::{Cluster, collect, eventually, greedy};
 use pdmesh_kv_types::BlockHasher;
 use pdmesh_proto::v1::decode_client::DecodeClient;
@@ -28,8 +28,8 @@ use tonic::Code;
 use tonic::transport::Channel;
 
 /// A channel to `addr` holding a real certificate of the mesh for `name` in `role`.
-async fn as_node(addr: &str, name: &str, role: MeshRole) -> Channel {
-    endpoint_as(addr, &pki().identity(name, role)).connect().await.unwrap()
+async fn as_node(c: &Cluster, addr: &str, name: &str, role: MeshRole) -> Channel {
+    c.endpoint_as(addr, &pki().identity(name, role)).connect().await.unwrap()
 }
 
 /// Clusters are heavy on two cores: one test at a time in this binary.
@@ -104,7 +104,7 @@ async fn guessed_and_forged_reservation_ids_are_refused() {
     // Pushing KV into it takes a prefill node's certificate: the router's is refused, and a
     // (compromised) prefill node still needs the reservation's secret.
     let mut as_prefill =
-        DecodeClient::new(as_node(&c.decodes[0].addr, "p", MeshRole::Prefill).await);
+        DecodeClient::new(as_node(&c, &c.decodes[0].addr, "p", MeshRole::Prefill).await);
     let header = KvChunk {
         chunk: Some(PushChunk::Header(KvHeader {
             reservation_id: forged,
@@ -171,7 +171,7 @@ async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
     };
     // The public port does not serve membership at all, even to a node.
     let mut public =
-        MembershipClient::new(as_node(&c.router.addr, "mallory", MeshRole::Prefill).await);
+        MembershipClient::new(as_node(&c, &c.router.addr, "mallory", MeshRole::Prefill).await);
     let e = public.register(register("mallory", Role::Prefill, None)).await.unwrap_err();
     assert_eq!(e.code(), Code::Unimplemented, "{e:?}");
     // A router's certificate is not a node's.
@@ -179,7 +179,8 @@ async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
     let e = as_router.register(register("router", Role::Prefill, None)).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     // Mallory holds a real prefill certificate, in her own name.
-    let mut mallory = MembershipClient::new(as_node(&internal, "mallory", MeshRole::Prefill).await);
+    let mut mallory =
+        MembershipClient::new(as_node(&c, &internal, "mallory", MeshRole::Prefill).await);
     for (id, role) in [("prefill-0", Role::Prefill), ("mallory", Role::Decode)] {
         let e = mallory.register(register(id, role, None)).await.unwrap_err();
         assert_eq!(e.code(), Code::PermissionDenied, "{id} as {role:?}: {e:?}");
@@ -191,8 +192,26 @@ async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
         .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert_eq!(generate(&mut client, &prompt).await, want, "a spoofed heartbeat took effect");
+    // A certificate of another role that carries the node's name (a KV-store or an admin
+    // named "decode-0") spoke for the node in heartbeats and departures: the name was
+    // checked, the role was not.
+    for role in [MeshRole::KvStore, MeshRole::Prefill] {
+        let mut twin = MembershipClient::new(as_node(&c, &internal, "decode-0", role).await);
+        let r = HeartbeatRequest { node_id: "decode-0".into(), load: Some(full) };
+        let e = twin.heartbeat(r).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{role} heartbeat: {e:?}");
+        let r = pdmesh_proto::v1::DeregisterRequest {
+            node_id: "decode-0".into(),
+            reason: "gone".into(),
+        };
+        let e = twin.deregister(r).await.unwrap_err();
+        assert_eq!(e.code(), Code::PermissionDenied, "{role} deregister: {e:?}");
+    }
+    assert!(c.nodes().await.iter().any(|n| n.node_id == "decode-0"), "the decode node left");
+    assert_eq!(generate(&mut client, &prompt).await, want, "a twin's heartbeat took effect");
 
-    let mut m = MembershipClient::new(as_node(&internal, "other-model", MeshRole::Prefill).await);
+    let mut m =
+        MembershipClient::new(as_node(&c, &internal, "other-model", MeshRole::Prefill).await);
     let mut other = real.layout.clone().unwrap();
     other.model_fingerprint ^= 1;
     let e = m
@@ -211,7 +230,7 @@ async fn membership_refuses_another_model_and_survives_a_huge_cache_claim() {
     // The liar sits at the real node's address, so requests placed on it are served; it keeps
     // its claim fresh while honest requests run.
     let huge = NodeLoad { cache_blocks: u32::MAX, ..Default::default() };
-    let mut m = MembershipClient::new(as_node(&internal, "liar", MeshRole::Prefill).await);
+    let mut m = MembershipClient::new(as_node(&c, &internal, "liar", MeshRole::Prefill).await);
     m.register(RegisterRequest {
         node_id: "liar".into(),
         role: Role::Prefill as i32,
@@ -247,7 +266,7 @@ async fn kvstore_leases_cannot_be_guessed_or_forged() {
     let c = Cluster::builder().prefill(0).decode(1).kvstore().start().await;
     let layout = c.decode_stats(0).await.layout.unwrap();
     let store = c.kvstore.as_ref().unwrap();
-    let ch = as_node(&store.addr, "p", MeshRole::Prefill).await;
+    let ch = as_node(&c, &store.addr, "p", MeshRole::Prefill).await;
     let mut k = KvStoreClient::new(ch).max_decoding_message_size(64 << 20);
     let domain = pdmesh_proto::layout_from_wire(&layout).unwrap();
     let tokens: Vec<u32> = (0..32).map(|i| 700 + i).collect();
@@ -343,7 +362,7 @@ async fn kv_that_no_request_ever_attaches_to_is_freed() {
         PushChunk::End(KvEnd { blocks: blocks as u32, checksums }),
     ]
     .map(|c| KvChunk { chunk: Some(c) });
-    let mut p = DecodeClient::new(as_node(&c.decodes[0].addr, "p", MeshRole::Prefill).await);
+    let mut p = DecodeClient::new(as_node(&c, &c.decodes[0].addr, "p", MeshRole::Prefill).await);
     p.push_kv(tokio_stream::iter(msgs)).await.unwrap();
     let s = c.decode_stats(0).await;
     assert!(s.load.unwrap().committed_blocks > 0, "the KV is held for its request");
@@ -693,4 +712,48 @@ async fn forged_ucx_targets_are_refused_before_a_byte_moves() {
     assert!(r.into_inner().released);
     d.release(ReleaseRequest { reservation_id: mine.reservation_id }).await.unwrap();
     assert_eq!(generate(&mut client, &prompt).await, want);
+}
+
+/// Sockets from `from` (a loopback address of its own) to `to` that connect and never say a
+/// word: a TLS handshake each server side, never finished.
+async fn stalled(from: &str, to: &str, n: usize) -> Vec<tokio::net::TcpStream> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind(format!("{from}:0").parse().unwrap()).unwrap();
+        held.push(s.connect(to.parse().unwrap()).await.unwrap());
+    }
+    held
+}
+
+/// The handshake cap was one per listener (256, 10 s each): about 26 sockets a second that
+/// never speak, from one address and with no certificate, kept every slot full, and then no
+/// one connected — clients to the public port, nodes to the router's internal one. Now one
+/// address holds its own share of the handshakes (and of the connections) and no more: with
+/// 300 stalled sockets from 127.0.0.2 on each port, a client from 127.0.0.1 is served at
+/// once, and a node still reaches membership.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_handshakes_from_one_address_lock_no_one_else_out() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(1).decode(1).start().await;
+    c.wait_nodes(1, 1).await;
+    let prompt: Vec<u32> = (0..24).map(|i| 500 + i).collect();
+    let want = generate(&mut c.client().await, &prompt).await;
+    let internal = c.router.internal.clone().unwrap();
+    let mut held = stalled("127.0.0.2", &c.router.addr, 300).await;
+    held.extend(stalled("127.0.0.2", &internal, 300).await);
+    // Each of these is a new connection, well within the stalled sockets' 10 s.
+    let t0 = std::time::Instant::now();
+    let served = tokio::time::timeout(Duration::from_secs(5), async {
+        generate(&mut c.client().await, &prompt).await
+    })
+    .await
+    .expect("a client from another address is served while the sockets stall");
+    assert_eq!(served, want);
+    let mut ops = MembershipClient::new(as_node(&c, &internal, "ops", MeshRole::Admin).await);
+    let nodes = ops.list_nodes(pdmesh_proto::v1::ListNodesRequest {}).await.unwrap();
+    assert_eq!(nodes.into_inner().nodes.len(), 2);
+    assert!(t0.elapsed() < Duration::from_secs(8), "served only once the stalls timed out");
+    drop(held);
+    assert!(c.router.is_running_ref(), "the router died");
 }

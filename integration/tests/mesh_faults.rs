@@ -544,6 +544,29 @@ async fn every_service_serves_health_and_reflection() {
             names.iter().any(|n| n == service),
             "{service} not listed by reflection: {names:?}"
         );
+        // The public port served the internal services' whole schema to anyone who asked
+        // (reflection needs no key): now it describes the public API alone.
+        if addr == &c.router.addr {
+            assert!(names.iter().all(|n| !n.contains("Decode")), "{names:?}");
+            let mut refl = ServerReflectionClient::new(c.channel(addr).await);
+            let ask = |symbol: &str| ServerReflectionRequest {
+                host: String::new(),
+                message_request: Some(MessageRequest::FileContainingSymbol(symbol.into())),
+            };
+            for symbol in ["pdmesh.v1.Decode", "pdmesh.v1.ReserveRequest"] {
+                let asks = tokio_stream::iter([ask(symbol)]);
+                let mut s = refl.server_reflection_info(asks).await.unwrap().into_inner();
+                let e = s.message().await.expect_err("an internal symbol is not described");
+                assert_eq!(e.code(), Code::NotFound, "{symbol}: {e:?}");
+            }
+            let mut s = refl
+                .server_reflection_info(tokio_stream::iter([ask("pdmesh.v1.Generation")]))
+                .await
+                .unwrap()
+                .into_inner();
+            let r = s.message().await.unwrap().unwrap().message_response;
+            assert!(matches!(r, Some(MessageResponse::FileDescriptorResponse(_))), "{r:?}");
+        }
     }
 }
 

@@ -249,7 +249,7 @@ async fn the_admin_drain_rpc_moves_streams_and_no_one_else_may_call_it() {
     let victim = mid_stream(&c, &started).await;
     let addr = c.decodes[victim].addr.clone();
     let as_role = |name: &str, role| {
-        let ep = endpoint_as(&addr, &pki().identity(name, role));
+        let ep = endpoint_as(&addr, &pki().identity(name, role), MeshRole::Decode);
         async move { DecodeClient::new(ep.connect().await.unwrap()) }
     };
     // A router, a prefill node or another decode node cannot stop a node.

@@ -55,11 +55,14 @@ async fn every_internal_port_refuses_strangers_and_the_public_one_wants_a_key() 
         read(foreign.path().join("mallory.pem")),
         read(foreign.path().join("mallory.key")),
     );
-    let with_foreign_cert = ClientTlsConfig::new()
-        .ca_certificate(ca.clone())
-        .identity(theirs)
-        .domain_name(tls::MESH_NAME);
-    let without_cert = ClientTlsConfig::new().ca_certificate(ca).domain_name(tls::MESH_NAME);
+    let with_foreign_cert = |role| {
+        ClientTlsConfig::new()
+            .ca_certificate(ca.clone())
+            .identity(theirs.clone())
+            .domain_name(tls::role_name(role))
+    };
+    let without_cert =
+        |role| ClientTlsConfig::new().ca_certificate(ca.clone()).domain_name(tls::role_name(role));
     let internal = c.router.internal.clone().unwrap();
     for (addr, kind) in [
         (&internal, "membership"),
@@ -67,6 +70,7 @@ async fn every_internal_port_refuses_strangers_and_the_public_one_wants_a_key() 
         (&c.decodes[0].addr, "decode"),
         (&c.kvstore.as_ref().unwrap().addr, "kvstore"),
     ] {
+        let role = c.role_at(addr);
         // The harness's own certificate works.
         probe(c.channel(addr).await, kind).await.unwrap();
         // Plaintext: told precisely what is wrong.
@@ -75,13 +79,12 @@ async fn every_internal_port_refuses_strangers_and_the_public_one_wants_a_key() 
         assert_eq!(e.code(), Code::Unauthenticated, "{kind}: {e:?}");
         assert!(e.message().contains("plaintext"), "{kind}: {e:?}");
         // TLS without a client certificate, and with one from another CA.
-        for (what, cfg) in
-            [("no certificate", &without_cert), ("a foreign certificate", &with_foreign_cert)]
-        {
-            let ep = Endpoint::from_shared(format!("https://{addr}"))
-                .unwrap()
-                .tls_config(cfg.clone())
-                .unwrap();
+        for (what, cfg) in [
+            ("no certificate", without_cert(role)),
+            ("a foreign certificate", with_foreign_cert(role)),
+        ] {
+            let ep =
+                Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(cfg).unwrap();
             if let Ok(ch) = ep.connect().await {
                 assert!(probe(ch, kind).await.is_err(), "{kind} answered a client with {what}");
             }
@@ -90,9 +93,12 @@ async fn every_internal_port_refuses_strangers_and_the_public_one_wants_a_key() 
 
     // The public port: TLS without a client certificate is fine, but no key, a malformed
     // key or an unknown key is UNAUTHENTICATED.
+    let public = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read(pki().ca_file())))
+        .domain_name(tls::MESH_NAME);
     let ep = Endpoint::from_shared(format!("https://{}", c.router.addr))
         .unwrap()
-        .tls_config(without_cert.clone())
+        .tls_config(public.clone())
         .unwrap();
     let ch = ep.connect().await.unwrap();
     for key in [None, Some("pdm_0123456789abcdef")] {
@@ -108,9 +114,27 @@ async fn every_internal_port_refuses_strangers_and_the_public_one_wants_a_key() 
         pdmesh_common::apikey::Bearer::new(Some(c.api_key("test"))).unwrap(),
     );
     assert_eq!(tokens(&mut keyed).await.unwrap(), 6);
+    // Traffic for a router, a decode node or the public API redirected to a process of
+    // another role (here the KV-store, whose certificate is the mesh's): every certificate
+    // carried the one name every client checked, so any was taken for any server. A client
+    // now checks the name of the role it dials, which only that role's certificates carry.
+    let store = c.kvstore.as_ref().unwrap().addr.clone();
+    let router = pki().identity("router-x", MeshRole::Router);
+    for (serves, taken) in [
+        (MeshRole::KvStore, true),
+        (MeshRole::Decode, false),
+        (MeshRole::Router, false),
+        (MeshRole::Prefill, false),
+    ] {
+        let r = endpoint_as(&store, &router, serves).connect().await;
+        assert_eq!(r.is_ok(), taken, "a KV-store's certificate as a {serves}: {r:?}");
+    }
+    let ep = Endpoint::from_shared(format!("https://{}", c.decodes[0].addr)).unwrap();
+    let r = ep.tls_config(public).unwrap().connect().await;
+    assert!(r.is_err(), "a decode node's certificate taken for the public API");
     // An admin's certificate lists nodes but drives none of them.
     let admin = pki().identity("ops", MeshRole::Admin);
-    let ch = endpoint_as(&c.decodes[0].addr, &admin).connect().await.unwrap();
+    let ch = c.endpoint_as(&c.decodes[0].addr, &admin).connect().await.unwrap();
     probe(ch.clone(), "decode").await.unwrap();
     let r = pdmesh_proto::v1::ReleaseRequest { reservation_id: "0".repeat(32) };
     let e = DecodeClient::new(ch).release(r).await.unwrap_err();
@@ -140,9 +164,40 @@ fn insecure_is_loopback_only_and_tls_is_the_default() {
         let (ok, err) = run(&a);
         assert!(!ok && err.contains("loopback"), "{args:?}: {err}");
     }
+    // The HTTP and metrics ports are plaintext too under --insecure, and `pdmesh up
+    // --insecure` adds --allow-anonymous: on 0.0.0.0 they served the whole mesh to the
+    // network, without TLS or a key.
+    let router = |port: &'static str| {
+        let head = ["router", "--insecure", "--allow-anonymous", "--listen", "127.0.0.1:0"];
+        [&head[..], &["--internal-listen", "127.0.0.1:0", port, "0.0.0.0:0"]].concat()
+    };
+    for args in [
+        &router("--http-listen")[..],
+        &router("--metrics-listen"),
+        &["decode", "--insecure", "--listen", "127.0.0.1:0", "--metrics-listen", "0.0.0.0:0"],
+        &["--insecure", "up", "--listen", "127.0.0.1:0", "--http-listen", "0.0.0.0:0"],
+    ] {
+        let mut a = args.to_vec();
+        a.extend(["--model", model]);
+        let (ok, err) = run(&a);
+        assert!(!ok && err.contains("loopback") && err.contains("0.0.0.0"), "{args:?}: {err}");
+    }
     // And a router without API keys must say it serves anyone.
     let (ok, err) = run(&["router", "--insecure", "--listen", "127.0.0.1:0", "--model", model]);
     assert!(!ok && err.contains("api_keys"), "{err}");
+    // With TLS, a node without the seal key refuses to start: its UCX targets would carry a
+    // checksum anyone can compute, so any member of the mesh could forge one.
+    for (name, role, cmd) in
+        [("decode-x", MeshRole::Decode, "decode"), ("prefill-x", MeshRole::Prefill, "prefill")]
+    {
+        let dir = pki().identity_dir(name, role);
+        let dir = dir.to_str().unwrap();
+        let args = [cmd, "--tls-dir", dir, "--tls-name", name, "--listen", "127.0.0.1:0"];
+        let mut a = args.to_vec();
+        a.extend(["--router", "127.0.0.1:1", "--model", model]);
+        let (ok, err) = run(&a);
+        assert!(!ok && err.contains("--seal-key"), "{cmd}: {err}");
+    }
 }
 
 /// The CA is rotated under a running mesh: every process's files are replaced by ones from a
@@ -168,14 +223,14 @@ async fn the_mesh_rotates_its_ca_without_a_restart() {
     let rotated = MeshTls::load(dir, "harness-2").unwrap();
     let decode = c.decodes[0].addr.clone();
     eventually(Duration::from_secs(20), "the decode node serves the new CA", || async {
-        let old = c_channel_works(&endpoint_as(&decode, &pki_harness())).await;
-        let new = c_channel_works(&endpoint_as(&decode, &rotated)).await;
+        let old = c_channel_works(&c.endpoint_as(&decode, &pki_harness())).await;
+        let new = c_channel_works(&c.endpoint_as(&decode, &rotated)).await;
         !old && new
     })
     .await;
     // The router dials the nodes with its new certificate, and the nodes take it.
     eventually(Duration::from_secs(20), "a request across the rotated mesh", || async {
-        let ep = endpoint_as(&c.router.addr, &rotated);
+        let ep = c.endpoint_as(&c.router.addr, &rotated);
         let Ok(ch) = ep.connect().await else { return false };
         let mut client = pdmesh_proto::v1::generation_client::GenerationClient::with_interceptor(
             ch,

@@ -445,3 +445,58 @@ async fn a_full_queue_sheds_and_a_queued_deadline_is_kept() {
         r.await.unwrap().expect("the long requests finish");
     }
 }
+
+/// A message that is not a `GenerateRequest` (field 1 with the wrong wire type).
+#[derive(Clone, PartialEq, prost::Message)]
+struct NotARequest {
+    #[prost(fixed64, tag = "1")]
+    x: u64,
+}
+
+/// A stranger's `Generate` was decoded before its key was checked: up to 4 MB parsed for no
+/// one. Now the key is checked from the headers and the message is never read: a body that is
+/// not even a request gets UNAUTHENTICATED, not a decoding error — which is what the same body
+/// gets once its caller holds a key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strangers_message_is_never_decoded() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    let tenant = pdmesh_common::apikey::Tenant {
+        tenant: "t".into(),
+        max_in_flight: None,
+        cache_group: None,
+    };
+    let key = pdmesh_common::apikey::add(&keys, tenant).unwrap();
+    let mut s = Settings::new(0, 1);
+    s.router.allow_anonymous = false;
+    s.router.api_keys = Some(keys);
+    let m = s.start().await;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", m.router))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let call = |key: Option<String>| {
+        let ch = ch.clone();
+        async move {
+            let mut g = tonic::client::Grpc::new(ch);
+            g.ready().await.unwrap();
+            let mut r = tonic::Request::new(NotARequest { x: 7 });
+            if let Some(k) = key {
+                r.metadata_mut().insert("authorization", format!("Bearer {k}").parse().unwrap());
+            }
+            let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+                "/pdmesh.v1.Generation/Generate",
+            );
+            let codec = tonic_prost::ProstCodec::<NotARequest, GenerateResponse>::default();
+            g.server_streaming(r, path, codec).await.map(|_| ()).unwrap_err()
+        }
+    };
+    for key in [None, Some("pdm_0123".to_string())] {
+        let e = call(key.clone()).await;
+        assert_eq!(e.code(), Code::Unauthenticated, "{key:?}: {e:?}");
+    }
+    let e = call(Some(key)).await;
+    assert_ne!(e.code(), Code::Unauthenticated, "{e:?}");
+    assert!(e.message().contains("decode"), "the keyed call's body is read: {e:?}");
+}

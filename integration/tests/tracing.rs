@@ -231,6 +231,19 @@ async fn one_request_is_one_trace_across_the_mesh(transport: &str) {
     for s in &spans {
         assert!(s.start_unix_nanos >= root.start_unix_nanos, "{s} starts before the root");
     }
+    // Whoever reads the trace store holds no capability: a reservation's id (32 hex digits,
+    // key and secret) once went out whole, and with a node's certificate that was enough to
+    // push KV into another tenant's reservation. Only its key is said.
+    let key = transfer.str("reservation").expect("the transfer names its reservation");
+    assert_eq!(receive.str("reservation"), Some(key), "{receive}");
+    assert!(key.len() == 19 && key.ends_with('…'), "the key alone: {transfer}");
+    for s in &spans {
+        for (k, v) in &s.attributes {
+            let v = v.to_string();
+            let capability = v.len() == 32 && v.bytes().all(|b| b.is_ascii_hexdigit());
+            assert!(!capability || k == "trace_id", "{} carries a capability in {k}: {v}", s.name);
+        }
+    }
     // A streaming call's span lasts as long as its stream, not just its handler.
     assert!(decode.end_unix_nanos > batch.start_unix_nanos, "{decode}\n{batch}");
     assert!(root.end_unix_nanos > batch.start_unix_nanos, "{root}\n{batch}");

@@ -13,3 +13,6 @@ pub use layout::layout_from_wire;
 
 /// Encoded `FileDescriptorSet` of every pdmesh proto, for `tonic-reflection`.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("pdmesh_descriptor");
+/// `generation.proto` alone: what reflection on the public port describes.
+pub const PUBLIC_FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/pdmesh_public_descriptor.bin"));

@@ -63,7 +63,7 @@ impl TlsFlags {
         let (tls, found) = match self.explicit()? {
             Some(tls) => (tls, None),
             None => {
-                let d = local_mesh_dir(target);
+                let d = local_mesh_dir(target).context(NO_HOME)?;
                 anyhow::ensure!(
                     d.join("ca.pem").exists(),
                     "no credentials for the mesh at {target}: `pdmesh up` keeps them in {} \
@@ -97,17 +97,23 @@ impl Access {
     }
 }
 
+/// Why there is no `local_mesh_dir`.
+pub const NO_HOME: &str =
+    "neither PDMESH_HOME nor HOME is set: say where `pdmesh up` keeps its credentials";
+
 /// Where `pdmesh up` with its router on `listen` keeps its credentials:
 /// `$PDMESH_HOME/up/HOST_PORT` (`$PDMESH_HOME` defaults to `~/.pdmesh`).
-pub fn local_mesh_dir(listen: &str) -> PathBuf {
-    let home = std::env::var_os("PDMESH_HOME").map(PathBuf::from).unwrap_or_else(|| {
-        std::env::var_os("HOME").map_or_else(std::env::temp_dir, PathBuf::from).join(".pdmesh")
-    });
+/// None when neither is set: a shared directory such as /tmp would hand the mesh's keys to
+/// whoever made the path first.
+pub fn local_mesh_dir(listen: &str) -> Option<PathBuf> {
+    let home = std::env::var_os("PDMESH_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pdmesh")))?;
     let name: String = listen
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' })
         .collect();
-    home.join("up").join(name)
+    Some(home.join("up").join(name))
 }
 
 /// The API key to send: the one given, else the one of the `pdmesh up` mesh found.
@@ -124,7 +130,7 @@ pub fn api_key(given: Option<String>, found: Option<&Path>) -> anyhow::Result<Op
 /// A `Generation` client of the router at `target` that sends `api_key`.
 pub async fn connect(target: &str, api_key: Option<&str>) -> anyhow::Result<GenerationClient> {
     let channel = async {
-        pdmesh_common::tls::endpoint(target)?
+        pdmesh_common::tls::endpoint(target, pdmesh_common::tls::MeshRole::Router)?
             .connect_timeout(Duration::from_secs(5))
             .connect()
             .await

@@ -66,11 +66,15 @@ fn init_tls(cli: &Cli) -> anyhow::Result<()> {
                         pdmesh_kv_transfer::ucx::read_seal_key(f).map_err(anyhow::Error::msg)?;
                     pdmesh_kv_transfer::ucx::set_seal_key(&key);
                 }
-                // Before logging starts: the service's own log would come too late to say it.
-                None if !cli.tls.insecure => eprintln!(
-                    "warning: no --seal-key: UCX targets are sealed with a checksum, not a key"
+                // The router never hands out or opens a UCX target; with TLS every node
+                // must seal them: a checksum stops accidents, not a member of the mesh who
+                // forges a target.
+                None if cli.tls.insecure || matches!(cli.command, Command::Router(_)) => {}
+                None => anyhow::bail!(
+                    "the mesh runs mutual TLS, so UCX targets are sealed: give --seal-key FILE \
+                     (or PDMESH_SEAL_KEY), the same file on every node (`pdmesh certs \
+                     seal-key --file FILE` makes one; `pdmesh up` makes its own)"
                 ),
-                None => {}
             }
             Ok(())
         }

@@ -106,7 +106,8 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default + Clone + Send 
     }
     /// Where `GET /metrics` is served, if anywhere.
     fn metrics_listen(&self) -> Option<&str>;
-    /// Every address it listens on or dials: with `--insecure`, each must be loopback.
+    /// Every gRPC address it listens on or dials: with `--insecure`, each must be loopback
+    /// (and so must its HTTP and metrics listeners).
     fn addresses(&self) -> Vec<&str>;
     /// The node's name, which with TLS is its certificate's (None: the service has none).
     fn node_id(&mut self) -> Option<&mut Option<String>> {
@@ -221,7 +222,7 @@ service!(pdmesh_kvstore::KvStoreConfig, "kvstore", "PDMESH_KVSTORE_", 2, KvStore
     run: |l, m, s| pdmesh_kvstore::run(c, l.main, m, s));
 
 /// Whether `addr` (host:port) names only this machine.
-fn is_loopback(addr: &str) -> bool {
+pub(crate) fn is_loopback(addr: &str) -> bool {
     use std::net::ToSocketAddrs;
     match addr.to_socket_addrs() {
         Ok(mut all) => {
@@ -236,7 +237,10 @@ fn is_loopback(addr: &str) -> bool {
 /// (`--insecure`), every address must stay on this machine.
 fn settle_identity<C: Service>(cfg: &mut C) -> anyhow::Result<()> {
     let Some(tls) = pdmesh_common::tls::current() else {
-        let far: Vec<&str> = cfg.addresses().into_iter().filter(|a| !is_loopback(a)).collect();
+        // Every listener counts: the OpenAI API and the metrics page are plaintext too, and
+        // the HTTP port serves the whole mesh to whoever reaches it.
+        let all = cfg.addresses().into_iter().chain(cfg.http_listen()).chain(cfg.metrics_listen());
+        let far: Vec<&str> = all.filter(|a| !is_loopback(a)).collect();
         anyhow::ensure!(
             far.is_empty(),
             "--insecure runs plaintext, so it is for loopback addresses only; {} {} not \

@@ -145,10 +145,24 @@ pub fn run(a: UpArgs, insecure: bool) -> anyhow::Result<()> {
     }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     if insecure {
+        // Plaintext and without keys: refused before anything starts, rather than by the
+        // router once the rest is up.
+        let far: Vec<&str> = [a.listen.as_str(), a.http_listen.as_str()]
+            .into_iter()
+            .filter(|l| !crate::serve::is_loopback(l))
+            .collect();
+        if !far.is_empty() {
+            bail!(
+                "--insecure serves the mesh in plaintext and without API keys, so only on \
+                 loopback addresses; {} not (leave out --insecure: the mesh makes its own \
+                 certificates and key)",
+                far.join(", ")
+            );
+        }
         pdmesh_common::tls::init(None);
         return rt.block_on(up_with(&a, None));
     }
-    let dir = pdmesh_cli::client::local_mesh_dir(&a.listen);
+    let dir = pdmesh_cli::client::local_mesh_dir(&a.listen).context(pdmesh_cli::client::NO_HOME)?;
     issue_credentials(&a, &dir)?;
     let r = rt.block_on(up_with(&a, Some(&dir)));
     let _ = std::fs::remove_dir_all(&dir);
@@ -634,7 +648,11 @@ async fn wait_ready(
     let until = Instant::now() + timeout;
     let mut last = String::from("router not reachable");
     while Instant::now() < until {
-        let channel = async { pdmesh_common::tls::endpoint(addr)?.connect().await };
+        let channel = async {
+            pdmesh_common::tls::endpoint(addr, pdmesh_common::tls::MeshRole::Router)?
+                .connect()
+                .await
+        };
         if let Ok(ch) = channel.await
             && let Ok(r) = MembershipClient::new(ch).list_nodes(ListNodesRequest {}).await
         {

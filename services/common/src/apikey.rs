@@ -103,6 +103,9 @@ fn parse(path: &Path) -> Result<HashMap<String, Arc<Tenant>>, KeyError> {
         .map_err(|source| KeyError::Io { path: path.to_path_buf(), source })?;
     let f: File = toml::from_str(&text).map_err(|e| invalid(path, e.to_string()))?;
     let mut out = HashMap::new();
+    // A tenant is one set of settings, whichever of its keys is presented: limits that
+    // differed by key would let two keys, alternated, replace the limit at every request.
+    let mut tenants: HashMap<String, Tenant> = HashMap::new();
     for e in f.key {
         let ok = e.sha256.len() == 64 && e.sha256.bytes().all(|b| b.is_ascii_hexdigit());
         if !ok {
@@ -111,6 +114,13 @@ fn parse(path: &Path) -> Result<HashMap<String, Arc<Tenant>>, KeyError> {
         if e.tenant.tenant.is_empty() || e.tenant.max_in_flight == Some(0) {
             return Err(invalid(path, "every key needs a tenant, and max_in_flight ≥ 1"));
         }
+        if let Some(first) = tenants.get(&e.tenant.tenant) {
+            if *first != e.tenant {
+                return Err(invalid(path, disagree(first, &e.tenant)));
+            }
+        } else {
+            tenants.insert(e.tenant.tenant.clone(), e.tenant.clone());
+        }
         if out.insert(e.sha256.to_ascii_lowercase(), Arc::new(e.tenant)).is_some() {
             return Err(invalid(path, format!("{} is listed twice", e.sha256)));
         }
@@ -118,11 +128,31 @@ fn parse(path: &Path) -> Result<HashMap<String, Arc<Tenant>>, KeyError> {
     Ok(out)
 }
 
+fn disagree(first: &Tenant, other: &Tenant) -> String {
+    let show = |t: &Tenant| {
+        format!(
+            "max_in_flight {}, cache_group {}",
+            t.max_in_flight.map_or("none".into(), |m| m.to_string()),
+            t.cache_group.as_deref().unwrap_or("none")
+        )
+    };
+    format!(
+        "the keys of tenant {:?} disagree ({} against {}): every key of a tenant must give \
+         the same max_in_flight and cache_group",
+        first.tenant,
+        show(first),
+        show(other)
+    )
+}
+
 /// Appends a new key for `tenant` to `path` (made if missing, owner-only) and returns it.
 pub fn add(path: &Path, tenant: Tenant) -> Result<String, KeyError> {
     use std::io::Write;
     if path.exists() {
-        parse(path)?;
+        let same = parse(path)?.into_values().find(|t| t.tenant == tenant.tenant);
+        if let Some(first) = same.filter(|t| **t != tenant) {
+            return Err(invalid(path, disagree(&first, &tenant)));
+        }
     }
     let key = generate();
     let entry = File { key: vec![Entry { sha256: hash(&key), tenant }] };
@@ -314,6 +344,34 @@ mod tests {
         assert_eq!(ring.authenticate(&meta(&format!("Bearer {a}"))).unwrap().tenant, "a");
         // The file never holds a key itself.
         assert!(!std::fs::read_to_string(&f).unwrap().contains(&a));
+    }
+
+    /// The attacker holds two keys of one tenant with different limits and alternates them:
+    /// each request replaced the tenant's places with a fresh set, so there was no limit at
+    /// all. A key file whose keys of one tenant disagree is refused now, and so is a new key
+    /// that would make it so.
+    #[test]
+    fn the_keys_of_one_tenant_cannot_disagree_on_its_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("keys.toml");
+        let t = |limit| Tenant { tenant: "t".into(), max_in_flight: limit, cache_group: None };
+        add(&f, t(Some(1))).unwrap();
+        add(&f, t(Some(1))).unwrap();
+        let e = add(&f, t(Some(2))).unwrap_err().to_string();
+        assert!(e.contains("disagree") && e.contains("max_in_flight 1"), "{e}");
+        let e = add(&f, t(None)).unwrap_err().to_string();
+        assert!(e.contains("disagree"), "{e}");
+        assert_eq!(KeyRing::load(&f).unwrap().len(), 2);
+        // Written by hand, the file is refused as a whole.
+        let entry = |limit: u32| {
+            format!(
+                "[[key]]\nsha256 = \"{}\"\ntenant = \"t\"\nmax_in_flight = {limit}\n",
+                hash(&generate())
+            )
+        };
+        std::fs::write(&f, format!("{}{}", entry(1), entry(2))).unwrap();
+        let e = KeyRing::load(&f).unwrap_err().to_string();
+        assert!(e.contains("disagree"), "{e}");
     }
 
     #[test]

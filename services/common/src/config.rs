@@ -69,11 +69,18 @@ pub fn file_stamp(path: &Path) -> FileStamp {
 /// is written aside and renamed, so a reader watching the file never sees half of it.
 pub fn write_private(path: &Path, data: &[u8]) -> std::io::Result<()> {
     use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    // Whatever sits at the temporary name goes first, and the file is made new (O_EXCL, which
+    // never follows a link): a link planted there would otherwise take the secret wherever
+    // it points. The rename then replaces `path` itself, never what a link there points to.
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
     let mut o = std::fs::OpenOptions::new();
-    o.write(true).create(true).truncate(true);
+    o.write(true).create_new(true);
     #[cfg(unix)]
     std::os::unix::fs::OpenOptionsExt::mode(&mut o, 0o600);
-    let tmp = path.with_extension("tmp");
     o.open(&tmp).and_then(|mut f| f.write_all(data)).and_then(|()| std::fs::rename(&tmp, path))
 }
 
@@ -82,6 +89,26 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::result_large_err)] // figment's Jail API
     use super::*;
     use serde::Deserialize;
+
+    /// An attacker who can write where the credentials go plants links at the file's
+    /// temporary and final names, pointing at a file of the victim's: the secret must land in
+    /// a new file of its own, owner-only, and the victim's file must stay as it was.
+    #[cfg(unix)]
+    #[test]
+    fn a_planted_link_does_not_redirect_a_secret() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, "precious").unwrap();
+        let key = dir.path().join("api-key");
+        std::os::unix::fs::symlink(&victim, key.with_extension("tmp")).unwrap();
+        std::os::unix::fs::symlink(&victim, &key).unwrap();
+        write_private(&key, b"secret").unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious");
+        assert!(!std::fs::symlink_metadata(&key).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read_to_string(&key).unwrap(), "secret");
+        assert_eq!(std::fs::metadata(&key).unwrap().permissions().mode() & 0o777, 0o600);
+    }
 
     #[derive(Debug, Serialize, Deserialize, PartialEq)]
     #[serde(deny_unknown_fields)]

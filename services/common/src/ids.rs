@@ -69,6 +69,16 @@ impl fmt::Display for Capability {
     }
 }
 
+/// What logs and traces may say of a capability in its wire form: the key, which names it
+/// for a reader and grants nothing; the secret never leaves the two parties (spans are
+/// exported to whoever runs the trace store).
+pub fn redacted(wire: &str) -> String {
+    match Capability::parse(wire) {
+        Some(c) => format!("{:016x}…", c.key),
+        None => "(not a capability)".to_string(),
+    }
+}
+
 /// Logs and debug output show only the key: the secret is the part that grants.
 impl fmt::Debug for Capability {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -12,6 +12,7 @@ pub mod collector;
 pub mod config;
 pub mod convert;
 pub mod deadline;
+pub mod gate;
 pub mod ids;
 pub mod membership;
 pub mod metrics;

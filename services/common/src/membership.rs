@@ -115,7 +115,7 @@ fn changes(current: &BTreeSet<String>, resolved: &BTreeSet<String>) -> (Vec<Stri
 /// node when its heartbeats lapse).
 async fn deregister(router: &str, node: &str) {
     let call = async {
-        let ep = crate::tls::endpoint(router)
+        let ep = crate::tls::endpoint(router, crate::tls::MeshRole::Router)
             .map_err(|e| e.to_string())?
             .connect_timeout(Duration::from_secs(2))
             .timeout(Duration::from_secs(2));
@@ -152,7 +152,7 @@ async fn keep_registered(router: &str, reg: RegisterRequest, load: LoadFn) {
 
 /// One registration and its heartbeats; returns Ok when the router forgot the node.
 async fn session(router: &str, reg: &RegisterRequest, load: &LoadFn) -> Result<(), String> {
-    let ep = crate::tls::endpoint(router)
+    let ep = crate::tls::endpoint(router, crate::tls::MeshRole::Router)
         .map_err(|e| format!("bad router address {router}: {e}"))?
         .connect_timeout(Duration::from_secs(2))
         .timeout(Duration::from_secs(5));

@@ -7,17 +7,31 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use std::pin::Pin;
-use std::sync::Arc;
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tonic_health::ServingStatus;
 
-/// HTTP/2 streams one connection may have open on a server at once.
+use crate::gate::{Gate, Held, Limits};
+
+/// HTTP/2 streams one connection may have open on an internal server at once: the router
+/// keeps every request to a node on one connection.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 2048;
+/// HTTP/2 streams one connection may have open on a public server at once: a client's
+/// requests in flight on one connection (the router's own limit is 256 by default).
+pub const MAX_PUBLIC_STREAMS_PER_CONNECTION: u32 = 256;
+/// The receive windows of a public server: a request is a prompt, not KV, so a client may
+/// send no more than this ahead of what the server has read (per stream, per connection).
+pub const PUBLIC_STREAM_WINDOW: u32 = 1 << 20;
+pub const PUBLIC_CONNECTION_WINDOW: u32 = 4 << 20;
+/// How long a connection may live: past it the server sends GOAWAY and the client redials,
+/// so no connection outlives a certificate renewal or a CA rotation by more than this.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(3600);
+/// What a connection past its age gets to finish the calls it has open (a request's own
+/// bound is `request_timeout_ms`, 10 minutes by default).
+pub const MAX_CONNECTION_AGE_GRACE: Duration = Duration::from_secs(900);
 /// Header bytes one request may send (gRPC metadata is small; tonic's default is 16 MB).
 pub const MAX_HEADER_BYTES: u32 = 64 << 10;
 
@@ -38,11 +52,12 @@ pub enum Exposure {
     Public,
 }
 
-/// TLS handshakes in progress at once on one listener; beyond it new connections are
-/// closed at once rather than queued behind clients that never finish.
-pub const MAX_HANDSHAKES: usize = 256;
-/// Time a client gets to complete its TLS handshake.
+/// Time a client gets to complete its TLS handshake (and, on a plaintext listener, to be
+/// taken at all).
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// At most one warning this often about connections refused for want of places (a flood
+/// would otherwise write one line per socket).
+const REFUSED_WARN_EVERY: Duration = Duration::from_secs(10);
 /// The pause after a failed accept (out of file descriptors, say), so that a full fd table
 /// is not retried in a loop that takes a core.
 pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
@@ -65,16 +80,30 @@ pub async fn serve(
 
 /// Accepts connections on `listener` and hands them on, plaintext or after a TLS handshake
 /// with the process's current certificates (a renewed certificate serves the next
-/// connection), until the receiver goes away. Handshakes are bounded in number and time.
+/// connection), until the receiver goes away. Connections and handshakes are bounded in
+/// number, in all and per client address (`gate::Limits::DEFAULT`), and handshakes in time.
 pub fn incoming<IO: Send + 'static>(
     listener: TcpListener,
     upgrade: impl Fn(TcpStream) -> Pin<Box<dyn Future<Output = std::io::Result<IO>> + Send>>
     + Send
     + 'static,
-) -> ReceiverStream<std::io::Result<IO>> {
+) -> ReceiverStream<std::io::Result<Held<IO>>> {
+    incoming_within(listener, Limits::DEFAULT, upgrade)
+}
+
+/// `incoming` under `limits`.
+pub fn incoming_within<IO: Send + 'static>(
+    listener: TcpListener,
+    limits: Limits,
+    upgrade: impl Fn(TcpStream) -> Pin<Box<dyn Future<Output = std::io::Result<IO>> + Send>>
+    + Send
+    + 'static,
+) -> ReceiverStream<std::io::Result<Held<IO>>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
-        let handshakes = Arc::new(Semaphore::new(MAX_HANDSHAKES));
+        let gate = Gate::new(limits);
+        let mut warned: Option<tokio::time::Instant> = None;
+        let mut refused = 0u64;
         loop {
             let accepted = tokio::select! {
                 () = tx.closed() => return,
@@ -88,19 +117,29 @@ pub fn incoming<IO: Send + 'static>(
                     continue;
                 }
             };
+            let places = gate.connect(from.ip()).and_then(|c| Ok((c, gate.handshake(from.ip())?)));
+            let (connection, handshaking) = match places {
+                Ok(p) => p,
+                Err(full) => {
+                    // Closed at once: whoever holds the places, the others still get in.
+                    refused += 1;
+                    let now = tokio::time::Instant::now();
+                    if warned.is_none_or(|w| now.duration_since(w) >= REFUSED_WARN_EVERY) {
+                        tracing::warn!(%from, refused, "connection closed: {full}");
+                        (warned, refused) = (Some(now), 0);
+                    }
+                    continue;
+                }
+            };
             // Tokens are small writes: never hold one back waiting for an ACK.
             let _ = tcp.set_nodelay(true);
-            let Ok(slot) = Arc::clone(&handshakes).try_acquire_owned() else {
-                tracing::warn!(%from, "{MAX_HANDSHAKES} handshakes under way; connection closed");
-                continue;
-            };
             let (tx, handshake) = (tx.clone(), upgrade(tcp));
             tokio::spawn(async move {
                 let r = tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await;
-                drop(slot);
+                drop(handshaking);
                 match r {
                     Ok(Ok(io)) => {
-                        let _ = tx.send(Ok(io)).await;
+                        let _ = tx.send(Ok(Held::new(io, connection))).await;
                     }
                     Ok(Err(e)) => tracing::info!(%from, "TLS handshake failed: {e}"),
                     Err(_) => tracing::info!(%from, "TLS handshake not done in time; closed"),
@@ -171,19 +210,21 @@ async fn serve_until(
                     tokio_rustls::TlsAcceptor::from(config).accept(tcp).await
                 })
             });
-            serve_on(routes, names, connections, true, shutdown, drain, unhealthy).await
+            serve_on(routes, names, connections, exposure, true, shutdown, drain, unhealthy).await
         }
         None => {
             let connections = incoming(listener, |tcp| Box::pin(std::future::ready(Ok(tcp))));
-            serve_on(routes, names, connections, false, shutdown, drain, unhealthy).await
+            serve_on(routes, names, connections, exposure, false, shutdown, drain, unhealthy).await
         }
     }
 }
 
+#[allow(clippy::too_many_arguments)] // serve_until's, passed on
 async fn serve_on<IO>(
     routes: Routes,
     names: &[&str],
     connections: ReceiverStream<std::io::Result<IO>>,
+    exposure: Exposure,
     enforce: bool,
     shutdown: impl Future<Output = ()> + Send,
     drain: Duration,
@@ -202,25 +243,38 @@ where
         reporter.set_service_status(*n, ServingStatus::Serving).await;
     }
     reporter.set_service_status("", ServingStatus::Serving).await;
+    let described = match exposure {
+        Exposure::Internal => pdmesh_proto::FILE_DESCRIPTOR_SET,
+        Exposure::Public => pdmesh_proto::PUBLIC_FILE_DESCRIPTOR_SET,
+    };
     let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(pdmesh_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(described)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .expect("the embedded descriptor sets are valid");
     let routes = routes.add_service(health).add_service(reflection);
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tonic::transport::Server::builder()
+    let (stream_window, connection_window, streams) = match exposure {
         // KV blocks are hundreds of KB each: HTTP/2's default 64 KB window would throttle a
-        // transfer to a round trip per 64 KB.
-        .initial_stream_window_size(Some(32 << 20))
-        .initial_connection_window_size(Some(64 << 20))
+        // transfer to a round trip per 64 KB. Every caller here has a mesh certificate.
+        Exposure::Internal => (32 << 20, 64 << 20, MAX_STREAMS_PER_CONNECTION),
+        // Anyone reaches a public port, before a key is checked: what one connection can
+        // make the server hold is what a request needs.
+        Exposure::Public => {
+            (PUBLIC_STREAM_WINDOW, PUBLIC_CONNECTION_WINDOW, MAX_PUBLIC_STREAMS_PER_CONNECTION)
+        }
+    };
+    let server = tonic::transport::Server::builder()
+        .initial_stream_window_size(Some(stream_window))
+        .initial_connection_window_size(Some(connection_window))
         // Fewer, larger frames for the same reason (HTTP/2's default is 16 KB).
         .max_frame_size(Some(1 << 20))
-        // Bounds a single connection can make a server hold: streams at once (the router keeps
-        // every request to a node on one connection, far below this) and header bytes.
-        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
+        // Bounds a single connection can make a server hold: streams at once and header bytes.
+        .max_concurrent_streams(Some(streams))
         .http2_max_header_list_size(Some(MAX_HEADER_BYTES))
+        .max_connection_age(MAX_CONNECTION_AGE)
+        .max_connection_age_grace(MAX_CONNECTION_AGE_GRACE)
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(5)))
         // Who may call what is decided before a call is traced or handled.

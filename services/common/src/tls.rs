@@ -27,9 +27,17 @@ use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
 
 use crate::config::{FileStamp, file_stamp};
 
-/// The DNS name every mesh certificate carries and every client verifies: processes are
-/// dialled by address, so identity is the CA's signature and the name inside, not the host.
+/// The name a client of the public API verifies: only routers' certificates carry it.
+/// Processes are dialled by address, so identity is the CA's signature and the name inside,
+/// not the host.
 pub const MESH_NAME: &str = "pdmesh.internal";
+
+/// The DNS name a certificate of `role` carries and a client dialling a process of that
+/// role verifies (`decode.pdmesh.internal`): a certificate of another role (an admin's, a
+/// KV-store's) is refused as that server, whoever redirects the traffic to its holder.
+pub fn role_name(role: MeshRole) -> String {
+    format!("{role}.{MESH_NAME}")
+}
 
 /// The scheme of the URI that names a certificate's role and node.
 const ROLE_URI: &str = "pdmesh://";
@@ -288,13 +296,13 @@ impl MeshTls {
         Ok(Arc::new(c))
     }
 
-    /// What a client presents and checks.
-    pub fn client(&self) -> ClientTlsConfig {
+    /// What a client of a process of role `serves` presents and checks.
+    pub fn client(&self, serves: MeshRole) -> ClientTlsConfig {
         let m = self.material();
         ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(&m.ca))
             .identity(Identity::from_pem(&m.cert, &m.key))
-            .domain_name(MESH_NAME)
+            .domain_name(role_name(serves))
     }
 }
 
@@ -340,18 +348,23 @@ pub fn watch(every: Duration) {
     });
 }
 
-/// An endpoint to the mesh peer at `address` (host:port): TLS with this process's
-/// certificate when it has one, plaintext otherwise.
-pub fn endpoint(address: &str) -> Result<Endpoint, tonic::transport::Error> {
+/// An endpoint to the mesh process of role `serves` at `address` (host:port): TLS with this
+/// process's certificate when it has one, plaintext otherwise.
+pub fn endpoint(address: &str, serves: MeshRole) -> Result<Endpoint, tonic::transport::Error> {
     match current() {
-        Some(t) => endpoint_with(address, t),
+        Some(t) => endpoint_with(address, t, serves),
         None => Endpoint::from_shared(format!("http://{address}")),
     }
 }
 
-/// An endpoint to `address` with the certificate of `tls` (a test acting as some node).
-pub fn endpoint_with(address: &str, tls: &MeshTls) -> Result<Endpoint, tonic::transport::Error> {
-    Endpoint::from_shared(format!("https://{address}"))?.tls_config(tls.client())
+/// An endpoint to the process of role `serves` at `address` with the certificate of `tls` (a
+/// test acting as some node).
+pub fn endpoint_with(
+    address: &str,
+    tls: &MeshTls,
+    serves: MeshRole,
+) -> Result<Endpoint, tonic::transport::Error> {
+    Endpoint::from_shared(format!("https://{address}"))?.tls_config(tls.client(serves))
 }
 
 /// A mesh CA: its certificate and key, which sign each process's certificate.
@@ -407,7 +420,8 @@ impl Ca {
     }
 
     /// `issue`, good also for the `hosts` (DNS names or IP addresses) HTTPS clients dial the
-    /// process by: the router's OpenAI API, whose clients check the name they dialed.
+    /// process by: the router's OpenAI API, whose clients check the name they dialed. The
+    /// certificate carries its role's name (`role_name`), and a router's `MESH_NAME` too.
     pub fn issue_for_hosts(
         &self,
         dir: &Path,
@@ -418,7 +432,8 @@ impl Ca {
         check_name(name)?;
         create_dir(dir)?;
         let key = KeyPair::generate()?;
-        let names = std::iter::once(MESH_NAME.to_string()).chain(hosts.iter().cloned());
+        let public = (role == MeshRole::Router).then(|| MESH_NAME.to_string());
+        let names = std::iter::once(role_name(role)).chain(public).chain(hosts.iter().cloned());
         let mut p = CertificateParams::new(names.collect::<Vec<_>>())?;
         p.distinguished_name.push(DnType::CommonName, name);
         p.subject_alt_names.push(SanType::URI(format!("{ROLE_URI}{role}/{name}").try_into()?));

@@ -68,12 +68,27 @@ impl ApiError {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, message)
     }
 
+    /// A body past the limit (413).
+    pub fn too_large(limit: usize) -> Self {
+        Self::new(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is over {limit} bytes"))
+    }
+
+    /// A body that did not arrive in time (408).
+    pub fn body_timeout(after: Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            format!("the request body did not arrive within {after:?}"),
+        )
+    }
+
     /// The `type` of the error object, as OpenAI names them.
     fn kind(&self) -> &'static str {
         match self.status {
-            StatusCode::BAD_REQUEST | StatusCode::NOT_FOUND | StatusCode::CONFLICT => {
-                "invalid_request_error"
-            }
+            StatusCode::BAD_REQUEST
+            | StatusCode::NOT_FOUND
+            | StatusCode::CONFLICT
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::REQUEST_TIMEOUT => "invalid_request_error",
             StatusCode::UNAUTHORIZED => "authentication_error",
             StatusCode::FORBIDDEN => "permission_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",

@@ -8,7 +8,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::response::sse::{Event as Sse, Sse as SseBody};
 use axum::response::{IntoResponse, Response};
@@ -33,6 +33,11 @@ pub const TIMEOUT_HEADER: &str = "x-request-timeout";
 pub const TRACE_ID_HEADER: &str = "x-trace-id";
 /// The response header naming the request, as `Cancel` takes it.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
+/// The largest request body taken (a prompt and its parameters, with room for a long
+/// context); nothing of a body is read before its caller's key is checked.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+/// Time a caller gets to send its whole body once its headers are in.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone)]
 pub struct AppState {
@@ -112,12 +117,33 @@ enum Kind {
     Completion,
 }
 
-pub async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn chat(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     generate(s, headers, body, Kind::Chat).await
 }
 
-pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     generate(s, headers, body, Kind::Completion).await
+}
+
+/// The body, read whole within `MAX_BODY_BYTES` and `BODY_TIMEOUT`: a body announced too
+/// large is refused unread, one that grows too large or trickles is cut off.
+pub(crate) async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let announced = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return Err(ApiError::too_large(MAX_BODY_BYTES));
+    }
+    let read = http_body_util::BodyExt::collect(http_body_util::Limited::new(body, MAX_BODY_BYTES));
+    match tokio::time::timeout(BODY_TIMEOUT, read).await {
+        Err(_) => Err(ApiError::body_timeout(BODY_TIMEOUT)),
+        Ok(Ok(b)) => Ok(b.to_bytes()),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            Err(ApiError::too_large(MAX_BODY_BYTES))
+        }
+        Ok(Err(e)) => Err(ApiError::malformed(format!("reading the request body: {e}"))),
+    }
 }
 
 /// A JSON body as `T`; a bad or missing field is a 400 naming it.
@@ -140,7 +166,7 @@ pub(crate) fn parse_body<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
     })
 }
 
-async fn generate(s: AppState, headers: HeaderMap, body: Bytes, kind: Kind) -> Response {
+async fn generate(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Response {
     let root = pdmesh_common::span!(
         "router.openai",
         http.route = match kind {
@@ -198,13 +224,21 @@ fn code_of(e: &ApiError) -> tonic::Code {
     }
 }
 
-/// The deadline the client asked for with `x-request-timeout` (seconds), within the router's.
-fn deadline(s: &AppState, headers: &HeaderMap, now: Instant) -> Result<Instant, ApiError> {
-    let most = Duration::from_millis(s.router.mesh().config.request_timeout_ms);
+/// The deadline the client asked for with `x-request-timeout` (seconds), within `most` (the
+/// router's bound).
+pub(crate) fn deadline(
+    most: Duration,
+    headers: &HeaderMap,
+    now: Instant,
+) -> Result<Instant, ApiError> {
     let Some(v) = headers.get(TIMEOUT_HEADER) else { return Ok(now + most) };
     let secs = v.to_str().ok().and_then(|v| v.trim().parse::<f64>().ok());
     match secs {
-        Some(t) if t.is_finite() && t > 0.0 => Ok(now + Duration::from_secs_f64(t).min(most)),
+        // Past what a Duration holds (1e20 s) is past the router's bound too: capped, never
+        // a panic.
+        Some(t) if t.is_finite() && t > 0.0 => {
+            Ok(now + Duration::try_from_secs_f64(t).map_or(most, |t| t.min(most)))
+        }
         _ => {
             Err(ApiError::invalid(TIMEOUT_HEADER, "must be a positive number of seconds (header)"))
         }
@@ -238,16 +272,19 @@ fn on_mesh(e: impl Into<ApiError>) -> Refused {
 async fn start(
     s: &AppState,
     headers: &HeaderMap,
-    body: Bytes,
+    body: Body,
     kind: Kind,
     root: Span,
 ) -> Result<Response, Refused> {
     let now = Instant::now();
-    let deadline = deadline(s, headers, now)?;
+    // The key before anything else: a stranger's body is never read.
     let tenant = s.tenant(headers)?;
+    let most = Duration::from_millis(s.router.mesh().config.request_timeout_ms);
+    let deadline = deadline(most, headers, now)?;
     trace::attr(&root, "tenant", tenant.tenant.clone());
-    // A place first: a full router refuses before it parses and tokenizes.
+    // A place first: a full router refuses before it reads, parses and tokenizes.
     let admitted = s.router.admit(tenant)?;
+    let body = read_body(headers, body).await?;
     let (model, id) = (Arc::clone(s.model()), Arc::clone(&s.model_id));
     let plan = tokio::task::spawn_blocking(move || match kind {
         Kind::Chat => prepare::chat(&model, &id, &parse_body(&body)?, &parse_body(&body)?),

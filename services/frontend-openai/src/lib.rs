@@ -105,7 +105,9 @@ pub async fn serve(
     builder
         .http2()
         .timer(hyper_util::rt::TokioTimer::new())
-        .max_concurrent_streams(pdmesh_common::serve::MAX_STREAMS_PER_CONNECTION)
+        .max_concurrent_streams(pdmesh_common::serve::MAX_PUBLIC_STREAMS_PER_CONNECTION)
+        .initial_stream_window_size(pdmesh_common::serve::PUBLIC_STREAM_WINDOW)
+        .initial_connection_window_size(pdmesh_common::serve::PUBLIC_CONNECTION_WINDOW)
         .max_header_list_size(pdmesh_common::serve::MAX_HEADER_BYTES);
     tokio::pin!(shutdown);
     loop {

@@ -208,3 +208,41 @@ fn router_failures_map_to_the_apis_statuses() {
         json!({"error": {"message": "top_p: bad", "type": "invalid_request_error", "param": "top_p", "code": null}})
     );
 }
+
+/// `x-request-timeout: 1e20` is finite and positive, and past what a `Duration` holds:
+/// `Duration::from_secs_f64` panicked on it, in the handler, before the key was checked. Now
+/// any timeout past the router's bound is the router's bound.
+#[test]
+fn a_timeout_past_what_a_duration_holds_is_capped_not_a_panic() {
+    use crate::handlers::{TIMEOUT_HEADER, deadline};
+    let (now, most) = (std::time::Instant::now(), Duration::from_secs(600));
+    let with = |v: &str| {
+        let mut h = http::HeaderMap::new();
+        h.insert(TIMEOUT_HEADER, v.parse().unwrap());
+        deadline(most, &h, now)
+    };
+    for huge in ["1e20", "1.8e19", "1e308"] {
+        assert_eq!(with(huge).unwrap(), now + most, "{huge}");
+    }
+    assert_eq!(with("2.5").unwrap(), now + Duration::from_millis(2500));
+    for bad in ["0", "-1", "inf", "NaN", "soon"] {
+        assert_eq!(with(bad).unwrap_err().status, StatusCode::BAD_REQUEST, "{bad}");
+    }
+    assert_eq!(deadline(most, &http::HeaderMap::new(), now).unwrap(), now + most);
+}
+
+/// A body is read within its bound: one announced too large is refused unread (413), one
+/// that grows past the bound is cut off (413), and a good one arrives whole.
+#[tokio::test]
+async fn bodies_are_bounded_before_they_are_read() {
+    use crate::handlers::{MAX_BODY_BYTES, read_body};
+    let mut h = http::HeaderMap::new();
+    h.insert(http::header::CONTENT_LENGTH, (MAX_BODY_BYTES + 1).to_string().parse().unwrap());
+    let e = read_body(&h, axum::body::Body::empty()).await.unwrap_err();
+    assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let big = axum::body::Body::from(vec![b' '; MAX_BODY_BYTES + 1]);
+    let e = read_body(&http::HeaderMap::new(), big).await.unwrap_err();
+    assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let ok = read_body(&http::HeaderMap::new(), axum::body::Body::from("{}")).await.unwrap();
+    assert_eq!(&ok[..], b"{}");
+}

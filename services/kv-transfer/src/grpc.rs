@@ -52,7 +52,8 @@ impl GrpcTransport {
 
     pub(crate) fn channel(&self, address: &str, node: &str) -> Result<Channel, TransferError> {
         self.channels.get(address, || {
-            let ep = pdmesh_common::tls::endpoint(address)
+            // KV is pushed into decode nodes only (a draining one hands off to another).
+            let ep = pdmesh_common::tls::endpoint(address, pdmesh_common::tls::MeshRole::Decode)
                 .map_err(|e| TransferError::Unreachable {
                     node: node.into(),
                     reason: format!("bad address {address}: {e}"),

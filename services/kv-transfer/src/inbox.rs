@@ -119,7 +119,7 @@ pub(crate) fn receive_span(
         transport,
         kv_path,
         unstage_ms = Empty,
-        reservation_id = Empty,
+        reservation = Empty,
         prefill_node = Empty,
         blocks = Empty,
         layers = inbox.layout().geometry.layers as i64,
@@ -128,7 +128,7 @@ pub(crate) fn receive_span(
     );
     if let Some(h) = header {
         trace::continue_from(&span, &h.traceparent);
-        span.record("reservation_id", h.reservation_id.as_str());
+        span.record("reservation", pdmesh_common::ids::redacted(&h.reservation_id));
         span.record("prefill_node", h.prefill_node.as_str());
     }
     span

@@ -90,7 +90,9 @@ impl Store {
         address: &str,
         timeout: Duration,
     ) -> Result<KvStoreClient<Channel>, tonic::transport::Error> {
-        let ep = pdmesh_common::tls::endpoint(address)?.connect_timeout(timeout).tcp_nodelay(true);
+        let ep = pdmesh_common::tls::endpoint(address, pdmesh_common::tls::MeshRole::KvStore)?
+            .connect_timeout(timeout)
+            .tcp_nodelay(true);
         Ok(KvStoreClient::new(pdmesh_common::trace::channel(ep.connect_lazy()))
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20))

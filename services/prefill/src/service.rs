@@ -150,7 +150,7 @@ impl Prefill for PrefillService {
         let transfer = pdmesh_common::span!(
             "prefill.kv_transfer",
             decode_node = %target.decode_node,
-            reservation_id = %target.reservation_id,
+            reservation = pdmesh_common::ids::redacted(&target.reservation_id),
             transport = Empty,
             push = Empty,
             blocks = i64::from(target.blocks),

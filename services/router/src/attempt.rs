@@ -764,7 +764,7 @@ impl Attempt<'_> {
 
 /// The shared channel to `node`.
 fn channel(mesh: &Mesh, node: &Node) -> Result<trace::Channel, Failure> {
-    mesh.channel(&node.address)
+    mesh.channel(&node.address, node.role)
         .map_err(|e| Failure::lost(&node.id, format!("bad address {}: {e}", node.address)))
 }
 

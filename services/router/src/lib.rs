@@ -83,7 +83,14 @@ pub async fn run_with(
             tracing::info!(keys = ring.len(), file = %path.display(), "API keys loaded");
             Some(Arc::new(ring))
         }
-        None => None,
+        None => {
+            tracing::warn!(
+                "allow_anonymous: no API keys; every caller is tenant \"anonymous\", sharing \
+                 one in-flight limit, one prefix cache (cached_tokens tells one caller of \
+                 another's prompts) and one space of request ids (one may cancel another's)"
+            );
+            None
+        }
     };
     let _watch = keys.as_ref().map(|k| k.watch(KEYS_RELOAD_EVERY));
     if !config.model.exists() {
@@ -115,7 +122,9 @@ pub async fn run_with(
         }
     });
     let service = RouterService { router: router.clone(), keys: keys.clone() };
-    let public_routes = tonic::service::Routes::new(GenerationServer::new(service.clone()));
+    let check = service::KeyCheck(keys.clone());
+    let public_routes =
+        tonic::service::Routes::new(GenerationServer::with_interceptor(service.clone(), check));
     let internal_routes = tonic::service::Routes::new(MembershipServer::new(service));
     let (bound, bound_internal) = (public.local_addr().ok(), internal.local_addr().ok());
     tracing::info!(?bound, ?bound_internal, "router serving");

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_common::channels::ChannelCache;
+use pdmesh_common::tls::MeshRole;
 use pdmesh_common::trace::Channel;
 use pdmesh_engine::Model;
 use pdmesh_proto::v1::decode_client::DecodeClient;
@@ -124,10 +125,12 @@ impl Mesh {
         self.registry.lock().expect("registry lock is never poisoned")
     }
 
-    /// A lazily connected channel to `address`, shared by every request to that node.
-    pub fn channel(&self, address: &str) -> Result<Channel, tonic::transport::Error> {
+    /// A lazily connected channel to the node of `role` at `address`, shared by every
+    /// request to that node; its certificate must be of that role.
+    pub fn channel(&self, address: &str, role: Role) -> Result<Channel, tonic::transport::Error> {
+        let serves = if role == Role::Prefill { MeshRole::Prefill } else { MeshRole::Decode };
         self.channels.get(address, || {
-            let c = pdmesh_common::tls::endpoint(address)?
+            let c = pdmesh_common::tls::endpoint(address, serves)?
                 .connect_timeout(Duration::from_secs(2))
                 .tcp_nodelay(true)
                 .http2_keep_alive_interval(Duration::from_secs(5))
@@ -144,7 +147,7 @@ impl Mesh {
         let decodes = self.registry().all().into_iter().filter(|n| n.role == Role::Decode);
         let mut asks = tokio::task::JoinSet::new();
         for n in decodes {
-            let Ok(ch) = self.channel(&n.address) else { continue };
+            let Ok(ch) = self.channel(&n.address, n.role) else { continue };
             let msg = NodeCancelRequest { request_id: request_id.into(), owner: owner.into() };
             asks.spawn(async move {
                 let mut client = DecodeClient::new(ch);

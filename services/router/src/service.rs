@@ -64,6 +64,27 @@ fn speaks_for<T>(req: &Request<T>, node_id: &str, role: Option<Role>) -> Result<
     }
 }
 
+/// The public API's interceptor: a call's API key is checked from its headers, before its
+/// message is read or decoded (a stranger makes the router hold and parse nothing), and the
+/// tenant it names rides in the call's extensions to the handler.
+#[derive(Debug, Clone)]
+pub struct KeyCheck(pub Option<Arc<KeyRing>>);
+
+impl KeyCheck {
+    fn tenant(&self, metadata: &tonic::metadata::MetadataMap) -> Result<Arc<Tenant>, Status> {
+        let Some(keys) = &self.0 else { return Ok(Arc::new(Tenant::anonymous())) };
+        keys.authenticate(metadata).map_err(|e| Status::unauthenticated(e.to_string()))
+    }
+}
+
+impl tonic::service::Interceptor for KeyCheck {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        let tenant = self.tenant(req.metadata())?;
+        req.extensions_mut().insert(tenant);
+        Ok(req)
+    }
+}
+
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 impl RouterService {
@@ -71,10 +92,18 @@ impl RouterService {
         self.router.mesh()
     }
 
-    /// The tenant a public call is made for, by its API key.
+    /// The role `node_id` registered in: a heartbeat or a departure must come from a
+    /// certificate of that role, not only of that name.
+    fn registered_role(&self, node_id: &str) -> Option<Role> {
+        self.mesh().registry().get(node_id).map(|n| n.role)
+    }
+
+    /// The tenant a public call is made for, by its API key (as `KeyCheck` found it).
     fn tenant<T>(&self, req: &Request<T>) -> Result<Arc<Tenant>, Status> {
-        let Some(keys) = &self.keys else { return Ok(Arc::new(Tenant::anonymous())) };
-        keys.authenticate(req.metadata()).map_err(|e| Status::unauthenticated(e.to_string()))
+        if let Some(t) = req.extensions().get::<Arc<Tenant>>() {
+            return Ok(Arc::clone(t));
+        }
+        KeyCheck(self.keys.clone()).tenant(req.metadata())
     }
 
     async fn start_generate(
@@ -322,7 +351,7 @@ impl Membership for RouterService {
         &self,
         req: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        speaks_for(&req, &req.get_ref().node_id, None)?;
+        speaks_for(&req, &req.get_ref().node_id, self.registered_role(&req.get_ref().node_id))?;
         let r = req.into_inner();
         let every = self.mesh().registry().heartbeat(
             &r.node_id,
@@ -341,7 +370,7 @@ impl Membership for RouterService {
         &self,
         req: Request<DeregisterRequest>,
     ) -> Result<Response<DeregisterResponse>, Status> {
-        speaks_for(&req, &req.get_ref().node_id, None)?;
+        speaks_for(&req, &req.get_ref().node_id, self.registered_role(&req.get_ref().node_id))?;
         let r = req.into_inner();
         let known = self.mesh().registry().remove(&r.node_id);
         if known {

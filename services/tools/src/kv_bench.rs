@@ -228,8 +228,8 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
         args.extend(["--kv-shared-pool".into(), shared.to_string()]);
         let (mut child, addr) = spawn("decode", None, &args).await?;
         let endpoint = match &router {
-            Some(tls) => pdmesh_common::tls::endpoint_with(&addr, tls)?,
-            None => pdmesh_common::tls::endpoint(&addr)?,
+            Some(tls) => pdmesh_common::tls::endpoint_with(&addr, tls, MeshRole::Decode)?,
+            None => pdmesh_common::tls::endpoint(&addr, MeshRole::Decode)?,
         };
         let channel = match endpoint.connect().await {
             Ok(c) => c,

@@ -1,0 +1,256 @@
+//! Which connections a listener takes: at most so many open at once, in all and from one
+//! address, and of those at most so many still in their TLS handshake, in all and from one
+//! address. A client that opens sockets and never speaks holds its own address's share and no
+//! more, so everyone else still connects; past a limit a connection is closed at once rather
+//! than queued behind the ones that hold it. An admitted connection carries its place
+//! ([`Held`]) and gives it back when it closes.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// A listener's bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once (handshaking or not).
+    pub connections: usize,
+    /// Connections open at once from one IP address.
+    pub connections_per_peer: usize,
+    /// Connections still in their TLS handshake.
+    pub handshakes: usize,
+    /// Connections still in their TLS handshake from one IP address.
+    pub handshakes_per_peer: usize,
+}
+
+impl Limits {
+    /// What every listener of the mesh keeps: far above what a router's channels, a
+    /// node's peers or a client's pool open from one address, and under the 8–16 Ki
+    /// descriptors a service is usually allowed.
+    pub const DEFAULT: Limits = Limits {
+        connections: 4096,
+        connections_per_peer: 512,
+        handshakes: 1024,
+        handshakes_per_peer: 64,
+    };
+}
+
+/// Why a connection was not taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Full {
+    #[error("{0} connections open on this listener")]
+    Connections(usize),
+    #[error("{0} connections open from this address")]
+    PeerConnections(usize),
+    #[error("{0} handshakes under way on this listener")]
+    Handshakes(usize),
+    #[error("{0} handshakes under way from this address")]
+    PeerHandshakes(usize),
+}
+
+#[derive(Debug, Default)]
+struct Counts {
+    total: usize,
+    by_peer: HashMap<IpAddr, usize>,
+}
+
+/// One kind of place (connections, or handshakes) of one listener.
+#[derive(Debug, Clone)]
+struct Places {
+    counts: Arc<Mutex<Counts>>,
+    most: usize,
+    most_per_peer: usize,
+}
+
+impl Places {
+    fn new(most: usize, most_per_peer: usize) -> Self {
+        Self { counts: Arc::default(), most, most_per_peer }
+    }
+
+    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
+        self.counts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn take(&self, peer: IpAddr) -> Result<Slot, bool> {
+        let mut c = self.counts();
+        if c.total >= self.most {
+            return Err(false);
+        }
+        let n = c.by_peer.entry(peer).or_insert(0);
+        if *n >= self.most_per_peer {
+            return Err(true);
+        }
+        *n += 1;
+        c.total += 1;
+        Ok(Slot { places: self.clone(), peer })
+    }
+}
+
+/// A place taken; dropping it gives it back.
+#[derive(Debug)]
+pub struct Slot {
+    places: Places,
+    peer: IpAddr,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut c = self.places.counts();
+        c.total = c.total.saturating_sub(1);
+        if let Some(n) = c.by_peer.get_mut(&self.peer) {
+            *n -= 1;
+            if *n == 0 {
+                c.by_peer.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// One listener's places.
+#[derive(Debug, Clone)]
+pub struct Gate {
+    connections: Places,
+    handshakes: Places,
+}
+
+impl Gate {
+    pub fn new(l: Limits) -> Self {
+        Self {
+            connections: Places::new(l.connections, l.connections_per_peer),
+            handshakes: Places::new(l.handshakes, l.handshakes_per_peer),
+        }
+    }
+
+    /// A place for a new connection from `peer`, kept for its whole life.
+    pub fn connect(&self, peer: IpAddr) -> Result<Slot, Full> {
+        let p = &self.connections;
+        p.take(peer).map_err(|per_peer| {
+            if per_peer {
+                Full::PeerConnections(p.most_per_peer)
+            } else {
+                Full::Connections(p.most)
+            }
+        })
+    }
+
+    /// A place for `peer`'s handshake, kept until it completes or times out.
+    pub fn handshake(&self, peer: IpAddr) -> Result<Slot, Full> {
+        let p = &self.handshakes;
+        p.take(peer).map_err(|per_peer| {
+            if per_peer { Full::PeerHandshakes(p.most_per_peer) } else { Full::Handshakes(p.most) }
+        })
+    }
+
+    /// Connections open now.
+    pub fn open(&self) -> usize {
+        self.connections.counts().total
+    }
+}
+
+/// A connection with its place on the listener: the place is given back when the connection
+/// is dropped, however it ends.
+#[derive(Debug)]
+pub struct Held<IO> {
+    io: IO,
+    _slot: Slot,
+}
+
+impl<IO> Held<IO> {
+    pub fn new(io: IO, slot: Slot) -> Self {
+        Self { io, _slot: slot }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Held<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Held<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// The caller's address and certificate, as the connection underneath tells them.
+impl<IO: tonic::transport::server::Connected> tonic::transport::server::Connected for Held<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits =
+        Limits { connections: 5, connections_per_peer: 3, handshakes: 4, handshakes_per_peer: 2 };
+
+    fn ip(last: u8) -> IpAddr {
+        IpAddr::from([127, 0, 0, last])
+    }
+
+    /// One address fills its own share and no more: the others still connect, until the
+    /// listener as a whole is full; every place comes back when its holder closes.
+    #[test]
+    fn one_address_holds_its_share_and_places_come_back() {
+        let g = Gate::new(LIMITS);
+        let mine: Vec<Slot> = (0..3).map(|_| g.connect(ip(2)).unwrap()).collect();
+        assert_eq!(g.connect(ip(2)).unwrap_err(), Full::PeerConnections(3));
+        let a = g.connect(ip(1)).unwrap();
+        let b = g.connect(ip(3)).unwrap();
+        assert_eq!(g.connect(ip(4)).unwrap_err(), Full::Connections(5));
+        assert_eq!(g.open(), 5);
+        drop(mine);
+        assert_eq!(g.open(), 2);
+        let again: Vec<Slot> = (0..3).map(|_| g.connect(ip(2)).unwrap()).collect();
+        drop((a, b, again));
+        assert_eq!(g.open(), 0);
+        assert!(g.connections.counts().by_peer.is_empty(), "no address is remembered");
+    }
+
+    #[test]
+    fn handshakes_are_bounded_apart_from_connections() {
+        let g = Gate::new(LIMITS);
+        let h: Vec<Slot> = (0..2).map(|_| g.handshake(ip(2)).unwrap()).collect();
+        assert_eq!(g.handshake(ip(2)).unwrap_err(), Full::PeerHandshakes(2));
+        let _c = g.connect(ip(2)).unwrap();
+        let _o: Vec<Slot> = (0..2).map(|_| g.handshake(ip(1)).unwrap()).collect();
+        assert_eq!(g.handshake(ip(3)).unwrap_err(), Full::Handshakes(4));
+        drop(h);
+        assert!(g.handshake(ip(3)).is_ok());
+    }
+}
