@@ -3,9 +3,11 @@
 //! address. A client that opens sockets and never speaks holds its own address's share and no
 //! more, so everyone else still connects; past a limit a connection is closed at once rather
 //! than queued behind the ones that hold it. An admitted connection carries its place
-//! ([`Held`]) and gives it back when it closes.
+//! ([`Held`]) and gives it back when it closes. [`Quota`] is the count in all and per key
+//! that both bounds are made of.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -51,102 +53,103 @@ pub enum Full {
     PeerHandshakes(usize),
 }
 
-#[derive(Debug, Default)]
-struct Counts {
+#[derive(Debug)]
+struct Counts<K> {
     total: usize,
-    by_peer: HashMap<IpAddr, usize>,
+    by_key: HashMap<K, usize>,
 }
 
-/// One kind of place (connections, or handshakes) of one listener.
+/// Holders of something bounded, counted in all and per key (a client address, a tenant),
+/// and what a caller is told when there is no room: `E` over all, `E` over its key.
 #[derive(Debug, Clone)]
-struct Places {
-    counts: Arc<Mutex<Counts>>,
+pub struct Quota<K, E> {
+    counts: Arc<Mutex<Counts<K>>>,
     most: usize,
-    most_per_peer: usize,
+    most_per_key: usize,
+    full: E,
+    key_full: E,
 }
 
-impl Places {
-    fn new(most: usize, most_per_peer: usize) -> Self {
-        Self { counts: Arc::default(), most, most_per_peer }
+impl<K: Hash + Eq + Clone, E: Clone> Quota<K, E> {
+    /// At most `most` holders, `most_per_key` of one key; past them, `full` or `key_full`.
+    pub fn new(most: usize, most_per_key: usize, full: E, key_full: E) -> Self {
+        let counts = Counts { total: 0, by_key: HashMap::new() };
+        Self { counts: Arc::new(Mutex::new(counts)), most, most_per_key, full, key_full }
     }
 
-    fn counts(&self) -> std::sync::MutexGuard<'_, Counts> {
+    fn counts(&self) -> std::sync::MutexGuard<'_, Counts<K>> {
         self.counts.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn take(&self, peer: IpAddr) -> Result<Slot, bool> {
+    /// A place for `key`, held until the slot is dropped; refused at once when there is none.
+    pub fn take(&self, key: K) -> Result<Slot<K, E>, E> {
         let mut c = self.counts();
         if c.total >= self.most {
-            return Err(false);
+            return Err(self.full.clone());
         }
-        let n = c.by_peer.entry(peer).or_insert(0);
-        if *n >= self.most_per_peer {
-            return Err(true);
+        let n = c.by_key.entry(key.clone()).or_insert(0);
+        if *n >= self.most_per_key {
+            return Err(self.key_full.clone());
         }
         *n += 1;
         c.total += 1;
-        Ok(Slot { places: self.clone(), peer })
+        Ok(Slot { quota: self.clone(), key })
+    }
+
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.counts().total
     }
 }
 
 /// A place taken; dropping it gives it back.
 #[derive(Debug)]
-pub struct Slot {
-    places: Places,
-    peer: IpAddr,
+pub struct Slot<K: Hash + Eq, E> {
+    quota: Quota<K, E>,
+    key: K,
 }
 
-impl Drop for Slot {
+impl<K: Hash + Eq, E> Drop for Slot<K, E> {
     fn drop(&mut self) {
-        let mut c = self.places.counts();
+        let mut c = self.quota.counts.lock().unwrap_or_else(|p| p.into_inner());
         c.total = c.total.saturating_sub(1);
-        if let Some(n) = c.by_peer.get_mut(&self.peer) {
+        if let Some(n) = c.by_key.get_mut(&self.key) {
             *n -= 1;
             if *n == 0 {
-                c.by_peer.remove(&self.peer);
+                c.by_key.remove(&self.key);
             }
         }
     }
 }
+
+/// A connection's place on its listener.
+pub type PeerSlot = Slot<IpAddr, Full>;
 
 /// One listener's places.
 #[derive(Debug, Clone)]
 pub struct Gate {
-    connections: Places,
-    handshakes: Places,
+    connections: Quota<IpAddr, Full>,
+    handshakes: Quota<IpAddr, Full>,
 }
 
 impl Gate {
     pub fn new(l: Limits) -> Self {
+        let (c, cp) = (l.connections, l.connections_per_peer);
+        let (h, hp) = (l.handshakes, l.handshakes_per_peer);
         Self {
-            connections: Places::new(l.connections, l.connections_per_peer),
-            handshakes: Places::new(l.handshakes, l.handshakes_per_peer),
+            connections: Quota::new(c, cp, Full::Connections(c), Full::PeerConnections(cp)),
+            handshakes: Quota::new(h, hp, Full::Handshakes(h), Full::PeerHandshakes(hp)),
         }
     }
 
     /// A place for a new connection from `peer`, kept for its whole life.
-    pub fn connect(&self, peer: IpAddr) -> Result<Slot, Full> {
-        let p = &self.connections;
-        p.take(peer).map_err(|per_peer| {
-            if per_peer {
-                Full::PeerConnections(p.most_per_peer)
-            } else {
-                Full::Connections(p.most)
-            }
-        })
+    pub fn connect(&self, peer: IpAddr) -> Result<PeerSlot, Full> {
+        self.connections.take(peer)
     }
 
     /// A place for `peer`'s handshake, kept until it completes or times out.
-    pub fn handshake(&self, peer: IpAddr) -> Result<Slot, Full> {
-        let p = &self.handshakes;
-        p.take(peer).map_err(|per_peer| {
-            if per_peer { Full::PeerHandshakes(p.most_per_peer) } else { Full::Handshakes(p.most) }
-        })
-    }
-
-    /// Connections open now.
-    pub fn open(&self) -> usize {
-        self.connections.counts().total
+    pub fn handshake(&self, peer: IpAddr) -> Result<PeerSlot, Full> {
+        self.handshakes.take(peer)
     }
 }
 
@@ -155,11 +158,11 @@ impl Gate {
 #[derive(Debug)]
 pub struct Held<IO> {
     io: IO,
-    _slot: Slot,
+    _slot: PeerSlot,
 }
 
 impl<IO> Held<IO> {
-    pub fn new(io: IO, slot: Slot) -> Self {
+    pub fn new(io: IO, slot: PeerSlot) -> Self {
         Self { io, _slot: slot }
     }
 }
@@ -228,27 +231,27 @@ mod tests {
     #[test]
     fn one_address_holds_its_share_and_places_come_back() {
         let g = Gate::new(LIMITS);
-        let mine: Vec<Slot> = (0..3).map(|_| g.connect(ip(2)).unwrap()).collect();
+        let mine: Vec<PeerSlot> = (0..3).map(|_| g.connect(ip(2)).unwrap()).collect();
         assert_eq!(g.connect(ip(2)).unwrap_err(), Full::PeerConnections(3));
         let a = g.connect(ip(1)).unwrap();
         let b = g.connect(ip(3)).unwrap();
         assert_eq!(g.connect(ip(4)).unwrap_err(), Full::Connections(5));
-        assert_eq!(g.open(), 5);
+        assert_eq!(g.connections.held(), 5);
         drop(mine);
-        assert_eq!(g.open(), 2);
-        let again: Vec<Slot> = (0..3).map(|_| g.connect(ip(2)).unwrap()).collect();
+        assert_eq!(g.connections.held(), 2);
+        let again: Vec<PeerSlot> = (0..3).map(|_| g.connect(ip(2)).unwrap()).collect();
         drop((a, b, again));
-        assert_eq!(g.open(), 0);
-        assert!(g.connections.counts().by_peer.is_empty(), "no address is remembered");
+        assert_eq!(g.connections.held(), 0);
+        assert!(g.connections.counts().by_key.is_empty(), "no address is remembered");
     }
 
     #[test]
     fn handshakes_are_bounded_apart_from_connections() {
         let g = Gate::new(LIMITS);
-        let h: Vec<Slot> = (0..2).map(|_| g.handshake(ip(2)).unwrap()).collect();
+        let h: Vec<PeerSlot> = (0..2).map(|_| g.handshake(ip(2)).unwrap()).collect();
         assert_eq!(g.handshake(ip(2)).unwrap_err(), Full::PeerHandshakes(2));
         let _c = g.connect(ip(2)).unwrap();
-        let _o: Vec<Slot> = (0..2).map(|_| g.handshake(ip(1)).unwrap()).collect();
+        let _o: Vec<PeerSlot> = (0..2).map(|_| g.handshake(ip(1)).unwrap()).collect();
         assert_eq!(g.handshake(ip(3)).unwrap_err(), Full::Handshakes(4));
         drop(h);
         assert!(g.handshake(ip(3)).is_ok());

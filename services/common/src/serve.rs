@@ -52,8 +52,7 @@ pub enum Exposure {
     Public,
 }
 
-/// Time a client gets to complete its TLS handshake (and, on a plaintext listener, to be
-/// taken at all).
+/// Time a client gets to complete its TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// At most one warning this often about connections refused for want of places (a flood
 /// would otherwise write one line per socket).
@@ -88,20 +87,9 @@ pub fn incoming<IO: Send + 'static>(
     + Send
     + 'static,
 ) -> ReceiverStream<std::io::Result<Held<IO>>> {
-    incoming_within(listener, Limits::DEFAULT, upgrade)
-}
-
-/// `incoming` under `limits`.
-pub fn incoming_within<IO: Send + 'static>(
-    listener: TcpListener,
-    limits: Limits,
-    upgrade: impl Fn(TcpStream) -> Pin<Box<dyn Future<Output = std::io::Result<IO>> + Send>>
-    + Send
-    + 'static,
-) -> ReceiverStream<std::io::Result<Held<IO>>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     tokio::spawn(async move {
-        let gate = Gate::new(limits);
+        let gate = Gate::new(Limits::DEFAULT);
         let mut warned: Option<tokio::time::Instant> = None;
         let mut refused = 0u64;
         loop {

@@ -92,8 +92,8 @@ impl RouterService {
         self.router.mesh()
     }
 
-    /// The role `node_id` registered in: a heartbeat or a departure must come from a
-    /// certificate of that role, not only of that name.
+    /// The role `node_id` registered in: a departure must come from a certificate of that
+    /// role, not only of that name.
     fn registered_role(&self, node_id: &str) -> Option<Role> {
         self.mesh().registry().get(node_id).map(|n| n.role)
     }
@@ -351,13 +351,13 @@ impl Membership for RouterService {
         &self,
         req: Request<HeartbeatRequest>,
     ) -> Result<Response<HeartbeatResponse>, Status> {
-        speaks_for(&req, &req.get_ref().node_id, self.registered_role(&req.get_ref().node_id))?;
-        let r = req.into_inner();
-        let every = self.mesh().registry().heartbeat(
-            &r.node_id,
-            r.load.unwrap_or_default(),
-            Instant::now(),
-        );
+        let every = {
+            // One lock for the check and the beat: heartbeats are the router's steadiest load.
+            let mut reg = self.mesh().registry();
+            let r = req.get_ref();
+            speaks_for(&req, &r.node_id, reg.get(&r.node_id).map(|n| n.role))?;
+            reg.heartbeat(&r.node_id, r.load.unwrap_or_default(), Instant::now())
+        };
         // The node's free blocks are news to requests waiting for room.
         self.mesh().queue.wake();
         Ok(Response::new(HeartbeatResponse {
