@@ -500,3 +500,103 @@ async fn a_strangers_message_is_never_decoded() {
     assert_ne!(e.code(), Code::Unauthenticated, "{e:?}");
     assert!(e.message().contains("decode"), "the keyed call's body is read: {e:?}");
 }
+
+/// `Cancel` of an id the router does not run asks every decode node, and took no place
+/// anywhere: a tenant's flood of cancels of made-up ids filled every node's command queue
+/// and held decoding up for everyone. Now such fan-outs are bounded, in all and per tenant:
+/// the flooding tenant's third at once is refused on the spot, another tenant's still goes
+/// out, and the flooder's places come back when its fan-outs end. A decode node that never
+/// answers holds each fan-out for the node timeout (2 s), so the overlap is certain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_cancels_is_bounded_per_tenant() {
+    use pdmesh_common::apikey::{Bearer, Tenant, add};
+    use pdmesh_proto::v1::generation_client::GenerationClient;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    let tenant = |t: &str| Tenant { tenant: t.into(), max_in_flight: None, cache_group: None };
+    let (flooder, other) = (add(&keys, tenant("flood")).unwrap(), add(&keys, tenant("b")).unwrap());
+    let mut s = Settings::new(0, 1);
+    s.router.allow_anonymous = false;
+    s.router.api_keys = Some(keys);
+    s.router.node_ttl_ms = 60_000;
+    let m = s.start().await;
+    // A decode node that accepts connections and never says a word.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let layout = m.nodes().await[0].layout.clone();
+    let mut members = MembershipClient::connect(format!("http://{}", m.members)).await.unwrap();
+    let reg = RegisterRequest {
+        node_id: "silent".into(),
+        role: Role::Decode as i32,
+        address: silent.local_addr().unwrap().to_string(),
+        layout,
+        load: Some(Default::default()),
+    };
+    members.register(reg).await.unwrap();
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", m.router))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let cancel = |key: &str, id: &str| {
+        let bearer = Bearer::new(Some(key)).unwrap();
+        let mut c = GenerationClient::with_interceptor(ch.clone(), bearer);
+        let r = pdmesh_proto::v1::CancelRequest { request_id: id.into() };
+        async move { c.cancel(r).await.map(|_| ()).unwrap_err().code() }
+    };
+    let held: Vec<_> =
+        (0..2).map(|i| tokio::spawn(cancel(&flooder, &format!("made-up-{i}")))).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t0 = Instant::now();
+    assert_eq!(cancel(&flooder, "made-up-2").await, Code::ResourceExhausted);
+    assert!(t0.elapsed() < Duration::from_secs(1), "refused at once, not after the nodes");
+    assert_eq!(cancel(&other, "made-up-3").await, Code::NotFound, "another tenant goes out");
+    for h in held {
+        assert_eq!(h.await.unwrap(), Code::NotFound);
+    }
+    assert_eq!(cancel(&flooder, "made-up-4").await, Code::NotFound, "its places came back");
+    drop(silent);
+}
+
+/// A client that starts a stream and never reads it (an SSE client that stops consuming)
+/// held its place among the requests in flight, and its KV, until the deadline (600 s by
+/// default). Now a client that makes no room for `client_stall_ms` is treated as gone: the
+/// request ends, and its place comes back, long before the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_lets_go_of_its_place() {
+    let m = Settings::new(1, 1).start().await;
+    let model = TinyModel::default().build();
+    let config = pdmesh_router::RouterConfig { client_stall_ms: 300, ..Default::default() };
+    let mesh = Arc::new(pdmesh_router::mesh::Mesh::new(config, model));
+    for n in m.nodes().await {
+        let layout = pdmesh_proto::layout_from_wire(&n.layout.unwrap()).unwrap();
+        let role = Role::try_from(n.role).unwrap();
+        let load = n.load.unwrap();
+        mesh.registry().register(&n.node_id, role, &n.address, layout, load, Instant::now());
+    }
+    let router = Router::new(mesh);
+    // More tokens than the events buffered towards a client.
+    let prep = Prepared {
+        prompt: prompt(),
+        max_tokens: 200,
+        sampling: SamplingParams::default(),
+        stop: Vec::new(),
+        ignore_eos: true,
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (_, mut events) = router.generate(None, prep, deadline, tracing::Span::none()).unwrap();
+    assert_eq!(router.in_flight(), 1);
+    eventually(Duration::from_secs(20), "the stalled request ends", || async {
+        router.in_flight() == 0
+    })
+    .await;
+    // What it had buffered is still there; then it ends without finishing.
+    let mut tokens = 0;
+    while let Some(ev) = events.recv().await {
+        match ev.unwrap() {
+            Event::Delta { tokens: t, .. } => tokens += t.len(),
+            Event::Started { .. } => {}
+            Event::Finished(f) => panic!("a stalled request finished: {f:?}"),
+        }
+    }
+    assert!(tokens < 200, "{tokens} tokens reached a client that read none");
+}

@@ -54,7 +54,7 @@ async fn follow(
     let mut sessions: HashMap<String, CancellationToken> = HashMap::new();
     let mut warned = false;
     loop {
-        match resolve(entry).await {
+        match resolve(entry, crate::tls::current().is_none()).await {
             Ok(addrs) => {
                 warned = false;
                 let (join, leave) = changes(&sessions.keys().cloned().collect(), &addrs);
@@ -96,12 +96,20 @@ async fn follow(
     }
 }
 
-/// The addresses behind `entry` ("host:port"), as "ip:port" strings.
-async fn resolve(entry: &str) -> std::io::Result<BTreeSet<String>> {
-    if entry.parse::<SocketAddr>().is_ok() {
-        return Ok(BTreeSet::from([entry.to_string()]));
+/// The addresses behind `entry` ("host:port"), as "ip:port" strings. A `plaintext` node
+/// (`--insecure`) keeps only loopback ones, every time: a name checked at start can resolve
+/// elsewhere later, and the node would then register, unencrypted, with whoever is there.
+async fn resolve(entry: &str, plaintext: bool) -> std::io::Result<BTreeSet<String>> {
+    let all: Vec<SocketAddr> = match entry.parse::<SocketAddr>() {
+        Ok(a) => vec![a],
+        Err(_) => tokio::net::lookup_host(entry).await?.collect(),
+    };
+    let (kept, far): (Vec<SocketAddr>, Vec<SocketAddr>) =
+        all.into_iter().partition(|a| !plaintext || a.ip().is_loopback());
+    if !far.is_empty() {
+        tracing::warn!(entry, ?far, "--insecure: not joining routers off this machine");
     }
-    Ok(tokio::net::lookup_host(entry).await?.map(|a| a.to_string()).collect())
+    Ok(kept.into_iter().map(|a| a.to_string()).collect())
 }
 
 /// Which addresses to join and which to leave, going from `current` to `resolved`.
@@ -191,6 +199,17 @@ async fn session(router: &str, reg: &RegisterRequest, load: &LoadFn) -> Result<(
 mod tests {
     use super::*;
 
+    /// A name an `--insecure` node checked at start later resolves off the machine (DNS
+    /// changed, or someone changed it): each resolution keeps loopback addresses alone.
+    #[tokio::test]
+    async fn a_plaintext_node_joins_only_routers_on_this_machine() {
+        assert!(resolve("192.0.2.1:50052", true).await.unwrap().is_empty());
+        assert_eq!(resolve("192.0.2.1:50052", false).await.unwrap(), set(&["192.0.2.1:50052"]));
+        assert_eq!(resolve("127.0.0.1:50052", true).await.unwrap(), set(&["127.0.0.1:50052"]));
+        let local = resolve("localhost:50052", true).await.unwrap();
+        assert!(local.iter().all(|a| a.parse::<SocketAddr>().unwrap().ip().is_loopback()));
+    }
+
     fn set(v: &[&str]) -> BTreeSet<String> {
         v.iter().map(|s| s.to_string()).collect()
     }
@@ -211,9 +230,9 @@ mod tests {
 
     #[tokio::test]
     async fn an_address_is_its_own_router_and_a_name_stands_for_each_of_its_addresses() {
-        assert_eq!(resolve("127.0.0.1:50052").await.unwrap(), set(&["127.0.0.1:50052"]));
-        let local = resolve("localhost:50052").await.unwrap();
+        assert_eq!(resolve("127.0.0.1:50052", false).await.unwrap(), set(&["127.0.0.1:50052"]));
+        let local = resolve("localhost:50052", false).await.unwrap();
         assert!(!local.is_empty() && local.iter().all(|a| a.ends_with(":50052")), "{local:?}");
-        assert!(resolve("no-such-host.invalid:50052").await.is_err());
+        assert!(resolve("no-such-host.invalid:50052", false).await.is_err());
     }
 }

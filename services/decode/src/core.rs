@@ -204,6 +204,9 @@ pub struct DecodeCore {
     runner: BatchRunner,
     receiver: Receiver,
     reservations: HashMap<u64, Reservation>,
+    /// Reservations by the request they serve (`name`): a cancel through any router finds
+    /// its own in one lookup, on the engine thread, instead of scanning every reservation.
+    named: HashMap<(String, String), Vec<u64>>,
     /// Grants of completed KV, dropped (revoked) right after the commit is answered.
     revoking: Vec<Box<dyn std::any::Any + Send>>,
     committed: usize,
@@ -239,6 +242,7 @@ impl DecodeCore {
             runner,
             receiver: Receiver::new(),
             reservations: HashMap::new(),
+            named: HashMap::new(),
             revoking: Vec::new(),
             committed: 0,
             default_lease,
@@ -487,6 +491,7 @@ impl DecodeCore {
             return;
         }
         let r = self.reservations.remove(&id).expect("looked up above");
+        self.unname(id, r.request.as_ref());
         self.committed -= r.committed;
         self.engine.free_sequence(r.seq).expect("a reservation's sequence exists");
     }
@@ -605,6 +610,7 @@ impl DecodeCore {
         // The runner released the sequence; quarantined, it waits for the writer.
         if kept.is_none() {
             let r = self.reservations.remove(&id).expect("looked up above");
+            self.unname(id, r.request.as_ref());
             self.committed -= r.committed;
         }
     }

@@ -553,6 +553,15 @@ fn a_request_is_cancelled_by_its_owner_and_id_attached_or_not_yet() {
     assert_eq!(reason(&late), Some(pdmesh_engine::FinishReason::Cancelled));
     assert!(c.is_empty());
     assert!(!c.cancel("acme", "req-2"), "already gone");
+    // Cancels find their request through an index, which forgets each request with it.
+    assert_eq!(c.named_requests(), 0, "the index outlived its reservations");
+    let again = c.reserve(3, 5, None, false, now).unwrap().id();
+    c.name(again, "acme".into(), "req-3".into());
+    c.name(again, "acme".into(), "req-4".into());
+    assert!(!c.cancel("acme", "req-3"), "renamed: the old name is gone");
+    assert_eq!(c.named_requests(), 1);
+    assert!(c.release(again));
+    assert_eq!(c.named_requests(), 0);
 }
 
 /// Growing reservations are promised blocks as tokens come. When the pool runs out, the

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_common::apikey::Tenant;
+use pdmesh_common::gate::Quota;
 use pdmesh_engine::{FinishReason, TokenLogprobs};
 use tokio::sync::{Semaphore, mpsc};
 use tracing::{Instrument, Span};
@@ -18,6 +19,11 @@ use crate::request::Prepared;
 
 /// Events buffered towards a slow client before the request waits for it.
 const CLIENT_BUFFER: usize = 32;
+/// Cancels of requests this router does not run, asking every decode node at once: at most
+/// this many under way, and this many of one tenant's. A cancel of a request it runs costs a
+/// map lookup and is never refused.
+pub const MAX_CANCEL_FANOUTS: usize = 8;
+pub const MAX_CANCEL_FANOUTS_PER_TENANT: usize = 2;
 
 /// What a request produces, in order: `Started`, `Delta`s, then `Finished` (or an error).
 #[derive(Debug, Clone, PartialEq)]
@@ -97,6 +103,8 @@ pub struct Router {
     admission: Arc<Semaphore>,
     /// Each tenant's places, for tenants with a limit of their own.
     tenants: Arc<Mutex<HashMap<String, TenantPlaces>>>,
+    /// Cancels being asked of every decode node, by tenant.
+    fanouts: Quota<String, String>,
 }
 
 /// A tenant's limit and its places under it.
@@ -105,7 +113,13 @@ type TenantPlaces = (usize, Arc<Semaphore>);
 impl Router {
     pub fn new(mesh: Arc<Mesh>) -> Self {
         let admission = Arc::new(Semaphore::new(mesh.config.max_in_flight));
-        Self { mesh, admission, tenants: Arc::default() }
+        let fanouts = Quota::new(
+            MAX_CANCEL_FANOUTS,
+            MAX_CANCEL_FANOUTS_PER_TENANT,
+            format!("{MAX_CANCEL_FANOUTS} cancels of other routers' requests under way"),
+            format!("{MAX_CANCEL_FANOUTS_PER_TENANT} of this tenant's cancels under way"),
+        );
+        Self { mesh, admission, tenants: Arc::default(), fanouts }
     }
 
     pub fn mesh(&self) -> &Arc<Mesh> {
@@ -216,10 +230,22 @@ impl Router {
     /// `cancel`, for a request this router may not run: one another router relays (several
     /// routers share the nodes) is cancelled on the decode node holding it, and its own router
     /// ends it with `Finished(Cancelled)`. False when no router's node holds it for `tenant`.
-    pub async fn cancel_anywhere(&self, tenant: &Tenant, request_id: &str) -> bool {
+    /// Asking every node is bounded (`MAX_CANCEL_FANOUTS`, and per tenant): past it the
+    /// cancel is refused at once (`Overloaded`), so a flood of cancels of unknown ids fills no
+    /// node's command queue and slows no one's decoding.
+    pub async fn cancel_anywhere(
+        &self,
+        tenant: &Tenant,
+        request_id: &str,
+    ) -> Result<bool, RequestError> {
         if self.cancel(tenant, request_id) {
-            return true;
+            return Ok(true);
         }
-        self.mesh.cancel_on_nodes(&tenant.tenant, request_id).await
+        let _asking =
+            self.fanouts.take(tenant.tenant.clone()).map_err(|why| RequestError::Overloaded {
+                message: format!("cancel of {request_id} refused: {why}"),
+                retry_after: Duration::from_millis(self.mesh.config.retry_after_ms),
+            })?;
+        Ok(self.mesh.cancel_on_nodes(&tenant.tenant, request_id).await)
     }
 }

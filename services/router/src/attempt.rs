@@ -157,6 +157,23 @@ pub(crate) struct Request<'a> {
     pub cancel: &'a CancellationToken,
 }
 
+impl Request<'_> {
+    /// Sends an event to the client, which gets `client_stall_ms` to make room: one that
+    /// reads nothing for that long has stopped reading (an SSE client that never consumes
+    /// its stream), and is treated as gone rather than holding its place and its KV until
+    /// the deadline.
+    pub(crate) async fn to_client(&self, ev: Event) -> Result<(), Failure> {
+        let most = Duration::from_millis(self.mesh.config.client_stall_ms);
+        match tokio::time::timeout(most, self.out.send(Ok(ev))).await {
+            Ok(sent) => sent.map_err(|_| Failure::Abandoned),
+            Err(_) => {
+                tracing::warn!(request = self.id, "the client read nothing for {most:?}; ended");
+                Err(Failure::Abandoned)
+            }
+        }
+    }
+}
+
 /// What the request has learned so far: its timings, and where its stream stands.
 #[derive(Debug, Default)]
 pub(crate) struct Report {
@@ -756,9 +773,7 @@ pub(crate) fn failure_text(f: &Failure) -> String {
 impl Attempt<'_> {
     /// Sends an event to the client, waiting for room while the node `d` stays.
     async fn send(&self, d: &Node, ev: Event) -> Result<(), Failure> {
-        let out = self.req.out;
-        let sent = async { out.send(Ok(ev)).await.map_err(|_| Failure::Abandoned) };
-        self.bounded(Phase::Decoding, d, &[d], sent).await
+        self.bounded(Phase::Decoding, d, &[d], self.req.to_client(ev)).await
     }
 }
 

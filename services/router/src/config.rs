@@ -57,6 +57,10 @@ pub struct RouterConfig {
     pub transfer_timeout_ms: u64,
     /// Longest a decode stream may go silent.
     pub stall_timeout_ms: u64,
+    /// Longest a client may read nothing while its request has output waiting: past it the
+    /// client has stopped reading, and the request ends (freeing its place and its KV)
+    /// rather than holding them until its deadline.
+    pub client_stall_ms: u64,
     /// Lease on decode reservations.
     pub lease_ms: u32,
     /// Times a request may move to another decode node after its stream started (its node
@@ -115,6 +119,7 @@ impl Default for RouterConfig {
             node_call_timeout_ms: 10_000,
             transfer_timeout_ms: 30_000,
             stall_timeout_ms: 60_000,
+            client_stall_ms: 30_000,
             lease_ms: 30_000,
             max_migrations: 3,
             reserve_tokens: 256,
@@ -176,6 +181,7 @@ impl RouterConfig {
             ("node_call_timeout_ms", self.node_call_timeout_ms),
             ("transfer_timeout_ms", self.transfer_timeout_ms),
             ("stall_timeout_ms", self.stall_timeout_ms),
+            ("client_stall_ms", self.client_stall_ms),
             ("lease_ms", u64::from(self.lease_ms)),
         ] {
             if v == 0 {

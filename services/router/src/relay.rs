@@ -98,7 +98,10 @@ pub(crate) async fn run(
             tracing::warn!(request = id, code = ?e.code(), "request failed: {e}");
         }
     }
-    let _ = out.send(end).await;
+    // Bounded like every event: a client that stopped reading does not keep the request's
+    // place past its last word.
+    let most = Duration::from_millis(mesh.config.client_stall_ms);
+    let _ = tokio::time::timeout(most, out.send(end)).await;
 }
 
 /// The one `Finished` a request ends with, and the root span's account of it.
@@ -267,7 +270,7 @@ async fn ended_before_moving(
         let n = tail.tokens.len().min(report.logprobs.len());
         let logprobs = report.logprobs.iter().take(n).cloned().collect();
         let ev = Event::Delta { text: tail.text, tokens: tail.tokens, logprobs };
-        req.out.send(Ok(ev)).await.map_err(|_| Failure::Abandoned)?;
+        req.to_client(ev).await?;
     }
     Ok(Some(Decoded {
         reason: pdmesh_wire::finish_reason(reason) as i32,

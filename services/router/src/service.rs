@@ -258,7 +258,7 @@ impl Generation for RouterService {
     ) -> Result<Response<CancelResponse>, Status> {
         let tenant = self.tenant(&req)?;
         let id = req.into_inner().request_id;
-        if self.router.cancel_anywhere(&tenant, &id).await {
+        if self.router.cancel_anywhere(&tenant, &id).await? {
             Ok(Response::new(CancelResponse {}))
         } else {
             Err(Status::not_found(format!("request_id {id} is not running")))

@@ -2,26 +2,40 @@
 //! and id), or moved when the node drains (paused, its KV exported, then ended here as moved,
 //! or kept when nothing could take it).
 
-use super::{DecodeCore, DecodeError, Event, Moving, Phase, Reservation};
+use super::{DecodeCore, DecodeError, Event, Moving, Phase};
 
 impl DecodeCore {
     /// Names a reservation's request: `owner`'s `request_id`.
     pub fn name(&mut self, id: u64, owner: String, request_id: String) {
-        if let Some(r) = self.reservations.get_mut(&id) {
-            r.request = Some((owner, request_id));
+        let Some(r) = self.reservations.get_mut(&id) else { return };
+        let request = (owner, request_id);
+        let before = r.request.replace(request.clone());
+        self.unname(id, before.as_ref());
+        self.named.entry(request).or_default().push(id);
+    }
+
+    /// Takes reservation `id` out of the index under `request`, its name if it had one.
+    pub(super) fn unname(&mut self, id: u64, request: Option<&(String, String)>) {
+        let Some(request) = request else { return };
+        let Some(ids) = self.named.get_mut(request) else { return };
+        ids.retain(|&i| i != id);
+        if ids.is_empty() {
+            self.named.remove(request);
         }
+    }
+
+    /// Reservations named now (what the index holds: none once they are all gone).
+    pub fn named_requests(&self) -> usize {
+        self.named.len()
     }
 
     /// Cancels `owner`'s request `request_id`: a running one ends now (`Finished(Cancelled)`),
     /// one not attached yet as soon as it attaches. False when the node holds no such request.
     pub fn cancel(&mut self, owner: &str, request_id: &str) -> bool {
-        let named = |r: &Reservation| {
-            r.request.as_ref().is_some_and(|(o, q)| o == owner && q == request_id)
-        };
-        let ids: Vec<u64> =
-            self.reservations.iter().filter(|(_, r)| named(r)).map(|(&id, _)| id).collect();
+        let key = (owner.to_string(), request_id.to_string());
+        let Some(ids) = self.named.get(&key).cloned() else { return false };
         for &id in &ids {
-            let r = self.reservations.get_mut(&id).expect("listed above");
+            let r = self.reservations.get_mut(&id).expect("the index holds live reservations");
             match r.phase {
                 Phase::Attached(_) => {
                     let out = self.runner.cancel(&mut self.engine, &mut self.receiver, id);
