@@ -65,6 +65,17 @@ impl Pki {
         d
     }
 
+    /// A certificate for `name` in `role` whose term ended yesterday (one copied off a mesh
+    /// and kept).
+    pub fn expired_identity(&self, name: &str, role: MeshRole) -> MeshTls {
+        let d = self.dir.path().join("expired").join(format!("{name}-{role}"));
+        let day = Duration::from_secs(86_400);
+        let now = std::time::SystemTime::now();
+        let term = pdmesh_common::tls::Validity { from: now - 2 * day, until: now - day };
+        self.ca.issue_within(&d, name, role, &[], term).expect("certificate issued");
+        MeshTls::load(&d, name).expect("certificate loads")
+    }
+
     /// The CA's certificate file.
     pub fn ca_file(&self) -> PathBuf {
         self.dir.path().join("ca.pem")

@@ -63,6 +63,7 @@ async fn every_internal_port_refuses_strangers_and_the_public_one_wants_a_key() 
     };
     let without_cert =
         |role| ClientTlsConfig::new().ca_certificate(ca.clone()).domain_name(tls::role_name(role));
+    let expired = pki().expired_identity("router-old", MeshRole::Router);
     let internal = c.router.internal.clone().unwrap();
     for (addr, kind) in [
         (&internal, "membership"),
@@ -78,10 +79,12 @@ async fn every_internal_port_refuses_strangers_and_the_public_one_wants_a_key() 
         let e = probe(plain.unwrap(), kind).await.unwrap_err();
         assert_eq!(e.code(), Code::Unauthenticated, "{kind}: {e:?}");
         assert!(e.message().contains("plaintext"), "{kind}: {e:?}");
-        // TLS without a client certificate, and with one from another CA.
+        // TLS without a client certificate, with one from another CA, and with the mesh's
+        // own whose term has ended (certificates used to be good until 4096).
         for (what, cfg) in [
             ("no certificate", without_cert(role)),
             ("a foreign certificate", with_foreign_cert(role)),
+            ("an expired certificate", expired.client(role)),
         ] {
             let ep =
                 Endpoint::from_shared(format!("https://{addr}")).unwrap().tls_config(cfg).unwrap();

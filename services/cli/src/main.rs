@@ -174,6 +174,9 @@ enum CertsCommand {
     Ca {
         #[arg(long)]
         dir: std::path::PathBuf,
+        /// Days the CA is good for; replacing it is a rotation of the whole mesh.
+        #[arg(long, default_value_t = 1825, value_parser = clap::value_parser!(u32).range(1..=3650))]
+        days: u32,
     },
     /// A certificate for one process, signed by the CA in --ca-dir: DIR/NAME.pem and
     /// DIR/NAME.key, with DIR/ca.pem beside them. Its role decides what it may call.
@@ -194,6 +197,10 @@ enum CertsCommand {
         /// the OpenAI API); repeat for several.
         #[arg(long = "host", value_name = "HOST")]
         hosts: Vec<String>,
+        /// Days the certificate is good for: renew it before then (cert-manager does at two
+        /// thirds); a running process takes the renewed files within seconds.
+        #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u32).range(1..=825))]
+        days: u32,
     },
 }
 
@@ -213,22 +220,27 @@ fn certs(a: CertsArgs) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
             println!("{}", file.display());
         }
-        CertsCommand::Ca { dir } => {
+        CertsCommand::Ca { dir, days } => {
             anyhow::ensure!(
                 !dir.join("ca.key").exists(),
                 "{} already holds a CA; remove it first to make another",
                 dir.display()
             );
-            Ca::generate()?.write(&dir, true)?;
+            Ca::generate_for(days_of(days))?.write(&dir, true)?;
             println!("{}", dir.join("ca.pem").display());
         }
-        CertsCommand::Issue { ca_dir, dir, name, role, hosts } => {
+        CertsCommand::Issue { ca_dir, dir, name, role, hosts, days } => {
             let dir = dir.unwrap_or_else(|| ca_dir.clone());
-            Ca::load(&ca_dir)?.issue_for_hosts(&dir, &name, role, &hosts)?;
+            let ca = Ca::load(&ca_dir)?.with_leaf_validity(days_of(days));
+            ca.issue_for_hosts(&dir, &name, role, &hosts)?;
             println!("{}", dir.join(format!("{name}.pem")).display());
         }
     }
     Ok(())
+}
+
+fn days_of(days: u32) -> std::time::Duration {
+    std::time::Duration::from_secs(u64::from(days) * 86_400)
 }
 
 /// The commands the tools binary provides.

@@ -163,10 +163,43 @@ pub fn run(a: UpArgs, insecure: bool) -> anyhow::Result<()> {
         return rt.block_on(up_with(&a, None));
     }
     let dir = pdmesh_cli::client::local_mesh_dir(&a.listen).context(pdmesh_cli::client::NO_HOME)?;
-    issue_credentials(&a, &dir)?;
+    let issued = issue_credentials(&a, &dir)?;
+    let renew = rt.spawn(renew_certificates(issued, dir.clone()));
     let r = rt.block_on(up_with(&a, Some(&dir)));
+    renew.abort();
     let _ = std::fs::remove_dir_all(&dir);
     r
+}
+
+/// How long the certificates `pdmesh up` makes are good for: a key left on disk by a mesh
+/// that was killed, or copied off a running one, stops working within the day.
+pub const UP_CERT_VALIDITY: Duration = Duration::from_secs(24 * 3600);
+/// How often `pdmesh up` renews them; every process reloads its files within seconds
+/// (`tls::watch`), and connections dialled before drain at their maximum age.
+const UP_RENEW_EVERY: Duration = Duration::from_secs(8 * 3600);
+/// The throwaway CA's term: it outlives any mesh `up` runs, and its key never touches disk.
+const UP_CA_VALIDITY: Duration = Duration::from_secs(365 * 86_400);
+
+/// The mesh's CA (its key held only in this process's memory) and whom it certified.
+struct Issued {
+    ca: pdmesh_common::tls::Ca,
+    names: Vec<(String, pdmesh_common::tls::MeshRole, Vec<String>)>,
+}
+
+/// Issues every process's certificate anew every `UP_RENEW_EVERY`, until aborted.
+async fn renew_certificates(issued: Issued, dir: PathBuf) {
+    // This process dials the mesh as its operator: it takes its own renewed certificate too.
+    pdmesh_common::tls::watch(pdmesh_common::serve::RELOAD_EVERY);
+    let mut tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + UP_RENEW_EVERY, UP_RENEW_EVERY);
+    loop {
+        tick.tick().await;
+        for (name, role, hosts) in &issued.names {
+            if let Err(e) = issued.ca.issue_for_hosts(&dir, name, *role, hosts) {
+                eprintln!("pdmesh: renewing {name}'s certificate (it expires in a day): {e}");
+            }
+        }
+    }
 }
 
 /// The names a client on this machine dials the router's HTTPS API by.
@@ -177,12 +210,13 @@ const SEAL_KEY_FILE: &str = "mesh-seal.key";
 
 /// Makes the mesh's credentials in `dir`: a CA, one certificate per process named as the
 /// process is, the operator's, the operator's API key and the UCX seal key.
-fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
+fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<Issued> {
     use pdmesh_common::tls::{Ca, MeshRole};
     // Whatever an earlier mesh at this address left (it was killed) is stale.
     let _ = std::fs::remove_dir_all(dir);
-    let ca = Ca::generate()?;
-    // The CA's key is not kept: no one adds processes to a throwaway mesh.
+    let ca = Ca::generate_for(UP_CA_VALIDITY)?.with_leaf_validity(UP_CERT_VALIDITY);
+    // The CA's key is not written: no one adds processes to a throwaway mesh, and only this
+    // process renews their certificates.
     ca.write(dir, false)?;
     let mut names: Vec<(String, MeshRole)> = vec![
         ("router".into(), MeshRole::Router),
@@ -191,14 +225,20 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
     ];
     names.extend((0..a.most("prefill")).map(|i| (format!("prefill-{i}"), MeshRole::Prefill)));
     names.extend((0..a.most("decode")).map(|i| (format!("decode-{i}"), MeshRole::Decode)));
-    for (n, r) in &names {
-        // The router's HTTPS clients dial it on this machine.
-        let hosts = if *r == MeshRole::Router {
-            LOOPBACK_HOSTS.map(String::from).to_vec()
-        } else {
-            Vec::new()
-        };
-        ca.issue_for_hosts(dir, n, *r, &hosts)?;
+    let names: Vec<_> = names
+        .into_iter()
+        .map(|(n, r)| {
+            // The router's HTTPS clients dial it on this machine.
+            let hosts = if r == MeshRole::Router {
+                LOOPBACK_HOSTS.map(String::from).to_vec()
+            } else {
+                Vec::new()
+            };
+            (n, r, hosts)
+        })
+        .collect();
+    for (n, r, hosts) in &names {
+        ca.issue_for_hosts(dir, n, *r, hosts)?;
     }
     let operator = pdmesh_common::apikey::Tenant {
         tenant: OPERATOR.into(),
@@ -209,7 +249,7 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<()> {
     write_private(&dir.join(API_KEY_FILE), &key)?;
     write_private(&dir.join(SEAL_KEY_FILE), &pdmesh_kv_transfer::ucx::new_seal_key())?;
     pdmesh_common::tls::init(Some(pdmesh_common::tls::MeshTls::load(dir, OPERATOR)?));
-    Ok(())
+    Ok(Issued { ca, names })
 }
 
 fn write_private(path: &Path, data: &str) -> anyhow::Result<()> {

@@ -367,10 +367,41 @@ pub fn endpoint_with(
     Endpoint::from_shared(format!("https://{address}"))?.tls_config(tls.client(serves))
 }
 
+/// How long `pdmesh certs ca` makes a CA good for: it signs, it is never presented alone,
+/// and replacing it is a rotation of the whole mesh.
+pub const CA_VALIDITY: Duration = Duration::from_secs(5 * 365 * 86_400);
+/// How long a process's certificate is good for by default: cert-manager renews at two
+/// thirds (deploy/), and a stolen one stops working within the term.
+pub const LEAF_VALIDITY: Duration = Duration::from_secs(90 * 86_400);
+/// Backdating, so a clock a little behind the issuer's still takes a fresh certificate.
+const CLOCK_SKEW: Duration = Duration::from_secs(300);
+
+/// When a certificate is good: from `from` until `until`.
+#[derive(Debug, Clone, Copy)]
+pub struct Validity {
+    pub from: std::time::SystemTime,
+    pub until: std::time::SystemTime,
+}
+
+impl Validity {
+    /// From now (less a few minutes of clock skew) for `term`.
+    pub fn next(term: Duration) -> Self {
+        let now = std::time::SystemTime::now();
+        Self { from: now - CLOCK_SKEW, until: now + term }
+    }
+
+    fn apply(&self, p: &mut CertificateParams) {
+        p.not_before = self.from.into();
+        p.not_after = self.until.into();
+    }
+}
+
 /// A mesh CA: its certificate and key, which sign each process's certificate.
 pub struct Ca {
     pem: String,
     issuer: Issuer<'static, KeyPair>,
+    /// The term of the certificates `issue` makes.
+    leaf: Duration,
 }
 
 impl std::fmt::Debug for Ca {
@@ -380,15 +411,27 @@ impl std::fmt::Debug for Ca {
 }
 
 impl Ca {
-    /// A new throwaway CA.
+    /// A new CA, good for `CA_VALIDITY`.
     pub fn generate() -> Result<Self, TlsError> {
+        Self::generate_for(CA_VALIDITY)
+    }
+
+    /// A new CA good for `term`.
+    pub fn generate_for(term: Duration) -> Result<Self, TlsError> {
         let key = KeyPair::generate()?;
         let mut ca = CertificateParams::new(Vec::<String>::new())?;
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         ca.distinguished_name.push(DnType::CommonName, "pdmesh mesh CA");
         ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        Validity::next(term).apply(&mut ca);
         let pem = ca.self_signed(&key)?.pem();
-        Ok(Self { pem, issuer: Issuer::new(ca, key) })
+        Ok(Self { pem, issuer: Issuer::new(ca, key), leaf: LEAF_VALIDITY })
+    }
+
+    /// This CA issuing certificates good for `term` (`LEAF_VALIDITY` unless set).
+    pub fn with_leaf_validity(mut self, term: Duration) -> Self {
+        self.leaf = term;
+        self
     }
 
     /// The CA in `DIR/ca.pem` and `DIR/ca.key`.
@@ -399,7 +442,7 @@ impl Ca {
         };
         let (pem, key) = (read("ca.pem")?, read("ca.key")?);
         let key = KeyPair::from_pem(&key)?;
-        Ok(Self { issuer: Issuer::from_ca_cert_pem(&pem, key)?, pem })
+        Ok(Self { issuer: Issuer::from_ca_cert_pem(&pem, key)?, pem, leaf: LEAF_VALIDITY })
     }
 
     /// Writes `DIR/ca.pem`, and `DIR/ca.key` when `with_key` (the key only where certificates
@@ -429,6 +472,18 @@ impl Ca {
         role: MeshRole,
         hosts: &[String],
     ) -> Result<(), TlsError> {
+        self.issue_within(dir, name, role, hosts, Validity::next(self.leaf))
+    }
+
+    /// `issue_for_hosts`, good for `validity`.
+    pub fn issue_within(
+        &self,
+        dir: &Path,
+        name: &str,
+        role: MeshRole,
+        hosts: &[String],
+        validity: Validity,
+    ) -> Result<(), TlsError> {
         check_name(name)?;
         create_dir(dir)?;
         let key = KeyPair::generate()?;
@@ -439,9 +494,13 @@ impl Ca {
         p.subject_alt_names.push(SanType::URI(format!("{ROLE_URI}{role}/{name}").try_into()?));
         p.extended_key_usages =
             vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        validity.apply(&mut p);
         let cert = p.signed_by(&key, &self.issuer)?;
-        write_private(&dir.join(format!("{name}.pem")), cert.pem().as_bytes())?;
+        // The key first: a process that reloads between the two writes sees a certificate
+        // that does not match its key, refuses the pair and keeps its old one until the next
+        // look, rather than serving a new certificate with an old key.
         write_private(&dir.join(format!("{name}.key")), key.serialize_pem().as_bytes())?;
+        write_private(&dir.join(format!("{name}.pem")), cert.pem().as_bytes())?;
         write_private(&dir.join("ca.pem"), self.pem.as_bytes())
     }
 }
@@ -480,6 +539,39 @@ mod tests {
         assert_eq!(MeshTls::load(dir.path(), "ops").unwrap().identity().role, MeshRole::Admin);
         assert!(matches!(MeshTls::load(dir.path(), "../ca"), Err(TlsError::Name(_))));
         assert!(matches!(MeshTls::load(dir.path(), "nobody"), Err(TlsError::Read { .. })));
+    }
+
+    /// Certificates were good from 1975 to 4096: one copied off a mesh never stopped working.
+    /// Now each carries its term, the CA's and each process's apart.
+    #[test]
+    fn certificates_carry_the_term_they_were_issued_for() {
+        let term = |pem: &[u8]| {
+            let der = CertificateDer::from_pem_slice(pem).unwrap();
+            let (_, c) = x509_parser::parse_x509_certificate(&der).unwrap();
+            let v = c.validity();
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs() as i64;
+            (now - v.not_before.timestamp(), v.not_after.timestamp() - now)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let day = Duration::from_secs(86_400);
+        let ca = Ca::generate_for(30 * day).unwrap().with_leaf_validity(day);
+        ca.write(dir.path(), true).unwrap();
+        ca.issue(dir.path(), "decode-0", MeshRole::Decode).unwrap();
+        let (before, after) = term(&std::fs::read(dir.path().join("decode-0.pem")).unwrap());
+        assert!((295..=310).contains(&before), "backdated by the skew only: {before}s");
+        assert!((86_390..=86_400).contains(&after), "good for a day: {after}s");
+        let (_, after) = term(&std::fs::read(dir.path().join("ca.pem")).unwrap());
+        assert!((30 * 86_400 - 10..=30 * 86_400).contains(&after), "{after}s");
+        // Loaded again from its files, the CA issues for the default term.
+        let (_, after) = {
+            Ca::load(dir.path()).unwrap().issue(dir.path(), "p", MeshRole::Prefill).unwrap();
+            term(&std::fs::read(dir.path().join("p.pem")).unwrap())
+        };
+        let lv = LEAF_VALIDITY.as_secs() as i64;
+        assert!((lv - 10..=lv).contains(&after), "{after}s");
     }
 
     /// KV moves over these connections: every mesh server picks AES-128-GCM even for a client

@@ -15,7 +15,7 @@ use pdmesh_proto::v1::{
     DecodeEvent, DecodeFinished, DecodeMark, DecodeMoved, DecodeMoving, DecodeRequest, Delta,
     DrainRequest, DrainResponse, HandOffRequest, HandOffResponse, KvChunk, KvSessionRequest,
     KvTarget, NodeCancelRequest, NodeCancelResponse, NodeLoad, NodeStats, PushKvResponse,
-    ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest, UcxRange,
+    ReleaseRequest, ReleaseResponse, ReserveRequest, ReserveResponse, Role, StatsRequest,
     decode_event, decode_request,
 };
 use pdmesh_wire::{finish_reason, sampling_from};
@@ -39,7 +39,7 @@ pub struct Inbox {
     pub stats: Arc<TransferStats>,
     /// The KV pool's shared memory (or its staging area's), offered to UCX writers on this
     /// host.
-    pub shared: Option<UcxRange>,
+    pub shared: Option<pdmesh_kv_transfer::same_host::SharedOffer>,
     /// How UCX writers reach the pool (`KvPath::name`); empty without UCX.
     pub kv_path: &'static str,
 }
@@ -98,7 +98,7 @@ impl KvInbox for Inbox {
         let _ = self.tx.send(Command::KvAbort { id, why }).await;
     }
 
-    fn shared_pool(&self) -> Option<UcxRange> {
+    fn shared_pool(&self) -> Option<pdmesh_kv_transfer::same_host::SharedOffer> {
         self.shared.clone()
     }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use pdmesh_common::ids::Capability;
 use pdmesh_common::trace;
 use pdmesh_kv_types::KvLayout;
-use pdmesh_proto::v1::{KvHeader, UcxRange};
+use pdmesh_proto::v1::KvHeader;
 use tonic::Status;
 use tracing::Span;
 use tracing::field::Empty;
@@ -45,7 +45,7 @@ pub trait KvInbox: Send + Sync + 'static {
     fn closed(&self, reservation: u64);
     /// The pool's shared memory, offered to UCX writers on this host; `None` when the pool
     /// is not in memory they can map.
-    fn shared_pool(&self) -> Option<UcxRange> {
+    fn shared_pool(&self) -> Option<crate::same_host::SharedOffer> {
         None
     }
     /// How a UCX writer's puts reach the pool (`KvPath::name`); empty without UCX.

@@ -16,6 +16,7 @@ pub mod pool;
 pub mod prefix_cache;
 pub mod push;
 pub mod receive;
+pub mod same_host;
 pub mod scope;
 pub mod staging;
 pub mod stats;

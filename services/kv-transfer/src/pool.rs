@@ -23,6 +23,7 @@ use pdmesh_kv_types::{HostMemory, KvGeometry, MemoryKind, MemoryRegion};
 use pdmesh_proto::v1::{UcxRange, UcxTarget};
 use serde::{Deserialize, Serialize};
 
+use crate::same_host::SharedOffer;
 use crate::scope::{self, Grant};
 use crate::staging::{StagedBlocks, StagingArea, StagingFull};
 use crate::ucx::{Access, UcxError, UcxNode};
@@ -134,7 +135,7 @@ pub struct KvPool {
     bytes_per_block: u64,
     /// Blocks of the engine's pool.
     blocks: u32,
-    shared: Option<UcxRange>,
+    shared: Option<SharedOffer>,
     staging: Option<Arc<StagingArea>>,
     path: KvPath,
 }
@@ -234,15 +235,19 @@ fn probe(node: &UcxNode, memory: &MemoryRegion, bytes_per_block: u64) -> Result<
 }
 
 impl KvPool {
-    /// The pool as `share_kv_pool` placed it: offered to writers on this host.
+    /// The pool as `share_kv_pool` placed it: offered to writers on this host that prove it
+    /// (`same_host`). Without a secret to seal its key under, it is offered to none.
     pub fn with_shared(mut self, shared: UcxRange) -> Self {
-        self.shared = Some(shared);
+        match SharedOffer::new(shared) {
+            Ok(o) => self.shared = Some(o),
+            Err(e) => tracing::warn!("KV pool not offered in shared memory, writers put: {e}"),
+        }
         self
     }
 
     /// What a writer on this host needs to map the pool (or its staging area), when it is
     /// shared.
-    pub fn shared(&self) -> Option<&UcxRange> {
+    pub fn shared(&self) -> Option<&SharedOffer> {
         self.shared.as_ref()
     }
 

@@ -114,7 +114,7 @@ impl KvTransport for UcxTransport {
                 .into_inner();
             match events.message().await {
                 Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Accepted(a)) })) => {
-                    Ok((events, a.shared))
+                    Ok((events, a.shared.map(|sh| (sh, a.key_file))))
                 }
                 Ok(_) => Err(unreachable(&node, "the session ended before it was accepted")),
                 Err(s) => Err(TransferError::from_peer(&node, s)),
@@ -127,15 +127,26 @@ impl KvTransport for UcxTransport {
         })?;
         let (events, shared) = events?;
         // The decode node offers its pool's shared memory to a writer on its host: mapped
-        // here, blocks go in by one memcpy each. Should UCX not map it, puts carry them.
+        // here, blocks go in by one memcpy each. Should this process not be able to open its
+        // key (not the node's user on its host) or UCX not map it, puts carry them.
         let mapped = match shared {
-            Some(sh) => match peer.shared(&sh.rkey, sh.base, sh.len).await {
-                Ok(m) => Some(m),
-                Err(e) => {
-                    tracing::debug!(node, "the decode node's shared KV pool is not mappable: {e}");
-                    None
+            Some((sh, key_file)) => {
+                let rkey = crate::same_host::open(&key_file, &sh.rkey).map_err(UcxError::Usage);
+                let mapped = match rkey {
+                    Ok(rkey) => peer.shared(&rkey, sh.base, sh.len).await,
+                    Err(e) => Err(e),
+                };
+                match mapped {
+                    Ok(m) => Some(m),
+                    Err(e) => {
+                        tracing::debug!(
+                            node,
+                            "the decode node's shared KV pool is not mappable: {e}"
+                        );
+                        None
+                    }
                 }
-            },
+            }
             None => None,
         };
         Ok(Box::new(UcxSink {
@@ -391,8 +402,11 @@ pub async fn accept_session(
 ) -> Result<tonic::Response<SessionEvents>, tonic::Status> {
     use tonic::Status;
     use tracing::Instrument;
+    // The offer goes only where the addresses say one host; what keeps its key from anyone
+    // else is the secret it is sealed under (`same_host`).
     let shared =
         if same_host(req.local_addr(), req.remote_addr()) { inbox.shared_pool() } else { None };
+    let (shared, key_file) = shared.map(|o| o.offer()).unzip();
     let mut inbound = req.into_inner();
     let header = match inbound.message().await? {
         Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Open(h)) }) => Some(h),
@@ -404,8 +418,12 @@ pub async fn accept_session(
         pdmesh_common::trace::in_span(&span, inbox::open(&*inbox, header, true)).await?;
     let closed = ClosedOnDrop { inbox: Arc::clone(&inbox), id };
     let (events, rx) = mpsc::channel(2);
-    let accepted =
-        KvSessionEvent { event: Some(kv_session_event::Event::Accepted(KvAccepted { shared })) };
+    let accepted = KvSessionEvent {
+        event: Some(kv_session_event::Event::Accepted(KvAccepted {
+            shared,
+            key_file: key_file.unwrap_or_default(),
+        })),
+    };
     let _ = events.try_send(Ok(accepted));
     let session = async move {
         // Until the commit (or the end of the stream) the prefill node may be putting.
@@ -451,9 +469,8 @@ pub async fn accept_session(
     Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
 }
 
-/// Whether a connection's two ends are on one host: both loopback, or one address. A peer
-/// elsewhere cannot complete a TLS handshake from an address of this host, so the offer of
-/// shared memory rests on the connection the writer authenticated on.
+/// Whether a connection's two ends look like one host: both loopback, or one address. A proxy
+/// or SNAT makes them lie, so this only spares remote writers an offer they cannot open.
 fn same_host(local: Option<std::net::SocketAddr>, remote: Option<std::net::SocketAddr>) -> bool {
     let (Some(l), Some(r)) = (local, remote) else { return false };
     let (l, r) = (l.ip().to_canonical(), r.ip().to_canonical());

@@ -326,6 +326,12 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
             if sink.transport() != kind.name() {
                 bail!("asked for {kind}, the transfer used {}", sink.transport());
             }
+            if sink.mapped() != (path == "ucx") {
+                bail!(
+                    "path {path}: the decode node's shared pool mapped here is {}",
+                    sink.mapped()
+                );
+            }
             for first in (0..blocks).step_by(a.blocks_per_piece) {
                 let n = a.blocks_per_piece.min(blocks - first);
                 let data = src.slice(first * bpb..(first + n) * bpb);
