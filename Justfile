@@ -152,6 +152,17 @@ vocab-fixtures: fetch-model _llamacpp
         {{bench_venv}}/bin/pip install --quiet gguf==0.19.0 sentencepiece==0.2.3 && \
         {{bench_venv}}/bin/python scripts/make_vocab_fixtures.py; }
 
+# Each attack on the front door (slow handshakes, slow bodies, a stream flood, a cancel flood,
+# a client that never reads its SSE stream, one tenant through two keys) against `pdmesh up`
+# while a legitimate client runs a steady load: its success rate and p99 TTFT against a
+# no-attack phase in the same run, and the router's peak RSS (~6 min).
+attack *args="": system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    @[ -x .bench/attack/bin/python ] && .bench/attack/bin/python -c "import h2" 2>/dev/null || { \
+        python3 -m venv .bench/attack && \
+        .bench/attack/bin/pip install --quiet --disable-pip-version-check h2==4.3.0; }
+    .bench/attack/bin/python scripts/attack.py --model {{model}} {{args}}
+
 # Fuzz longer than the test suite does: every internal RPC handler (in-process services on the
 # tiny model), the GGUF loader and the tokenizer, `cases` inputs per target. A failing input is
 # printed in hex; put it in integration/fuzz/corpus/<rpc>/ (or proptest-regressions/) with the fix.
@@ -189,7 +200,8 @@ bench-kv-dtype *args="": system-deps fetch-model vocab-fixtures
 # The mesh against the engine alone (TTFT, inter-token latency), and the mesh with its security
 # (mTLS, API keys) against `--insecure`; 1 prefill + 1 decode pinned to a core each against one
 # colocated engine under a mixed load; and throughput with tracing off vs on (every span
-# exported); in one run. `--parts overhead` runs only the first.
+# exported); in one run. `--parts overhead` runs only the first, `--parts tls --rounds 5` only
+# its secure/insecure rounds.
 bench-mesh *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_mesh.py --model {{model}} {{args}}

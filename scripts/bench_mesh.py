@@ -7,6 +7,7 @@
    TTFT and inter-token latency and the mesh/engine ratio and difference. The mesh runs as
    `pdmesh up` does (mutual TLS on every hop, API keys) and, alternately for --rounds rounds,
    with `--insecure` (plaintext, no keys): the secure/insecure ratio is what security costs.
+   `--parts tls` runs only those rounds (no engine-alone reference).
 
 2. Disaggregation under a mixed load: --streams steady decode streams (each restarting a new
    request when one ends) run while long prompts arrive as a Poisson process. Once on 1 prefill + 1 decode node, each pinned to its own core
@@ -93,8 +94,9 @@ def main():
     parts = set(a.parts.split(","))
     report = {}
 
-    if "overhead" in parts:
-        overhead(a, report)
+    if parts & {"overhead", "tls"}:
+        # `tls` alone: only what security costs, without the engine-alone reference.
+        overhead(a, report, engine="overhead" in parts)
     if "mixed" in parts:
         mixed_load(a, report)
     if "tracing" in parts:
@@ -104,12 +106,12 @@ def main():
         json.dump(report, f, indent=1)
 
 
-def overhead(a, report):
+def overhead(a, report, engine=True):
     n = a.overhead_prompt_tokens
     print(f"1. overhead: {n}-token prompts, 64 tokens out, {a.threads} thread(s) per engine, "
           f"{a.rounds} secure/insecure rounds", file=sys.stderr)
     common = ["--requests", str(a.requests), "--concurrency", "1", "--prompt-tokens", str(n), "--max-tokens", "64"]
-    alone = bench(common + ["--engine-alone", "--model", a.model, "--threads", str(a.threads)])
+    alone = bench(common + ["--engine-alone", "--model", a.model, "--threads", str(a.threads)]) if engine else None
     runs = {"secure": [], "insecure": []}
     for _ in range(a.rounds):
         for mode in ("secure", "insecure"):
@@ -118,15 +120,16 @@ def overhead(a, report):
                 bench(["--target", m.addr, "--requests", "1", "--prompt-tokens", "16", "--max-tokens", "4"], m.env)  # warm-up
                 runs[mode].append(bench(common + ["--target", m.addr], m.env)["results"])
     report["overhead"] = {"engine_alone": alone, "mesh": runs}
-    ar = alone["results"]
     med = lambda mode, k: statistics.median(r[k]["p50"] for r in runs[mode])
     ts, ti = med("secure", "ttft_ms"), med("insecure", "ttft_ms")
     ls, li = med("secure", "itl_ms"), med("insecure", "itl_ms")
     print("\n== overhead (medians) ==")
-    print(f"TTFT {n}-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {ts:.1f} ms, "
-          f"ratio {ts / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
-    print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {ls:.2f} ms, "
-          f"difference {ls - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
+    if alone:
+        ar = alone["results"]
+        print(f"TTFT {n}-token prompt: engine {ar['ttft_ms']['p50']:.1f} ms, mesh {ts:.1f} ms, "
+              f"ratio {ts / ar['ttft_ms']['p50']:.3f} (goal <= 1.15)")
+        print(f"inter-token latency: engine {ar['itl_ms']['p50']:.2f} ms, mesh {ls:.2f} ms, "
+              f"difference {ls - ar['itl_ms']['p50']:+.2f} ms (goal <= +1 ms)")
     print(f"security (mTLS + API keys) vs --insecure: TTFT {ts:.1f} vs {ti:.1f} ms, ratio {ts / ti:.3f} "
           f"(goal <= 1.02); inter-token {ls:.2f} vs {li:.2f} ms, difference {ls - li:+.2f} ms (goal <= +0.2 ms)")
 

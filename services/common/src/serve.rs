@@ -77,6 +77,41 @@ pub async fn serve(
     serve_until(routes, names, listener, exposure, shutdown, drain, CancellationToken::new()).await
 }
 
+/// Raises this process's soft limit on open descriptors to its hard limit, once. The soft
+/// limit is often 1,024, below the connections a listener takes: accepts would fail for
+/// everyone before the gate refused anyone, the very lockout the gate is there to prevent.
+fn raise_fd_limit(want: usize) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let limit = raise_soft_fd_limit();
+        if limit.is_none_or(|l| l < want as libc::rlim_t) {
+            tracing::warn!(
+                limit,
+                "few open files allowed: a listener's {want} connections may fail to be \
+                 accepted before any bound refuses them (raise `ulimit -n`)"
+            );
+        }
+    });
+}
+
+/// The soft descriptor limit raised to the hard one: the limit now, if it could be read.
+fn raise_soft_fd_limit() -> Option<libc::rlim_t> {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: both calls only read or write the one `rlimit` passed by pointer.
+    #[allow(unsafe_code)]
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) != 0 {
+            return None;
+        }
+        let mut raised = l;
+        raised.rlim_cur = l.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+            l = raised;
+        }
+    }
+    Some(l.rlim_cur)
+}
+
 /// Accepts connections on `listener` and hands them on, plaintext or after a TLS handshake
 /// with the process's current certificates (a renewed certificate serves the next
 /// connection), until the receiver goes away. Connections and handshakes are bounded in
@@ -88,6 +123,7 @@ pub fn incoming<IO: Send + 'static>(
     + 'static,
 ) -> ReceiverStream<std::io::Result<Held<IO>>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
+    raise_fd_limit(Limits::DEFAULT.connections);
     tokio::spawn(async move {
         let gate = Gate::new(Limits::DEFAULT);
         let mut warned: Option<tokio::time::Instant> = None;
@@ -375,4 +411,23 @@ pub async fn serve_node(
             .await;
     stop.cancel();
     served
+}
+
+#[cfg(test)]
+mod tests {
+    /// Started under a soft limit of 256 descriptors (a shell's 1,024 is as far below the
+    /// 4,096 connections a listener takes), a service failed accepts for every client once an
+    /// attacker held that many sockets, before any bound of the gate refused the attacker.
+    #[test]
+    fn a_service_lifts_its_descriptor_limit_to_the_hard_one() {
+        let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: as in `raise_soft_fd_limit`.
+        #[allow(unsafe_code)]
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut l), 0);
+            let low = libc::rlimit { rlim_cur: l.rlim_max.min(256), rlim_max: l.rlim_max };
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &low), 0);
+        }
+        assert_eq!(super::raise_soft_fd_limit(), Some(l.rlim_max));
+    }
 }
