@@ -12,6 +12,7 @@ use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -154,16 +155,39 @@ impl Gate {
 }
 
 /// A connection with its place on the listener: the place is given back when the connection
-/// is dropped, however it ends.
+/// is dropped, however it ends. With an idle bound, a connection over which no byte has moved
+/// either way for that long fails its next read, and the server lets it go.
 #[derive(Debug)]
 pub struct Held<IO> {
     io: IO,
     _slot: PeerSlot,
+    idle: Option<Idle>,
+}
+
+#[derive(Debug)]
+struct Idle {
+    after: Duration,
+    deadline: Pin<Box<tokio::time::Sleep>>,
 }
 
 impl<IO> Held<IO> {
     pub fn new(io: IO, slot: PeerSlot) -> Self {
-        Self { io, _slot: slot }
+        Self { io, _slot: slot, idle: None }
+    }
+
+    /// This connection, closed once `after` passes with no byte read or written.
+    pub fn idle_after(mut self, after: Duration) -> Self {
+        let deadline = Box::pin(tokio::time::sleep(after));
+        self.idle = Some(Idle { after, deadline });
+        self
+    }
+
+    fn moved(&mut self, n: usize) {
+        if n > 0
+            && let Some(i) = &mut self.idle
+        {
+            i.deadline.as_mut().reset(tokio::time::Instant::now() + i.after);
+        }
     }
 }
 
@@ -173,7 +197,25 @@ impl<IO: AsyncRead + Unpin> AsyncRead for Held<IO> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let before = buf.filled().len();
+        match Pin::new(&mut self.io).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                let n = buf.filled().len() - before;
+                self.moved(n);
+                Poll::Ready(r)
+            }
+            // The server always has a read pending, so this is where the bound is kept.
+            Poll::Pending => {
+                let lapsed =
+                    self.idle.as_mut().is_some_and(|i| i.deadline.as_mut().poll(cx).is_ready());
+                if lapsed {
+                    let e = std::io::Error::new(std::io::ErrorKind::TimedOut, "idle: closed");
+                    Poll::Ready(Err(e))
+                } else {
+                    Poll::Pending
+                }
+            }
+        }
     }
 }
 
@@ -183,7 +225,11 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Held<IO> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write(cx, buf)
+        let r = Pin::new(&mut self.io).poll_write(cx, buf);
+        if let Poll::Ready(Ok(n)) = r {
+            self.moved(n);
+        }
+        r
     }
 
     fn poll_write_vectored(
@@ -191,7 +237,11 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Held<IO> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+        let r = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        if let Poll::Ready(Ok(n)) = r {
+            self.moved(n);
+        }
+        r
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -243,6 +293,35 @@ mod tests {
         drop((a, b, again));
         assert_eq!(g.connections.held(), 0);
         assert!(g.connections.counts().by_key.is_empty(), "no address is remembered");
+    }
+
+    /// A client that completed its handshake and then said nothing kept its connection, and
+    /// its place, for as long as it liked. Bytes either way keep a connection; silence for
+    /// the bound (`PUBLIC_IDLE` on public ports; here 300 ms) ends it, and its place comes
+    /// back.
+    #[tokio::test]
+    async fn a_connection_with_nothing_moving_is_let_go() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let bound = Duration::from_millis(300);
+        let g = Gate::new(LIMITS);
+        let (mut client, server) = tokio::io::duplex(4096);
+        let mut held = Held::new(server, g.connect(ip(1)).unwrap()).idle_after(bound);
+        for _ in 0..4 {
+            tokio::time::sleep(bound / 3).await;
+            client.write_all(b"x").await.unwrap();
+            held.read_exact(&mut [0u8; 1]).await.unwrap();
+        }
+        for _ in 0..4 {
+            tokio::time::sleep(bound / 3).await;
+            held.write_all(b"y").await.unwrap();
+        }
+        let quiet = tokio::time::Instant::now();
+        let read = tokio::time::timeout(10 * bound, held.read(&mut [0u8; 1])).await;
+        let e = read.expect("an idle connection is let go").unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+        assert!(quiet.elapsed() >= bound * 9 / 10, "cut while bytes moved: {:?}", quiet.elapsed());
+        drop(held);
+        assert_eq!(g.connections.held(), 0);
     }
 
     #[test]

@@ -52,6 +52,16 @@ pub enum Exposure {
     Public,
 }
 
+impl Exposure {
+    /// How long a connection may sit with nothing moving (`PUBLIC_IDLE`; internal: no bound).
+    fn idle(self) -> Option<Duration> {
+        match self {
+            Exposure::Internal => None,
+            Exposure::Public => Some(PUBLIC_IDLE),
+        }
+    }
+}
+
 /// Time a client gets to complete its TLS handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// At most one warning this often about connections refused for want of places (a flood
@@ -60,6 +70,12 @@ const REFUSED_WARN_EVERY: Duration = Duration::from_secs(10);
 /// The pause after a failed accept (out of file descriptors, say), so that a full fd table
 /// is not retried in a loop that takes a core.
 pub const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// How long a public connection may stay with no byte moving either way before it is let
+/// go: past the router's default bound on a request (10 minutes), so a request in flight,
+/// however quiet, is never cut by it. Internal callers hold mesh certificates and keep their
+/// channels open between calls.
+pub const PUBLIC_IDLE: Duration = Duration::from_secs(15 * 60);
 
 /// How often a process looks for renewed certificates on disk.
 pub const RELOAD_EVERY: Duration = Duration::from_secs(5);
@@ -118,6 +134,7 @@ fn raise_soft_fd_limit() -> Option<libc::rlim_t> {
 /// number, in all and per client address (`gate::Limits::DEFAULT`), and handshakes in time.
 pub fn incoming<IO: Send + 'static>(
     listener: TcpListener,
+    idle: Option<Duration>,
     upgrade: impl Fn(TcpStream) -> Pin<Box<dyn Future<Output = std::io::Result<IO>> + Send>>
     + Send
     + 'static,
@@ -163,7 +180,12 @@ pub fn incoming<IO: Send + 'static>(
                 drop(handshaking);
                 match r {
                     Ok(Ok(io)) => {
-                        let _ = tx.send(Ok(Held::new(io, connection))).await;
+                        let held = Held::new(io, connection);
+                        let held = match idle {
+                            Some(d) => held.idle_after(d),
+                            None => held,
+                        };
+                        let _ = tx.send(Ok(held)).await;
                     }
                     Ok(Err(e)) => tracing::info!(%from, "TLS handshake failed: {e}"),
                     Err(_) => tracing::info!(%from, "TLS handshake not done in time; closed"),
@@ -217,7 +239,7 @@ async fn serve_until(
     match crate::tls::current() {
         Some(tls) => {
             crate::tls::watch(RELOAD_EVERY);
-            let connections = incoming(listener, move |tcp| {
+            let connections = incoming(listener, exposure.idle(), move |tcp| {
                 let config = match exposure {
                     Exposure::Internal => tls.internal_server(),
                     Exposure::Public => tls.public_server(),
@@ -237,7 +259,8 @@ async fn serve_until(
             serve_on(routes, names, connections, exposure, true, shutdown, drain, unhealthy).await
         }
         None => {
-            let connections = incoming(listener, |tcp| Box::pin(std::future::ready(Ok(tcp))));
+            let connections =
+                incoming(listener, exposure.idle(), |tcp| Box::pin(std::future::ready(Ok(tcp))));
             serve_on(routes, names, connections, exposure, false, shutdown, drain, unhealthy).await
         }
     }

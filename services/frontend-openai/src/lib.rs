@@ -72,8 +72,9 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
     drain: Duration,
 ) {
+    let idle = Some(pdmesh_common::serve::PUBLIC_IDLE);
     let mut conns = match pdmesh_common::tls::current() {
-        Some(tls) => pdmesh_common::serve::incoming(listener, move |tcp: TcpStream| {
+        Some(tls) => pdmesh_common::serve::incoming(listener, idle, move |tcp: TcpStream| {
             let config = tls.https_server();
             Box::pin(async move {
                 let mut first = [0u8; 1];
@@ -89,7 +90,7 @@ pub async fn serve(
                 Ok(Either::Left(tls))
             })
         }),
-        None => pdmesh_common::serve::incoming(listener, |tcp| {
+        None => pdmesh_common::serve::incoming(listener, idle, |tcp| {
             Box::pin(std::future::ready(Ok(Either::Right(tcp))))
         }),
     };
