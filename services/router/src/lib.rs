@@ -122,7 +122,7 @@ pub async fn run_with(
         }
     });
     let service = RouterService { router: router.clone(), keys: keys.clone() };
-    let check = service::KeyCheck(keys.clone());
+    let check = service::KeyCheck::new(keys.clone());
     let public_routes =
         tonic::service::Routes::new(GenerationServer::with_interceptor(service.clone(), check));
     let internal_routes = tonic::service::Routes::new(MembershipServer::new(service));
