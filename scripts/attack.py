@@ -253,6 +253,11 @@ async def stream_flood(mesh, stop, a, stats):
                     for e in evs:
                         if isinstance(e, h2.events.StreamReset):
                             stats["reset"] = stats.get("reset", 0) + 1
+                        elif isinstance(e, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                            status = dict(e.headers).get(b"grpc-status")
+                            if status is not None:
+                                seen = f"grpc-status {status.decode()}"
+                                stats[seen] = stats.get(seen, 0) + 1
                 h.w.close()
             except (OSError, ConnectionError, asyncio.TimeoutError, ssl.SSLError, h2.exceptions.ProtocolError):
                 stats["closed"] = stats.get("closed", 0) + 1
