@@ -19,82 +19,70 @@ use ring::rand::{SecureRandom, SystemRandom};
 /// The secret's file name: an offer naming any other file is refused unread.
 pub const KEY_FILE: &str = "pdmesh-shared-pool.key";
 
-/// The shared pool's range with the secret its key is sealed under for each writer.
+/// The shared pool's range as writers receive it: its key sealed (once, when the pool is
+/// offered) under the secret in `file`, which lives as long as the offer.
 #[derive(Clone)]
 pub struct SharedOffer {
     range: pdmesh_proto::v1::UcxRange,
-    secret: Arc<HostSecret>,
+    file: String,
+    _dir: Arc<KeyDir>,
 }
 
 impl std::fmt::Debug for SharedOffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SharedOffer").field("key_file", &self.secret.file).finish()
+        f.debug_struct("SharedOffer").field("key_file", &self.file).finish()
     }
 }
 
 impl SharedOffer {
-    /// Makes the secret for `range` (a new owner-only file under the temporary directory).
+    /// Seals `range`'s key under a new secret, in a new owner-only file under the temporary
+    /// directory.
     pub fn new(range: pdmesh_proto::v1::UcxRange) -> std::io::Result<Self> {
-        Ok(Self { range, secret: Arc::new(HostSecret::create(&std::env::temp_dir())?) })
+        Self::under(&std::env::temp_dir(), range)
     }
 
-    /// The range as one writer receives it, its key sealed, and the file that opens it.
-    pub fn offer(&self) -> (pdmesh_proto::v1::UcxRange, String) {
-        let mut range = self.range.clone();
-        range.rkey = self.secret.seal(&range.rkey);
-        (range, self.secret.file.display().to_string())
-    }
-
-    /// The range with its key unsealed, as this node registered it.
-    pub fn range(&self) -> &pdmesh_proto::v1::UcxRange {
-        &self.range
-    }
-}
-
-/// A random key in an owner-only file of a directory of its own, removed with it.
-struct HostSecret {
-    key: LessSafeKey,
-    dir: PathBuf,
-    file: PathBuf,
-}
-
-impl HostSecret {
-    fn create(under: &Path) -> std::io::Result<Self> {
+    fn under(parent: &Path, mut range: pdmesh_proto::v1::UcxRange) -> std::io::Result<Self> {
         let hex = crate::ucx::new_seal_key();
-        let dir = under.join(format!("pdmesh-kv-{}", &crate::ucx::new_seal_key()[..16]));
+        let dir = parent.join(format!("pdmesh-kv-{}", &crate::ucx::new_seal_key()[..16]));
         let mut b = std::fs::DirBuilder::new();
         #[cfg(unix)]
         std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
         // `create` fails on anything already there: a directory planted under the same name
         // (by a user who shares the temporary directory) is never written into.
         b.create(&dir)?;
-        let file = dir.join(KEY_FILE);
-        if let Err(e) = pdmesh_common::config::write_private(&file, hex.as_bytes()) {
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(e);
-        }
-        let key = key_of(&crate::ucx::read_seal_key(&file).map_err(std::io::Error::other)?);
-        Ok(Self { key, dir, file })
+        let dir = KeyDir(dir);
+        let file = dir.0.join(KEY_FILE);
+        pdmesh_common::config::write_private(&file, hex.as_bytes())?;
+        let secret = crate::ucx::parse_seal_key(&hex).expect("a seal key made above");
+        range.rkey = seal(&key_of(&secret), &range.rkey);
+        Ok(Self { range, file: file.display().to_string(), _dir: Arc::new(dir) })
     }
 
-    fn seal(&self, plain: &[u8]) -> Bytes {
-        let mut nonce = [0u8; NONCE_LEN];
-        SystemRandom::new().fill(&mut nonce).expect("the OS random source works");
-        let mut body = plain.to_vec();
-        // A random 96-bit nonce per offer: a repeat is as likely as guessing the key.
-        self.key
-            .seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::empty(), &mut body)
-            .expect("an rkey is far below ChaCha20's length limit");
-        let mut out = nonce.to_vec();
-        out.extend_from_slice(&body);
-        out.into()
+    /// The range with its key sealed, and the file whose secret opens it.
+    pub fn offer(&self) -> (pdmesh_proto::v1::UcxRange, String) {
+        (self.range.clone(), self.file.clone())
     }
 }
 
-impl Drop for HostSecret {
+/// The directory of an offer's secret, removed with the offer.
+struct KeyDir(PathBuf);
+
+impl Drop for KeyDir {
     fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
+        let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// `plain` sealed under `key` with a random 96-bit nonce (written first).
+fn seal(key: &LessSafeKey, plain: &[u8]) -> Bytes {
+    let mut nonce = [0u8; NONCE_LEN];
+    SystemRandom::new().fill(&mut nonce).expect("the OS random source works");
+    let mut body = plain.to_vec();
+    key.seal_in_place_append_tag(Nonce::assume_unique_for_key(nonce), Aad::empty(), &mut body)
+        .expect("an rkey is far below ChaCha20's length limit");
+    let mut out = nonce.to_vec();
+    out.extend_from_slice(&body);
+    out.into()
 }
 
 fn key_of(secret: &[u8]) -> LessSafeKey {
@@ -139,8 +127,6 @@ mod tests {
         let (range, file) = o.offer();
         assert_eq!((range.base, range.len), (0x1000, 4096));
         assert_eq!(open(&file, &range.rkey).unwrap(), Bytes::from_static(b"pool-key"));
-        // Each offer is sealed anew: one seen on the wire says nothing of the next.
-        assert_ne!(o.offer().0.rkey, range.rkey);
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
@@ -158,34 +144,36 @@ mod tests {
     fn an_offer_without_the_file_opens_nothing() {
         let o = offer();
         let (range, file) = o.offer();
-        assert_ne!(range.rkey, o.range().rkey, "the pool's key crossed the wire as it is");
+        assert_ne!(&range.rkey[..], b"pool-key", "the pool's key crossed the wire as it is");
         // Its own host has no such file, or one of another node's.
         let elsewhere = offer();
         let (_, other) = elsewhere.offer();
         assert!(open(&other, &range.rkey).is_err());
+        // Tampered or truncated offers are refused, even with the right file.
+        let mut bent = range.rkey.to_vec();
+        *bent.last_mut().unwrap() ^= 1;
+        assert!(open(&file, &bent).is_err());
+        assert!(open(&file, &range.rkey[..4]).is_err());
+        assert!(open(&file, &range.rkey).is_ok());
         drop(o);
         assert!(open(&file, &range.rkey).is_err(), "the key outlived the pool's node");
         // A decode node that names another file gets it unread.
         assert!(open("/etc/passwd", &range.rkey).unwrap_err().contains("not a shared pool"));
         assert!(open(KEY_FILE, &range.rkey).unwrap_err().contains("not a shared pool"));
-        // Tampered or truncated offers are refused, never opened to something else.
-        let mut bent = range.rkey.to_vec();
-        *bent.last_mut().unwrap() ^= 1;
-        assert!(open(&other, &bent).is_err());
-        assert!(open(&other, &range.rkey[..4]).is_err());
     }
 
     #[test]
     fn each_secret_has_a_directory_of_its_own_gone_with_it() {
         let base = std::env::temp_dir().join(format!("pdmesh-plant-{}", std::process::id()));
         std::fs::create_dir_all(&base).unwrap();
-        let s = HostSecret::create(&base).unwrap();
-        // A second secret under the same parent gets a directory of its own.
-        let t = HostSecret::create(&base).unwrap();
-        assert_ne!(s.dir, t.dir);
-        let dir = s.dir.clone();
+        let range = || UcxRange { base: 0, len: 1, rkey: Bytes::from_static(b"k") };
+        let s = SharedOffer::under(&base, range()).unwrap();
+        let t = SharedOffer::under(&base, range()).unwrap();
+        let dir = |o: &SharedOffer| Path::new(&o.file).parent().unwrap().to_path_buf();
+        assert_ne!(dir(&s), dir(&t));
+        let gone = dir(&s);
         drop(s);
-        assert!(!dir.exists(), "the secret stays on disk after its node");
+        assert!(!gone.exists(), "the secret stays on disk after its node");
         drop(t);
         std::fs::remove_dir_all(&base).unwrap();
     }

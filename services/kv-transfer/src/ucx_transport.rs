@@ -131,12 +131,10 @@ impl KvTransport for UcxTransport {
         // key (not the node's user on its host) or UCX not map it, puts carry them.
         let mapped = match shared {
             Some((sh, key_file)) => {
-                let rkey = crate::same_host::open(&key_file, &sh.rkey).map_err(UcxError::Usage);
-                let mapped = match rkey {
-                    Ok(rkey) => peer.shared(&rkey, sh.base, sh.len).await,
-                    Err(e) => Err(e),
+                let open = |k: &bytes::Bytes| {
+                    crate::same_host::open(&key_file, k).map_err(UcxError::Usage)
                 };
-                match mapped {
+                match peer.shared(&sh.rkey, sh.base, sh.len, open).await {
                     Ok(m) => Some(m),
                     Err(e) => {
                         tracing::debug!(

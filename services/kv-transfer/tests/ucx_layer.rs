@@ -150,9 +150,18 @@ async fn an_idle_mapping_is_let_go_but_not_under_a_transfer() {
     let peers = Peers::new(a.clone());
     let peer = peers.get(b.address()).await.expect("peer");
     let base = alloc.addr as u64;
-    assert!(peer.shared(&alloc.rkey, base, 0).await.is_err(), "an empty pool is refused");
-    let m = peer.shared(&alloc.rkey, base, 8192).await.expect("mapped");
-    let again = peer.shared(&alloc.rkey, base, 8192).await.expect("mapped");
+    let plain = |k: &Bytes| Ok(k.clone());
+    assert!(peer.shared(&alloc.rkey, base, 0, plain).await.is_err(), "an empty pool is refused");
+    let m = peer.shared(&alloc.rkey, base, 8192, plain).await.expect("mapped");
+    let opened = std::cell::Cell::new(false);
+    let again = peer
+        .shared(&alloc.rkey, base, 8192, |k| {
+            opened.set(true);
+            Ok(k.clone())
+        })
+        .await
+        .expect("mapped");
+    assert!(!opened.get(), "an offer already mapped is not opened again");
     assert!(std::sync::Arc::ptr_eq(&m, &again), "mapped once");
     assert!(peer.holds_mapping());
     peers.unmap_idle(Duration::from_secs(3600));

@@ -309,12 +309,16 @@ pub fn new_seal_key() -> String {
 /// Reads a seal key file (64 hex digits; surrounding whitespace ignored).
 pub fn read_seal_key(path: &std::path::Path) -> Result<Vec<u8>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    parse_seal_key(&text).ok_or_else(|| format!("{}: a seal key is 64 hex digits", path.display()))
+}
+
+/// A seal key's 32 bytes from its 64 hex digits (surrounding whitespace ignored).
+pub fn parse_seal_key(text: &str) -> Option<Vec<u8>> {
     let hex = text.trim();
     let ok = hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit());
-    if !ok {
-        return Err(format!("{}: a seal key is 64 hex digits", path.display()));
-    }
-    Ok((0..32).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex")).collect())
+    ok.then(|| {
+        (0..32).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex")).collect()
+    })
 }
 
 /// UCX trusts the worker addresses and remote keys it is given (a malformed one trips an

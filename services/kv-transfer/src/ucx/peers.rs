@@ -15,13 +15,13 @@ use super::{Endpoint, RemoteKey, UcxError, UcxNode};
 /// An endpoint to one peer worker.
 pub struct Peer {
     pub ep: Endpoint,
-    /// The peer's shared memory as mapped here, or why it could not be, by sealed key, and
+    /// The peer's shared memory as mapped here, or why it could not be, by offered key, and
     /// when a transfer last asked for it.
     shared: tokio::sync::Mutex<Option<Shared>>,
 }
 
 struct Shared {
-    /// The sealed key, base and length the mapping was asked for.
+    /// The offered key, base and length the mapping was asked for.
     key: (Bytes, u64, u64),
     mapped: Result<Arc<Mapped>, UcxError>,
     used: Instant,
@@ -48,19 +48,29 @@ impl std::fmt::Debug for Mapped {
 }
 
 impl Peer {
-    /// The peer memory `[base, base + len)` under the sealed key `rkey`, mapped into this
+    /// The peer memory `[base, base + len)` under the key `offered`, mapped into this
     /// process (once per offer; a failure is remembered too, so a peer UCX cannot map is
-    /// not retried on every transfer).
-    pub async fn shared(&self, rkey: &Bytes, base: u64, len: u64) -> Result<Arc<Mapped>, UcxError> {
+    /// not retried on every transfer). `open` turns the offered key into the sealed one UCX
+    /// takes; it runs only when the offer is new.
+    pub async fn shared(
+        &self,
+        offered: &Bytes,
+        base: u64,
+        len: u64,
+        open: impl FnOnce(&Bytes) -> Result<Bytes, UcxError>,
+    ) -> Result<Arc<Mapped>, UcxError> {
         let mut cached = self.shared.lock().await;
-        let key = (rkey.clone(), base, len);
+        let key = (offered.clone(), base, len);
         if let Some(s) = &mut *cached
             && s.key == key
         {
             s.used = Instant::now();
             return s.mapped.clone();
         }
-        let mapped = self.map(rkey, base, len).await.map(Arc::new);
+        let mapped = match open(offered) {
+            Ok(rkey) => self.map(&rkey, base, len).await.map(Arc::new),
+            Err(e) => Err(e),
+        };
         *cached = Some(Shared { key, mapped: mapped.clone(), used: Instant::now() });
         mapped
     }
