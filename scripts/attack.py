@@ -25,6 +25,7 @@ Absolute times drift on a shared machine; compare within one run. Needs the `h2`
 import argparse
 import asyncio
 import json
+from collections import Counter
 import multiprocessing
 import os
 import random
@@ -166,13 +167,13 @@ async def slow_handshakes(mesh, stop, a, stats):
                 await asyncio.get_running_loop().sock_connect(s, ("127.0.0.1", port))
                 r, w = await asyncio.open_connection(sock=s)
                 w.write(b"\x16")  # a TLS record's first byte, then nothing
-                stats["opened"] = stats.get("opened", 0) + 1
+                stats["opened"] += 1
                 await r.read(1)  # until the router closes it
                 w.close()
                 # Stalling, not flooding connects: a closed socket is reopened a second later.
                 await asyncio.sleep(1.0)
             except OSError:
-                stats["refused"] = stats.get("refused", 0) + 1
+                stats["refused"] += 1
                 await asyncio.sleep(0.05)
     await asyncio.gather(*(hold(p) for p in (mesh.grpc[1], mesh.http[1]) for _ in range(a.sockets)))
 
@@ -194,12 +195,12 @@ async def slow_bodies(mesh, stop, a, stats):
                     # The router answered (408 once the body is too slow, 429 past the
                     # tenant's limit) or closed.
                     seen = reply.split(b"\r\n")[0].decode(errors="replace") or "closed"
-                    stats[seen] = stats.get(seen, 0) + 1
+                    stats[seen] += 1
                     break
                 w.close()
                 await asyncio.sleep(1.0)  # holding bodies open, not flooding requests
             except (OSError, asyncio.TimeoutError, ssl.SSLError):
-                stats["refused"] = stats.get("refused", 0) + 1
+                stats["refused"] += 1
                 await asyncio.sleep(1.0)
     await asyncio.gather(*(one() for _ in range(a.bodies)))
 
@@ -244,25 +245,33 @@ async def stream_flood(mesh, stop, a, stats):
                 for _ in range(most):
                     h.headers("/pdmesh.v1.Generation/Generate", a.mallory[0])
                 h.flush()
-                stats["streams"] = stats.get("streams", 0) + most
+                stats["streams"] += most
                 while not stop.is_set():
                     try:
                         evs = await asyncio.wait_for(h.events(), 1.0)
                     except asyncio.TimeoutError:
                         continue
-                    for e in evs:
-                        if isinstance(e, h2.events.StreamReset):
-                            stats["reset"] = stats.get("reset", 0) + 1
-                        elif isinstance(e, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
-                            status = dict(e.headers).get(b"grpc-status")
-                            if status is not None:
-                                seen = f"grpc-status {status.decode()}"
-                                stats[seen] = stats.get(seen, 0) + 1
+                    count_ends(evs, stats)
                 h.w.close()
             except (OSError, ConnectionError, asyncio.TimeoutError, ssl.SSLError, h2.exceptions.ProtocolError):
-                stats["closed"] = stats.get("closed", 0) + 1
+                stats["closed"] += 1
                 await asyncio.sleep(0.2)
     await asyncio.gather(*(one() for _ in range(a.h2_connections)))
+
+
+def count_ends(events, stats):
+    """Counts the gRPC statuses and resets among `events`; returns the streams they ended."""
+    ended = []
+    for e in events:
+        if isinstance(e, h2.events.StreamReset):
+            stats["reset"] += 1
+            ended.append(e.stream_id)
+        elif isinstance(e, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+            status = dict(e.headers).get(b"grpc-status")
+            if status is not None:
+                stats[f"grpc-status {status.decode()}"] += 1
+                ended.append(e.stream_id)
+    return ended
 
 
 def grpc_frame(request_id):
@@ -294,15 +303,8 @@ async def cancel_flood(mesh, stop, a, stats):
                 evs = await asyncio.wait_for(h.events(), 1.0)
             except asyncio.TimeoutError:
                 continue
-            for e in evs:
-                if isinstance(e, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
-                    status = dict(e.headers).get(b"grpc-status")
-                    if status is not None:
-                        seen = f"grpc-status {status.decode()}"
-                        stats[seen] = stats.get(seen, 0) + 1
-                        pending.pop(e.stream_id, None)
-                elif isinstance(e, h2.events.StreamReset):
-                    pending.pop(e.stream_id, None)
+            for sid in count_ends(evs, stats):
+                pending.pop(sid, None)
     await asyncio.gather(send(), recv())
 
 
@@ -315,14 +317,14 @@ async def stalled_sse(mesh, stop, a, stats):
                 await w.drain()
                 line = await asyncio.wait_for(r.readline(), 30)
                 seen = line.decode(errors="replace").strip() or "closed"
-                stats[seen] = stats.get(seen, 0) + 1
+                stats[seen] += 1
                 # Never read again: the socket's small buffer fills and the router's writes
                 # stall.
                 while not stop.is_set():
                     await asyncio.sleep(0.5)
                 w.close()
             except (OSError, asyncio.TimeoutError, ssl.SSLError):
-                stats["refused"] = stats.get("refused", 0) + 1
+                stats["refused"] += 1
                 await asyncio.sleep(0.5)
     await asyncio.gather(*(one(i) for i in range(a.stalled)))
 
@@ -341,15 +343,15 @@ async def multi_key(mesh, stop, a, stats):
                 code = status[0] if status else "closed"
                 if code == "200":
                     live[0] += 1
-                    stats["peak_in_flight"] = max(stats.get("peak_in_flight", 0), live[0])
+                    stats["peak_in_flight"] = max(stats["peak_in_flight"], live[0])
                     await r.read()
                     live[0] -= 1
-                stats[code] = stats.get(code, 0) + 1
+                stats[code] += 1
                 w.close()
                 if code != "200":
                     await asyncio.sleep(0.2)
             except (OSError, asyncio.TimeoutError, ssl.SSLError):
-                stats["refused"] = stats.get("refused", 0) + 1
+                stats["refused"] += 1
                 await asyncio.sleep(0.2)
     await asyncio.gather(*(one(i) for i in range(a.flooders)))
 
@@ -362,7 +364,7 @@ def run_attack(name, mesh, a, stop, out):
     """One attack in a process of its own at the lowest priority: the attacker stands for
     another host, so its own CPU must not be what slows the mesh on a shared machine."""
     os.nice(19)
-    stats = {}
+    stats = Counter()
 
     async def main():
         ev = asyncio.Event()

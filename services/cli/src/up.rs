@@ -173,17 +173,33 @@ pub fn run(a: UpArgs, insecure: bool) -> anyhow::Result<()> {
 
 /// How long the certificates `pdmesh up` makes are good for: a key left on disk by a mesh
 /// that was killed, or copied off a running one, stops working within the day.
-pub const UP_CERT_VALIDITY: Duration = Duration::from_secs(24 * 3600);
+const UP_CERT_VALIDITY: Duration = Duration::from_secs(24 * 3600);
 /// How often `pdmesh up` renews them; every process reloads its files within seconds
 /// (`tls::watch`), and connections dialled before drain at their maximum age.
 const UP_RENEW_EVERY: Duration = Duration::from_secs(8 * 3600);
 /// The throwaway CA's term: it outlives any mesh `up` runs, and its key never touches disk.
 const UP_CA_VALIDITY: Duration = Duration::from_secs(365 * 86_400);
 
-/// The mesh's CA (its key held only in this process's memory) and whom it certified.
+/// The mesh's CA (its key held only in this process's memory) and whom it certifies.
 struct Issued {
     ca: pdmesh_common::tls::Ca,
-    names: Vec<(String, pdmesh_common::tls::MeshRole, Vec<String>)>,
+    names: Vec<(String, pdmesh_common::tls::MeshRole)>,
+}
+
+impl Issued {
+    /// Every process's certificate, issued (anew) into `dir`.
+    fn issue(&self, dir: &Path) -> Result<(), pdmesh_common::tls::TlsError> {
+        for (name, role) in &self.names {
+            // The router's HTTPS clients dial it on this machine.
+            let hosts = if *role == pdmesh_common::tls::MeshRole::Router {
+                LOOPBACK_HOSTS.map(String::from).to_vec()
+            } else {
+                Vec::new()
+            };
+            self.ca.issue_for_hosts(dir, name, *role, &hosts)?;
+        }
+        Ok(())
+    }
 }
 
 /// Issues every process's certificate anew every `UP_RENEW_EVERY`, until aborted.
@@ -194,10 +210,8 @@ async fn renew_certificates(issued: Issued, dir: PathBuf) {
         tokio::time::interval_at(tokio::time::Instant::now() + UP_RENEW_EVERY, UP_RENEW_EVERY);
     loop {
         tick.tick().await;
-        for (name, role, hosts) in &issued.names {
-            if let Err(e) = issued.ca.issue_for_hosts(&dir, name, *role, hosts) {
-                eprintln!("pdmesh: renewing {name}'s certificate (it expires in a day): {e}");
-            }
+        if let Err(e) = issued.issue(&dir) {
+            eprintln!("pdmesh: renewing the mesh's certificates (they expire in a day): {e}");
         }
     }
 }
@@ -225,21 +239,8 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<Issued> {
     ];
     names.extend((0..a.most("prefill")).map(|i| (format!("prefill-{i}"), MeshRole::Prefill)));
     names.extend((0..a.most("decode")).map(|i| (format!("decode-{i}"), MeshRole::Decode)));
-    let names: Vec<_> = names
-        .into_iter()
-        .map(|(n, r)| {
-            // The router's HTTPS clients dial it on this machine.
-            let hosts = if r == MeshRole::Router {
-                LOOPBACK_HOSTS.map(String::from).to_vec()
-            } else {
-                Vec::new()
-            };
-            (n, r, hosts)
-        })
-        .collect();
-    for (n, r, hosts) in &names {
-        ca.issue_for_hosts(dir, n, *r, hosts)?;
-    }
+    let issued = Issued { ca, names };
+    issued.issue(dir)?;
     let operator = pdmesh_common::apikey::Tenant {
         tenant: OPERATOR.into(),
         max_in_flight: None,
@@ -249,7 +250,7 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<Issued> {
     write_private(&dir.join(API_KEY_FILE), &key)?;
     write_private(&dir.join(SEAL_KEY_FILE), &pdmesh_kv_transfer::ucx::new_seal_key())?;
     pdmesh_common::tls::init(Some(pdmesh_common::tls::MeshTls::load(dir, OPERATOR)?));
-    Ok(Issued { ca, names })
+    Ok(issued)
 }
 
 fn write_private(path: &Path, data: &str) -> anyhow::Result<()> {

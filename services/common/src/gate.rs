@@ -171,15 +171,10 @@ struct Idle {
 }
 
 impl<IO> Held<IO> {
-    pub fn new(io: IO, slot: PeerSlot) -> Self {
-        Self { io, _slot: slot, idle: None }
-    }
-
-    /// This connection, closed once `after` passes with no byte read or written.
-    pub fn idle_after(mut self, after: Duration) -> Self {
-        let deadline = Box::pin(tokio::time::sleep(after));
-        self.idle = Some(Idle { after, deadline });
-        self
+    /// `io` holding `slot`; closed once `idle` passes with no byte read or written, if given.
+    pub fn new(io: IO, slot: PeerSlot, idle: Option<Duration>) -> Self {
+        let idle = idle.map(|after| Idle { after, deadline: Box::pin(tokio::time::sleep(after)) });
+        Self { io, _slot: slot, idle }
     }
 
     fn moved(&mut self, n: usize) {
@@ -305,7 +300,7 @@ mod tests {
         let bound = Duration::from_millis(300);
         let g = Gate::new(LIMITS);
         let (mut client, server) = tokio::io::duplex(4096);
-        let mut held = Held::new(server, g.connect(ip(1)).unwrap()).idle_after(bound);
+        let mut held = Held::new(server, g.connect(ip(1)).unwrap(), Some(bound));
         for _ in 0..4 {
             tokio::time::sleep(bound / 3).await;
             client.write_all(b"x").await.unwrap();

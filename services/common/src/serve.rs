@@ -180,12 +180,7 @@ pub fn incoming<IO: Send + 'static>(
                 drop(handshaking);
                 match r {
                     Ok(Ok(io)) => {
-                        let held = Held::new(io, connection);
-                        let held = match idle {
-                            Some(d) => held.idle_after(d),
-                            None => held,
-                        };
-                        let _ = tx.send(Ok(held)).await;
+                        let _ = tx.send(Ok(Held::new(io, connection, idle))).await;
                     }
                     Ok(Err(e)) => tracing::info!(%from, "TLS handshake failed: {e}"),
                     Err(_) => tracing::info!(%from, "TLS handshake not done in time; closed"),

@@ -100,8 +100,7 @@ pub(crate) async fn run(
     }
     // Bounded like every event: a client that stopped reading does not keep the request's
     // place past its last word.
-    let most = Duration::from_millis(mesh.config.client_stall_ms);
-    let _ = tokio::time::timeout(most, out.send(end)).await;
+    let _ = req.to_client(end).await;
 }
 
 /// The one `Finished` a request ends with, and the root span's account of it.
@@ -270,7 +269,7 @@ async fn ended_before_moving(
         let n = tail.tokens.len().min(report.logprobs.len());
         let logprobs = report.logprobs.iter().take(n).cloned().collect();
         let ev = Event::Delta { text: tail.text, tokens: tail.tokens, logprobs };
-        req.to_client(ev).await?;
+        req.to_client(Ok(ev)).await?;
     }
     Ok(Some(Decoded {
         reason: pdmesh_wire::finish_reason(reason) as i32,

@@ -86,7 +86,9 @@ pub const MOST_ARRIVING_PER_TENANT: usize = 64;
 /// A call's place among those arriving, given back when the handler has its message (or the
 /// call ends before).
 #[derive(Debug, Clone)]
-struct Arriving(#[allow(dead_code)] Arc<Slot<String, String>>);
+struct Arriving {
+    _place: Arc<Slot<String, String>>,
+}
 
 impl KeyCheck {
     pub fn new(keys: Option<Arc<KeyRing>>) -> Self {
@@ -116,7 +118,7 @@ impl tonic::service::Interceptor for KeyCheck {
         let tenant = tenant_of(self.keys.as_deref(), req.metadata())?;
         let place =
             self.arriving.take(tenant.tenant.clone()).map_err(Status::resource_exhausted)?;
-        req.extensions_mut().insert(Arriving(Arc::new(place)));
+        req.extensions_mut().insert(Arriving { _place: Arc::new(place) });
         req.extensions_mut().insert(tenant);
         Ok(req)
     }
