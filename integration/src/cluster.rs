@@ -291,6 +291,9 @@ pub struct ClusterBuilder {
     model: Option<PathBuf>,
     /// Plaintext, no certificates, no API keys.
     insecure: bool,
+    /// Netns hosts share this machine's IPC namespace (as under a bare `ip netns exec`)
+    /// instead of each having its own.
+    shared_ipc: bool,
     /// Tenants with API keys (besides "test", which `client()` uses), with their limits.
     tenants: Vec<Tenant>,
 }
@@ -317,13 +320,24 @@ impl ClusterBuilder {
         self.netns = Some(hosts);
         self
     }
+    /// Netns hosts keep this machine's IPC namespace: separate networks, shared memory.
+    pub fn shared_ipc(mut self) -> Self {
+        self.shared_ipc = true;
+        self
+    }
 
     /// The command that runs `pdmesh` as process `name`, and the host it listens on.
     fn command(&self, name: &str) -> (Command, String) {
         match self.netns.as_ref().and_then(|n| n.host(name)) {
             Some((ns, ip)) => {
+                // Its own IPC namespace too, as on a machine of its own: UCX then shares no
+                // memory with the other hosts' processes and moves KV over the network.
                 let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(pdmesh_bin());
+                c.args(["netns", "exec", ns]);
+                if !self.shared_ipc {
+                    c.args(["unshare", "--ipc"]);
+                }
+                c.arg(pdmesh_bin());
                 (c, ip.to_string())
             }
             None => (Command::new(pdmesh_bin()), "127.0.0.1".into()),
@@ -549,6 +563,7 @@ impl Cluster {
             env: Vec::new(),
             model: None,
             insecure: false,
+            shared_ipc: false,
             tenants: Vec::new(),
         }
     }

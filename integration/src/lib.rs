@@ -7,7 +7,7 @@ pub mod inprocess;
 pub mod netns;
 pub mod reference;
 
-pub use cluster::{Cluster, eventually};
+pub use cluster::{Cluster, ClusterBuilder, eventually};
 /// A client of the public API that sends an API key (`Cluster::client`).
 pub use pdmesh_common::apikey::GenerationClient as Client;
 

@@ -38,9 +38,12 @@ fn ip(args: &[&str]) -> Result<(), String> {
 impl Netns {
     /// A host for each of `names`, all on one new bridge with 10.N.0.0/24 addresses.
     pub fn new(names: &[&str]) -> Result<Netns, String> {
+        // Several sets of hosts may live in one test process at once.
+        static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pid = std::process::id();
-        let tag = format!("pd{:x}", pid % 0xffff);
-        let subnet = 100 + pid % 100;
+        let tag = format!("pd{:x}{:x}", pid % 0xffff, made % 16);
+        let subnet = 100 + (pid + 13 * made) % 150;
         let bridge = format!("{tag}br");
         let mut n = Netns { tag: tag.clone(), bridge: bridge.clone(), hosts: HashMap::new() };
         ip(&["link", "add", &bridge, "type", "bridge"])?;

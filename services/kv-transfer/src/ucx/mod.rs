@@ -10,6 +10,7 @@
 //! that dies fails its endpoint's operations with UCX's status instead of hanging them.
 
 mod ffi;
+mod host;
 mod peers;
 
 use std::collections::HashMap;
@@ -23,6 +24,7 @@ use bytes::Bytes;
 use pdmesh_kv_types::{MemoryKind, MemoryRegion};
 use tokio::sync::{mpsc, oneshot};
 
+pub use host::HostId;
 pub use peers::{Mapped, Peer, Peers};
 
 use ffi::{Completion, Context, Ep, EpFailure, MemHandle, Rkey, Worker};
@@ -130,7 +132,7 @@ impl UcxNode {
             .spawn(move || progress_thread(&thread_name, &thread_ctx, rx, ready_tx))
             .map_err(|e| UcxError::Usage(format!("cannot start the progress thread: {e}")))?;
         let address = match ready_rx.recv() {
-            Ok(Ok(a)) => seal(&a),
+            Ok(Ok(a)) => seal(&[HostId::here().to_bytes().as_slice(), &a].concat()),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 return Err(e);
@@ -157,9 +159,13 @@ impl UcxNode {
         &self.inner.address
     }
 
-    /// Makes an endpoint to the worker whose sealed address is `remote`.
+    /// Makes an endpoint to the worker whose sealed address is `remote`. Refuses a peer that
+    /// UCX would wrongly take for one it shares memory with (`HostId::check`).
     pub async fn connect(&self, remote: Bytes) -> Result<Endpoint, UcxError> {
         let remote = unseal(&remote, "worker address")?;
+        let (host, remote) = HostId::split(&remote)
+            .ok_or_else(|| UcxError::Usage("malformed UCX worker address: too short".into()))?;
+        HostId::here().check(&host)?;
         let (reply, rx) = oneshot::channel();
         self.send(Cmd::Connect { remote, peer_failure: self.inner.peer_failure, reply })?;
         let id = rx.await.map_err(|_| UcxError::Closed)??;

@@ -1,0 +1,72 @@
+//! KV between hosts: prefill and decode nodes each on a network-namespace host of its own
+//! (with its own IPC namespace, so nothing is shared but the network), moving KV over UCX —
+//! TCP between the namespaces, as between machines without an RDMA NIC. Needs root.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pdmesh_integration::netns::Netns;
+use pdmesh_integration::reference::{reference, request};
+use pdmesh_integration::{Cluster, ClusterBuilder, collect};
+use pdmesh_proto::v1::TransportStats;
+
+const MAX_TOKENS: u32 = 16;
+
+fn hosts() -> Arc<Netns> {
+    let names = ["router", "prefill-0", "decode-0"];
+    Arc::new(Netns::new(&names).unwrap_or_else(|e| panic!("network namespaces (root): {e}")))
+}
+
+/// Runs reference prompt `i` through the mesh and checks `pdmesh run`'s tokens.
+async fn served(c: &Cluster, i: usize) {
+    let want = tokio::task::spawn_blocking(move || reference(i, MAX_TOKENS)).await.unwrap();
+    let mut r = tonic::Request::new(request(i, MAX_TOKENS));
+    r.set_timeout(Duration::from_secs(60));
+    let stream = c.client().await.generate(r).await.unwrap().into_inner();
+    let (tokens, _) = collect(stream).await.unwrap();
+    assert_eq!(tokens, want, "prompt {i} differs from `pdmesh run`");
+}
+
+fn sent(c: &[TransportStats], transport: &str) -> TransportStats {
+    c.iter().find(|t| t.transport == transport).cloned().unwrap_or_default()
+}
+
+fn builder(hosts: &Arc<Netns>) -> ClusterBuilder {
+    let mut b = Cluster::builder().netns(Arc::clone(hosts)).prefill(1).decode(1);
+    // UCX_* from the test's environment reach the nodes (UCX_LOG_LEVEL=info shows lanes).
+    for (k, v) in std::env::vars().filter(|(k, _)| k.starts_with("UCX_")) {
+        b = b.env(&k, &v);
+    }
+    b
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_crosses_hosts_over_ucx() {
+    let hosts = hosts();
+    let c = builder(&hosts).transport("ucx").start().await;
+    for i in [3, 7] {
+        served(&c, i).await;
+    }
+    // Both transfers went by UCX puts over the link: none mapped (no memory is shared with
+    // another host), none failed, none retried.
+    let p = sent(&c.prefill_stats(0).await.transports, "ucx");
+    assert_eq!((p.transfers, p.failures, p.fallbacks, p.mapped), (2, 0, 0, 0), "{p:?}");
+    assert_eq!(c.received(0, "ucx").await, 2);
+}
+
+/// Hosts on separate networks that share memory (one IPC namespace) are what UCX cannot
+/// tell apart from one host: it picked shared memory, lost every wake-up, and each transfer
+/// crawled to its 30 s timeout. Such a peer is now refused before a byte moves, so `auto`
+/// takes gRPC for it at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ucx_refuses_a_peer_sharing_memory_across_networks() {
+    let hosts = hosts();
+    let c = builder(&hosts).shared_ipc().transport("auto").start().await;
+    served(&c, 3).await;
+    let p = c.prefill_stats(0).await.transports;
+    let (ucx, grpc) = (sent(&p, "ucx"), sent(&p, "grpc"));
+    assert_eq!((ucx.transfers, ucx.fallbacks, grpc.transfers, grpc.failures), (0, 1, 1, 0), "{p:?}");
+    assert_eq!(c.received(0, "grpc").await, 1);
+}
