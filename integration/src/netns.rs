@@ -15,8 +15,14 @@ pub struct Netns {
     /// Short and unique, so that names fit the kernel's 15 bytes and runs do not collide.
     tag: String,
     bridge: String,
+    /// The bridge of the second network (`with_fabric`).
+    fabric: Option<String>,
     hosts: HashMap<String, Host>,
 }
+
+/// The second network's interface in every host (`with_fabric`): `UCX_NET_DEVICES=fabric0`
+/// keeps UCX on it.
+pub const FABRIC_DEVICE: &str = "fabric0";
 
 #[derive(Debug, Clone)]
 struct Host {
@@ -24,6 +30,8 @@ struct Host {
     /// The veth end on the bridge (in the test's namespace): down cuts the host off.
     link: String,
     ip: String,
+    /// The fabric veth end on its bridge.
+    fabric: Option<String>,
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -38,6 +46,17 @@ fn ip(args: &[&str]) -> Result<(), String> {
 impl Netns {
     /// A host for each of `names`, all on one new bridge with 10.N.0.0/24 addresses.
     pub fn new(names: &[&str]) -> Result<Netns, String> {
+        Self::build(names, false)
+    }
+
+    /// `new`, with a second network between the hosts (10.N.1.0/24, `FABRIC_DEVICE` in
+    /// each), as an RDMA fabric beside the front-end network: cutting it (`connect_fabric`)
+    /// cuts what runs over it and nothing else.
+    pub fn with_fabric(names: &[&str]) -> Result<Netns, String> {
+        Self::build(names, true)
+    }
+
+    fn build(names: &[&str], fabric: bool) -> Result<Netns, String> {
         // Several sets of hosts may live in one test process at once.
         static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -45,15 +64,24 @@ impl Netns {
         let tag = format!("pd{:x}{:x}", pid % 0xffff, made % 16);
         let subnet = 100 + (pid + 13 * made) % 150;
         let bridge = format!("{tag}br");
-        let mut n = Netns { tag: tag.clone(), bridge: bridge.clone(), hosts: HashMap::new() };
-        ip(&["link", "add", &bridge, "type", "bridge"])?;
-        ip(&["addr", "add", &format!("10.{subnet}.0.1/24"), "dev", &bridge])?;
-        ip(&["link", "set", &bridge, "up"])?;
+        let fabric_bridge = fabric.then(|| format!("{tag}fb"));
+        let mut n = Netns {
+            tag: tag.clone(),
+            bridge: bridge.clone(),
+            fabric: fabric_bridge.clone(),
+            hosts: HashMap::new(),
+        };
+        for (br, net) in std::iter::once((&bridge, 0)).chain(fabric_bridge.iter().map(|b| (b, 1))) {
+            ip(&["link", "add", br, "type", "bridge"])?;
+            ip(&["addr", "add", &format!("10.{subnet}.{net}.1/24"), "dev", br])?;
+            ip(&["link", "set", br, "up"])?;
+        }
         for (i, name) in names.iter().enumerate() {
             let host = Host {
                 ns: format!("{tag}-{name}"),
                 link: format!("{tag}h{i}"),
                 ip: format!("10.{subnet}.0.{}", 10 + i),
+                fabric: fabric.then(|| format!("{tag}f{i}")),
             };
             let peer = format!("{tag}n{i}");
             ip(&["netns", "add", &host.ns])?;
@@ -70,6 +98,17 @@ impl Netns {
             inside(&["link", "set", "lo", "up"])?;
             inside(&["addr", "add", &format!("{}/24", host.ip), "dev", &peer])?;
             inside(&["link", "set", &peer, "up"])?;
+            if let (Some(link), Some(br)) = (&host.fabric, &fabric_bridge) {
+                let tmp = format!("{tag}g{i}");
+                ip(&["link", "add", link, "type", "veth", "peer", "name", &tmp])?;
+                ip(&["link", "set", &tmp, "netns", &host.ns])?;
+                ip(&["link", "set", link, "master", br])?;
+                ip(&["link", "set", link, "up"])?;
+                inside(&["link", "set", &tmp, "name", FABRIC_DEVICE])?;
+                let addr = format!("10.{subnet}.1.{}/24", 10 + i);
+                inside(&["addr", "add", &addr, "dev", FABRIC_DEVICE])?;
+                inside(&["link", "set", FABRIC_DEVICE, "up"])?;
+            }
         }
         Ok(n)
     }
@@ -77,6 +116,14 @@ impl Netns {
     /// The namespace and address of host `name`.
     pub fn host(&self, name: &str) -> Option<(&str, &str)> {
         self.hosts.get(name).map(|h| (h.ns.as_str(), h.ip.as_str()))
+    }
+
+    /// Cuts host `name` off the fabric (`false`) or joins it again (`true`); its front-end
+    /// network stays up.
+    pub fn connect_fabric(&self, name: &str, up: bool) {
+        let link = self.hosts[name].fabric.as_ref().expect("hosts made with_fabric");
+        ip(&["link", "set", link, if up { "up" } else { "down" }])
+            .unwrap_or_else(|e| panic!("cutting {name}'s fabric: {e}"));
     }
 
     /// Cuts host `name` off the network (`false`) or joins it again (`true`).
@@ -92,8 +139,14 @@ impl Drop for Netns {
         for h in self.hosts.values() {
             let _ = ip(&["netns", "del", &h.ns]);
             let _ = ip(&["link", "del", &h.link]);
+            if let Some(f) = &h.fabric {
+                let _ = ip(&["link", "del", f]);
+            }
         }
         let _ = ip(&["link", "del", &self.bridge]);
+        if let Some(f) = &self.fabric {
+            let _ = ip(&["link", "del", f]);
+        }
         let _ = &self.tag;
     }
 }

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdmesh_integration::netns::Netns;
+use pdmesh_integration::netns::{FABRIC_DEVICE, Netns};
 use pdmesh_integration::reference::{reference, request};
 use pdmesh_integration::{Cluster, ClusterBuilder, collect};
 use pdmesh_proto::v1::TransportStats;
@@ -67,6 +67,47 @@ async fn ucx_refuses_a_peer_sharing_memory_across_networks() {
     served(&c, 3).await;
     let p = c.prefill_stats(0).await.transports;
     let (ucx, grpc) = (sent(&p, "ucx"), sent(&p, "grpc"));
-    assert_eq!((ucx.transfers, ucx.fallbacks, grpc.transfers, grpc.failures), (0, 1, 1, 0), "{p:?}");
+    assert_eq!(
+        (ucx.transfers, ucx.fallbacks, grpc.transfers, grpc.failures),
+        (0, 1, 1, 0),
+        "{p:?}"
+    );
     assert_eq!(c.received(0, "grpc").await, 1);
+}
+
+/// A session cut mid-transfer (the decode host's fabric, which UCX runs on, goes down; the
+/// front-end network and gRPC stay up) completes nothing; the prefill node gives it up within
+/// its bound, the decode node moves the reservation out of the session's reach, and the KV
+/// goes again over gRPC into the same reservation: the request ends with `pdmesh run`'s
+/// tokens, not at the 30 s transfer timeout nor by a retry. Once the fabric is back the
+/// abandoned session ends and every block is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_cut_mid_transfer_falls_back_to_grpc() {
+    let names = ["router", "prefill-0", "decode-0"];
+    let hosts = Arc::new(Netns::with_fabric(&names).unwrap());
+    let c = builder(&hosts)
+        .env("UCX_NET_DEVICES", FABRIC_DEVICE)
+        .transport("ucx")
+        // Each piece waits 40 ms before it is sent: the transfer is still running when the
+        // cut comes.
+        .prefill_args(&["--fault-transfer-delay-ms", "40", "--kv-stall-ms", "500"])
+        .start()
+        .await;
+    served(&c, 0).await; // warm: the endpoint exists before the cut
+    let cut = {
+        let hosts = Arc::clone(&hosts);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            hosts.connect_fabric("decode-0", false);
+        })
+    };
+    served(&c, 3).await;
+    cut.await.unwrap();
+    let p = c.prefill_stats(0).await.transports;
+    let (ucx, grpc) = (sent(&p, "ucx"), sent(&p, "grpc"));
+    assert_eq!((ucx.transfers, ucx.fallbacks, ucx.stalls), (1, 1, 1), "{p:?}");
+    assert_eq!((grpc.transfers, grpc.failures, ucx.failures), (1, 0, 0), "{p:?}");
+    assert_eq!(c.received(0, "grpc").await, 1);
+    hosts.connect_fabric("decode-0", true);
+    c.wait_blocks_free().await;
 }

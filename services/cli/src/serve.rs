@@ -70,6 +70,10 @@ struct PrefillExtra {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     kv_verify: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
+    kv_stall_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_stall_floor_mbit: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     kvstore: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     cache_bytes: Option<u64>,
@@ -357,6 +361,8 @@ pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
     let extra = PrefillExtra {
         kv_push: a.kv_push,
         kv_verify: a.kv_verify,
+        kv_stall_ms: a.kv_stall_ms,
+        kv_stall_floor_mbit: a.kv_stall_floor_mbit,
         kvstore: a.kvstore,
         cache_bytes: a.cache_bytes,
         fault_transfer_delay_ms: a.fault_transfer_delay_ms,

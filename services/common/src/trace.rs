@@ -96,6 +96,15 @@ pub fn attr(span: &Span, key: &'static str, value: impl Into<opentelemetry::Valu
     }
 }
 
+/// Adds the event `name` with string attributes to `span`'s exported span (no-op when
+/// nothing is exported): what happened at a moment of a span, such as a transfer's fallback.
+pub fn event(span: &Span, name: &'static str, attrs: &[(&'static str, String)]) {
+    if exporting() {
+        let kv = attrs.iter().map(|(k, v)| opentelemetry::KeyValue::new(*k, v.clone())).collect();
+        span.add_event(name, kv);
+    }
+}
+
 /// Marks `span` failed with the gRPC status `code` (the span must declare
 /// `otel.status_code`, `otel.status_description` and `rpc.grpc.status_code`, see [`span!`]).
 pub fn record_status(span: &Span, code: tonic::Code, message: &str) {

@@ -220,6 +220,9 @@ pub struct DecodeCore {
     moved: HashSet<u64>,
     /// Stopping: no new reservations, and running requests are asked to move.
     draining: bool,
+    /// The old blocks of reservations moved onto fresh ones when their writer gave up its
+    /// session (`rehome`), kept (and counted in `committed`) until that session ends.
+    parked: HashMap<u64, (SeqId, usize)>,
 }
 
 impl std::fmt::Debug for DecodeCore {
@@ -244,6 +247,7 @@ impl DecodeCore {
             reservations: HashMap::new(),
             named: HashMap::new(),
             revoking: Vec::new(),
+            parked: HashMap::new(),
             committed: 0,
             default_lease,
             max_lease,
@@ -258,6 +262,11 @@ impl DecodeCore {
     /// (`pdmesh_engine::pacing`); None: each takes the engine's `max_batch_tokens`.
     pub fn set_itl_target(&mut self, target: Option<Duration>) {
         self.runner.set_itl_target(&self.engine, target);
+    }
+
+    /// The sequence holding reservation `id`'s KV.
+    pub fn seq_of(&self, id: u64) -> Option<SeqId> {
+        self.reservations.get(&id).map(|r| r.seq)
     }
 
     pub fn engine(&self) -> &Engine {

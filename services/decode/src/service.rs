@@ -93,6 +93,10 @@ impl KvInbox for Inbox {
         self.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await
     }
 
+    async fn rehome(&self, id: u64) -> Result<(), Status> {
+        self.call(|reply| Command::KvRehome { id, reply }).await
+    }
+
     async fn abort(&self, id: u64, from: &str, why: String) {
         let why = DecodeError::TransferBroken { from: from.to_string(), why };
         let _ = self.tx.send(Command::KvAbort { id, why }).await;
@@ -488,13 +492,13 @@ impl DecodeService {
             )));
         }
         let mut sink = self.transport.open(target, self.node_id()).await?;
-        let transport = sink.transport();
         let n = blocks.len() as u32;
         for (i, b) in blocks.into_iter().enumerate() {
             let piece = KvPiece { first_block: i as u32, layer: None, data: Bytes::from(b) };
             sink.send(piece).await?;
         }
-        Ok((sink.finish(n, Vec::new()).await?, transport))
+        let done = sink.finish(n, Vec::new()).await?;
+        Ok((done.bytes, done.transport))
     }
 }
 

@@ -80,6 +80,11 @@ pub enum Command {
         id: u64,
         why: DecodeError,
     },
+    /// A UCX writer gave up its session; its KV will come over a stream.
+    KvRehome {
+        id: u64,
+        reply: Reply<()>,
+    },
     Attach {
         cap: Capability,
         attach: Box<Attach>,
@@ -233,6 +238,9 @@ impl Core for Worker {
             Command::WriterClosed { id } => {
                 let from = sources.remove(&id).unwrap_or_else(|| "the prefill node".into());
                 core.writer_closed(id, &from);
+            }
+            Command::KvRehome { id, reply } => {
+                let _ = reply.send(core.rehome(id));
             }
             Command::KvAbort { id, why } => {
                 let from = sources.remove(&id).unwrap_or_default();

@@ -219,6 +219,43 @@ fn remote_writers_get_preallocated_blocks_and_quarantine_them() {
     assert_eq!((k.failed, k.free_blocks, k.transferring), (1, 16, 0));
 }
 
+#[test]
+fn a_writer_that_gives_up_leaves_its_blocks_parked_and_the_kv_comes_by_stream() {
+    let mut c = core(8);
+    let t0 = Instant::now();
+    let bpb = c.engine().kv().geometry().bytes_per_block();
+    let r = c.reserve(40, 1, None, true, t0).unwrap();
+    // Not before a writer's session is open.
+    assert!(matches!(c.rehome(r.id()), Err(DecodeError::Invalid(_))));
+    c.kv_begin(r.id(), true).unwrap();
+    let old = r.pool_blocks.clone();
+    c.rehome(r.id()).unwrap();
+    let k = c.counts();
+    assert_eq!((k.free_blocks, k.committed_blocks), (2, 6), "fresh blocks, old ones parked");
+    assert!(matches!(c.rehome(r.id()), Err(DecodeError::Invalid(_))), "once only");
+    // The stream writes the fresh blocks, which none of the writer's late puts can reach.
+    c.kv_begin(r.id(), false).unwrap();
+    let data: Vec<u8> = (0..3 * bpb).map(|i| (i % 251) as u8).collect();
+    c.kv_write(r.id(), 0, &data).unwrap();
+    c.kv_end(r.id(), 3, &[], t0).unwrap();
+    let now: Vec<u32> =
+        (0..3).map(|i| c.engine().pool_block(c.seq_of(r.id()).unwrap(), i).unwrap()).collect();
+    assert!(now.iter().all(|b| !old.contains(b)), "{now:?} vs {old:?}");
+    // The writer's session ends: the parked blocks come back, the KV stays.
+    c.writer_closed(r.id(), "p");
+    let k = c.counts();
+    assert_eq!((k.free_blocks, k.committed_blocks, k.failed), (5, 3, 0));
+    assert!(c.release(r.id()));
+    assert_eq!(c.counts().free_blocks, 8);
+
+    // No room for a second copy: refused, and the reservation is left as it was.
+    let big = c.reserve(70, 1, None, true, t0).unwrap();
+    c.kv_begin(big.id(), true).unwrap();
+    assert!(matches!(c.rehome(big.id()), Err(DecodeError::NoBlocks { .. })));
+    c.writer_closed(big.id(), "p");
+    assert_eq!(c.counts().free_blocks, 8);
+}
+
 /// Plays the remote writer: puts `data` (whole blocks) into a reservation's staging blocks,
 /// as a UCX put from another process would.
 #[allow(unsafe_code)]

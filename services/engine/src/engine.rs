@@ -352,6 +352,12 @@ impl Engine {
         self.kv.fork(src)
     }
 
+    /// Gives `a` the blocks of `b` and `b` those of `a`: a decode node moves a reservation
+    /// onto fresh blocks while a writer may still reach its old ones.
+    pub fn swap_sequences(&mut self, a: SeqId, b: SeqId) -> Result<()> {
+        self.kv.swap(a, b)
+    }
+
     pub fn free_sequence(&mut self, seq: SeqId) -> Result<()> {
         self.kv.free(seq)
     }

@@ -132,6 +132,17 @@ impl KvCache {
         id
     }
 
+    /// Swaps the blocks (and lengths) of two sequences.
+    pub fn swap(&mut self, a: SeqId, b: SeqId) -> Result<()> {
+        let sa = self.seq(a)?.clone();
+        let sb = std::mem::replace(
+            self.seqs.get_mut(&b).ok_or_else(|| Error::invalid(format!("unknown sequence {b}")))?,
+            sa,
+        );
+        *self.seqs.get_mut(&a).expect("looked up above") = sb;
+        Ok(())
+    }
+
     fn seq(&self, id: SeqId) -> Result<&Sequence> {
         self.seqs.get(&id).ok_or_else(|| Error::invalid(format!("unknown sequence {id}")))
     }

@@ -1,8 +1,10 @@
 //! The configured transport: `grpc`, `ucx`, or `auto` (UCX when an endpoint to the decode node
 //! can be made, else the gRPC stream). Counts what each transfer used.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use pdmesh_proto::v1::KvTarget;
 use serde::{Deserialize, Serialize};
 
@@ -10,7 +12,7 @@ use crate::grpc::GrpcTransport;
 use crate::stats::TransferStats;
 use crate::ucx::{UcxError, UcxNode};
 use crate::ucx_transport::UcxTransport;
-use crate::{KvSink, KvTransport, TransferError};
+use crate::{Finished, KvPiece, KvSink, KvTransport, StallBound, TransferError};
 
 /// `kv_transport` in the prefill and decode configs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -70,7 +72,8 @@ impl std::fmt::Display for TransportKind {
     }
 }
 
-/// The prefill node's transport for its configured kind.
+/// The prefill node's transport for its configured kind. A UCX transfer whose session
+/// stalls falls back to the gRPC stream into the same reservation (`Fallback`).
 #[derive(Debug)]
 pub struct AutoTransport {
     kind: TransportKind,
@@ -82,9 +85,48 @@ pub struct AutoTransport {
 impl AutoTransport {
     /// `ucx` is the node from `kind.start_ucx` (None for grpc, or auto without UCX).
     pub fn new(kind: TransportKind, ucx: Option<UcxNode>, stats: Arc<TransferStats>) -> Self {
+        Self::with_stall(kind, ucx, stats, StallBound::default())
+    }
+
+    /// `new`, giving up UCX sessions that make no progress within `stall`.
+    pub fn with_stall(
+        kind: TransportKind,
+        ucx: Option<UcxNode>,
+        stats: Arc<TransferStats>,
+        stall: StallBound,
+    ) -> Self {
         let grpc = Arc::new(GrpcTransport::new());
-        let ucx = ucx.map(|n| UcxTransport::new(n, Arc::clone(&grpc)));
+        let ucx = ucx.map(|n| UcxTransport::new(n, Arc::clone(&grpc)).with_stall(stall));
         Self { kind, ucx, grpc, stats }
+    }
+
+    /// A UCX sink that falls back to the stream when it stalls.
+    fn fallible(
+        &self,
+        ucx: Box<dyn KvSink>,
+        target: &KvTarget,
+        prefill_node: &str,
+    ) -> Box<dyn KvSink> {
+        let geometry = target
+            .layout
+            .as_ref()
+            .and_then(|l| pdmesh_proto::layout_from_wire(l).ok())
+            .map(|l| (l.bytes_per_block(), l.geometry.layers));
+        match geometry {
+            Some((bpb, layers)) if layers > 0 && bpb % layers == 0 => Box::new(Fallback {
+                ucx: Some(ucx),
+                kept: Vec::new(),
+                stream: None,
+                grpc: Arc::clone(&self.grpc),
+                target: target.clone(),
+                prefill_node: prefill_node.to_string(),
+                stats: Arc::clone(&self.stats),
+                bpb,
+                layers,
+            }),
+            // The UCX sink refused such a target already; nothing to fall back with.
+            _ => ucx,
+        }
     }
 }
 
@@ -101,7 +143,10 @@ impl KvTransport for AutoTransport {
     ) -> Result<Box<dyn KvSink>, TransferError> {
         match (self.kind, &self.ucx) {
             (TransportKind::Grpc, _) => self.grpc.open(target, prefill_node).await,
-            (TransportKind::Ucx, Some(u)) => u.open(target, prefill_node).await,
+            (TransportKind::Ucx, Some(u)) => {
+                let sink = u.open(target, prefill_node).await?;
+                Ok(self.fallible(sink, target, prefill_node))
+            }
             (TransportKind::Ucx, None) => Err(TransferError::NoEndpoint {
                 node: target.decode_node.clone(),
                 reason: "UCX is not running on this node".into(),
@@ -110,14 +155,224 @@ impl KvTransport for AutoTransport {
                 let why = match ucx {
                     Some(u) => match u.open(target, prefill_node).await {
                         Err(TransferError::NoEndpoint { reason, .. }) => reason,
-                        r => return r,
+                        Ok(sink) => return Ok(self.fallible(sink, target, prefill_node)),
+                        Err(e) => return Err(e),
                     },
                     None => "UCX is not running on this node".into(),
                 };
                 tracing::debug!(node = target.decode_node, "KV over gRPC: {why}");
-                self.stats.fallback("ucx");
+                self.stats.fallback("ucx", Fallen::NoEndpoint);
                 self.grpc.open(target, prefill_node).await
             }
         }
+    }
+}
+
+/// Why a transfer did not use the transport it wanted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallen {
+    /// No endpoint could be made (the peer offers none, or refuses this one).
+    NoEndpoint,
+    /// The session made no progress within its bound.
+    Stalled,
+}
+
+/// A UCX transfer that, when its session stalls and the decode node has moved the
+/// reservation out of the session's reach, sends the KV again over the gRPC stream: every
+/// piece given to UCX is kept (shared, not copied) until the transfer ends, and layers are
+/// put together into the whole blocks a stream carries.
+struct Fallback {
+    ucx: Option<Box<dyn KvSink>>,
+    kept: Vec<KvPiece>,
+    stream: Option<(Box<dyn KvSink>, Assembler)>,
+    grpc: Arc<GrpcTransport>,
+    target: KvTarget,
+    prefill_node: String,
+    stats: Arc<TransferStats>,
+    bpb: usize,
+    layers: usize,
+}
+
+impl Fallback {
+    async fn fall_back(&mut self, reason: String) -> Result<(), TransferError> {
+        // Dropped: its session stays open until its puts are over, then ends.
+        self.ucx = None;
+        self.stats.fallback("ucx", Fallen::Stalled);
+        tracing::warn!(node = self.target.decode_node, "KV falls back to gRPC: {reason}");
+        pdmesh_common::trace::event(
+            &tracing::Span::current(),
+            "kv.fallback",
+            &[("from", "ucx".into()), ("to", "grpc".into()), ("reason", reason)],
+        );
+        let mut sink = self.grpc.open(&self.target, &self.prefill_node).await?;
+        let mut asm = Assembler::new(self.bpb, self.layers);
+        for p in std::mem::take(&mut self.kept) {
+            asm.add(p).map_err(|reason| self.invalid(reason))?;
+        }
+        while let Some(p) = asm.next_run() {
+            sink.send(p).await?;
+        }
+        self.stream = Some((sink, asm));
+        Ok(())
+    }
+
+    fn invalid(&self, reason: String) -> TransferError {
+        TransferError::Invalid { node: self.target.decode_node.clone(), reason }
+    }
+}
+
+#[async_trait::async_trait]
+impl KvSink for Fallback {
+    fn transport(&self) -> &'static str {
+        if self.stream.is_some() { "grpc" } else { "ucx" }
+    }
+
+    fn layered(&self) -> bool {
+        true
+    }
+
+    fn mapped(&self) -> bool {
+        self.ucx.as_ref().is_some_and(|u| u.mapped())
+    }
+
+    async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError> {
+        if let Some((sink, asm)) = &mut self.stream {
+            asm.add(piece).map_err(|reason| TransferError::Invalid {
+                node: self.target.decode_node.clone(),
+                reason,
+            })?;
+            while let Some(p) = asm.next_run() {
+                sink.send(p).await?;
+            }
+            return Ok(());
+        }
+        let ucx = self.ucx.as_mut().expect("a UCX sink until the fallback");
+        self.kept.push(piece.clone());
+        match ucx.send(piece).await {
+            Err(TransferError::Stalled { reason, rehomed: true, .. }) => {
+                self.fall_back(reason).await
+            }
+            r => r,
+        }
+    }
+
+    async fn finish(
+        mut self: Box<Self>,
+        blocks: u32,
+        checksums: Vec<u64>,
+    ) -> Result<Finished, TransferError> {
+        if let Some(ucx) = self.ucx.take() {
+            match ucx.finish(blocks, checksums.clone()).await {
+                Err(TransferError::Stalled { reason, rehomed: true, .. }) => {
+                    self.fall_back(reason).await?;
+                }
+                r => return r,
+            }
+        }
+        let (sink, asm) = self.stream.take().expect("the stream after a fallback");
+        if asm.next < blocks as usize {
+            return Err(self
+                .invalid(format!("{} of {blocks} blocks were whole when the KV ended", asm.next)));
+        }
+        sink.finish(blocks, checksums).await
+    }
+}
+
+/// Whole blocks, in order, from pieces of whole blocks or of single layers.
+#[derive(Debug)]
+struct Assembler {
+    bpb: usize,
+    layers: usize,
+    /// Blocks still missing layers: their bytes so far and how many layers arrived.
+    partial: BTreeMap<usize, (Vec<u8>, usize)>,
+    whole: BTreeMap<usize, Bytes>,
+    /// The next block to hand on.
+    next: usize,
+}
+
+/// Blocks per piece handed to the stream.
+const RUN: usize = 4;
+
+impl Assembler {
+    fn new(bpb: usize, layers: usize) -> Self {
+        Self { bpb, layers, partial: BTreeMap::new(), whole: BTreeMap::new(), next: 0 }
+    }
+
+    fn add(&mut self, piece: KvPiece) -> Result<(), String> {
+        let first = piece.first_block as usize;
+        let unit = match piece.layer {
+            None => self.bpb,
+            Some(l) if (l as usize) < self.layers => self.bpb / self.layers,
+            Some(l) => return Err(format!("layer {l} is past the model's {} layers", self.layers)),
+        };
+        if piece.data.is_empty() || !piece.data.len().is_multiple_of(unit) {
+            return Err(format!("{} bytes are not whole units of {unit}", piece.data.len()));
+        }
+        for (i, part) in piece.data.chunks_exact(unit).enumerate() {
+            let b = first + i;
+            match piece.layer {
+                None => {
+                    self.whole.insert(b, piece.data.slice(i * unit..(i + 1) * unit));
+                }
+                Some(l) => {
+                    let (buf, seen) =
+                        self.partial.entry(b).or_insert_with(|| (vec![0; self.bpb], 0));
+                    let at = l as usize * unit;
+                    buf[at..at + unit].copy_from_slice(part);
+                    *seen += 1;
+                    if *seen == self.layers {
+                        let (buf, _) = self.partial.remove(&b).expect("just filled");
+                        self.whole.insert(b, Bytes::from(buf));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The next run of whole blocks in order, if the next block is whole.
+    fn next_run(&mut self) -> Option<KvPiece> {
+        let first = self.next;
+        let mut data = Vec::new();
+        while data.len() < RUN * self.bpb {
+            let Some(b) = self.whole.remove(&self.next) else { break };
+            data.extend_from_slice(&b);
+            self.next += 1;
+        }
+        (!data.is_empty()).then(|| KvPiece {
+            first_block: first as u32,
+            layer: None,
+            data: data.into(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layers_in_any_order_make_whole_blocks_in_order() {
+        let (bpb, layers) = (8, 2);
+        let block = |b: u8| (0..8).map(|i| b * 16 + i).collect::<Vec<u8>>();
+        let layer = |b: u8, l: usize| block(b)[l * 4..(l + 1) * 4].to_vec();
+        let mut a = Assembler::new(bpb, layers);
+        let piece = |first: u32, layer: Option<u32>, data: Vec<u8>| KvPiece {
+            first_block: first,
+            layer,
+            data: data.into(),
+        };
+        // Blocks 0 and 1, layer 1 first; then block 2 whole.
+        a.add(piece(0, Some(1), [layer(0, 1), layer(1, 1)].concat())).unwrap();
+        assert!(a.next_run().is_none(), "no block is whole yet");
+        a.add(piece(2, None, block(2))).unwrap();
+        assert!(a.next_run().is_none(), "block 2 waits for 0 and 1");
+        a.add(piece(0, Some(0), [layer(0, 0), layer(1, 0)].concat())).unwrap();
+        let run = a.next_run().unwrap();
+        assert_eq!((run.first_block, run.layer), (0, None));
+        assert_eq!(run.data.to_vec(), [block(0), block(1), block(2)].concat());
+        assert!(a.next_run().is_none());
+        assert!(a.add(piece(3, Some(2), vec![0; 4])).is_err(), "past the layers");
+        assert!(a.add(piece(3, None, vec![0; 5])).is_err(), "not whole blocks");
     }
 }

@@ -20,7 +20,7 @@ use tonic::Streaming;
 use tracing::Instrument;
 
 use crate::inbox::{self, ClosedOnDrop, KvInbox};
-use crate::{KvPiece, KvSink, KvTransport, TransferError};
+use crate::{Finished, KvPiece, KvSink, KvTransport, TransferError};
 
 /// Messages buffered per transfer before `send` waits for the network.
 const IN_FLIGHT_MESSAGES: usize = 8;
@@ -188,13 +188,14 @@ impl KvSink for GrpcSink {
         mut self: Box<Self>,
         blocks: u32,
         checksums: Vec<u64>,
-    ) -> Result<u64, TransferError> {
+    ) -> Result<Finished, TransferError> {
         if let Some(tx) = self.tx.take() {
             let end = KvChunk { chunk: Some(Chunk::End(KvEnd { blocks, checksums })) };
             // A failed send means the call already ended; its outcome says how.
             let _ = tx.send(end).await;
         }
-        self.outcome().await.map(|_| self.sent)
+        let bytes = self.outcome().await.map(|_| self.sent)?;
+        Ok(Finished { bytes, transport: "grpc" })
     }
 }
 

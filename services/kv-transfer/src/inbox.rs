@@ -39,6 +39,9 @@ pub trait KvInbox: Send + Sync + 'static {
         blocks: usize,
         checksums: Vec<u64>,
     ) -> Result<Option<Duration>, Status>;
+    /// The remote writer of `reservation` gave up its session and will stream the KV
+    /// instead: the reservation moves onto blocks the writer cannot reach.
+    async fn rehome(&self, reservation: u64) -> Result<(), Status>;
     /// The transfer broke; `why` says how.
     async fn abort(&self, reservation: u64, from: &str, why: String);
     /// A transfer's stream ended (a remote writer can put no more), however it ended.

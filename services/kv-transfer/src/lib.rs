@@ -19,6 +19,7 @@ pub mod receive;
 pub mod same_host;
 pub mod scope;
 pub mod staging;
+pub mod stall;
 pub mod stats;
 pub mod ucx;
 pub mod ucx_transport;
@@ -29,7 +30,7 @@ use bytes::Bytes;
 use pdmesh_proto::v1::KvTarget;
 use tonic::Status;
 
-pub use auto::{AutoTransport, TransportKind};
+pub use auto::{AutoTransport, Fallen, TransportKind};
 pub use grpc::{GrpcTransport, receive_push};
 pub use inbox::{KvInbox, parse_reservation};
 pub use layout::check_layout;
@@ -41,6 +42,7 @@ pub use prefix_cache::{CacheError, Lookup, PrefixCache};
 pub use push::{Export, PushConnector, PushError, PushJob, PushMode};
 pub use receive::{ReceiveError, Receiver, Target};
 pub use staging::{StagedBlocks, StagingArea, StagingFull};
+pub use stall::StallBound;
 pub use stats::TransferStats;
 pub use ucx_transport::{SessionEvents, UcxTransport, accept_session};
 
@@ -60,6 +62,11 @@ pub enum TransferError {
     /// The transfer was used wrongly (a bug on the sending side).
     #[error("bad KV transfer to decode node {node}: {reason}")]
     Invalid { node: String, reason: String },
+    /// The transfer made no progress within its bound (`StallBound`) and was given up.
+    /// `rehomed`: the decode node moved the reservation onto blocks the abandoned session
+    /// cannot reach, so the KV may be sent again over another transport.
+    #[error("KV transfer to decode node {node} stalled: {reason}")]
+    Stalled { node: String, reason: String, rehomed: bool },
     /// The target the caller gave is not one to write to (malformed, or naming memory
     /// outside what it grants).
     #[error("bad KV target for decode node {node}: {reason}")]
@@ -80,6 +87,10 @@ impl From<TransferError> for Status {
             TransferError::Invalid { node, reason } => {
                 Status::internal(format!("KV transfer to node {node}: {reason}"))
             }
+            TransferError::Stalled { node, reason, .. } => pdmesh_common::status::unreachable(
+                &node,
+                format_args!("KV transfer stalled: {reason}"),
+            ),
             TransferError::BadTarget { node, reason } => {
                 Status::invalid_argument(format!("KV target for node {node}: {reason}"))
             }
@@ -129,6 +140,15 @@ pub struct KvPiece {
     pub data: Bytes,
 }
 
+/// A transfer that reached the decode node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    pub bytes: u64,
+    /// The transport that carried it in the end ("grpc", "ucx"): not the one it was opened
+    /// on when it fell back.
+    pub transport: &'static str,
+}
+
 /// One transfer in progress. Dropping it without `finish` aborts the transfer; the decode node
 /// then fails the reservation and frees its blocks (after anything in flight has landed).
 #[async_trait::async_trait]
@@ -145,12 +165,12 @@ pub trait KvSink: Send {
     /// Sends a piece. Whole blocks arrive in order; layers of a block in any order.
     async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError>;
     /// Marks the KV complete (`blocks` in all; `checksums` of each block in verify mode, else
-    /// empty) and waits until the decode node has it. Returns the bytes moved.
+    /// empty) and waits until the decode node has it.
     async fn finish(
         self: Box<Self>,
         blocks: u32,
         checksums: Vec<u64>,
-    ) -> Result<u64, TransferError>;
+    ) -> Result<Finished, TransferError>;
 }
 
 /// `sink`, waiting `delay` before each piece: test-only fault injection that keeps a transfer
@@ -187,7 +207,7 @@ impl KvSink for Delayed {
         self: Box<Self>,
         blocks: u32,
         checksums: Vec<u64>,
-    ) -> Result<u64, TransferError> {
+    ) -> Result<Finished, TransferError> {
         self.inner.finish(blocks, checksums).await
     }
 }

@@ -241,6 +241,13 @@ impl Receiver {
         Ok(())
     }
 
+    /// `id`'s remote writer gave up (its blocks were replaced): its KV is awaited anew, from
+    /// a stream. The writer's session stays open until it ends, but no longer carries the
+    /// transfer.
+    pub fn rehome(&mut self, id: u64) {
+        self.transfers.insert(id, Transfer::Awaited);
+    }
+
     /// The transfer into `id` is over without its KV (it broke, or its reservation ended).
     pub fn abort(&mut self, id: u64) {
         self.transfers.remove(&id);

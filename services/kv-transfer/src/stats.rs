@@ -52,9 +52,14 @@ impl TransferStats {
         });
     }
 
-    /// A transfer that wanted `wanted` and used another transport.
-    pub fn fallback(&self, wanted: &'static str) {
-        self.with(wanted, |e| e.fallbacks += 1);
+    /// A transfer that wanted `wanted` and used another transport, and why.
+    pub fn fallback(&self, wanted: &'static str, why: crate::auto::Fallen) {
+        self.with(wanted, |e| {
+            e.fallbacks += 1;
+            if why == crate::auto::Fallen::Stalled {
+                e.stalls += 1;
+            }
+        });
     }
 
     pub fn snapshot(&self) -> Vec<TransportStats> {
@@ -85,6 +90,11 @@ impl TransferStats {
             fam("transfer_fallbacks", "Transfers that wanted UCX and used gRPC.", &|t| {
                 t.fallbacks as f64
             }),
+            fam(
+                "transfer_stalls",
+                "Transfers whose session made no progress within its bound, given up and sent again over gRPC.",
+                &|t| t.stalls as f64,
+            ),
             fam(
                 "transfers_mapped",
                 "Transfers copied into a decode node's KV pool mapped from shared memory.",

@@ -10,12 +10,14 @@
 //! before ending the session, so the decode node reuses the blocks only once nothing more can
 //! land in them.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::Duration;
 
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::{
-    KvAccepted, KvCommitted, KvEnd, KvHeader, KvSessionEvent, KvSessionRequest, KvTarget,
-    kv_session_event, kv_session_request,
+    KvAbandon, KvAbandoned, KvAccepted, KvCommitted, KvEnd, KvHeader, KvSessionEvent,
+    KvSessionRequest, KvTarget, kv_session_event, kv_session_request,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -26,23 +28,33 @@ use crate::grpc::GrpcTransport;
 use crate::inbox::{self, ClosedOnDrop, KvInbox};
 use crate::scope::Keys;
 use crate::ucx::{Mapped, Peer, Peers, Pending, UcxError, UcxNode};
-use crate::{KvPiece, KvSink, KvTransport, TransferError};
+use crate::{Finished, KvPiece, KvSink, KvTransport, StallBound, TransferError};
 
 /// Puts a transfer keeps in flight before it waits for the oldest ones.
 const MAX_PENDING: usize = 1024;
 /// Copies into a mapped pool (one per piece) a transfer keeps in flight.
 const MAX_COPIES: usize = 8;
 
+/// How long an abandoned session waits for its puts before its endpoint is let go.
+const QUIESCE: Duration = Duration::from_secs(30);
+
 #[derive(Debug)]
 pub struct UcxTransport {
     grpc: Arc<GrpcTransport>,
     peers: Peers,
+    stall: StallBound,
 }
 
 impl UcxTransport {
     /// `grpc` supplies the channels of the control path.
     pub fn new(node: UcxNode, grpc: Arc<GrpcTransport>) -> Self {
-        Self { grpc, peers: Peers::new(node) }
+        Self { grpc, peers: Peers::new(node), stall: StallBound::default() }
+    }
+
+    /// Sessions making no progress within `stall` are given up.
+    pub fn with_stall(mut self, stall: StallBound) -> Self {
+        self.stall = stall;
+        self
     }
 }
 
@@ -120,7 +132,17 @@ impl KvTransport for UcxTransport {
                 Err(s) => Err(TransferError::from_peer(&node, s)),
             }
         };
-        let (keys, events) = tokio::join!(Keys::unpack(&peer.ep, &ucx.ranges), accept);
+        let opened = tokio::time::timeout(self.stall.limit(0), async {
+            tokio::join!(Keys::unpack(&peer.ep, &ucx.ranges), accept)
+        });
+        let Ok((keys, events)) = opened.await else {
+            self.peers.evict(&peer);
+            return Err(TransferError::Stalled {
+                node,
+                reason: format!("the session was not open after {:?}", self.stall.limit(0)),
+                rehomed: false,
+            });
+        };
         let keys = keys.map_err(|e| {
             self.peers.evict(&peer);
             no_endpoint(&node, e)
@@ -157,7 +179,9 @@ impl KvTransport for UcxTransport {
             bpb,
             layers: layout.geometry.layers as u64,
             session: Some((tx, events)),
-            pending: Vec::new(),
+            stall: self.stall,
+            pending: VecDeque::new(),
+            progressed: std::time::Instant::now(),
             copies: Vec::new(),
             bytes: 0,
         }))
@@ -178,7 +202,11 @@ struct UcxSink {
     bpb: u64,
     layers: u64,
     session: Option<Session>,
-    pending: Vec<Pending<()>>,
+    stall: StallBound,
+    /// Puts in flight, oldest first, with their bytes.
+    pending: VecDeque<(Pending<()>, u64)>,
+    /// When a put last completed, or the session last had none in flight.
+    progressed: std::time::Instant,
     /// Copies into the mapped pool still running.
     copies: Vec<JoinHandle<()>>,
     bytes: u64,
@@ -193,13 +221,87 @@ impl UcxSink {
         unreachable(&self.node, e)
     }
 
-    /// Waits for all but the last `keep` puts.
+    /// Waits for all but the last `keep` puts; puts complete in order, so the oldest not
+    /// completing within its bound is the session stalling.
     async fn settle(&mut self, keep: usize) -> Result<(), TransferError> {
-        let n = self.pending.len().saturating_sub(keep);
-        for p in self.pending.drain(..n).collect::<Vec<_>>() {
-            p.await.map_err(|e| self.fail(e))?;
+        while self.pending.len() > keep {
+            let (p, bytes) = self.pending.front_mut().expect("more than keep");
+            let limit = self.stall.limit(*bytes);
+            match tokio::time::timeout(limit, p).await {
+                Ok(r) => {
+                    self.pending.pop_front();
+                    self.progressed = std::time::Instant::now();
+                    r.map_err(|e| self.fail(e))?;
+                }
+                Err(_) => {
+                    let outstanding: u64 = self.pending.iter().map(|(_, b)| b).sum();
+                    let why = format!(
+                        "no UCX put completed in {limit:?} ({} puts, {outstanding} bytes \
+                         outstanding)",
+                        self.pending.len()
+                    );
+                    return Err(self.give_up(why).await);
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Takes the puts that completed, oldest first, without waiting; a session whose
+    /// oldest put has made no progress for its bound is given up here, while pieces are
+    /// still coming, rather than when the KV ends.
+    async fn reap(&mut self) -> Result<(), TransferError> {
+        while let Some((p, _)) = self.pending.front_mut() {
+            match p.try_take() {
+                Some(r) => {
+                    self.pending.pop_front();
+                    self.progressed = std::time::Instant::now();
+                    r.map_err(|e| self.fail(e))?;
+                }
+                None => break,
+            }
+        }
+        match self.pending.front() {
+            None => self.progressed = std::time::Instant::now(),
+            Some((_, bytes)) => {
+                let limit = self.stall.limit(*bytes);
+                if self.progressed.elapsed() > limit {
+                    let why = format!(
+                        "no UCX put completed in {limit:?} ({} puts outstanding)",
+                        self.pending.len()
+                    );
+                    return Err(self.give_up(why).await);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives the session up: the decode node is asked to move the reservation onto blocks
+    /// this session's late puts cannot reach, so the KV can be sent again another way. The
+    /// session itself stays open until the puts are over (`Drop`).
+    async fn give_up(&mut self, reason: String) -> TransferError {
+        tracing::warn!(node = self.node, "giving up a UCX session: {reason}");
+        let limit = self.stall.limit(0);
+        let rehomed = match &mut self.session {
+            Some((tx, events)) => {
+                let abandon = KvSessionRequest {
+                    msg: Some(kv_session_request::Msg::Abandon(KvAbandon {
+                        reason: reason.clone(),
+                    })),
+                };
+                let answered = async {
+                    tx.send(abandon).await.ok()?;
+                    events.message().await.ok().flatten()
+                };
+                matches!(
+                    tokio::time::timeout(limit, answered).await,
+                    Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Abandoned(_)) }))
+                )
+            }
+            None => false,
+        };
+        TransferError::Stalled { node: self.node.clone(), reason, rehomed }
     }
 
     /// Waits for all but the last `keep` copies.
@@ -306,7 +408,14 @@ impl KvSink for UcxSink {
             let data = piece.data.slice(i * unit as usize..(i + run) * unit as usize);
             match self.local(start, data.len() as u64) {
                 Some(dst) => plan.push((data, dst)),
-                None => self.pending.push(self.peer.ep.put(data, start, key)),
+                None => {
+                    let len = data.len() as u64;
+                    // The wait for progress starts with the first put in flight.
+                    if self.pending.is_empty() {
+                        self.progressed = std::time::Instant::now();
+                    }
+                    self.pending.push_back((self.peer.ep.put(data, start, key), len));
+                }
             }
             i += run;
         }
@@ -314,6 +423,7 @@ impl KvSink for UcxSink {
             self.copy(plan);
         }
         self.bytes += len;
+        self.reap().await?;
         if self.pending.len() > MAX_PENDING {
             self.settle(MAX_PENDING / 2).await?;
         }
@@ -327,10 +437,16 @@ impl KvSink for UcxSink {
         mut self: Box<Self>,
         blocks: u32,
         checksums: Vec<u64>,
-    ) -> Result<u64, TransferError> {
+    ) -> Result<Finished, TransferError> {
         self.settle(0).await?;
         self.settle_copies(0).await?;
-        self.peer.ep.flush().await.map_err(|e| self.fail(e))?;
+        let limit = self.stall.limit(0);
+        match tokio::time::timeout(limit, self.peer.ep.flush()).await {
+            Ok(r) => r.map_err(|e| self.fail(e))?,
+            Err(_) => {
+                return Err(self.give_up(format!("the flush did not complete in {limit:?}")).await);
+            }
+        }
         let (tx, mut events) =
             self.session.take().ok_or_else(|| unreachable(&self.node, "the session is gone"))?;
         let commit = KvSessionRequest {
@@ -339,9 +455,18 @@ impl KvSink for UcxSink {
         if tx.send(commit).await.is_err() {
             return Err(unreachable(&self.node, "the session closed before the commit"));
         }
-        match events.message().await {
+        // The decode node checks the blocks before it answers (checksums, unstaging).
+        let limit = self.stall.limit(self.bytes);
+        let Ok(answer) = tokio::time::timeout(limit, events.message()).await else {
+            return Err(TransferError::Stalled {
+                node: self.node.clone(),
+                reason: format!("the commit was not answered in {limit:?}"),
+                rehomed: false,
+            });
+        };
+        match answer {
             Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Committed(c)) })) => {
-                Ok(c.bytes.max(self.bytes))
+                Ok(Finished { bytes: c.bytes.max(self.bytes), transport: "ucx" })
             }
             Ok(_) => Err(unreachable(&self.node, "the session ended before the commit")),
             Err(s) => Err(TransferError::from_peer(&self.node, s)),
@@ -362,12 +487,22 @@ impl Drop for UcxSink {
             for c in copies {
                 let _ = c.await;
             }
-            for p in pending {
-                if let Err(e) = p.await {
-                    failed.get_or_insert(e);
+            let puts = async {
+                for (p, _) in pending {
+                    if let Err(e) = p.await {
+                        failed.get_or_insert(e);
+                    }
                 }
-            }
-            if let Some(e) = failed {
+            };
+            // Puts that never complete (a stalled session) are not waited for forever: the
+            // endpoint is let go, which fails them.
+            if tokio::time::timeout(QUIESCE, puts).await.is_err() {
+                tracing::warn!(
+                    node,
+                    "an aborted UCX transfer's puts did not complete in {QUIESCE:?}"
+                );
+                peers.evict(&peer);
+            } else if let Some(e) = failed {
                 tracing::debug!(node, "aborted UCX transfer: {e}");
                 peers.evict(&peer);
             }
@@ -437,13 +572,25 @@ pub async fn accept_session(
                 }
                 let unstaged = r.as_ref().ok().copied().flatten();
                 inbox::received(&tracing::Span::current(), blocks, bytes, secs, unstaged);
-                r.map(|_| bytes)
+                r.map(|_| bytes).map_err(Some)
             }
-            Ok(Some(_)) => {
-                Err(Status::invalid_argument("a UCX session takes one commit after its open"))
+            Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Abandon(a)) })) => {
+                tracing::info!(reservation = id, from, "UCX writer gave up: {}", a.reason);
+                pdmesh_common::trace::event(
+                    &tracing::Span::current(),
+                    "kv.abandoned",
+                    &[("reason", a.reason.clone())],
+                );
+                match inbox.rehome(id).await {
+                    Ok(()) => Err(None),
+                    Err(st) => Err(Some(st)),
+                }
             }
-            Ok(None) => Err(Status::cancelled("the session ended before its commit")),
-            Err(s) => Err(s),
+            Ok(Some(_)) => Err(Some(Status::invalid_argument(
+                "a UCX session takes one commit or abandon after its open",
+            ))),
+            Ok(None) => Err(Some(Status::cancelled("the session ended before its commit"))),
+            Err(s) => Err(Some(s)),
         };
         match outcome {
             Ok(bytes) => {
@@ -452,7 +599,16 @@ pub async fn accept_session(
                 };
                 let _ = events.send(Ok(ev)).await;
             }
-            Err(st) => {
+            // Given up, the reservation now awaits a stream: the session stays open until
+            // the writer has quiesced (its end frees the old blocks).
+            Err(None) => {
+                let ev = KvSessionEvent {
+                    event: Some(kv_session_event::Event::Abandoned(KvAbandoned {})),
+                };
+                let _ = events.send(Ok(ev)).await;
+                while let Ok(Some(_)) = inbound.message().await {}
+            }
+            Err(Some(st)) => {
                 tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
                 pdmesh_common::trace::fail(&tracing::Span::current(), &st);
                 inbox.abort(id, &from, st.message().to_string()).await;

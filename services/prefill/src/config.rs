@@ -40,6 +40,11 @@ pub struct PrefillConfig {
     pub kv_push: PushMode,
     /// Send a checksum of every block; the decode node verifies it (DATA_LOSS on mismatch).
     pub kv_verify: bool,
+    /// A UCX session that completes nothing for this long (plus the time its oldest put's
+    /// bytes take at `kv_stall_floor_mbit`) is given up, and its KV sent again over gRPC.
+    pub kv_stall_ms: u64,
+    /// The slowest link rate a session is expected to move at, in Mbit/s.
+    pub kv_stall_floor_mbit: u64,
     /// The KV-store (prefix cache) to match prompts against and publish computed blocks to,
     /// "host:port"; none = no prefix cache.
     pub kvstore: Option<String>,
@@ -72,6 +77,8 @@ impl Default for PrefillConfig {
             kv_transport: TransportKind::Auto,
             kv_push: PushMode::Layer,
             kv_verify: false,
+            kv_stall_ms: 1_000,
+            kv_stall_floor_mbit: 1_000,
             kvstore: None,
             cache_bytes: 128 << 20,
             kvstore_timeout_ms: 500,
@@ -94,7 +101,13 @@ impl PrefillConfig {
                 format!("must be in 1..=64, got {got}"),
             ));
         }
+        self.stall().map_err(|e| InvalidConfig::new("kv_stall_ms", e))?;
         self.engine.engine_config().map_err(|e| InvalidConfig::new("engine", e.to_string()))?;
         Ok(())
+    }
+
+    /// The bound on a UCX session making no progress.
+    pub fn stall(&self) -> Result<pdmesh_kv_transfer::StallBound, String> {
+        pdmesh_kv_transfer::StallBound::new(self.kv_stall_ms, self.kv_stall_floor_mbit)
     }
 }

@@ -87,8 +87,14 @@ pub async fn run(
             v
         }
     });
-    let transport =
-        pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, Arc::clone(&stats));
+    // Checked by `validate`.
+    let stall = config.stall().unwrap_or_default();
+    let transport = pdmesh_kv_transfer::AutoTransport::with_stall(
+        config.kv_transport,
+        ucx,
+        Arc::clone(&stats),
+        stall,
+    );
     let service = PrefillService {
         node_id: node_id.clone(),
         backend,

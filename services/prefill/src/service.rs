@@ -346,12 +346,14 @@ impl Relay {
         let ((), (t0, blocks, checksums, _gauge)) = tokio::try_join!(push, computed)?;
         let finished = sink.finish(blocks, checksums).instrument(self.transfer.clone()).await;
         let secs = t0.elapsed().as_secs_f64();
-        let transport = self.transport;
-        self.stats.record(transport, finished.as_ref().ok().copied(), secs);
-        if self.mapped && finished.is_ok() {
+        // What carried it in the end: a stalled UCX session falls back to the stream.
+        let transport = finished.as_ref().map_or(self.transport, |f| f.transport);
+        self.transfer.record("transport", transport);
+        self.stats.record(transport, finished.as_ref().ok().map(|f| f.bytes), secs);
+        if self.mapped && transport == self.transport && finished.is_ok() {
             self.stats.mapped(transport);
         }
-        let bytes = finished.map_err(Status::from)?;
+        let bytes = finished.map_err(Status::from)?.bytes;
         self.transfer.record("bytes", bytes as i64);
         self.transfer.record("tail_ms", secs * 1e3);
         if secs > 0.0 {

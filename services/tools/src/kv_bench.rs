@@ -338,7 +338,7 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
                 sink.send(KvPiece { first_block: first as u32, layer: None, data }).await?;
             }
             let sums = if verify { checksums.clone() } else { Vec::new() };
-            let moved = sink.finish(blocks as u32, sums).await?;
+            let moved = sink.finish(blocks as u32, sums).await?.bytes;
             let elapsed = t.elapsed();
             if moved < bytes {
                 bail!("{kind} moved {moved} of {bytes} bytes");

@@ -170,6 +170,15 @@ pub struct PrefillArgs {
     /// Send a checksum of every KV block for the decode node to verify.
     #[arg(long)]
     pub(super) kv_verify: bool,
+    /// Give up a UCX session that completes nothing for this long (plus the time its oldest
+    /// put takes at --kv-stall-floor-mbit), and send its KV again over gRPC into the same
+    /// reservation [default: 1000].
+    #[arg(long, value_name = "MS")]
+    pub(super) kv_stall_ms: Option<u64>,
+    /// The slowest link a UCX session is expected to move KV at, Mbit/s: a large put is
+    /// given this long on top of --kv-stall-ms [default: 1000].
+    #[arg(long, value_name = "MBIT")]
+    pub(super) kv_stall_floor_mbit: Option<u64>,
     /// A KV-store (`pdmesh kvstore`) to take cached prompt prefixes from and publish computed
     /// blocks to, host:port.
     #[arg(long, value_name = "ADDR")]

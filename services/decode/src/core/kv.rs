@@ -156,6 +156,10 @@ impl DecodeCore {
     /// quarantined blocks are freed; a reservation still waiting for that writer's KV fails.
     pub fn writer_closed(&mut self, id: u64, from: &str) {
         let broke = self.receiver.writer_closed(id);
+        if let Some((seq, blocks)) = self.parked.remove(&id) {
+            self.committed -= blocks;
+            self.engine.free_sequence(seq).expect("a parked sequence exists");
+        }
         if let Some(r) = self.reservations.get_mut(&id) {
             // Nobody can put into them any more: back to the staging area.
             r.staged = None;
@@ -171,6 +175,43 @@ impl DecodeCore {
             }
             _ => {}
         }
+    }
+
+    /// Reservation `id`'s remote writer gave up its session (it stalled) and will send the KV
+    /// over a stream instead. Its puts may still land in the blocks it was granted, so the
+    /// reservation moves onto fresh blocks and the old ones stay parked until the writer's
+    /// session ends; the grant is revoked. Fails with NoBlocks when there is no room for a
+    /// second copy (the transfer then fails as any broken one does).
+    pub fn rehome(&mut self, id: u64) -> Result<(), DecodeError> {
+        let r = self.live(id)?;
+        if !self.receiver.session_open(id) || self.receiver.is_complete(id) {
+            return Err(DecodeError::Invalid(format!(
+                "reservation {id} has no UCX writer to replace"
+            )));
+        }
+        if self.parked.contains_key(&id) {
+            return Err(DecodeError::Invalid(format!("reservation {id} was moved once already")));
+        }
+        let (seq, prompt_len) = (r.seq, r.prompt_len);
+        let need = self.blocks_for(prompt_len);
+        let total = self.engine.kv().total_blocks();
+        if self.committed + need > total {
+            return Err(DecodeError::NoBlocks { need, free: total - self.committed });
+        }
+        let fresh = self.engine.create_sequence();
+        if let Err(e) = self.engine.extend_sequence(fresh, prompt_len) {
+            self.engine.free_sequence(fresh).expect("just created");
+            return Err(e.into());
+        }
+        self.engine.swap_sequences(seq, fresh)?;
+        self.committed += need;
+        self.parked.insert(id, (fresh, need));
+        self.receiver.rehome(id);
+        let r = self.reservations.get_mut(&id).expect("checked above");
+        r.remote = None;
+        r.granted = None;
+        r.staged = None;
+        Ok(())
     }
 
     /// The transfer broke: the reservation fails and its blocks are freed.

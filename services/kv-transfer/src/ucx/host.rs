@@ -30,7 +30,8 @@ impl HostId {
         static HERE: std::sync::OnceLock<HostId> = std::sync::OnceLock::new();
         *HERE.get_or_init(|| {
             let boot = std::fs::read("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-            let ns = |n: &str| std::fs::metadata(format!("/proc/self/ns/{n}")).map_or(0, |m| m.ino());
+            let ns =
+                |n: &str| std::fs::metadata(format!("/proc/self/ns/{n}")).map_or(0, |m| m.ino());
             HostId { boot: xxhash_rust::xxh3::xxh3_64(&boot), ipc: ns("ipc"), net: ns("net") }
         })
     }

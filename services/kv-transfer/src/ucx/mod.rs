@@ -560,6 +560,17 @@ impl Drop for RemoteKey {
 #[derive(Debug)]
 pub struct Pending<T>(oneshot::Receiver<Result<T, UcxError>>);
 
+impl<T> Pending<T> {
+    /// The outcome, if the operation is over.
+    pub fn try_take(&mut self) -> Option<Result<T, UcxError>> {
+        match self.0.try_recv() {
+            Ok(r) => Some(r),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(UcxError::Closed)),
+        }
+    }
+}
+
 impl<T> Future for Pending<T> {
     type Output = Result<T, UcxError>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<Self::Output> {
