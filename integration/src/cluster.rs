@@ -328,16 +328,16 @@ impl ClusterBuilder {
 
     /// The command that runs `pdmesh` as process `name`, and the host it listens on.
     fn command(&self, name: &str) -> (Command, String) {
-        match self.netns.as_ref().and_then(|n| n.host(name)) {
-            Some((ns, ip)) => {
-                // Its own IPC namespace too, as on a machine of its own: UCX then shares no
-                // memory with the other hosts' processes and moves KV over the network.
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]);
-                if !self.shared_ipc {
-                    c.args(["unshare", "--ipc"]);
+        match self.netns.as_ref().and_then(|n| Some((n.command_prefix(name)?, n.host(name)?.1))) {
+            Some((mut prefix, ip)) => {
+                // Its own IPC namespace too, as on a machine of its own (the prefix's
+                // `unshare --ipc`): UCX then shares no memory with the other hosts'
+                // processes and moves KV over the network.
+                if self.shared_ipc {
+                    prefix.truncate(prefix.len() - 2);
                 }
-                c.arg(pdmesh_bin());
+                let mut c = Command::new(&prefix[0]);
+                c.args(&prefix[1..]).arg(pdmesh_bin());
                 (c, ip.to_string())
             }
             None => (Command::new(pdmesh_bin()), "127.0.0.1".into()),

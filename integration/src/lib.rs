@@ -4,7 +4,7 @@
 
 pub mod cluster;
 pub mod inprocess;
-pub mod netns;
+pub use pdmesh_cli::netns;
 pub mod reference;
 
 pub use cluster::{Cluster, ClusterBuilder, eventually};

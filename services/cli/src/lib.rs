@@ -4,6 +4,7 @@
 
 pub mod args;
 pub mod client;
+pub mod netns;
 pub mod process;
 
 /// The error and its causes, leaving out a cause whose words are already in the message

@@ -73,11 +73,23 @@ pub async fn spawn_announcing(
     args: &[String],
     n: usize,
 ) -> anyhow::Result<(Proc, Vec<String>)> {
+    let prefix = cpus.map(|c| ["taskset", "-c", c].map(String::from).to_vec());
+    spawn_under(name, &prefix.unwrap_or_default(), args, n).await
+}
+
+/// `spawn_announcing`, run under `prefix` (a command that runs the rest of its arguments,
+/// e.g. `netns::Netns::command_prefix`'s).
+pub async fn spawn_under(
+    name: &str,
+    prefix: &[String],
+    args: &[String],
+    n: usize,
+) -> anyhow::Result<(Proc, Vec<String>)> {
     let exe = pdmesh_exe()?;
-    let mut cmd = match cpus {
-        Some(c) => {
-            let mut t = Command::new("taskset");
-            t.arg("-c").arg(c).arg(&exe);
+    let mut cmd = match prefix.split_first() {
+        Some((first, rest)) => {
+            let mut t = Command::new(first);
+            t.args(rest).arg(&exe);
             t
         }
         None => Command::new(&exe),

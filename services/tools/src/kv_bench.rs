@@ -25,7 +25,6 @@ use serde::Serialize;
 use pdmesh_common::tls::{MeshRole, MeshTls};
 
 use crate::bench::median;
-use pdmesh_cli::process::spawn;
 
 #[derive(Debug, Args)]
 pub struct KvBenchArgs {
@@ -61,6 +60,27 @@ pub struct KvBenchArgs {
     /// in --json).
     #[arg(long, value_delimiter = ',', default_value = "ucx,ucx-put,grpc")]
     paths: Vec<String>,
+    /// Between two hosts: the decode node runs in a network namespace of its own (and IPC
+    /// namespace: nothing shared but the link), this process is the other host, and the
+    /// veth between them is shaped with `tc tbf` to each of --link-mbit in turn. Times the
+    /// paths that cross a network (ucx-put, grpc) against the link rate. Needs root.
+    #[arg(long)]
+    hosts: bool,
+    /// With --hosts: the link rates, Mbit/s (0 = unshaped).
+    #[arg(long, value_delimiter = ',', default_value = "0,25000,10000,1000")]
+    link_mbit: Vec<u64>,
+}
+
+/// One path at one link rate (`--hosts`).
+#[derive(Debug, Serialize)]
+struct LinkRow {
+    /// None: unshaped.
+    link_mbit: Option<u64>,
+    path: String,
+    ms: f64,
+    gbps: f64,
+    /// Of the link rate (None unshaped).
+    vs_link: Option<f64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -117,7 +137,19 @@ pub fn run(a: KvBenchArgs, insecure: bool) -> anyhow::Result<()> {
     if !a.model.exists() {
         bail!("model file {} not found: run `just fetch-model`", a.model.display());
     }
+    if a.hosts && std::env::var_os("UCX_TCP_BRIDGE_ENABLE").is_none() {
+        // This process is the sending host, and its NIC to the decode host is the bridge
+        // the hosts hang off, which UCX leaves out unless told.
+        // SAFETY: no other thread exists yet (the runtime and UCX start below).
+        #[allow(unsafe_code)]
+        unsafe {
+            std::env::set_var("UCX_TCP_BRIDGE_ENABLE", "y")
+        };
+    }
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    if a.hosts {
+        return rt.block_on(across_hosts(&a, insecure));
+    }
     let report = rt.block_on(bench(&a, insecure))?;
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -159,16 +191,38 @@ pub fn run(a: KvBenchArgs, insecure: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
+/// The decode nodes under test and the KV to move into them.
+struct Setup {
+    nodes: Vec<(pdmesh_cli::process::Proc, DecodeClient<tonic::transport::Channel>)>,
+    /// Holds the certificates and the seal key for the run.
+    _certs: tempfile::TempDir,
+    blocks: usize,
+    bpb: usize,
+    bytes: u64,
+    src: Bytes,
+    checksums: Vec<u64>,
+}
+
+/// Starts a decode node for each of `shared` (whether its pool is shared with writers on its
+/// host), listening on `listen`, each run under `prefix` (a host's, or none), with this
+/// process as the prefill node and router that use them: mutual TLS, or plaintext with
+/// `insecure` (UCX moves KV outside TLS either way).
+async fn setup(
+    a: &KvBenchArgs,
+    insecure: bool,
+    prefix: &[String],
+    listen: &str,
+    shared: &[bool],
+) -> anyhow::Result<Setup> {
     let model = a.model.display().to_string();
     let block_size = 16usize;
     let blocks = a.tokens.div_ceil(block_size);
     // Room for the prompt plus the one token a reservation must promise.
     let kv_blocks = (blocks + 2).to_string();
-    let args: Vec<String> = [
+    let mut args: Vec<String> = [
         "decode",
         "--listen",
-        "127.0.0.1:0",
+        listen,
         "--node-id",
         "bench-decode",
         "--model",
@@ -191,11 +245,7 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    // As the mesh runs: mutual TLS, this process pushing KV as a prefill node and reserving
-    // as the router, each with its own certificate; or plaintext with --insecure, which shows
-    // what TLS costs the gRPC stream (UCX moves KV outside TLS either way).
     let certs = tempfile::tempdir().context("a directory for the bench's keys")?;
-    let mut args = args;
     // The router's certificate, which reserves and releases; none in plaintext.
     let router = if insecure {
         pdmesh_common::tls::init(None);
@@ -220,13 +270,13 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     let key = pdmesh_kv_transfer::ucx::read_seal_key(&seal).map_err(anyhow::Error::msg)?;
     pdmesh_kv_transfer::ucx::set_seal_key(&key);
     args.extend(["--seal-key".into(), seal.display().to_string()]);
-    // Two decode nodes: one as nodes run (its pool shared with writers on this host), one
-    // whose pool is private, so UCX puts into it as it would from another host.
     let mut nodes = Vec::new();
-    for shared in [true, false] {
+    for shared in shared {
         let mut args = args.clone();
         args.extend(["--kv-shared-pool".into(), shared.to_string()]);
-        let (mut child, addr) = spawn("decode", None, &args).await?;
+        let (mut child, mut addrs) =
+            pdmesh_cli::process::spawn_under("decode", prefix, &args, 1).await?;
+        let addr = addrs.remove(0);
         let endpoint = match &router {
             Some(tls) => pdmesh_common::tls::endpoint_with(&addr, tls, MeshRole::Decode)?,
             None => pdmesh_common::tls::endpoint(&addr, MeshRole::Decode)?,
@@ -272,6 +322,121 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
         .collect();
     let src = Bytes::from(src);
     let checksums: Vec<u64> = src.chunks(bpb).map(block_checksum).collect();
+    Ok(Setup { nodes, _certs: certs, blocks, bpb, bytes, src, checksums })
+}
+
+/// The median milliseconds of `--reps` transfers of the KV into decode node `node` by `path`
+/// (`kind`), after one the decode node verifies.
+async fn time_path(
+    a: &KvBenchArgs,
+    s: &mut Setup,
+    path: &str,
+    kind: TransportKind,
+    node: usize,
+) -> anyhow::Result<f64> {
+    let (blocks, bpb, bytes) = (s.blocks, s.bpb, s.bytes);
+    let client = &mut s.nodes[node].1;
+    let ucx = match kind {
+        TransportKind::Grpc => None,
+        _ => {
+            Some(pdmesh_kv_transfer::ucx::UcxNode::start("bench-prefill").context("starting UCX")?)
+        }
+    };
+    let transport = AutoTransport::new(kind, ucx, Arc::new(TransferStats::new()));
+    let mut times = Vec::new();
+    for rep in 0..a.reps + 1 {
+        // The first transfer is verified by the decode node and not timed.
+        let verify = rep == 0;
+        let reserve = ReserveRequest {
+            request_id: format!("bench-{kind}-{rep}"),
+            prompt_tokens: a.tokens as u32,
+            max_tokens: 1,
+            lease_ms: 60_000,
+            remote_kv: true,
+            owner: String::new(),
+            reserve_tokens: 0,
+        };
+        let target = client.reserve(reserve).await?.into_inner().target.context("no KV target")?;
+        let t = Instant::now();
+        let mut sink = transport.open(&target, "bench-prefill").await?;
+        if sink.transport() != kind.name() {
+            bail!("asked for {kind}, the transfer used {}", sink.transport());
+        }
+        if sink.mapped() != (path == "ucx") {
+            bail!("path {path}: the decode node's shared pool mapped here is {}", sink.mapped());
+        }
+        for first in (0..blocks).step_by(a.blocks_per_piece) {
+            let n = a.blocks_per_piece.min(blocks - first);
+            let data = s.src.slice(first * bpb..(first + n) * bpb);
+            sink.send(KvPiece { first_block: first as u32, layer: None, data }).await?;
+        }
+        let sums = if verify { s.checksums.clone() } else { Vec::new() };
+        let done = sink.finish(blocks as u32, sums).await?;
+        let elapsed = t.elapsed();
+        if done.bytes < bytes || done.transport != kind.name() {
+            bail!("{kind} moved {} of {bytes} bytes by {}", done.bytes, done.transport);
+        }
+        client.release(ReleaseRequest { reservation_id: target.reservation_id }).await?;
+        if !verify {
+            times.push(elapsed.as_secs_f64() * 1e3);
+        }
+    }
+    // Let the endpoint close before the next transport starts.
+    drop(transport);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    Ok(median(times))
+}
+
+/// `--hosts`: the crossing paths between this process and a decode node on a host of its
+/// own, at each link rate.
+async fn across_hosts(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<()> {
+    let hosts = pdmesh_cli::netns::Netns::new(&["kv-decode"])
+        .map_err(|e| anyhow::anyhow!("making the decode host (needs root and iproute2): {e}"))?;
+    let prefix = hosts.command_prefix("kv-decode").context("the decode host")?;
+    let listen = format!("{}:0", hosts.host("kv-decode").context("the decode host")?.1);
+    let mut s = setup(a, insecure, &prefix, &listen, &[false]).await?;
+    let mut rows = Vec::new();
+    for &mbit in &a.link_mbit {
+        let link = (mbit > 0).then_some(mbit);
+        hosts.shape("kv-decode", link).map_err(anyhow::Error::msg)?;
+        for (path, kind) in [("ucx-put", TransportKind::Ucx), ("grpc", TransportKind::Grpc)] {
+            if !a.paths.iter().any(|p| p == path) {
+                continue;
+            }
+            let ms = time_path(a, &mut s, path, kind, 0).await?;
+            let gbps = s.bytes as f64 * 8.0 / (ms / 1e3) / 1e9;
+            let vs_link = link.map(|m| gbps * 1e3 / m as f64);
+            rows.push(LinkRow { link_mbit: link, path: path.into(), ms, gbps, vs_link });
+        }
+    }
+    hosts.shape("kv-decode", None).map_err(anyhow::Error::msg)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&rows)?);
+        return Ok(());
+    }
+    println!(
+        "{} KV of {} tokens ({:.1} MB) from this host into a decode node on another (veth, \
+         tc tbf), median of {}{}",
+        a.kv_dtype.name(),
+        a.tokens,
+        s.bytes as f64 / 1e6,
+        a.reps,
+        if insecure { " (plaintext: --insecure)" } else { "; gRPC under mutual TLS" }
+    );
+    println!("{:<10} {:<8} {:>10} {:>10} {:>9}", "link", "path", "ms", "Gbit/s", "of link");
+    for r in &rows {
+        let link = r.link_mbit.map_or("unshaped".into(), |m| format!("{} Gbit/s", m as f64 / 1e3));
+        let of = r.vs_link.map_or("-".into(), |v| format!("{v:.3}"));
+        println!("{link:<10} {:<8} {:>10.2} {:>10.2} {of:>9}", r.path, r.ms, r.gbps);
+    }
+    Ok(())
+}
+
+async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
+    // Two decode nodes: one as nodes run (its pool shared with writers on this host), one
+    // whose pool is private, so UCX puts into it as it would from another host.
+    let mut s = setup(a, insecure, &[], "127.0.0.1:0", &[true, false]).await?;
+    let (bytes, src) = (s.bytes, s.src.clone());
 
     // The references are cheap and noisy on a shared machine: more samples than the
     // transports get.
@@ -294,69 +459,16 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
         ("ucx-put", TransportKind::Ucx, 1),
         ("grpc", TransportKind::Grpc, 0),
     ] {
-        if !a.paths.iter().any(|p| p == path) {
+        if a.paths.iter().any(|p| p == path) {
+            ms.push(time_path(a, &mut s, path, kind, node).await?);
+        } else {
             ms.push(f64::NAN);
-            continue;
         }
-        let client = &mut nodes[node].1;
-        let ucx = match kind {
-            TransportKind::Grpc => None,
-            _ => Some(
-                pdmesh_kv_transfer::ucx::UcxNode::start("bench-prefill").context("starting UCX")?,
-            ),
-        };
-        let transport = AutoTransport::new(kind, ucx, Arc::new(TransferStats::new()));
-        let mut times = Vec::new();
-        for rep in 0..a.reps + 1 {
-            // The first transfer is verified by the decode node and not timed.
-            let verify = rep == 0;
-            let reserve = ReserveRequest {
-                request_id: format!("bench-{kind}-{rep}"),
-                prompt_tokens: a.tokens as u32,
-                max_tokens: 1,
-                lease_ms: 60_000,
-                remote_kv: true,
-                owner: String::new(),
-                reserve_tokens: 0,
-            };
-            let target =
-                client.reserve(reserve).await?.into_inner().target.context("no KV target")?;
-            let t = Instant::now();
-            let mut sink = transport.open(&target, "bench-prefill").await?;
-            if sink.transport() != kind.name() {
-                bail!("asked for {kind}, the transfer used {}", sink.transport());
-            }
-            if sink.mapped() != (path == "ucx") {
-                bail!(
-                    "path {path}: the decode node's shared pool mapped here is {}",
-                    sink.mapped()
-                );
-            }
-            for first in (0..blocks).step_by(a.blocks_per_piece) {
-                let n = a.blocks_per_piece.min(blocks - first);
-                let data = src.slice(first * bpb..(first + n) * bpb);
-                sink.send(KvPiece { first_block: first as u32, layer: None, data }).await?;
-            }
-            let sums = if verify { checksums.clone() } else { Vec::new() };
-            let moved = sink.finish(blocks as u32, sums).await?.bytes;
-            let elapsed = t.elapsed();
-            if moved < bytes {
-                bail!("{kind} moved {moved} of {bytes} bytes");
-            }
-            client.release(ReleaseRequest { reservation_id: target.reservation_id }).await?;
-            if !verify {
-                times.push(elapsed.as_secs_f64() * 1e3);
-            }
-        }
-        ms.push(median(times));
-        // Let the endpoint close before the next transport starts.
-        drop(transport);
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let gbps = |ms: f64| bytes as f64 / (ms / 1e3) / 1e9;
     let (ucx_ms, ucx_put_ms, grpc_ms) = (ms[0], ms[1], ms[2]);
     let mut nodes_stats = Vec::new();
-    for (_, client) in &mut nodes {
+    for (_, client) in &mut s.nodes {
         let st = client.stats(StatsRequest {}).await?.into_inner();
         let ucx = st.transports.iter().find(|t| t.transport == "ucx").cloned().unwrap_or_default();
         let unstage_ms =
@@ -372,7 +484,7 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
         ucx_put_unstage_ms: nodes_stats[1].2,
         kv_dtype: a.kv_dtype.name().to_string(),
         tokens: a.tokens,
-        blocks,
+        blocks: s.blocks,
         bytes,
         reps: a.reps,
         ucx_ms,

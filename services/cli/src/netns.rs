@@ -1,10 +1,14 @@
-//! Hosts for mesh tests, on one machine: each process of a cluster in a network namespace of
-//! its own (`ip netns`), joined to the test's namespace by a veth pair on a bridge, with an
-//! address of its own. A host can then be cut off the network (its link down) and back, which
-//! a process on loopback cannot. Needs root and iproute2; everything made is removed on drop.
+//! Hosts on one machine, for mesh tests and benchmarks: each a network namespace of its own
+//! (`ip netns`), joined to the caller's namespace by a veth pair on a bridge, with an address
+//! of its own; its processes also get an IPC namespace of their own (`command_prefix`), so
+//! nothing but the network is shared, as between machines. A host can be cut off the network
+//! (its link down) and back, and its link shaped to a bandwidth (`tc tbf`). Needs root and
+//! iproute2; everything made is removed on drop.
 //!
-//! `tc netem` would also delay and lose packets, but the kernels these tests run on may lack
-//! its module (`sch_netem`); slowness is made by pausing processes instead (`Service::pause`).
+//! `tc netem` would also delay and lose packets, but the kernels this runs on may lack its
+//! module (`sch_netem`, and the classifiers and actions a port filter needs): slowness is made
+//! by pausing processes instead, and a fault that cuts one kind of traffic by a second network
+//! (`with_fabric`) that only that traffic uses.
 
 use std::collections::HashMap;
 use std::process::Command;
@@ -30,6 +34,8 @@ struct Host {
     /// The veth end on the bridge (in the test's namespace): down cuts the host off.
     link: String,
     ip: String,
+    /// Its place in the order hosts were made (its veths' names end with it).
+    index: usize,
     /// The fabric veth end on its bridge.
     fabric: Option<String>,
 }
@@ -81,6 +87,7 @@ impl Netns {
                 ns: format!("{tag}-{name}"),
                 link: format!("{tag}h{i}"),
                 ip: format!("10.{subnet}.0.{}", 10 + i),
+                index: i,
                 fabric: fabric.then(|| format!("{tag}f{i}")),
             };
             let peer = format!("{tag}n{i}");
@@ -111,6 +118,51 @@ impl Netns {
             }
         }
         Ok(n)
+    }
+
+    /// What runs a command on host `name`: `ip netns exec NS unshare --ipc`, then the command.
+    pub fn command_prefix(&self, name: &str) -> Option<Vec<String>> {
+        let h = self.hosts.get(name)?;
+        Some(["ip", "netns", "exec", &h.ns, "unshare", "--ipc"].map(String::from).to_vec())
+    }
+
+    /// Shapes host `name`'s link to `mbit` Mbit/s each way (`tc tbf` on both ends of its
+    /// veth), or takes the shaping off (`None`).
+    pub fn shape(&self, name: &str, mbit: Option<u64>) -> Result<(), String> {
+        let h = &self.hosts[name];
+        let peer = format!("{}n{}", self.tag, h.index);
+        let ends: [Vec<&str>; 2] = [vec![], vec!["netns", "exec", &h.ns]];
+        for (pre, dev) in ends.iter().zip([h.link.as_str(), peer.as_str()]) {
+            let tc = |args: &[&str]| {
+                let mut c = Command::new(if pre.is_empty() { "tc" } else { "ip" });
+                c.args(pre);
+                if !pre.is_empty() {
+                    c.arg("tc");
+                }
+                let out = c.args(args).output().map_err(|e| format!("tc: {e}"))?;
+                if out.status.success() {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "tc {}: {}",
+                        args.join(" "),
+                        String::from_utf8_lossy(&out.stderr).trim()
+                    ))
+                }
+            };
+            let _ = tc(&["qdisc", "del", "dev", dev, "root"]);
+            if let Some(mbit) = mbit {
+                // The bucket holds 4 ms of the rate (at least 256 KiB: a whole GSO
+                // segment and then some), small beside the transfers it shapes.
+                let burst = (mbit * 1_000_000 / 8 / 250).max(256 << 10);
+                let (rate, burst) = (format!("{mbit}mbit"), burst.to_string());
+                tc(&[
+                    "qdisc", "add", "dev", dev, "root", "tbf", "rate", &rate, "burst", &burst,
+                    "latency", "50ms",
+                ])?;
+            }
+        }
+        Ok(())
     }
 
     /// The namespace and address of host `name`.
