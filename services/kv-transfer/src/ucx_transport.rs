@@ -37,6 +37,9 @@ const MAX_COPIES: usize = 8;
 
 /// How long an abandoned session waits for its puts before its endpoint is let go.
 const QUIESCE: Duration = Duration::from_secs(30);
+/// How long a decode node keeps the blocks of a session whose stream broke: past the
+/// writer's `QUIESCE`, and then some for what the network still holds.
+const LATE_PUTS: Duration = Duration::from_secs(60);
 
 #[derive(Debug)]
 pub struct UcxTransport {
@@ -487,26 +490,44 @@ impl Drop for UcxSink {
             for c in copies {
                 let _ = c.await;
             }
-            let puts = async {
+            // A put completes here once its bytes left (TCP: are in the socket); only a
+            // flush says they are in the decode node's memory. Until then the session must
+            // not end cleanly, or the node could reuse blocks that bytes still on the way
+            // then land in.
+            let landed = async {
                 for (p, _) in pending {
                     if let Err(e) = p.await {
                         failed.get_or_insert(e);
                     }
                 }
+                if failed.is_none()
+                    && let Err(e) = peer.ep.flush().await
+                {
+                    failed = Some(e);
+                }
             };
             // Puts that never complete (a stalled session) are not waited for forever: the
             // endpoint is let go, which fails them.
-            if tokio::time::timeout(QUIESCE, puts).await.is_err() {
-                tracing::warn!(
-                    node,
-                    "an aborted UCX transfer's puts did not complete in {QUIESCE:?}"
-                );
-                peers.evict(&peer);
-            } else if let Some(e) = failed {
-                tracing::debug!(node, "aborted UCX transfer: {e}");
-                peers.evict(&peer);
+            let in_time = tokio::time::timeout(QUIESCE, landed).await.is_ok();
+            let (tx, mut events) = session;
+            if in_time && failed.is_none() {
+                // Ended cleanly: the decode node frees the blocks at once.
+                drop(tx);
+                let _ = tokio::time::timeout(QUIESCE, events.message()).await;
+                return;
             }
-            drop(session);
+            match failed {
+                Some(e) => tracing::debug!(node, "aborted UCX transfer: {e}"),
+                None => tracing::warn!(
+                    node,
+                    "an aborted UCX transfer's puts did not land in {QUIESCE:?}"
+                ),
+            }
+            peers.evict(&peer);
+            // Cancelled rather than ended: the decode node keeps the blocks a while longer
+            // (`LATE_PUTS`), since nothing says what is still on the way.
+            drop(events);
+            drop(tx);
         };
         match tokio::runtime::Handle::try_current() {
             Ok(h) => {
@@ -559,6 +580,9 @@ pub async fn accept_session(
     };
     let _ = events.try_send(Ok(accepted));
     let session = async move {
+        // Whether the stream broke rather than being ended by the writer: then nothing says
+        // its puts are over.
+        let mut broke = false;
         // Until the commit (or the end of the stream) the prefill node may be putting.
         let outcome = match inbound.message().await {
             Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Commit(e)) })) => {
@@ -586,11 +610,17 @@ pub async fn accept_session(
                     Err(st) => Err(Some(st)),
                 }
             }
-            Ok(Some(_)) => Err(Some(Status::invalid_argument(
-                "a UCX session takes one commit or abandon after its open",
-            ))),
+            Ok(Some(_)) => {
+                broke = true;
+                Err(Some(Status::invalid_argument(
+                    "a UCX session takes one commit or abandon after its open",
+                )))
+            }
             Ok(None) => Err(Some(Status::cancelled("the session ended before its commit"))),
-            Err(s) => Err(Some(s)),
+            Err(s) => {
+                broke = true;
+                Err(Some(s))
+            }
         };
         match outcome {
             Ok(bytes) => {
@@ -606,7 +636,13 @@ pub async fn accept_session(
                     event: Some(kv_session_event::Event::Abandoned(KvAbandoned {})),
                 };
                 let _ = events.send(Ok(ev)).await;
-                while let Ok(Some(_)) = inbound.message().await {}
+                broke = loop {
+                    match inbound.message().await {
+                        Ok(Some(_)) => {}
+                        Ok(None) => break false,
+                        Err(_) => break true,
+                    }
+                };
             }
             Err(Some(st)) => {
                 tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
@@ -616,7 +652,14 @@ pub async fn accept_session(
             }
         }
         // Dropping `closed` reports the writer closed: the prefill node flushed before its
-        // commit, and ended or lost the stream otherwise.
+        // commit, or ended the stream once its puts were over. A stream that broke (a
+        // partition) says nothing of puts still buffered on the way, which TCP delivers when
+        // the link comes back: the blocks stay out of use until the writer has given up on
+        // them (`QUIESCE`) and the network has had time to drain.
+        if broke {
+            tracing::info!(reservation = id, "UCX session broke; its blocks wait {LATE_PUTS:?}");
+            tokio::time::sleep(LATE_PUTS).await;
+        }
         drop(closed);
     };
     tokio::spawn(session.instrument(span));
