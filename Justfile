@@ -176,6 +176,17 @@ soak seconds="600" seed="7":
     cargo build --locked -q -p pdmesh-cli
     PDMESH_SOAK_S={{seconds}} PDMESH_SOAK_SEED={{seed}} cargo test --locked -p pdmesh-integration --test chaos -- --nocapture
 
+# The chaos soak with KV over UCX on a fabric of its own, whose cuts stall sessions mid-transfer.
+soak-ucx seconds="120" seed="7":
+    cargo build --locked -q -p pdmesh-cli
+    PDMESH_SOAK_TRANSPORT=ucx PDMESH_SOAK_S={{seconds}} PDMESH_SOAK_SEED={{seed}} cargo test --locked -p pdmesh-integration --test chaos -- --nocapture
+
+# KV into a decode node on another host (network namespaces), UCX and gRPC, at each link rate
+# (tc tbf), against the rate. Needs root.
+bench-kv-hosts reps="5":
+    cargo build --locked --release -q -p pdmesh-cli -p pdmesh-tools
+    target/release/pdmesh bench kv --hosts --reps {{reps}}
+
 # Formatting and lints, as CI wants them.
 check: system-deps
     cargo fmt --all -- --check

@@ -37,9 +37,11 @@ const MAX_COPIES: usize = 8;
 
 /// How long an abandoned session waits for its puts before its endpoint is let go.
 const QUIESCE: Duration = Duration::from_secs(30);
-/// How long a decode node keeps the blocks of a session whose stream broke: past the
-/// writer's `QUIESCE`, and then some for what the network still holds.
-const LATE_PUTS: Duration = Duration::from_secs(60);
+/// How long a decode node keeps the blocks of a session whose stream broke, for what the
+/// network may still hold. A dead writer's bytes are gone in milliseconds; a partition that
+/// outlasts this with puts still queued in the writer's kernel is the case it does not
+/// cover (UCX offers no way to close one peer's TCP connection from this side).
+const LATE_PUTS: Duration = Duration::from_secs(10);
 
 #[derive(Debug)]
 pub struct UcxTransport {
