@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use pdmesh_integration::netns::{FABRIC_DEVICE, Netns};
 use pdmesh_integration::reference::{PROMPTS, reference, request};
 use pdmesh_integration::{Cluster, collect};
+use pdmesh_proto::v1::Timings;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng as StdRng;
 use tonic::Code;
@@ -42,8 +43,11 @@ fn env_or(key: &str, default: u64) -> u64 {
 #[derive(Debug)]
 struct Ended {
     prompt: usize,
+    /// When it started, from the start of the load (to find it in the nodes' logs).
+    at: Duration,
     took: Duration,
-    outcome: Result<(Vec<u32>, u32), tonic::Status>,
+    /// Tokens, migrations and the final timings (which nodes, which transport).
+    outcome: Result<(Vec<u32>, u32, Option<Timings>), tonic::Status>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,6 +79,7 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
     let stop = Arc::new(AtomicBool::new(false));
     let ended = Arc::new(Mutex::new(Vec::<Ended>::new()));
     let mut clients = Vec::new();
+    let began = Instant::now();
     for k in 0..CLIENTS {
         let mut client = c.client().await;
         let (stop, ended) = (Arc::clone(&stop), Arc::clone(&ended));
@@ -87,12 +92,13 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
                 let t0 = Instant::now();
                 let outcome = match client.generate(r).await {
                     Ok(s) => collect(s.into_inner()).await.map(|(tokens, f)| {
-                        let moved = f.and_then(|f| f.timings).map_or(0, |t| t.migrations);
-                        (tokens, moved)
+                        let timings = f.and_then(|f| f.timings);
+                        (tokens, timings.as_ref().map_or(0, |t| t.migrations), timings)
                     }),
                     Err(e) => Err(e),
                 };
-                ended.lock().unwrap().push(Ended { prompt: i, took: t0.elapsed(), outcome });
+                let (at, took) = (t0 - began, t0.elapsed());
+                ended.lock().unwrap().push(Ended { prompt: i, at, took, outcome });
             }
         }));
     }
@@ -166,11 +172,12 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
     for e in &ended {
         assert!(e.took <= DEADLINE + Duration::from_secs(5), "took {:?}: {e:?}", e.took);
         match &e.outcome {
-            Ok((tokens, m)) => {
+            Ok((tokens, m, timings)) => {
                 assert_eq!(
                     tokens, &want[e.prompt],
-                    "prompt {} differs from `pdmesh run`",
-                    e.prompt
+                    "prompt {} differs from `pdmesh run` (started {:?} into the load, took \
+                     {:?}; {timings:?})",
+                    e.prompt, e.at, e.took
                 );
                 moved += m;
                 *by.entry("ok".into()).or_default() += 1;

@@ -108,6 +108,13 @@ async fn a_session_cut_mid_transfer_falls_back_to_grpc() {
     assert_eq!((ucx.transfers, ucx.fallbacks, ucx.stalls), (1, 1, 1), "{p:?}");
     assert_eq!((grpc.transfers, grpc.failures, ucx.failures), (1, 0, 0), "{p:?}");
     assert_eq!(c.received(0, "grpc").await, 1);
+    // The request is over, but the abandoned session's puts may still land (the fabric is
+    // down, they sit in the prefill host's kernel): its blocks stay parked, not reused by the
+    // next request, until the session ends. (The fallback stream's end once freed them, and
+    // the late puts then corrupted other requests' KV.)
+    let load = c.decode_stats(0).await.load.unwrap_or_default();
+    assert!(load.free_blocks < load.total_blocks, "parked blocks were let go: {load:?}");
+    served(&c, 7).await;
     hosts.connect_fabric("decode-0", true);
     c.wait_blocks_free().await;
 }

@@ -19,7 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 use tracing::Instrument;
 
-use crate::inbox::{self, ClosedOnDrop, KvInbox};
+use crate::inbox::{self, KvInbox};
 use crate::{Finished, KvPiece, KvSink, KvTransport, TransferError};
 
 /// Messages buffered per transfer before `send` waits for the network.
@@ -230,7 +230,9 @@ async fn receive(
     use tonic::Status;
     let started = std::time::Instant::now();
     let (id, from) = inbox::open(&*inbox, header, false).await?;
-    let _closed = ClosedOnDrop { inbox: Arc::clone(&inbox), id };
+    // No `ClosedOnDrop`: a stream writes nothing once it ends, and its end must not read as
+    // the end of the reservation's UCX session (after a fallback, that session may still be
+    // putting into the blocks it was granted, parked until it closes).
     let mut bytes = 0u64;
     loop {
         let msg = match s.message().await {
