@@ -171,15 +171,11 @@ fuzz cases="20000":
     PDMESH_FUZZ_CASES={{cases}} cargo test --locked -p pdmesh-engine --features testing fuzz::
 
 # The chaos soak for longer than CI runs it: a mesh in network namespaces under load while its
-# nodes are killed, hung, cut off and slowed at random (`seed` picks the faults). Needs root.
-soak seconds="600" seed="7":
+# nodes are killed, hung, cut off (whole, or only the fabric UCX runs on) and slowed at random
+# (`seed` picks the faults), KV over UCX (`transport=grpc` for the stream). Needs root.
+soak seconds="600" seed="7" transport="ucx":
     cargo build --locked -q -p pdmesh-cli
-    PDMESH_SOAK_S={{seconds}} PDMESH_SOAK_SEED={{seed}} cargo test --locked -p pdmesh-integration --test chaos -- --nocapture
-
-# The chaos soak with KV over UCX on a fabric of its own, whose cuts stall sessions mid-transfer.
-soak-ucx seconds="120" seed="7":
-    cargo build --locked -q -p pdmesh-cli
-    PDMESH_SOAK_TRANSPORT=ucx PDMESH_SOAK_S={{seconds}} PDMESH_SOAK_SEED={{seed}} cargo test --locked -p pdmesh-integration --test chaos -- --nocapture
+    PDMESH_SOAK_TRANSPORT={{transport}} PDMESH_SOAK_S={{seconds}} PDMESH_SOAK_SEED={{seed}} cargo test --locked -p pdmesh-integration --test chaos -- --nocapture
 
 # KV into a decode node on another host (network namespaces), UCX and gRPC, at each link rate
 # (tc tbf), against the rate. Needs root.

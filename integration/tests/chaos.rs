@@ -7,13 +7,11 @@
 //! the default; `just soak` runs longer) and `PDMESH_SOAK_SEED` the seed. Needs root (CI has
 //! it). Routers are not killed here: `routers.rs` shows what that costs.
 //!
-//! KV moves over gRPC unless `PDMESH_SOAK_TRANSPORT=ucx` (`just soak-ucx`): then over UCX, kept
-//! on a second network between the hosts (`Netns::with_fabric`, as an RDMA fabric beside the
-//! front-end network), and one more fault cuts a decode host's fabric, which cuts its UCX
+//! KV moves over UCX (the default transport; `PDMESH_SOAK_TRANSPORT=grpc` for the stream),
+//! kept on a second network between the hosts (`Netns::with_fabric`, as an RDMA fabric beside
+//! the front-end network), and one more fault cuts a decode host's fabric, which cuts its UCX
 //! sessions mid-transfer and nothing else; those transfers fall back to gRPC within their
-//! stall bound. Either way no request may run into the router's 30 s transfer timeout. The
-//! UCX soak is not CI's yet: it still ends a stream with tokens that differ from `pdmesh
-//! run`'s now and then (issue 42), which the gRPC soak never does.
+//! stall bound. No request may run into the router's 30 s transfer timeout.
 
 #![allow(clippy::unwrap_used)]
 
@@ -63,7 +61,7 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
     let hosts = Netns::with_fabric(&["router", "prefill-0", "decode-0", "decode-1"])
         .unwrap_or_else(|e| panic!("network namespaces (this test needs root and iproute2): {e}"));
     let hosts = Arc::new(hosts);
-    let ucx = std::env::var("PDMESH_SOAK_TRANSPORT").is_ok_and(|t| t == "ucx");
+    let ucx = std::env::var("PDMESH_SOAK_TRANSPORT").map_or(true, |t| t != "grpc");
     let mut c = Cluster::builder()
         .netns(Arc::clone(&hosts))
         .env("UCX_NET_DEVICES", FABRIC_DEVICE)
