@@ -269,3 +269,57 @@ async fn the_admin_drain_rpc_moves_streams_and_no_one_else_may_call_it() {
     assert!(status.is_some_and(|s| s.success()), "the drained node exited with {status:?}");
     c.wait_blocks_free().await;
 }
+
+/// A whole host lost: a decode node and the prefill node die together, so the streams moving
+/// off the decode node find their re-prefill's node dead too. That failure is not a loss of
+/// the stream's node and spends no migration: the re-prefill goes elsewhere (here, with no
+/// prefill node left, onto the new decode node itself). Then the node the streams moved to
+/// dies as well. With a budget of 2 every stream still gets `pdmesh run`'s tokens (it took 3
+/// when the failed re-prefill counted, and the streams that moved twice ended UNAVAILABLE).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_outlive_a_whole_host_then_their_next_decode_node() {
+    let _serial = SERIAL.lock().await;
+    tokio::task::spawn_blocking(expected).await.unwrap();
+    let mut c = Cluster::builder()
+        .prefill(1)
+        .decode(3)
+        .router_args(&["--max-migrations", "2"])
+        .start()
+        .await;
+    let started = Arc::new(AtomicUsize::new(0));
+    let tasks = start_all(&c, &started).await;
+    let first = mid_stream(&c, &started).await;
+    // The host: its decode node and the prefill node, at once.
+    c.decodes[first].kill();
+    c.prefills[0].kill();
+    // Every stream under way again (the moved ones recomputed elsewhere); then the busiest
+    // node left, which holds some of the moved ones, dies too.
+    eventually(WAIT, "every stream under way", || async {
+        started.load(Ordering::SeqCst) == PROMPTS.len()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut second = (0, 0);
+    for i in (0..c.decodes.len()).filter(|&i| i != first) {
+        let d = c.decode_stats(i).await.decoding;
+        if d >= second.1 {
+            second = (i, d);
+        }
+    }
+    let second = second.0;
+    c.decodes[second].kill();
+    let expected = tokio::task::spawn_blocking(expected).await.unwrap();
+    let (mut twice, mut recomputed) = (0, 0);
+    for (i, t) in tasks.into_iter().enumerate() {
+        let (tokens, end) = tokio::time::timeout(WAIT, t).await.expect("a stream hung").unwrap();
+        let f = end.unwrap_or_else(|e| panic!("stream {i} failed: {e:?}"));
+        assert_eq!(tokens, expected[i], "prompt {i} differs from `pdmesh run`");
+        let t = f.timings.unwrap();
+        assert!(t.migrations <= 2, "prompt {i}: {t:?}");
+        twice += usize::from(t.migrations == 2);
+        recomputed += usize::from(t.migrations > 0 && t.prefill_node == "colocated");
+    }
+    assert!(twice > 0, "no stream lost both its decode nodes");
+    assert!(recomputed > 0, "no moved stream was recomputed on its new decode node");
+    c.wait_blocks_free().await;
+}

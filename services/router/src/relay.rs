@@ -34,6 +34,10 @@ use crate::request::Prepared;
 /// after it).
 const RETRIES: u32 = 1;
 
+/// Times a moving stream's re-prefill may fail (each failed prefill node is avoided after;
+/// with none left its decode node computes the prompt).
+const MAX_RECOMPUTES: u32 = 4;
+
 /// Times a request may be preempted. The youngest growing stream is the one preempted, so a
 /// request waits its turn rather than being preempted again and again; past this bound
 /// something is wrong, and the client gets the node's ABORTED.
@@ -138,7 +142,7 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
     let mesh = req.mesh;
     let mut exclude: Vec<String> = Vec::new();
     let mut last: Option<Failure> = None;
-    let mut retries = 0;
+    let (mut retries, mut recomputes) = (0, 0);
     // The decode node chosen had no room after all: wait for room before trying again.
     let mut full = false;
     // The last attempt was preempted: until one gets a reservation, this one waits for room.
@@ -208,7 +212,8 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
             return Err(failure);
         }
         let attempt = report.timings.attempts;
-        if report.first_sent {
+        if report.first_sent && failure.node() == Some(decode_node.as_str()) {
+            // The stream's decode node is lost: that is what the migration budget counts.
             if report.timings.migrations >= mesh.config.max_migrations {
                 return Err(failure);
             }
@@ -218,6 +223,21 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
                 request = req.id,
                 tokens = report.resume.tokens.len(),
                 "attempt {attempt} failed mid-stream ({}); moving the stream to another node",
+                crate::attempt::failure_text(&failure)
+            );
+        } else if report.first_sent {
+            // A moving stream's re-prefill failed (its prefill node died with the decode node,
+            // say a whole host): not a loss of the stream's node, so not the budget's. Another
+            // prefill node computes it, or, none left, the decode node itself.
+            if recomputes >= MAX_RECOMPUTES {
+                return Err(failure);
+            }
+            recomputes += 1;
+            tracing::warn!(
+                request = req.id,
+                tokens = report.resume.tokens.len(),
+                "attempt {attempt} could not re-prefill the moving stream ({}); computing it \
+                 elsewhere",
                 crate::attempt::failure_text(&failure)
             );
         } else {
