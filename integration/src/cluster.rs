@@ -617,6 +617,14 @@ impl Cluster {
         self.decodes[i] = self.builder.launch("decode", &name, &args);
     }
 
+    /// Starts prefill node `i` again (killing it first if it runs): same name, new port.
+    pub fn restart_prefill(&mut self, i: usize) {
+        self.prefills[i].kill();
+        let name = format!("prefill-{i}");
+        let args = self.node_args("prefill", &name, &[]);
+        self.prefills[i] = self.builder.launch("prefill", &name, &args);
+    }
+
     /// A channel to one of this cluster's processes, as the harness (a router's certificate).
     pub async fn channel(&self, addr: &str) -> Channel {
         let ep = if self.builder.insecure {

@@ -1,6 +1,7 @@
 //! Chaos: a mesh of real processes, each on a host of its own (network namespaces joined by a
 //! bridge), serves a steady mixed load (the 20 reference chat prompts, greedy and seeded) while
-//! its nodes are killed and restarted, hung, cut off the network and slowed, one at a time at
+//! its nodes are killed and restarted (a decode node alone, or with the prefill node as when a
+//! host holding both dies), hung, cut off the network and slowed, one fault at a time at
 //! random (seeded). Afterwards: every request ended with `pdmesh run`'s tokens or with a precise
 //! status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) within its deadline; every node's
 //! KV blocks are back to free; no process is left. `PDMESH_SOAK_S` sets the duration (CI runs
@@ -108,7 +109,7 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
     while Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(rng.random_range(1500..3000))).await;
         let d = rng.random_range(0..2);
-        match rng.random_range(0..if ucx { 6 } else { 5 }) {
+        match rng.random_range(0..if ucx { 7 } else { 6 }) {
             0 => {
                 *faults.entry("decode killed and restarted").or_default() += 1;
                 c.decodes[d].kill();
@@ -135,12 +136,25 @@ async fn the_mesh_survives_kills_hangs_partitions_and_slowness() {
                 tokio::time::sleep(Duration::from_secs(3)).await;
                 hosts.connect("prefill-0", true);
             }
-            5 => {
+            6 if ucx => {
                 *faults.entry("decode's fabric (UCX) cut 3 s").or_default() += 1;
                 let name = format!("decode-{d}");
                 hosts.connect_fabric(&name, false);
                 tokio::time::sleep(Duration::from_secs(3)).await;
                 hosts.connect_fabric(&name, true);
+            }
+            5 => {
+                // As a host holding both dies: the streams moving off the decode node find
+                // their re-prefill's node dead too.
+                *faults.entry("decode and prefill killed at once, restarted").or_default() += 1;
+                c.decodes[d].kill();
+                c.prefills[0].kill();
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                tokio::task::block_in_place(|| {
+                    c.restart_decode(d);
+                    c.restart_prefill(0);
+                });
+                pids.extend([c.decodes[d].pid(), c.prefills[0].pid()]);
             }
             _ => {
                 *faults.entry("decode slowed (paused half of 2 s)").or_default() += 1;
