@@ -177,6 +177,13 @@ soak seconds="600" seed="7" transport="ucx":
     cargo build --locked -q -p pdmesh-cli
     PDMESH_SOAK_TRANSPORT={{transport}} PDMESH_SOAK_S={{seconds}} PDMESH_SOAK_SEED={{seed}} cargo test --locked -p pdmesh-integration --test chaos -- --nocapture
 
+# Disaggregation across three hosts (router, prefill, decode; links shaped to `mbit`) against
+# one host and colocation: TTFT at 512 and 2,048 tokens, ITL, and how much of the transfer
+# the layer-wise push hides. Pass `--model PATH` (repeatable) for other models. Needs root.
+bench-hosts mbit="10000" reps="5" *args="": system-deps fetch-model
+    cargo build --locked --release -q -p pdmesh-cli -p pdmesh-tools
+    target/release/pdmesh bench hosts --link-mbit {{mbit}} --requests {{reps}} {{args}}
+
 # KV into a decode node on another host (network namespaces), UCX and gRPC, at each link rate
 # (tc tbf), against the rate. Needs root.
 bench-kv-hosts reps="5":

@@ -26,6 +26,9 @@ pub enum BenchCommand {
     Engine(EngineBenchArgs),
     /// KV transfer bandwidth into a decode node process: UCX vs the gRPC stream vs memcpy.
     Kv(crate::kv_bench::KvBenchArgs),
+    /// Disaggregation across hosts (network namespaces, shaped links) vs on one host vs
+    /// colocated: TTFT, ITL and the transfer the layer-wise push hides. Needs root.
+    Hosts(crate::hosts_bench::HostsBenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -69,6 +72,7 @@ pub fn run(a: BenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result<
     match a.command {
         Some(BenchCommand::Engine(e)) => engine_bench(e),
         Some(BenchCommand::Kv(k)) => crate::kv_bench::run(k, access.tls.insecure),
+        Some(BenchCommand::Hosts(h)) => crate::hosts_bench::run(h),
         None => crate::mesh_bench::run(a.mesh, access),
     }
 }

@@ -4,6 +4,7 @@
 
 mod bench;
 mod collect;
+mod hosts_bench;
 mod http_load;
 mod kv_bench;
 mod mesh_bench;

@@ -86,11 +86,13 @@ pub(crate) struct Sample {
     pub(crate) e2e_ms: f64,
     pub(crate) tokens: usize,
     /// Gaps between consecutive token arrivals after the first.
-    itl_ms: Vec<f64>,
+    pub(crate) itl_ms: Vec<f64>,
     /// Where the mesh says the time to first token went.
     queue_ms: f64,
     prefill_ms: f64,
-    transfer_ms: f64,
+    pub(crate) transfer_ms: f64,
+    /// How the KV moved ("ucx", "grpc", "local").
+    pub(crate) kv_transport: String,
     /// The nodes the mesh placed it on.
     prefill_node: String,
     decode_node: String,
@@ -139,7 +141,7 @@ fn shared_prefix(a: &MeshBenchArgs) -> Vec<u32> {
     prompt(&mut rand_chacha::ChaCha8Rng::seed_from_u64(seed), a.shared_prefix_tokens)
 }
 
-fn prompt(rng: &mut impl Rng, n: usize) -> Vec<u32> {
+pub(crate) fn prompt(rng: &mut impl Rng, n: usize) -> Vec<u32> {
     // Ordinary vocabulary ids: no special tokens, nothing the tokenizer treats specially.
     (0..n).map(|_| rng.random_range(200..40_000)).collect()
 }
@@ -194,6 +196,7 @@ async fn one_grpc(
                     (s.queue_ms, s.prefill_ms, s.transfer_ms) =
                         (t.queue_ms, t.prefill_ms, t.transfer_ms);
                     (s.prefill_node, s.decode_node) = (t.prefill_node, t.decode_node);
+                    s.kv_transport = t.kv_transport;
                     s.preemptions = t.preemptions;
                     s.e2e_ms = ms(t0.elapsed());
                     s.ok = true;
