@@ -598,7 +598,7 @@ pub async fn accept_session(
                 }
                 let unstaged = r.as_ref().ok().copied().flatten();
                 inbox::received(&tracing::Span::current(), blocks, bytes, secs, unstaged);
-                r.map(|_| bytes).map_err(Some)
+                r.map_or_else(Ended::Failed, |_| Ended::Committed(bytes))
             }
             Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Abandon(a)) })) => {
                 tracing::info!(reservation = id, from, "UCX writer gave up: {}", a.reason);
@@ -607,25 +607,22 @@ pub async fn accept_session(
                     "kv.abandoned",
                     &[("reason", a.reason.clone())],
                 );
-                match inbox.rehome(id).await {
-                    Ok(()) => Err(None),
-                    Err(st) => Err(Some(st)),
-                }
+                inbox.rehome(id).await.map_or_else(Ended::Failed, |()| Ended::Abandoned)
             }
             Ok(Some(_)) => {
                 broke = true;
-                Err(Some(Status::invalid_argument(
+                Ended::Failed(Status::invalid_argument(
                     "a UCX session takes one commit or abandon after its open",
-                )))
+                ))
             }
-            Ok(None) => Err(Some(Status::cancelled("the session ended before its commit"))),
+            Ok(None) => Ended::Failed(Status::cancelled("the session ended before its commit")),
             Err(s) => {
                 broke = true;
-                Err(Some(s))
+                Ended::Failed(s)
             }
         };
         match outcome {
-            Ok(bytes) => {
+            Ended::Committed(bytes) => {
                 let ev = KvSessionEvent {
                     event: Some(kv_session_event::Event::Committed(KvCommitted { bytes })),
                 };
@@ -633,7 +630,7 @@ pub async fn accept_session(
             }
             // Given up, the reservation now awaits a stream: the session stays open until
             // the writer has quiesced (its end frees the old blocks).
-            Err(None) => {
+            Ended::Abandoned => {
                 let ev = KvSessionEvent {
                     event: Some(kv_session_event::Event::Abandoned(KvAbandoned {})),
                 };
@@ -646,7 +643,7 @@ pub async fn accept_session(
                     }
                 };
             }
-            Err(Some(st)) => {
+            Ended::Failed(st) => {
                 tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
                 pdmesh_common::trace::fail(&tracing::Span::current(), &st);
                 inbox.abort(id, &from, st.message().to_string()).await;
@@ -666,6 +663,15 @@ pub async fn accept_session(
     };
     tokio::spawn(session.instrument(span));
     Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
+}
+
+/// How the writer's side of a session ended, as the decode node sees it.
+enum Ended {
+    /// Committed: its KV is in place, this many bytes.
+    Committed(u64),
+    /// Given up (it stalled): the reservation now awaits the KV from a stream.
+    Abandoned,
+    Failed(tonic::Status),
 }
 
 /// Whether a connection's two ends look like one host: both loopback, or one address. A proxy
