@@ -179,8 +179,9 @@ pub enum Fallen {
 
 /// A UCX transfer that, when its session stalls and the decode node has moved the
 /// reservation out of the session's reach, sends the KV again over the gRPC stream: every
-/// piece given to UCX is kept (shared, not copied) until the transfer ends, and layers are
-/// put together into the whole blocks a stream carries.
+/// piece put through UCX is kept (shared, not copied) until the transfer ends, and layers are
+/// put together into the whole blocks a stream carries. (Pieces copied into a pool mapped on
+/// this host are not kept: a copy waits on no network.)
 struct Fallback {
     ucx: Option<Box<dyn KvSink>>,
     kept: Vec<KvPiece>,
@@ -247,7 +248,10 @@ impl KvSink for Fallback {
             return Ok(());
         }
         let ucx = self.ucx.as_mut().expect("a UCX sink until the fallback");
-        self.kept.push(piece.clone());
+        // Copies into a pool mapped here do not wait on a network: nothing to send again.
+        if !ucx.mapped() {
+            self.kept.push(piece.clone());
+        }
         match ucx.send(piece).await {
             Err(TransferError::Stalled { reason, rehomed: true, .. }) => {
                 self.fall_back(reason).await
