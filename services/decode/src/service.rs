@@ -93,8 +93,8 @@ impl KvInbox for Inbox {
         self.call(|reply| Command::KvEnd { id, blocks, checksums, reply }).await
     }
 
-    async fn rehome(&self, id: u64) -> Result<(), Status> {
-        self.call(|reply| Command::KvRehome { id, reply }).await
+    async fn writer_abandoned(&self, id: u64) -> Result<(), Status> {
+        self.call(|reply| Command::KvWriterAbandoned { id, reply }).await
     }
 
     async fn abort(&self, id: u64, from: &str, why: String) {

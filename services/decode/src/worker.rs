@@ -81,7 +81,7 @@ pub enum Command {
         why: DecodeError,
     },
     /// A UCX writer gave up its session; its KV will come over a stream.
-    KvRehome {
+    KvWriterAbandoned {
         id: u64,
         reply: Reply<()>,
     },
@@ -239,8 +239,8 @@ impl Core for Worker {
                 let from = sources.remove(&id).unwrap_or_else(|| "the prefill node".into());
                 core.writer_closed(id, &from);
             }
-            Command::KvRehome { id, reply } => {
-                let _ = reply.send(core.rehome(id));
+            Command::KvWriterAbandoned { id, reply } => {
+                let _ = reply.send(core.writer_abandoned(id));
             }
             Command::KvAbort { id, why } => {
                 let from = sources.remove(&id).unwrap_or_default();

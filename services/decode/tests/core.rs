@@ -226,13 +226,13 @@ fn a_writer_that_gives_up_leaves_its_blocks_parked_and_the_kv_comes_by_stream() 
     let bpb = c.engine().kv().geometry().bytes_per_block();
     let r = c.reserve(40, 1, None, true, t0).unwrap();
     // Not before a writer's session is open.
-    assert!(matches!(c.rehome(r.id()), Err(DecodeError::Invalid(_))));
+    assert!(matches!(c.writer_abandoned(r.id()), Err(DecodeError::Invalid(_))));
     c.kv_begin(r.id(), true).unwrap();
     let old = r.pool_blocks.clone();
-    c.rehome(r.id()).unwrap();
+    c.writer_abandoned(r.id()).unwrap();
     let k = c.counts();
     assert_eq!((k.free_blocks, k.committed_blocks), (2, 6), "fresh blocks, old ones parked");
-    assert!(matches!(c.rehome(r.id()), Err(DecodeError::Invalid(_))), "once only");
+    assert!(matches!(c.writer_abandoned(r.id()), Err(DecodeError::Invalid(_))), "once only");
     // The stream writes the fresh blocks, which none of the writer's late puts can reach.
     c.kv_begin(r.id(), false).unwrap();
     let data: Vec<u8> = (0..3 * bpb).map(|i| (i % 251) as u8).collect();
@@ -251,7 +251,7 @@ fn a_writer_that_gives_up_leaves_its_blocks_parked_and_the_kv_comes_by_stream() 
     // No room for a second copy: refused, and the reservation is left as it was.
     let big = c.reserve(70, 1, None, true, t0).unwrap();
     c.kv_begin(big.id(), true).unwrap();
-    assert!(matches!(c.rehome(big.id()), Err(DecodeError::NoBlocks { .. })));
+    assert!(matches!(c.writer_abandoned(big.id()), Err(DecodeError::NoBlocks { .. })));
     c.writer_closed(big.id(), "p");
     assert_eq!(c.counts().free_blocks, 8);
 }

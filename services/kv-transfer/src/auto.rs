@@ -253,7 +253,7 @@ impl KvSink for Fallback {
             self.kept.push(piece.clone());
         }
         match ucx.send(piece).await {
-            Err(TransferError::Stalled { reason, rehomed: true, .. }) => {
+            Err(TransferError::Stalled { reason, resendable: true, .. }) => {
                 self.fall_back(reason).await
             }
             r => r,
@@ -267,7 +267,7 @@ impl KvSink for Fallback {
     ) -> Result<Finished, TransferError> {
         if let Some(ucx) = self.ucx.take() {
             match ucx.finish(blocks, checksums.clone()).await {
-                Err(TransferError::Stalled { reason, rehomed: true, .. }) => {
+                Err(TransferError::Stalled { reason, resendable: true, .. }) => {
                     self.fall_back(reason).await?;
                 }
                 r => return r,

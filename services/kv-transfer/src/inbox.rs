@@ -41,10 +41,12 @@ pub trait KvInbox: Send + Sync + 'static {
     ) -> Result<Option<Duration>, Status>;
     /// The remote writer of `reservation` gave up its session and will stream the KV
     /// instead: the reservation moves onto blocks the writer cannot reach.
-    async fn rehome(&self, reservation: u64) -> Result<(), Status>;
+    async fn writer_abandoned(&self, reservation: u64) -> Result<(), Status>;
     /// The transfer broke; `why` says how.
     async fn abort(&self, reservation: u64, from: &str, why: String);
-    /// A transfer's stream ended (a remote writer can put no more), however it ended.
+    /// A remote writer's session (UCX) ended, however it ended: it can put no more, so the
+    /// blocks it was granted may be reused. Streams do not report their end: they write
+    /// nothing once it comes.
     fn closed(&self, reservation: u64);
     /// The pool's shared memory, offered to UCX writers on this host; `None` when the pool
     /// is not in memory they can map.

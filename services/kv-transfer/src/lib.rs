@@ -63,10 +63,10 @@ pub enum TransferError {
     #[error("bad KV transfer to decode node {node}: {reason}")]
     Invalid { node: String, reason: String },
     /// The transfer made no progress within its bound (`StallBound`) and was given up.
-    /// `rehomed`: the decode node moved the reservation onto blocks the abandoned session
+    /// `resendable`: the decode node moved the reservation onto blocks the abandoned session
     /// cannot reach, so the KV may be sent again over another transport.
     #[error("KV transfer to decode node {node} stalled: {reason}")]
-    Stalled { node: String, reason: String, rehomed: bool },
+    Stalled { node: String, reason: String, resendable: bool },
     /// The target the caller gave is not one to write to (malformed, or naming memory
     /// outside what it grants).
     #[error("bad KV target for decode node {node}: {reason}")]

@@ -244,7 +244,7 @@ impl Receiver {
     /// `id`'s remote writer gave up (its blocks were replaced): its KV is awaited anew, from
     /// a stream. The writer's session stays open until it ends, but no longer carries the
     /// transfer.
-    pub fn rehome(&mut self, id: u64) {
+    pub fn writer_abandoned(&mut self, id: u64) {
         self.transfers.insert(id, Transfer::Awaited);
     }
 

@@ -145,7 +145,7 @@ impl KvTransport for UcxTransport {
             return Err(TransferError::Stalled {
                 node,
                 reason: format!("the session was not open after {:?}", self.stall.limit(0)),
-                rehomed: false,
+                resendable: false,
             });
         };
         let keys = keys.map_err(|e| {
@@ -226,19 +226,28 @@ impl UcxSink {
         unreachable(&self.node, e)
     }
 
-    /// Waits for all but the last `keep` puts; puts complete in order, so the oldest not
-    /// completing within its bound is the session stalling.
+    /// Takes the puts that completed, oldest first, and waits while more than `keep` are in
+    /// flight. Puts complete in order, so an oldest put with no completion for its bound
+    /// (counted from the last one) is the session stalling: it is given up, whether waited
+    /// on here or found while pieces are still coming.
     async fn settle(&mut self, keep: usize) -> Result<(), TransferError> {
-        while self.pending.len() > keep {
-            let (p, bytes) = self.pending.front_mut().expect("more than keep");
+        loop {
+            let waiting = self.pending.len() > keep;
+            let Some((p, bytes)) = self.pending.front_mut() else { break };
             let limit = self.stall.limit(*bytes);
-            match tokio::time::timeout(limit, p).await {
-                Ok(r) => {
+            let done = if waiting {
+                let left = limit.saturating_sub(self.progressed.elapsed());
+                tokio::time::timeout(left, p).await.ok()
+            } else {
+                p.try_take()
+            };
+            match done {
+                Some(r) => {
                     self.pending.pop_front();
                     self.progressed = std::time::Instant::now();
                     r.map_err(|e| self.fail(e))?;
                 }
-                Err(_) => {
+                None if self.progressed.elapsed() >= limit => {
                     let outstanding: u64 = self.pending.iter().map(|(_, b)| b).sum();
                     let why = format!(
                         "no UCX put completed in {limit:?} ({} puts, {outstanding} bytes \
@@ -247,36 +256,7 @@ impl UcxSink {
                     );
                     return Err(self.give_up(why).await);
                 }
-            }
-        }
-        Ok(())
-    }
-
-    /// Takes the puts that completed, oldest first, without waiting; a session whose
-    /// oldest put has made no progress for its bound is given up here, while pieces are
-    /// still coming, rather than when the KV ends.
-    async fn reap(&mut self) -> Result<(), TransferError> {
-        while let Some((p, _)) = self.pending.front_mut() {
-            match p.try_take() {
-                Some(r) => {
-                    self.pending.pop_front();
-                    self.progressed = std::time::Instant::now();
-                    r.map_err(|e| self.fail(e))?;
-                }
                 None => break,
-            }
-        }
-        match self.pending.front() {
-            None => self.progressed = std::time::Instant::now(),
-            Some((_, bytes)) => {
-                let limit = self.stall.limit(*bytes);
-                if self.progressed.elapsed() > limit {
-                    let why = format!(
-                        "no UCX put completed in {limit:?} ({} puts outstanding)",
-                        self.pending.len()
-                    );
-                    return Err(self.give_up(why).await);
-                }
             }
         }
         Ok(())
@@ -288,7 +268,7 @@ impl UcxSink {
     async fn give_up(&mut self, reason: String) -> TransferError {
         tracing::warn!(node = self.node, "giving up a UCX session: {reason}");
         let limit = self.stall.limit(0);
-        let rehomed = match &mut self.session {
+        let resendable = match &mut self.session {
             Some((tx, events)) => {
                 let abandon = KvSessionRequest {
                     msg: Some(kv_session_request::Msg::Abandon(KvAbandon {
@@ -306,7 +286,7 @@ impl UcxSink {
             }
             None => false,
         };
-        TransferError::Stalled { node: self.node.clone(), reason, rehomed }
+        TransferError::Stalled { node: self.node.clone(), reason, resendable }
     }
 
     /// Waits for all but the last `keep` copies.
@@ -428,10 +408,8 @@ impl KvSink for UcxSink {
             self.copy(plan);
         }
         self.bytes += len;
-        self.reap().await?;
-        if self.pending.len() > MAX_PENDING {
-            self.settle(MAX_PENDING / 2).await?;
-        }
+        let keep = if self.pending.len() > MAX_PENDING { MAX_PENDING / 2 } else { usize::MAX };
+        self.settle(keep).await?;
         if self.copies.len() > MAX_COPIES {
             self.settle_copies(MAX_COPIES / 2).await?;
         }
@@ -466,7 +444,7 @@ impl KvSink for UcxSink {
             return Err(TransferError::Stalled {
                 node: self.node.clone(),
                 reason: format!("the commit was not answered in {limit:?}"),
-                rehomed: false,
+                resendable: false,
             });
         };
         match answer {
@@ -607,7 +585,7 @@ pub async fn accept_session(
                     "kv.abandoned",
                     &[("reason", a.reason.clone())],
                 );
-                inbox.rehome(id).await.map_or_else(Ended::Failed, |()| Ended::Abandoned)
+                inbox.writer_abandoned(id).await.map_or_else(Ended::Failed, |()| Ended::Abandoned)
             }
             Ok(Some(_)) => {
                 broke = true;

@@ -27,7 +27,7 @@ use pdmesh_common::tls::{MeshRole, MeshTls};
 use rand::SeedableRng;
 use serde::Serialize;
 
-use crate::mesh_bench::{Client, Sample, ms};
+use crate::mesh_bench::{Client, Sample};
 
 #[derive(Debug, Args)]
 pub struct HostsBenchArgs {
@@ -140,7 +140,7 @@ async fn start(a: &HostsBenchArgs, pki: &Pki, model: &str, layout: Layout) -> an
         None
     };
     let place = |name: &str| -> (Vec<String>, String) {
-        match hosts.as_ref().and_then(|h| Some((h.command_prefix(name)?, h.host(name)?.1))) {
+        match hosts.as_ref().and_then(|h| Some((h.command_prefix(name, false)?, h.host(name)?.1))) {
             Some((prefix, ip)) => (prefix, format!("{ip}:0")),
             None => (Vec::new(), "127.0.0.1:0".into()),
         }
@@ -181,10 +181,7 @@ async fn start(a: &HostsBenchArgs, pki: &Pki, model: &str, layout: Layout) -> an
 
 /// The medians of `samples`: TTFT, ITL, exposed transfer.
 fn medians(samples: &[Sample]) -> (f64, f64, f64) {
-    let med = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
-    };
+    let med = |v: Vec<f64>| crate::mesh_bench::percentile(&v, 50.0);
     let ok: Vec<&Sample> = samples.iter().filter(|s| s.ok).collect();
     (
         med(ok.iter().map(|s| s.ttft_ms).collect()),
@@ -267,7 +264,7 @@ pub fn run(a: HostsBenchArgs) -> anyhow::Result<()> {
                 "{}: {} ({:.0} s in)",
                 m.display(),
                 layout.name(),
-                ms(started.elapsed()) / 1e3
+                started.elapsed().as_secs_f64()
             );
             rows.extend(rt.block_on(measure(&a, &pki, m, layout))?);
         }

@@ -392,7 +392,7 @@ async fn time_path(
 async fn across_hosts(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<()> {
     let hosts = pdmesh_cli::netns::Netns::new(&["kv-decode"])
         .map_err(|e| anyhow::anyhow!("making the decode host (needs root and iproute2): {e}"))?;
-    let prefix = hosts.command_prefix("kv-decode").context("the decode host")?;
+    let prefix = hosts.command_prefix("kv-decode", false).context("the decode host")?;
     let listen = format!("{}:0", hosts.host("kv-decode").context("the decode host")?.1);
     let mut s = setup(a, insecure, &prefix, &listen, &[false]).await?;
     let mut rows = Vec::new();

@@ -182,7 +182,7 @@ impl DecodeCore {
     /// reservation moves onto fresh blocks and the old ones stay parked until the writer's
     /// session ends; the grant is revoked. Fails with NoBlocks when there is no room for a
     /// second copy (the transfer then fails as any broken one does).
-    pub fn rehome(&mut self, id: u64) -> Result<(), DecodeError> {
+    pub fn writer_abandoned(&mut self, id: u64) -> Result<(), DecodeError> {
         let r = self.live(id)?;
         if !self.receiver.session_open(id) || self.receiver.is_complete(id) {
             return Err(DecodeError::Invalid(format!(
@@ -206,7 +206,7 @@ impl DecodeCore {
         self.engine.swap_sequences(seq, fresh)?;
         self.committed += need;
         self.parked.insert(id, (fresh, need));
-        self.receiver.rehome(id);
+        self.receiver.writer_abandoned(id);
         let r = self.reservations.get_mut(&id).expect("checked above");
         r.remote = None;
         r.granted = None;
