@@ -6,6 +6,7 @@ pub mod cluster;
 pub mod inprocess;
 pub use pdmesh_cli::netns;
 pub mod reference;
+pub mod service;
 
 pub use cluster::{Cluster, ClusterBuilder, eventually};
 /// A client of the public API that sends an API key (`Cluster::client`).

@@ -34,19 +34,25 @@ struct Host {
     /// The veth end on the bridge (in the test's namespace): down cuts the host off.
     link: String,
     ip: String,
-    /// Its place in the order hosts were made (its veths' names end with it).
-    index: usize,
+    /// The veth end inside the namespace.
+    peer: String,
     /// The fabric veth end on its bridge.
     fabric: Option<String>,
 }
 
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+/// Runs `tool` (iproute2's `ip` or `tc`) with `args`; its stderr says why it failed.
+fn run(tool: &str, args: &[&str]) -> Result<(), String> {
+    let out = Command::new(tool).args(args).output().map_err(|e| format!("{tool}: {e}"))?;
     if out.status.success() {
         Ok(())
     } else {
-        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+        let why = String::from_utf8_lossy(&out.stderr);
+        Err(format!("{tool} {}: {}", args.join(" "), why.trim()))
     }
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    run("ip", args)
 }
 
 impl Netns {
@@ -87,10 +93,10 @@ impl Netns {
                 ns: format!("{tag}-{name}"),
                 link: format!("{tag}h{i}"),
                 ip: format!("10.{subnet}.0.{}", 10 + i),
-                index: i,
+                peer: format!("{tag}n{i}"),
                 fabric: fabric.then(|| format!("{tag}f{i}")),
             };
-            let peer = format!("{tag}n{i}");
+            let peer = host.peer.clone();
             ip(&["netns", "add", &host.ns])?;
             n.hosts.insert(name.to_string(), host.clone());
             ip(&["link", "add", &host.link, "type", "veth", "peer", "name", &peer])?;
@@ -120,35 +126,25 @@ impl Netns {
         Ok(n)
     }
 
-    /// What runs a command on host `name`: `ip netns exec NS unshare --ipc`, then the command.
-    pub fn command_prefix(&self, name: &str) -> Option<Vec<String>> {
+    /// What runs a command on host `name`: `ip netns exec NS`, then `unshare --ipc` unless
+    /// `shared_ipc` (the host shares this machine's IPC namespace), then the command.
+    pub fn command_prefix(&self, name: &str, shared_ipc: bool) -> Option<Vec<String>> {
         let h = self.hosts.get(name)?;
-        Some(["ip", "netns", "exec", &h.ns, "unshare", "--ipc"].map(String::from).to_vec())
+        let mut prefix = ["ip", "netns", "exec", &h.ns].map(String::from).to_vec();
+        if !shared_ipc {
+            prefix.extend(["unshare", "--ipc"].map(String::from));
+        }
+        Some(prefix)
     }
 
     /// Shapes host `name`'s link to `mbit` Mbit/s each way (`tc tbf` on both ends of its
     /// veth), or takes the shaping off (`None`).
     pub fn shape(&self, name: &str, mbit: Option<u64>) -> Result<(), String> {
         let h = &self.hosts[name];
-        let peer = format!("{}n{}", self.tag, h.index);
-        let ends: [Vec<&str>; 2] = [vec![], vec!["netns", "exec", &h.ns]];
-        for (pre, dev) in ends.iter().zip([h.link.as_str(), peer.as_str()]) {
-            let tc = |args: &[&str]| {
-                let mut c = Command::new(if pre.is_empty() { "tc" } else { "ip" });
-                c.args(pre);
-                if !pre.is_empty() {
-                    c.arg("tc");
-                }
-                let out = c.args(args).output().map_err(|e| format!("tc: {e}"))?;
-                if out.status.success() {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "tc {}: {}",
-                        args.join(" "),
-                        String::from_utf8_lossy(&out.stderr).trim()
-                    ))
-                }
+        for (netns, dev) in [(None, &h.link), (Some(&h.ns), &h.peer)] {
+            let tc = |args: &[&str]| match netns {
+                Some(ns) => run("tc", &[&["-netns", ns.as_str()], args].concat()),
+                None => run("tc", args),
             };
             let _ = tc(&["qdisc", "del", "dev", dev, "root"]);
             if let Some(mbit) = mbit {
