@@ -257,7 +257,7 @@ impl ClusterBuilder {
         let keyring = dir.join("api-keys.toml");
         if !self.insecure {
             pki.issue(&dir, "router", MeshRole::Router);
-            std::fs::write(dir.join("seal.key"), pdmesh_kv_transfer::ucx::new_seal_key())
+            std::fs::write(dir.join("seal.key"), pdmesh_kv_ucx::new_seal_key())
                 .expect("seal key written");
             pki.issue(&dir, "kvstore", MeshRole::KvStore);
             let test = Tenant { tenant: "test".into(), max_in_flight: None, cache_group: None };

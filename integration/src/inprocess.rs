@@ -100,6 +100,8 @@ impl Settings {
 
     /// Starts every service and waits until each node has registered.
     pub async fn start(mut self) -> Mesh {
+        // As the binary does: its nodes may run UCX (`kv_transport = auto`).
+        pdmesh_kv_ucx::register();
         let dir = tempfile::tempdir().expect("a temp dir");
         let model = tiny_gguf(dir.path());
         let stop = CancellationToken::new();

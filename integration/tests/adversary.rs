@@ -13,6 +13,7 @@ use pdmesh_common::tls::MeshRole;
 use pdmesh_integration::cluster::pki;
 use pdmesh_integration::{Cluster, collect, eventually, greedy};
 use pdmesh_kv_types::BlockHasher;
+use pdmesh_kv_ucx::descriptor::{self, UcxTarget};
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk as PushChunk;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
@@ -296,7 +297,12 @@ async fn kvstore_leases_cannot_be_guessed_or_forged() {
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
     let m = k
-        .r#match(KvMatchRequest { layout: Some(layout), hashes, lease_ms: 60_000, want_ucx: false })
+        .r#match(KvMatchRequest {
+            layout: Some(layout),
+            hashes,
+            lease_ms: 60_000,
+            transports: Vec::new(),
+        })
         .await
         .unwrap()
         .into_inner();
@@ -656,7 +662,8 @@ async fn prefill_status(
 /// UCX access is scoped to one reservation: its prompt's blocks alone are registered, for
 /// remote write, under keys of its own. A router gone rogue assembles targets from two
 /// reservations — another's block addresses under its own ranges, another's ranges and keys
-/// under its own reservation, a range stretched over the pool — and the prefill node (which
+/// under its own reservation, a range stretched over the pool, bytes that are no descriptor,
+/// another transport's name — and the prefill node (which
 /// checks every address against the ranges) or the decode node (which accepts a session only
 /// for the memory it granted that reservation) refuses each before a byte moves. The victim's
 /// reservation is untouched, and honest requests give the same tokens.
@@ -679,31 +686,48 @@ async fn forged_ucx_targets_are_refused_before_a_byte_moves() {
     };
     let victim = d.reserve(reserve("victim")).await.unwrap().into_inner().target.unwrap();
     let mine = d.reserve(reserve("mallory")).await.unwrap().into_inner().target.unwrap();
-    let (vu, mu) = (victim.ucx.clone().unwrap(), mine.ucx.clone().unwrap());
+    let open = |t: &pdmesh_proto::v1::KvTarget| -> UcxTarget {
+        descriptor::open(t.remote.as_ref().unwrap()).unwrap()
+    };
+    let (vu, mu) = (open(&victim), open(&mine));
     assert_ne!(vu.ranges, mu.ranges, "each reservation has its own keys");
     let mut p =
         pdmesh_proto::v1::prefill_client::PrefillClient::new(c.channel(&c.prefills[0].addr).await);
 
     // The victim's addresses under Mallory's ranges: outside every range she holds.
     let mut t = mine.clone();
-    t.ucx.as_mut().unwrap().block_addrs = vu.block_addrs.clone();
+    t.remote =
+        Some(descriptor::wrap(&UcxTarget { block_addrs: vu.block_addrs.clone(), ..mu.clone() }));
     let e = prefill_status(&mut p, t).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("outside every range"), "{e:?}");
     // The victim's ranges, keys and addresses under Mallory's reservation: the decode node
     // granted her reservation other memory.
     let mut t = mine.clone();
-    t.ucx = Some(vu.clone());
+    t.remote = Some(descriptor::wrap(&vu));
     let e = prefill_status(&mut p, t).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     // Her own key with its range stretched over the whole pool.
     let mut t = mine.clone();
-    let u = t.ucx.as_mut().unwrap();
+    let mut u = mu.clone();
     u.ranges.truncate(1);
     u.ranges[0].base = 0;
     u.ranges[0].len = u64::MAX / 2;
+    t.remote = Some(descriptor::wrap(&u));
     let e = prefill_status(&mut p, t).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    // Bytes that are no UCX descriptor at all, under UCX's name: refused as a bad target.
+    let mut t = mine.clone();
+    t.remote.as_mut().unwrap().sealed = Bytes::from_static(&[0xff; 7]);
+    let e = prefill_status(&mut p, t).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("malformed"), "{e:?}");
+    // A descriptor of a transport this prefill node does not run: with kv_transport = ucx
+    // there is no endpoint to use, and it says so.
+    let mut t = mine.clone();
+    t.remote.as_mut().unwrap().transport = "nixl".into();
+    let e = prefill_status(&mut p, t).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
 
     // Nothing reached the victim: still reserved, never transferring, released by its holder.
     let s = c.decode_stats(0).await;

@@ -405,7 +405,7 @@ fn every_internal_handler_survives_malformed_input() {
             layout: Some(layout.clone()),
             blocks: 1,
             prompt_tokens: 9,
-            ucx: None,
+            remote: None,
         }),
         ..stay.clone()
     };
@@ -521,7 +521,12 @@ fn every_internal_handler_survives_malformed_input() {
 
     // KV-store.
     let hashes: Vec<Bytes> = (1..4u8).map(|i| Bytes::from(vec![i; 16])).collect();
-    let m = KvMatchRequest { layout: Some(layout.clone()), hashes, lease_ms: 500, want_ucx: true };
+    let m = KvMatchRequest {
+        layout: Some(layout.clone()),
+        hashes,
+        lease_ms: 500,
+        transports: vec!["ucx".into()],
+    };
     t.fuzz(
         "Match",
         seeds("kv_match", vec![m]),

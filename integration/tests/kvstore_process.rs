@@ -57,7 +57,12 @@ async fn kvstore_process_shares_the_mesh_layout_and_round_trips_blocks() {
     assert_eq!(w.stored, 2);
     let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
     let m = k
-        .r#match(KvMatchRequest { layout: Some(layout), hashes, lease_ms: 1000, want_ucx: false })
+        .r#match(KvMatchRequest {
+            layout: Some(layout),
+            hashes,
+            lease_ms: 1000,
+            transports: Vec::new(),
+        })
         .await
         .unwrap()
         .into_inner();

@@ -106,7 +106,7 @@ async fn cached_prefixes_give_the_same_tokens_bit_for_bit(transport: &str) {
     let s = prefill_stats(&c, &node.node_id).await;
     // Blocks read: 0 + 8 (seed 0), 6 + 8 (seed 7), 6 (another question), 8 (just now).
     let by = if transport == "ucx" { (36, 0) } else { (0, 36) };
-    assert_eq!((s.ucx_blocks, s.grpc_blocks, s.ucx_fallbacks), (by.0, by.1, 0), "{s:?}");
+    assert_eq!((s.remote_blocks, s.grpc_blocks, s.remote_fallbacks), (by.0, by.1, 0), "{s:?}");
     assert_eq!((s.local_hit_tokens, s.store_hit_tokens), (0, 36 * 16), "{s:?}");
     c.kvstore.as_mut().unwrap().kill();
     let (cold, f) = tokio::time::timeout(WAIT, generate(&mut client, a, 0)).await.unwrap();

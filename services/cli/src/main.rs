@@ -62,9 +62,8 @@ fn init_tls(cli: &Cli) -> anyhow::Result<()> {
             init_service_tls(cli)?;
             match &cli.seal_key {
                 Some(f) => {
-                    let key =
-                        pdmesh_kv_transfer::ucx::read_seal_key(f).map_err(anyhow::Error::msg)?;
-                    pdmesh_kv_transfer::ucx::set_seal_key(&key);
+                    let key = pdmesh_kv_ucx::read_seal_key(f).map_err(anyhow::Error::msg)?;
+                    pdmesh_kv_ucx::set_seal_key(&key);
                 }
                 // The router never hands out or opens a UCX target; with TLS every node
                 // must seal them: a checksum stops accidents, not a member of the mesh who
@@ -215,7 +214,7 @@ fn certs(a: CertsArgs) -> anyhow::Result<()> {
         CertsCommand::SealKey { file } => {
             // Replacing a mesh's key would lock out every node still holding the old one.
             anyhow::ensure!(!file.exists(), "{} exists; remove it first", file.display());
-            let key = format!("{}\n", pdmesh_kv_transfer::ucx::new_seal_key());
+            let key = format!("{}\n", pdmesh_kv_ucx::new_seal_key());
             pdmesh_common::config::write_private(&file, key.as_bytes())
                 .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
             println!("{}", file.display());
@@ -268,6 +267,8 @@ fn tool(args: Vec<OsString>) -> anyhow::Result<()> {
 }
 
 fn main() -> std::process::ExitCode {
+    // The transports beyond gRPC this binary carries: one line each (`kv_transport` names).
+    pdmesh_kv_ucx::register();
     let cli = Cli::parse();
     if let Err(e) = init_tls(&cli) {
         eprintln!("error: {}", pdmesh_cli::describe(&e));

@@ -248,7 +248,7 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<Issued> {
     };
     let key = pdmesh_common::apikey::add(&dir.join(KEY_RING_FILE), operator)?;
     write_private(&dir.join(API_KEY_FILE), &key)?;
-    write_private(&dir.join(SEAL_KEY_FILE), &pdmesh_kv_transfer::ucx::new_seal_key())?;
+    write_private(&dir.join(SEAL_KEY_FILE), &pdmesh_kv_ucx::new_seal_key())?;
     pdmesh_common::tls::init(Some(pdmesh_common::tls::MeshTls::load(dir, OPERATOR)?));
     Ok(issued)
 }

@@ -99,7 +99,10 @@ impl DecodeConfig {
             return Err(InvalidConfig::new("kv_staging_mb", "must be at least 1"));
         }
         if self.kv_staging != KvStaging::Auto && self.kv_transport == TransportKind::Grpc {
-            let why = format!("{} needs UCX, but kv_transport is grpc", self.kv_staging);
+            let why = format!(
+                "{} needs a one-sided transport (ucx), but kv_transport is grpc",
+                self.kv_staging
+            );
             return Err(InvalidConfig::new("kv_staging", why));
         }
         self.engine.engine_config().map_err(|e| InvalidConfig::new("engine", e.to_string()))?;
@@ -124,7 +127,7 @@ mod tests {
             ..ok.clone()
         };
         let e = no_ucx.validate().expect_err("staging without UCX");
-        assert!(e.to_string().contains("needs UCX"), "{e}");
+        assert!(e.to_string().contains("needs a one-sided transport"), "{e}");
         let auto = DecodeConfig { kv_transport: TransportKind::Grpc, ..ok };
         auto.validate().expect("auto staging is fine without UCX");
         assert_eq!("Staged".parse::<KvStaging>(), Ok(KvStaging::Staged));

@@ -160,10 +160,10 @@ struct Reservation {
     /// Blocks the prompt and all of max_tokens take: what `committed` may grow to.
     ceiling: usize,
     phase: Phase,
-    /// Remote access granted to the prompt's blocks (a UCX registration of them alone):
+    /// Remote access granted to the prompt's blocks (a transport's registration of them alone):
     /// dropped, which revokes it, once the KV is complete or the reservation ends.
-    remote: Option<Box<dyn std::any::Any + Send>>,
-    /// The digest of what was granted (`scope::digest`): a writer's session must name it.
+    remote: Option<Box<dyn pdmesh_kv_transfer::Grant>>,
+    /// The digest of what was granted (`Grant::digest`): a writer's session must name it.
     granted: Option<u64>,
     /// The staging blocks the writer puts into, when the pool is staged: copied into the
     /// prompt's blocks at the commit, and kept until no writer can reach them.
@@ -207,7 +207,7 @@ pub struct DecodeCore {
     /// its own in one lookup, on the engine thread, instead of scanning every reservation.
     named: HashMap<(String, String), Vec<u64>>,
     /// Grants of completed KV, dropped (revoked) right after the commit is answered.
-    revoking: Vec<Box<dyn std::any::Any + Send>>,
+    revoking: Vec<Box<dyn pdmesh_kv_transfer::Grant>>,
     committed: usize,
     default_lease: Duration,
     max_lease: Duration,

@@ -99,10 +99,10 @@ pub enum StartError {
     Engine(#[from] pdmesh_engine::Error),
     #[error("the engine load task: {0}")]
     Load(#[from] tokio::task::JoinError),
-    #[error("kv_transport = ucx: {0}")]
-    Ucx(#[from] pdmesh_kv_transfer::ucx::UcxError),
-    #[error("kv_transport = ucx: cannot offer the KV pool to UCX writers: {0}")]
-    Pool(String),
+    #[error("kv_transport: {0}")]
+    Transport(String),
+    #[error("kv_transport = {transport}: cannot offer the KV pool to its writers: {why}")]
+    Pool { transport: String, why: String },
     #[error("starting the engine thread: {0}")]
     Thread(#[source] std::io::Error),
     #[error("serving: {0}")]

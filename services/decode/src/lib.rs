@@ -15,10 +15,9 @@ use std::time::Duration;
 use pdmesh_common::metrics::{Family, Kind, Metrics};
 use pdmesh_common::worker::{COMMAND_QUEUE, Faults};
 use pdmesh_engine::Engine;
-use pdmesh_kv_transfer::ucx::UcxNode;
-use pdmesh_kv_transfer::{KvPool, StagingArea, TransportKind, register_kv_pool, stage_kv_pool};
+use pdmesh_kv_transfer::{Fabric, PoolOffer, PoolOptions, StagingArea, TransportKind};
 use pdmesh_proto::v1::decode_server::DecodeServer;
-use pdmesh_proto::v1::{RegisterRequest, Role, UcxRange};
+use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -45,9 +44,9 @@ pub async fn run(
         move || s.load()
     })
     .await??;
-    let ucx = config.kv_transport.start_ucx(&node_id)?;
-    let pool = match &ucx {
-        Some(node) => offer_pool(&config, node, &mut engine)?,
+    let fabric = config.kv_transport.start(&node_id).map_err(StartError::Transport)?;
+    let pool = match &fabric {
+        Some(f) => offer_pool(&config, &**f, &mut engine)?,
         None => None,
     };
     let kv_path = pool.as_ref().map_or("", |p| p.path().name());
@@ -94,23 +93,16 @@ pub async fn run(
     });
     // What a draining node hands off is counted apart from what it receives.
     let sent = Arc::new(pdmesh_kv_transfer::TransferStats::new());
-    let transport = pdmesh_kv_transfer::AutoTransport::new(config.kv_transport, ucx, sent);
-    let inbox = service::Inbox {
-        node_id: node_id.clone(),
-        backend,
-        layout,
-        tx: tx.clone(),
-        stats,
-        shared: pool.as_ref().and_then(|p| p.shared().cloned()),
-        kv_path,
-    };
+    let transport =
+        pdmesh_kv_transfer::AutoTransport::new(config.kv_transport.clone(), fabric.as_ref(), sent);
+    let inbox =
+        service::Inbox { node_id: node_id.clone(), backend, layout, tx: tx.clone(), stats, pool };
     let drain = CancellationToken::new();
     let service = DecodeService {
         inbox: Arc::new(inbox),
         address: address.clone(),
         context,
         counts: Arc::clone(&counts),
-        pool,
         transport: Arc::new(transport),
         drain: drain.clone(),
     };
@@ -173,103 +165,29 @@ async fn drained(
     .await;
 }
 
-/// Offers the KV pool to UCX writers: the pool itself, or host staging blocks in front of it,
-/// as `kv_staging` and what UCX reaches decide; in shared memory for writers on this host
-/// when `kv_shared_pool` and UCX can allocate it. Failing is fatal for `kv_transport = ucx`;
-/// for `auto` the KV arrives over gRPC.
+/// Offers the KV pool to `fabric`'s writers, as `kv_staging` and `kv_shared_pool` ask.
+/// Failing is fatal when the transport was named; for `auto` the KV arrives over gRPC.
 fn offer_pool(
     config: &DecodeConfig,
-    node: &UcxNode,
+    fabric: &dyn Fabric,
     engine: &mut Engine,
-) -> Result<Option<KvPool>, StartError> {
-    let memory = engine.kv_memory();
-    let staged = config.kv_staging.stages(node.reaches(memory.kind()));
-    let pool = if staged {
-        stage_pool(config, node, engine).map(Some)
-    } else {
-        let shared = if config.kv_shared_pool { share_pool(node, engine) } else { None };
-        // Moved into shared memory, or not: the region names where it is now.
-        let memory = engine.kv_memory();
-        register_kv_pool(node, &memory, engine.kv().geometry())
-            .map(|p| Some(shared.into_iter().fold(p, KvPool::with_shared)))
-            .map_err(|e| e.to_string())
+) -> Result<Option<Arc<dyn PoolOffer>>, StartError> {
+    let options = PoolOptions {
+        staging: config.kv_staging,
+        staging_bytes: config.kv_staging_mb.saturating_mul(1 << 20),
+        same_host: config.kv_shared_pool,
     };
-    match pool {
-        Ok(pool) => Ok(pool),
-        Err(e) if config.kv_transport == TransportKind::Ucx => Err(StartError::Pool(e)),
+    match fabric.offer_pool(engine, &options) {
+        Ok(pool) => Ok(Some(pool)),
+        Err(why) if config.kv_transport != TransportKind::Auto => {
+            Err(StartError::Pool { transport: fabric.name().into(), why })
+        }
         Err(e) => {
-            tracing::warn!("cannot offer the KV pool to UCX writers, KV arrives over gRPC: {e}");
+            let name = fabric.name();
+            tracing::warn!("cannot offer the KV pool to {name} writers, KV arrives over gRPC: {e}");
             Ok(None)
         }
     }
-}
-
-/// Moves the KV pool into UCX-allocated shared memory for writers on this host; without
-/// it (UCX cannot allocate shared memory here) the pool stays where it is, reached by puts.
-fn share_pool(node: &UcxNode, engine: &mut Engine) -> Option<UcxRange> {
-    match pdmesh_kv_transfer::share_kv_pool(node, engine) {
-        Ok(s) => {
-            tracing::info!(bytes = s.len, "KV pool in shared memory for writers on this host");
-            Some(s)
-        }
-        Err(e) => {
-            tracing::warn!("KV pool not in shared memory, writers on this host put KV: {e}");
-            None
-        }
-    }
-}
-
-/// The staging area in front of the pool: `kv_staging_mb` (at most the pool's size) of
-/// shared memory for writers on this host when `kv_shared_pool` allows and UCX can allocate
-/// it, else of the memory the engine copies from fastest (page-locked for a GPU).
-fn stage_pool(config: &DecodeConfig, node: &UcxNode, engine: &Engine) -> Result<KvPool, String> {
-    let geometry = *engine.kv().geometry();
-    let bpb = geometry.bytes_per_block();
-    let want = usize::try_from(config.kv_staging_mb.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
-    let len = want.min(engine.kv_bytes()) / bpb * bpb;
-    if len == 0 {
-        return Err(format!(
-            "kv_staging_mb = {} holds no KV block of {bpb} bytes",
-            config.kv_staging_mb
-        ));
-    }
-    let shared = if config.kv_shared_pool {
-        match pdmesh_kv_transfer::allocate_shared(node, len) {
-            Ok(m) => Some(m),
-            Err(e) => {
-                tracing::warn!("KV staging not in shared memory, writers on this host put: {e}");
-                None
-            }
-        }
-    } else {
-        None
-    };
-    let (memory, range) = match shared {
-        // Page-locked like `kv_staging_memory`'s where the pool is a GPU's, so the copy at
-        // the commit is a DMA rather than a pass through the driver's bounce buffers.
-        Some((m, r)) => match engine.kv_pin(m) {
-            Ok(m) => (m, Some(r)),
-            Err((m, e)) => {
-                tracing::warn!(
-                    "KV staging in shared memory is not page-locked, copies are slower: {e}"
-                );
-                (m, Some(r))
-            }
-        },
-        None => (engine.kv_staging_memory(len).map_err(|e| e.to_string())?, None),
-    };
-    let area = StagingArea::new(memory, bpb)?;
-    let blocks = area.blocks();
-    let pool =
-        stage_kv_pool(node, area, &engine.kv_memory(), &geometry).map_err(|e| e.to_string())?;
-    tracing::info!(
-        blocks,
-        bytes = len,
-        shared = range.is_some(),
-        pool = engine.kv_memory().kind().name(),
-        "KV staged: writers put into host staging blocks, copied into the pool at each commit"
-    );
-    Ok(range.into_iter().fold(pool, KvPool::with_shared))
 }
 
 /// The staging area's occupancy as Prometheus families.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use pdmesh_common::ids::Capability;
-use pdmesh_kv_transfer::{KvInbox, KvPiece, KvPool, KvTransport, TargetError, TransferStats};
+use pdmesh_kv_transfer::{GrantError, KvInbox, KvPiece, KvTransport, PoolOffer, TransferStats};
 use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::decode_server::Decode;
 use pdmesh_proto::v1::{
@@ -37,11 +37,8 @@ pub struct Inbox {
     pub layout: KvLayout,
     pub tx: mpsc::Sender<Command>,
     pub stats: Arc<TransferStats>,
-    /// The KV pool's shared memory (or its staging area's), offered to UCX writers on this
-    /// host.
-    pub shared: Option<pdmesh_kv_transfer::same_host::SharedOffer>,
-    /// How UCX writers reach the pool (`KvPath::name`); empty without UCX.
-    pub kv_path: &'static str,
+    /// The KV pool as a one-sided transport offers it, when this node runs one.
+    pub pool: Option<Arc<dyn PoolOffer>>,
 }
 
 impl Inbox {
@@ -102,12 +99,8 @@ impl KvInbox for Inbox {
         let _ = self.tx.send(Command::KvAbort { id, why }).await;
     }
 
-    fn shared_pool(&self) -> Option<pdmesh_kv_transfer::same_host::SharedOffer> {
-        self.shared.clone()
-    }
-
-    fn kv_path(&self) -> &str {
-        self.kv_path
+    fn pool(&self) -> Option<&Arc<dyn PoolOffer>> {
+        self.pool.as_ref()
     }
 
     fn closed(&self, id: u64) {
@@ -129,8 +122,6 @@ pub struct DecodeService {
     pub address: String,
     pub context: usize,
     pub counts: Arc<Mutex<Counts>>,
-    /// The registered KV pool when this node offers UCX.
-    pub pool: Option<KvPool>,
     /// Moves a draining node's requests' KV to other decode nodes.
     pub transport: Arc<dyn KvTransport>,
     /// Cancelled to drain the node (`Drain`); the node then exits.
@@ -245,12 +236,12 @@ impl Decode for DecodeService {
             n => (n as usize).min(max_tokens),
         };
         let remote_kv = r.remote_kv;
-        let grant = match (&self.pool, remote_kv) {
+        let grant = match (&self.inbox.pool, remote_kv) {
             (Some(pool), true) => {
-                let pool = pool.clone();
-                Some(RemoteGrant(Box::new(move |blocks: &[u32]| match pool.target(blocks) {
+                let pool = Arc::clone(pool);
+                Some(RemoteGrant(Box::new(move |blocks: &[u32]| match pool.grant(blocks) {
                     Ok(g) => Ok(Some(g)),
-                    Err(TargetError::StagingFull(e)) => {
+                    Err(GrantError::StagingFull(e)) => {
                         tracing::debug!("this reservation's KV comes over a stream: {e}");
                         Ok(None)
                     }
@@ -259,7 +250,7 @@ impl Decode for DecodeService {
             }
             _ => None,
         };
-        let (res, ucx) = self
+        let (res, remote) = self
             .inbox
             .call(|reply| Command::Reserve {
                 prompt_len,
@@ -286,7 +277,7 @@ impl Decode for DecodeService {
                 layout: Some(self.inbox.layout.into()),
                 blocks: res.prompt_blocks as u32,
                 prompt_tokens: r.prompt_tokens,
-                ucx,
+                remote,
             }),
             lease_ms: res.lease.as_millis().min(u128::from(u32::MAX)) as u32,
         }))
@@ -367,18 +358,13 @@ impl Decode for DecodeService {
         &self,
         req: Request<Streaming<KvSessionRequest>>,
     ) -> Result<Response<Self::KvSessionStream>, Status> {
-        if self.pool.is_none() {
-            return Err(Status::failed_precondition(format!(
-                "node {}: this decode node offers no UCX (kv_transport = grpc)",
-                self.node_id()
-            )));
-        }
         pdmesh_kv_transfer::accept_session(self.inbox.clone(), req).await
     }
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<NodeStats>, Status> {
         let c = *self.counts.lock().expect("counts lock is never poisoned");
-        let staging = self.pool.as_ref().and_then(|p| p.staging());
+        let pool = self.inbox.pool.as_deref();
+        let staging = pool.and_then(|p| p.staging());
         Ok(Response::new(NodeStats {
             node_id: self.node_id().to_string(),
             role: Role::Decode as i32,
@@ -398,7 +384,7 @@ impl Decode for DecodeService {
             moved: c.moved,
             preempted: c.preempted,
             backend: self.inbox.backend.clone(),
-            kv_path: self.inbox.kv_path.into(),
+            kv_path: pool.map_or("", |p| p.path().name()).into(),
             kv_staging_free_blocks: staging.map_or(0, |s| s.free_blocks() as u32),
             kv_staging_blocks: staging.map_or(0, |s| s.blocks() as u32),
             kv_staging_full: staging.map_or(0, |s| s.full()),

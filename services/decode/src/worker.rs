@@ -8,7 +8,7 @@ use bytes::Bytes;
 use pdmesh_common::ids::Capability;
 use pdmesh_common::worker::Core;
 use pdmesh_kv_transfer::Granted;
-use pdmesh_proto::v1::UcxTarget;
+use pdmesh_proto::v1::TransportDescriptor;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::core::{Attach, Counts, DecodeCore, Event, Output, Reserved};
@@ -16,7 +16,7 @@ use crate::error::DecodeError;
 
 pub type Reply<T> = oneshot::Sender<Result<T, DecodeError>>;
 
-/// Makes a reservation's blocks reachable by peers (a UCX registration of them alone), on the
+/// Makes a reservation's blocks reachable by peers (a transport's registration of them alone), on the
 /// engine thread right after they are allocated: the target to hand out, and the grant the
 /// reservation keeps until its KV is complete.
 pub struct RemoteGrant(pub Box<GrantFn>);
@@ -40,11 +40,11 @@ pub enum Command {
         up_front: usize,
         lease: Option<Duration>,
         remote_kv: bool,
-        /// With `remote_kv`, when peers write the KV in place (UCX).
+        /// With `remote_kv`, when peers write the KV in place (a one-sided transport).
         grant: Option<RemoteGrant>,
         /// Whose request it is, and its id.
         request: (String, String),
-        reply: Reply<(Reserved, Option<UcxTarget>)>,
+        reply: Reply<(Reserved, Option<TransportDescriptor>)>,
     },
     /// Wire entry points carry the capability `Reserve` handed out; the worker admits it.
     Release {
@@ -54,7 +54,7 @@ pub enum Command {
     KvBegin {
         cap: Capability,
         from: String,
-        /// A UCX session: the sender puts into the blocks itself, into the memory whose grant
+        /// A one-sided session: the sender puts into the blocks itself, into the memory whose grant
         /// has this digest.
         writer: Option<u64>,
         /// The reservation's key, for the transfer's later commands.
@@ -183,13 +183,12 @@ impl Core for Worker {
                         core.name(res.id(), request.0, request.1);
                         let Some(RemoteGrant(grant)) = grant else { return Ok((res, None)) };
                         match grant(&res.pool_blocks) {
-                            Ok(Some(Granted { target, grant, staged })) => {
-                                let digest = pdmesh_kv_transfer::scope::digest(&target.ranges);
-                                core.hold(res.id(), Box::new(grant), digest);
+                            Ok(Some(Granted { descriptor, grant, staged })) => {
+                                core.hold(res.id(), grant);
                                 if let Some(s) = staged {
                                     core.stage(res.id(), s);
                                 }
-                                Ok((res, Some(target)))
+                                Ok((res, Some(descriptor)))
                             }
                             Ok(None) => Ok((res, None)),
                             Err(why) => {

@@ -421,8 +421,15 @@ fn complete_kv_that_no_request_attaches_to_is_freed_at_its_lease() {
     assert_eq!((k.reserved, k.leases_expired, k.free_blocks, k.committed_blocks), (0, 1, 16, 0));
 }
 
-/// Dropped when the core lets go of it: stands in for a UCX registration.
-struct Grant(Arc<AtomicBool>);
+/// Dropped when the core lets go of it: stands in for a transport's registration.
+#[derive(Debug)]
+struct Grant(Arc<AtomicBool>, u64);
+
+impl pdmesh_kv_transfer::Grant for Grant {
+    fn digest(&self) -> u64 {
+        self.1
+    }
+}
 
 impl Drop for Grant {
     fn drop(&mut self) {
@@ -430,9 +437,9 @@ impl Drop for Grant {
     }
 }
 
-fn grant() -> (Box<dyn std::any::Any + Send>, Arc<AtomicBool>) {
+fn grant(digest: u64) -> (Box<dyn pdmesh_kv_transfer::Grant>, Arc<AtomicBool>) {
     let dropped = Arc::new(AtomicBool::new(false));
-    (Box::new(Grant(dropped.clone())), dropped)
+    (Box::new(Grant(dropped.clone(), digest)), dropped)
 }
 
 /// A reservation's remote access (its blocks registered for peers to write) lasts exactly
@@ -444,8 +451,8 @@ fn remote_access_is_revoked_at_commit_and_at_the_end() {
     let mut c = core(16);
     let t0 = Instant::now();
     let r = c.reserve(40, 8, None, true, t0).unwrap();
-    let (g, revoked) = grant();
-    assert!(c.hold(r.id(), g, 77));
+    let (g, revoked) = grant(77);
+    assert!(c.hold(r.id(), g));
     assert!(c.grants_remote(r.id()));
     // A session naming another grant's memory is refused; its own is accepted.
     assert!(matches!(c.check_grant(r.id(), 78), Err(DecodeError::Forbidden(_))));
@@ -459,16 +466,16 @@ fn remote_access_is_revoked_at_commit_and_at_the_end() {
     assert!(c.release(r.id()));
 
     let r = c.reserve(40, 8, None, true, t0).unwrap();
-    let (g, revoked) = grant();
-    assert!(c.hold(r.id(), g, 1));
+    let (g, revoked) = grant(1);
+    assert!(c.hold(r.id(), g));
     c.kv_begin(r.id(), true).unwrap();
     assert!(c.release(r.id()));
     assert_eq!(c.counts().quarantined, 1);
     assert!(revoked.load(SeqCst), "a quarantined reservation stays writable");
     c.writer_closed(r.id(), "p");
 
-    let (g, revoked) = grant();
-    assert!(!c.hold(12345, g, 1));
+    let (g, revoked) = grant(1);
+    assert!(!c.hold(12345, g));
     assert!(revoked.load(SeqCst));
 }
 

@@ -1,109 +1,56 @@
-//! The configured transport: `grpc`, `ucx`, or `auto` (UCX when an endpoint to the decode node
-//! can be made, else the gRPC stream). Counts what each transfer used.
+//! The configured transport: `grpc`, a one-sided transport by name (`ucx`), or `auto` (the
+//! one-sided transport when an endpoint to the decode node can be made, else the gRPC
+//! stream). Counts what each transfer used.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use pdmesh_proto::v1::KvTarget;
-use serde::{Deserialize, Serialize};
 
 use crate::grpc::GrpcTransport;
 use crate::stats::TransferStats;
-use crate::ucx::{UcxError, UcxNode};
-use crate::ucx_transport::UcxTransport;
+use crate::transport::{Fabric, TransportKind};
 use crate::{Finished, KvPiece, KvSink, KvTransport, StallBound, TransferError};
 
-/// `kv_transport` in the prefill and decode configs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TransportKind {
-    /// One-sided UCX puts into the decode node's KV pool; a transfer that cannot get a UCX
-    /// endpoint fails (FAILED_PRECONDITION).
-    Ucx,
-    /// The gRPC stream only (no UCX context at all).
-    Grpc,
-    /// UCX when possible, the gRPC stream otherwise.
-    #[default]
-    Auto,
-}
-
-impl TransportKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            TransportKind::Ucx => "ucx",
-            TransportKind::Grpc => "grpc",
-            TransportKind::Auto => "auto",
-        }
-    }
-
-    /// Starts the UCX node this kind needs: none for `grpc`; for `auto`, none when UCX cannot
-    /// start (logged); for `ucx`, an error.
-    pub fn start_ucx(self, name: &str) -> Result<Option<UcxNode>, UcxError> {
-        match self {
-            TransportKind::Grpc => Ok(None),
-            TransportKind::Ucx => UcxNode::start(name).map(Some),
-            TransportKind::Auto => match UcxNode::start(name) {
-                Ok(n) => Ok(Some(n)),
-                Err(e) => {
-                    tracing::warn!("UCX unavailable, KV moves over gRPC: {e}");
-                    Ok(None)
-                }
-            },
-        }
-    }
-}
-
-impl std::str::FromStr for TransportKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "ucx" => Ok(TransportKind::Ucx),
-            "grpc" => Ok(TransportKind::Grpc),
-            "auto" => Ok(TransportKind::Auto),
-            other => Err(format!("unknown kv_transport {other:?} (expected ucx, grpc or auto)")),
-        }
-    }
-}
-
-impl std::fmt::Display for TransportKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// The prefill node's transport for its configured kind. A UCX transfer whose session
+/// The sending node's transport for its configured kind. A one-sided transfer whose session
 /// stalls falls back to the gRPC stream into the same reservation (`Fallback`).
 #[derive(Debug)]
 pub struct AutoTransport {
     kind: TransportKind,
-    ucx: Option<UcxTransport>,
+    /// The one-sided transport and its name.
+    remote: Option<(Box<dyn KvTransport>, &'static str)>,
     grpc: Arc<GrpcTransport>,
     stats: Arc<TransferStats>,
 }
 
 impl AutoTransport {
-    /// `ucx` is the node from `kind.start_ucx` (None for grpc, or auto without UCX).
-    pub fn new(kind: TransportKind, ucx: Option<UcxNode>, stats: Arc<TransferStats>) -> Self {
-        Self::with_stall(kind, ucx, stats, StallBound::default())
+    /// `fabric` is what `kind.start` started (None for grpc, or auto without one).
+    pub fn new(
+        kind: TransportKind,
+        fabric: Option<&Arc<dyn Fabric>>,
+        stats: Arc<TransferStats>,
+    ) -> Self {
+        Self::with_stall(kind, fabric, stats, StallBound::default())
     }
 
-    /// `new`, giving up UCX sessions that make no progress within `stall`.
+    /// `new`, giving up sessions that make no progress within `stall`.
     pub fn with_stall(
         kind: TransportKind,
-        ucx: Option<UcxNode>,
+        fabric: Option<&Arc<dyn Fabric>>,
         stats: Arc<TransferStats>,
         stall: StallBound,
     ) -> Self {
         let grpc = Arc::new(GrpcTransport::new());
-        let ucx = ucx.map(|n| UcxTransport::new(n, Arc::clone(&grpc)).with_stall(stall));
-        Self { kind, ucx, grpc, stats }
+        let remote = fabric.map(|f| (f.sender(Arc::clone(&grpc), stall), f.name()));
+        Self { kind, remote, grpc, stats }
     }
 
-    /// A UCX sink that falls back to the stream when it stalls.
+    /// A one-sided sink that falls back to the stream when it stalls.
     fn fallible(
         &self,
-        ucx: Box<dyn KvSink>,
+        sink: Box<dyn KvSink>,
+        from: &'static str,
         target: &KvTarget,
         prefill_node: &str,
     ) -> Box<dyn KvSink> {
@@ -114,7 +61,8 @@ impl AutoTransport {
             .map(|l| (l.bytes_per_block(), l.geometry.layers));
         match geometry {
             Some((bpb, layers)) if layers > 0 && bpb % layers == 0 => Box::new(Fallback {
-                ucx: Some(ucx),
+                remote: Some(sink),
+                from,
                 kept: Vec::new(),
                 stream: None,
                 grpc: Arc::clone(&self.grpc),
@@ -124,15 +72,15 @@ impl AutoTransport {
                 bpb,
                 layers,
             }),
-            // The UCX sink refused such a target already; nothing to fall back with.
-            _ => ucx,
+            // The sink refused such a target already; nothing to fall back with.
+            _ => sink,
         }
     }
 }
 
 #[async_trait::async_trait]
 impl KvTransport for AutoTransport {
-    fn name(&self) -> &'static str {
+    fn name(&self) -> &str {
         self.kind.name()
     }
 
@@ -141,27 +89,27 @@ impl KvTransport for AutoTransport {
         target: &KvTarget,
         prefill_node: &str,
     ) -> Result<Box<dyn KvSink>, TransferError> {
-        match (self.kind, &self.ucx) {
+        match (&self.kind, &self.remote) {
             (TransportKind::Grpc, _) => self.grpc.open(target, prefill_node).await,
-            (TransportKind::Ucx, Some(u)) => {
-                let sink = u.open(target, prefill_node).await?;
-                Ok(self.fallible(sink, target, prefill_node))
+            (TransportKind::Named(_), Some((t, name))) => {
+                let sink = t.open(target, prefill_node).await?;
+                Ok(self.fallible(sink, name, target, prefill_node))
             }
-            (TransportKind::Ucx, None) => Err(TransferError::NoEndpoint {
+            (TransportKind::Named(name), None) => Err(TransferError::NoEndpoint {
                 node: target.decode_node.clone(),
-                reason: "UCX is not running on this node".into(),
+                reason: format!("{name} is not running on this node"),
             }),
-            (TransportKind::Auto, ucx) => {
-                let why = match ucx {
-                    Some(u) => match u.open(target, prefill_node).await {
-                        Err(TransferError::NoEndpoint { reason, .. }) => reason,
-                        Ok(sink) => return Ok(self.fallible(sink, target, prefill_node)),
+            (TransportKind::Auto, remote) => {
+                let (why, wanted) = match remote {
+                    Some((t, name)) => match t.open(target, prefill_node).await {
+                        Err(TransferError::NoEndpoint { reason, .. }) => (reason, *name),
+                        Ok(sink) => return Ok(self.fallible(sink, name, target, prefill_node)),
                         Err(e) => return Err(e),
                     },
-                    None => "UCX is not running on this node".into(),
+                    None => ("no one-sided transport runs on this node".into(), "remote"),
                 };
                 tracing::debug!(node = target.decode_node, "KV over gRPC: {why}");
-                self.stats.fallback("ucx", Fallen::NoEndpoint);
+                self.stats.fallback(wanted, Fallen::NoEndpoint);
                 self.grpc.open(target, prefill_node).await
             }
         }
@@ -177,13 +125,15 @@ pub enum Fallen {
     Stalled,
 }
 
-/// A UCX transfer that, when its session stalls and the decode node has moved the
+/// A one-sided transfer that, when its session stalls and the decode node has moved the
 /// reservation out of the session's reach, sends the KV again over the gRPC stream: every
-/// piece put through UCX is kept (shared, not copied) until the transfer ends, and layers are
+/// piece put through it is kept (shared, not copied) until the transfer ends, and layers are
 /// put together into the whole blocks a stream carries. (Pieces copied into a pool mapped on
 /// this host are not kept: a copy waits on no network.)
 struct Fallback {
-    ucx: Option<Box<dyn KvSink>>,
+    remote: Option<Box<dyn KvSink>>,
+    /// The one-sided transport's name.
+    from: &'static str,
     kept: Vec<KvPiece>,
     stream: Option<(Box<dyn KvSink>, Assembler)>,
     grpc: Arc<GrpcTransport>,
@@ -197,13 +147,13 @@ struct Fallback {
 impl Fallback {
     async fn fall_back(&mut self, reason: String) -> Result<(), TransferError> {
         // Dropped: its session stays open until its puts are over, then ends.
-        self.ucx = None;
-        self.stats.fallback("ucx", Fallen::Stalled);
+        self.remote = None;
+        self.stats.fallback(self.from, Fallen::Stalled);
         tracing::warn!(node = self.target.decode_node, "KV falls back to gRPC: {reason}");
         pdmesh_common::trace::event(
             &tracing::Span::current(),
             "kv.fallback",
-            &[("from", "ucx".into()), ("to", "grpc".into()), ("reason", reason)],
+            &[("from", self.from.into()), ("to", "grpc".into()), ("reason", reason)],
         );
         let mut sink = self.grpc.open(&self.target, &self.prefill_node).await?;
         let mut asm = Assembler::new(self.bpb, self.layers);
@@ -225,7 +175,7 @@ impl Fallback {
 #[async_trait::async_trait]
 impl KvSink for Fallback {
     fn transport(&self) -> &'static str {
-        if self.stream.is_some() { "grpc" } else { "ucx" }
+        if self.stream.is_some() { "grpc" } else { self.from }
     }
 
     fn layered(&self) -> bool {
@@ -233,7 +183,7 @@ impl KvSink for Fallback {
     }
 
     fn mapped(&self) -> bool {
-        self.ucx.as_ref().is_some_and(|u| u.mapped())
+        self.remote.as_ref().is_some_and(|u| u.mapped())
     }
 
     async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError> {
@@ -247,12 +197,12 @@ impl KvSink for Fallback {
             }
             return Ok(());
         }
-        let ucx = self.ucx.as_mut().expect("a UCX sink until the fallback");
+        let remote = self.remote.as_mut().expect("a one-sided sink until the fallback");
         // Copies into a pool mapped here do not wait on a network: nothing to send again.
-        if !ucx.mapped() {
+        if !remote.mapped() {
             self.kept.push(piece.clone());
         }
-        match ucx.send(piece).await {
+        match remote.send(piece).await {
             Err(TransferError::Stalled { reason, resendable: true, .. }) => {
                 self.fall_back(reason).await
             }
@@ -265,8 +215,8 @@ impl KvSink for Fallback {
         blocks: u32,
         checksums: Vec<u64>,
     ) -> Result<Finished, TransferError> {
-        if let Some(ucx) = self.ucx.take() {
-            match ucx.finish(blocks, checksums.clone()).await {
+        if let Some(remote) = self.remote.take() {
+            match remote.finish(blocks, checksums.clone()).await {
                 Err(TransferError::Stalled { reason, resendable: true, .. }) => {
                     self.fall_back(reason).await?;
                 }

@@ -50,7 +50,7 @@ impl GrpcTransport {
         Self::default()
     }
 
-    pub(crate) fn channel(&self, address: &str, node: &str) -> Result<Channel, TransferError> {
+    pub fn channel(&self, address: &str, node: &str) -> Result<Channel, TransferError> {
         self.channels.get(address, || {
             // KV is pushed into decode nodes only (a draining one hands off to another).
             let ep = pdmesh_common::tls::endpoint(address, pdmesh_common::tls::MeshRole::Decode)

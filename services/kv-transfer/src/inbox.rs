@@ -1,6 +1,6 @@
 //! What a transport's receiving half delivers into: the decode node's reservations, behind an
 //! async interface (`KvInbox`) the node implements over its engine thread. Each transport's
-//! receiving half (`grpc::receive_push`, `ucx_transport::accept_session`) lives next to its
+//! receiving half (`grpc::receive_push`, `session::accept_session`) lives next to its
 //! sending half; what they share — the header check, the span, the end-of-session notice —
 //! is here.
 
@@ -44,18 +44,14 @@ pub trait KvInbox: Send + Sync + 'static {
     async fn writer_abandoned(&self, reservation: u64) -> Result<(), Status>;
     /// The transfer broke; `why` says how.
     async fn abort(&self, reservation: u64, from: &str, why: String);
-    /// A remote writer's session (UCX) ended, however it ended: it can put no more, so the
+    /// A remote writer's session ended, however it ended: it can put no more, so the
     /// blocks it was granted may be reused. Streams do not report their end: they write
     /// nothing once it comes.
     fn closed(&self, reservation: u64);
-    /// The pool's shared memory, offered to UCX writers on this host; `None` when the pool
-    /// is not in memory they can map.
-    fn shared_pool(&self) -> Option<crate::same_host::SharedOffer> {
+    /// The KV pool as a one-sided transport offers it to writers; `None` when the KV arrives
+    /// over streams only.
+    fn pool(&self) -> Option<&Arc<dyn crate::PoolOffer>> {
         None
-    }
-    /// How a UCX writer's puts reach the pool (`KvPath::name`); empty without UCX.
-    fn kv_path(&self) -> &str {
-        ""
     }
 }
 
@@ -118,7 +114,10 @@ pub(crate) fn receive_span(
     transport: &'static str,
 ) -> Span {
     // A stream's blocks are written into the pool as they arrive, whatever its memory.
-    let kv_path = if transport == "ucx" { inbox.kv_path() } else { "stream" };
+    let kv_path = match inbox.pool() {
+        Some(p) if transport == p.transport() => p.path().name(),
+        _ => "stream",
+    };
     let span = pdmesh_common::span!(
         "decode.kv_receive",
         transport,

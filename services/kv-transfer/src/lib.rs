@@ -2,9 +2,9 @@
 //! loads a prompt's cached prefix (from `prefix_cache`: the node's own tier, then the KV-store)
 //! and hands what the engine computes to the prompt's transfer; on a decode node, `receive`
 //! takes the arriving KV into a reservation and tells the batch runner when it is complete.
-//! The transfers themselves go through the `KvTransport` trait and its two implementations,
-//! each owning both its halves: the gRPC stream (`grpc`), and UCX one-sided puts straight
-//! into the decode node's registered KV pool (`ucx_transport`), with `auto` choosing UCX and
+//! The transfers themselves go through the `KvTransport` trait: the gRPC stream (`grpc`) is
+//! built in; one-sided transports (UCX, in its own crate) plug in through the seam in
+//! `transport` and `pool`, their sessions accepted by `session`, with `auto` choosing one and
 //! falling back to gRPC. Both ends check the KV layout handshake; a mismatch is
 //! FAILED_PRECONDITION, never silently wrong output.
 
@@ -16,13 +16,11 @@ pub mod pool;
 pub mod prefix_cache;
 pub mod push;
 pub mod receive;
-pub mod same_host;
-pub mod scope;
+pub mod session;
 pub mod staging;
 pub mod stall;
 pub mod stats;
-pub mod ucx;
-pub mod ucx_transport;
+pub mod transport;
 
 use std::fmt::Debug;
 
@@ -30,21 +28,19 @@ use bytes::Bytes;
 use pdmesh_proto::v1::KvTarget;
 use tonic::Status;
 
-pub use auto::{AutoTransport, Fallen, TransportKind};
+pub use auto::{AutoTransport, Fallen};
 pub use grpc::{GrpcTransport, receive_push};
 pub use inbox::{KvInbox, parse_reservation};
 pub use layout::check_layout;
-pub use pool::{
-    Granted, KvPath, KvPool, KvStaging, TargetError, allocate_shared, register_kv_pool,
-    share_kv_pool, stage_kv_pool,
-};
+pub use pool::{Grant, GrantError, Granted, KvPath, KvStaging, PoolOffer, PoolOptions};
 pub use prefix_cache::{CacheError, Lookup, PrefixCache};
 pub use push::{Export, PushConnector, PushError, PushJob, PushMode};
 pub use receive::{ReceiveError, Receiver, Target};
+pub use session::{SessionEvents, accept_session};
 pub use staging::{StagedBlocks, StagingArea, StagingFull};
 pub use stall::StallBound;
 pub use stats::TransferStats;
-pub use ucx_transport::{SessionEvents, UcxTransport, accept_session};
+pub use transport::{Fabric, ReadOffer, RemoteReader, TransportKind};
 
 /// Why a transfer failed.
 #[derive(Debug, thiserror::Error)]
@@ -55,9 +51,9 @@ pub enum TransferError {
     /// The decode node could not be reached or the connection broke.
     #[error("decode node {node} unreachable: {reason}")]
     Unreachable { node: String, reason: String },
-    /// No UCX endpoint to the decode node could be made (it offers none, or UCX failed):
-    /// `auto` falls back to gRPC on this one.
-    #[error("no UCX endpoint to decode node {node}: {reason}")]
+    /// No endpoint of the wanted transport to the decode node could be made (it offers none,
+    /// or the transport failed): `auto` falls back to gRPC on this one.
+    #[error("no endpoint to decode node {node}: {reason}")]
     NoEndpoint { node: String, reason: String },
     /// The transfer was used wrongly (a bug on the sending side).
     #[error("bad KV transfer to decode node {node}: {reason}")]
@@ -82,7 +78,7 @@ impl From<TransferError> for Status {
                 format_args!("KV transfer failed: {reason}"),
             ),
             TransferError::NoEndpoint { node, reason } => Status::failed_precondition(format!(
-                "node {node}: no UCX endpoint (kv_transport = ucx): {reason}"
+                "node {node}: no endpoint of the configured kv_transport: {reason}"
             )),
             TransferError::Invalid { node, reason } => {
                 Status::internal(format!("KV transfer to node {node}: {reason}"))
@@ -101,7 +97,7 @@ impl From<TransferError> for Status {
 impl TransferError {
     /// What a status from the decode node's KV call means: it went away (the transport broke,
     /// the call was cut) or it refused (a status of its own, kept).
-    pub(crate) fn from_peer(node: &str, status: Status) -> Self {
+    pub fn from_peer(node: &str, status: Status) -> Self {
         use tonic::Code;
         match status.code() {
             Code::Unavailable | Code::Unknown | Code::Cancelled => TransferError::Unreachable {
@@ -121,8 +117,9 @@ fn peer_status(node: &str, status: &Status) -> Status {
 /// Pushes a request's KV into a decode node's reservation.
 #[async_trait::async_trait]
 pub trait KvTransport: Send + Sync + Debug {
-    /// "grpc", "ucx" or "auto": what was configured (each sink says what it uses).
-    fn name(&self) -> &'static str;
+    /// "grpc", a transport's name or "auto": what was configured (each sink says what it
+    /// uses).
+    fn name(&self) -> &str;
     /// Starts a transfer into `target` on behalf of `prefill_node`.
     async fn open(
         &self,

@@ -1,44 +1,30 @@
-//! The decode node's side of UCX: the KV pool peers may write into, and the `UcxTarget` each
-//! reservation hands out — its prompt's blocks registered for remote write alone, under keys
-//! of their own, revoked when the reservation's KV is complete (`scope`).
+//! The receiving side of the transport seam: a decode node's KV pool offered to one
+//! transport's writers (`PoolOffer`), and each reservation's blocks granted to them as a
+//! revocable `Grant` whose descriptor the reservation's target carries.
 //!
-//! Peers put into the pool itself where UCX reaches its memory (host memory; a GPU's where
-//! UCX has a CUDA transport). Else they put into host staging blocks (`staging`), which the
-//! node copies into the pool at the commit; `KvPath` says which, in stats and traces.
-//!
-//! On one host a put still crosses a transport (TCP, or shared memory through a bounce
-//! buffer). So the pool — or its staging area — can live in shared memory that UCX allocates
-//! (`share_kv_pool`); a writer on the same host maps it once and copies each block in with
-//! one memcpy. The trade: such a writer could reach every block of it, not only its
-//! reservation's. It is an authenticated prefill or decode node on this host, where processes
-//! of one user can already reach each other's memory through the kernel (CMA, which UCX itself
-//! uses); it keeps to its target's blocks as a remote writer does, and `--kv-shared-pool false`
-//! turns the offer off.
+//! Writers put into the pool itself where the transport reaches its memory (host memory; a
+//! GPU's where the transport can). Else they put into host staging blocks (`staging`), which
+//! the node copies into the pool at the commit; `KvPath` says which, in stats and traces.
 
 use std::sync::Arc;
 
-use bytes::Bytes;
-use pdmesh_engine::Engine;
-use pdmesh_kv_types::{HostMemory, KvGeometry, MemoryKind, MemoryRegion};
-use pdmesh_proto::v1::{UcxRange, UcxTarget};
+use pdmesh_kv_types::MemoryKind;
+use pdmesh_proto::v1::TransportDescriptor;
 use serde::{Deserialize, Serialize};
 
-use crate::same_host::SharedOffer;
-use crate::scope::{self, Grant};
 use crate::staging::{StagedBlocks, StagingArea, StagingFull};
-use crate::ucx::{Access, UcxError, UcxNode};
 
 /// `kv_staging` in the decode config: whether peers put into the pool or into host staging
 /// blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvStaging {
-    /// Into the pool where UCX reaches its memory, else staged.
+    /// Into the pool where the transport reaches its memory, else staged.
     #[default]
     Auto,
-    /// Into the pool; a node whose pool UCX cannot reach does not start (with `ucx`).
+    /// Into the pool; a node whose pool the transport cannot reach does not start with it.
     Direct,
-    /// Always staged, even where UCX reaches the pool.
+    /// Always staged, even where the transport reaches the pool.
     Staged,
 }
 
@@ -51,8 +37,8 @@ impl KvStaging {
         }
     }
 
-    /// Whether a pool of `kind` is staged under this policy, given whether UCX reaches
-    /// that memory.
+    /// Whether a pool is staged under this policy, given whether the transport reaches its
+    /// memory.
     pub fn stages(self, reaches_pool: bool) -> bool {
         match self {
             KvStaging::Auto => !reaches_pool,
@@ -102,186 +88,64 @@ impl KvPath {
     }
 }
 
-/// Why a reservation's blocks could not be granted to peers.
-#[derive(Debug, thiserror::Error)]
-pub enum TargetError {
-    #[error(transparent)]
-    Ucx(#[from] UcxError),
-    /// Every staging block is taken: this reservation's KV comes over a stream instead.
-    #[error(transparent)]
-    StagingFull(#[from] StagingFull),
+/// How a decode node wants its pool offered (its `kv_staging*` and `kv_shared_pool`).
+#[derive(Debug, Clone, Copy)]
+pub struct PoolOptions {
+    pub staging: KvStaging,
+    /// Bytes of staging blocks, when staged (at most the pool's size).
+    pub staging_bytes: u64,
+    /// Whether writers on this host may be offered the pool mapped into them.
+    pub same_host: bool,
 }
 
-/// A reservation's blocks granted to peers.
+/// Memory granted to a transport's peers. Dropping it revokes the grant: nothing a peer
+/// holds reaches that memory any more (on hardware that enforces keys; see the transport).
+pub trait Grant: Send + Sync + std::fmt::Debug {
+    /// What a session names to show it writes this grant's memory (`KvHeader.grant`).
+    fn digest(&self) -> u64;
+}
+
+/// A reservation's blocks granted to writers.
 #[derive(Debug)]
 pub struct Granted {
-    /// What the writer is handed.
-    pub target: UcxTarget,
-    /// Keeps the target's ranges registered; dropping it revokes them.
-    pub grant: Grant,
+    /// What the writer is handed (`KvTarget.remote`).
+    pub descriptor: TransportDescriptor,
+    /// Keeps the blocks writable by peers until dropped.
+    pub grant: Box<dyn Grant>,
     /// Where the puts land when the pool is staged, to copy into the pool at the commit.
     /// Keep it until the writer's session has ended: its blocks are then reused.
     pub staged: Option<StagedBlocks>,
 }
 
-/// A KV pool peers may be granted access to.
-#[derive(Debug, Clone)]
-pub struct KvPool {
-    /// Keeps the worker (and its progress thread, which serves incoming puts) alive.
-    node: UcxNode,
-    /// What peers put into: the pool, or its staging area.
-    memory: MemoryRegion,
-    worker_address: Bytes,
-    bytes_per_block: u64,
-    /// Blocks of the engine's pool.
-    blocks: u32,
-    shared: Option<SharedOffer>,
-    staging: Option<Arc<StagingArea>>,
-    path: KvPath,
+/// Why a reservation's blocks could not be granted to peers.
+#[derive(Debug, thiserror::Error)]
+pub enum GrantError {
+    #[error("{0}")]
+    Failed(String),
+    /// Every staging block is taken: this reservation's KV comes over a stream instead.
+    #[error(transparent)]
+    StagingFull(#[from] StagingFull),
 }
 
-/// Moves `engine`'s KV pool into shared memory that `node` allocates, before the engine holds
-/// any KV. Returns what a writer on this host needs to map it (`KvPool::with_shared`).
-pub fn share_kv_pool(node: &UcxNode, engine: &mut Engine) -> Result<UcxRange, String> {
-    let (memory, range) = allocate_shared(node, engine.kv_bytes())?;
-    engine.rehome_kv(memory).map_err(|e| e.to_string())?;
-    Ok(range)
-}
-
-/// `len` zeroed bytes of shared memory that `node` allocates, and what a writer on this host
-/// needs to map them.
-pub fn allocate_shared(node: &UcxNode, len: usize) -> Result<(HostMemory, UcxRange), String> {
-    let a = node.allocate(len).map_err(|e| e.to_string())?;
-    let base = a.addr;
-    let keep: Arc<dyn std::any::Any + Send + Sync> = a.keep;
-    // SAFETY: UCX allocated at least `len` bytes at `base` (page-aligned shared memory,
-    // zero when fresh) that `keep` holds until dropped; the engine becomes their only user
-    // in this process.
-    #[allow(unsafe_code)]
-    let mut memory = unsafe { HostMemory::adopt(base, len, keep)? };
-    if std::env::var_os("UCX_ALLOC_PRIO").is_some() {
-        // An operator's allocation priority may pick memory that is not fresh.
-        memory.bytes_mut().fill(0);
-    }
-    Ok((memory, UcxRange { base: base as u64, len: len as u64, rkey: a.rkey }))
-}
-
-/// The KV pool in `memory` (blocks of `geometry`), reachable through `node`.
+/// A decode node's KV pool, offered to one transport's writers.
 ///
 /// Peers then write into the pool while the engine thread owns it, as a NIC's DMA would. The
 /// protocol confines those writes to a reservation's blocks between its session's accept and
 /// commit, which the engine neither reads nor writes in that window (and the commit reaches
-/// the engine thread through a channel, which orders the writes before any read). Rust's
-/// memory model does not describe memory written by another process; that is the trade.
-pub fn register_kv_pool(
-    node: &UcxNode,
-    memory: &MemoryRegion,
-    geometry: &KvGeometry,
-) -> Result<KvPool, UcxError> {
-    let bytes_per_block = geometry.bytes_per_block() as u64;
-    if memory.is_empty() || bytes_per_block == 0 {
-        return Err(UcxError::Usage("the KV pool is empty".into()));
-    }
-    probe(node, memory, bytes_per_block)?;
-    Ok(KvPool {
-        node: node.clone(),
-        memory: memory.clone(),
-        worker_address: node.address().clone(),
-        bytes_per_block,
-        blocks: (memory.len() as u64 / bytes_per_block) as u32,
-        shared: None,
-        staging: None,
-        path: KvPath::Direct(memory.kind()),
-    })
-}
-
-/// The KV pool `pool` (blocks of `geometry`), reached by peers through the host staging
-/// blocks of `area` (see `staging`).
-pub fn stage_kv_pool(
-    node: &UcxNode,
-    area: Arc<StagingArea>,
-    pool: &MemoryRegion,
-    geometry: &KvGeometry,
-) -> Result<KvPool, UcxError> {
-    let bytes_per_block = geometry.bytes_per_block() as u64;
-    if pool.is_empty() || bytes_per_block == 0 {
-        return Err(UcxError::Usage("the KV pool is empty".into()));
-    }
-    if area.bytes_per_block() as u64 != bytes_per_block {
-        return Err(UcxError::Usage(format!(
-            "staging blocks of {} bytes for KV blocks of {bytes_per_block}",
-            area.bytes_per_block()
-        )));
-    }
-    let memory = area.region();
-    probe(node, &memory, bytes_per_block)?;
-    Ok(KvPool {
-        node: node.clone(),
-        memory,
-        worker_address: node.address().clone(),
-        bytes_per_block,
-        blocks: (pool.len() as u64 / bytes_per_block) as u32,
-        shared: None,
-        staging: Some(area),
-        path: KvPath::Staged(pool.kind()),
-    })
-}
-
-/// One block registered and revoked now: a node that cannot register finds out at start, not
-/// at its first request.
-fn probe(node: &UcxNode, memory: &MemoryRegion, bytes_per_block: u64) -> Result<(), UcxError> {
-    drop(scope::grant(node, memory, &[0], bytes_per_block, Access::RemoteWrite)?);
-    Ok(())
-}
-
-impl KvPool {
-    /// The pool as `share_kv_pool` placed it: offered to writers on this host that prove it
-    /// (`same_host`). Without a secret to seal its key under, it is offered to none.
-    pub fn with_shared(mut self, shared: UcxRange) -> Self {
-        match SharedOffer::new(shared) {
-            Ok(o) => self.shared = Some(o),
-            Err(e) => tracing::warn!("KV pool not offered in shared memory, writers put: {e}"),
-        }
-        self
-    }
-
-    /// What a writer on this host needs to map the pool (or its staging area), when it is
-    /// shared.
-    pub fn shared(&self) -> Option<&SharedOffer> {
-        self.shared.as_ref()
-    }
-
+/// the engine thread through a channel, which orders the writes before any read).
+pub trait PoolOffer: Send + Sync + std::fmt::Debug {
+    /// The transport offering it (stats, spans, the descriptors' name).
+    fn transport(&self) -> &'static str;
     /// How peers' puts reach the pool.
-    pub fn path(&self) -> KvPath {
-        self.path
-    }
-
+    fn path(&self) -> KvPath;
     /// The staging area, when the pool is staged.
-    pub fn staging(&self) -> Option<&Arc<StagingArea>> {
-        self.staging.as_ref()
-    }
-
-    /// The target for a reservation whose prompt occupies `pool_blocks`, in prompt order,
-    /// and the grant that keeps the blocks it names (only) writable by peers until dropped:
-    /// the pool blocks themselves, or as many staging blocks.
-    pub fn target(&self, pool_blocks: &[u32]) -> Result<Granted, TargetError> {
-        if let Some(b) = pool_blocks.iter().find(|&&b| b >= self.blocks) {
-            let why = format!("block {b} is past the pool's {}", self.blocks);
-            return Err(UcxError::Usage(why).into());
-        }
-        let staged = match &self.staging {
-            Some(area) => Some(area.take(pool_blocks.len())?),
-            None => None,
-        };
-        let blocks = staged.as_ref().map_or(pool_blocks, |s| s.blocks());
-        let (ranges, block_addrs, grant) = scope::grant(
-            &self.node,
-            &self.memory,
-            blocks,
-            self.bytes_per_block,
-            Access::RemoteWrite,
-        )?;
-        let target = UcxTarget { worker_address: self.worker_address.clone(), block_addrs, ranges };
-        Ok(Granted { target, grant, staged })
+    fn staging(&self) -> Option<&Arc<StagingArea>>;
+    /// Grants the blocks of a reservation whose prompt occupies `pool_blocks`, in prompt
+    /// order: the pool blocks themselves, or as many staging blocks.
+    fn grant(&self, pool_blocks: &[u32]) -> Result<Granted, GrantError>;
+    /// What an accepted session tells a writer on this host beyond its grant (the pool
+    /// mapped into it), when the pool is offered so (`KvAccepted.direct`).
+    fn same_host(&self) -> Option<TransportDescriptor> {
+        None
     }
 }

@@ -1,8 +1,8 @@
 //! The prefill node's prefix cache, in two tiers. Its own LRU of recently computed or fetched
 //! blocks is looked up first (no network); the KV-store is asked only for the blocks after
-//! what the node holds. The store's blocks are read with UCX gets from its registered pool
-//! when both sides have UCX (the match pins them while they are read), else streamed over
-//! gRPC; a failed get falls back to the stream. After a prompt is computed, its new full
+//! what the node holds. The store's blocks are read with one-sided gets (UCX) from its
+//! registered pool when both sides run the same such transport (the match pins them while
+//! they are read), else streamed over gRPC; a failed get falls back to the stream. After a prompt is computed, its new full
 //! blocks go into the node's tier at once and to the KV-store in the background. Every
 //! failure of the KV-store (down, slow, refusing) only costs the cache: the prompt is then
 //! computed in full, a slower request and never a failed one.
@@ -19,13 +19,12 @@ use pdmesh_kv_types::{BlockHash, BlockHasher, KvLayout};
 
 use pdmesh_common::channels::ChannelCache;
 
-use crate::scope::Keys;
-use crate::ucx::{Peers, UcxNode};
+use crate::transport::RemoteReader;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
     KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
-    KvWriteHeader, PrefixCacheStats, UcxTarget,
+    KvWriteHeader, PrefixCacheStats,
 };
 use tokio::sync::Semaphore;
 use tracing::field::Empty;
@@ -116,9 +115,9 @@ struct Counters {
     store_hit_tokens: AtomicU64,
     miss_tokens: AtomicU64,
     store_failures: AtomicU64,
-    ucx_blocks: AtomicU64,
+    remote_blocks: AtomicU64,
     grpc_blocks: AtomicU64,
-    ucx_fallbacks: AtomicU64,
+    remote_fallbacks: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -129,14 +128,14 @@ pub struct PrefixCache {
     node_id: String,
     local: Option<Local>,
     store: Option<Store>,
-    /// Endpoints to the KV-store's pool, when this node runs UCX.
-    ucx: Option<Peers>,
+    /// Reads the KV-store's pool, when this node runs a one-sided transport.
+    remote: Option<Arc<dyn RemoteReader>>,
     counters: Counters,
 }
 
 impl PrefixCache {
     /// A cache holding up to `local_bytes` of blocks itself and backed by the KV-store at
-    /// `store` (dialled lazily), read by UCX through `ucx` when given. None when both tiers
+    /// `store` (dialled lazily), read through `remote` when given and the store offers it. None when both tiers
     /// are off.
     pub fn new(
         layout: KvLayout,
@@ -144,7 +143,7 @@ impl PrefixCache {
         local_bytes: u64,
         store: Option<&str>,
         timeout: Duration,
-        ucx: Option<UcxNode>,
+        remote: Option<Arc<dyn RemoteReader>>,
     ) -> Result<Option<Self>, CacheError> {
         let hasher = BlockHasher::new(&layout).ok_or(CacheError::NoBlockSize)?;
         let bytes_per_block = layout.bytes_per_block();
@@ -177,7 +176,7 @@ impl PrefixCache {
             node_id: node_id.to_string(),
             local,
             store,
-            ucx: ucx.map(Peers::new),
+            remote,
             counters: Counters::default(),
         }))
     }
@@ -197,9 +196,9 @@ impl PrefixCache {
             local_blocks,
             local_bytes: local_blocks * self.bytes_per_block as u64,
             store_failures: c.store_failures.load(Relaxed),
-            ucx_blocks: c.ucx_blocks.load(Relaxed),
+            remote_blocks: c.remote_blocks.load(Relaxed),
             grpc_blocks: c.grpc_blocks.load(Relaxed),
-            ucx_fallbacks: c.ucx_fallbacks.load(Relaxed),
+            remote_fallbacks: c.remote_fallbacks.load(Relaxed),
         }
     }
 
@@ -275,7 +274,7 @@ impl PrefixCache {
             layout: Some(self.layout.into()),
             hashes,
             lease_ms: 0,
-            want_ucx: self.ucx.is_some(),
+            transports: self.remote.iter().map(|r| r.transport().to_string()).collect(),
         };
         let m = c.r#match(req).await?.into_inner();
         if m.blocks == 0 {
@@ -291,16 +290,24 @@ impl PrefixCache {
         }
         let lease = m.lease;
         let read = async {
-            if let (Some(peers), Some(t)) = (&self.ucx, &m.ucx) {
-                match self.get(peers, t, m.blocks as usize).await {
-                    Ok(blocks) => {
-                        self.counters.ucx_blocks.fetch_add(blocks.len() as u64, Relaxed);
-                        Span::current().record("kvstore_transport", "ucx");
+            let remote = self.remote.as_ref().zip(m.remote.as_ref());
+            if let Some((r, d)) = remote.filter(|(r, d)| r.transport() == d.transport) {
+                let bpb = self.bytes_per_block as u64;
+                match r.read(d, m.blocks as usize, bpb).await {
+                    Ok(blocks) if blocks.len() == m.blocks as usize => {
+                        self.counters.remote_blocks.fetch_add(blocks.len() as u64, Relaxed);
+                        Span::current().record("kvstore_transport", r.transport());
                         return Ok(blocks);
                     }
+                    Ok(blocks) => {
+                        self.counters.remote_fallbacks.fetch_add(1, Relaxed);
+                        let n = blocks.len();
+                        tracing::warn!("{n} blocks read of {}, streaming instead", m.blocks);
+                    }
                     Err(e) => {
-                        self.counters.ucx_fallbacks.fetch_add(1, Relaxed);
-                        tracing::warn!("UCX read from the KV-store failed, streaming instead: {e}");
+                        self.counters.remote_fallbacks.fetch_add(1, Relaxed);
+                        let t = r.transport();
+                        tracing::warn!("{t} read from the KV-store failed, streaming instead: {e}");
                     }
                 }
             }
@@ -335,40 +342,6 @@ impl PrefixCache {
             .in_current_span(),
         );
         read
-    }
-
-    /// Reads the `blocks` matched blocks that `t` locates with UCX gets, all in flight at once.
-    async fn get(&self, peers: &Peers, t: &UcxTarget, blocks: usize) -> Result<Vec<Bytes>, String> {
-        if t.block_addrs.len() != blocks {
-            return Err(format!(
-                "the store named {} addresses for {blocks} blocks",
-                t.block_addrs.len()
-            ));
-        }
-        let bpb = self.bytes_per_block as u64;
-        crate::scope::check(&t.ranges, &t.block_addrs, bpb).map_err(|e| e.to_string())?;
-        let peer = peers.get(&t.worker_address).await.map_err(|e| e.to_string())?;
-        let keys = Keys::unpack(&peer.ep, &t.ranges).await.map_err(|e| {
-            peers.evict(&peer);
-            e.to_string()
-        })?;
-        let mut pending = Vec::with_capacity(blocks);
-        for &a in &t.block_addrs {
-            let key =
-                keys.key(a, bpb).ok_or_else(|| format!("block at {a:#x} outside the lease"))?;
-            pending.push(peer.ep.get(self.bytes_per_block, a, key));
-        }
-        let mut out = Vec::with_capacity(blocks);
-        for p in pending {
-            match p.await {
-                Ok(data) => out.push(Bytes::from(data)),
-                Err(e) => {
-                    peers.evict(&peer);
-                    return Err(e.to_string());
-                }
-            }
-        }
-        Ok(out)
     }
 
     /// Keeps `blocks`, the prompt's full blocks from `first` on, in the node's tier at once

@@ -87,9 +87,11 @@ impl TransferStats {
                 t.seconds
             }),
             fam("transfer_failures", "KV transfers that failed.", &|t| t.failures as f64),
-            fam("transfer_fallbacks", "Transfers that wanted UCX and used gRPC.", &|t| {
-                t.fallbacks as f64
-            }),
+            fam(
+                "transfer_fallbacks",
+                "Transfers that wanted a one-sided transport (UCX) and used gRPC.",
+                &|t| t.fallbacks as f64,
+            ),
             fam(
                 "transfer_stalls",
                 "Transfers whose session made no progress within its bound, given up and sent again over gRPC.",

@@ -16,8 +16,8 @@ pub enum StartError {
     Layout(String),
     #[error("the pool: {0}")]
     Pool(String),
-    #[error("kv_transport = ucx: {0}")]
-    Ucx(#[from] pdmesh_kv_transfer::ucx::UcxError),
+    #[error("kv_transport: {0}")]
+    Transport(String),
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
 }

@@ -46,14 +46,14 @@ pub async fn run(
     layout.validate().map_err(|e| pdmesh_common::InvalidConfig::new("kv_dtype", e))?;
     let budget = usize::try_from(config.budget_bytes)
         .map_err(|_| pdmesh_common::InvalidConfig::new("budget_bytes", "is too large"))?;
-    let ucx = config.kv_transport.start_ucx(&node_id)?;
+    let fabric = config.kv_transport.start(&node_id).map_err(StartError::Transport)?;
     let service = KvStoreService::new(
         &node_id,
         layout,
         budget,
         Duration::from_millis(config.lease_ms),
         Duration::from_millis(config.max_lease_ms),
-        ucx,
+        fabric.as_deref(),
     )?;
     metrics.register_snapshot({
         let service = service.clone();

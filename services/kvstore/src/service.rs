@@ -12,14 +12,13 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use pdmesh_kv_transfer::check_layout;
-use pdmesh_kv_transfer::scope::{self, Grant};
-use pdmesh_kv_transfer::ucx::{Access, UcxNode};
-use pdmesh_kv_types::{BlockHash, HostMemory, KvLayout, MemoryRegion};
+use pdmesh_kv_transfer::{Fabric, Grant, ReadOffer};
+use pdmesh_kv_types::{BlockHash, HostMemory, KvLayout};
 use pdmesh_proto::v1::kv_store_server::KvStore;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
     KvMatchRequest, KvMatchResponse, KvReadRequest, KvReleaseMatchRequest, KvReleaseMatchResponse,
-    KvStoreBlock, KvStoreStats, KvWriteChunk, KvWriteResponse, StatsRequest, UcxTarget,
+    KvStoreBlock, KvStoreStats, KvWriteChunk, KvWriteResponse, StatsRequest,
 };
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
@@ -34,9 +33,9 @@ pub const MAX_CHAIN: usize = 65_536;
 struct State {
     store: Store,
     pool: HostMemory,
-    /// Remote read access to each UCX lease's blocks, by lease key: dropped (revoked) with
-    /// the lease.
-    grants: HashMap<u64, Grant>,
+    /// Remote read access to each lease's blocks, by lease key: dropped (revoked) with the
+    /// lease.
+    grants: HashMap<u64, Box<dyn Grant>>,
 }
 
 impl State {
@@ -56,43 +55,34 @@ pub struct KvStoreService {
     block_bytes: usize,
     default_lease: Duration,
     max_lease: Duration,
-    /// UCX, when the store offers reads by get: each match's blocks are registered for
-    /// remote read under its lease alone.
-    ucx: Option<UcxPool>,
+    /// A one-sided transport, when the store offers reads by get: each match's blocks are
+    /// registered for remote read under its lease alone.
+    reads: Option<Arc<dyn ReadOffer>>,
     state: Arc<Mutex<State>>,
 }
 
-#[derive(Debug, Clone)]
-struct UcxPool {
-    /// Keeps the worker (and its progress thread) running while the service serves.
-    node: UcxNode,
-    memory: MemoryRegion,
-}
-
 impl KvStoreService {
-    /// A store of `budget_bytes` for blocks of `layout`, its pool registered with `ucx` when
-    /// given. Fails when the layout is unusable or the pool cannot be allocated or registered.
+    /// A store of `budget_bytes` for blocks of `layout`, its pool offered for reads through
+    /// `fabric` when given. Fails when the layout is unusable or the pool cannot be allocated
+    /// or offered.
     pub fn new(
         node_id: &str,
         layout: KvLayout,
         budget_bytes: usize,
         default_lease: Duration,
         max_lease: Duration,
-        ucx: Option<UcxNode>,
+        fabric: Option<&dyn Fabric>,
     ) -> Result<Self, StartError> {
         layout.validate().map_err(StartError::Layout)?;
         let block_bytes = layout.bytes_per_block();
         let store = Store::new(budget_bytes, block_bytes, layout.block_size());
         let len = store.capacity() * block_bytes;
         let pool = HostMemory::zeroed(len).map_err(StartError::Pool)?;
-        let ucx = match ucx {
-            Some(node) if len > 0 => {
-                let memory = pool.region();
-                // One block granted and revoked now: a store that cannot register finds out
-                // at start, not at its first match.
-                drop(scope::grant(&node, &memory, &[0], block_bytes as u64, Access::RemoteRead)?);
-                Some(UcxPool { node, memory })
-            }
+        let reads = match fabric {
+            Some(f) if len > 0 => Some(
+                f.offer_reads(&pool.region(), block_bytes as u64)
+                    .map_err(|e| StartError::Transport(format!("{}: {e}", f.name())))?,
+            ),
             _ => None,
         };
         Ok(Self {
@@ -101,7 +91,7 @@ impl KvStoreService {
             block_bytes,
             default_lease,
             max_lease,
-            ucx,
+            reads,
             state: Arc::new(Mutex::new(State { store, pool, grants: HashMap::new() })),
         })
     }
@@ -171,19 +161,18 @@ impl KvStore for KvStoreService {
         let mut st = self.state();
         st.sweep(now);
         let m = st.store.match_prefix(&chain, lease, now);
-        let ucx = match (&self.ucx, m.lease) {
-            (Some(u), Some(lease)) if r.want_ucx => {
+        let reads = self.reads.as_ref().filter(|o| r.transports.iter().any(|t| t == o.transport()));
+        let remote = match (reads, m.lease) {
+            (Some(o), Some(lease)) => {
                 let slots: Vec<u32> = m.blocks.iter().map(|&(_, slot)| slot).collect();
-                let bpb = self.block_bytes as u64;
-                match scope::grant(&u.node, &u.memory, &slots, bpb, Access::RemoteRead) {
-                    Ok((ranges, block_addrs, grant)) => {
+                match o.grant(&slots) {
+                    Ok((descriptor, grant)) => {
                         st.grants.insert(lease.key(), grant);
-                        let worker_address = u.node.address().clone();
-                        Some(UcxTarget { worker_address, block_addrs, ranges })
+                        Some(descriptor)
                     }
                     Err(e) => {
                         // The caller reads over gRPC instead.
-                        tracing::warn!("cannot grant UCX reads of a match: {e}");
+                        tracing::warn!("cannot grant {} reads of a match: {e}", o.transport());
                         None
                     }
                 }
@@ -194,11 +183,15 @@ impl KvStore for KvStoreService {
         let span = tracing::Span::current();
         trace::attr(&span, "chain_blocks", chain.len() as i64);
         trace::attr(&span, "matched_blocks", m.blocks.len() as i64);
-        trace::attr(&span, "ucx", ucx.is_some());
+        trace::attr(
+            &span,
+            "remote",
+            remote.as_ref().map_or(String::new(), |d| d.transport.clone()),
+        );
         Ok(Response::new(KvMatchResponse {
             lease: m.lease.map(|c| c.to_string()).unwrap_or_default(),
             blocks: m.blocks.len() as u32,
-            ucx,
+            remote,
         }))
     }
 
@@ -390,7 +383,7 @@ mod tests {
             layout: Some(layout.into()),
             hashes: hashes(&chain),
             lease_ms: 60_000,
-            want_ucx: false,
+            transports: Vec::new(),
         };
         let lease = s.r#match(Request::new(m)).await.unwrap().into_inner().lease;
         let read = KvReadRequest { lease: lease.clone() };
@@ -411,7 +404,7 @@ mod tests {
             layout: Some(layout.into()),
             hashes: hashes(&[h, BlockHash(10), h]),
             lease_ms: 0,
-            want_ucx: false,
+            transports: Vec::new(),
         };
         let e = s.r#match(Request::new(m)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::InvalidArgument);

@@ -1,13 +1,12 @@
 //! The KvStore gRPC service in-process: two writers of the same blocks store them once, a
-//! match pins the stored prefix and reads (streamed, or UCX gets from the registered pool)
-//! give back the bytes written, and every bad input gets a precise status.
+//! match pins the stored prefix and streamed reads give back the bytes written, and every
+//! bad input gets a precise status. (Reads by UCX get: kv-ucx's `tests/store.rs`.)
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdmesh_kv_transfer::ucx::{Peers, UcxNode};
 use pdmesh_kv_types::{BlockHasher, KvDtype, KvGeometry, KvLayout};
 use pdmesh_kvstore::KvStoreService;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
@@ -32,17 +31,13 @@ fn wire() -> pdmesh_proto::v1::KvLayout {
 }
 
 async fn serve(budget_blocks: usize) -> KvStoreClient<Channel> {
-    serve_with(budget_blocks, None).await
-}
-
-async fn serve_with(budget_blocks: usize, ucx: Option<UcxNode>) -> KvStoreClient<Channel> {
     let svc = KvStoreService::new(
         "kvstore-0",
         layout(),
         budget_blocks * 256,
         Duration::from_secs(10),
         Duration::from_secs(60),
-        ucx,
+        None,
     )
     .unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -96,7 +91,7 @@ async fn blocks_written_twice_are_stored_once_and_read_back() {
             layout: Some(wire()),
             hashes: chain(&longer),
             lease_ms: 0,
-            want_ucx: false,
+            transports: Vec::new(),
         })
         .await
         .unwrap()
@@ -130,7 +125,7 @@ async fn bad_input_gets_a_precise_status() {
             layout: Some(other.clone()),
             hashes: vec![],
             lease_ms: 0,
-            want_ucx: false,
+            transports: Vec::new(),
         })
         .await
         .unwrap_err();
@@ -141,7 +136,7 @@ async fn bad_input_gets_a_precise_status() {
             layout: Some(wire()),
             hashes: vec![Bytes::from_static(&[0; 16]), Bytes::from_static(&[1; 3])],
             lease_ms: 0,
-            want_ucx: false,
+            transports: Vec::new(),
         })
         .await
         .unwrap_err();
@@ -172,8 +167,12 @@ async fn bad_input_gets_a_precise_status() {
     // With both stored blocks pinned by a match, a new block finds no room: refused, not
     // failed, and nothing pinned is dropped.
     let tail = chain(&[50, 51, 52, 53]);
-    let tail_match =
-        KvMatchRequest { layout: Some(wire()), hashes: tail.clone(), lease_ms: 0, want_ucx: false };
+    let tail_match = KvMatchRequest {
+        layout: Some(wire()),
+        hashes: tail.clone(),
+        lease_ms: 0,
+        transports: Vec::new(),
+    };
     let r = c.write(tokio_stream::iter(write_msgs(&tail, &[block(4)]))).await.unwrap();
     assert_eq!(r.into_inner().stored, 1, "evicts the older of the two");
     let pin = c.r#match(tail_match).await.unwrap().into_inner();
@@ -181,7 +180,7 @@ async fn bad_input_gets_a_precise_status() {
         layout: Some(wire()),
         hashes: hashes.clone(),
         lease_ms: 0,
-        want_ucx: false,
+        transports: Vec::new(),
     };
     let m2 = c.r#match(last).await.unwrap().into_inner();
     assert_eq!((pin.blocks, m2.blocks), (1, 0), "block 0 of the chain was evicted");
@@ -193,50 +192,10 @@ async fn bad_input_gets_a_precise_status() {
         layout: Some(wire()),
         hashes: other.clone(),
         lease_ms: 0,
-        want_ucx: false,
+        transports: Vec::new(),
     };
     c.r#match(pin2).await.unwrap();
     let r = c.write(tokio_stream::iter(write_msgs(&again, &[block(6)]))).await.unwrap();
     assert_eq!(r.into_inner().full, 1, "every slot pinned: refused");
     assert_eq!(c.stats(StatsRequest {}).await.unwrap().into_inner().pinned_blocks, 2);
-}
-
-/// A caller that asks for UCX gets the pinned blocks' addresses and reads the same bytes with
-/// one-sided gets under keys registered for that lease alone (read-only ranges covering only
-/// its blocks); a caller that does not ask, or a store without UCX, gets no addresses.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn matched_blocks_are_read_by_ucx_get() {
-    let mut c = serve_with(8, Some(UcxNode::start("kvstore-test").unwrap())).await;
-    let tokens: Vec<u32> = (0..16).collect(); // 4 full blocks
-    let hashes = chain(&tokens);
-    let data: Vec<Bytes> = (1..=4).map(block).collect();
-    c.write(tokio_stream::iter(write_msgs(&hashes, &data))).await.unwrap();
-    let ask = |want_ucx| KvMatchRequest {
-        layout: Some(wire()),
-        hashes: hashes[..3].to_vec(),
-        lease_ms: 0,
-        want_ucx,
-    };
-    assert!(c.r#match(ask(false)).await.unwrap().into_inner().ucx.is_none());
-    let m = c.r#match(ask(true)).await.unwrap().into_inner();
-    let t = m.ucx.expect("a store with UCX answers with addresses");
-    assert_eq!((m.blocks, t.block_addrs.len()), (3, 3));
-    // The lease's three blocks are granted, and nothing else: the fourth stored block's
-    // address lies outside every range.
-    pdmesh_kv_transfer::scope::check(&t.ranges, &t.block_addrs, 256).unwrap();
-    let total: u64 = t.ranges.iter().map(|r| r.len).sum();
-    assert_eq!(total, 3 * 256, "{:?}", t.ranges);
-    let peers = Peers::new(UcxNode::start("reader").unwrap());
-    let p = peers.get(&t.worker_address).await.unwrap();
-    let keys = pdmesh_kv_transfer::scope::Keys::unpack(&p.ep, &t.ranges).await.unwrap();
-    let pending: Vec<_> =
-        t.block_addrs.iter().map(|&a| p.ep.get(256, a, keys.key(a, 256).unwrap())).collect();
-    for (i, g) in pending.into_iter().enumerate() {
-        assert_eq!(g.await.unwrap(), data[i].to_vec(), "block {i}");
-    }
-    c.release_match(KvReleaseMatchRequest { lease: m.lease.clone() }).await.unwrap();
-
-    let mut plain = serve(8).await;
-    plain.write(tokio_stream::iter(write_msgs(&hashes, &data))).await.unwrap();
-    assert!(plain.r#match(ask(true)).await.unwrap().into_inner().ucx.is_none());
 }

@@ -48,8 +48,8 @@ pub enum StartError {
     Engine(#[from] pdmesh_engine::Error),
     #[error("the engine load task: {0}")]
     Load(#[from] tokio::task::JoinError),
-    #[error("kv_transport = ucx: {0}")]
-    Ucx(#[from] pdmesh_kv_transfer::ucx::UcxError),
+    #[error("kv_transport: {0}")]
+    Transport(String),
     #[error("the prefix cache: {0}")]
     Cache(#[from] pdmesh_kv_transfer::CacheError),
     #[error("starting the engine thread: {0}")]

@@ -63,7 +63,7 @@ pub async fn run(
     .map_err(StartError::Thread)?;
     let transferring = Arc::new(AtomicU32::new(0));
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let ucx = config.kv_transport.start_ucx(&node_id)?;
+    let fabric = config.kv_transport.start(&node_id).map_err(StartError::Transport)?;
     let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
     let cache = PrefixCache::new(
         layout,
@@ -71,7 +71,7 @@ pub async fn run(
         config.cache_bytes,
         config.kvstore.as_deref(),
         Duration::from_millis(config.kvstore_timeout_ms),
-        ucx.clone(),
+        fabric.as_ref().map(|f| f.reader()),
     )?
     .map(Arc::new);
     let cache_blocks = cache.as_ref().map_or(0, |c| c.local_capacity());
@@ -90,8 +90,8 @@ pub async fn run(
     // Checked by `validate`.
     let stall = config.stall().unwrap_or_default();
     let transport = pdmesh_kv_transfer::AutoTransport::with_stall(
-        config.kv_transport,
-        ucx,
+        config.kv_transport.clone(),
+        fabric.as_ref(),
         Arc::clone(&stats),
         stall,
     );
@@ -202,7 +202,7 @@ fn metric_families(
             "Blocks read from the KV-store, by transport.",
             "transport",
             Counter,
-            &[("ucx", p.ucx_blocks), ("grpc", p.grpc_blocks)],
+            &[("remote", p.remote_blocks), ("grpc", p.grpc_blocks)],
         ));
         v.push(Family::one(
             "pdmesh_prefill_prefix_cache_blocks",

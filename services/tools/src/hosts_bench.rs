@@ -107,7 +107,7 @@ fn pki() -> anyhow::Result<Pki> {
             ("bench", MeshRole::Admin),
         ],
     )?;
-    std::fs::write(dir.path().join("seal.key"), pdmesh_kv_transfer::ucx::new_seal_key())?;
+    std::fs::write(dir.path().join("seal.key"), pdmesh_kv_ucx::new_seal_key())?;
     let tenant = pdmesh_common::apikey::Tenant {
         tenant: "bench".into(),
         max_in_flight: None,

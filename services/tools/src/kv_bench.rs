@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Args;
-use pdmesh_kv_transfer::{AutoTransport, KvPiece, KvTransport, TransferStats, TransportKind};
+use pdmesh_kv_transfer::{
+    AutoTransport, Fabric, KvPiece, KvTransport, TransferStats, TransportKind,
+};
 use pdmesh_kv_types::block_checksum;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::{ReleaseRequest, ReserveRequest, StatsRequest};
@@ -266,9 +268,9 @@ async fn setup(
         Some(MeshTls::load(certs.path(), "bench-router")?)
     };
     let seal = certs.path().join("seal.key");
-    std::fs::write(&seal, pdmesh_kv_transfer::ucx::new_seal_key())?;
-    let key = pdmesh_kv_transfer::ucx::read_seal_key(&seal).map_err(anyhow::Error::msg)?;
-    pdmesh_kv_transfer::ucx::set_seal_key(&key);
+    std::fs::write(&seal, pdmesh_kv_ucx::new_seal_key())?;
+    let key = pdmesh_kv_ucx::read_seal_key(&seal).map_err(anyhow::Error::msg)?;
+    pdmesh_kv_ucx::set_seal_key(&key);
     args.extend(["--seal-key".into(), seal.display().to_string()]);
     let mut nodes = Vec::new();
     for shared in shared {
@@ -336,13 +338,15 @@ async fn time_path(
 ) -> anyhow::Result<f64> {
     let (blocks, bpb, bytes) = (s.blocks, s.bpb, s.bytes);
     let client = &mut s.nodes[node].1;
-    let ucx = match kind {
+    let fabric: Option<Arc<dyn Fabric>> = match kind {
         TransportKind::Grpc => None,
         _ => {
-            Some(pdmesh_kv_transfer::ucx::UcxNode::start("bench-prefill").context("starting UCX")?)
+            let node = pdmesh_kv_ucx::UcxNode::start("bench-prefill").context("starting UCX")?;
+            Some(Arc::new(pdmesh_kv_ucx::Ucx::new(node)))
         }
     };
-    let transport = AutoTransport::new(kind, ucx, Arc::new(TransferStats::new()));
+    let transport =
+        AutoTransport::new(kind.clone(), fabric.as_ref(), Arc::new(TransferStats::new()));
     let mut times = Vec::new();
     for rep in 0..a.reps + 1 {
         // The first transfer is verified by the decode node and not timed.
@@ -399,7 +403,9 @@ async fn across_hosts(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<()> {
     for &mbit in &a.link_mbit {
         let link = (mbit > 0).then_some(mbit);
         hosts.shape("kv-decode", link).map_err(anyhow::Error::msg)?;
-        for (path, kind) in [("ucx-put", TransportKind::Ucx), ("grpc", TransportKind::Grpc)] {
+        for (path, kind) in
+            [("ucx-put", TransportKind::named("ucx")), ("grpc", TransportKind::Grpc)]
+        {
             if !a.paths.iter().any(|p| p == path) {
                 continue;
             }
@@ -455,8 +461,8 @@ async fn bench(a: &KvBenchArgs, insecure: bool) -> anyhow::Result<Report> {
     let mut ms = Vec::new();
     // (path, transport, decode node: 0 shares its pool, 1 does not)
     for (path, kind, node) in [
-        ("ucx", TransportKind::Ucx, 0),
-        ("ucx-put", TransportKind::Ucx, 1),
+        ("ucx", TransportKind::named("ucx"), 0),
+        ("ucx-put", TransportKind::named("ucx"), 1),
         ("grpc", TransportKind::Grpc, 0),
     ] {
         if a.paths.iter().any(|p| p == path) {

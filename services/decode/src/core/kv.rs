@@ -5,19 +5,18 @@
 use std::time::{Duration, Instant};
 
 use pdmesh_common::ids::Capability;
-use pdmesh_kv_transfer::{StagedBlocks, Target};
+use pdmesh_kv_transfer::{Grant, StagedBlocks, Target};
 
 use super::{DecodeCore, DecodeError, Phase, Reservation};
 
 impl DecodeCore {
-    /// Keeps `grant` (remote access to reservation `id`'s blocks, whose ranges have
-    /// `digest`) until its KV is complete or it ends. False, dropping the grant at once, when
-    /// there is no such reservation.
-    pub fn hold(&mut self, id: u64, grant: Box<dyn std::any::Any + Send>, digest: u64) -> bool {
+    /// Keeps `grant` (remote access to reservation `id`'s blocks) until its KV is complete or
+    /// it ends. False, dropping the grant at once, when there is no such reservation.
+    pub fn hold(&mut self, id: u64, grant: Box<dyn Grant>) -> bool {
         match self.reservations.get_mut(&id) {
             Some(r) if !matches!(r.phase, Phase::Quarantined) => {
+                r.granted = Some(grant.digest());
                 r.remote = Some(grant);
-                r.granted = Some(digest);
                 true
             }
             _ => false,

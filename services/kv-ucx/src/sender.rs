@@ -1,4 +1,4 @@
-//! The UCX KV transport, both halves. The data path is one-sided: the prefill node puts each block (or each
+//! The UCX KV transport's sending half. The data path is one-sided: the prefill node puts each block (or each
 //! layer of each block, while later layers still compute) straight into the decode node's
 //! registered KV pool at the addresses its reservation named. The control path is the decode
 //! node's `KvSession` gRPC stream: open (the decode node accepts before any byte moves), then
@@ -14,21 +14,22 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
+use pdmesh_kv_transfer::{
+    Finished, GrpcTransport, KvPiece, KvSink, KvTransport, StallBound, TransferError,
+};
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::{
-    KvAbandon, KvAbandoned, KvAccepted, KvCommitted, KvEnd, KvHeader, KvSessionEvent,
-    KvSessionRequest, KvTarget, kv_session_event, kv_session_request,
+    KvAbandon, KvEnd, KvHeader, KvSessionEvent, KvSessionRequest, KvTarget, kv_session_event,
+    kv_session_request,
 };
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Streaming;
 
-use crate::grpc::GrpcTransport;
-use crate::inbox::{self, ClosedOnDrop, KvInbox};
+use crate::descriptor::{self, UcxShared, UcxTarget};
 use crate::scope::Keys;
 use crate::ucx::{Mapped, Peer, Peers, Pending, UcxError, UcxNode};
-use crate::{Finished, KvPiece, KvSink, KvTransport, StallBound, TransferError};
 
 /// Puts a transfer keeps in flight before it waits for the oldest ones.
 const MAX_PENDING: usize = 1024;
@@ -37,12 +38,6 @@ const MAX_COPIES: usize = 8;
 
 /// How long an abandoned session waits for its puts before its endpoint is let go.
 const QUIESCE: Duration = Duration::from_secs(30);
-/// How long a decode node keeps the blocks of a session whose stream broke, for what the
-/// network may still hold. A dead writer's bytes are gone in milliseconds; a partition that
-/// outlasts this with puts still queued in the writer's kernel is the case it does not
-/// cover (UCX offers no way to close one peer's TCP connection from this side).
-const LATE_PUTS: Duration = Duration::from_secs(10);
-
 #[derive(Debug)]
 pub struct UcxTransport {
     grpc: Arc<GrpcTransport>,
@@ -73,8 +68,8 @@ fn unreachable(node: &str, reason: impl ToString) -> TransferError {
 
 #[async_trait::async_trait]
 impl KvTransport for UcxTransport {
-    fn name(&self) -> &'static str {
-        "ucx"
+    fn name(&self) -> &str {
+        descriptor::NAME
     }
 
     async fn open(
@@ -83,10 +78,11 @@ impl KvTransport for UcxTransport {
         prefill_node: &str,
     ) -> Result<Box<dyn KvSink>, TransferError> {
         let node = target.decode_node.clone();
-        let ucx = target
-            .ucx
-            .as_ref()
-            .ok_or_else(|| no_endpoint(&node, "the decode node offers no UCX target"))?;
+        let ucx: UcxTarget = match &target.remote {
+            Some(d) if d.transport == descriptor::NAME => descriptor::open(d)
+                .map_err(|reason| TransferError::BadTarget { node: node.clone(), reason })?,
+            _ => return Err(no_endpoint(&node, "the decode node offers no UCX target")),
+        };
         let wire_layout = target.layout.clone().unwrap_or_default();
         let layout = pdmesh_proto::layout_from_wire(&wire_layout).map_err(|e| {
             TransferError::BadTarget { node: node.clone(), reason: format!("the target's {e}") }
@@ -131,7 +127,7 @@ impl KvTransport for UcxTransport {
                 .into_inner();
             match events.message().await {
                 Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Accepted(a)) })) => {
-                    Ok((events, a.shared.map(|sh| (sh, a.key_file))))
+                    Ok((events, a.direct))
                 }
                 Ok(_) => Err(unreachable(&node, "the session ended before it was accepted")),
                 Err(s) => Err(TransferError::from_peer(&node, s)),
@@ -156,7 +152,10 @@ impl KvTransport for UcxTransport {
         // The decode node offers its pool's shared memory to a writer on its host: mapped
         // here, blocks go in by one memcpy each. Should this process not be able to open its
         // key (not the node's user on its host) or UCX not map it, puts carry them.
-        let mapped = match shared {
+        let shared = shared.map(|d| descriptor::open::<UcxShared>(&d)).transpose();
+        let shared =
+            shared.map_err(|reason| TransferError::BadTarget { node: node.clone(), reason })?;
+        let mapped = match shared.and_then(|s| s.range.map(|r| (r, s.key_file))) {
             Some((sh, key_file)) => {
                 let open = |k: &bytes::Bytes| {
                     crate::same_host::open(&key_file, k).map_err(UcxError::Usage)
@@ -335,7 +334,7 @@ impl UcxSink {
 #[async_trait::async_trait]
 impl KvSink for UcxSink {
     fn transport(&self) -> &'static str {
-        "ucx"
+        descriptor::NAME
     }
 
     fn layered(&self) -> bool {
@@ -449,7 +448,7 @@ impl KvSink for UcxSink {
         };
         match answer {
             Ok(Some(KvSessionEvent { event: Some(kv_session_event::Event::Committed(c)) })) => {
-                Ok(Finished { bytes: c.bytes.max(self.bytes), transport: "ucx" })
+                Ok(Finished { bytes: c.bytes.max(self.bytes), transport: descriptor::NAME })
             }
             Ok(_) => Err(unreachable(&self.node, "the session ended before the commit")),
             Err(s) => Err(TransferError::from_peer(&self.node, s)),
@@ -505,7 +504,7 @@ impl Drop for UcxSink {
             }
             peers.evict(&peer);
             // Cancelled rather than ended: the decode node keeps the blocks a while longer
-            // (`LATE_PUTS`), since nothing says what is still on the way.
+            // (kv-transfer's `session`), since nothing says what is still on the way.
             drop(events);
             drop(tx);
         };
@@ -518,162 +517,5 @@ impl Drop for UcxSink {
                 "UCX transfer dropped outside a runtime; ending its session now"
             ),
         }
-    }
-}
-
-/// The events a decode node's side of a UCX session sends.
-pub type SessionEvents = std::pin::Pin<
-    Box<dyn tokio_stream::Stream<Item = Result<KvSessionEvent, tonic::Status>> + Send>,
->;
-
-/// The receiving half: a `KvSession` into `inbox`'s reservation. The session is accepted
-/// before any byte moves; the prefill node then puts into the reservation's blocks and
-/// commits; the end of the stream (however it ends) tells the node the writer can put no
-/// more, and an end before the commit fails the reservation.
-pub async fn accept_session(
-    inbox: Arc<dyn KvInbox>,
-    req: tonic::Request<Streaming<KvSessionRequest>>,
-) -> Result<tonic::Response<SessionEvents>, tonic::Status> {
-    use tonic::Status;
-    use tracing::Instrument;
-    // The offer goes only where the addresses say one host; what keeps its key from anyone
-    // else is the secret it is sealed under (`same_host`).
-    let shared =
-        if same_host(req.local_addr(), req.remote_addr()) { inbox.shared_pool() } else { None };
-    let (shared, key_file) = shared.map(|o| o.offer()).unzip();
-    let mut inbound = req.into_inner();
-    let header = match inbound.message().await? {
-        Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Open(h)) }) => Some(h),
-        _ => None,
-    };
-    let span = inbox::receive_span(&*inbox, header.as_ref(), "ucx");
-    let started = std::time::Instant::now();
-    let (id, from) =
-        pdmesh_common::trace::in_span(&span, inbox::open(&*inbox, header, true)).await?;
-    let closed = ClosedOnDrop { inbox: Arc::clone(&inbox), id };
-    let (events, rx) = mpsc::channel(2);
-    let accepted = KvSessionEvent {
-        event: Some(kv_session_event::Event::Accepted(KvAccepted {
-            shared,
-            key_file: key_file.unwrap_or_default(),
-        })),
-    };
-    let _ = events.try_send(Ok(accepted));
-    let session = async move {
-        // Whether the stream broke rather than being ended by the writer: then nothing says
-        // its puts are over.
-        let mut broke = false;
-        // Until the commit (or the end of the stream) the prefill node may be putting.
-        let outcome = match inbound.message().await {
-            Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Commit(e)) })) => {
-                let blocks = e.blocks as usize;
-                let bytes = blocks as u64 * inbox.layout().bytes_per_block() as u64;
-                let r = inbox.end(id, blocks, e.checksums).await;
-                let secs = started.elapsed().as_secs_f64();
-                inbox.stats().record("ucx", r.as_ref().ok().map(|_| bytes), secs);
-                if let Ok(Some(d)) = r {
-                    inbox.stats().staged("ucx", d.as_secs_f64());
-                }
-                let unstaged = r.as_ref().ok().copied().flatten();
-                inbox::received(&tracing::Span::current(), blocks, bytes, secs, unstaged);
-                r.map_or_else(Ended::Failed, |_| Ended::Committed(bytes))
-            }
-            Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Abandon(a)) })) => {
-                tracing::info!(reservation = id, from, "UCX writer gave up: {}", a.reason);
-                pdmesh_common::trace::event(
-                    &tracing::Span::current(),
-                    "kv.abandoned",
-                    &[("reason", a.reason.clone())],
-                );
-                inbox.writer_abandoned(id).await.map_or_else(Ended::Failed, |()| Ended::Abandoned)
-            }
-            Ok(Some(_)) => {
-                broke = true;
-                Ended::Failed(Status::invalid_argument(
-                    "a UCX session takes one commit or abandon after its open",
-                ))
-            }
-            Ok(None) => Ended::Failed(Status::cancelled("the session ended before its commit")),
-            Err(s) => {
-                broke = true;
-                Ended::Failed(s)
-            }
-        };
-        match outcome {
-            Ended::Committed(bytes) => {
-                let ev = KvSessionEvent {
-                    event: Some(kv_session_event::Event::Committed(KvCommitted { bytes })),
-                };
-                let _ = events.send(Ok(ev)).await;
-            }
-            // Given up, the reservation now awaits a stream: the session stays open until
-            // the writer has quiesced (its end frees the old blocks).
-            Ended::Abandoned => {
-                let ev = KvSessionEvent {
-                    event: Some(kv_session_event::Event::Abandoned(KvAbandoned {})),
-                };
-                let _ = events.send(Ok(ev)).await;
-                broke = loop {
-                    match inbound.message().await {
-                        Ok(Some(_)) => {}
-                        Ok(None) => break false,
-                        Err(_) => break true,
-                    }
-                };
-            }
-            Ended::Failed(st) => {
-                tracing::info!(reservation = id, from, "UCX session failed: {}", st.message());
-                pdmesh_common::trace::fail(&tracing::Span::current(), &st);
-                inbox.abort(id, &from, st.message().to_string()).await;
-                let _ = events.send(Err(st)).await;
-            }
-        }
-        // Dropping `closed` reports the writer closed: the prefill node flushed before its
-        // commit, or ended the stream once its puts were over. A stream that broke (a
-        // partition) says nothing of puts still buffered on the way, which TCP delivers when
-        // the link comes back: the blocks stay out of use until the writer has given up on
-        // them (`QUIESCE`) and the network has had time to drain.
-        if broke {
-            tracing::info!(reservation = id, "UCX session broke; its blocks wait {LATE_PUTS:?}");
-            tokio::time::sleep(LATE_PUTS).await;
-        }
-        drop(closed);
-    };
-    tokio::spawn(session.instrument(span));
-    Ok(tonic::Response::new(Box::pin(ReceiverStream::new(rx))))
-}
-
-/// How the writer's side of a session ended, as the decode node sees it.
-enum Ended {
-    /// Committed: its KV is in place, this many bytes.
-    Committed(u64),
-    /// Given up (it stalled): the reservation now awaits the KV from a stream.
-    Abandoned,
-    Failed(tonic::Status),
-}
-
-/// Whether a connection's two ends look like one host: both loopback, or one address. A proxy
-/// or SNAT makes them lie, so this only spares remote writers an offer they cannot open.
-fn same_host(local: Option<std::net::SocketAddr>, remote: Option<std::net::SocketAddr>) -> bool {
-    let (Some(l), Some(r)) = (local, remote) else { return false };
-    let (l, r) = (l.ip().to_canonical(), r.ip().to_canonical());
-    (l.is_loopback() && r.is_loopback()) || (l == r && !l.is_unspecified())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::same_host;
-
-    #[test]
-    fn only_connections_within_one_host_are_same_host() {
-        let a = |s: &str| Some(s.parse().unwrap());
-        assert!(same_host(a("127.0.0.1:5000"), a("127.0.0.1:40000")));
-        assert!(same_host(a("127.0.0.1:5000"), a("127.0.0.2:40000")));
-        assert!(same_host(a("[::1]:5000"), a("[::ffff:127.0.0.1]:40000")));
-        assert!(same_host(a("10.0.0.5:5000"), a("10.0.0.5:40000")));
-        assert!(!same_host(a("10.0.0.5:5000"), a("10.0.0.6:40000")));
-        assert!(!same_host(a("127.0.0.1:5000"), a("10.0.0.6:40000")));
-        assert!(!same_host(a("0.0.0.0:5000"), a("0.0.0.0:40000")));
-        assert!(!same_host(None, a("127.0.0.1:40000")));
     }
 }

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdmesh_kv_transfer::ucx::{UcxError, UcxNode};
 use pdmesh_kv_types::HostMemory;
+use pdmesh_kv_ucx::ucx::{UcxError, UcxNode};
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
@@ -141,7 +141,7 @@ async fn allocated_memory_is_mapped_by_a_peer_on_this_host() {
 #[tokio::test]
 #[allow(unsafe_code)]
 async fn an_idle_mapping_is_let_go_but_not_under_a_transfer() {
-    use pdmesh_kv_transfer::ucx::Peers;
+    use pdmesh_kv_ucx::ucx::Peers;
     let a = UcxNode::start("a").expect("ucx a");
     let b = UcxNode::start("b").expect("ucx b");
     let alloc = b.allocate(8192).expect("shared memory");
@@ -181,8 +181,9 @@ async fn an_idle_mapping_is_let_go_but_not_under_a_transfer() {
 /// without a CUDA transport (this build's) rather than registered as if it were host memory.
 #[tokio::test]
 async fn a_staged_pool_hands_out_staging_blocks_in_prompt_order() {
-    use pdmesh_kv_transfer::{KvPath, StagingArea, TargetError, stage_kv_pool};
+    use pdmesh_kv_transfer::{GrantError, KvPath, PoolOffer, StagingArea};
     use pdmesh_kv_types::{KvDtype, KvGeometry, MemoryKind};
+    use pdmesh_kv_ucx::pool::stage_kv_pool;
     let a = UcxNode::start("a").expect("ucx a");
     let b = UcxNode::start("b").expect("ucx b");
     assert!(b.reaches(MemoryKind::Host));
@@ -198,28 +199,31 @@ async fn a_staged_pool_hands_out_staging_blocks_in_prompt_order() {
     assert_eq!(staged_pool.path().name(), "staged-host");
 
     // Pool blocks 9 and 4 (any: the puts do not go there) get two staging blocks.
-    let g = staged_pool.target(&[9, 4]).expect("granted");
+    let g = staged_pool.grant(&[9, 4]).expect("granted");
     let staged = g.staged.as_ref().expect("staged blocks");
-    assert_eq!(g.target.block_addrs.len(), 2);
+    let target: pdmesh_kv_ucx::descriptor::UcxTarget =
+        pdmesh_kv_ucx::descriptor::open(&g.descriptor).expect("a UCX descriptor");
+    assert_eq!(target.block_addrs.len(), 2);
     for i in 0..2 {
-        assert_eq!(g.target.block_addrs[i], staged.addr(i) as u64, "prompt order");
+        assert_eq!(target.block_addrs[i], staged.addr(i) as u64, "prompt order");
     }
+    assert_eq!(g.grant.digest(), pdmesh_kv_ucx::scope::digest(&target.ranges));
     assert_eq!(area.free_blocks(), 1);
     assert!(matches!(
-        staged_pool.target(&[1, 2]),
-        Err(TargetError::StagingFull(f)) if f.want == 2 && f.free == 1
+        staged_pool.grant(&[1, 2]),
+        Err(GrantError::StagingFull(f)) if f.want == 2 && f.free == 1
     ));
-    assert!(staged_pool.target(&[16]).is_err(), "past the pool");
+    assert!(staged_pool.grant(&[16]).is_err(), "past the pool");
 
-    let ep = a.connect(g.target.worker_address.clone()).await.expect("connect");
+    let ep = a.connect(target.worker_address.clone()).await.expect("connect");
     // Each run of neighbouring staging blocks has a key of its own.
     let mut keys = Vec::new();
-    for r in &g.target.ranges {
+    for r in &target.ranges {
         keys.push((r.base, r.len, ep.remote_key(r.rkey.clone()).await.expect("rkey")));
     }
     let blocks: Vec<Vec<u8>> = (0..2).map(|i| pattern(bpb, 7 + i as u8)).collect();
     for (i, data) in blocks.iter().enumerate() {
-        let addr = g.target.block_addrs[i];
+        let addr = target.block_addrs[i];
         let (_, _, key) = keys.iter().find(|k| k.0 <= addr && addr < k.0 + k.1).expect("a range");
         ep.put(Bytes::from(data.clone()), addr, key).await.expect("put");
     }

@@ -9,8 +9,8 @@
 //! software paths check neither, so there the scoping keeps honest peers inside their blocks
 //! and the mesh's roles keep others from holding a key at all.
 
+use crate::descriptor::UcxRange;
 use pdmesh_kv_types::MemoryRegion;
-use pdmesh_proto::v1::UcxRange;
 
 use crate::ucx::{Access, Endpoint, Region, RemoteKey, UcxError, UcxNode};
 
@@ -20,7 +20,7 @@ pub const MAX_RANGES: usize = 4096;
 
 /// The registrations behind one target; dropping it revokes them.
 #[derive(Debug)]
-pub struct Grant {
+pub struct Registered {
     _regions: Vec<Region>,
 }
 
@@ -33,7 +33,7 @@ pub fn grant(
     blocks: &[u32],
     bytes_per_block: u64,
     access: Access,
-) -> Result<(Vec<UcxRange>, Vec<u64>, Grant), UcxError> {
+) -> Result<(Vec<UcxRange>, Vec<u64>, Registered), UcxError> {
     let base = memory.addr() as u64;
     let addrs = blocks.iter().map(|&b| base + u64::from(b) * bytes_per_block).collect();
     let mut sorted = blocks.to_vec();
@@ -54,7 +54,7 @@ pub fn grant(
         regions.push(region);
         i += run;
     }
-    Ok((ranges, addrs, Grant { _regions: regions }))
+    Ok((ranges, addrs, Registered { _regions: regions }))
 }
 
 /// Why a target's ranges or addresses are refused.

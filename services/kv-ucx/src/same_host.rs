@@ -23,7 +23,7 @@ pub const KEY_FILE: &str = "pdmesh-shared-pool.key";
 /// offered) under the secret in `file`, which lives as long as the offer.
 #[derive(Clone)]
 pub struct SharedOffer {
-    range: pdmesh_proto::v1::UcxRange,
+    range: crate::descriptor::UcxRange,
     file: String,
     _dir: Arc<KeyDir>,
 }
@@ -37,11 +37,11 @@ impl std::fmt::Debug for SharedOffer {
 impl SharedOffer {
     /// Seals `range`'s key under a new secret, in a new owner-only file under the temporary
     /// directory.
-    pub fn new(range: pdmesh_proto::v1::UcxRange) -> std::io::Result<Self> {
+    pub fn new(range: crate::descriptor::UcxRange) -> std::io::Result<Self> {
         Self::under(&std::env::temp_dir(), range)
     }
 
-    fn under(parent: &Path, mut range: pdmesh_proto::v1::UcxRange) -> std::io::Result<Self> {
+    fn under(parent: &Path, mut range: crate::descriptor::UcxRange) -> std::io::Result<Self> {
         let hex = crate::ucx::new_seal_key();
         let dir = parent.join(format!("pdmesh-kv-{}", &crate::ucx::new_seal_key()[..16]));
         let mut b = std::fs::DirBuilder::new();
@@ -59,7 +59,7 @@ impl SharedOffer {
     }
 
     /// The range with its key sealed, and the file whose secret opens it.
-    pub fn offer(&self) -> (pdmesh_proto::v1::UcxRange, String) {
+    pub fn offer(&self) -> (crate::descriptor::UcxRange, String) {
         (self.range.clone(), self.file.clone())
     }
 }
@@ -114,7 +114,7 @@ pub fn open(key_file: &str, sealed: &[u8]) -> Result<Bytes, String> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use pdmesh_proto::v1::UcxRange;
+    use crate::descriptor::UcxRange;
 
     fn offer() -> SharedOffer {
         let range = UcxRange { base: 0x1000, len: 4096, rkey: Bytes::from_static(b"pool-key") };
