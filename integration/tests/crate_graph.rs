@@ -1,7 +1,7 @@
 //! The transport seam holds in the crate graph: the decode node, the KV-store, the prefill
 //! node, the router and the OpenAI frontend link no UCX (only the binary, through
 //! `pdmesh-kv-ucx`), and the proto names no UCX message — a transport's details travel as
-//! opaque descriptors.
+//! opaque descriptors, and the binary starts only the transports it registered.
 
 #![allow(clippy::unwrap_used)]
 
@@ -73,4 +73,20 @@ fn the_proto_names_no_ucx_message() {
         }
     }
     assert!(seen > 0, "no .proto files under {}", dir.display());
+}
+
+/// A node asked for a transport this binary does not carry stops with a status naming it and
+/// the ones it has, rather than starting on another.
+#[test]
+fn a_transport_the_binary_lacks_is_refused_by_name() {
+    let out = pdmesh_integration::pdmesh(&["decode", "--insecure", "--listen", "127.0.0.1:0"])
+        .args(["--kv-transport", "nixl"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("kv_transport \"nixl\" is not built into this binary (it has: grpc, ucx)"),
+        "{err}"
+    );
 }

@@ -99,7 +99,8 @@ pub enum StartError {
     Engine(#[from] pdmesh_engine::Error),
     #[error("the engine load task: {0}")]
     Load(#[from] tokio::task::JoinError),
-    #[error("kv_transport: {0}")]
+    /// The configured transport could not start (the message names it).
+    #[error("{0}")]
     Transport(String),
     #[error("kv_transport = {transport}: cannot offer the KV pool to its writers: {why}")]
     Pool { transport: String, why: String },

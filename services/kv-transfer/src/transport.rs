@@ -124,7 +124,9 @@ impl TransportKind {
         match self {
             TransportKind::Grpc => Ok(None),
             TransportKind::Named(name) => match find(name) {
-                Some(start) => start(node).map(Some).map_err(|e| format!("{name}: {e}")),
+                Some(start) => {
+                    start(node).map(Some).map_err(|e| format!("kv_transport = {name}: {e}"))
+                }
                 None => Err(format!(
                     "kv_transport {name:?} is not built into this binary (it has: grpc{})",
                     registered().iter().map(|n| format!(", {n}")).collect::<String>()

@@ -16,7 +16,8 @@ pub enum StartError {
     Layout(String),
     #[error("the pool: {0}")]
     Pool(String),
-    #[error("kv_transport: {0}")]
+    /// The configured transport could not start (the message names it).
+    #[error("{0}")]
     Transport(String),
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),

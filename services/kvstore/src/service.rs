@@ -79,10 +79,11 @@ impl KvStoreService {
         let len = store.capacity() * block_bytes;
         let pool = HostMemory::zeroed(len).map_err(StartError::Pool)?;
         let reads = match fabric {
-            Some(f) if len > 0 => Some(
-                f.offer_reads(&pool.region(), block_bytes as u64)
-                    .map_err(|e| StartError::Transport(format!("{}: {e}", f.name())))?,
-            ),
+            Some(f) if len > 0 => {
+                Some(f.offer_reads(&pool.region(), block_bytes as u64).map_err(|e| {
+                    StartError::Transport(format!("kv_transport = {}: {e}", f.name()))
+                })?)
+            }
             _ => None,
         };
         Ok(Self {

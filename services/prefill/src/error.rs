@@ -48,7 +48,8 @@ pub enum StartError {
     Engine(#[from] pdmesh_engine::Error),
     #[error("the engine load task: {0}")]
     Load(#[from] tokio::task::JoinError),
-    #[error("kv_transport: {0}")]
+    /// The configured transport could not start (the message names it).
+    #[error("{0}")]
     Transport(String),
     #[error("the prefix cache: {0}")]
     Cache(#[from] pdmesh_kv_transfer::CacheError),
