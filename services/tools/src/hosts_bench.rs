@@ -9,8 +9,10 @@
 //!   prefill node;
 //! - colocated: router and one decode node that prefills prompts itself.
 //!
-//! For each model and prompt length, requests go one at a time (distinct random prompts, so
-//! no prefix cache helps) after one warm-up; medians of time to first token, inter-token
+//! Every layout's mesh runs at once; for each model and prompt length, requests go one at a
+//! time in rounds where each layout serves the same prompt in turn (distinct random prompts
+//! across rounds, so no prefix cache helps; the first round warms up), so a machine whose
+//! speed drifts slows every layout alike. Medians of time to first token, inter-token
 //! latency and the exposed transfer (`transfer_ms`: end of prefill to the KV complete on the
 //! decode node) are reported, with cross-host TTFT over same-host TTFT and the share of the
 //! transfer the layer-wise push hid (1 − exposed / exposed with `--kv-push prompt`). Needs
@@ -120,7 +122,7 @@ fn pki() -> anyhow::Result<Pki> {
 
 /// One layout's processes (killed on drop), and its hosts (removed after them).
 struct Mesh {
-    procs: Vec<Proc>,
+    _procs: Vec<Proc>,
     router: String,
     _hosts: Option<Netns>,
 }
@@ -176,7 +178,7 @@ async fn start(a: &HostsBenchArgs, pki: &Pki, model: &str, layout: Layout) -> an
     }
     let (prefix, args) = node("decode", "decode-0");
     procs.push(spawn_under("decode-0", &prefix, &args, 1).await?.0);
-    Ok(Mesh { procs, router, _hosts: hosts })
+    Ok(Mesh { _procs: procs, router, _hosts: hosts })
 }
 
 /// The medians of `samples`: TTFT, ITL, exposed transfer.
@@ -190,58 +192,79 @@ fn medians(samples: &[Sample]) -> (f64, f64, f64) {
     )
 }
 
-async fn measure(
-    a: &HostsBenchArgs,
-    pki: &Pki,
-    model: &std::path::Path,
+/// Waits until `layout`'s mesh serves: its nodes register on their own, and the first
+/// request that succeeds says they have.
+async fn ready(
+    client: &pdmesh_common::apikey::GenerationClient,
     layout: Layout,
-) -> anyhow::Result<Vec<Row>> {
-    let name = model.display().to_string();
-    let mesh = start(a, pki, &name, layout).await?;
-    let client = pdmesh_cli::client::connect(&mesh.router, Some(&pki.key)).await?;
-    // The nodes register on their own: the first request that succeeds says they have.
+) -> anyhow::Result<()> {
     let t0 = Instant::now();
     loop {
         let s = crate::mesh_bench::one(Client::Grpc(client.clone()), vec![300; 8], 1, false).await;
         if s.ok {
-            break;
+            return Ok(());
         }
         if t0.elapsed() > Duration::from_secs(60) {
             bail!("{}: the mesh did not serve within 60 s: {:?}", layout.name(), s.error);
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Every layout's mesh up at once, then rounds in which each layout serves the same prompt
+/// in turn (the first to go rotating): a machine whose speed drifts — a shared VM — then
+/// slows every layout alike instead of whichever ran last. Idle meshes only heartbeat.
+async fn measure(
+    a: &HostsBenchArgs,
+    pki: &Pki,
+    model: &std::path::Path,
+    started: Instant,
+) -> anyhow::Result<Vec<Row>> {
+    let name = model.display().to_string();
+    let mut meshes = Vec::new();
+    for layout in Layout::ALL {
+        let mesh = start(a, pki, &name, layout).await?;
+        let client = pdmesh_cli::client::connect(&mesh.router, Some(&pki.key)).await?;
+        ready(&client, layout).await?;
+        meshes.push((layout, mesh, client));
+    }
     let mut rows = Vec::new();
     for &n in &a.prompt_tokens {
+        eprintln!("{name}: {n}-token prompts ({:.0} s in)", started.elapsed().as_secs_f64());
         // The same prompts in every layout; none twice in one.
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(n as u64);
-        let mut samples = Vec::new();
+        let mut samples: Vec<Vec<Sample>> = meshes.iter().map(|_| Vec::new()).collect();
         for i in 0..=a.requests {
             let ids = crate::mesh_bench::prompt(&mut rng, n);
-            let s = crate::mesh_bench::one(Client::Grpc(client.clone()), ids, a.max_tokens, false)
-                .await;
-            if i > 0 {
-                samples.push(s);
+            for j in 0..meshes.len() {
+                let k = (i + j) % meshes.len();
+                let client = Client::Grpc(meshes[k].2.clone());
+                let s = crate::mesh_bench::one(client, ids.clone(), a.max_tokens, false).await;
+                // The first round warms every mesh up.
+                if i > 0 {
+                    samples[k].push(s);
+                }
             }
         }
-        let (ttft_ms, itl_ms, transfer_ms) = medians(&samples);
-        let failed = samples.iter().filter(|s| !s.ok).count();
-        if let Some(e) = samples.iter().find_map(|s| s.error.clone()) {
-            eprintln!("{} {n}: {failed} failed, e.g. {e}", layout.name());
+        for ((layout, _, _), samples) in meshes.iter().zip(&samples) {
+            let (ttft_ms, itl_ms, transfer_ms) = medians(samples);
+            let failed = samples.iter().filter(|s| !s.ok).count();
+            if let Some(e) = samples.iter().find_map(|s| s.error.clone()) {
+                eprintln!("{} {n}: {failed} failed, e.g. {e}", layout.name());
+            }
+            let kv_transport = samples.iter().find(|s| s.ok).map(|s| s.kv_transport.clone());
+            rows.push(Row {
+                model: name.clone(),
+                prompt_tokens: n,
+                layout: *layout,
+                ttft_ms,
+                itl_ms,
+                transfer_ms,
+                kv_transport: kv_transport.unwrap_or_default(),
+                failed,
+            });
         }
-        let kv_transport = samples.iter().find(|s| s.ok).map(|s| s.kv_transport.clone());
-        rows.push(Row {
-            model: name.clone(),
-            prompt_tokens: n,
-            layout,
-            ttft_ms,
-            itl_ms,
-            transfer_ms,
-            kv_transport: kv_transport.unwrap_or_default(),
-            failed,
-        });
     }
-    drop(mesh.procs);
     Ok(rows)
 }
 
@@ -259,15 +282,7 @@ pub fn run(a: HostsBenchArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let started = Instant::now();
     for m in &a.models {
-        for layout in Layout::ALL {
-            eprintln!(
-                "{}: {} ({:.0} s in)",
-                m.display(),
-                layout.name(),
-                started.elapsed().as_secs_f64()
-            );
-            rows.extend(rt.block_on(measure(&a, &pki, m, layout))?);
-        }
+        rows.extend(rt.block_on(measure(&a, &pki, m, started))?);
     }
     if a.json {
         println!("{}", serde_json::to_string(&rows)?);
