@@ -600,3 +600,32 @@ async fn a_client_that_never_reads_lets_go_of_its_place() {
     }
     assert!(tokens < 200, "{tokens} tokens reached a client that read none");
 }
+
+/// A colocated request's decode node sends nothing until it has prefilled the whole prompt:
+/// the bound on a silent stream (`stall_timeout_ms`) counts from its first message, so a
+/// prefill that outlasts it is not taken for a hung node. Measuring the 1B model's
+/// 2,048-token prompt on one thread (157 s) failed every colocated request with "no token for
+/// 60s".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_prefill_longer_than_the_stall_bound_is_not_a_hung_node() {
+    let mut s = Settings::new(0, 1);
+    s.router.stall_timeout_ms = 300;
+    // 32-token chunks at 100 ms a step: 160 tokens prefill in 5 steps (500 ms and more),
+    // while each later step (one token) stays well inside the bound.
+    s.decode[0].fault_step_delay_ms = 100;
+    let m = s.start().await;
+    let ids: Vec<u32> = (0..160u32).map(|i| 33 + (i * 7) % 150).collect();
+    let r = GenerateRequest {
+        input: Some(generate_request::Input::TokenIds(TokenIds { ids: ids.clone() })),
+        max_tokens: 4,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    let (tokens, f) = generate(&m, r).await.unwrap();
+    let t = f.timings.unwrap();
+    assert_eq!((t.prefill_node.as_str(), t.attempts), ("colocated", 1));
+    let cfg = EngineConfig { threads: 1, kv_blocks: 64, ..Default::default() };
+    let mut e = Engine::new(TinyModel::default().build(), cfg).unwrap();
+    let p = GenerateParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
+    assert_eq!(tokens, pdmesh_engine::generate(&mut e, &ids, &p, |_| true).unwrap().tokens);
+}

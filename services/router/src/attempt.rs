@@ -464,6 +464,10 @@ impl<'a> Attempt<'a> {
         let resume = &self.report.resume;
         // A moved stream's sampler continues from where its last node's stood.
         let rng = if resume.tokens.is_empty() { leg.rng_position } else { resume.rng_position };
+        // A node that prefills the prompt itself sends nothing until its whole prompt is
+        // computed, however long that takes (minutes for a long prompt on a slow node), as a
+        // prefill node does: its stream counts as silent only from its first message on.
+        let mut prefilling = matches!(leg.start, decode_request::Start::PrefillLocally(true));
         let msg = DecodeRequest {
             reservation_id: leg.reservation.target.reservation_id.clone(),
             prompt: req.prep.prompt.clone(),
@@ -487,14 +491,21 @@ impl<'a> Attempt<'a> {
         // Where the request goes once its node says it moved.
         let mut next: Option<Leg<'a>> = None;
         loop {
+            // Past the deadline `bounded` ends it, whatever the stall bound.
+            let bound = if prefilling {
+                self.req.deadline.saturating_duration_since(Instant::now())
+            } else {
+                stall
+            };
             let message = async {
-                tokio::time::timeout(stall, stream.message())
+                tokio::time::timeout(bound, stream.message())
                     .await
                     .map_err(|_| Failure::lost(&d.id, format!("no token for {stall:?}")))?
                     .map_err(|s| fail(&s))?
                     .ok_or_else(|| Failure::lost(&d.id, "decode stream ended without a finish"))
             };
             let ev = self.bounded(Phase::Decoding, &d, &[&d], message).await?;
+            prefilling = false;
             if let Some(mark) = &ev.mark {
                 let rng = pdmesh_wire::rng_position(&mark.rng_position).map_err(|s| fail(&s))?;
                 self.report.resume.rng_position = rng;
