@@ -25,7 +25,7 @@ pub enum DecodeError {
     /// granted).
     #[error("{0}")]
     Forbidden(String),
-    /// The reservation's blocks could not be made reachable for a remote writer (UCX).
+    /// The reservation's blocks could not be made reachable for a remote writer.
     #[error("granting remote access to the reservation's blocks: {0}")]
     Remote(String),
     /// The engine thread is gone (it died, or the node is stopping).

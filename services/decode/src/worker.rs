@@ -72,7 +72,7 @@ pub enum Command {
         /// How long copying staged blocks into the pool took, when they were staged.
         reply: Reply<Option<Duration>>,
     },
-    /// A UCX session ended: its writer can put no more.
+    /// A one-sided session ended: its writer can put no more.
     WriterClosed {
         id: u64,
     },
@@ -80,7 +80,7 @@ pub enum Command {
         id: u64,
         why: DecodeError,
     },
-    /// A UCX writer gave up its session; its KV will come over a stream.
+    /// A one-sided writer gave up its session; its KV will come over a stream.
     KvWriterAbandoned {
         id: u64,
         reply: Reply<()>,

@@ -73,7 +73,7 @@ impl DecodeCore {
     }
 
     /// A transfer into the reservation starts: its prompt's blocks are allocated (if they
-    /// were not at reservation). A `writer` puts into them directly (UCX) and needs them
+    /// were not at reservation). A `writer` puts into them directly (a one-sided transport) and needs them
     /// preallocated; until `writer_closed` they are never reused.
     pub fn kv_begin(&mut self, id: u64, writer: bool) -> Result<(), DecodeError> {
         let r = self.live(id)?;
@@ -168,7 +168,7 @@ impl DecodeCore {
             Some(_) if broke => {
                 let why = DecodeError::TransferBroken {
                     from: from.into(),
-                    why: "the UCX session ended before its commit".into(),
+                    why: "the writer's session ended before its commit".into(),
                 };
                 self.fail(id, why);
             }
@@ -185,7 +185,7 @@ impl DecodeCore {
         let r = self.live(id)?;
         if !self.receiver.session_open(id) || self.receiver.is_complete(id) {
             return Err(DecodeError::Invalid(format!(
-                "reservation {id} has no UCX writer to replace"
+                "reservation {id} has no remote writer to replace"
             )));
         }
         if self.parked.contains_key(&id) {
