@@ -294,15 +294,10 @@ impl PrefixCache {
             if let Some((r, d)) = remote.filter(|(r, d)| r.transport() == d.transport) {
                 let bpb = self.bytes_per_block as u64;
                 match r.read(d, m.blocks as usize, bpb).await {
-                    Ok(blocks) if blocks.len() == m.blocks as usize => {
+                    Ok(blocks) => {
                         self.counters.remote_blocks.fetch_add(blocks.len() as u64, Relaxed);
                         Span::current().record("kvstore_transport", r.transport());
                         return Ok(blocks);
-                    }
-                    Ok(blocks) => {
-                        self.counters.remote_fallbacks.fetch_add(1, Relaxed);
-                        let n = blocks.len();
-                        tracing::warn!("{n} blocks read of {}, streaming instead", m.blocks);
                     }
                     Err(e) => {
                         self.counters.remote_fallbacks.fetch_add(1, Relaxed);

@@ -55,7 +55,8 @@ pub trait ReadOffer: Send + Sync + std::fmt::Debug {
 #[async_trait::async_trait]
 pub trait RemoteReader: Send + Sync + std::fmt::Debug {
     fn transport(&self) -> &'static str;
-    /// The first `blocks` blocks `descriptor` grants, of `bytes_per_block` each, in order.
+    /// The first `blocks` blocks `descriptor` grants, of `bytes_per_block` each, in order:
+    /// exactly that many, or an error.
     async fn read(
         &self,
         descriptor: &TransportDescriptor,
@@ -133,14 +134,14 @@ impl TransportKind {
                 )),
             },
             TransportKind::Auto => {
-                let Some(name) = registered().into_iter().next() else { return Ok(None) };
-                match find(name).map(|start| start(node)) {
-                    Some(Ok(f)) => Ok(Some(f)),
-                    Some(Err(e)) => {
+                let first = REGISTERED.lock().expect("never poisoned").first().copied();
+                let Some((name, start)) = first else { return Ok(None) };
+                match start(node) {
+                    Ok(f) => Ok(Some(f)),
+                    Err(e) => {
                         tracing::warn!("{name} unavailable, KV moves over gRPC: {e}");
                         Ok(None)
                     }
-                    None => Ok(None),
                 }
             }
         }

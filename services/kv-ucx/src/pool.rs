@@ -17,9 +17,7 @@
 use std::sync::Arc;
 
 use pdmesh_engine::Engine;
-use pdmesh_kv_transfer::{
-    Grant, GrantError, Granted, KvPath, PoolOffer, PoolOptions, StagedBlocks, StagingArea,
-};
+use pdmesh_kv_transfer::{Grant, GrantError, Granted, KvPath, PoolOffer, PoolOptions, StagingArea};
 use pdmesh_kv_types::{HostMemory, KvGeometry, MemoryRegion};
 use pdmesh_proto::v1::TransportDescriptor;
 
@@ -38,7 +36,9 @@ pub struct UcxPool {
     bytes_per_block: u64,
     /// Blocks of the engine's pool.
     blocks: u32,
-    shared: Option<SharedOffer>,
+    /// The shared pool's offer (its key file lives as long as it), and the descriptor a
+    /// writer on this host is handed, made once.
+    shared: Option<(SharedOffer, TransportDescriptor)>,
     staging: Option<Arc<StagingArea>>,
     path: KvPath,
 }
@@ -250,18 +250,33 @@ impl UcxPool {
     /// (`same_host`). Without a secret to seal its key under, it is offered to none.
     pub fn with_shared(mut self, shared: UcxRange) -> Self {
         match SharedOffer::new(shared) {
-            Ok(o) => self.shared = Some(o),
+            Ok(o) => {
+                let (range, key_file) = o.offer();
+                let d = descriptor::wrap(&UcxShared { range: Some(range), key_file });
+                self.shared = Some((o, d));
+            }
             Err(e) => tracing::warn!("KV pool not offered in shared memory, writers put: {e}"),
         }
         self
     }
+}
 
-    /// The target for a reservation whose prompt occupies `pool_blocks`, in prompt order,
-    /// and the grant that keeps the blocks it names (only) writable by peers until dropped.
-    pub fn target(
-        &self,
-        pool_blocks: &[u32],
-    ) -> Result<(UcxTarget, UcxGrant, Option<StagedBlocks>), GrantError> {
+impl PoolOffer for UcxPool {
+    fn transport(&self) -> &'static str {
+        descriptor::NAME
+    }
+
+    fn path(&self) -> KvPath {
+        self.path
+    }
+
+    fn staging(&self) -> Option<&Arc<StagingArea>> {
+        self.staging.as_ref()
+    }
+
+    /// The grant keeps the blocks the descriptor names (only) writable by peers until
+    /// dropped: the pool blocks themselves, or as many staging blocks.
+    fn grant(&self, pool_blocks: &[u32]) -> Result<Granted, GrantError> {
         if let Some(b) = pool_blocks.iter().find(|&&b| b >= self.blocks) {
             return Err(GrantError::Failed(format!(
                 "block {b} is past the pool's {}",
@@ -281,32 +296,10 @@ impl UcxPool {
             Access::RemoteWrite,
         )
         .map_err(|e| GrantError::Failed(e.to_string()))?;
-        Ok((target, grant, staged))
-    }
-}
-
-impl PoolOffer for UcxPool {
-    fn transport(&self) -> &'static str {
-        descriptor::NAME
-    }
-
-    fn path(&self) -> KvPath {
-        self.path
-    }
-
-    fn staging(&self) -> Option<&Arc<StagingArea>> {
-        self.staging.as_ref()
-    }
-
-    fn grant(&self, pool_blocks: &[u32]) -> Result<Granted, GrantError> {
-        let (target, grant, staged) = self.target(pool_blocks)?;
         Ok(Granted { descriptor: descriptor::wrap(&target), grant: Box::new(grant), staged })
     }
 
     fn same_host(&self) -> Option<TransportDescriptor> {
-        self.shared.as_ref().map(|o| {
-            let (range, key_file) = o.offer();
-            descriptor::wrap(&UcxShared { range: Some(range), key_file })
-        })
+        self.shared.as_ref().map(|(_, d)| d.clone())
     }
 }
