@@ -341,6 +341,8 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
                 a.kvstore_budget_bytes.to_string(),
                 "--metrics-listen".into(),
                 "127.0.0.1:0".into(),
+                "--router".into(),
+                internal.clone(),
             ]
             .into_iter()
             .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))

@@ -6,6 +6,7 @@
 
 pub mod apikey;
 pub mod authz;
+pub mod blocks;
 pub mod channels;
 #[cfg(feature = "collector")]
 pub mod collector;

@@ -1,9 +1,10 @@
-//! The node side of membership: register with every router, then heartbeat the node's load.
-//! Each `--router` is a list entry or a DNS name standing for several routers (a Kubernetes
+//! The node side of membership: one session (`Attach`) with every router, carrying the node's
+//! load at the router's pace and, for nodes that hold KV for reuse, every block change
+//! (`blocks`). Each `--router` is a list entry or a DNS name standing for several routers (a Kubernetes
 //! headless Service): names are resolved again every `RESOLVE_EVERY`, and the node keeps one
 //! registration per address, so routers that come up are joined and ones that go away are
-//! left. A router that restarted or dropped the node answers `known = false` and the node
-//! registers again; an unreachable router is retried with backoff. A node that dies
+//! left. A router that restarted or dropped the node ends the session and the node attaches
+//! again; an unreachable router is retried with backoff. A node that dies
 //! deregisters at once, so no router waits for its heartbeats to lapse. Nothing here blocks
 //! the node's work.
 
@@ -13,44 +14,64 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pdmesh_proto::v1::membership_client::MembershipClient;
-use pdmesh_proto::v1::{DeregisterRequest, HeartbeatRequest, NodeLoad, RegisterRequest};
+use pdmesh_proto::v1::node_report::Report;
+use pdmesh_proto::v1::router_notice::Notice;
+use pdmesh_proto::v1::{
+    BlockEvents, BlockSnapshot, DeregisterRequest, NodeHello, NodeLoad, NodeReport,
+    RegisterRequest, RouterNotice,
+};
 use tokio_util::sync::CancellationToken;
+
+use crate::blocks::{BlockLog, Next};
 
 /// Reads a node's current load.
 pub type LoadFn = Arc<dyn Fn() -> NodeLoad + Send + Sync>;
 
+/// What a node tells its routers about itself.
+#[derive(Clone)]
+pub struct Joining {
+    pub registration: RegisterRequest,
+    pub load: LoadFn,
+    /// The blocks it holds for reuse (None: it keeps none, or does not report them).
+    pub blocks: Option<Arc<BlockLog>>,
+    /// The KV-store it reads from or is, by its advertised address ("" for none).
+    pub kvstore: String,
+}
+
+impl std::fmt::Debug for Joining {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Joining")
+            .field("node_id", &self.registration.node_id)
+            .field("blocks", &self.blocks.as_ref().map(|b| b.epoch()))
+            .field("kvstore", &self.kvstore)
+            .finish()
+    }
+}
+
 /// How often router names are resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(10);
 
-/// Starts one task per `--router` entry that keeps `registration` registered and heartbeating
-/// with every router the entry stands for until `stop` is cancelled, or deregisters it as soon
-/// as `died` is.
+/// Starts one task per `--router` entry that keeps the node attached to every router the
+/// entry stands for until `stop` is cancelled, or deregisters it as soon as `died` is.
 pub fn spawn(
     routers: &[String],
-    registration: RegisterRequest,
-    load: LoadFn,
+    who: Joining,
     stop: CancellationToken,
     died: CancellationToken,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     routers
         .iter()
         .map(|r| {
-            let (r, reg, load) = (r.clone(), registration.clone(), load.clone());
+            let (r, who) = (r.clone(), who.clone());
             let (stop, died) = (stop.clone(), died.clone());
-            tokio::spawn(async move { follow(&r, reg, load, stop, died).await })
+            tokio::spawn(async move { follow(&r, who, stop, died).await })
         })
         .collect()
 }
 
 /// Keeps a registration with each address `entry` resolves to, resolving it again every
 /// `RESOLVE_EVERY`. An entry that is an address is its own one router.
-async fn follow(
-    entry: &str,
-    reg: RegisterRequest,
-    load: LoadFn,
-    stop: CancellationToken,
-    died: CancellationToken,
-) {
+async fn follow(entry: &str, who: Joining, stop: CancellationToken, died: CancellationToken) {
     let mut sessions: HashMap<String, CancellationToken> = HashMap::new();
     let mut warned = false;
     loop {
@@ -67,12 +88,12 @@ async fn follow(
                 for a in join {
                     let gone = stop.child_token();
                     sessions.insert(a.clone(), gone.clone());
-                    let (reg, load, died) = (reg.clone(), load.clone(), died.clone());
+                    let (who, died) = (who.clone(), died.clone());
                     tokio::spawn(async move {
                         tokio::select! {
-                            () = keep_registered(&a, reg.clone(), load) => {}
+                            () = keep_registered(&a, &who) => {}
                             () = gone.cancelled() => {}
-                            () = died.cancelled() => deregister(&a, &reg.node_id).await,
+                            () = died.cancelled() => deregister(&a, &who.registration.node_id).await,
                         }
                     });
                 }
@@ -140,11 +161,11 @@ async fn deregister(router: &str, node: &str) {
     }
 }
 
-async fn keep_registered(router: &str, reg: RegisterRequest, load: LoadFn) {
+async fn keep_registered(router: &str, who: &Joining) {
     let mut backoff = Duration::from_millis(100);
     let mut warned = false;
     loop {
-        match session(router, &reg, &load).await {
+        match session(router, who).await {
             Ok(()) => backoff = Duration::from_millis(100),
             Err(e) => {
                 if !warned {
@@ -158,41 +179,129 @@ async fn keep_registered(router: &str, reg: RegisterRequest, load: LoadFn) {
     }
 }
 
-/// One registration and its heartbeats; returns Ok when the router forgot the node.
-async fn session(router: &str, reg: &RegisterRequest, load: &LoadFn) -> Result<(), String> {
+/// Parts of a snapshot hold at most this many blocks (1 MiB).
+const SNAPSHOT_PART: usize = 1 << 16;
+/// Changes in one `BlockEvents` at most.
+const EVENTS_PART: usize = 4096;
+
+/// One session with a router (`Attach`): the hello, a snapshot of the node's blocks, then its
+/// load at the router's pace and its block changes as they happen. Returns Ok when the router
+/// ended it (it restarted or dropped the node): the node attaches again at once.
+async fn session(router: &str, who: &Joining) -> Result<(), String> {
     let ep = crate::tls::endpoint(router, crate::tls::MeshRole::Router)
         .map_err(|e| format!("bad router address {router}: {e}"))?
         .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(5));
+        // A router that vanishes without closing the connection is found by its pings.
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .keep_alive_while_idle(true);
     let mut client = MembershipClient::new(ep.connect().await.map_err(|e| e.to_string())?);
-    let mut req = reg.clone();
-    req.load = Some(load());
-    let resp = client.register(req).await.map_err(|e| e.message().to_string())?.into_inner();
-    tracing::info!(router, node = reg.node_id, "registered");
+    let (tx, rx) = tokio::sync::mpsc::channel::<NodeReport>(64);
+    let mut node = who.registration.clone();
+    node.load = Some((who.load)());
+    let hello = NodeHello {
+        node: Some(node),
+        epoch: who.blocks.as_ref().map_or(0, |b| b.epoch()),
+        block_events: who.blocks.is_some(),
+        kvstore: who.kvstore.clone(),
+    };
+    let send = |r: Report| {
+        let tx = tx.clone();
+        async move { tx.send(NodeReport { report: Some(r) }).await.map_err(|_| "the call ended") }
+    };
+    send(Report::Hello(hello)).await?;
+    let opened = async {
+        let mut notices = client
+            .attach(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .map_err(|e| e.message().to_string())?
+            .into_inner();
+        match notices.message().await.map_err(|e| e.message().to_string())? {
+            Some(RouterNotice { notice: Some(Notice::Pace(p)) }) => Ok((notices, p)),
+            _ => Err("the router answered the hello with something else".to_string()),
+        }
+    };
+    let (mut notices, pace) = tokio::time::timeout(Duration::from_secs(5), opened)
+        .await
+        .map_err(|_| "no answer to the hello in 5 s".to_string())??;
+    tracing::info!(router, node = who.registration.node_id, "registered");
     let paced = |ms: u32| {
         let every = Duration::from_millis(u64::from(ms.max(10)));
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        (ms, tick)
+        tick
     };
-    let (mut every, mut tick) = paced(resp.heartbeat_interval_ms);
+    let mut tick = paced(pace.load_every_ms);
+    let mut changed = who.blocks.as_ref().map(|b| b.watch());
+    // The next change to send; a snapshot first.
+    let mut next = match &who.blocks {
+        Some(log) => snapshot(log, &send).await?,
+        None => 0,
+    };
     loop {
-        tick.tick().await;
-        let hb = HeartbeatRequest { node_id: reg.node_id.clone(), load: Some(load()) };
-        let r = client.heartbeat(hb).await.map_err(|e| e.message().to_string())?.into_inner();
-        // The router spaces heartbeats out as its mesh grows (0: an older router).
-        if r.heartbeat_interval_ms != 0 && r.heartbeat_interval_ms != every {
-            (every, tick) = paced(r.heartbeat_interval_ms);
-        }
-        if !r.known {
-            tracing::info!(
-                router,
-                node = reg.node_id,
-                "router forgot this node; registering again"
-            );
-            return Ok(());
+        tokio::select! {
+            _ = tick.tick() => send(Report::Load((who.load)())).await?,
+            r = async { changed.as_mut().expect("guarded").changed().await }, if changed.is_some() => {
+                r.map_err(|_| "the block log is gone")?;
+                let log = who.blocks.as_ref().expect("a watch comes from a log");
+                loop {
+                    match log.since(next, EVENTS_PART) {
+                        Next::Nothing => break,
+                        // Fell behind the ring: what it holds now, and on from there.
+                        Next::Behind => next = snapshot(log, &send).await?,
+                        Next::Changes { first, changes } => {
+                            next = first + changes.len() as u64;
+                            send(Report::Events(BlockEvents {
+                                epoch: log.epoch(),
+                                first_seq: first,
+                                oldest_unix_us: changes[0].at_us,
+                                changes: crate::blocks::encode(&changes).into(),
+                            }))
+                            .await?;
+                        }
+                    }
+                }
+            }
+            n = notices.message() => match n {
+                Ok(Some(RouterNotice { notice: Some(Notice::Pace(p)) })) => tick = paced(p.load_every_ms),
+                Ok(Some(RouterNotice { notice: Some(Notice::Resync(why)) })) => {
+                    tracing::info!(router, "router asked for a snapshot: {why}");
+                    if let Some(log) = &who.blocks {
+                        next = snapshot(log, &send).await?;
+                    }
+                }
+                Ok(Some(_)) => {}
+                Ok(None) => return Ok(()),
+                Err(s) if s.code() == tonic::Code::NotFound => {
+                    tracing::info!(router, node = who.registration.node_id, "router forgot this node; attaching again");
+                    return Ok(());
+                }
+                Err(s) => return Err(s.message().to_string()),
+            },
         }
     }
+}
+
+/// Sends every block `log` holds; returns the number of the first change after them.
+async fn snapshot<F, Fut>(log: &BlockLog, send: &F) -> Result<u64, String>
+where
+    F: Fn(Report) -> Fut,
+    Fut: Future<Output = Result<(), &'static str>>,
+{
+    let (seq, held) = log.snapshot();
+    let mut parts = held.chunks(SNAPSHOT_PART).peekable();
+    // An empty cache is one empty part: the router still learns where events start.
+    let empty: &[u128] = &[];
+    let first = parts.next().unwrap_or(empty);
+    let mut part = Some(first);
+    while let Some(p) = part {
+        part = parts.next();
+        let blocks: Vec<u8> = p.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let more = part.is_some();
+        let msg = BlockSnapshot { epoch: log.epoch(), seq, blocks: blocks.into(), more };
+        send(Report::Snapshot(msg)).await?;
+    }
+    Ok(seq + 1)
 }
 
 #[cfg(test)]

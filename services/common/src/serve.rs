@@ -385,10 +385,10 @@ pub struct Node<'a> {
     pub names: &'a [&'a str],
     /// Time in-flight calls get to finish at shutdown.
     pub drain: Duration,
-    /// Routers to register with.
+    /// Routers to attach to.
     pub routers: &'a [String],
-    pub registration: pdmesh_proto::v1::RegisterRequest,
-    pub load: crate::membership::LoadFn,
+    /// What it tells them.
+    pub joining: crate::membership::Joining,
     /// Cancelled when the node can no longer do its work (its engine thread died).
     pub died: CancellationToken,
 }
@@ -412,8 +412,7 @@ pub async fn serve_node(
     let stop = CancellationToken::new();
     let _membership = crate::membership::spawn(
         node.routers,
-        node.registration,
-        node.load,
+        node.joining,
         stop.clone(),
         node.died.clone(),
     );

@@ -124,8 +124,15 @@ pub async fn run(
         names: &["pdmesh.v1.Decode"],
         drain: Duration::from_millis(config.drain_ms),
         routers: &config.routers,
-        registration,
-        load: Arc::new(move || DecodeService::load(&load_counts.lock().expect("never poisoned"))),
+        // Decode nodes keep no KV for reuse after a request: nothing to report but load.
+        joining: pdmesh_common::membership::Joining {
+            registration,
+            load: Arc::new(move || {
+                DecodeService::load(&load_counts.lock().expect("never poisoned"))
+            }),
+            blocks: None,
+            kvstore: String::new(),
+        },
         died,
     };
     let grace = Duration::from_millis(config.drain_grace_ms);

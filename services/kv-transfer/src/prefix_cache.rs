@@ -17,6 +17,7 @@ use lru::LruCache;
 use pdmesh_common::trace::Channel;
 use pdmesh_kv_types::{BlockHash, BlockHasher, KvLayout};
 
+use pdmesh_common::blocks::BlockLog;
 use pdmesh_common::channels::ChannelCache;
 
 use crate::transport::RemoteReader;
@@ -47,10 +48,12 @@ pub struct Lookup {
 }
 
 /// The node's own tier: at most the LRU's capacity in blocks, least recently used evicted first. The
-/// bytes are shared (`Bytes`), so a block being read by a job outlives its eviction.
+/// bytes are shared (`Bytes`), so a block being read by a job outlives its eviction. Every
+/// block stored or evicted is told to `log` under the LRU's lock, for the routers' indexes.
 #[derive(Debug)]
 struct Local {
     blocks: Mutex<LruCache<BlockHash, Bytes>>,
+    log: Arc<BlockLog>,
 }
 
 impl Local {
@@ -62,13 +65,28 @@ impl Local {
 
     fn insert(&self, hashes: &[BlockHash], blocks: &[Bytes]) {
         let mut l = self.blocks.lock().expect("never poisoned");
+        let mut evicted = Vec::new();
         for (h, b) in hashes.iter().zip(blocks) {
-            l.put(*h, b.clone());
+            // `push` hands back the evicted entry, or this one's old value when it was held.
+            if let Some((old, _)) = l.push(*h, b.clone())
+                && old != *h
+            {
+                evicted.push(old.0);
+            }
         }
+        let stored: Vec<u128> = hashes.iter().take(blocks.len()).map(|h| h.0).collect();
+        // A block evicted and stored again within this call is held: the log ends where the
+        // LRU does.
+        evicted.retain(|e| !l.contains(&BlockHash(*e)));
+        self.log.record(stored, evicted);
     }
 
     fn len(&self) -> usize {
         self.blocks.lock().expect("never poisoned").len()
+    }
+
+    fn digest(&self) -> u64 {
+        pdmesh_kv_types::digest(self.blocks.lock().expect("never poisoned").iter().map(|(h, _)| *h))
     }
 }
 
@@ -150,7 +168,10 @@ impl PrefixCache {
         let local = usize::try_from(local_bytes / bytes_per_block as u64)
             .ok()
             .and_then(NonZeroUsize::new)
-            .map(|n| Local { blocks: Mutex::new(LruCache::new(n)) });
+            .map(|n| Local {
+                blocks: Mutex::new(LruCache::new(n)),
+                log: Arc::new(BlockLog::default()),
+            });
         let store = match store {
             Some(address) => {
                 let channel = Arc::new(ChannelCache::new(1));
@@ -181,6 +202,11 @@ impl PrefixCache {
         }))
     }
 
+    /// The changes to the node's own tier, for its routers (None: it has no tier of its own).
+    pub fn block_log(&self) -> Option<Arc<BlockLog>> {
+        self.local.as_ref().map(|l| Arc::clone(&l.log))
+    }
+
     /// Blocks the node's own tier holds at most (0: it has none).
     pub fn local_capacity(&self) -> usize {
         self.local.as_ref().map_or(0, |l| l.blocks.lock().expect("never poisoned").cap().get())
@@ -199,6 +225,7 @@ impl PrefixCache {
             remote_blocks: c.remote_blocks.load(Relaxed),
             grpc_blocks: c.grpc_blocks.load(Relaxed),
             remote_fallbacks: c.remote_fallbacks.load(Relaxed),
+            local_digest: self.local.as_ref().map_or(0, Local::digest),
         }
     }
 

@@ -26,6 +26,13 @@ impl BlockHash {
     }
 }
 
+/// An order-free digest of a set of blocks: two holders with equal digests (and counts) hold
+/// the same blocks but for a 2^-64 chance. For checking a router's index against a node's
+/// cache, never for addressing.
+pub fn digest(blocks: impl IntoIterator<Item = BlockHash>) -> u64 {
+    blocks.into_iter().fold(0, |d, h| d ^ (h.0 as u64) ^ ((h.0 >> 64) as u64))
+}
+
 impl std::fmt::Display for BlockHash {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{:032x}", self.0)

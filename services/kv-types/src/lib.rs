@@ -9,7 +9,7 @@ mod hash;
 mod layout;
 mod memory;
 
-pub use hash::{BlockHash, BlockHasher};
+pub use hash::{BlockHash, BlockHasher, digest};
 pub use layout::{KvDtype, KvGeometry, KvLayout, KvShape, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 pub use memory::{HOST_ALIGN, HostMemory, MemoryKind, MemoryRegion};
 

@@ -14,8 +14,15 @@ pub struct KvStoreConfig {
     /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
     /// no metrics endpoint.
     pub metrics_listen: Option<String>,
-    /// Name in statuses and logs (default: "kvstore@<bound address>").
+    /// Name in statuses and logs (default: "kvstore@<advertised address>").
     pub node_id: Option<String>,
+    /// Routers to report the blocks it holds to ("host:port", each a name that may stand for
+    /// several), so their placement knows what any prefill node can read from it. None: it
+    /// reports to no one, and routers count only the nodes' own caches.
+    pub routers: Vec<String>,
+    /// The address prefill nodes reach it at (their `--kvstore`); routers pair the two by it
+    /// (default: the bound address).
+    pub advertise: Option<String>,
     /// Bytes of KV blocks held; least recently used unpinned blocks go when it is full.
     pub budget_bytes: u64,
     /// Lease on a match's pins when the caller asks for none.
@@ -41,6 +48,8 @@ impl Default for KvStoreConfig {
             listen: "127.0.0.1:50081".into(),
             metrics_listen: None,
             node_id: None,
+            routers: Vec::new(),
+            advertise: None,
             budget_bytes: 1 << 30,
             lease_ms: 10_000,
             max_lease_ms: 60_000,

@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use pdmesh_common::metrics::{Family, Kind, Metrics};
 use pdmesh_proto::v1::kv_store_server::KvStoreServer;
+use pdmesh_proto::v1::{NodeLoad, RegisterRequest, Role};
 use tokio::net::TcpListener;
 
 /// Works out the mesh's KV layout from the model, allocates the pool, and serves
@@ -32,7 +33,8 @@ pub async fn run(
 ) -> Result<(), StartError> {
     config.validate()?;
     let bound = listener.local_addr().map_err(StartError::Listener)?;
-    let node_id = config.node_id.clone().unwrap_or_else(|| format!("kvstore@{bound}"));
+    let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
+    let node_id = config.node_id.clone().unwrap_or_else(|| format!("kvstore@{address}"));
     // The layout is the model's fingerprint and shape with the mesh's block size and dtype,
     // exactly as the workers compute it; no engine is needed to know it.
     let dtype: pdmesh_kv_types::KvDtype =
@@ -60,20 +62,40 @@ pub async fn run(
         move || metric_families(&service.store_stats())
     });
     tracing::info!(node = node_id, %bound, budget_bytes = config.budget_bytes, kv_transport = %config.kv_transport, "kv-store serving");
+    let (stats, log) = (service.clone(), service.block_log());
     let routes = tonic::service::Routes::new(
         KvStoreServer::new(service)
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20),
     );
-    pdmesh_common::serve(
-        routes,
-        &["pdmesh.v1.KvStore"],
-        listener,
-        pdmesh_common::Exposure::Internal,
-        shutdown,
-        Duration::from_millis(config.drain_ms),
-    )
-    .await?;
+    let node = pdmesh_common::serve::Node {
+        names: &["pdmesh.v1.KvStore"],
+        drain: Duration::from_millis(config.drain_ms),
+        routers: &config.routers,
+        joining: pdmesh_common::membership::Joining {
+            registration: RegisterRequest {
+                node_id,
+                role: Role::Kvstore as i32,
+                address: address.clone(),
+                layout: Some(layout.into()),
+                load: None,
+            },
+            load: std::sync::Arc::new(move || {
+                let s = stats.store_stats();
+                NodeLoad {
+                    free_blocks: s.capacity_blocks.saturating_sub(s.blocks) as u32,
+                    total_blocks: s.capacity_blocks as u32,
+                    cache_blocks: s.capacity_blocks as u32,
+                    ..NodeLoad::default()
+                }
+            }),
+            blocks: Some(log),
+            kvstore: address,
+        },
+        // The store has no engine to lose.
+        died: tokio_util::sync::CancellationToken::new(),
+    };
+    pdmesh_common::serve_node(routes, listener, shutdown, node).await?;
     Ok(())
 }
 

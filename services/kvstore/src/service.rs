@@ -25,6 +25,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::StartError;
 use crate::store::{PutSlot, Store};
+use pdmesh_common::blocks::BlockLog;
 
 /// Most hashes one Match may carry (a 128k-token prompt in 16-token blocks is 8,192).
 pub const MAX_CHAIN: usize = 65_536;
@@ -59,6 +60,8 @@ pub struct KvStoreService {
     /// registered for remote read under its lease alone.
     reads: Option<Arc<dyn ReadOffer>>,
     state: Arc<Mutex<State>>,
+    /// The blocks it holds, as changes for the routers it reports to.
+    log: Arc<BlockLog>,
 }
 
 impl KvStoreService {
@@ -75,7 +78,9 @@ impl KvStoreService {
     ) -> Result<Self, StartError> {
         layout.validate().map_err(StartError::Layout)?;
         let block_bytes = layout.bytes_per_block();
-        let store = Store::new(budget_bytes, block_bytes, layout.block_size());
+        let log = Arc::new(BlockLog::default());
+        let store =
+            Store::new(budget_bytes, block_bytes, layout.block_size()).with_log(Arc::clone(&log));
         let len = store.capacity() * block_bytes;
         let pool = HostMemory::zeroed(len).map_err(StartError::Pool)?;
         let reads = match fabric {
@@ -94,7 +99,13 @@ impl KvStoreService {
             max_lease,
             reads,
             state: Arc::new(Mutex::new(State { store, pool, grants: HashMap::new() })),
+            log,
         })
+    }
+
+    /// What it holds, as numbered changes.
+    pub fn block_log(&self) -> Arc<BlockLog> {
+        Arc::clone(&self.log)
     }
 
     pub fn store_stats(&self) -> crate::store::StoreStats {
@@ -328,6 +339,7 @@ impl KvStore for KvStoreService {
             pinned_blocks: s.pinned_blocks,
             leases: s.leases,
             leases_expired: s.leases_expired,
+            digest: s.digest,
         }))
     }
 }

@@ -10,6 +10,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
+use pdmesh_common::blocks::BlockLog;
 use pdmesh_common::ids::Capability;
 use pdmesh_kv_types::BlockHash;
 
@@ -51,6 +54,8 @@ pub struct StoreStats {
     pub pinned_blocks: u64,
     pub leases: u64,
     pub leases_expired: u64,
+    /// `pdmesh_kv_types::digest` of the ready blocks.
+    pub digest: u64,
 }
 
 /// A match: the stored prefix, as `(hash, slot)` in chain order, pinned under `lease`
@@ -84,6 +89,8 @@ pub struct Store {
     leases: HashMap<u64, Lease>,
     tick: u64,
     stats: StoreStats,
+    /// Blocks becoming ready and evicted, for the routers' indexes.
+    log: Option<Arc<BlockLog>>,
 }
 
 impl Store {
@@ -101,7 +108,14 @@ impl Store {
             leases: HashMap::new(),
             tick: 0,
             stats: StoreStats { capacity_blocks: capacity as u64, ..Default::default() },
+            log: None,
         }
+    }
+
+    /// Tells `log` of every block that becomes matchable or is evicted, from now on.
+    pub fn with_log(mut self, log: Arc<BlockLog>) -> Self {
+        self.log = Some(log);
+        self
     }
 
     pub fn capacity(&self) -> usize {
@@ -214,6 +228,9 @@ impl Store {
                 let Some((_, victim)) = self.lru.pop_first() else { return PutSlot::Full };
                 let e = self.index.remove(&victim).expect("LRU entries are indexed");
                 self.stats.evictions += 1;
+                if let Some(log) = &self.log {
+                    log.record([], [victim.0]);
+                }
                 e.slot
             }
         };
@@ -231,6 +248,9 @@ impl Store {
                 e.tick = tick;
                 if e.pins == 0 {
                     self.lru.insert(tick, h);
+                }
+                if let Some(log) = &self.log {
+                    log.record([h.0], []);
                 }
                 true
             }
@@ -258,6 +278,8 @@ impl Store {
         s.bytes = ready * self.block_bytes as u64;
         s.pinned_blocks = self.index.values().filter(|e| e.pins > 0).count() as u64;
         s.leases = self.leases.len() as u64;
+        let ready = self.index.iter().filter(|(_, e)| e.state == State::Ready);
+        s.digest = pdmesh_kv_types::digest(ready.map(|(h, _)| *h));
         s
     }
 }

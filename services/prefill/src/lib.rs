@@ -74,6 +74,7 @@ pub async fn run(
         fabric.as_ref().map(|f| f.reader()),
     )?
     .map(Arc::new);
+    let block_log = cache.as_ref().and_then(|c| c.block_log());
     let cache_blocks = cache.as_ref().map_or(0, |c| c.local_capacity());
     let publishes = cache.is_some();
     metrics.register_snapshot({
@@ -126,13 +127,18 @@ pub async fn run(
         names: &["pdmesh.v1.Prefill"],
         drain: Duration::from_millis(config.drain_ms),
         routers: &config.routers,
-        registration,
-        load: Arc::new(move || {
-            let c = *load_counts.lock().expect("never poisoned");
-            let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
-            let draining = load_draining.load(std::sync::atomic::Ordering::Relaxed);
-            PrefillService::load(&c, t, cache_blocks, publishes, draining)
-        }),
+        joining: pdmesh_common::membership::Joining {
+            registration,
+            load: Arc::new(move || {
+                let c = *load_counts.lock().expect("never poisoned");
+                let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
+                let draining = load_draining.load(std::sync::atomic::Ordering::Relaxed);
+                PrefillService::load(&c, t, cache_blocks, publishes, draining)
+            }),
+            // Only the node's own tier: the KV-store reports its blocks itself.
+            blocks: block_log,
+            kvstore: config.kvstore.clone().unwrap_or_default(),
+        },
         died,
     };
     let grace = Duration::from_millis(config.drain_grace_ms);

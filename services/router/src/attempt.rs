@@ -27,6 +27,8 @@ use tracing::{Instrument, Span};
 use crate::api::{Event, Timings};
 use crate::coalesce::Coalesce;
 use crate::config::RouterConfig;
+use pdmesh_kv_types::BlockHash;
+
 use crate::error::RequestError;
 use crate::mesh::Mesh;
 use crate::placement::{Ask, blocks_needed, place};
@@ -45,6 +47,8 @@ pub(crate) struct Request<'a> {
     pub owner: &'a str,
     /// The tenant's prefix-cache space.
     pub salt: [u8; 16],
+    /// The prompt's block chain, hashed once.
+    pub chain: crate::index::ChainCache,
     pub deadline: Instant,
     pub t0: Instant,
     pub out: &'a mpsc::Sender<Result<Event, RequestError>>,
@@ -52,6 +56,11 @@ pub(crate) struct Request<'a> {
 }
 
 impl Request<'_> {
+    /// The prompt's chain under `layout`.
+    pub(crate) fn chain(&self, layout: &pdmesh_kv_types::KvLayout) -> std::sync::Arc<[BlockHash]> {
+        self.chain.get(layout, &self.salt, &self.prep.prompt)
+    }
+
     /// Sends an event to the client, which gets `client_stall_ms` to make room: one that
     /// reads nothing for that long has stopped reading (an SSE client that never consumes
     /// its stream), and is treated as gone rather than holding its place and its KV until
@@ -285,13 +294,16 @@ impl<'a> Attempt<'a> {
         let mut on = p;
         let mut waited = false;
         loop {
+            // The same exact index placement reads: blocks some prefill node can take from a
+            // cache are not led, and not waited for.
+            let c = (on.layout, req.chain(&on.layout));
             let held = {
                 let reg = mesh.registry();
                 let prefills = reg.live_refs(Role::Prefill, Instant::now());
-                let matched = mesh.prefixes.matched(&prefills, &req.salt, &req.prep.prompt);
-                matched.values().max().copied().unwrap_or(0) / on.layout.block_size().max(1)
+                let hits = crate::relay::hits_of(mesh, req.prep.prompt.len(), &c, &prefills);
+                hits.values().map(|h| h.total()).max().unwrap_or(0)
             };
-            let next = mesh.computing.lead_or_follow(&on.layout, &req.salt, &req.prep.prompt, held);
+            let next = mesh.computing.lead_or_follow(&on.layout, &c.1, held);
             let (mut leader, tokens) = match next {
                 None => break,
                 Some(Coalesce::Lead(l)) => {
@@ -383,7 +395,8 @@ impl<'a> Attempt<'a> {
         let _assigned = Assigned::new(req.mesh, p, 0);
         // A moved stream's prompt is prefilled as it was the first time (and its first token
         // sampled again); the decode node recomputes the rest as it was first computed.
-        req.mesh.prefixes.record(p, &req.salt, &req.prep.prompt);
+        let chain = req.chain(&p.layout);
+        req.mesh.index.sent(&p.id, &chain, p.load.cache_blocks as usize);
         self.report.timings.prefill_node = p.id.clone();
         let mut client = PrefillClient::new(channel(req.mesh, p)?);
         let msg = PrefillRequest {
@@ -582,7 +595,9 @@ impl<'a> Attempt<'a> {
             colocate_when_prefill_busy: 0,
             policy: cfg.prefill_policy,
             turn: mesh.next_turn(),
-            matched: Default::default(),
+            seed: fastrand::u64(..),
+            hits: Default::default(),
+            store_cost: cfg.kvstore_read_cost,
             max_imbalance: cfg.prefix_max_imbalance,
         };
         let others = std::slice::from_ref(&from.node.id);

@@ -20,7 +20,6 @@ use std::sync::{Arc, Mutex};
 use pdmesh_kv_types::{BlockHash, KvLayout};
 use tokio::sync::watch;
 
-use crate::prefix::chain;
 
 #[derive(Debug, Default)]
 pub struct Computing {
@@ -93,21 +92,15 @@ impl Computing {
     pub fn lead_or_follow(
         &self,
         layout: &KvLayout,
-        salt: &[u8],
-        prompt: &[u32],
+        chain: &[BlockHash],
         held: usize,
     ) -> Option<Coalesce> {
         let mut leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
-        let mut chains: Vec<(&KvLayout, Vec<BlockHash>)> = Vec::new();
         let mut best: Option<(usize, &Leader)> = None;
-        for l in leaders.by_id.values() {
-            if !chains.iter().any(|(k, _)| **k == l.layout) {
-                chains.push((&l.layout, chain(&l.layout, salt, prompt)));
-            }
-            let mine = &chains.iter().find(|(k, _)| **k == l.layout).expect("just added").1;
-            let common = mine.iter().zip(&l.chain).take_while(|(a, b)| a == b).count();
-            // Not the caller's `held`: that counts what was sent to a node, which includes
-            // what a leader is computing there now.
+        // Blocks of one layout only: another's are not this prompt's KV.
+        for l in leaders.by_id.values().filter(|l| l.layout == *layout) {
+            let common = chain.iter().zip(&l.chain).take_while(|(a, b)| a == b).count();
+            // Not the caller's `held`: the leader's own, what was cached when it started.
             let saved = common.saturating_sub(l.held) * l.layout.block_size();
             if common > l.held && saved >= self.min_tokens && best.is_none_or(|(c, _)| common > c) {
                 best = Some((common, l));
@@ -117,13 +110,13 @@ impl Computing {
             let tokens = blocks * l.layout.block_size();
             return Some(Coalesce::Follow { leader: l.done.clone(), tokens });
         }
-        let chain = chain(layout, salt, prompt);
         if chain.len() <= held {
             return None;
         }
         let (tx, rx) = watch::channel(None);
         let id = leaders.next;
         leaders.next += 1;
+        let chain = chain.to_vec();
         leaders.by_id.insert(id, Leader { layout: *layout, chain, held, done: rx });
         Some(Coalesce::Lead(Lead { leaders: Arc::clone(&self.leaders), id, done: tx }))
     }
@@ -143,20 +136,21 @@ impl Computing {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::index::chain;
 
     fn layout() -> KvLayout {
         crate::registry::tests::layout(7, 4)
     }
 
     fn lead(c: &Computing, prompt: &[u32], held: usize) -> Lead {
-        match c.lead_or_follow(&layout(), b"t", prompt, held) {
+        match c.lead_or_follow(&layout(), &chain(&layout(), b"t", prompt), held) {
             Some(Coalesce::Lead(l)) => l,
             other => panic!("expected to lead, got {other:?}"),
         }
     }
 
     fn follows(c: &Computing, salt: &[u8], prompt: &[u32], held: usize) -> Option<usize> {
-        match c.lead_or_follow(&layout(), salt, prompt, held)? {
+        match c.lead_or_follow(&layout(), &chain(&layout(), salt, prompt), held)? {
             Coalesce::Follow { tokens, .. } => Some(tokens),
             Coalesce::Lead(_) => None,
         }
@@ -173,7 +167,7 @@ mod tests {
         assert_eq!(follows(&c, b"t", &with(901), 0), Some(4 * bs));
         assert_eq!(follows(&c, b"t", &with(902), 0), Some(4 * bs));
         let Some(Coalesce::Follow { leader: rx, .. }) =
-            c.lead_or_follow(&layout(), b"t", &with(903), 0)
+            c.lead_or_follow(&layout(), &chain(&layout(), b"t", &with(903)), 0)
         else {
             panic!("expected to follow")
         };
@@ -216,6 +210,6 @@ mod tests {
         // The same prompt again waits for the leader's blocks.
         assert_eq!(follows(&c, b"t", &a, 3), Some(5 * bs as usize));
         // A prompt shorter than a block has nothing to lead.
-        assert!(c.lead_or_follow(&layout(), b"t", &[1, 2], 0).is_none());
+        assert!(c.lead_or_follow(&layout(), &chain(&layout(), b"t", &[1, 2]), 0).is_none());
     }
 }

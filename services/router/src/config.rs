@@ -86,6 +86,10 @@ pub struct RouterConfig {
     /// Most prompts a prefix-aware choice may have queued or running above the least-loaded
     /// prefill node; past it the cache is given up for the idle node.
     pub prefix_max_imbalance: u32,
+    /// What reading a prompt token's KV from the KV-store costs a prefill node, as a share of
+    /// computing it (0..=1): prefix-aware placement weighs the store's blocks by it against
+    /// the node's own.
+    pub kvstore_read_cost: f64,
     /// Longest a request waits for a prefix another request is computing (in-flight prefix
     /// coalescing), capped at half its remaining deadline; 0 = never wait, compute it again.
     pub coalesce_wait_ms: u64,
@@ -127,6 +131,7 @@ impl Default for RouterConfig {
             colocate_when_prefill_busy: 0,
             prefill_policy: PrefillPolicy::PrefixAware,
             prefix_max_imbalance: 2,
+            kvstore_read_cost: 0.1,
             coalesce_wait_ms: 30_000,
             coalesce_min_tokens: 128,
             drain_ms: 5_000,
@@ -137,6 +142,10 @@ impl Default for RouterConfig {
 
 impl RouterConfig {
     pub fn validate(&self) -> Result<(), InvalidConfig> {
+        if !(0.0..=1.0).contains(&self.kvstore_read_cost) {
+            let why = format!("must be in 0..=1, got {}", self.kvstore_read_cost);
+            return Err(InvalidConfig::new("kvstore_read_cost", why));
+        }
         if self.api_keys.is_none() && !self.allow_anonymous {
             return Err(InvalidConfig::new(
                 "api_keys",

@@ -13,7 +13,8 @@ pub mod mesh;
 pub mod metrics;
 pub mod placement;
 pub mod planner;
-pub mod prefix;
+pub mod index;
+pub mod members;
 pub mod queue;
 pub mod registry;
 mod relay;
@@ -114,7 +115,7 @@ pub async fn run_with(
                 tick.tick().await;
                 let dropped = mesh.registry().expire(Instant::now());
                 for id in dropped {
-                    mesh.prefixes.forget(&id);
+                    mesh.index.forget(&id);
                     tracing::warn!(node = id, "node missed its heartbeats; dropped");
                 }
                 mesh.replan();

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::RouterConfig;
 use crate::metrics::RouterMetrics;
 use crate::planner::{Plan, Planner, Pools, Sample};
-use crate::prefix::PrefixIndex;
+use crate::index::KvIndex;
 use crate::registry::{Node, Registry};
 
 /// How long a decode node gets to answer a cancel for another router's request.
@@ -37,8 +37,11 @@ pub struct Mesh {
     /// Running requests by (owning tenant, request id): ids are unique within a tenant, and
     /// a tenant can neither see nor cancel another's.
     active: Mutex<HashMap<(String, String), CancellationToken>>,
-    /// What each prefill node is thought to hold in its own cache.
-    pub prefixes: PrefixIndex,
+    /// Which node holds which KV block, from the nodes' block events.
+    pub index: KvIndex,
+    /// The KV layout of the mesh's nodes (registration keeps it one): prompts are hashed in
+    /// it before placement takes the registry's lock.
+    layout: Mutex<Option<pdmesh_kv_types::KvLayout>>,
     /// Prompts a prefill node is computing now, for others sharing their prefix to wait on.
     pub computing: crate::coalesce::Computing,
     pub metrics: RouterMetrics,
@@ -58,7 +61,8 @@ impl Mesh {
             registry: Mutex::new(Registry::new(ttl, every, config.max_heartbeats_per_s)),
             channels: ChannelCache::new(MAX_CHANNELS),
             active: Mutex::new(HashMap::new()),
-            prefixes: PrefixIndex::default(),
+            index: KvIndex::default(),
+            layout: Mutex::new(None),
             computing: crate::coalesce::Computing::new(config.coalesce_min_tokens),
             metrics: RouterMetrics::default(),
             turn: AtomicUsize::new(0),
@@ -66,6 +70,15 @@ impl Mesh {
             queue: crate::queue::RoomQueue::new(config.max_queued),
             config,
         }
+    }
+
+    /// The nodes' KV layout, once one has joined.
+    pub fn layout(&self) -> Option<pdmesh_kv_types::KvLayout> {
+        *self.layout.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn set_layout(&self, layout: pdmesh_kv_types::KvLayout) {
+        *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout);
     }
 
     /// Tells the planner how a finished request went.

@@ -27,6 +27,9 @@ pub struct RouterMetrics {
     preemptions: Counter,
     queued: Counter,
     coalesced: Counter,
+    index_staleness: Histogram,
+    index_changes: Counter,
+    index_resyncs: Counter,
 }
 
 impl Default for RouterMetrics {
@@ -47,6 +50,10 @@ impl Default for RouterMetrics {
             preemptions: Counter::default(),
             queued: Counter::default(),
             coalesced: Counter::default(),
+            // 100 µs .. ~30 s in steps of 30%.
+            index_staleness: Histogram::new(exponential_buckets(0.000_1, 1.3, 48)),
+            index_changes: Counter::default(),
+            index_resyncs: Counter::default(),
         }
     }
 }
@@ -155,6 +162,22 @@ impl RouterMetrics {
             "Requests that waited for a shared prefix another request was computing.",
             self.coalesced.clone(),
         );
+        m.register(
+            "pdmesh_router_index_staleness_seconds",
+            "Age of block events when the index applied them (the oldest of each batch, by the \
+             node's clock): how late the index is behind the nodes' caches.",
+            self.index_staleness.clone(),
+        );
+        m.register(
+            "pdmesh_router_index_changes",
+            "Block stores and removals applied to the index from nodes' events.",
+            self.index_changes.clone(),
+        );
+        m.register(
+            "pdmesh_router_index_resyncs",
+            "Snapshots asked of nodes whose events had a gap.",
+            self.index_resyncs.clone(),
+        );
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
@@ -179,9 +202,39 @@ impl RouterMetrics {
                     "Usable registered nodes, by role.",
                     Kind::Gauge,
                     "role",
-                    &[("prefill", nodes(Role::Prefill)), ("decode", nodes(Role::Decode))],
+                    &[
+                        ("prefill", nodes(Role::Prefill)),
+                        ("decode", nodes(Role::Decode)),
+                        ("kvstore", nodes(Role::Kvstore)),
+                    ],
                 ),
             ]);
+            let (blocks, entries) = mesh.index.size();
+            v.push(Family::one(
+                "pdmesh_router_index_blocks",
+                "Distinct KV blocks the index knows a holder of.",
+                Kind::Gauge,
+                blocks as f64,
+            ));
+            v.push(Family::one(
+                "pdmesh_router_index_entries",
+                "Block-holder pairs in the index (a block two nodes hold counts twice).",
+                Kind::Gauge,
+                entries as f64,
+            ));
+            let states = mesh.index.states();
+            let by_state: Vec<(&str, f64)> = crate::index::State::ALL
+                .iter()
+                .map(|s| (s.name(), states.get(s).copied().unwrap_or(0) as f64))
+                .collect();
+            v.push(Family::labelled(
+                "pdmesh_router_index_nodes",
+                "Nodes by what the index knows of their blocks: exact (from their events), \
+                 resyncing, estimate (they send none), detached (session ended) or none.",
+                Kind::Gauge,
+                "state",
+                &by_state,
+            ));
             v
         });
     }
@@ -222,6 +275,17 @@ impl RouterMetrics {
     /// A request found no room and joined the queue for it.
     pub fn queued(&self) {
         self.queued.inc();
+    }
+
+    /// `changes` block events applied, the oldest `age` seconds after it happened.
+    pub fn index_applied(&self, changes: usize, age: f64) {
+        self.index_changes.inc_by(changes as u64);
+        self.index_staleness.observe(age);
+    }
+
+    /// A node was asked for a snapshot.
+    pub fn index_resync(&self) {
+        self.index_resyncs.inc();
     }
 
     /// A request waited for its prefix to be computed by another.

@@ -3,18 +3,22 @@
 //! a network.
 //!
 //! Prefill nodes are chosen by one of three policies. `prefix-aware` sends a prompt where the
-//! longest part of it is already cached, but only among nodes whose load is within
-//! `max_imbalance` requests of the least-loaded one: a node that holds a hot prefix must not
-//! draw every request until it drowns while its peers idle (the "death spiral" of SGLang's
-//! cache-aware router, sgl-project/sglang#14305). Ties rotate among nodes rather than falling
-//! to the first, so a lightly loaded mesh still spreads its prompts (and its cache) over all
-//! of them.
+//! fewest of its tokens are left to compute, by the index's exact hits in each node's own cache
+//! and its KV-store (a store's token costs `store_cost` of computing one, for reading it), but
+//! only among nodes whose load is within `max_imbalance` requests of the least-loaded one: a
+//! node that holds a hot prefix must not draw every request until it drowns while its peers
+//! idle (the "death spiral" of SGLang's cache-aware router, sgl-project/sglang#14305).
+//!
+//! Ties are broken at random (`Ask::seed`), for decode nodes too: a tie that fell to the lowest
+//! id sent a quiet 1,000-node mesh's requests to a few hundred nodes, and two routers with the
+//! same stale view would pile onto the same one.
 
 use std::collections::HashMap;
 
 use pdmesh_proto::v1::Role;
 use serde::{Deserialize, Serialize};
 
+use crate::index::Hits;
 use crate::registry::Node;
 
 /// How prefill nodes are chosen.
@@ -55,7 +59,7 @@ impl std::fmt::Display for PrefillPolicy {
     }
 }
 
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Ask {
     pub prompt_tokens: usize,
     pub max_tokens: usize,
@@ -69,11 +73,14 @@ pub struct Ask {
     /// longer than the decode node takes to compute it beside its streams.
     pub colocate_when_prefill_busy: u32,
     pub policy: PrefillPolicy,
-    /// A counter that advances with every placement: the round-robin position and the
-    /// rotation that breaks ties.
+    /// A counter that advances with every placement: the round-robin position.
     pub turn: usize,
-    /// Prompt tokens each prefill node is thought to hold (prefix-aware only).
-    pub matched: HashMap<String, usize>,
+    /// Random: which of the nodes tied for best is chosen.
+    pub seed: u64,
+    /// Prompt blocks each prefill node would read from a cache (prefix-aware only).
+    pub hits: HashMap<String, Hits>,
+    /// What reading a token from the KV-store costs, as a share of computing it.
+    pub store_cost: f64,
     /// Most requests a prefix-aware choice may carry above the least-loaded prefill node.
     pub max_imbalance: u32,
 }
@@ -124,24 +131,23 @@ pub fn place(
     if decodes.is_empty() {
         return Err(PlaceError::NoDecodeNode);
     }
-    // Among decode nodes with room, the least busy relative to its size; ties by free blocks.
-    let fits: Vec<&&Node> = decodes
+    // Among decode nodes with room, the least busy relative to its size; ties by free blocks,
+    // then at random.
+    let score = |n: &Node| {
+        let running = f64::from(n.load.running + n.load.queued + n.assigned);
+        let used = 1.0 - free_blocks(n) as f64 / f64::from(n.load.total_blocks.max(1));
+        running + used
+    };
+    let fits: Vec<&Node> = decodes
         .iter()
+        .copied()
         .filter(|n| free_blocks(n) >= blocks_needed(n, ask))
         .filter(|n| {
             n.load.total_blocks == 0 || n.load.total_blocks as usize >= blocks_at_most(n, ask)
         })
         .collect();
-    let Some(d) = fits.into_iter().min_by(|a, b| {
-        let score = |n: &Node| {
-            let running = f64::from(n.load.running + n.load.queued + n.assigned);
-            let used = 1.0 - free_blocks(n) as f64 / f64::from(n.load.total_blocks.max(1));
-            running + used
-        };
-        score(a)
-            .total_cmp(&score(b))
-            .then(free_blocks(b).cmp(&free_blocks(a)))
-            .then(a.id.cmp(&b.id))
+    let Some(d) = pick_random(&fits, ask.seed, |a, b| {
+        score(a).total_cmp(&score(b)).then(free_blocks(b).cmp(&free_blocks(a)))
     }) else {
         let need = decodes.iter().map(|n| blocks_needed(n, ask)).min().unwrap_or(0);
         let best = decodes.iter().map(|n| free_blocks(n)).max().unwrap_or(0);
@@ -170,28 +176,44 @@ fn prefill_load(n: &Node) -> u32 {
     n.load.queued + n.load.running + n.assigned
 }
 
+/// One of the best of `items` by `cmp` (least first), the `seed`-th of those tied.
+fn pick_random<'a>(
+    items: &[&'a Node],
+    seed: u64,
+    cmp: impl Fn(&Node, &Node) -> std::cmp::Ordering,
+) -> Option<&'a Node> {
+    let best = items.iter().copied().min_by(|a, b| cmp(a, b))?;
+    let tied: Vec<&Node> = items.iter().copied().filter(|n| cmp(n, best).is_eq()).collect();
+    Some(tied[(seed % tied.len() as u64) as usize])
+}
+
 fn pick_prefill<'a>(nodes: &[&'a Node], ask: &Ask) -> Option<&'a Node> {
     let len = nodes.len();
     if len == 0 {
         return None;
     }
-    // Position after the rotation: the node at `turn` ranks first among equals.
-    let rank = |i: usize| (i + len - ask.turn % len) % len;
-    let least = || (0..len).min_by_key(|&i| (prefill_load(nodes[i]), rank(i))).map(|i| nodes[i]);
+    let by_load = |a: &Node, b: &Node| prefill_load(a).cmp(&prefill_load(b));
     match ask.policy {
         PrefillPolicy::RoundRobin => Some(nodes[ask.turn % len]),
-        PrefillPolicy::LeastLoad => least(),
+        PrefillPolicy::LeastLoad => pick_random(nodes, ask.seed, by_load),
         PrefillPolicy::PrefixAware => {
             let floor = nodes.iter().map(|n| prefill_load(n)).min().unwrap_or(0);
             let bound = floor.saturating_add(ask.max_imbalance);
-            let held = |i: usize| ask.matched.get(&nodes[i].id).copied().unwrap_or(0);
-            (0..len)
-                .filter(|&i| held(i) > 0 && prefill_load(nodes[i]) <= bound)
-                .max_by_key(|&i| {
-                    (held(i), std::cmp::Reverse(prefill_load(nodes[i])), std::cmp::Reverse(rank(i)))
-                })
-                .map(|i| nodes[i])
-                .or_else(least)
+            let hits = |n: &Node| ask.hits.get(&n.id).copied().unwrap_or_default();
+            // Tokens left to compute, with a store's tokens at the cost of reading them.
+            let cost = |n: &Node| {
+                let (h, bs) = (hits(n), n.layout.block_size() as f64);
+                let own = h.own as f64 * bs;
+                let store = h.store as f64 * bs * (1.0 - ask.store_cost.clamp(0.0, 1.0));
+                ask.prompt_tokens as f64 - own - store
+            };
+            let holding: Vec<&Node> = nodes
+                .iter()
+                .copied()
+                .filter(|n| hits(n).total() > 0 && prefill_load(n) <= bound)
+                .collect();
+            pick_random(&holding, ask.seed, |a, b| cost(a).total_cmp(&cost(b)).then(by_load(a, b)))
+                .or_else(|| pick_random(nodes, ask.seed, by_load))
         }
     }
 }
@@ -334,34 +356,60 @@ mod tests {
     }
 
     #[test]
-    fn round_robin_takes_turns_and_least_load_rotates_ties() {
+    fn round_robin_takes_turns_and_least_load_breaks_ties_at_random() {
         let p = prefills(&[5, 0, 0]);
         let rr = |turn| Ask { policy: PrefillPolicy::RoundRobin, turn, ..ask(10) };
         let got: Vec<String> = (0..4).map(|t| chosen(&p, &rr(t))).collect();
         assert_eq!(got, ["p0", "p1", "p2", "p0"], "round-robin ignores load");
-        // p1 and p2 tie: the rotation gives p2 its turns too instead of always taking p1
-        // (sgl-project/sglang#32983).
-        let ll = |turn| Ask { policy: PrefillPolicy::LeastLoad, turn, ..ask(10) };
-        let got: Vec<String> = (0..4).map(|t| chosen(&p, &ll(t))).collect();
-        assert_eq!(got, ["p1", "p1", "p2", "p1"]);
+        // p1 and p2 tie: each gets its share instead of always p1 (sgl-project/sglang#32983).
+        let ll = |seed| Ask { policy: PrefillPolicy::LeastLoad, seed, ..ask(10) };
+        let got: Vec<String> = (0..4).map(|s| chosen(&p, &ll(s))).collect();
+        assert_eq!(got, ["p1", "p2", "p1", "p2"]);
+    }
+
+    fn hits(h: &[(&str, usize, usize)]) -> HashMap<String, Hits> {
+        h.iter().map(|&(k, own, store)| (k.to_string(), Hits { own, store })).collect()
     }
 
     #[test]
-    fn prefix_aware_prefers_the_longest_match_within_the_bound() {
+    fn prefix_aware_prefers_the_most_cached_within_the_bound() {
         let p = prefills(&[3, 1, 0]);
-        let pa = |matched: &[(&str, usize)]| Ask {
+        let pa = |h: &[(&str, usize, usize)]| Ask {
             policy: PrefillPolicy::PrefixAware,
             max_imbalance: 2,
-            matched: matched.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            hits: hits(h),
+            store_cost: 0.25,
             ..ask(100)
         };
-        assert_eq!(chosen(&p, &pa(&[])), "p2", "no match: least load");
-        assert_eq!(chosen(&p, &pa(&[("p1", 32), ("p2", 16)])), "p1", "longest match");
+        // Blocks of 16 tokens.
+        assert_eq!(chosen(&p, &pa(&[])), "p2", "no hits: least load");
+        assert_eq!(chosen(&p, &pa(&[("p1", 2, 0), ("p2", 1, 0)])), "p1", "most own blocks");
         // p0 holds more, but it is 3 above the least-loaded node (bound 2).
-        assert_eq!(chosen(&p, &pa(&[("p0", 64), ("p1", 16)])), "p1");
-        assert_eq!(chosen(&p, &pa(&[("p0", 64)])), "p2", "only p0 matches: over the bound");
-        // Equal matches: the less loaded node.
-        assert_eq!(chosen(&p, &pa(&[("p1", 32), ("p2", 32)])), "p2");
+        assert_eq!(chosen(&p, &pa(&[("p0", 4, 0), ("p1", 1, 0)])), "p1");
+        assert_eq!(chosen(&p, &pa(&[("p0", 4, 0)])), "p2", "only p0 holds any: over the bound");
+        // Equal hits: the less loaded node.
+        assert_eq!(chosen(&p, &pa(&[("p1", 2, 0), ("p2", 2, 0)])), "p2");
+        // A store's block is worth 3/4 of an own one here: 2 own beat 2 from the store, and
+        // 1 own + 2 from the store (2.5) beat 2 own.
+        assert_eq!(chosen(&p, &pa(&[("p1", 2, 0), ("p2", 0, 2)])), "p1");
+        assert_eq!(chosen(&p, &pa(&[("p1", 2, 0), ("p2", 1, 2)])), "p2");
+    }
+
+    /// 500 idle decode nodes and 2,000 short requests: with ties at random every node is
+    /// used and none takes far more than its share (ties to the lowest id used 220 of 500
+    /// in the fleet simulation, the busiest at 1.76 times the mean).
+    #[test]
+    fn idle_decode_nodes_share_requests_evenly() {
+        let d: Vec<Node> = (0..500).map(|i| node(&format!("d{i:03}"), Role::Decode, 100, 0)).collect();
+        let mut count: HashMap<String, usize> = HashMap::new();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..2_000 {
+            rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let a = Ask { seed: rng >> 11, ..ask(10) };
+            *count.entry(place_owned(&[], &d, &a, &[]).unwrap().decode).or_default() += 1;
+        }
+        assert!(count.len() > 480, "{} of 500 nodes used", count.len());
+        assert!(*count.values().max().unwrap() <= 14, "busiest took {:?}", count.values().max());
     }
 
     /// Conditional disaggregation on live state: with every prefill node backed up to the
@@ -391,7 +439,8 @@ mod tests {
                 policy: PrefillPolicy::PrefixAware,
                 max_imbalance: bound,
                 turn,
-                matched: holders.iter().map(|h| (h.clone(), 512)).collect(),
+                hits: holders.iter().map(|h| (h.clone(), Hits { own: 32, store: 0 })).collect(),
+                seed: turn as u64,
                 ..ask(600)
             };
             let id = chosen(&p, &a);

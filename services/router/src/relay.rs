@@ -9,11 +9,13 @@
 //! until it heartbeats again. Dropping the request (the client left) drops the attempt's
 //! streams, which aborts them on their nodes and releases what they reserved.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use pdmesh_common::convert::ms;
 use pdmesh_common::trace;
 use pdmesh_engine::FinishReason;
+use pdmesh_kv_types::{BlockHash, KvLayout};
 use pdmesh_proto::v1::Role;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -25,6 +27,7 @@ use pdmesh_common::apikey::Tenant;
 use crate::api::{Event, Finished, Usage};
 use crate::attempt::{Attempt, Decoded, Failure, Phase, Report, Request};
 use crate::error::RequestError;
+use crate::index::Hits;
 use crate::mesh::Mesh;
 use crate::placement::{Ask, PlaceError, PrefillPolicy, place};
 use crate::request::Prepared;
@@ -68,6 +71,7 @@ pub(crate) async fn run(
         prep: &prep,
         owner: &tenant.tenant,
         salt: tenant.cache_salt(),
+        chain: Default::default(),
         deadline,
         t0,
         out: &out,
@@ -371,6 +375,8 @@ type Placed = (crate::registry::Node, Option<crate::registry::Node>, u32);
 fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Placed, Failure> {
     let mesh = req.mesh;
     let cfg = &mesh.config;
+    // Hashed before the registry's lock: a long prompt must not hold up the nodes' reports.
+    let chain = mesh.layout().map(|l| (l, req.chain(&l)));
     // Placement reads the registry in place, under its lock, and copies only the nodes chosen.
     let reg = mesh.registry();
     let now = Instant::now();
@@ -385,7 +391,7 @@ fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Pl
         matched_tokens = Empty,
     );
     let _entered = span.enter();
-    let ask = ask_of(mesh, req.prep, &req.salt, &prefills, resumed);
+    let ask = ask_of(mesh, req.prep, chain.as_ref(), &prefills, resumed);
     let placed =
         place(&prefills, &reg.live_refs(Role::Decode, now), &ask, exclude).map_err(|e| {
             let retry_after = Duration::from_millis(cfg.retry_after_ms);
@@ -396,7 +402,9 @@ fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Pl
     span.record("decode_node", placed.decode.as_str());
     let prefill_name = placed.prefill.as_deref().unwrap_or("colocated");
     span.record("prefill_node", prefill_name);
-    span.record("matched_tokens", ask.matched.get(prefill_name).copied().unwrap_or(0) as i64);
+    let bs = chain.as_ref().map_or(0, |(l, _)| l.block_size());
+    let hit = ask.hits.get(prefill_name).map_or(0, |h| h.total());
+    span.record("matched_tokens", (hit * bs) as i64);
     let gone = |id: &str| Failure::Lost { node: id.to_string(), why: "left the mesh".into() };
     let decode = reg.get(&placed.decode).cloned().ok_or_else(|| gone(&placed.decode))?;
     let prefill = match &placed.prefill {
@@ -408,20 +416,34 @@ fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Pl
     Ok((decode, prefill, blocks))
 }
 
+/// Prompt blocks each of `prefill` would read from a cache: the exact index's hits, over the
+/// blocks a prefill node may take from one (its last token is always computed).
+pub(crate) fn hits_of(
+    mesh: &Mesh,
+    prompt_len: usize,
+    (layout, chain): &(KvLayout, std::sync::Arc<[BlockHash]>),
+    prefill: &[&crate::registry::Node],
+) -> HashMap<String, Hits> {
+    let usable = prompt_len.saturating_sub(1) / layout.block_size().max(1);
+    let ids = prefill.iter().filter(|n| n.layout == *layout).map(|n| n.id.as_str());
+    mesh.index.hits(chain, usable, ids)
+}
+
 /// What placement is asked for; `resumed` tokens of the request's output (a moved or
 /// preempted stream's) are recomputed on its decode node.
 fn ask_of(
     mesh: &Mesh,
     prep: &Prepared,
-    salt: &[u8],
+    chain: Option<&(KvLayout, std::sync::Arc<[BlockHash]>)>,
     prefill: &[&crate::registry::Node],
     resumed: usize,
 ) -> Ask {
     let cfg = &mesh.config;
-    let matched = if cfg.prefill_policy == PrefillPolicy::PrefixAware {
-        mesh.prefixes.matched(prefill, salt, &prep.prompt)
-    } else {
-        Default::default()
+    let hits = match chain {
+        Some(c) if cfg.prefill_policy == PrefillPolicy::PrefixAware => {
+            hits_of(mesh, prep.prompt.len(), c, prefill)
+        }
+        _ => HashMap::new(),
     };
     Ask {
         prompt_tokens: prep.prompt.len(),
@@ -431,7 +453,9 @@ fn ask_of(
         colocate_when_prefill_busy: cfg.colocate_when_prefill_busy,
         policy: cfg.prefill_policy,
         turn: mesh.next_turn(),
-        matched,
+        seed: fastrand::u64(..),
+        hits,
+        store_cost: cfg.kvstore_read_cost,
         max_imbalance: cfg.prefix_max_imbalance,
     }
 }

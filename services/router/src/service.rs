@@ -9,12 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdmesh_proto::v1::generation_server::Generation;
-use pdmesh_proto::v1::membership_server::Membership;
 use pdmesh_proto::v1::{
-    CancelRequest, CancelResponse, DeregisterRequest, DeregisterResponse, GenerateRequest,
-    GenerateResponse, HeartbeatRequest, HeartbeatResponse, ListNodesRequest, ListNodesResponse,
-    ModelInfoRequest, ModelInfoResponse, NodeStatus, RegisterRequest, RegisterResponse, Role,
-    TokenizeRequest, TokenizeResponse, generate_request, generate_response, tokenize_request,
+    CancelRequest, CancelResponse, GenerateRequest, GenerateResponse, ModelInfoRequest,
+    ModelInfoResponse, TokenizeRequest, TokenizeResponse, generate_request, generate_response,
+    tokenize_request,
 };
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status};
@@ -23,7 +21,6 @@ use tracing::field::Empty;
 
 use pdmesh_common::apikey::{KeyRing, Tenant};
 use pdmesh_common::gate::{Quota, Slot};
-use pdmesh_common::tls::MeshRole;
 use pdmesh_common::trace;
 
 use crate::api::{Event, Router};
@@ -35,34 +32,6 @@ pub struct RouterService {
     pub router: Router,
     /// The API keys; None: `allow_anonymous`.
     pub keys: Option<Arc<KeyRing>>,
-}
-
-/// With TLS, a node registers and heartbeats only as itself: the node id must be the name in
-/// its certificate, and the role its certificate's (`authz` has already checked that the
-/// caller is a node at all).
-fn speaks_for<T>(req: &Request<T>, node_id: &str, role: Option<Role>) -> Result<(), Status> {
-    let Some(peer) = pdmesh_common::authz::caller(req) else { return Ok(()) };
-    if peer.name != node_id {
-        return Err(Status::permission_denied(format!(
-            "{} may not speak for node {node_id:?}: a node registers and heartbeats only as \
-             the name in its certificate",
-            peer.name
-        )));
-    }
-    let certified = match peer.role {
-        MeshRole::Prefill => Role::Prefill,
-        MeshRole::Decode => Role::Decode,
-        _ => Role::Unspecified,
-    };
-    match role {
-        Some(r) if r != certified => Err(Status::permission_denied(format!(
-            "{} registers as {} but its certificate is for a {}",
-            peer.name,
-            r.as_str_name(),
-            peer.role
-        ))),
-        _ => Ok(()),
-    }
 }
 
 /// The public API's interceptor: a call's API key is checked from its headers, before its
@@ -127,14 +96,8 @@ impl tonic::service::Interceptor for KeyCheck {
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<GenerateResponse, Status>> + Send>>;
 
 impl RouterService {
-    fn mesh(&self) -> &Arc<Mesh> {
+    pub(crate) fn mesh(&self) -> &Arc<Mesh> {
         self.router.mesh()
-    }
-
-    /// The role `node_id` registered in: a departure must come from a certificate of that
-    /// role, not only of that name.
-    fn registered_role(&self, node_id: &str) -> Option<Role> {
-        self.mesh().registry().get(node_id).map(|n| n.role)
     }
 
     /// The tenant a public call is made for, by its API key (as `KeyCheck` found it).
@@ -302,143 +265,6 @@ impl Generation for RouterService {
         } else {
             Err(Status::not_found(format!("request_id {id} is not running")))
         }
-    }
-}
-
-#[tonic::async_trait]
-impl Membership for RouterService {
-    async fn register(
-        &self,
-        req: Request<RegisterRequest>,
-    ) -> Result<Response<RegisterResponse>, Status> {
-        let role = Role::try_from(req.get_ref().role).unwrap_or(Role::Unspecified);
-        if role == Role::Unspecified {
-            return Err(Status::invalid_argument("role: must be prefill or decode"));
-        }
-        speaks_for(&req, &req.get_ref().node_id, Some(role))?;
-        let r = req.into_inner();
-        if r.node_id.is_empty() || r.address.is_empty() {
-            return Err(Status::invalid_argument("node_id and address are required"));
-        }
-        let layout = r.layout.ok_or_else(|| Status::invalid_argument("layout is required"))?;
-        let layout = pdmesh_proto::layout_from_wire(&layout)
-            .map_err(|e| Status::invalid_argument(format!("layout: {e}")))?;
-        let ours = self.mesh().model.fingerprint;
-        if layout.model_fingerprint != ours {
-            // Its tokens would not be this model's: joining would serve wrong answers.
-            tracing::warn!(
-                node = r.node_id,
-                "refused: node serves model {:016x}, this router serves {ours:016x}",
-                layout.model_fingerprint
-            );
-            return Err(Status::failed_precondition(format!(
-                "node {} serves model {:016x}; this router serves {ours:016x}",
-                r.node_id, layout.model_fingerprint
-            )));
-        }
-        let now = Instant::now();
-        let (every, ttl) = {
-            let mut reg = self.mesh().registry();
-            // KV moves only between nodes of one layout: a node whose blocks differ from the
-            // mesh's (another dtype or block size) could serve no request with the others.
-            if let Some(other) =
-                reg.iter().find(|n| n.id != r.node_id && n.layout != layout).cloned()
-            {
-                let g = |l: &pdmesh_kv_types::KvLayout| {
-                    format!("{} in blocks of {}", l.geometry.dtype.name(), l.geometry.block_size)
-                };
-                tracing::warn!(
-                    node = r.node_id,
-                    mesh_node = other.id,
-                    "refused: KV layout differs"
-                );
-                return Err(Status::failed_precondition(format!(
-                    "node {} keeps KV as {}; the mesh's nodes ({}) keep it as {}: KV could not \
-                     move between them",
-                    r.node_id,
-                    g(&layout),
-                    other.id,
-                    g(&other.layout)
-                )));
-            }
-            // A new node at an address that a departed node used: its old channel is stale.
-            if reg.get(&r.node_id).is_none() {
-                self.mesh().drop_channel(&r.address);
-            }
-            reg.register(&r.node_id, role, &r.address, layout, r.load.unwrap_or_default(), now);
-            // Told under the same lock it registered under: the node is there.
-            let every = reg.get(&r.node_id).map_or_else(|| reg.beat_every(), |n| n.every);
-            let ttl = reg.get(&r.node_id).map(|n| reg.ttl_of(n));
-            (every, ttl.unwrap_or(Duration::from_millis(u64::from(self.mesh().config.node_ttl_ms))))
-        };
-        // Registering (first or again after a restart) means an empty cache.
-        self.mesh().prefixes.forget(&r.node_id);
-        self.mesh().queue.wake();
-        tracing::info!(
-            node = r.node_id,
-            role = role.as_str_name(),
-            address = r.address,
-            "node joined"
-        );
-        Ok(Response::new(RegisterResponse {
-            heartbeat_interval_ms: every.as_millis() as u32,
-            node_ttl_ms: ttl.as_millis() as u32,
-        }))
-    }
-
-    async fn heartbeat(
-        &self,
-        req: Request<HeartbeatRequest>,
-    ) -> Result<Response<HeartbeatResponse>, Status> {
-        let every = {
-            // One lock for the check and the beat: heartbeats are the router's steadiest load.
-            let mut reg = self.mesh().registry();
-            let r = req.get_ref();
-            speaks_for(&req, &r.node_id, reg.get(&r.node_id).map(|n| n.role))?;
-            reg.heartbeat(&r.node_id, r.load.unwrap_or_default(), Instant::now())
-        };
-        // The node's free blocks are news to requests waiting for room.
-        self.mesh().queue.wake();
-        Ok(Response::new(HeartbeatResponse {
-            known: every.is_some(),
-            heartbeat_interval_ms: every.map_or(0, |d| d.as_millis() as u32),
-        }))
-    }
-
-    async fn deregister(
-        &self,
-        req: Request<DeregisterRequest>,
-    ) -> Result<Response<DeregisterResponse>, Status> {
-        speaks_for(&req, &req.get_ref().node_id, self.registered_role(&req.get_ref().node_id))?;
-        let r = req.into_inner();
-        let known = self.mesh().registry().remove(&r.node_id);
-        if known {
-            self.mesh().prefixes.forget(&r.node_id);
-            tracing::warn!(node = r.node_id, reason = r.reason, "node left the mesh");
-        }
-        Ok(Response::new(DeregisterResponse { known }))
-    }
-
-    async fn list_nodes(
-        &self,
-        _: Request<ListNodesRequest>,
-    ) -> Result<Response<ListNodesResponse>, Status> {
-        let now = Instant::now();
-        let nodes = self
-            .mesh()
-            .registry()
-            .all()
-            .into_iter()
-            .map(|n| NodeStatus {
-                node_id: n.id,
-                role: n.role as i32,
-                address: n.address,
-                layout: Some(n.layout.into()),
-                load: Some(n.load),
-                since_heartbeat_ms: now.duration_since(n.last_seen).as_millis() as u64,
-            })
-            .collect();
-        Ok(Response::new(ListNodesResponse { nodes }))
     }
 }
 

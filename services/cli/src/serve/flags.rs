@@ -263,6 +263,11 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) prefix_max_imbalance: Option<u32>,
+    /// What reading a token's KV from the KV-store costs a prefill node, as a share of
+    /// computing it (0..=1): placement weighs the store's blocks by it [default: 0.1].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) kvstore_read_cost: Option<f64>,
     /// Longest a request waits for a shared prefix another request is computing, in ms,
     /// capped at half its deadline (0: compute it again) [default: 30000].
     #[arg(long)]
@@ -363,6 +368,16 @@ pub struct KvStoreArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) node_id: Option<String>,
+    /// A router to report the blocks it holds to, so placement counts them (repeat for
+    /// several).
+    #[arg(long = "router", value_name = "ADDR")]
+    #[serde(rename = "routers", skip_serializing_if = "Vec::is_empty")]
+    pub(super) routers: Vec<String>,
+    /// The address prefill nodes reach it at, as their --kvstore names it: routers pair
+    /// nodes with the store by it [default: the bound address].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) advertise: Option<String>,
     /// Bytes of KV blocks held (least recently used unpinned blocks are evicted beyond it).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
