@@ -111,6 +111,7 @@ pub struct ClusterBuilder {
     decode: usize,
     kvstore: bool,
     kvstore_args: Vec<String>,
+    kvstore_budget: u64,
     router_args: Vec<String>,
     prefill_args: Vec<String>,
     decode_args: Vec<String>,
@@ -220,6 +221,12 @@ impl ClusterBuilder {
         self
     }
 
+    /// The KV-store's budget in bytes (it evicts past it).
+    pub fn kvstore_budget(mut self, bytes: u64) -> Self {
+        self.kvstore_budget = bytes;
+        self
+    }
+
     /// Every service serves `/metrics` on a port of its own (`Service::metrics`).
     pub fn metrics(mut self) -> Self {
         let m = ["--metrics-listen".to_string(), "127.0.0.1:0".to_string()];
@@ -302,12 +309,22 @@ impl ClusterBuilder {
             .collect();
         let mut builder = self.clone();
         let kvstore = self.kvstore.then(|| {
+            // It reports its blocks to every router, as the name in its certificate.
+            let routers: Vec<String> = std::iter::once(&router)
+                .chain(&more_routers)
+                .flat_map(|r: &Service| {
+                    ["--router".to_string(), r.internal.clone().expect("internal address")]
+                })
+                .collect();
             let k = Service::start_with_env(
                 "kvstore",
                 "kvstore",
-                &["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes", "200000000"]
+                &["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes"]
                     .map(String::from)
                     .into_iter()
+                    .chain(std::iter::once(self.kvstore_budget.to_string()))
+                    .chain(["--node-id".to_string(), "kvstore".to_string()])
+                    .chain(routers)
                     .chain(self.tls_args(&dir, "kvstore"))
                     .chain(self.kvstore_args.iter().cloned())
                     .collect::<Vec<_>>(),
@@ -386,6 +403,7 @@ impl Cluster {
             decode: 1,
             kvstore: false,
             kvstore_args: Vec::new(),
+            kvstore_budget: 200_000_000,
             router_args: Vec::new(),
             prefill_args: Vec::new(),
             decode_args: Vec::new(),

@@ -149,3 +149,23 @@ pub fn child_pid(parent: u32, needle: &str) -> Option<u32> {
         (ppid == parent && cmd.contains(needle)).then_some(pid)
     })
 }
+
+/// The samples of one scrape, by series (`name{labels}`), and the raw response.
+pub async fn scrape(addr: &str) -> (std::collections::HashMap<String, f64>, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("metrics port reachable");
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("scrape sent");
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).await.expect("scrape read");
+    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
+    let body = raw.split_once("\r\n\r\n").expect("a body").1.to_string();
+    let samples = body
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+        .collect();
+    (samples, raw)
+}

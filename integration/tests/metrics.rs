@@ -7,26 +7,9 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use pdmesh_integration::{Cluster, eventually};
+use pdmesh_integration::{Cluster, eventually, scrape};
 use pdmesh_proto::v1::{GenerateRequest, TokenIds, generate_request, generate_response};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
-/// The samples of one scrape, by series (`name{labels}`), and the raw response.
-async fn scrape(addr: &str) -> (HashMap<String, f64>, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").await.unwrap();
-    let mut raw = String::new();
-    s.read_to_string(&mut raw).await.unwrap();
-    assert!(raw.starts_with("HTTP/1.1 200"), "{raw}");
-    let body = raw.split_once("\r\n\r\n").unwrap().1.to_string();
-    let samples = body
-        .lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| l.rsplit_once(' '))
-        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
-        .collect();
-    (samples, raw)
-}
 
 fn get(m: &HashMap<String, f64>, series: &str) -> f64 {
     m.get(series).copied().unwrap_or(0.0)

@@ -79,6 +79,8 @@ struct PrefillExtra {
     cache_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     fault_transfer_delay_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fault_skip_block_event: Option<u64>,
 }
 
 /// What differs between the service commands; everything else goes through `start`.
@@ -366,6 +368,7 @@ pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
         kvstore: a.kvstore,
         cache_bytes: a.cache_bytes,
         fault_transfer_delay_ms: a.fault_transfer_delay_ms,
+        fault_skip_block_event: a.fault_skip_block_event,
     };
     let overlay = NodeOverlay { node: &a.node, extra };
     start::<pdmesh_prefill::PrefillConfig>(

@@ -343,6 +343,9 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
                 "127.0.0.1:0".into(),
                 "--router".into(),
                 internal.clone(),
+                // Its certificate's name: the router hears it only as that.
+                "--node-id".into(),
+                "kvstore".into(),
             ]
             .into_iter()
             .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))

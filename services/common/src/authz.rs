@@ -33,7 +33,7 @@ pub fn access(path: &str) -> Access {
     match (service, method) {
         ("pdmesh.v1.Generation", _) | ("grpc.health.v1.Health", _) => Access::Anyone,
         (s, _) if s.starts_with("grpc.reflection.") => Access::Anyone,
-        ("pdmesh.v1.Membership", "Register" | "Heartbeat" | "Deregister") => {
+        ("pdmesh.v1.Membership", "Attach" | "Register" | "Heartbeat" | "Deregister") => {
             Access::Roles(&[Prefill, Decode, KvStore])
         }
         ("pdmesh.v1.Membership", "ListNodes") => Access::Roles(&[Router, Admin]),
@@ -167,6 +167,7 @@ mod tests {
             ("/pdmesh.v1.KvStore/Write", &[Prefill]),
             ("/pdmesh.v1.KvStore/Read", &[Prefill]),
             ("/pdmesh.v1.Membership/Heartbeat", &[Prefill, Decode, KvStore]),
+            ("/pdmesh.v1.Membership/Attach", &[Prefill, Decode, KvStore]),
             ("/pdmesh.v1.Membership/ListNodes", &[Router, Admin]),
             ("/pdmesh.v1.Decode/Stats", &[Router, Admin]),
             ("/pdmesh.v1.Decode/Unknown", &[]),

@@ -97,7 +97,8 @@ impl BlockLog {
         let at_us = now_us();
         let mut g = self.lock();
         let before = g.seq;
-        let changes = stored.into_iter().map(|b| (true, b)).chain(removed.into_iter().map(|b| (false, b)));
+        let changes =
+            stored.into_iter().map(|b| (true, b)).chain(removed.into_iter().map(|b| (false, b)));
         for (stored, block) in changes {
             let changed = if stored { g.held.insert(block) } else { g.held.remove(&block) };
             if changed {
@@ -164,7 +165,7 @@ pub fn encode(changes: &[Change]) -> Vec<u8> {
 
 /// Decodes `BlockEvents.changes` into `(stored, block)`; None if it is not whole records.
 pub fn decode(bytes: &[u8]) -> Option<Vec<(bool, Block)>> {
-    if bytes.len() % 17 != 0 {
+    if !bytes.len().is_multiple_of(17) {
         return None;
     }
     bytes
@@ -182,7 +183,7 @@ pub fn decode(bytes: &[u8]) -> Option<Vec<(bool, Block)>> {
 
 /// Decodes `BlockSnapshot.blocks`; None if it is not whole hashes.
 pub fn decode_blocks(bytes: &[u8]) -> Option<Vec<Block>> {
-    if bytes.len() % 16 != 0 {
+    if !bytes.len().is_multiple_of(16) {
         return None;
     }
     Some(bytes.chunks_exact(16).map(|r| u128::from_le_bytes(r.try_into().expect("16"))).collect())

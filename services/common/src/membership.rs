@@ -36,6 +36,8 @@ pub struct Joining {
     pub blocks: Option<Arc<BlockLog>>,
     /// The KV-store it reads from or is, by its advertised address ("" for none).
     pub kvstore: String,
+    /// Fault injection for tests: the change with this number is never sent (0: none).
+    pub fault_skip_event: u64,
 }
 
 impl std::fmt::Debug for Joining {
@@ -251,13 +253,22 @@ async fn session(router: &str, who: &Joining) -> Result<(), String> {
                         Next::Behind => next = snapshot(log, &send).await?,
                         Next::Changes { first, changes } => {
                             next = first + changes.len() as u64;
-                            send(Report::Events(BlockEvents {
-                                epoch: log.epoch(),
-                                first_seq: first,
-                                oldest_unix_us: changes[0].at_us,
-                                changes: crate::blocks::encode(&changes).into(),
-                            }))
-                            .await?;
+                            // The skipped change splits the batch: the routers see a gap.
+                            let skip = who.fault_skip_event.checked_sub(first);
+                            let cut = skip.map_or(changes.len(), |s| (s as usize).min(changes.len()));
+                            let parts = [(first, &changes[..cut]), (first + cut as u64 + 1, changes.get(cut + 1..).unwrap_or(&[]))];
+                            for (from, part) in parts {
+                                if part.is_empty() {
+                                    continue;
+                                }
+                                send(Report::Events(BlockEvents {
+                                    epoch: log.epoch(),
+                                    first_seq: from,
+                                    oldest_unix_us: part[0].at_us,
+                                    changes: crate::blocks::encode(part).into(),
+                                }))
+                                .await?;
+                            }
                         }
                     }
                 }

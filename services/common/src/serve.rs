@@ -410,12 +410,8 @@ pub async fn serve_node(
     node: Node<'_>,
 ) -> Result<(), tonic::transport::Error> {
     let stop = CancellationToken::new();
-    let _membership = crate::membership::spawn(
-        node.routers,
-        node.joining,
-        stop.clone(),
-        node.died.clone(),
-    );
+    let _membership =
+        crate::membership::spawn(node.routers, node.joining, stop.clone(), node.died.clone());
     let leave = {
         let stop = stop.clone();
         async move {

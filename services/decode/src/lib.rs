@@ -132,6 +132,7 @@ pub async fn run(
             }),
             blocks: None,
             kvstore: String::new(),
+            fault_skip_event: 0,
         },
         died,
     };

@@ -91,6 +91,7 @@ pub async fn run(
             }),
             blocks: Some(log),
             kvstore: address,
+            fault_skip_event: 0,
         },
         // The store has no engine to lose.
         died: tokio_util::sync::CancellationToken::new(),

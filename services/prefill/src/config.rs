@@ -56,6 +56,9 @@ pub struct PrefillConfig {
     /// Fault injection for tests: wait this long before sending each KV message, so a
     /// transfer stays in flight long enough to be interrupted. 0 in production.
     pub fault_transfer_delay_ms: u64,
+    /// Fault injection for tests: the block event with this number is never sent to any
+    /// router, so each sees a gap. 0 in production.
+    pub fault_skip_block_event: u64,
     /// Fault injection for tests: the engine thread panics at this step. None in production.
     pub fault_engine_panic_at_step: Option<u64>,
     pub engine: EngineSettings,
@@ -83,6 +86,7 @@ impl Default for PrefillConfig {
             cache_bytes: 128 << 20,
             kvstore_timeout_ms: 500,
             fault_transfer_delay_ms: 0,
+            fault_skip_block_event: 0,
             fault_engine_panic_at_step: None,
             engine: EngineSettings::default(),
         }

@@ -138,6 +138,7 @@ pub async fn run(
             // Only the node's own tier: the KV-store reports its blocks itself.
             blocks: block_log,
             kvstore: config.kvstore.clone().unwrap_or_default(),
+            fault_skip_event: config.fault_skip_block_event,
         },
         died,
     };

@@ -20,7 +20,6 @@ use std::sync::{Arc, Mutex};
 use pdmesh_kv_types::{BlockHash, KvLayout};
 use tokio::sync::watch;
 
-
 #[derive(Debug, Default)]
 pub struct Computing {
     leaders: Arc<Mutex<Leaders>>,

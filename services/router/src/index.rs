@@ -216,14 +216,13 @@ pub struct KvIndex {
 }
 
 /// How a node attaches.
-#[derive(Debug, Clone)]
-pub struct Attaching<'a> {
-    pub id: &'a str,
+#[derive(Debug, Clone, Default)]
+pub struct Attaching {
     pub epoch: u64,
     /// It will report its blocks; false: estimate it (when it has a cache at all).
     pub events: bool,
     pub has_cache: bool,
-    pub kvstore: &'a str,
+    pub kvstore: String,
     pub is_store: bool,
 }
 
@@ -239,18 +238,19 @@ impl KvIndex {
     /// A node attached (or registered without events); returns its session. Whatever was held
     /// for it goes at once: a new epoch's blocks are not the old one's, and the same epoch's
     /// come again in the snapshot that follows.
-    pub fn attach(&self, a: &Attaching<'_>) -> u64 {
+    pub fn attach(&self, id: &str, a: &Attaching) -> u64 {
         let mut g = self.write();
         g.sessions += 1;
         let session = g.sessions;
-        let s = g.slot(a.id);
+        let s = g.slot(id);
         g.clear(s);
         let state = match (a.events, a.has_cache || a.is_store) {
             (true, _) => State::Resyncing,
             (false, true) => State::Estimate,
             (false, false) => State::None,
         };
-        let old_store = g.holders[s as usize].as_ref().filter(|h| h.is_store).map(|h| h.kvstore.clone());
+        let old_store =
+            g.holders[s as usize].as_ref().filter(|h| h.is_store).map(|h| h.kvstore.clone());
         if let Some(k) = old_store {
             g.stores.remove(&k);
         }
@@ -262,11 +262,11 @@ impl KvIndex {
             snapshot_started: false,
             held: HashSet::new(),
             estimate: (state == State::Estimate).then(LruCache::unbounded),
-            kvstore: a.kvstore.to_string(),
+            kvstore: a.kvstore.clone(),
             is_store: a.is_store,
         });
         if a.is_store && !a.kvstore.is_empty() {
-            g.stores.insert(a.kvstore.to_string(), s);
+            g.stores.insert(a.kvstore.clone(), s);
         }
         session
     }
@@ -449,11 +449,9 @@ impl KvIndex {
                 _ => runs.get(&s).copied().unwrap_or(0),
             };
             let store = match g.stores.get(&h.kvstore) {
-                Some(&k) if !h.kvstore.is_empty() && own < chain.len() => {
-                    *store_runs.entry((k, own)).or_insert_with(|| {
-                        chain[own..].iter().take_while(|b| g.holds(k, b)).count()
-                    })
-                }
+                Some(&k) if !h.kvstore.is_empty() && own < chain.len() => *store_runs
+                    .entry((k, own))
+                    .or_insert_with(|| chain[own..].iter().take_while(|b| g.holds(k, b)).count()),
                 _ => 0,
             };
             if own + store > 0 {
@@ -512,8 +510,9 @@ mod tests {
     }
 
     fn attach(idx: &KvIndex, id: &str, epoch: u64, kvstore: &str, is_store: bool) -> u64 {
-        let a = Attaching { id, epoch, events: true, has_cache: true, kvstore, is_store };
-        idx.attach(&a)
+        let a =
+            Attaching { epoch, events: true, has_cache: true, kvstore: kvstore.into(), is_store };
+        idx.attach(id, &a)
     }
 
     fn hits(idx: &KvIndex, c: &[BlockHash], nodes: &[&str]) -> HashMap<String, Hits> {
@@ -592,8 +591,8 @@ mod tests {
     fn a_node_without_events_is_estimated_from_what_was_sent_to_it() {
         let idx = KvIndex::default();
         let c = chain(4);
-        let a = Attaching { id: "a", epoch: 0, events: false, has_cache: true, kvstore: "", is_store: false };
-        idx.attach(&a);
+        let a = Attaching { has_cache: true, ..Attaching::default() };
+        idx.attach("a", &a);
         idx.sent("a", &c, 100);
         assert_eq!(hits(&idx, &c, &["a"])["a"].own, 4);
         assert_eq!(idx.status("a").0, State::Estimate);
@@ -601,8 +600,7 @@ mod tests {
         idx.sent("a", &c, 2);
         assert!(hits(&idx, &c, &["a"]).is_empty());
         // A node without a cache holds nothing, whatever it is sent.
-        let b = Attaching { id: "b", has_cache: false, ..a };
-        idx.attach(&b);
+        idx.attach("b", &Attaching::default());
         idx.sent("b", &c, 100);
         assert!(hits(&idx, &c, &["b"]).is_empty());
     }

@@ -68,13 +68,16 @@ impl RouterService {
         self.mesh().registry().get(node_id).map(|n| n.role)
     }
 
-    /// Checks a node's registration and puts it in the registry; returns how often it should
-    /// report its load and how long its silence is borne.
+    /// Checks a node's registration and puts it in the registry, its index entry emptied
+    /// first (`index`: how it reports blocks) so no placement sees a new epoch's node with
+    /// the old one's blocks; returns its index session, how often it should report its load
+    /// and how long its silence is borne.
     fn join(
         &self,
         peer: Option<&Peer>,
         r: &RegisterRequest,
-    ) -> Result<(Role, Duration, Duration), Status> {
+        index: impl FnOnce(Role) -> Attaching,
+    ) -> Result<(u64, Duration, Duration), Status> {
         let role = Role::try_from(r.role).unwrap_or(Role::Unspecified);
         if role == Role::Unspecified {
             return Err(Status::invalid_argument("role: must be prefill, decode or kvstore"));
@@ -101,6 +104,7 @@ impl RouterService {
             )));
         }
         let now = Instant::now();
+        let session;
         let (every, ttl) = {
             let mut reg = self.mesh().registry();
             // KV moves only between nodes of one layout: a node whose blocks differ from the
@@ -130,6 +134,7 @@ impl RouterService {
                 self.mesh().drop_channel(&r.address);
             }
             let load = r.load.unwrap_or_default();
+            session = self.mesh().index.attach(&r.node_id, &index(role));
             reg.register(&r.node_id, role, &r.address, layout, load, now);
             // Told under the same lock it registered under: the node is there.
             let every = reg.get(&r.node_id).map_or_else(|| reg.beat_every(), |n| n.every);
@@ -144,13 +149,15 @@ impl RouterService {
             address = r.address,
             "node joined"
         );
-        Ok((role, every, ttl))
+        Ok((session, every, ttl))
     }
 }
 
 fn pace(every: Duration, ttl: Duration) -> RouterNotice {
     let ms = |d: Duration| d.as_millis().min(u128::from(u32::MAX)) as u32;
-    RouterNotice { notice: Some(Notice::Pace(Pace { load_every_ms: ms(every), node_ttl_ms: ms(ttl) })) }
+    RouterNotice {
+        notice: Some(Notice::Pace(Pace { load_every_ms: ms(every), node_ttl_ms: ms(ttl) })),
+    }
 }
 
 type Notices = Pin<Box<dyn Stream<Item = Result<RouterNotice, Status>> + Send>>;
@@ -172,16 +179,14 @@ impl Membership for RouterService {
             return Err(Status::invalid_argument("the first report of a session must be a hello"));
         };
         let node = hello.node.ok_or_else(|| Status::invalid_argument("hello.node is required"))?;
-        let (role, every, ttl) = self.join(peer.as_ref(), &node)?;
         let has_cache = node.load.is_some_and(|l| l.cache_blocks > 0);
-        let session = self.mesh().index.attach(&Attaching {
-            id: &node.node_id,
+        let (session, every, ttl) = self.join(peer.as_ref(), &node, |role| Attaching {
             epoch: hello.epoch,
             events: hello.block_events,
             has_cache,
-            kvstore: &hello.kvstore,
+            kvstore: hello.kvstore.clone(),
             is_store: role == Role::Kvstore,
-        });
+        })?;
         let (tx, rx) = mpsc::channel(8);
         tx.try_send(Ok(pace(every, ttl))).expect("a fresh channel has room");
         let mesh = std::sync::Arc::clone(self.mesh());
@@ -198,17 +203,14 @@ impl Membership for RouterService {
     ) -> Result<Response<RegisterResponse>, Status> {
         let peer = pdmesh_common::authz::caller(&req).cloned();
         let r = req.into_inner();
-        let (role, every, ttl) = self.join(peer.as_ref(), &r)?;
         // Registered without a session: no events, so estimated (and empty, as a node that
         // registers first or again after a restart is).
-        self.mesh().index.attach(&Attaching {
-            id: &r.node_id,
-            epoch: 0,
-            events: false,
-            has_cache: r.load.is_some_and(|l| l.cache_blocks > 0),
-            kvstore: "",
+        let has_cache = r.load.is_some_and(|l| l.cache_blocks > 0);
+        let (_, every, ttl) = self.join(peer.as_ref(), &r, |role| Attaching {
+            has_cache,
             is_store: role == Role::Kvstore,
-        });
+            ..Attaching::default()
+        })?;
         Ok(Response::new(RegisterResponse {
             heartbeat_interval_ms: every.as_millis() as u32,
             node_ttl_ms: ttl.as_millis() as u32,
@@ -330,7 +332,10 @@ async fn follow(
             }
             Report::Snapshot(s) => {
                 let Some(b) = blocks::decode_blocks(&s.blocks) else {
-                    let why = format!("snapshot.blocks: {} bytes are not whole 16-byte hashes", s.blocks.len());
+                    let why = format!(
+                        "snapshot.blocks: {} bytes are not whole 16-byte hashes",
+                        s.blocks.len()
+                    );
                     return end(Status::invalid_argument(why)).await;
                 };
                 mesh.index.snapshot(id, session, s.epoch, s.seq, &b, s.more)

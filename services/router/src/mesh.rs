@@ -15,9 +15,9 @@ use pdmesh_proto::v1::{NodeCancelRequest, Role};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::RouterConfig;
+use crate::index::KvIndex;
 use crate::metrics::RouterMetrics;
 use crate::planner::{Plan, Planner, Pools, Sample};
-use crate::index::KvIndex;
 use crate::registry::{Node, Registry};
 
 /// How long a decode node gets to answer a cancel for another router's request.

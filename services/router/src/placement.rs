@@ -400,11 +400,13 @@ mod tests {
     /// in the fleet simulation, the busiest at 1.76 times the mean).
     #[test]
     fn idle_decode_nodes_share_requests_evenly() {
-        let d: Vec<Node> = (0..500).map(|i| node(&format!("d{i:03}"), Role::Decode, 100, 0)).collect();
+        let d: Vec<Node> =
+            (0..500).map(|i| node(&format!("d{i:03}"), Role::Decode, 100, 0)).collect();
         let mut count: HashMap<String, usize> = HashMap::new();
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         for _ in 0..2_000 {
-            rng = rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            rng =
+                rng.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
             let a = Ask { seed: rng >> 11, ..ask(10) };
             *count.entry(place_owned(&[], &d, &a, &[]).unwrap().decode).or_default() += 1;
         }

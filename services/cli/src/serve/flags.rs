@@ -190,6 +190,9 @@ pub struct PrefillArgs {
     /// Fault injection for tests: delay before each KV message, in ms.
     #[arg(long, hide = true)]
     pub(super) fault_transfer_delay_ms: Option<u64>,
+    /// Fault injection for tests: never send block event number N to the routers.
+    #[arg(long, hide = true)]
+    pub(super) fault_skip_block_event: Option<u64>,
 }
 
 #[derive(Debug, Args, Serialize)]
