@@ -1,17 +1,22 @@
 //! The routers' KV index against real nodes over mTLS: each router's view of a node's blocks
 //! equals the node's own cache (by count and digest), a restarted node's blocks leave every
 //! router before it takes requests again, a missed event is resynced, a KV-store's evictions
-//! reach every router, and either router sends a repeated prefix to the node that holds it.
+//! reach every router, either router sends a repeated prefix to the node that holds it, and
+//! no certificate reports blocks for a node other than its own.
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
+use pdmesh_common::tls::MeshRole;
+use pdmesh_integration::cluster::pki;
 use pdmesh_integration::{Cluster, eventually};
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
+use pdmesh_proto::v1::membership_client::MembershipClient;
+use pdmesh_proto::v1::node_report::Report;
 use pdmesh_proto::v1::{
-    Finished, GenerateRequest, NodeStatus, StatsRequest, TokenIds, generate_request,
-    generate_response,
+    Finished, GenerateRequest, NodeHello, NodeReport, NodeStatus, RegisterRequest, Role,
+    StatsRequest, TokenIds, generate_request, generate_response,
 };
 
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -205,4 +210,33 @@ async fn a_kvstore_eviction_is_seen_by_every_router() {
     .await;
     let s = store.stats(StatsRequest {}).await.unwrap().into_inner();
     assert!(s.evictions >= 8 && s.blocks <= 10, "{s:?}");
+}
+
+/// Mallory holds a real prefill certificate in her own name. Attaching as prefill-0 (to
+/// replace its blocks in every index with hers) or as a KV-store is refused, and prefill-0's
+/// own session goes on reporting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_reports_blocks_only_as_itself() {
+    let _serial = SERIAL.lock().await;
+    let c = Cluster::builder().prefill(1).decode(1).start().await;
+    let real = seen(&c, 0, "prefill-0").await.unwrap();
+    let internal = c.router.internal.clone().unwrap();
+    let ep = c.endpoint_as(&internal, &pki().identity("mallory", MeshRole::Prefill));
+    let mut mallory = MembershipClient::new(ep.connect().await.unwrap());
+    for (id, role) in [("prefill-0", Role::Prefill), ("mallory", Role::Kvstore)] {
+        let node = RegisterRequest {
+            node_id: id.into(),
+            role: role as i32,
+            address: real.address.clone(),
+            layout: real.layout.clone(),
+            load: None,
+        };
+        let hello =
+            NodeHello { node: Some(node), epoch: 1, block_events: true, kvstore: "".into() };
+        let hello = NodeReport { report: Some(Report::Hello(hello)) };
+        let e = mallory.attach(tokio_stream::iter([hello])).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "attach as {id} ({role:?}): {e:?}");
+    }
+    let p0 = seen(&c, 0, "prefill-0").await.unwrap();
+    assert_eq!((p0.index.as_str(), p0.epoch), ("exact", real.epoch), "{p0:?}");
 }

@@ -300,15 +300,13 @@ where
     Fut: Future<Output = Result<(), &'static str>>,
 {
     let (seq, held) = log.snapshot();
-    let mut parts = held.chunks(SNAPSHOT_PART).peekable();
     // An empty cache is one empty part: the router still learns where events start.
-    let empty: &[u128] = &[];
-    let first = parts.next().unwrap_or(empty);
-    let mut part = Some(first);
-    while let Some(p) = part {
-        part = parts.next();
-        let blocks: Vec<u8> = p.iter().flat_map(|b| b.to_le_bytes()).collect();
-        let more = part.is_some();
+    let parts = held.len().div_ceil(SNAPSHOT_PART).max(1);
+    for i in 0..parts {
+        let part = held.get(i * SNAPSHOT_PART..).unwrap_or(&[]);
+        let part = &part[..part.len().min(SNAPSHOT_PART)];
+        let blocks: Vec<u8> = part.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let more = i + 1 < parts;
         let msg = BlockSnapshot { epoch: log.epoch(), seq, blocks: blocks.into(), more };
         send(Report::Snapshot(msg)).await?;
     }

@@ -54,7 +54,7 @@ pub const MAX_ESTIMATED_BLOCKS: usize = 1 << 20;
 pub const MAX_REPORTED_BLOCKS: usize = 1 << 22;
 
 /// What the index knows of a node's blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum State {
     /// It holds nothing for reuse.
     None,
@@ -162,16 +162,21 @@ impl Inner {
     /// Takes every block of slot `s` out of the index.
     fn clear(&mut self, s: u32) {
         let Some(h) = self.holders[s as usize].as_mut() else { return };
-        for b in h.held.drain() {
-            if let Some(v) = self.blocks.get_mut(&b) {
-                v.retain(|&x| x != s);
-                if v.is_empty() {
-                    self.blocks.remove(&b);
-                }
-            }
-        }
         if let Some(e) = h.estimate.as_mut() {
             e.clear();
+        }
+        for b in std::mem::take(&mut h.held) {
+            self.unlink(s, b);
+        }
+    }
+
+    /// Block `b` is no longer held by slot `s`.
+    fn unlink(&mut self, s: u32, b: u128) {
+        if let Some(v) = self.blocks.get_mut(&b) {
+            v.retain(|&x| x != s);
+            if v.is_empty() {
+                self.blocks.remove(&b);
+            }
         }
     }
 
@@ -184,13 +189,8 @@ impl Inner {
 
     fn remove(&mut self, s: u32, b: u128) {
         let h = self.holders[s as usize].as_mut().expect("slot in use");
-        if h.held.remove(&b)
-            && let Some(v) = self.blocks.get_mut(&b)
-        {
-            v.retain(|&x| x != s);
-            if v.is_empty() {
-                self.blocks.remove(&b);
-            }
+        if h.held.remove(&b) {
+            self.unlink(s, b);
         }
     }
 
@@ -488,12 +488,6 @@ impl KvIndex {
             *out.entry(h.state).or_default() += 1;
         }
         out
-    }
-}
-
-impl std::hash::Hash for State {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        (*self as u8).hash(state);
     }
 }
 

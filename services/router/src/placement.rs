@@ -182,9 +182,10 @@ fn pick_random<'a>(
     seed: u64,
     cmp: impl Fn(&Node, &Node) -> std::cmp::Ordering,
 ) -> Option<&'a Node> {
+    // Two passes and no allocation: placement runs for every request.
     let best = items.iter().copied().min_by(|a, b| cmp(a, b))?;
-    let tied: Vec<&Node> = items.iter().copied().filter(|n| cmp(n, best).is_eq()).collect();
-    Some(tied[(seed % tied.len() as u64) as usize])
+    let tied = || items.iter().copied().filter(|n| cmp(n, best).is_eq());
+    tied().nth((seed % tied().count() as u64) as usize)
 }
 
 fn pick_prefill<'a>(nodes: &[&'a Node], ask: &Ask) -> Option<&'a Node> {
