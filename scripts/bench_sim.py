@@ -18,6 +18,15 @@ against what the load needs: prompt tokens computed a second over a node's calib
 rate, output tokens a second over a node's decode rate at the ITL SLO, each at the planner's
 target utilization, from the schedule the replay actually sent.
 
+Both parts run --routers routers (default 2) in front of the same nodes: every node reports to
+each router, and the load generator sends consecutive requests to different routers, as a load
+balancer would. Each row also gives the routers' KV index staleness (the age of a block event
+when a router applied it: `pdmesh_router_index_staleness_seconds`, p50/p99).
+
+`--reference DIR/pdmesh` runs the same parts first with another build's router and nodes (the
+load generator is this build's either way) and prints each number beside this build's, so a
+before/after comes from one command on one machine.
+
 Writes the raw numbers to .bench/sim.json.
 """
 import argparse
@@ -29,7 +38,7 @@ import subprocess
 import sys
 import time
 
-BIN = "target/release/pdmesh"
+BIN = "target/release/pdmesh"  # the load generator, and the mesh unless --reference
 PROFILE = "services/engine/src/sim_profile.json"
 TRACE = "../shared/traces/conversation_trace.jsonl"
 
@@ -76,6 +85,15 @@ def buckets(text, name):
     return sorted(out)
 
 
+def merged(texts, name):
+    """A histogram's buckets summed over several processes' scrapes."""
+    out = {}
+    for t in texts:
+        for le, c in buckets(t, name):
+            out[le] = out.get(le, 0.0) + c
+    return sorted(out.items())
+
+
 def quantile(before, after, q):
     """The q-quantile of what a histogram recorded between two scrapes, interpolated within
     its bucket."""
@@ -95,34 +113,39 @@ def quantile(before, after, q):
 
 
 class Mesh:
-    """A router and two fleets of simulated nodes."""
+    """Routers in front of two fleets of simulated nodes that report to every router."""
 
-    def __init__(self, a, prefill, decode, router_flags=()):
-        self.api, internal, mport = (f"127.0.0.1:{port()}" for _ in range(3))
-        self.metrics = f"http://{mport}/metrics"
+    def __init__(self, a, bin, prefill, decode, router_flags=()):
         env = dict(os.environ, PDMESH_LOG="warn")
-        self.procs = []
-        self.router = subprocess.Popen(
-            [BIN, "router", "--insecure", "--allow-anonymous", "--listen", self.api,
-             "--internal-listen", internal, "--metrics-listen", mport, "--model", a.model,
-             "--max-in-flight", str(a.max_in_flight), *router_flags],
-            stdout=subprocess.DEVNULL, env=env)
-        self.procs.append(self.router)
+        self.procs, self.routers, self.apis, self.metrics, internals = [], [], [], [], []
+        for _ in range(a.routers):
+            api, internal, mport = (f"127.0.0.1:{port()}" for _ in range(3))
+            self.routers.append(subprocess.Popen(
+                [bin, "router", "--insecure", "--allow-anonymous", "--listen", api,
+                 "--internal-listen", internal, "--metrics-listen", mport, "--model", a.model,
+                 "--max-in-flight", str(a.max_in_flight), *router_flags],
+                stdout=subprocess.DEVNULL, env=env))
+            self.apis.append(api)
+            self.metrics.append(f"http://{mport}/metrics")
+            internals.append(internal)
+        self.procs.extend(self.routers)
+        self.api = ",".join(self.apis)
         time.sleep(1.0)
+        every = [f for i in internals for f in ("--router", i)]
         for role, n in (("prefill", prefill), ("decode", decode)):
             self.procs.append(subprocess.Popen(
-                [BIN, role, "--insecure", "--engine", "sim", "--sim-nodes", str(n),
-                 "--listen", "127.0.0.1:0", "--router", internal, "--model", a.model,
+                [bin, role, "--insecure", "--engine", "sim", "--sim-nodes", str(n),
+                 "--listen", "127.0.0.1:0", *every, "--model", a.model,
                  "--kv-transport", "grpc", "--kv-blocks", str(a.kv_blocks),
                  "--max-running", str(a.max_running)],
                 stdout=subprocess.DEVNULL, stdin=subprocess.PIPE, env=env))
-        deadline = time.time() + 120
+        deadline = time.time() + 180
         while time.time() < deadline:
             try:
-                t = scrape(self.metrics)
-                p = metric(t, "pdmesh_router_nodes", '{role="prefill"}')
-                d = metric(t, "pdmesh_router_nodes", '{role="decode"}')
-                if p == prefill and d == decode:
+                ts = self.scrapes()
+                if all(metric(t, "pdmesh_router_nodes", '{role="prefill"}') == prefill and
+                       metric(t, "pdmesh_router_nodes", '{role="decode"}') == decode
+                       for t in ts):
                     return
             except OSError:
                 pass
@@ -132,7 +155,17 @@ class Mesh:
                     raise SystemExit(f"a mesh process exited with {x.returncode}")
             time.sleep(1.0)
         self.close()
-        raise SystemExit(f"{prefill}+{decode} nodes did not all register in 120 s")
+        raise SystemExit(f"{prefill}+{decode} nodes did not all register with every router"
+                         " in 180 s")
+
+    def scrapes(self):
+        return [scrape(m) for m in self.metrics]
+
+    def router_ticks(self):
+        return sum(ticks(r.pid) for r in self.routers)
+
+    def node_ticks(self):
+        return sum(ticks(p.pid) for p in self.procs if p not in self.routers)
 
     def close(self):
         # Nodes first: a router gone before them only makes them log their retries.
@@ -153,34 +186,56 @@ def tools(args, timeout):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def scale(a):
+DISPATCH = "pdmesh_router_dispatch_seconds"
+STALENESS = "pdmesh_router_index_staleness_seconds"
+
+
+def staleness_ms(before, after):
+    """p50/p99 of the block events the routers applied between two sets of scrapes (None
+    where the routers keep no such index)."""
+    b1 = merged(after, STALENESS)
+    if not b1:
+        return {"p50": None, "p99": None, "events": 0}
+    b0 = merged(before, STALENESS)
+    n = b1[-1][1] - dict(b0).get(float("inf"), 0.0)
+    return {"p50": 1e3 * quantile(b0, b1, 0.5), "p99": 1e3 * quantile(b0, b1, 0.99),
+            "events": int(n)}
+
+
+def ms(v, digits=1):
+    return "-" if v is None or v != v else f"{v:.{digits}f}"
+
+
+def scale(a, bin):
     rows = []
     for nodes in a.nodes:
-        mesh = Mesh(a, nodes // 2, nodes - nodes // 2)
+        mesh = Mesh(a, bin, nodes // 2, nodes - nodes // 2)
         try:
-            # What the router spends with no requests: heartbeats, the planner, scrapes.
-            i0, w0 = ticks(mesh.router.pid), time.time()
+            # What the routers spend with no requests: load reports, the planner, scrapes.
+            i0, w0 = mesh.router_ticks(), time.time()
             time.sleep(5)
-            idle = (ticks(mesh.router.pid) - i0) / HZ / (time.time() - w0)
-            print(f"{nodes:>5} nodes idle: router {idle:.3f} cores", flush=True)
+            idle = (mesh.router_ticks() - i0) / HZ / (time.time() - w0)
+            print(f"{nodes:>5} nodes idle: routers {idle:.3f} cores", flush=True)
             for rate in a.rates:
-                t0, b0 = ticks(mesh.router.pid), buckets(scrape(mesh.metrics),
-                                                         "pdmesh_router_dispatch_seconds")
-                nodes0 = sum(ticks(p.pid) for p in mesh.procs[1:])
+                s0 = mesh.scrapes()
+                t0 = mesh.router_ticks()
+                nodes0 = mesh.node_ticks()
                 client0 = children_cpu()
                 n = int(rate * a.seconds)
                 r = tools(["bench", "--target", mesh.api, "--rate", str(rate), "--requests",
                            str(n), "--prompt-tokens", str(a.prompt_tokens), "--max-tokens",
                            str(a.max_tokens)], timeout=a.seconds * 20 + 300)
-                cpu = (ticks(mesh.router.pid) - t0) / HZ
-                node_cpu = (sum(ticks(p.pid) for p in mesh.procs[1:]) - nodes0) / HZ
+                cpu = (mesh.router_ticks() - t0) / HZ
+                node_cpu = (mesh.node_ticks() - nodes0) / HZ
                 client_cpu = children_cpu() - client0
-                b1 = buckets(scrape(mesh.metrics), "pdmesh_router_dispatch_seconds")
+                s1 = mesh.scrapes()
+                b0, b1 = merged(s0, DISPATCH), merged(s1, DISPATCH)
                 res = r["results"]
                 row = {
-                    "nodes": nodes, "offered_req_s": rate, "requests": n, "ok": res["ok"],
-                    "failed": res["failed"], "errors": res["errors"],
+                    "nodes": nodes, "routers": a.routers, "offered_req_s": rate, "requests": n,
+                    "ok": res["ok"], "failed": res["failed"], "errors": res["errors"],
                     "served_req_s": res["req_s"], "wall_s": r["wall_s"],
+                    # All routers together: each request passes through one of them.
                     "router_cpu_ms_per_req": 1e3 * cpu / max(n, 1),
                     "router_cores": cpu / r["wall_s"],
                     "router_idle_cores": idle,
@@ -191,18 +246,22 @@ def scale(a):
                     "client_cpu_ms_per_req": 1e3 * client_cpu / max(n, 1),
                     "dispatch_ms_p50": 1e3 * quantile(b0, b1, 0.5),
                     "dispatch_ms_p99": 1e3 * quantile(b0, b1, 0.99),
+                    "staleness_ms": staleness_ms(s0, s1),
                     "ttft_ms": res["ttft_ms"], "placement": res["placement"],
                 }
                 rows.append(row)
+                st = row["staleness_ms"]
                 print(f"{nodes:>5} nodes {rate:>6} req/s offered: served {row['served_req_s']:7.1f}"
-                      f" req/s, {row['failed']} failed; router {row['router_cpu_ms_per_req']:.3f}"
+                      f" req/s, {row['failed']} failed; routers {row['router_cpu_ms_per_req']:.3f}"
                       f" ({row['router_cpu_ms_per_req_over_idle']:.3f} over idle)"
                       f" ms CPU/req ({row['router_cores']:.2f} cores), nodes"
                       f" {row['nodes_cpu_ms_per_req']:.3f}, client {row['client_cpu_ms_per_req']:.3f};"
                       f" dispatch p50"
                       f" {row['dispatch_ms_p50']:.2f} p99 {row['dispatch_ms_p99']:.2f} ms; TTFT"
                       f" p50 {res['ttft_ms']['p50']:.0f} p99 {res['ttft_ms']['p99']:.0f} ms;"
-                      f" decode nodes used {res['placement']['decode']['nodes_used']}",
+                      f" decode nodes used {res['placement']['decode']['nodes_used']}, busiest"
+                      f" {res['placement']['decode']['max_over_mean']:.2f}x the mean;"
+                      f" index staleness p50 {ms(st['p50'])} p99 {ms(st['p99'])} ms",
                       flush=True)
         finally:
             mesh.close()
@@ -230,15 +289,16 @@ def capacity(profile, itl_slo_ms):
     return p["prefill_tok_s"], best
 
 
-def day(a):
+def day(a, bin):
     prefill_tps, decode_tps = capacity(PROFILE, a.itl_slo_ms)
     flags = ["--planner-window-s", str(a.window_s), "--planner-cooldown-s", str(a.cooldown_s),
              "--max-prefill", str(a.day_prefill * 4), "--max-decode", str(a.day_decode * 4),
              "--itl-slo-ms", str(a.itl_slo_ms)]
-    mesh = Mesh(a, a.day_prefill, a.day_decode, flags)
+    mesh = Mesh(a, bin, a.day_prefill, a.day_decode, flags)
     schedule = ".bench/sim-day-schedule.jsonl"
     samples = []
     try:
+        s0 = mesh.scrapes()
         replay = subprocess.Popen(
             [BIN, "replay", "--insecure", "--json", "--target", mesh.api, "--trace", a.trace,
              "--day", "--keep", str(a.keep), "--time-scale", str(a.time_scale),
@@ -248,16 +308,19 @@ def day(a):
         while replay.poll() is None:
             time.sleep(a.every)
             try:
-                t = scrape(mesh.metrics)
+                ts = mesh.scrapes()
             except OSError:
                 continue
-            g = lambda n, r: metric(t, n, f'{{role="{r}"}}')
+            # Each router plans for the requests it served: the pools need their sum (what an
+            # autoscaler summing the gauge over the routers would ask for).
+            g = lambda n, r: sum(metric(t, n, f'{{role="{r}"}}') or 0 for t in ts)
             samples.append({
                 "t": time.time() - t0,
                 "desired": {r: g("pdmesh_planner_desired_nodes", r) for r in ("prefill", "decode")},
                 "needed": {r: g("pdmesh_planner_needed_nodes", r) for r in ("prefill", "decode")},
             })
         report = json.loads(replay.stdout.read().strip().splitlines()[-1])
+        staleness = staleness_ms(s0, mesh.scrapes())
     finally:
         mesh.close()
     sent = [json.loads(l) for l in open(schedule)]
@@ -272,7 +335,7 @@ def day(a):
         need = {"prefill": -(-prompt // (prefill_tps * util)), "decode": -(-out // (decode_tps * util))}
         rows.append({**s, "load_needs": need, "prompt_tok_s": prompt, "output_tok_s": out})
     return {"report": report, "timeline": rows, "prefill_tok_s_per_node": prefill_tps,
-            "decode_tok_s_per_node_at_slo": decode_tps}
+            "decode_tok_s_per_node_at_slo": decode_tps, "staleness_ms": staleness}
 
 
 def print_day(d, minutes_per_row):
@@ -281,9 +344,11 @@ def print_day(d, minutes_per_row):
           f" {d['prefill_tok_s_per_node']:.0f} tok/s, decode {d['decode_tok_s_per_node_at_slo']:.0f}"
           f" tok/s at the ITL SLO")
     r = d["report"]["results"]
+    st = d["staleness_ms"]
     print(f"  {r['ok']} ok, {r['failed']} failed; TTFT p50 {r['ttft_ms']['p50']:.0f} p99"
           f" {r['ttft_ms']['p99']:.0f} ms; TPOT p50 {r['tpot_ms']['p50']:.1f} ms; SLO attained"
-          f" {100 * r['slo_attainment']:.0f}%")
+          f" {100 * r['slo_attainment']:.0f}%; index staleness p50 {ms(st['p50'])} p99"
+          f" {ms(st['p99'])} ms over {st['events']} events")
     print("  t(s)  prompt tok/s  out tok/s   prefill: planner/needs   decode: planner/needs")
     last = -1e9
     for row in d["timeline"]:
@@ -320,18 +385,49 @@ def main():
     ap.add_argument("--cooldown-s", type=int, default=10)
     ap.add_argument("--itl-slo-ms", type=float, default=100.0)
     ap.add_argument("--every", type=float, default=2.0, help="seconds between planner reads")
+    ap.add_argument("--routers", type=int, default=2, help="routers sharing the nodes")
+    ap.add_argument("--reference", metavar="BIN",
+                    help="another build's pdmesh: its routers and nodes run the same parts first")
     a = ap.parse_args()
+    if a.routers < 1:
+        ap.error("--routers must be at least 1")
     os.makedirs(".bench", exist_ok=True)
     out = {"args": {k: v for k, v in vars(a).items()}}
     parts = a.parts.split(",")
-    if "scale" in parts:
-        out["scale"] = scale(a)
-    if "day" in parts:
-        out["day"] = day(a)
-        print_day(out["day"], 20)
+    runs = ([("reference", a.reference)] if a.reference else []) + [("this build", BIN)]
+    for label, bin in runs:
+        print(f"\n== {label}: {bin}, {a.routers} router(s)", flush=True)
+        run = {}
+        if "scale" in parts:
+            run["scale"] = scale(a, bin)
+        if "day" in parts:
+            run["day"] = day(a, bin)
+            print_day(run["day"], 20)
+        out[label] = run
+    if a.reference:
+        compare(out["reference"], out["this build"])
     with open(".bench/sim.json", "w") as f:
         json.dump(out, f, indent=1)
     print("\nraw numbers: .bench/sim.json")
+
+
+def compare(ref, new):
+    """Each headline number of the reference beside this build's."""
+    print("\n== reference -> this build")
+    for r0, r1 in zip(ref.get("scale", []), new.get("scale", [])):
+        dec = lambda r: r["placement"]["decode"]
+        print(f"  {r1['nodes']:>5} nodes {r1['offered_req_s']:>6} req/s: router CPU/req"
+              f" {1e3 * r0['router_cpu_ms_per_req']:.0f} -> {1e3 * r1['router_cpu_ms_per_req']:.0f}"
+              f" us ({r1['router_cpu_ms_per_req'] / r0['router_cpu_ms_per_req']:.2f}x);"
+              f" dispatch p99 {r0['dispatch_ms_p99']:.2f} -> {r1['dispatch_ms_p99']:.2f} ms;"
+              f" busiest decode {dec(r0)['max_over_mean']:.2f} -> {dec(r1)['max_over_mean']:.2f}x"
+              f" the mean ({dec(r0)['nodes_used']} -> {dec(r1)['nodes_used']} nodes used);"
+              f" failed {r0['failed']} -> {r1['failed']}")
+    if "day" in ref and "day" in new:
+        h = lambda d: d["report"]["hit_rate"] / max(d["report"]["ideal_hit_rate"], 1e-9)
+        print(f"  day: hit rate {100 * h(ref['day']):.0f}% -> {100 * h(new['day']):.0f}% of ideal;"
+              f" TTFT p50 {ref['day']['report']['results']['ttft_ms']['p50']:.0f} ->"
+              f" {new['day']['report']['results']['ttft_ms']['p50']:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -91,7 +91,10 @@ trait Service: Serialize + serde::de::DeserializeOwned + Default + Clone + Send 
     const TRACE_NAME: &'static str;
     /// Async worker threads: workers only move messages (their compute has its own thread),
     /// and one thread does that without waking a second per token, which on a small machine
-    /// steals time from the engine's compute threads.
+    /// steals time from the engine's compute threads. The router too: a request is a dozen
+    /// small frames on five connections, and with two workers each frame's wake-up often
+    /// crossed threads (`just bench-sim`: 0.99 ms of router CPU a request at 200 req/s with
+    /// two workers, 0.70 with one).
     const ASYNC_THREADS: usize;
     /// The role its certificate must carry.
     const ROLE: MeshRole;
@@ -213,7 +216,7 @@ service!(pdmesh_prefill::PrefillConfig, "prefill", "PDMESH_PREFILL_", 1, Prefill
     },
     node_id: Some(&mut c.node_id), internal: None, engine: Some(&c.engine),
     run: |l, m, s| pdmesh_prefill::run(c, l.main, m, s));
-service!(pdmesh_router::RouterConfig, "router", "PDMESH_ROUTER_", 2, Router,
+service!(pdmesh_router::RouterConfig, "router", "PDMESH_ROUTER_", 1, Router,
 |c| addresses: vec![c.listen.as_str(), c.internal_listen.as_str()],
 node_id: None, internal: Some(&c.internal_listen), http: c.http_listen.as_deref(), engine: None,
 run: |l, m, s| async move {
@@ -445,8 +448,8 @@ mod tests {
                         || l.trim() == format!("[{key}]")
                 });
                 // Unset, these have no TOML spelling (and the fault hooks are for tests).
-                let optional = ["advertise", "node_id"].contains(&key.as_str())
-                    || key.starts_with("fault_");
+                let optional =
+                    ["advertise", "node_id"].contains(&key.as_str()) || key.starts_with("fault_");
                 assert!(spelled || optional, "{name} does not set {key}");
             }
         }

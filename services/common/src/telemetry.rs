@@ -122,17 +122,25 @@ pub fn init(service: &'static str) -> Result<Telemetry, TelemetryError> {
         .with_target("tonic", LevelFilter::OFF)
         .with_target("tower", LevelFilter::OFF)
         .with_target("opentelemetry", LevelFilter::OFF);
-    let otel = provider.as_ref().map(|p| {
-        tracing_opentelemetry::layer()
-            .with_tracer(p.tracer("pdmesh"))
-            .with_tracked_inactivity(false)
-            .with_location(false)
-            .with_threads(false)
-            .with_target(false)
-            .with_filter(quiet)
-    });
-    if Registry::default().with(fmt_layer()).with(otel).try_init().is_ok() && provider.is_some() {
-        EXPORTING.store(true, Ordering::Relaxed);
+    // Without an exporter the subscriber has the log layer alone. An absent layer (`None`)
+    // would still declare interest in every callsite, and every span (h2's and tonic's too)
+    // would be built in the registry only to be dropped: most of a router's span cost.
+    match &provider {
+        Some(p) => {
+            let otel = tracing_opentelemetry::layer()
+                .with_tracer(p.tracer("pdmesh"))
+                .with_tracked_inactivity(false)
+                .with_location(false)
+                .with_threads(false)
+                .with_target(false)
+                .with_filter(quiet);
+            if Registry::default().with(fmt_layer()).with(otel).try_init().is_ok() {
+                EXPORTING.store(true, Ordering::Relaxed);
+            }
+        }
+        None => {
+            let _ = Registry::default().with(fmt_layer()).try_init();
+        }
     }
     Ok(Telemetry { provider })
 }

@@ -31,6 +31,23 @@ pub struct Computing {
 struct Leaders {
     next: u64,
     by_id: HashMap<u64, Leader>,
+    /// Leaders by their chain's first block: chained hashes make two chains that share any
+    /// leading block share the first, so a prompt looks only at leaders it could follow.
+    by_first: HashMap<BlockHash, Vec<u64>>,
+}
+
+impl Leaders {
+    fn remove(&mut self, id: u64) {
+        let Some(l) = self.by_id.remove(&id) else { return };
+        if let Some(first) = l.chain.first()
+            && let Some(ids) = self.by_first.get_mut(first)
+        {
+            ids.retain(|i| *i != id);
+            if ids.is_empty() {
+                self.by_first.remove(first);
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -72,7 +89,7 @@ impl Lead {
 
 impl Drop for Lead {
     fn drop(&mut self) {
-        self.leaders.lock().unwrap_or_else(|p| p.into_inner()).by_id.remove(&self.id);
+        self.leaders.lock().unwrap_or_else(|p| p.into_inner()).remove(self.id);
     }
 }
 
@@ -86,18 +103,29 @@ impl Computing {
 
     /// Under one lock, so two requests of a herd never both lead: the leader computing the
     /// longest run of `prompt`'s leading blocks past the `held` (thought cached somewhere),
-    /// or else a registration of this prompt's unheld blocks as computing. None when the
-    /// prompt fills no block that is not held.
+    /// or else a registration of this prompt's unheld blocks as computing. None when its
+    /// unheld blocks come to fewer than `min_tokens` (nobody would wait for them) and it has
+    /// nobody to follow.
     pub fn lead_or_follow(
         &self,
         layout: &KvLayout,
         chain: &[BlockHash],
         held: usize,
     ) -> Option<Coalesce> {
+        let bs = layout.block_size();
+        // Too short to save min_tokens by following anyone, or to be worth following.
+        let first = chain.first()?;
+        if chain.len() * bs < self.min_tokens {
+            return None;
+        }
         let mut leaders = self.leaders.lock().unwrap_or_else(|p| p.into_inner());
         let mut best: Option<(usize, &Leader)> = None;
+        let candidates = leaders.by_first.get(first).map_or(&[][..], Vec::as_slice);
         // Blocks of one layout only: another's are not this prompt's KV.
-        for l in leaders.by_id.values().filter(|l| l.layout == *layout) {
+        for l in candidates.iter().filter_map(|id| leaders.by_id.get(id)) {
+            if l.layout != *layout {
+                continue;
+            }
             let common = chain.iter().zip(&l.chain).take_while(|(a, b)| a == b).count();
             // Not the caller's `held`: the leader's own, what was cached when it started.
             let saved = common.saturating_sub(l.held) * l.layout.block_size();
@@ -109,12 +137,14 @@ impl Computing {
             let tokens = blocks * l.layout.block_size();
             return Some(Coalesce::Follow { leader: l.done.clone(), tokens });
         }
-        if chain.len() <= held {
+        // A later prompt follows only for min_tokens past what was held when this one began.
+        if chain.len().saturating_sub(held) * bs < self.min_tokens.max(1) {
             return None;
         }
         let (tx, rx) = watch::channel(None);
         let id = leaders.next;
         leaders.next += 1;
+        leaders.by_first.entry(*first).or_default().push(id);
         let chain = chain.to_vec();
         leaders.by_id.insert(id, Leader { layout: *layout, chain, held, done: rx });
         Some(Coalesce::Lead(Lead { leaders: Arc::clone(&self.leaders), id, done: tx }))
@@ -192,6 +222,31 @@ mod tests {
         let _l = lead(&c, &a, 0);
         assert!(follows(&c, b"t", &b, 0).is_none(), "two shared blocks: under the minimum");
         assert_eq!(follows(&c, b"t", &a, 0), Some(5 * bs), "the whole prompt: over it");
+    }
+
+    #[test]
+    fn prompts_nobody_could_follow_lead_nothing_and_leaders_leave_no_trace() {
+        let bs = layout().block_size();
+        let c = Computing::new(3 * bs);
+        let short: Vec<u32> = (0..2 * bs as u32).collect();
+        assert!(follows(&c, b"t", &short, 0).is_none(), "two blocks: under the minimum");
+        assert!(c.is_empty(), "and not registered: nobody would ever wait for it");
+        let long: Vec<u32> = (0..4 * bs as u32).collect();
+        assert!(follows(&c, b"t", &long, 2).is_none(), "two unheld blocks: the same");
+        assert!(c.is_empty());
+        // Leaders sharing a first block, leaving in any order, leave the index empty.
+        let a = lead(&c, &long, 0);
+        let b: Vec<u32> = long.iter().copied().chain(900..900 + 2 * bs as u32).collect();
+        let two = match c.lead_or_follow(&layout(), &chain(&layout(), b"u", &b), 0) {
+            Some(Coalesce::Lead(l)) => l,
+            other => panic!("another tenant's prompt leads, got {other:?}"),
+        };
+        assert_eq!(follows(&c, b"t", &b, 0), Some(4 * bs), "follows the one it shares with");
+        drop(a);
+        assert!(follows(&c, b"t", &b, 0).is_none(), "its leader gone, it leads itself");
+        drop(two);
+        let leaders = c.leaders.lock().unwrap();
+        assert!(leaders.by_id.is_empty() && leaders.by_first.is_empty(), "{leaders:?}");
     }
 
     #[test]

@@ -139,10 +139,17 @@ impl RouterService {
         trace::attr(&root, "tenant", tenant.tenant.clone());
         let admitted = self.router.admit(tenant)?;
         let request_id = (!r.request_id.is_empty()).then(|| r.request_id.clone());
-        let prep = tokio::task::spawn_blocking(move || prepare(&model, &r))
-            .await
-            .map_err(|e| Status::internal(format!("validation task: {e}")))?
-            .map_err(Status::invalid_argument)?;
+        // Token ids are only checked against the vocabulary: microseconds, less than the
+        // hand-off to a blocking thread and back. Text is tokenized (and a chat rendered) off
+        // the async threads, which a long prompt would hold up.
+        let prep = if matches!(r.input, Some(generate_request::Input::TokenIds(_))) {
+            prepare(&model, &r)
+        } else {
+            tokio::task::spawn_blocking(move || prepare(&model, &r))
+                .await
+                .map_err(|e| Status::internal(format!("validation task: {e}")))?
+        }
+        .map_err(Status::invalid_argument)?;
         trace::attr(&root, "prompt_tokens", prep.prompt.len() as i64);
         trace::attr(&root, "max_tokens", prep.max_tokens as i64);
         Span::current().record("in_flight", self.router.in_flight() as i64);

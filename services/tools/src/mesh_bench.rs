@@ -18,9 +18,10 @@ use pdmesh_cli::args::EngineArgs;
 
 #[derive(Debug, Args)]
 pub struct MeshBenchArgs {
-    /// The router to drive.
-    #[arg(long, default_value = "127.0.0.1:50051")]
-    target: String,
+    /// The routers to drive (comma-separated: requests take them in turn, as a load balancer
+    /// in front of several routers would spread them).
+    #[arg(long, default_value = "127.0.0.1:50051", value_delimiter = ',')]
+    target: Vec<String>,
     /// Send the requests to the router's OpenAI HTTP API at this address (host:port;
     /// `POST /v1/completions`, streamed, over HTTP/2) instead of gRPC Generate; --target
     /// still names the mesh whose credentials are used.
@@ -310,7 +311,7 @@ pub fn run(a: MeshBenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Res
     if a.engine_alone {
         return engine_alone(&a);
     }
-    let key = access.init(&a.target)?;
+    let key = access.init(first_target(&a.target)?)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(drive(a, key))
 }
@@ -319,10 +320,26 @@ pub fn run(a: MeshBenchArgs, access: &pdmesh_cli::client::Access) -> anyhow::Res
 /// streams it carries at once, which would queue requests in the client at high rates.
 pub(crate) const CONNECTIONS: usize = 8;
 
-/// `CONNECTIONS` clients of `target`.
-pub(crate) async fn connect_many(target: &str, key: Option<&str>) -> anyhow::Result<Vec<Client>> {
+/// The router whose credentials a run uses: the first of `targets` (one mesh's routers share
+/// them). Fails when there are more routers than connections to spread over them.
+pub(crate) fn first_target(targets: &[String]) -> anyhow::Result<&str> {
+    match targets {
+        [] => bail!("--target needs at least one router"),
+        t if t.len() > CONNECTIONS => {
+            bail!("--target names {} routers; at most {CONNECTIONS} are driven at once", t.len())
+        }
+        [first, ..] => Ok(first),
+    }
+}
+
+/// `CONNECTIONS` clients, taking `targets` in turn: request i goes out on client
+/// i % CONNECTIONS, so consecutive requests reach different routers.
+pub(crate) async fn connect_many(
+    targets: &[String],
+    key: Option<&str>,
+) -> anyhow::Result<Vec<Client>> {
     let mut clients = Vec::with_capacity(CONNECTIONS);
-    for _ in 0..CONNECTIONS {
+    for target in targets.iter().cycle().take(CONNECTIONS) {
         clients.push(Client::Grpc(pdmesh_cli::client::connect(target, key).await?));
     }
     Ok(clients)
@@ -412,7 +429,7 @@ async fn drive(a: MeshBenchArgs, key: Option<String>) -> anyhow::Result<()> {
     }
     let stream_wall = t0.elapsed().as_secs_f64() + 0.5;
     let mut report = serde_json::json!({
-        "target": a.target,
+        "target": a.target.join(","),
         "frontend": if a.http.is_some() { "http" } else { "grpc" },
         "mode": if a.rate.is_some() { "poisson" } else { "closed-loop" },
         "rate": a.rate,

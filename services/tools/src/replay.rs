@@ -14,7 +14,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use pdmesh_kvstore::trace::{TRACE_BLOCK_TOKENS, TraceRequest, ideal_hit_rate, read_trace};
 
-use crate::mesh_bench::{CONNECTIONS, Sample, connect_many, one, summary};
+use crate::mesh_bench::{CONNECTIONS, Sample, connect_many, first_target, one, summary};
 
 #[derive(Debug, Args)]
 pub struct ReplayArgs {
@@ -42,9 +42,10 @@ pub struct ReplayArgs {
     /// Longest prompt sent, after scaling (longer ones are cut: the model's context is finite).
     #[arg(long, default_value_t = 4096)]
     max_prompt_tokens: usize,
-    /// The router.
-    #[arg(long, default_value = "127.0.0.1:50051")]
-    target: String,
+    /// The routers (comma-separated: requests take them in turn, so a conversation's turns
+    /// reach different routers).
+    #[arg(long, default_value = "127.0.0.1:50051", value_delimiter = ',')]
+    target: Vec<String>,
     /// Time-to-first-token SLO for goodput, in ms.
     #[arg(long, default_value_t = 2000.0)]
     ttft_slo_ms: f64,
@@ -157,7 +158,7 @@ pub fn run(a: ReplayArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result
     if trace.is_empty() {
         bail!("--keep {} left no request", a.keep);
     }
-    let key = access.init(&a.target)?;
+    let key = access.init(first_target(&a.target)?)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(replay(&a, &trace, key.as_deref()))
 }
@@ -264,7 +265,7 @@ mod tests {
             max_output_tokens: 64,
             eos: false,
             max_prompt_tokens: 4096,
-            target: String::new(),
+            target: Vec::new(),
             ttft_slo_ms: 0.0,
             tpot_slo_ms: 0.0,
             day: false,
