@@ -264,6 +264,8 @@ bench-grow: system-deps fetch-model
         REPLAY_ARGS="--token-scale 1 --max-output-tokens 1024 --max-prompt-tokens 64 --eos" \
         ./scripts/bench_replay_ab.sh target/release RESERVE_TOKENS 100 0.01 0 64
 
+# The real router and planner against simulated fleets, two routers sharing the nodes (see
+# scripts/bench_sim.py; `--reference OLD/pdmesh` runs another build first, `--parts day`).
 bench-sim *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_sim.py --model {{model}} {{args}}
