@@ -128,13 +128,13 @@ impl Computing {
             }
             let common = chain.iter().zip(&l.chain).take_while(|(a, b)| a == b).count();
             // Not the caller's `held`: the leader's own, what was cached when it started.
-            let saved = common.saturating_sub(l.held) * l.layout.block_size();
+            let saved = common.saturating_sub(l.held) * bs;
             if common > l.held && saved >= self.min_tokens && best.is_none_or(|(c, _)| common > c) {
                 best = Some((common, l));
             }
         }
         if let Some((blocks, l)) = best {
-            let tokens = blocks * l.layout.block_size();
+            let tokens = blocks * bs;
             return Some(Coalesce::Follow { leader: l.done.clone(), tokens });
         }
         // A later prompt follows only for min_tokens past what was held when this one began.
