@@ -73,3 +73,55 @@ fn sim_fleets_refuse_what_they_cannot_honour() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// `pdmesh replay` sends a conversation's next turn only once the turn before it is answered
+/// (its prompt contains that answer), so the turn finds the earlier turn's prefix cached; with
+/// `--no-turn-order` both go out at their shared timestamp.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replayed_conversation_turn_waits_for_the_answer_before_it() {
+    let mut c = Cluster::builder().insecure().prefill(0).decode(0).start().await;
+    let fleet = ["--engine", "sim", "--kv-transport", "grpc", "--sim-nodes", "1"];
+    c.add_prefill(&fleet);
+    c.add_decode(&fleet);
+    c.wait_nodes(1, 1).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let trace = dir.path().join("trace.jsonl");
+    // The second request is the first's next turn (all of its full blocks, 0 and 1, lead it),
+    // in the trace at the same millisecond: only the order of a conversation keeps them apart.
+    let line = |input: u32, ids: &[u32]| {
+        format!(
+            r#"{{"timestamp": 0, "input_length": {input}, "output_length": 640, "hash_ids": {ids:?}}}"#
+        )
+    };
+    std::fs::write(&trace, [line(1100, &[0, 1, 2]), line(2000, &[0, 1, 3, 4])].join("\n"))
+        .expect("trace written");
+    let replay = |extra: &[&str]| {
+        let schedule = dir.path().join("schedule.jsonl");
+        let mut cmd = std::process::Command::new(pdmesh_integration::pdmesh_bin());
+        cmd.args(["replay", "--insecure", "--json", "--target", &c.router.addr, "--trace"])
+            .arg(&trace)
+            .args(["--token-scale", "0.03125", "--schedule"])
+            .arg(&schedule)
+            .args(extra);
+        let (code, out, err) = run(cmd);
+        assert_eq!(code, 0, "{err}");
+        let report: serde_json::Value =
+            serde_json::from_str(out.lines().last().expect("a report")).expect("json");
+        assert_eq!(report["results"]["ok"], 2, "{report}");
+        let sent: Vec<f64> = std::fs::read_to_string(&schedule)
+            .expect("schedule")
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["at_s"].as_f64().unwrap()
+            })
+            .collect();
+        (report, sent[1] - sent[0])
+    };
+    let (report, gap) = replay(&[]);
+    // 20 output tokens at the sim's decode pace take well over 20 ms.
+    assert!(gap > 0.02, "the next turn went out {gap} s after the first, before its answer");
+    assert_eq!(report["cached_tokens"], 32, "it found the first turn's two blocks: {report}");
+    assert!(report["reachable_hit_rate"].as_f64().unwrap() > 0.0, "{report}");
+    let (_, gap) = replay(&["--no-turn-order"]);
+    assert!(gap < 0.02, "without turn order both go out at once: {gap} s apart");
+}

@@ -5,7 +5,7 @@
 //! share of prompt tokens an unbounded prefix cache would serve, the ceiling any cache and
 //! placement policy is measured against.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::io::BufRead;
 
 use serde::Deserialize;
@@ -76,6 +76,59 @@ pub fn ideal_hits(trace: &[TraceRequest]) -> Vec<u64> {
         .collect()
 }
 
+/// Tokens a cache shared by every node could have served each request when it was sent: its
+/// leading blocks that an earlier request had finished computing by then. `sent_s[i]` is when
+/// request `i` was sent and `computed_s[i]` when its prompt's KV existed (`None`: it failed).
+/// The gap to `ideal_hits` is prefixes still being computed when a request needing them came,
+/// which only waiting for them recovers; the gap from here to the hits achieved is placement's.
+pub fn reachable_hits(
+    trace: &[TraceRequest],
+    sent_s: &[f64],
+    computed_s: &[Option<f64>],
+) -> Vec<u64> {
+    let mut ready: HashMap<u64, f64> = HashMap::new();
+    trace
+        .iter()
+        .zip(sent_s.iter().zip(computed_s))
+        .map(|(r, (&at, &done))| {
+            let full = (r.input_length / TRACE_BLOCK_TOKENS) as usize;
+            let hit = r
+                .hash_ids
+                .iter()
+                .take(full)
+                .take_while(|id| ready.get(id).is_some_and(|&t| t <= at))
+                .count();
+            if let Some(done) = done {
+                for id in &r.hash_ids {
+                    let t = ready.entry(*id).or_insert(done);
+                    *t = t.min(done);
+                }
+            }
+            hit as u64 * TRACE_BLOCK_TOKENS
+        })
+        .collect()
+}
+
+/// For each request, the earlier request it is the next turn of, if any: the latest one whose
+/// full blocks (at least two, so a shared system prompt alone makes no conversation) all lead
+/// its prompt. Its prompt holds that turn's answer, so it cannot have been sent before it.
+pub fn previous_turns(trace: &[TraceRequest]) -> Vec<Option<usize>> {
+    let mut by_blocks: HashMap<&[u64], usize> = HashMap::new();
+    trace
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let previous =
+                (2..=r.hash_ids.len()).rev().find_map(|n| by_blocks.get(&r.hash_ids[..n]).copied());
+            let full = ((r.input_length / TRACE_BLOCK_TOKENS) as usize).min(r.hash_ids.len());
+            if full >= 2 {
+                by_blocks.insert(&r.hash_ids[..full], i);
+            }
+            previous
+        })
+        .collect()
+}
+
 /// The share of all prompt tokens `ideal_hits` serves.
 pub fn ideal_hit_rate(trace: &[TraceRequest]) -> f64 {
     let total: u64 = trace.iter().map(|r| r.input_length).sum();
@@ -110,6 +163,38 @@ mod tests {
         let total = 1100 + 1536 + 1024 + 1000 + 512;
         assert!((ideal_hit_rate(&t) - 2048.0 / total as f64).abs() < 1e-12);
         assert_eq!(read_trace(text.as_bytes(), Some(2)).unwrap().len(), 2);
+    }
+
+    #[test]
+    fn reachable_hits_need_the_prefix_computed_before_the_request_came() {
+        let text = [
+            req(0, 1024, &[0, 1]),
+            req(1, 1024, &[0, 1]), // came while the first was computing: nothing
+            req(5, 1536, &[0, 1, 2]), // both blocks computed by t=3
+            req(6, 1024, &[5, 6]), // nothing shared
+            req(7, 1024, &[5, 6]), // its only source failed
+        ]
+        .join("\n");
+        let t = read_trace(text.as_bytes(), None).unwrap();
+        let sent = [0.0, 1.0, 5.0, 6.0, 7.0];
+        let computed = [Some(3.0), Some(2.0), Some(9.0), None, Some(8.0)];
+        assert_eq!(reachable_hits(&t, &sent, &computed), vec![0, 0, 1024, 0, 0]);
+        assert_eq!(ideal_hits(&t), vec![0, 1024, 1024, 0, 1024]);
+    }
+
+    #[test]
+    fn a_turn_follows_the_latest_request_whose_full_blocks_lead_it() {
+        let text = [
+            req(0, 1100, &[0, 1, 2]),    // full blocks 0, 1
+            req(1, 2000, &[0, 1, 3, 4]), // next turn of the first
+            req(2, 1600, &[0, 1, 3, 5]), // of the second? its full blocks are 0, 1, 3: yes
+            req(3, 600, &[0, 9]),        // one full block: leads nothing
+            req(4, 1024, &[0, 9]),       // a shared first block alone is no conversation
+            req(5, 1024, &[0, 1]),       // the third's blocks 0, 1, 3 don't lead it; the first's do
+        ]
+        .join("\n");
+        let t = read_trace(text.as_bytes(), None).unwrap();
+        assert_eq!(previous_turns(&t), vec![None, Some(0), Some(1), None, None, Some(0)]);
     }
 
     #[test]

@@ -12,7 +12,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pdmesh_kvstore::trace::{TRACE_BLOCK_TOKENS, TraceRequest, ideal_hit_rate, read_trace};
+use pdmesh_kvstore::trace::{
+    TRACE_BLOCK_TOKENS, TraceRequest, ideal_hit_rate, previous_turns, reachable_hits, read_trace,
+};
+use tokio::sync::watch;
 
 use crate::mesh_bench::{CONNECTIONS, Sample, connect_many, first_target, one, summary};
 
@@ -64,6 +67,11 @@ pub struct ReplayArgs {
     /// tokens to FILE, one JSON object a line: the load to compare a planner's pools with.
     #[arg(long, value_name = "FILE")]
     schedule: Option<PathBuf>,
+    /// Send each request at its time even when it is a later turn of a conversation whose
+    /// previous turn is not answered yet. Without it such a turn waits for that answer (its
+    /// prompt contains it), so a compressed --time-scale cannot send a turn before it exists.
+    #[arg(long)]
+    no_turn_order: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -166,45 +174,68 @@ pub fn run(a: ReplayArgs, access: &pdmesh_cli::client::Access) -> anyhow::Result
 async fn replay(a: &ReplayArgs, trace: &[TraceRequest], key: Option<&str>) -> anyhow::Result<()> {
     let clients = connect_many(&a.target, key).await?;
     let ideal = ideal_hit_rate(trace);
-    let mut schedule = match &a.schedule {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?,
-        )),
-        None => None,
-    };
+    // A later turn of a conversation carries the previous turn's answer: it is sent only once
+    // that answer is back, as a client would, however much --time-scale compresses the gap.
+    let turns = if a.no_turn_order { vec![None; trace.len()] } else { previous_turns(trace) };
     let t0 = Instant::now();
     let mut tasks = Vec::with_capacity(trace.len());
+    let mut answered: Vec<watch::Receiver<bool>> = Vec::with_capacity(trace.len());
+    let mut sizes = Vec::with_capacity(trace.len());
     // Every prompt sent counts: a failed request cached nothing.
     let mut prompt = 0u64;
     // Each request is made when it is due, so a day of them is never all in memory at once.
-    for r in trace {
+    for (r, turn) in trace.iter().zip(&turns) {
         let at_s = r.timestamp as f64 * a.time_scale / 1e3;
         tokio::time::sleep_until((t0 + Duration::from_secs_f64(at_s)).into()).await;
         let (ids, out) = scaled(r, a);
         prompt += ids.len() as u64;
-        if let Some(w) = &mut schedule {
-            use std::io::Write;
-            let line = serde_json::json!({"at_s": at_s, "prompt": ids.len(), "output": out});
-            writeln!(w, "{line}")?;
-        }
+        sizes.push((ids.len(), out));
+        let (done, rx) = watch::channel(false);
+        let after = turn.map(|p| answered[p].clone());
+        answered.push(rx);
         let c = clients[tasks.len() % CONNECTIONS].clone();
-        tasks.push(tokio::spawn(one(c, ids, out, a.eos)));
-    }
-    if let Some(mut w) = schedule {
-        use std::io::Write;
-        w.flush()?;
+        let eos = a.eos;
+        tasks.push(tokio::spawn(async move {
+            if let Some(mut previous) = after {
+                // Its sender is dropped only after it sent: an error is an answer too.
+                let _ = previous.wait_for(|&d| d).await;
+            }
+            let sent = t0.elapsed().as_secs_f64();
+            let s = one(c, ids, out, eos).await;
+            let _ = done.send(true);
+            (sent, s)
+        }));
     }
     let mut samples: Vec<Sample> = Vec::with_capacity(tasks.len());
+    let mut sent_s = Vec::with_capacity(tasks.len());
     let every = (trace.len() / 10).max(50);
     for (i, t) in tasks.into_iter().enumerate() {
-        samples.push(t.await.context("a request task panicked")?);
+        let (sent, s) = t.await.context("a request task panicked")?;
+        samples.push(s);
+        sent_s.push(sent);
         if !a.json && (i + 1) % every == 0 {
             eprintln!("  {} of {} requests done", i + 1, trace.len());
         }
     }
+    if let Some(p) = &a.schedule {
+        use std::io::Write;
+        let file = std::fs::File::create(p).with_context(|| format!("creating {}", p.display()))?;
+        let mut w = std::io::BufWriter::new(file);
+        for (at_s, (prompt, output)) in sent_s.iter().zip(&sizes) {
+            let line = serde_json::json!({"at_s": at_s, "prompt": prompt, "output": output});
+            writeln!(w, "{line}")?;
+        }
+        w.flush()?;
+    }
     let wall = t0.elapsed().as_secs_f64();
     let cached: u64 = samples.iter().filter(|s| s.ok).map(|s| u64::from(s.cached_tokens)).sum();
     let hit_rate = if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 };
+    // A prompt's KV exists about when its first token does.
+    let computed_s: Vec<Option<f64>> =
+        samples.iter().zip(&sent_s).map(|(s, at)| s.ok.then(|| at + s.ttft_ms / 1e3)).collect();
+    let trace_tokens: u64 = trace.iter().map(|r| r.input_length).sum();
+    let reachable = reachable_hits(trace, &sent_s, &computed_s).iter().sum::<u64>() as f64
+        / trace_tokens.max(1) as f64;
     let report = serde_json::json!({
         "trace": a.trace.display().to_string(),
         "requests": trace.len(),
@@ -213,6 +244,8 @@ async fn replay(a: &ReplayArgs, trace: &[TraceRequest], key: Option<&str>) -> an
         "ideal_hit_rate": ideal,
         "hit_rate": hit_rate,
         "hit_vs_ideal": if ideal > 0.0 { hit_rate / ideal } else { f64::NAN },
+        "reachable_hit_rate": reachable,
+        "hit_vs_reachable": if reachable > 0.0 { hit_rate / reachable } else { f64::NAN },
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "results": summary(&samples, wall, a.ttft_slo_ms, a.tpot_slo_ms),
@@ -229,6 +262,10 @@ async fn replay(a: &ReplayArgs, trace: &[TraceRequest], key: Option<&str>) -> an
         hit_rate,
         ideal,
         100.0 * f(&report["hit_vs_ideal"])
+    );
+    println!(
+        "reachable {reachable:.3}: prefixes computed before the request came ({:.1}% of it hit)",
+        100.0 * f(&report["hit_vs_reachable"])
     );
     for (name, key) in [("TTFT", "ttft_ms"), ("TPOT", "tpot_ms")] {
         let d = &r[key];
@@ -271,6 +308,7 @@ mod tests {
             day: false,
             keep: 1.0,
             schedule: None,
+            no_turn_order: false,
             json: false,
         }
     }
