@@ -149,6 +149,9 @@ impl DecodeService {
             cache_blocks: 0,
             publishes: false,
             draining: counts.draining,
+            // Its prompts are computed in chunks beside its streams; routers place them by
+            // room, not by a prefill backlog.
+            backlog_tokens: 0,
         }
     }
 }

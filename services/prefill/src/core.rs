@@ -70,6 +70,8 @@ pub struct Job {
 struct Active {
     done: Box<dyn DoneOutput>,
     blocks: usize,
+    /// Prompt tokens to compute: those not read from the prefix cache.
+    to_compute: usize,
     submitted: Instant,
     started: Option<Instant>,
     span: Span,
@@ -81,6 +83,8 @@ struct Active {
 pub struct Counts {
     pub queued: u32,
     pub prefilling: u32,
+    /// Prompt tokens queued or computing, not computed yet (see `Active::to_compute`).
+    pub backlog_tokens: u64,
     pub free_blocks: u32,
     pub total_blocks: u32,
     pub completed: u64,
@@ -162,6 +166,8 @@ impl PrefillCore {
             return Err(PrefillError::QueueFull(self.runner.waiting()));
         }
         let id = self.next_id;
+        let block_size = self.engine.config().block_size;
+        let to_compute = job.prompt.len().saturating_sub(job.cached.len() * block_size);
         let push = PushJob {
             mode: job.push,
             checksums: job.checksums,
@@ -190,8 +196,15 @@ impl PrefillCore {
         }
         self.next_id += 1;
         let waiting = tracing::info_span!(parent: &job.span, "prefill.queue_wait");
-        let active =
-            Active { done, blocks, submitted: now, started: None, span: job.span, waiting };
+        let active = Active {
+            done,
+            blocks,
+            to_compute,
+            submitted: now,
+            started: None,
+            span: job.span,
+            waiting,
+        };
         self.jobs.insert(id, active);
         Ok(id)
     }
@@ -278,7 +291,9 @@ impl PrefillCore {
         let mut c = self.counts;
         c.queued = 0;
         c.prefilling = 0;
+        c.backlog_tokens = 0;
         for a in self.jobs.values() {
+            c.backlog_tokens += a.to_compute as u64;
             if a.started.is_none() {
                 c.queued += 1;
             } else {

@@ -71,6 +71,7 @@ impl PrefillService {
             cache_blocks: u32::try_from(cache_blocks).unwrap_or(u32::MAX),
             queued: counts.queued,
             running: counts.prefilling + transferring,
+            backlog_tokens: u32::try_from(counts.backlog_tokens).unwrap_or(u32::MAX),
             free_blocks: counts.free_blocks,
             total_blocks: counts.total_blocks,
             committed_blocks: counts.total_blocks - counts.free_blocks,

@@ -151,7 +151,11 @@ fn a_cached_prefix_gives_the_kv_and_token_of_computing_it() {
     let layers = c.engine().kv().geometry().layers;
     let cached: Vec<Bytes> = want[..3].iter().map(|b| Bytes::from(b.clone())).collect();
     let (_, mut o) = submit(&mut c, Job { cached, ..job(p.clone(), PushMode::Chunk) }).unwrap();
+    let _other = submit(&mut c, job(prompt(10), PushMode::Chunk)).unwrap();
+    // Routers weigh hits against this: the cached blocks are not work left to do.
+    assert_eq!(c.counts().backlog_tokens, (23 - 3 * BLOCK + 10) as u64);
     run(&mut c);
+    assert_eq!(c.counts().backlog_tokens, 0, "finished prompts leave the backlog");
     assert_eq!(assemble(&mut o.pieces, want.len(), bpb, layers), want);
     let Ok(Done::Computed { first_token, export, .. }) = o.done.try_recv() else { panic!() };
     assert_eq!(first_token, first);

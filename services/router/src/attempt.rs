@@ -176,18 +176,20 @@ impl Drop for Reservation {
 struct Assigned<'a> {
     mesh: &'a Mesh,
     node: String,
+    tokens: u64,
 }
 
 impl<'a> Assigned<'a> {
-    fn new(mesh: &'a Mesh, node: &Node, blocks: u32) -> Self {
-        mesh.registry().assign(&node.id, blocks);
-        Self { mesh, node: node.id.clone() }
+    /// `blocks` reserved on a decode node, or `tokens` of prompt for a prefill node to compute.
+    fn new(mesh: &'a Mesh, node: &Node, blocks: u32, tokens: u64) -> Self {
+        mesh.registry().assign(&node.id, blocks, tokens);
+        Self { mesh, node: node.id.clone(), tokens }
     }
 }
 
 impl Drop for Assigned<'_> {
     fn drop(&mut self) {
-        self.mesh.registry().unassign(&self.node);
+        self.mesh.registry().unassign(&self.node, self.tokens);
     }
 }
 
@@ -205,6 +207,8 @@ pub(crate) struct Attempt<'a> {
     pub prefill: Option<Node>,
     /// Blocks the decode node was counted for.
     pub blocks: u32,
+    /// Prompt tokens the prefill node is expected to compute (the index's hits left out).
+    pub prefill_tokens: u32,
 }
 
 impl<'a> Attempt<'a> {
@@ -238,7 +242,7 @@ impl<'a> Attempt<'a> {
     pub async fn run(mut self) -> Result<Decoded, Failure> {
         let mesh = self.req.mesh;
         let decode = self.decode.clone();
-        let assigned = Assigned::new(mesh, &decode, self.blocks);
+        let assigned = Assigned::new(mesh, &decode, self.blocks, 0);
         let client = DecodeClient::new(channel(mesh, &decode)?);
         self.report.timings.decode_node = decode.id.clone();
         // A retry starts over: what an earlier attempt took from the cache is not what this one
@@ -392,7 +396,7 @@ impl<'a> Attempt<'a> {
         let req = self.req;
         let cfg = &req.mesh.config;
         // The prefill node's share ends with its part (the KV is complete), not the request's.
-        let _assigned = Assigned::new(req.mesh, p, 0);
+        let _assigned = Assigned::new(req.mesh, p, 0, u64::from(self.prefill_tokens));
         // A moved stream's prompt is prefilled as it was the first time (and its first token
         // sampled again); the decode node recomputes the rest as it was first computed.
         let chain = req.chain(&p.layout);
@@ -608,7 +612,7 @@ impl<'a> Attempt<'a> {
             let placed = place(&[], &decodes, &ask, others).map_err(|e| e.to_string())?;
             reg.get(&placed.decode).cloned().ok_or("the node chosen left the mesh")?
         };
-        let assigned = Assigned::new(mesh, &node, blocks_needed(&node, &ask) as u32);
+        let assigned = Assigned::new(mesh, &node, blocks_needed(&node, &ask) as u32, 0);
         let client = DecodeClient::new(channel(mesh, &node).map_err(|f| failure_text(&f))?);
         let reservation = self
             .reserve(&client, &node, (ask.prompt_tokens, ask.max_tokens, ask.up_front), true)

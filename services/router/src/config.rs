@@ -80,8 +80,9 @@ pub struct RouterConfig {
     /// least this many prompts queued or running (conditional disaggregation on live load:
     /// the decode node computes them in chunks its streams do not stall on); 0 = never.
     pub colocate_when_prefill_busy: u32,
-    /// How prefill nodes are chosen: "prefix-aware" (where the prompt's prefix is cached,
-    /// within `prefix_max_imbalance`), "least-load" or "round-robin".
+    /// How prefill nodes are chosen: "prefix-aware" (where the prompt would be done first, by
+    /// the node's backlog and its cache hits, within `prefix_max_imbalance`), "least-load" or
+    /// "round-robin".
     pub prefill_policy: PrefillPolicy,
     /// Most prompts a prefix-aware choice may have queued or running above the least-loaded
     /// prefill node; past it the cache is given up for the idle node.

@@ -169,13 +169,14 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
             Err(e) => return Err(last.unwrap_or(e)),
         };
         report.timings.attempts += 1;
-        let decode_node = placed.0.id.clone();
+        let decode_node = placed.decode.id.clone();
         let a = Attempt {
             req,
             report: &mut *report,
-            decode: placed.0,
-            prefill: placed.1,
-            blocks: placed.2,
+            decode: placed.decode,
+            prefill: placed.prefill,
+            blocks: placed.blocks,
+            prefill_tokens: placed.prefill_tokens,
         };
         let failure = match a.run().await {
             Ok(d) => return Ok(d),
@@ -366,12 +367,18 @@ async fn place_or_wait(
     }
 }
 
-/// Where an attempt runs: its decode node, its prefill node (None: colocated) and the blocks
-/// the decode node is counted for.
-type Placed = (crate::registry::Node, Option<crate::registry::Node>, u32);
+/// Where an attempt runs.
+struct Placed {
+    decode: crate::registry::Node,
+    /// None: colocated on the decode node.
+    prefill: Option<crate::registry::Node>,
+    /// Blocks the decode node is counted for.
+    blocks: u32,
+    /// Prompt tokens the prefill node is counted for: those its cache hits leave to compute.
+    prefill_tokens: u32,
+}
 
-/// Picks the decode (and prefill) node for an attempt, never one in `exclude`; returns them and
-/// the blocks the decode node is counted for.
+/// Picks the decode (and prefill) node for an attempt, never one in `exclude`.
 fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Placed, Failure> {
     let mesh = req.mesh;
     let cfg = &mesh.config;
@@ -405,6 +412,8 @@ fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Pl
     let bs = chain.as_ref().map_or(0, |(l, _)| l.block_size());
     let hit = ask.hits.get(prefill_name).map_or(0, |h| h.total());
     span.record("matched_tokens", (hit * bs) as i64);
+    let prefill_tokens =
+        u32::try_from(ask.prompt_tokens.saturating_sub(hit * bs)).unwrap_or(u32::MAX);
     let gone = |id: &str| Failure::Lost { node: id.to_string(), why: "left the mesh".into() };
     let decode = reg.get(&placed.decode).cloned().ok_or_else(|| gone(&placed.decode))?;
     let prefill = match &placed.prefill {
@@ -413,7 +422,7 @@ fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Pl
     };
     drop(reg);
     let blocks = crate::placement::blocks_needed(&decode, &ask) as u32;
-    Ok((decode, prefill, blocks))
+    Ok(Placed { decode, prefill, blocks, prefill_tokens })
 }
 
 /// Prompt blocks each of `prefill` would read from a cache: the exact index's hits, over the

@@ -256,8 +256,9 @@ pub struct RouterArgs {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) colocate_when_prefill_busy: Option<u32>,
-    /// How prefill nodes are chosen: prefix-aware (where the prompt's prefix is cached, within
-    /// --prefix-max-imbalance), least-load or round-robin [default: prefix-aware].
+    /// How prefill nodes are chosen: prefix-aware (where the prompt would be done first, by the
+    /// node's backlog of prompt tokens and its cache hits, within --prefix-max-imbalance),
+    /// least-load or round-robin [default: prefix-aware].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) prefill_policy: Option<PrefillPolicy>,
