@@ -27,10 +27,17 @@ async fn fleets_of_simulated_nodes_serve_the_sims_tokens_through_the_router() {
     c.add_prefill(&[&fleet[..], &["2"]].concat());
     c.add_decode(&[&fleet[..], &["3"]].concat());
     c.wait_nodes(2, 3).await;
-    let names: HashSet<String> = c.nodes().await.into_iter().map(|n| n.node_id).collect();
+    let nodes = c.nodes().await;
+    let names: HashSet<&str> = nodes.iter().map(|n| n.node_id.as_str()).collect();
     for n in ["prefill-0-0", "prefill-0-1", "decode-0-0", "decode-0-1", "decode-0-2"] {
         assert!(names.contains(n), "{n} registered: {names:?}");
     }
+    // Each node is its own peer to the router (a loopback address of its own), so a fleet of
+    // a thousand stays under the router's per-address connection limit.
+    let hosts: HashSet<&str> =
+        nodes.iter().filter_map(|n| n.address.rsplit_once(':')).map(|(h, _)| h).collect();
+    assert_eq!(hosts.len(), 5, "{nodes:?}");
+    assert!(hosts.iter().all(|h| h.starts_with("127.1.")), "{hosts:?}");
 
     let model = pdmesh_engine::Model::load(&pdmesh_integration::model_path()).expect("model");
     let (vocab, eog) = (model.config.vocab, model.tokenizer.eog_tokens().to_vec());

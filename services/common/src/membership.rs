@@ -9,7 +9,7 @@
 //! the node's work.
 
 use std::collections::{BTreeSet, HashMap};
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,6 +38,25 @@ pub struct Joining {
     pub kvstore: String,
     /// Fault injection for tests: the change with this number is never sent (0: none).
     pub fault_skip_event: u64,
+    /// The address its calls to routers leave from (None: the system's choice).
+    pub source: Option<IpAddr>,
+}
+
+impl Joining {
+    /// The source address a node listening on `bound` calls routers from: its own, when that
+    /// is a loopback address. Such a node serves only routers on this host (none elsewhere
+    /// could call it back), and a host running many nodes on loopback addresses of their own
+    /// (`--sim-nodes`) then shows routers many peers, each under the per-address connection
+    /// limit, instead of one peer with a thousand sessions.
+    pub fn source_for(bound: SocketAddr) -> Option<IpAddr> {
+        bound.ip().is_loopback().then_some(bound.ip())
+    }
+
+    /// `source`, where a call to `router` ("ip:port") can leave from it: of the same family.
+    fn source_to(&self, router: &str) -> Option<IpAddr> {
+        let to = router.parse::<SocketAddr>().ok()?;
+        self.source.filter(|s| s.is_ipv4() == to.is_ipv4())
+    }
 }
 
 impl std::fmt::Debug for Joining {
@@ -95,7 +114,7 @@ async fn follow(entry: &str, who: Joining, stop: CancellationToken, died: Cancel
                         tokio::select! {
                             () = keep_registered(&a, &who) => {}
                             () = gone.cancelled() => {}
-                            () = died.cancelled() => deregister(&a, &who.registration.node_id).await,
+                            () = died.cancelled() => deregister(&a, &who).await,
                         }
                     });
                 }
@@ -144,10 +163,12 @@ fn changes(current: &BTreeSet<String>, resolved: &BTreeSet<String>) -> (Vec<Stri
 
 /// Tells `router` that `node` is gone (best effort: a router that cannot be reached drops the
 /// node when its heartbeats lapse).
-async fn deregister(router: &str, node: &str) {
+async fn deregister(router: &str, who: &Joining) {
+    let node = who.registration.node_id.as_str();
     let call = async {
         let ep = crate::tls::endpoint(router, crate::tls::MeshRole::Router)
             .map_err(|e| e.to_string())?
+            .local_address(who.source_to(router))
             .connect_timeout(Duration::from_secs(2))
             .timeout(Duration::from_secs(2));
         let mut client = MembershipClient::new(ep.connect().await.map_err(|e| e.to_string())?);
@@ -192,6 +213,7 @@ const EVENTS_PART: usize = 4096;
 async fn session(router: &str, who: &Joining) -> Result<(), String> {
     let ep = crate::tls::endpoint(router, crate::tls::MeshRole::Router)
         .map_err(|e| format!("bad router address {router}: {e}"))?
+        .local_address(who.source_to(router))
         .connect_timeout(Duration::from_secs(2))
         // A router that vanishes without closing the connection is found by its pings.
         .http2_keep_alive_interval(Duration::from_secs(5))

@@ -133,6 +133,7 @@ pub async fn run(
             blocks: None,
             kvstore: String::new(),
             fault_skip_event: 0,
+            source: pdmesh_common::membership::Joining::source_for(bound),
         },
         died,
     };

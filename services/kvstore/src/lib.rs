@@ -92,6 +92,7 @@ pub async fn run(
             blocks: Some(log),
             kvstore: address,
             fault_skip_event: 0,
+            source: pdmesh_common::membership::Joining::source_for(bound),
         },
         // The store has no engine to lose.
         died: tokio_util::sync::CancellationToken::new(),

@@ -139,6 +139,7 @@ pub async fn run(
             blocks: block_log,
             kvstore: config.kvstore.clone().unwrap_or_default(),
             fault_skip_event: config.fault_skip_block_event,
+            source: pdmesh_common::membership::Joining::source_for(bound),
         },
         died,
     };

@@ -142,6 +142,9 @@ impl RouterService {
             (every, ttl.unwrap_or(Duration::from_millis(u64::from(self.mesh().config.node_ttl_ms))))
         };
         self.mesh().set_layout(layout);
+        if matches!(role, Role::Prefill | Role::Decode) {
+            self.mesh().warm_channel(&r.node_id, &r.address, role);
+        }
         self.mesh().queue.wake();
         tracing::info!(
             node = r.node_id,

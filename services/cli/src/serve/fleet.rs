@@ -26,14 +26,23 @@ pub(super) fn check<C: Service>(cfg: &C, n: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The address node `i` of a fleet listens on: port 0 stays 0, port P becomes P + i.
+/// The address node `i` of a fleet listens on: port 0 stays 0, port P becomes P + i; on
+/// 127.0.0.1, each node takes a loopback address of its own (127.1.x.y), and calls routers
+/// from it: a thousand nodes' sessions from one address would pass a router's per-address
+/// connection limit (512), and be refused as one peer flooding it would be.
 fn listen_of(listen: &str, i: usize) -> anyhow::Result<String> {
     let (host, port) = listen
         .rsplit_once(':')
         .with_context(|| format!("listen {listen:?}: expected host:port"))?;
     let port: u16 = port.parse().with_context(|| format!("listen {listen:?}: bad port"))?;
+    let host = if host == "127.0.0.1" {
+        // 10,000 nodes at most (`check`): 40 × 250 addresses.
+        format!("127.1.{}.{}", i / 250, i % 250 + 1)
+    } else {
+        host.to_string()
+    };
     if port == 0 {
-        return Ok(listen.to_string());
+        return Ok(format!("{host}:0"));
     }
     let p = u16::try_from(usize::from(port) + i)
         .ok()
@@ -80,4 +89,19 @@ pub(super) async fn run<C: Service>(
         }
     }
     first_error.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::listen_of;
+
+    #[test]
+    fn fleet_nodes_on_loopback_take_addresses_of_their_own() {
+        let at = |l: &str, i| listen_of(l, i).unwrap();
+        assert_eq!(at("127.0.0.1:0", 0), "127.1.0.1:0");
+        assert_eq!(at("127.0.0.1:0", 9_999), "127.1.39.250:0");
+        assert_eq!(at("127.0.0.1:7000", 251), "127.1.1.2:7251");
+        assert_eq!(at("[::1]:0", 3), "[::1]:0", "only 127.0.0.1 is spread");
+        assert!(listen_of("127.0.0.1:65535", 1).unwrap_err().to_string().contains("past 65535"));
+    }
 }
