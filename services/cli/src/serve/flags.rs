@@ -115,8 +115,9 @@ pub struct NodeFlags {
     #[command(flatten)]
     pub(super) engine: EngineFlags,
     /// With --engine sim: host this many simulated nodes in this process, each with its own
-    /// listener (port 0: any free one; port P: P, P+1, …) and its own router sessions, named
-    /// NODE_ID-0, NODE_ID-1, … (plaintext on loopback only: one process has one certificate).
+    /// listener (port 0: any free one; port P: P, P+1, …; on 127.0.0.1 each its own loopback
+    /// address, 127.1.x.y) and its own router sessions, named NODE_ID-0, NODE_ID-1, …
+    /// (plaintext on loopback only: one process has one certificate).
     #[arg(long, value_name = "N", default_value_t = 1)]
     #[serde(skip)]
     pub(super) sim_nodes: usize,
