@@ -21,6 +21,15 @@ pub struct TraceRequest {
     pub hash_ids: Vec<u64>,
 }
 
+impl TraceRequest {
+    /// The ids of its full blocks, the only ones a cache shares (a partial last block's KV
+    /// never is). `read_trace` checked there is an id for every block.
+    pub fn full_blocks(&self) -> &[u64] {
+        let full = (self.input_length / TRACE_BLOCK_TOKENS) as usize;
+        &self.hash_ids[..full.min(self.hash_ids.len())]
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     #[error("reading the trace: {0}")]
@@ -68,8 +77,7 @@ pub fn ideal_hits(trace: &[TraceRequest]) -> Vec<u64> {
     trace
         .iter()
         .map(|r| {
-            let full = (r.input_length / TRACE_BLOCK_TOKENS) as usize;
-            let hit = r.hash_ids.iter().take(full).take_while(|id| seen.contains(id)).count();
+            let hit = r.full_blocks().iter().take_while(|id| seen.contains(id)).count();
             seen.extend(r.hash_ids.iter().copied());
             hit as u64 * TRACE_BLOCK_TOKENS
         })
@@ -91,11 +99,9 @@ pub fn reachable_hits(
         .iter()
         .zip(sent_s.iter().zip(computed_s))
         .map(|(r, (&at, &done))| {
-            let full = (r.input_length / TRACE_BLOCK_TOKENS) as usize;
             let hit = r
-                .hash_ids
+                .full_blocks()
                 .iter()
-                .take(full)
                 .take_while(|id| ready.get(id).is_some_and(|&t| t <= at))
                 .count();
             if let Some(done) = done {
@@ -120,9 +126,9 @@ pub fn previous_turns(trace: &[TraceRequest]) -> Vec<Option<usize>> {
         .map(|(i, r)| {
             let previous =
                 (2..=r.hash_ids.len()).rev().find_map(|n| by_blocks.get(&r.hash_ids[..n]).copied());
-            let full = ((r.input_length / TRACE_BLOCK_TOKENS) as usize).min(r.hash_ids.len());
-            if full >= 2 {
-                by_blocks.insert(&r.hash_ids[..full], i);
+            let full = r.full_blocks();
+            if full.len() >= 2 {
+                by_blocks.insert(full, i);
             }
             previous
         })
@@ -131,11 +137,16 @@ pub fn previous_turns(trace: &[TraceRequest]) -> Vec<Option<usize>> {
 
 /// The share of all prompt tokens `ideal_hits` serves.
 pub fn ideal_hit_rate(trace: &[TraceRequest]) -> f64 {
+    share_of_prompts(trace, &ideal_hits(trace))
+}
+
+/// The share of all of `trace`'s prompt tokens that `hits` (tokens per request) are.
+pub fn share_of_prompts(trace: &[TraceRequest], hits: &[u64]) -> f64 {
     let total: u64 = trace.iter().map(|r| r.input_length).sum();
     if total == 0 {
         return 0.0;
     }
-    ideal_hits(trace).iter().sum::<u64>() as f64 / total as f64
+    hits.iter().sum::<u64>() as f64 / total as f64
 }
 
 #[cfg(test)]

@@ -157,7 +157,8 @@ impl PrefillCore {
                 job.prompt.len()
             )));
         }
-        let blocks = job.prompt.len().div_ceil(self.engine.config().block_size);
+        let block_size = self.engine.config().block_size;
+        let blocks = job.prompt.len().div_ceil(block_size);
         let total = self.engine.kv().total_blocks();
         if blocks > total {
             return Err(PrefillError::TooLong { need: blocks, total });
@@ -166,7 +167,6 @@ impl PrefillCore {
             return Err(PrefillError::QueueFull(self.runner.waiting()));
         }
         let id = self.next_id;
-        let block_size = self.engine.config().block_size;
         let to_compute = job.prompt.len().saturating_sub(job.cached.len() * block_size);
         let push = PushJob {
             mode: job.push,

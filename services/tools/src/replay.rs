@@ -14,6 +14,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use pdmesh_kvstore::trace::{
     TRACE_BLOCK_TOKENS, TraceRequest, ideal_hit_rate, previous_turns, reachable_hits, read_trace,
+    share_of_prompts,
 };
 use tokio::sync::watch;
 
@@ -233,9 +234,7 @@ async fn replay(a: &ReplayArgs, trace: &[TraceRequest], key: Option<&str>) -> an
     // A prompt's KV exists about when its first token does.
     let computed_s: Vec<Option<f64>> =
         samples.iter().zip(&sent_s).map(|(s, at)| s.ok.then(|| at + s.ttft_ms / 1e3)).collect();
-    let trace_tokens: u64 = trace.iter().map(|r| r.input_length).sum();
-    let reachable = reachable_hits(trace, &sent_s, &computed_s).iter().sum::<u64>() as f64
-        / trace_tokens.max(1) as f64;
+    let reachable = share_of_prompts(trace, &reachable_hits(trace, &sent_s, &computed_s));
     let report = serde_json::json!({
         "trace": a.trace.display().to_string(),
         "requests": trace.len(),
