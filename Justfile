@@ -270,6 +270,13 @@ bench-sim *args="": system-deps fetch-model
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     python3 scripts/bench_sim.py --model {{model}} {{args}}
 
+# Where a router's CPU per request goes (gRPC stack, its own logic, the scheduler, tracing):
+# `perf record` on one of two routers in front of a simulated fleet under a burst of short
+# requests (scripts/profile_router.py). Needs perf (Debian: linux-perf).
+profile-router *args="": system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    python3 scripts/profile_router.py --model {{model}} {{args}}
+
 # The bundled calibration of `--engine sim` (services/engine/src/sim_profile.json), measured
 # again on this machine with the default model.
 sim-profile: fetch-model
