@@ -39,6 +39,14 @@ generate prompt="Explain in one paragraph why the sky is blue." *args="": system
 run prompt="Explain in one paragraph why the sky is blue." *args="": system-deps fetch-model
     cargo run --release --locked -q -p pdmesh-cli -- run --model {{model}} --prompt "{{prompt}}" {{args}}
 
+# Unit tests, the kernels, the node cores, the KV-store, UCX, and the in-process mesh on the
+# tiny seeded model (relay, fuzzed RPCs); `just test` runs these and the real-model,
+# real-process tier.
+# The fast tier: no model download, no Python, no root.
+test-fast: system-deps
+    cargo test --locked --workspace --lib --bins --test kernels --test core --test service \
+        --test store --test ucx_layer --test telemetry --test relay --test fuzz_rpc
+
 # The CUDA backend runs on its emulated device (also under the sanitizers), and NVRTC compiles
 # its kernels for sm_80 and sm_90 (no GPU needed), CUDA 12.9's and then 13.0's (`--workspace`
 # on that second run: the same features, so the same test binary, not a rebuild).

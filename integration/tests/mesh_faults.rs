@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use pdmesh_integration::{Cluster, eventually, per_transport};
+use pdmesh_integration::{Cluster, eventually, per_transport, scrape};
 use pdmesh_proto::v1::{
     CancelRequest, Chat, ChatMessage, FinishReason, Finished, GenerateRequest, GenerateResponse,
     ReserveRequest, Role, SamplingParams, TokenIds, TokenizeRequest, generate_request,
@@ -470,9 +470,16 @@ per_transport!(kv_layout_mismatch_is_refused);
 /// transfer between mismatched nodes is refused too: kv-transfer's layout check.)
 async fn kv_layout_mismatch_is_refused(transport: &str) {
     let _serial = SERIAL.lock().await;
-    let mut c = Cluster::builder().prefill(0).decode(1).transport(transport).start().await;
+    let mut c =
+        Cluster::builder().prefill(0).decode(1).transport(transport).metrics().start().await;
     c.add_prefill(&["--kv-dtype", "f32"]);
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Waits for the refusal itself: a node merely slow to start must not pass as refused.
+    let router = c.router.metrics.clone().unwrap();
+    let refused = "pdmesh_router_nodes_refused_total{reason=\"layout\"}";
+    eventually(WAIT, "the router refuses the f32 node", || async {
+        scrape(&router).await.0.get(refused).copied().unwrap_or(0.0) >= 1.0
+    })
+    .await;
     let nodes = c.nodes().await;
     assert!(nodes.iter().all(|n| n.role != Role::Prefill as i32), "{nodes:?}");
     let mut client = c.client().await;

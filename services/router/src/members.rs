@@ -98,6 +98,7 @@ impl RouterService {
                 "refused: node serves model {:016x}, this router serves {ours:016x}",
                 layout.model_fingerprint
             );
+            self.mesh().metrics.refused("model");
             return Err(Status::failed_precondition(format!(
                 "node {} serves model {:016x}; this router serves {ours:016x}",
                 r.node_id, layout.model_fingerprint
@@ -120,6 +121,7 @@ impl RouterService {
                     mesh_node = other.id,
                     "refused: KV layout differs"
                 );
+                self.mesh().metrics.refused("layout");
                 return Err(Status::failed_precondition(format!(
                     "node {} keeps KV as {}; the mesh's nodes ({}) keep it as {}: KV could not \
                      move between them",

@@ -30,6 +30,7 @@ pub struct RouterMetrics {
     index_staleness: Histogram,
     index_changes: Counter,
     index_resyncs: Counter,
+    refused: LabelledFamily<Labels, Counter>,
 }
 
 impl Default for RouterMetrics {
@@ -54,6 +55,7 @@ impl Default for RouterMetrics {
             index_staleness: Histogram::new(exponential_buckets(0.000_1, 1.3, 48)),
             index_changes: Counter::default(),
             index_resyncs: Counter::default(),
+            refused: LabelledFamily::default(),
         }
     }
 }
@@ -178,6 +180,12 @@ impl RouterMetrics {
             "Snapshots asked of nodes whose events had a gap.",
             self.index_resyncs.clone(),
         );
+        m.register(
+            "pdmesh_router_nodes_refused",
+            "Nodes refused at joining, by reason: `model` (another model's weights) or `layout` \
+             (KV in another dtype or block size than the mesh's nodes). A refused node retries.",
+            self.refused.clone(),
+        );
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
@@ -286,6 +294,11 @@ impl RouterMetrics {
     /// A node was asked for a snapshot.
     pub fn index_resync(&self) {
         self.index_resyncs.inc();
+    }
+
+    /// A node asked to join and was refused for `reason`.
+    pub fn refused(&self, reason: &'static str) {
+        self.refused.get_or_create(&vec![("reason", reason.into())]).inc();
     }
 
     /// A request waited for its prefix to be computed by another.
