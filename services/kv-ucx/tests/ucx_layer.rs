@@ -92,16 +92,87 @@ async fn a_registration_keeps_its_memory_after_the_owner_lets_go() {
 }
 
 #[tokio::test]
-async fn operations_after_the_node_is_gone_fail_not_hang() {
+async fn an_endpoint_keeps_its_own_node_alive() {
     let a = UcxNode::start("a").expect("ucx a");
     let b = UcxNode::start("b").expect("ucx b");
     let ep = a.connect(b.address().clone()).await.expect("connect");
     drop(a);
-    // The endpoint keeps the node alive: flushing with nothing issued still completes.
     tokio::time::timeout(Duration::from_secs(10), ep.flush())
         .await
         .expect("flush must not hang")
-        .expect("empty flush succeeds");
+        .expect("the endpoint's node still runs");
+}
+
+/// What `a_dead_peer_process_fails_operations_not_hangs` runs in a child process (this test
+/// binary again, with `PEER_ENV` set): a worker with 4 KiB registered, whose worker address,
+/// remote key and base it prints on one line, and then waits to be killed. Without `PEER_ENV`
+/// it returns at once.
+#[tokio::test]
+#[ignore = "the peer process of a_dead_peer_process_fails_operations_not_hangs"]
+async fn ucx_peer_process() {
+    if std::env::var_os(PEER_ENV).is_none() {
+        return;
+    }
+    let b = UcxNode::start("peer").expect("ucx peer");
+    let target = HostMemory::zeroed(4096).expect("4 KiB");
+    let region = b.register(&target.region()).expect("map");
+    println!("PEER {} {} {}", hex(b.address()), hex(region.rkey()), region.base());
+    // An orphan, should its parent die first, does not outlive it by much.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+}
+
+const PEER_ENV: &str = "PDMESH_TEST_UCX_PEER";
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Bytes {
+    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).expect("hex")).collect()
+}
+
+/// The peer's process dies (killed, as a crashed node is): what the endpoint issues next ends
+/// with UCX's error within a bound, never hangs and never reports success. UCX notices on its
+/// next keepalive round (`UCX_KEEPALIVE_INTERVAL`, 20 s by default); until then the flush
+/// waits, and it used to end in success: UCX completes it once it purges the endpoint.
+#[tokio::test]
+async fn a_dead_peer_process_fails_operations_not_hangs() {
+    use std::io::BufRead;
+    let mut peer = std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args(["--exact", "ucx_peer_process", "--ignored", "--nocapture"])
+        .env(PEER_ENV, "1")
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("peer process starts");
+    let out = std::io::BufReader::new(peer.stdout.take().expect("piped"));
+    let line = out
+        .lines()
+        .map(|l| l.expect("peer's stdout"))
+        .find(|l| l.starts_with("PEER "))
+        .expect("the peer printed its address");
+    let f: Vec<&str> = line.split(' ').collect();
+    let (address, packed, base) = (unhex(f[1]), unhex(f[2]), f[3].parse::<u64>().expect("base"));
+
+    let a = UcxNode::start("a").expect("ucx a");
+    let ep = a.connect(address).await.expect("connect");
+    let rkey = ep.remote_key(packed).await.expect("rkey");
+    ep.put(Bytes::from_static(b"live"), base, &rkey).await.expect("put while the peer lives");
+    ep.flush().await.expect("flush while the peer lives");
+    assert_eq!(ep.get(4, base, &rkey).await.expect("get while the peer lives"), b"live");
+
+    peer.kill().expect("kill the peer");
+    peer.wait().expect("the peer is reaped");
+    let after = tokio::time::timeout(Duration::from_secs(60), async {
+        ep.put(Bytes::from_static(b"gone"), base, &rkey).await?;
+        ep.flush().await
+    })
+    .await
+    .expect("an operation on a dead peer must not hang");
+    assert!(after.is_err(), "a put to a dead peer was reported done");
+    let get = tokio::time::timeout(Duration::from_secs(60), ep.get(4, base, &rkey))
+        .await
+        .expect("a get from a dead peer must not hang");
+    assert!(get.is_err(), "a get from a dead peer returned {get:?}");
 }
 
 /// Memory UCX allocates is shared memory a peer on this host maps into itself: what it writes

@@ -588,6 +588,10 @@ struct EpState {
 /// An endpoint being closed: its completion, and the error cell UCX may write until then.
 type Closing = (oneshot::Receiver<Result<(), UcxError>>, Box<EpFailure>);
 
+/// A flush UCX is working on: endpoint, UCX's completion, and the caller's.
+type Flushing =
+    (u64, oneshot::Receiver<Result<(), UcxError>>, oneshot::Sender<Result<(), UcxError>>);
+
 /// Field order is drop order: remote keys go before the worker is destroyed, and the error
 /// cells of closing endpoints outlive it (UCX may call a handler while destroying).
 struct State {
@@ -595,6 +599,7 @@ struct State {
     eps: HashMap<u64, EpState>,
     worker: Worker,
     closing: Vec<Closing>,
+    flushing: Vec<Flushing>,
     next_id: u64,
 }
 
@@ -640,9 +645,14 @@ impl State {
             Cmd::Ptr { ep, rkey, remote, reply } => {
                 let _ = reply.send(self.key(ep, rkey, "rkey ptr").and_then(|(_, k)| k.ptr(remote)));
             }
-            Cmd::Flush { ep, done } => match self.live(ep, "flush") {
-                Ok(s) => s.ep.flush(done),
-                Err(e) => complete_unit(done, Err(e)),
+            Cmd::Flush { ep, done } => match (self.live(ep, "flush"), done) {
+                (Ok(s), Completion::Unit(done)) => {
+                    let (tx, rx) = oneshot::channel();
+                    s.ep.flush(Completion::Unit(tx));
+                    self.flushing.push((ep, rx, done));
+                }
+                (Ok(s), done) => s.ep.flush(done),
+                (Err(e), done) => complete_unit(done, Err(e)),
             },
             Cmd::Close { ep } => self.close(ep),
         }
@@ -677,6 +687,20 @@ impl State {
         self.closing.retain_mut(|(rx, _)| {
             matches!(rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
         });
+        // UCX completes the flush of an endpoint whose peer died once it purges what was in
+        // flight, with success: nothing is left to flush. But what was put never arrived,
+        // and a flush promises that it did, so the endpoint's failure is the answer.
+        for (ep, mut rx, done) in std::mem::take(&mut self.flushing) {
+            let r = match rx.try_recv() {
+                Err(oneshot::error::TryRecvError::Empty) => {
+                    self.flushing.push((ep, rx, done));
+                    continue;
+                }
+                Ok(r) => r,
+                Err(oneshot::error::TryRecvError::Closed) => Err(UcxError::Closed),
+            };
+            let _ = done.send(r.and_then(|()| self.live(ep, "flush").map(|_| ())));
+        }
     }
 
     /// Progresses until nothing more happens, then arms the event fd. False: not armed yet.
@@ -725,8 +749,14 @@ fn progress_thread(
             return;
         }
     };
-    let mut st =
-        State { name: name.into(), eps: HashMap::new(), worker, closing: Vec::new(), next_id: 1 };
+    let mut st = State {
+        name: name.into(),
+        eps: HashMap::new(),
+        worker,
+        closing: Vec::new(),
+        flushing: Vec::new(),
+        next_id: 1,
+    };
     rt.block_on(async {
         let afd = match st.worker.watch(fd) {
             Ok(a) => a,
