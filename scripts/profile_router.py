@@ -76,6 +76,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "perf.data")
         try:
+            # As bench_sim's scale rows: the joins' first reports and channels settle first.
+            time.sleep(5)
             router = mesh.routers[0].pid
             perf = subprocess.Popen(["perf", "record", "-F", "999", "--call-graph",
                                      "dwarf,16384", "-o", data, "-p", str(router)],
@@ -100,7 +102,9 @@ def main():
         raise SystemExit("perf recorded no samples")
     # The load generator alternates routers: the first one served about 1/routers of them.
     per_req = 1e6 * cpu / max(n / a.routers, 1)
-    print(f"{a.nodes} nodes, {r['results']['req_s']:.0f} req/s served of {a.rate:.0f} offered;"
+    res = r["results"]
+    print(f"{a.nodes} nodes, {res['req_s']:.0f} req/s served of {a.rate:.0f} offered"
+          f" ({res['ok']} ok, {res['failed']} failed, TTFT p50 {res['ttft_ms']['p50']:.0f} ms);"
           f" router 0: {per_req:.0f} us CPU per request, {total} samples")
     for k, v in count.most_common():
         print(f"  {100 * v / total:5.1f}%  {per_req * v / total:6.0f} us  {k}")
