@@ -7,8 +7,9 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdmesh_integration::{child_pid, collect, greedy, model_path, pdmesh_bin, spawn_up};
@@ -44,17 +45,25 @@ async fn up_autoscale_grows_and_shrinks_both_pools_without_failing_a_request() {
     // The step: 12 clients, each request right after the last, until both pools grew.
     let stop = Arc::new(AtomicBool::new(false));
     let answered = Arc::new(AtomicUsize::new(0));
+    // The nodes each answered request was prefilled and decoded on.
+    let served = Arc::new(Mutex::new(HashSet::new()));
     let prompt: Vec<u32> = (0..48).map(|i| 300 + i * 37).collect();
     let clients: Vec<_> = (0..12)
         .map(|_| {
-            let (mut c, stop, answered) =
-                (GenerationClient::new(ch.clone()), Arc::clone(&stop), Arc::clone(&answered));
+            let (mut c, stop, answered, served) = (
+                GenerationClient::new(ch.clone()),
+                Arc::clone(&stop),
+                Arc::clone(&answered),
+                Arc::clone(&served),
+            );
             let prompt = prompt.clone();
             tokio::spawn(async move {
                 while !stop.load(Ordering::SeqCst) {
                     let s = c.generate(greedy(&prompt, 24)).await?.into_inner();
                     let (tokens, f) = collect(s).await?;
                     assert_eq!((tokens.len(), f.is_some()), (24, true));
+                    let t = f.and_then(|f| f.timings).unwrap_or_default();
+                    served.lock().unwrap().extend([t.prefill_node, t.decode_node]);
                     answered.fetch_add(1, Ordering::SeqCst);
                 }
                 Ok::<_, tonic::Status>(())
@@ -66,8 +75,12 @@ async fn up_autoscale_grows_and_shrinks_both_pools_without_failing_a_request() {
             && child_pid(pid, "--node-id decode-1").is_some()
     })
     .await;
-    // Long enough for the new nodes to register and take part of the step.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // The new nodes registered and took part of the step: each answered a request of it.
+    until("the new nodes served part of the step", Duration::from_secs(60), || {
+        let s = served.lock().unwrap();
+        s.contains("prefill-1") && s.contains("decode-1")
+    })
+    .await;
     stop.store(true, Ordering::SeqCst);
     for c in clients {
         c.await.unwrap().expect("no request of the step failed");

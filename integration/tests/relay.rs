@@ -420,7 +420,15 @@ async fn a_full_queue_sheds_and_a_queued_deadline_is_kept() {
     assert_eq!((done, shed), (6, 6), "{done} done, {shed} shed");
     // The node full again, and a request that cannot wait long enough.
     let long: Vec<_> = spawn_many(&m, 4);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Full as the router sees it: no room left for another quarter.
+    eventually(Duration::from_secs(10), "the four fill the decode node", || async {
+        m.nodes()
+            .await
+            .iter()
+            .filter_map(|n| n.load.filter(|_| n.role == Role::Decode as i32))
+            .any(|l| l.total_blocks > 0 && l.committed_blocks + l.total_blocks / 4 > l.total_blocks)
+    })
+    .await;
     let mut r = tonic::Request::new(req(QUARTER));
     r.set_timeout(Duration::from_millis(300));
     let e = m.client().await.generate(r).await;
