@@ -113,7 +113,7 @@ pub(crate) struct Resume {
 /// How decoding ended: the decode node's finish.
 #[derive(Debug)]
 pub(crate) struct Decoded {
-    pub reason: i32,
+    pub reason: pdmesh_engine::FinishReason,
     pub completion_tokens: u32,
 }
 
@@ -571,7 +571,7 @@ impl<'a> Attempt<'a> {
                         self.report.timings.prefill_ms = f.prefill_ms;
                     }
                     return Ok(Relayed::Finished(Decoded {
-                        reason: f.reason,
+                        reason: pdmesh_wire::finish_from(f.reason),
                         completion_tokens: f.completion_tokens,
                     }));
                 }

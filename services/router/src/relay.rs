@@ -81,10 +81,7 @@ pub(crate) async fn run(
     let outcome = attempts(&req, &mut report).await;
     let retry_after = Duration::from_millis(mesh.config.retry_after_ms);
     let end = match outcome {
-        Ok(d) => {
-            let reason = pdmesh_wire::finish_from(d.reason);
-            Ok(finished(&req, report, reason, d.completion_tokens))
-        }
+        Ok(d) => Ok(finished(&req, report, d.reason, d.completion_tokens)),
         Err(Failure::Cancelled) => Ok(finished(&req, report, FinishReason::Cancelled, 0)),
         Err(Failure::Abandoned) => {
             mesh.metrics.abandoned();
@@ -277,7 +274,7 @@ async fn ended_before_moving(
     for &t in generated {
         if let pdmesh_engine::Pushed::Stopped(_) = text.push(tokenizer, t) {
             return Ok(Some(Decoded {
-                reason: pdmesh_wire::finish_reason(FinishReason::Stop) as i32,
+                reason: FinishReason::Stop,
                 completion_tokens: generated.len() as u32,
             }));
         }
@@ -297,7 +294,7 @@ async fn ended_before_moving(
         req.to_client(Ok(ev)).await?;
     }
     Ok(Some(Decoded {
-        reason: pdmesh_wire::finish_reason(reason) as i32,
+        reason,
         completion_tokens: generated.len() as u32,
     }))
 }
