@@ -332,11 +332,12 @@ fidelity-study *args="": fetch-model _llamacpp _llamacpp_avx2
 _llamacpp_avx2:
     @[ -x .bench/venv-avx2/bin/python ] && .bench/venv-avx2/bin/python -c "import llama_cpp" 2>/dev/null || { \
         python3 -m venv .bench/venv-avx2 && \
-        CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF" \
+        CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DLLAVA_BUILD=OFF" \
         CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         .bench/venv-avx2/bin/pip install --quiet --no-cache-dir llama-cpp-python==0.3.36 numpy; }
 
-# llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv.
+# llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv,
+# without its multimodal library (mtmd: images and audio), which nothing here loads.
 # The official OpenAI SDK, pinned, for `integration/tests/openai_sdk.py`.
 _openai: _llamacpp
     {{bench_venv}}/bin/python -m pip install --quiet --disable-pip-version-check openai==3.57.0
@@ -344,7 +345,7 @@ _openai: _llamacpp
 _llamacpp:
     @[ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null || { \
         python3 -m venv {{bench_venv}} && \
-        CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
+        CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         {{bench_venv}}/bin/pip install --quiet llama-cpp-python==0.3.36 numpy; }
 
 # The prefix cache: TTFT with a 2,000-token system prompt cold vs cached, then the first 1,000
