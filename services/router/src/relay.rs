@@ -293,10 +293,7 @@ async fn ended_before_moving(
         let ev = Event::Delta { text: tail.text, tokens: tail.tokens, logprobs };
         req.to_client(Ok(ev)).await?;
     }
-    Ok(Some(Decoded {
-        reason,
-        completion_tokens: generated.len() as u32,
-    }))
+    Ok(Some(Decoded { reason, completion_tokens: generated.len() as u32 }))
 }
 
 /// How often a request waiting for room looks again without being woken (a missed wake costs
