@@ -153,7 +153,7 @@ check-deploy: _llamacpp
 
 # The tokenizer's vocabulary fixtures in models/test/: vocab-only GGUFs (SentencePiece, and
 # byte-level BPE under each pre-tokenizer) with llama.cpp's token ids for them. Rebuilt when the
-# script or the test text is newer; needs llama-cpp-python (built the first time, ~15 min).
+# script or the test text is newer; needs llama-cpp-python (built the first time, ~4 min on 2 cores).
 vocab-fixtures: fetch-model _llamacpp
     @[ models/test/vocab_fixtures.json -nt scripts/make_vocab_fixtures.py ] && \
         [ models/test/vocab_fixtures.json -nt tests/data/multilingual.txt ] || { \
@@ -323,7 +323,7 @@ arch-references *models="": _llamacpp
 
 # What pdmesh's one numerics costs across CPUs: llama.cpp built natively and with AVX-512 off,
 # and pdmesh, teacher-forced over Verne's novel: identical rows, top-1 agreement, max |logit
-# diff| and perplexity per pair (builds the second llama.cpp, ~15 min, once).
+# diff| and perplexity per pair (builds the second llama.cpp, a few minutes, once).
 fidelity-study *args="": fetch-model _llamacpp _llamacpp_avx2
     cargo build --release --locked -q -p pdmesh-cli
     {{bench_venv}}/bin/python scripts/fidelity_study.py {{args}}
@@ -336,7 +336,7 @@ _llamacpp_avx2:
         CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
         .bench/venv-avx2/bin/pip install --quiet --no-cache-dir llama-cpp-python==0.3.36 numpy; }
 
-# llama-cpp-python (builds llama.cpp from source, ~15 min the first time) in a private venv,
+# llama-cpp-python (builds llama.cpp from source, ~4 min on 2 cores the first time) in a private venv,
 # without its multimodal library (mtmd: images and audio), which nothing here loads.
 # The official OpenAI SDK, pinned, for `integration/tests/openai_sdk.py`.
 _openai: _llamacpp
