@@ -70,7 +70,7 @@ enum Cmd {
     Put { ep: u64, rkey: u64, data: Bytes, remote: u64, done: Completion },
     Get { ep: u64, rkey: u64, len: usize, remote: u64, done: Completion },
     Ptr { ep: u64, rkey: u64, remote: u64, reply: oneshot::Sender<Result<usize, UcxError>> },
-    Flush { ep: u64, done: Completion },
+    Flush { ep: u64, done: oneshot::Sender<Result<(), UcxError>> },
     Close { ep: u64 },
 }
 
@@ -507,7 +507,7 @@ impl Endpoint {
     /// Resolves when everything issued on this endpoint before it is complete at the peer.
     pub fn flush(&self) -> Pending<()> {
         let (tx, rx) = oneshot::channel();
-        self.issue(Cmd::Flush { ep: self.id, done: Completion::Unit(tx) });
+        self.issue(Cmd::Flush { ep: self.id, done: tx });
         Pending(rx)
     }
 
@@ -645,14 +645,15 @@ impl State {
             Cmd::Ptr { ep, rkey, remote, reply } => {
                 let _ = reply.send(self.key(ep, rkey, "rkey ptr").and_then(|(_, k)| k.ptr(remote)));
             }
-            Cmd::Flush { ep, done } => match (self.live(ep, "flush"), done) {
-                (Ok(s), Completion::Unit(done)) => {
+            Cmd::Flush { ep, done } => match self.live(ep, "flush") {
+                Ok(s) => {
                     let (tx, rx) = oneshot::channel();
                     s.ep.flush(Completion::Unit(tx));
                     self.flushing.push((ep, rx, done));
                 }
-                (Ok(s), done) => s.ep.flush(done),
-                (Err(e), done) => complete_unit(done, Err(e)),
+                Err(e) => {
+                    let _ = done.send(Err(e));
+                }
             },
             Cmd::Close { ep } => self.close(ep),
         }
