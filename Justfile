@@ -52,7 +52,7 @@ test-fast: system-deps
 # on that second run: the same features, so the same test binary, not a rebuild).
 # The Kubernetes manifests are checked first.
 # Run the whole test suite (unit, kernel, engine on the real model, CLI processes).
-test: system-deps fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
+test: system-deps check-seams fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
     {{nvrtc_env}} cargo test --workspace --locked
     {{nvrtc13_env}} cargo test --workspace --locked --test cuda_nvrtc -- --nocapture
     just test-emu-asan test-emu-tsan
@@ -199,9 +199,22 @@ bench-kv-hosts reps="5":
     target/release/pdmesh bench kv --hosts --reps {{reps}}
 
 # Formatting and lints, as CI wants them.
-check: system-deps
+check: system-deps check-seams
     cargo fmt --all -- --check
     cargo clippy --workspace --all-targets --locked -- -D warnings
+
+# The request path links no compute: the router, wire, KV-store and OpenAI frontend (with their
+# test dependencies) must not pull in the kernels, the engine or cudarc.
+check-seams:
+    #!/usr/bin/env bash
+    set -euo pipefail
+    for p in router wire kvstore frontend-openai model; do
+        tree=$(cargo tree --locked -e normal,build,dev -p pdmesh-$p)
+        if hit=$(grep -E 'pdmesh-(kernels|engine) |cudarc ' <<<"$tree"); then
+            echo "pdmesh-$p links compute it must not:" >&2; echo "$hit" | sort -u >&2; exit 1
+        fi
+    done
+    echo "seams hold: router, wire, kvstore, frontend-openai and model link no kernels, engine or cudarc"
 
 # Every benchmark.
 bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate bench-sim bench-http

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pdmesh_engine::testing::TinyModel;
+use pdmesh_engine::testing::{BuildModel, TinyModel};
 use pdmesh_engine::{Engine, EngineConfig, GenerateParams, SamplingParams};
 use pdmesh_integration::eventually;
 use pdmesh_integration::inprocess::{Mesh, Settings};
@@ -81,7 +81,7 @@ async fn requests_give_one_engines_tokens_disaggregated_and_colocated() {
 async fn the_library_api_yields_plain_events() {
     let m = Settings::new(1, 1).start().await;
     // A second router, as a library: its mesh knows the same nodes.
-    let model = TinyModel::default().build();
+    let model = TinyModel::default().card();
     let mesh = Arc::new(pdmesh_router::mesh::Mesh::new(Default::default(), model));
     for n in m.nodes().await {
         let layout = pdmesh_proto::layout_from_wire(&n.layout.unwrap()).unwrap();
@@ -572,7 +572,7 @@ async fn a_flood_of_cancels_is_bounded_per_tenant() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_never_reads_lets_go_of_its_place() {
     let m = Settings::new(1, 1).start().await;
-    let model = TinyModel::default().build();
+    let model = TinyModel::default().card();
     let config = pdmesh_router::RouterConfig { client_stall_ms: 300, ..Default::default() };
     let mesh = Arc::new(pdmesh_router::mesh::Mesh::new(config, model));
     for n in m.nodes().await {

@@ -59,12 +59,11 @@ macro_rules! registry {
                 }
             }
 
-            /// The format GGUF type `id` names, or `Err` with that type's name when pdmesh
-            /// does not compute with it.
-            pub fn from_gguf_id(id: u32) -> Result<Self, &'static str> {
-                $(if id == <formats::$fv as Format>::GGUF_ID { return Ok(WeightType::$fv); })*
-                $(if id == <formats::$qv as Format>::GGUF_ID { return Ok(WeightType::$qv); })*
-                Err(formats::unsupported_type_name(id))
+            /// The format GGUF type `id` names, if pdmesh computes with it.
+            pub fn from_gguf_id(id: u32) -> Option<Self> {
+                $(if id == <formats::$fv as Format>::GGUF_ID { return Some(WeightType::$fv); })*
+                $(if id == <formats::$qv as Format>::GGUF_ID { return Some(WeightType::$qv); })*
+                None
             }
 
             /// The activation form matmuls against this format consume (`None`: a float one).

@@ -166,34 +166,6 @@ pub trait QuantFormat: Format {
     }
 }
 
-/// Names of GGUF tensor types pdmesh does not compute with, for the load error.
-pub fn unsupported_type_name(id: u32) -> &'static str {
-    match id {
-        9 => "Q8_1",
-        10 => "Q2_K",
-        11 => "Q3_K",
-        15 => "Q8_K",
-        16 => "IQ2_XXS",
-        17 => "IQ2_XS",
-        18 => "IQ3_XXS",
-        19 => "IQ1_S",
-        20 => "IQ4_NL",
-        21 => "IQ3_S",
-        22 => "IQ2_S",
-        23 => "IQ4_XS",
-        24 => "I8",
-        25 => "I16",
-        26 => "I32",
-        27 => "I64",
-        28 => "F64",
-        29 => "IQ1_M",
-        34 => "TQ1_0",
-        35 => "TQ2_0",
-        39 => "MXFP4",
-        _ => "unknown",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use half::f16;

@@ -183,7 +183,12 @@ fn models_inspect_says_why_a_model_is_refused() {
     let bytes = GgufBuilder::default()
         .kv("general.architecture", Value::String("gemma".into()))
         .kv("tokenizer.ggml.model", Value::String("llama".into()))
-        .tensor("token_embd.weight", &[256, 4], pdmesh_kernels::WeightType::Q4_K, vec![0; 4 * 144])
+        .tensor(
+            "token_embd.weight",
+            &[256, 4],
+            pdmesh_engine::gguf::GgmlType::Q4_K,
+            vec![0; 4 * 144],
+        )
         .build();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gemma.gguf");

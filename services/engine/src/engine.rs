@@ -540,3 +540,30 @@ impl Engine {
         Ok(StepLogits { data, vocab: self.model.config.vocab, rows: &self.logit_rows })
     }
 }
+
+/// A transport offers the engine's pool through this, without linking the engine.
+impl pdmesh_kv_types::KvPool for Engine {
+    fn kv_geometry(&self) -> pdmesh_kv_types::KvGeometry {
+        *self.kv.geometry()
+    }
+
+    fn kv_bytes(&self) -> usize {
+        Engine::kv_bytes(self)
+    }
+
+    fn kv_memory(&self) -> MemoryRegion {
+        Engine::kv_memory(self)
+    }
+
+    fn rehome_kv(&mut self, memory: HostMemory) -> std::result::Result<(), String> {
+        Engine::rehome_kv(self, memory).map_err(|e| e.to_string())
+    }
+
+    fn kv_staging_memory(&self, len: usize) -> std::result::Result<HostMemory, String> {
+        Engine::kv_staging_memory(self, len).map_err(|e| e.to_string())
+    }
+
+    fn kv_pin(&self, memory: HostMemory) -> std::result::Result<HostMemory, (HostMemory, String)> {
+        Engine::kv_pin(self, memory).map_err(|(m, e)| (m, e.to_string()))
+    }
+}

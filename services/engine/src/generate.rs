@@ -7,9 +7,8 @@ use std::time::{Duration, Instant};
 use crate::connector::NoConnector;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::runner::{
-    BatchRunner, End, Event, FinishReason, GenerateParams, LogitsObserver, SeqSpec,
-};
+use crate::finish::FinishReason;
+use crate::runner::{BatchRunner, End, Event, GenerateParams, LogitsObserver, SeqSpec};
 
 /// The result for one prompt.
 #[derive(Debug, Clone, PartialEq)]

@@ -1,20 +1,17 @@
-//! The pdmesh engine: loads a llama, qwen2 or qwen3 model from GGUF (weights stay quantized in a
-//! memory map), tokenizes with the model's own vocabulary and chat template, and runs the
-//! forward pass over a paged KV cache through one batched `step` that mixes prompt chunks and
-//! decode tokens from many sequences. Prefill and decode workers both drive this crate.
+//! The pdmesh engine: loads a llama, qwen2 or qwen3 model's weights on top of its card
+//! (`pdmesh-model`; weights stay quantized in a memory map) and runs the forward pass over a
+//! paged KV cache through one batched `step` that mixes prompt chunks and decode tokens from
+//! many sequences, with the sampler and the batch runner above it. Prefill and decode workers both drive this crate.
 //!
 //! Logits are bit-identical for a sequence whatever else shares its batch and however its prompt
 //! was chunked; the disaggregated mesh relies on that to prove it matches a single engine.
 
-pub mod chat;
 pub mod connector;
 pub mod engine;
-pub mod error;
 pub mod eval;
 #[cfg(test)]
 mod fuzz;
 pub mod generate;
-pub mod gguf;
 pub mod kv_cache;
 pub mod model;
 pub mod pacing;
@@ -26,21 +23,24 @@ pub mod settings;
 pub mod sim;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
-pub mod text;
-pub mod tokenizer;
+
+// The model vocabulary, under the paths engine code has always used.
+pub use pdmesh_model::{chat, error, finish, gguf, text, tokenizer};
 
 pub use chat::{ChatTemplate, Message};
 pub use connector::{KvConnector, NoConnector, Release, Saved};
 pub use engine::{BackendKind, CudaOptions, Engine, EngineConfig, Logits, StepItem, StepLogits};
 pub use error::{Error, ErrorClass, Result};
+pub use finish::FinishReason;
 pub use generate::{Generation, generate, generate_batch, generate_batch_observed};
 pub use kv_cache::{BlockAllocator, KvCache, KvView, SeqId};
-pub use model::{Model, ModelConfig};
+pub use model::{Model, ModelCard, ModelConfig};
 pub use pacing::StepPacer;
 pub use pdmesh_kernels::Phase;
+pub use pdmesh_model::DEFAULT_MODEL_PATH;
 pub use runner::{
-    BatchRunner, End, Event, FinishReason, GenerateParams, Mark, Output, Paused, Role, SeqSpec,
-    SeqStatus, StepFailed,
+    BatchRunner, End, Event, GenerateParams, Mark, Output, Paused, Role, SeqSpec, SeqStatus,
+    StepFailed,
 };
 pub use sampler::{MAX_DEVICE_TOP_K, MAX_TOP_LOGPROBS, Sampler, SamplingParams, TokenLogprobs};
 pub use scheduler::{Scheduled, Scheduler, Work};
@@ -48,6 +48,3 @@ pub use settings::{BackendName, EngineName, EngineSettings};
 pub use sim::SimProfile;
 pub use text::{Piece, Pushed, TextStream};
 pub use tokenizer::{StreamDecoder, Tokenizer};
-
-/// Where `just fetch-model` puts the default model, relative to the repository root.
-pub const DEFAULT_MODEL_PATH: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

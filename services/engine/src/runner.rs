@@ -14,6 +14,7 @@ use std::collections::{HashMap, VecDeque};
 use crate::connector::{KvConnector, Release, Saved};
 use crate::engine::{Engine, Logits, StepItem};
 use crate::error::{Error, Result};
+use crate::finish::FinishReason;
 use crate::kv_cache::SeqId;
 use crate::model::Model;
 use crate::pacing::StepPacer;
@@ -43,33 +44,6 @@ impl Default for GenerateParams {
             stop_tokens: Vec::new(),
             stop_strings: Vec::new(),
             ignore_eos: false,
-        }
-    }
-}
-
-/// Why generation ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// The model produced an end-of-generation token.
-    Eos,
-    /// One of the stop tokens or stop strings was produced.
-    Stop,
-    /// `max_tokens` were generated.
-    Length,
-    /// The sequence filled the model's context.
-    ContextFull,
-    /// The caller stopped it.
-    Cancelled,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Eos => "eos",
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::ContextFull => "context_full",
-            FinishReason::Cancelled => "cancelled",
         }
     }
 }

@@ -9,7 +9,7 @@ use super::*;
 use crate::connector::NoConnector;
 use crate::engine::EngineConfig;
 use crate::kv_cache::KvView;
-use crate::testing::TinyModel;
+use crate::testing::{BuildModel, TinyModel};
 
 fn engine(model: &std::sync::Arc<Model>) -> Engine {
     // Small blocks and budget: the prompt spans blocks and is chunked over several steps.

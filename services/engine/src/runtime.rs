@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use pdmesh_kernels::{
     ActNeeds, AttnQuery, Backend, Candidates, Cut, KvGeometry, KvSlot, KvStorage, MatmulJob, Phase,
-    Rope,
+    Rope, RopeMode,
 };
 
 use crate::error::{Error, Result};
@@ -225,6 +225,7 @@ impl<B: Backend> Device for Runtime<B> {
         on_layer: &mut dyn FnMut(usize, &KvView<'_>),
     ) -> Rows<'_> {
         let c = &self.model.config;
+        let mode = rope_mode(c.rope_mode);
         let be = &self.backend;
         let s = &mut self.scratch;
         let n = batch.tokens.len();
@@ -307,14 +308,14 @@ impl<B: Backend> Device for Runtime<B> {
             // same Hadamard matrix (scores are unchanged in exact arithmetic), V by another
             // that the output's rotation undoes.
             if let Some((n_k, n_v)) = rotation {
-                be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin, c.rope_mode);
-                be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin, c.rope_mode);
+                be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin, mode);
+                be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin, mode);
                 be.fwht(&mut s.q, n_k);
                 be.fwht(&mut s.k, n_k);
                 be.fwht(&mut s.v, n_v);
                 be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
             } else {
-                let rope = Rope { cos: &s.cos, sin: &s.sin, mode: c.rope_mode };
+                let rope = Rope { cos: &s.cos, sin: &s.sin, mode };
                 let (q, k, v) = (&mut s.q, &mut s.k, &s.v);
                 be.rope_kv_write(&mut self.kv, li, q, k, v, c.heads, rope, batch.slots);
             }
@@ -377,3 +378,11 @@ impl<B: Backend> Device for Runtime<B> {
 #[cfg(test)]
 #[path = "runtime_tests.rs"]
 mod tests;
+
+/// The kernels' name for an architecture's RoPE pairing (the kernels know no model vocabulary).
+fn rope_mode(m: pdmesh_model::RopeMode) -> RopeMode {
+    match m {
+        pdmesh_model::RopeMode::Normal => RopeMode::Normal,
+        pdmesh_model::RopeMode::Neox => RopeMode::Neox,
+    }
+}

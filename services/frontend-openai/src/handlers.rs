@@ -16,7 +16,7 @@ use futures_util::stream::{self, Stream};
 use http::{HeaderMap, HeaderValue};
 use pdmesh_common::apikey::{KeyRing, Tenant};
 use pdmesh_common::trace;
-use pdmesh_engine::{FinishReason, Model, TokenLogprobs};
+use pdmesh_model::{FinishReason, TokenLogprobs};
 use pdmesh_router::{Event, Events, Finished, Router};
 use serde::de::DeserializeOwned;
 use tracing::Span;
@@ -63,7 +63,7 @@ impl AppState {
         keys.authenticate_http(headers).map_err(|e| ApiError::unauthenticated(e.to_string()))
     }
 
-    fn model(&self) -> &Arc<Model> {
+    fn model(&self) -> &Arc<pdmesh_model::ModelCard> {
         &self.router.mesh().model
     }
 
@@ -356,7 +356,7 @@ fn usage(f: &Finished) -> Usage {
 struct Answer {
     kind: Kind,
     plan: Plan,
-    model: Arc<Model>,
+    model: Arc<pdmesh_model::ModelCard>,
     id: String,
     created: u64,
     model_id: String,

@@ -3,7 +3,7 @@
 //! parameter, in the API's terms; what the router checks for gRPC (roles, the vocabulary, the
 //! context) is the same code here.
 
-use pdmesh_engine::{MAX_TOP_LOGPROBS, Message, Model, SamplingParams};
+use pdmesh_model::{MAX_TOP_LOGPROBS, Message, ModelCard, SamplingParams};
 use pdmesh_router::request::{self, Prepared, Unfit};
 
 use crate::error::ApiError;
@@ -28,7 +28,7 @@ pub struct Plan {
 
 /// Checks a chat request against `model` (served as `model_id`).
 pub fn chat(
-    model: &Model,
+    model: &ModelCard,
     model_id: &str,
     r: &ChatCompletionRequest,
     common: &CommonParams,
@@ -117,7 +117,7 @@ pub fn chat(
 
 /// Checks a completions request against `model` (served as `model_id`).
 pub fn completion(
-    model: &Model,
+    model: &ModelCard,
     model_id: &str,
     r: &CompletionRequest,
     common: &CommonParams,
@@ -171,14 +171,14 @@ pub fn completion(
     plan(model, prompt, "prompt", max_tokens, common, r.logprobs)
 }
 
-fn text_prompt(model: &Model, text: &str) -> Result<Vec<u32>, ApiError> {
+fn text_prompt(model: &ModelCard, text: &str) -> Result<Vec<u32>, ApiError> {
     if text.is_empty() {
         return Err(ApiError::invalid("prompt", "must not be empty"));
     }
     model.tokenizer.encode(text).map_err(|e| ApiError::invalid("prompt", e.to_string()))
 }
 
-fn ids_prompt(model: &Model, ids: &[u32]) -> Result<Vec<u32>, ApiError> {
+fn ids_prompt(model: &ModelCard, ids: &[u32]) -> Result<Vec<u32>, ApiError> {
     request::check_ids(model, ids).map_err(|e| ApiError::invalid("prompt", e))?;
     Ok(ids.to_vec())
 }
@@ -197,7 +197,7 @@ fn check_model(asked: &str, served: &str) -> Result<(), ApiError> {
 
 /// The parameters both endpoints share, checked, around a tokenized prompt.
 fn plan(
-    model: &Model,
+    model: &ModelCard,
     prompt: Vec<u32>,
     prompt_param: &str,
     max_tokens: Option<(&str, u32)>,

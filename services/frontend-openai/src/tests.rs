@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use http::StatusCode;
-use pdmesh_engine::testing::tiny_model;
+use pdmesh_model::testing::tiny_card;
 use pdmesh_router::RequestError;
 use serde_json::json;
 
@@ -21,14 +21,14 @@ fn chat(body: serde_json::Value) -> Result<Plan, ApiError> {
     let bytes = serde_json::to_vec(&body).unwrap();
     let r: ChatCompletionRequest = parse_body(&bytes)?;
     let c: CommonParams = parse_body(&bytes)?;
-    prepare::chat(&tiny_model(), ID, &r, &c)
+    prepare::chat(&tiny_card(), ID, &r, &c)
 }
 
 fn completion(body: serde_json::Value) -> Result<Plan, ApiError> {
     let bytes = serde_json::to_vec(&body).unwrap();
     let r: CompletionRequest = parse_body(&bytes)?;
     let c: CommonParams = parse_body(&bytes)?;
-    prepare::completion(&tiny_model(), ID, &r, &c)
+    prepare::completion(&tiny_card(), ID, &r, &c)
 }
 
 fn user(extra: serde_json::Value) -> serde_json::Value {
@@ -73,7 +73,7 @@ fn a_good_chat_request_becomes_the_routers_request() {
     // The prompt is the chat template's rendering; defaults fill the rest of the context.
     let d = chat(user(json!({}))).unwrap();
     assert_eq!(d.prep.prompt, p.prep.prompt);
-    assert_eq!(d.prep.max_tokens + d.prep.prompt.len(), tiny_model().config.context);
+    assert_eq!(d.prep.max_tokens + d.prep.prompt.len(), tiny_card().config.context);
     assert_eq!(d.prep.sampling.temperature, 1.0);
     assert!(d.prep.sampling.logprobs.is_none() && !d.stream && !d.include_usage);
     // Text parts are the same message as a string; `developer` is the system role.

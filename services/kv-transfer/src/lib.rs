@@ -6,7 +6,8 @@
 //! built in; one-sided transports (UCX, in its own crate) plug in through the seam in
 //! `transport` and `pool`, their sessions accepted by `session`, with `auto` choosing one and
 //! falling back to gRPC. Both ends check the KV layout handshake; a mismatch is
-//! FAILED_PRECONDITION, never silently wrong output.
+//! FAILED_PRECONDITION, never silently wrong output. `push` and `receive` are the only parts
+//! that know the engine (feature `connectors`); the KV-store and transports link without it.
 
 pub mod auto;
 pub mod grpc;
@@ -14,7 +15,9 @@ pub mod inbox;
 pub mod layout;
 pub mod pool;
 pub mod prefix_cache;
+#[cfg(feature = "connectors")]
 pub mod push;
+#[cfg(feature = "connectors")]
 pub mod receive;
 pub mod session;
 pub mod staging;
@@ -34,7 +37,9 @@ pub use inbox::{KvInbox, parse_reservation};
 pub use layout::check_layout;
 pub use pool::{Grant, GrantError, Granted, KvPath, KvStaging, PoolOffer, PoolOptions};
 pub use prefix_cache::{CacheError, Lookup, PrefixCache};
+#[cfg(feature = "connectors")]
 pub use push::{Export, PushConnector, PushError, PushJob, PushMode};
+#[cfg(feature = "connectors")]
 pub use receive::{ReceiveError, Receiver, Target};
 pub use session::{SessionEvents, accept_session};
 pub use staging::{StagedBlocks, StagingArea, StagingFull};

@@ -10,8 +10,7 @@
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use pdmesh_engine::Engine;
-use pdmesh_kv_types::MemoryRegion;
+use pdmesh_kv_types::{KvPool, MemoryRegion};
 use pdmesh_proto::v1::TransportDescriptor;
 use serde::{Deserialize, Serialize};
 
@@ -26,11 +25,11 @@ pub trait Fabric: Send + Sync + std::fmt::Debug {
     /// The sending half. `grpc` carries the sessions' control path; sessions making no
     /// progress within `stall` are given up.
     fn sender(&self, grpc: Arc<GrpcTransport>, stall: StallBound) -> Box<dyn KvTransport>;
-    /// The receiving half: `engine`'s KV pool offered to this transport's writers (it may
-    /// move the pool, before the engine holds any KV).
+    /// The receiving half: a node's KV pool offered to this transport's writers (it may
+    /// move the pool, before the pool holds any KV).
     fn offer_pool(
         &self,
-        engine: &mut Engine,
+        pool: &mut dyn KvPool,
         options: &PoolOptions,
     ) -> Result<Arc<dyn PoolOffer>, String>;
     /// A KV-store's blocks (in `memory`, of `bytes_per_block` each) offered for remote reads.

@@ -15,11 +15,10 @@ pub mod ucx;
 
 use std::sync::Arc;
 
-use pdmesh_engine::Engine;
 use pdmesh_kv_transfer::{
     Fabric, GrpcTransport, KvTransport, PoolOffer, PoolOptions, ReadOffer, RemoteReader, StallBound,
 };
-use pdmesh_kv_types::MemoryRegion;
+use pdmesh_kv_types::{KvPool, MemoryRegion};
 
 pub use descriptor::NAME;
 pub use sender::UcxTransport;
@@ -58,10 +57,10 @@ impl Fabric for Ucx {
 
     fn offer_pool(
         &self,
-        engine: &mut Engine,
+        kv: &mut dyn KvPool,
         options: &PoolOptions,
     ) -> Result<Arc<dyn PoolOffer>, String> {
-        Ok(Arc::new(pool::offer(&self.node, engine, options)?))
+        Ok(Arc::new(pool::offer(&self.node, kv, options)?))
     }
 
     fn offer_reads(

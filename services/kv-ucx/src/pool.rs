@@ -16,9 +16,8 @@
 
 use std::sync::Arc;
 
-use pdmesh_engine::Engine;
 use pdmesh_kv_transfer::{Grant, GrantError, Granted, KvPath, PoolOffer, PoolOptions, StagingArea};
-use pdmesh_kv_types::{HostMemory, KvGeometry, MemoryRegion};
+use pdmesh_kv_types::{HostMemory, KvGeometry, KvPool, MemoryRegion};
 use pdmesh_proto::v1::TransportDescriptor;
 
 use crate::descriptor::{self, UcxRange, UcxShared, UcxTarget};
@@ -43,32 +42,30 @@ pub struct UcxPool {
     path: KvPath,
 }
 
-/// Offers `engine`'s KV pool to UCX writers: the pool itself, or host staging blocks in
+/// Offers a node's KV pool to UCX writers: the pool itself, or host staging blocks in
 /// front of it, as `options.staging` and what UCX reaches decide; in shared memory for
 /// writers on this host when `options.same_host` and UCX can allocate it.
 pub fn offer(
     node: &UcxNode,
-    engine: &mut Engine,
+    kv: &mut dyn KvPool,
     options: &PoolOptions,
 ) -> Result<UcxPool, String> {
-    let memory = engine.kv_memory();
+    let memory = kv.kv_memory();
     if options.staging.stages(node.reaches(memory.kind())) {
-        return stage_pool(node, engine, options);
+        return stage_pool(node, kv, options);
     }
-    let shared = if options.same_host { share_pool(node, engine) } else { None };
+    let shared = if options.same_host { share_pool(node, kv) } else { None };
     // Moved into shared memory, or not: the region names where it is now.
-    let memory = engine.kv_memory();
-    let pool =
-        register_kv_pool(node, &memory, engine.kv().geometry()).map_err(|e| e.to_string())?;
+    let memory = kv.kv_memory();
+    let pool = register_kv_pool(node, &memory, &kv.kv_geometry()).map_err(|e| e.to_string())?;
     Ok(shared.into_iter().fold(pool, UcxPool::with_shared))
 }
 
 /// Moves the KV pool into UCX-allocated shared memory for writers on this host; without
 /// it (UCX cannot allocate shared memory here) the pool stays where it is, reached by puts.
-fn share_pool(node: &UcxNode, engine: &mut Engine) -> Option<UcxRange> {
-    let moved = allocate_shared(node, engine.kv_bytes()).and_then(|(memory, range)| {
-        engine.rehome_kv(memory).map_err(|e| e.to_string()).map(|()| range)
-    });
+fn share_pool(node: &UcxNode, kv: &mut dyn KvPool) -> Option<UcxRange> {
+    let moved = allocate_shared(node, kv.kv_bytes())
+        .and_then(|(memory, range)| kv.rehome_kv(memory).map(|()| range));
     match moved {
         Ok(s) => {
             tracing::info!(bytes = s.len, "KV pool in shared memory for writers on this host");
@@ -84,11 +81,11 @@ fn share_pool(node: &UcxNode, engine: &mut Engine) -> Option<UcxRange> {
 /// The staging area in front of the pool: `staging_bytes` (at most the pool's size) of
 /// shared memory for writers on this host when allowed and UCX can allocate it, else of the
 /// memory the engine copies from fastest (page-locked for a GPU).
-fn stage_pool(node: &UcxNode, engine: &Engine, options: &PoolOptions) -> Result<UcxPool, String> {
-    let geometry = *engine.kv().geometry();
+fn stage_pool(node: &UcxNode, kv: &dyn KvPool, options: &PoolOptions) -> Result<UcxPool, String> {
+    let geometry = kv.kv_geometry();
     let bpb = geometry.bytes_per_block();
     let want = usize::try_from(options.staging_bytes).unwrap_or(usize::MAX);
-    let len = want.min(engine.kv_bytes()) / bpb * bpb;
+    let len = want.min(kv.kv_bytes()) / bpb * bpb;
     if len == 0 {
         return Err(format!(
             "{} bytes of KV staging hold no KV block of {bpb} bytes",
@@ -109,7 +106,7 @@ fn stage_pool(node: &UcxNode, engine: &Engine, options: &PoolOptions) -> Result<
     let (memory, range) = match shared {
         // Page-locked like `kv_staging_memory`'s where the pool is a GPU's, so the copy at
         // the commit is a DMA rather than a pass through the driver's bounce buffers.
-        Some((m, r)) => match engine.kv_pin(m) {
+        Some((m, r)) => match kv.kv_pin(m) {
             Ok(m) => (m, Some(r)),
             Err((m, e)) => {
                 tracing::warn!(
@@ -118,17 +115,16 @@ fn stage_pool(node: &UcxNode, engine: &Engine, options: &PoolOptions) -> Result<
                 (m, Some(r))
             }
         },
-        None => (engine.kv_staging_memory(len).map_err(|e| e.to_string())?, None),
+        None => (kv.kv_staging_memory(len)?, None),
     };
     let area = StagingArea::new(memory, bpb)?;
     let blocks = area.blocks();
-    let pool =
-        stage_kv_pool(node, area, &engine.kv_memory(), &geometry).map_err(|e| e.to_string())?;
+    let pool = stage_kv_pool(node, area, &kv.kv_memory(), &geometry).map_err(|e| e.to_string())?;
     tracing::info!(
         blocks,
         bytes = len,
         shared = range.is_some(),
-        pool = engine.kv_memory().kind().name(),
+        pool = kv.kv_memory().kind().name(),
         "KV staged: writers put into host staging blocks, copied into the pool at each commit"
     );
     Ok(range.into_iter().fold(pool, UcxPool::with_shared))

@@ -54,7 +54,7 @@ impl Default for KvStoreConfig {
             lease_ms: 10_000,
             max_lease_ms: 60_000,
             drain_ms: 5_000,
-            model: PathBuf::from(pdmesh_engine::DEFAULT_MODEL_PATH),
+            model: PathBuf::from(pdmesh_model::DEFAULT_MODEL_PATH),
             kv_dtype: "f16".into(),
             block_size: 16,
             kv_transport: TransportKind::Auto,

@@ -9,7 +9,7 @@ pub enum StartError {
     #[error("the listener: {0}")]
     Listener(#[source] std::io::Error),
     #[error("loading the model: {0}")]
-    Model(#[from] pdmesh_engine::Error),
+    Model(#[from] pdmesh_model::Error),
     #[error("the model load task: {0}")]
     Load(#[from] tokio::task::JoinError),
     #[error("the KV layout: {0}")]

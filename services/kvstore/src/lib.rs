@@ -40,7 +40,7 @@ pub async fn run(
     let dtype: pdmesh_kv_types::KvDtype =
         config.kv_dtype.parse().map_err(|e| pdmesh_common::InvalidConfig::new("kv_dtype", e))?;
     let (model, block_size) = (config.model.clone(), config.block_size);
-    let layout = tokio::task::spawn_blocking(move || pdmesh_engine::Model::load(&model))
+    let layout = tokio::task::spawn_blocking(move || pdmesh_model::ModelCard::load(&model))
         .await??
         .kv_layout(block_size, dtype);
     // The model may not fit the dtype (q8_0 needs heads of whole 32-value blocks): say so

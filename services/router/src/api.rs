@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use pdmesh_common::apikey::Tenant;
 use pdmesh_common::gate::Quota;
-use pdmesh_engine::{FinishReason, TokenLogprobs};
+use pdmesh_model::{FinishReason, TokenLogprobs};
 use tokio::sync::{Semaphore, mpsc};
 use tracing::{Instrument, Span};
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use pdmesh_common::convert::ms;
 use pdmesh_common::trace;
-use pdmesh_engine::TokenLogprobs;
+use pdmesh_model::TokenLogprobs;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{
@@ -113,7 +113,7 @@ pub(crate) struct Resume {
 /// How decoding ended: the decode node's finish.
 #[derive(Debug)]
 pub(crate) struct Decoded {
-    pub reason: pdmesh_engine::FinishReason,
+    pub reason: pdmesh_model::FinishReason,
     pub completion_tokens: u32,
 }
 

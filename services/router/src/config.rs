@@ -113,7 +113,7 @@ impl Default for RouterConfig {
             api_keys: None,
             allow_anonymous: false,
             metrics_listen: None,
-            model: PathBuf::from(pdmesh_engine::DEFAULT_MODEL_PATH),
+            model: PathBuf::from(pdmesh_model::DEFAULT_MODEL_PATH),
             max_in_flight: 256,
             max_queued: 1024,
             retry_after_ms: 500,

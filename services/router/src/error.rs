@@ -66,7 +66,7 @@ pub enum RouterError {
     #[error("invalid config: {0}")]
     Config(#[from] pdmesh_common::InvalidConfig),
     #[error("loading the model: {0}")]
-    Model(#[from] pdmesh_engine::Error),
+    Model(#[from] pdmesh_model::Error),
     #[error("serving: {0}")]
     Serve(#[from] tonic::transport::Error),
     #[error("serving HTTP: {0}")]

@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdmesh_common::apikey::KeyRing;
-use pdmesh_engine::Model;
+use pdmesh_model::ModelCard;
 use pdmesh_proto::v1::generation_server::GenerationServer;
 use pdmesh_proto::v1::membership_server::MembershipServer;
 use tokio::net::TcpListener;
@@ -101,7 +101,7 @@ pub async fn run_with(
         );
         return Err(pdmesh_common::InvalidConfig::new("model", problem).into());
     }
-    let model = Arc::new(Model::load(&config.model)?);
+    let model = Arc::new(ModelCard::load(&config.model)?);
     let drain = Duration::from_millis(config.drain_ms);
     let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
     let mesh = Arc::new(Mesh::new(config, model));

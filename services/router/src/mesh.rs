@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use pdmesh_common::channels::ChannelCache;
 use pdmesh_common::tls::MeshRole;
 use pdmesh_common::trace::Channel;
-use pdmesh_engine::Model;
+use pdmesh_model::ModelCard;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::prefill_client::PrefillClient;
 use pdmesh_proto::v1::{NodeCancelRequest, Role, StatsRequest};
@@ -33,7 +33,7 @@ pub const MAX_CHANNELS: usize = 1024;
 #[derive(Debug)]
 pub struct Mesh {
     pub config: RouterConfig,
-    pub model: Arc<Model>,
+    pub model: Arc<ModelCard>,
     pub registry: Mutex<Registry>,
     /// Channels to node addresses (only registered nodes are ever dialled); nodes come and
     /// go, so the least recently used is dropped past `MAX_CHANNELS`.
@@ -57,7 +57,7 @@ pub struct Mesh {
 }
 
 impl Mesh {
-    pub fn new(config: RouterConfig, model: Arc<Model>) -> Self {
+    pub fn new(config: RouterConfig, model: Arc<ModelCard>) -> Self {
         let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
         let every = Duration::from_millis(u64::from(config.heartbeat_interval_ms));
         Self {

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use pdmesh_common::convert::ms;
 use pdmesh_common::trace;
-use pdmesh_engine::FinishReason;
 use pdmesh_kv_types::{BlockHash, KvLayout};
+use pdmesh_model::FinishReason;
 use pdmesh_proto::v1::Role;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -270,9 +270,9 @@ async fn ended_before_moving(
         return Ok(None);
     }
     let tokenizer = &req.mesh.model.tokenizer;
-    let mut text = pdmesh_engine::TextStream::new(req.prep.stop.clone());
+    let mut text = pdmesh_model::TextStream::new(req.prep.stop.clone());
     for &t in generated {
-        if let pdmesh_engine::Pushed::Stopped(_) = text.push(tokenizer, t) {
+        if let pdmesh_model::Pushed::Stopped(_) = text.push(tokenizer, t) {
             return Ok(Some(Decoded {
                 reason: FinishReason::Stop,
                 completion_tokens: generated.len() as u32,

@@ -1,7 +1,7 @@
 //! Checking a Generate request and turning it into token ids and sampler settings. Every
 //! problem is an INVALID_ARGUMENT that names the field.
 
-use pdmesh_engine::{Message, Model, SamplingParams};
+use pdmesh_model::{Message, ModelCard, SamplingParams};
 use pdmesh_proto::v1::{Chat, GenerateRequest, generate_request};
 
 /// Roles the chat template understands.
@@ -20,7 +20,7 @@ pub struct Prepared {
 /// The message of an INVALID_ARGUMENT.
 pub type Invalid = String;
 
-fn chat_text(model: &Model, chat: &Chat) -> Result<String, Invalid> {
+fn chat_text(model: &ModelCard, chat: &Chat) -> Result<String, Invalid> {
     if chat.messages.is_empty() {
         return Err("chat.messages: at least one message is required".into());
     }
@@ -41,14 +41,14 @@ pub fn check_role(role: &str) -> Result<(), Invalid> {
 }
 
 /// `msgs` through the model's chat template, with the generation prompt.
-pub fn render_chat(model: &Model, msgs: &[Message]) -> Result<String, Invalid> {
+pub fn render_chat(model: &ModelCard, msgs: &[Message]) -> Result<String, Invalid> {
     let template = model.tokenizer.chat_template().map_err(|e| e.to_string())?;
     template.render(msgs, true).map_err(|e| e.to_string())
 }
 
 /// Token ids given as a prompt: not empty, each in the vocabulary (the message names the
 /// index at fault, as `[i]: ...`).
-pub fn check_ids(model: &Model, ids: &[u32]) -> Result<(), Invalid> {
+pub fn check_ids(model: &ModelCard, ids: &[u32]) -> Result<(), Invalid> {
     if ids.is_empty() {
         return Err(": must not be empty".into());
     }
@@ -70,7 +70,11 @@ pub enum Unfit {
 
 /// The most tokens to generate after a prompt of `prompt_len`: `max_tokens` when it fits the
 /// context, else why not; None asks for all the room left.
-pub fn fit(model: &Model, prompt_len: usize, max_tokens: Option<usize>) -> Result<usize, Unfit> {
+pub fn fit(
+    model: &ModelCard,
+    prompt_len: usize,
+    max_tokens: Option<usize>,
+) -> Result<usize, Unfit> {
     let ctx = model.config.context;
     if prompt_len >= ctx {
         return Err(Unfit::Prompt(format!(
@@ -92,7 +96,7 @@ pub fn fit(model: &Model, prompt_len: usize, max_tokens: Option<usize>) -> Resul
 
 /// Token ids for an input (prompt, chat or ids), checked against the vocabulary.
 pub fn tokenize(
-    model: &Model,
+    model: &ModelCard,
     input: Option<&generate_request::Input>,
 ) -> Result<Vec<u32>, Invalid> {
     use generate_request::Input;
@@ -120,7 +124,7 @@ pub fn tokenize(
 }
 
 /// Checks every field of `req` and tokenizes its input.
-pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid> {
+pub fn prepare(model: &ModelCard, req: &GenerateRequest) -> Result<Prepared, Invalid> {
     let prompt = tokenize(model, req.input.as_ref())?;
     let max_tokens =
         fit(model, prompt.len(), Some(req.max_tokens as usize)).map_err(|u| match u {
@@ -160,7 +164,7 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
     };
     // The sampler's own checks for the rest (penalties, logprobs); its message names the field.
     sampling.validate().map_err(|e| match e {
-        pdmesh_engine::Error::InvalidRequest(m) => format!("sampling.{m}"),
+        pdmesh_model::Error::InvalidRequest(m) => format!("sampling.{m}"),
         other => format!("sampling: {other}"),
     })?;
     Ok(Prepared {
@@ -175,7 +179,7 @@ pub fn prepare(model: &Model, req: &GenerateRequest) -> Result<Prepared, Invalid
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use pdmesh_engine::testing::tiny_model;
+    use pdmesh_model::testing::tiny_card;
     use pdmesh_proto::v1::{GenerateRequest, SamplingParams, TokenIds, generate_request};
 
     /// The sampler's own checks reach a Generate caller with the field named.
@@ -192,11 +196,11 @@ mod tests {
             (SamplingParams { presence_penalty: -3.0, ..Default::default() }, "presence_penalty"),
             (SamplingParams { logprobs: Some(21), ..Default::default() }, "logprobs"),
         ] {
-            let e = super::prepare(&tiny_model(), &req(s)).unwrap_err();
+            let e = super::prepare(&tiny_card(), &req(s)).unwrap_err();
             assert!(e.starts_with(&format!("sampling.{field}")), "{e}");
         }
         let ok = SamplingParams { frequency_penalty: 1.0, logprobs: Some(3), ..Default::default() };
-        let p = super::prepare(&tiny_model(), &req(ok)).unwrap();
+        let p = super::prepare(&tiny_card(), &req(ok)).unwrap();
         assert_eq!((p.sampling.frequency_penalty, p.sampling.logprobs), (1.0, Some(3)));
     }
 }

@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail, ensure};
 use pdmesh_engine::gguf::writer::GgufBuilder;
-use pdmesh_engine::gguf::{GgufFile, Value};
+use pdmesh_engine::gguf::{GgmlType, GgufFile, Value};
+use pdmesh_engine::model::weight_type;
 use pdmesh_kernels::WeightType;
 use rand::SeedableRng;
 
@@ -58,8 +59,9 @@ impl Tensor {
             bail!(bad());
         };
         let ty: u32 = ty.parse().with_context(bad)?;
-        let ty = WeightType::from_gguf_id(ty)
-            .map_err(|t| anyhow::anyhow!("{}: type {t} is not one pdmesh computes with", bad()))?;
+        let ty = WeightType::from_gguf_id(ty).ok_or_else(|| {
+            anyhow::anyhow!("{}: type {ty} is not one pdmesh computes with", bad())
+        })?;
         let dims =
             dims.split(',').map(str::parse).collect::<Result<Vec<u64>, _>>().with_context(bad)?;
         ensure!(!name.is_empty() && !dims.is_empty(), bad());
@@ -97,7 +99,7 @@ fn read_shape(path: &Path) -> anyhow::Result<Shape> {
     let mut tensors: Vec<Tensor> = f
         .tensors
         .iter()
-        .map(|t| Tensor { name: t.name.clone(), ty: t.ty, dims: t.dims.clone() })
+        .map(|t| Tensor { name: t.name.clone(), ty: weight_type(t.ty), dims: t.dims.clone() })
         .collect();
     if let Some(listed) = f.get_array(SHAPE_KEY)? {
         ensure!(tensors.is_empty(), "{}: a model with a shape list as well", path.display());
@@ -132,7 +134,8 @@ pub fn run(a: SynthArgs) -> anyhow::Result<()> {
             rng.set_stream(i as u64);
             let data = pdmesh_kernels::random::random_blocks(&mut rng, t.ty, t.blocks()?);
             bytes += data.len();
-            b = b.tensor(&t.name, &t.dims, t.ty, data);
+            let ty = GgmlType::from_gguf_id(t.ty.gguf_id()).map_err(anyhow::Error::msg)?;
+            b = b.tensor(&t.name, &t.dims, ty, data);
         }
     }
     let image = b.build();

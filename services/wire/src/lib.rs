@@ -3,7 +3,7 @@
 //! ended. One conversion each way, so router, prefill and decode agree; `common` stays free
 //! of the engine.
 
-use pdmesh_engine::{FinishReason as EngineFinish, SamplingParams, TokenLogprobs};
+use pdmesh_model::{FinishReason as EngineFinish, SamplingParams, TokenLogprobs};
 use pdmesh_proto::v1::{self as w, FinishReason, SamplerState};
 use tonic::Status;
 

@@ -1,7 +1,7 @@
 //! Builds GGUF images in memory: for tests of the reader and of the engine on synthetic models.
 
+use super::GgmlType;
 use super::Value;
-use pdmesh_kernels::WeightType;
 
 /// An in-memory GGUF v3 image under construction.
 #[derive(Debug, Default)]
@@ -16,7 +16,7 @@ impl GgufBuilder {
         self
     }
 
-    pub fn tensor(mut self, name: &str, dims: &[u64], ty: WeightType, data: Vec<u8>) -> Self {
+    pub fn tensor(mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> Self {
         self.tensors.push((name.to_string(), dims.to_vec(), ty.gguf_id(), data));
         self
     }

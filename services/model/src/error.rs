@@ -1,5 +1,6 @@
-//! The engine's one error type. Each variant is classified once, here, into the class the
-//! services map to a gRPC status (invalid request, capacity exhausted, failed precondition).
+//! The one error type of the model vocabulary and of the engine, which re-exports it. Each
+//! variant is classified once, here, into the class the services map to a gRPC status
+//! (invalid request, capacity exhausted, failed precondition).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -60,11 +61,11 @@ impl Error {
         }
     }
 
-    pub(crate) fn gguf(context: impl Into<String>, problem: impl Into<String>) -> Self {
+    pub fn gguf(context: impl Into<String>, problem: impl Into<String>) -> Self {
         Error::Gguf { context: context.into(), problem: problem.into() }
     }
 
-    pub(crate) fn invalid(msg: impl Into<String>) -> Self {
+    pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidRequest(msg.into())
     }
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use pdmesh_kernels::WeightType;
+pub use types::GgmlType;
 
 use crate::error::{Error, Result};
 
@@ -95,7 +95,7 @@ pub struct TensorInfo {
     pub name: String,
     /// GGML order: `dims[0]` is the contiguous (column) dimension.
     pub dims: Vec<u64>,
-    pub ty: WeightType,
+    pub ty: GgmlType,
     /// Absolute byte offset in the file.
     pub offset: usize,
     pub size: usize,
@@ -263,7 +263,7 @@ impl GgufFile {
         let mut by_name = BTreeMap::new();
         for (name, dims, ty_id, offset) in raw {
             let ctx = format!("tensor {name:?}");
-            let ty = weight_type(ty_id).map_err(|problem| Error::gguf(&ctx, problem))?;
+            let ty = ggml_type(ty_id).map_err(|problem| Error::gguf(&ctx, problem))?;
             let elements = dims
                 .iter()
                 .try_fold(1u64, |a, &d| a.checked_mul(d))
@@ -320,10 +320,10 @@ impl GgufFile {
         self.map.as_slice()
     }
 
-    /// `range` of the file's bytes, shared: it keeps the file mapped while it lives.
-    pub fn shared(&self, range: std::ops::Range<usize>) -> Option<pdmesh_kernels::SharedBytes> {
-        let owner: std::sync::Arc<dyn AsRef<[u8]> + Send + Sync> = self.map.clone();
-        pdmesh_kernels::SharedBytes::new(owner, range)
+    /// The file's bytes, shared: whoever holds them keeps the file mapped (the weights the
+    /// backends compute with).
+    pub fn shared(&self) -> std::sync::Arc<dyn AsRef<[u8]> + Send + Sync> {
+        self.map.clone()
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
@@ -396,9 +396,9 @@ fn align_up(x: u64, a: u64) -> Option<u64> {
 }
 
 /// Maps a GGML type id to a supported weight type, or says which type it is and that it is not.
-fn weight_type(id: u32) -> std::result::Result<WeightType, String> {
-    WeightType::from_gguf_id(id).map_err(|name| {
-        let known: Vec<&str> = WeightType::ALL.iter().map(|t| t.name()).collect();
+fn ggml_type(id: u32) -> std::result::Result<GgmlType, String> {
+    GgmlType::from_gguf_id(id).map_err(|name| {
+        let known: Vec<&str> = GgmlType::ALL.iter().map(|t| t.name()).collect();
         format!("tensor type {id} ({name}) is not supported (supported: {})", known.join(", "))
     })
 }
@@ -517,6 +517,7 @@ impl<'a> Reader<'a> {
     }
 }
 
+mod types;
 pub mod writer;
 
 #[cfg(test)]
@@ -533,8 +534,8 @@ mod tests {
                 Value::Array(vec![Value::String("a".into()), Value::String("b".into())]),
             )
             .kv("x.f", Value::F32(1.5))
-            .tensor("w", &[32, 2], WeightType::Q8_0, vec![7u8; 68])
-            .tensor("n", &[3], WeightType::F32, vec![0u8; 12])
+            .tensor("w", &[32, 2], GgmlType::Q8_0, vec![7u8; 68])
+            .tensor("n", &[3], GgmlType::F32, vec![0u8; 12])
             .build()
     }
 
@@ -551,7 +552,7 @@ mod tests {
         assert_eq!(f.get_f64("x.f").unwrap(), Some(1.5));
         assert_eq!(f.get_array("tokenizer.ggml.tokens").unwrap().unwrap().len(), 2);
         let w = f.tensor("w").unwrap();
-        assert_eq!((w.ty, w.matrix_shape(), w.size), (WeightType::Q8_0, (32, 2), 68));
+        assert_eq!((w.ty, w.matrix_shape(), w.size), (GgmlType::Q8_0, (32, 2), 68));
         assert_eq!(f.tensor_data(w), &[7u8; 68][..]);
         assert_eq!(w.offset % 32, 0);
         assert!(f.tensor("missing").is_none());
@@ -612,7 +613,7 @@ mod tests {
     #[test]
     fn unsupported_tensor_type_names_tensor_and_type() {
         let b = GgufBuilder::default()
-            .tensor("blk.0.ffn_down.weight", &[256], WeightType::F32, vec![0; 1024])
+            .tensor("blk.0.ffn_down.weight", &[256], GgmlType::F32, vec![0; 1024])
             .build();
         // Patch the type id (after name, n_dims, one dim): Q2_K, Q3_K and the IQ types are
         // refused by name.
@@ -630,18 +631,17 @@ mod tests {
     #[test]
     fn malformed_entries() {
         // A dimension that is not a whole number of blocks.
-        let e =
-            err(GgufBuilder::default().tensor("t", &[48], WeightType::Q4_1, vec![0; 40]).build());
+        let e = err(GgufBuilder::default().tensor("t", &[48], GgmlType::Q4_1, vec![0; 40]).build());
         assert!(e.contains("tensor \"t\"") && e.contains("block size"), "{e}");
         // A zero dimension.
-        let e = err(GgufBuilder::default().tensor("z", &[0, 4], WeightType::F32, vec![]).build());
+        let e = err(GgufBuilder::default().tensor("z", &[0, 4], GgmlType::F32, vec![]).build());
         assert!(e.contains("dimension 0 is zero"), "{e}");
         // Duplicate keys and tensors.
         let e = err(GgufBuilder::default().kv("k", Value::U8(1)).kv("k", Value::U8(2)).build());
         assert!(e.contains("duplicate key"), "{e}");
         let e = err(GgufBuilder::default()
-            .tensor("d", &[1], WeightType::F32, vec![0; 4])
-            .tensor("d", &[1], WeightType::F32, vec![0; 4])
+            .tensor("d", &[1], GgmlType::F32, vec![0; 4])
+            .tensor("d", &[1], GgmlType::F32, vec![0; 4])
             .build());
         assert!(e.contains("duplicate tensor"), "{e}");
         // A bool that is neither 0 nor 1.
