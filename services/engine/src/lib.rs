@@ -1,7 +1,8 @@
 //! The pdmesh engine: loads a llama, qwen2 or qwen3 model's weights on top of its card
-//! (`pdmesh-model`; weights stay quantized in a memory map) and runs the forward pass over a
-//! paged KV cache through one batched `step` that mixes prompt chunks and decode tokens from
-//! many sequences, with the sampler and the batch runner above it. Prefill and decode workers both drive this crate.
+//! (`pdmesh-model`; weights stay quantized in a memory map; one file per architecture in
+//! `models`) and runs the forward pass over a paged KV cache through one batched `step` that
+//! mixes prompt chunks and decode tokens from many sequences, with the sampler and the batch
+//! runner above it. Prefill and decode workers both drive this crate.
 //!
 //! Logits are bit-identical for a sequence whatever else shares its batch and however its prompt
 //! was chunked; the disaggregated mesh relies on that to prove it matches a single engine.
@@ -14,6 +15,7 @@ mod fuzz;
 pub mod generate;
 pub mod kv_cache;
 pub mod model;
+mod models;
 pub mod pacing;
 pub mod runner;
 mod runtime;

@@ -1,56 +1,26 @@
 //! A model loaded for computing: its card (hyperparameters, tokenizer, fingerprint: the
 //! `pdmesh-model` crate) and weight views into the mapped file, kept quantized.
 //!
-//! What each architecture reads and uses is what llama.cpp's loader and graph for it read and
-//! use; a tensor the graph would not use is refused at load, naming it, rather than silently
-//! computed differently.
+//! Each architecture's weights are read by its file in `models`: what it reads and uses is
+//! what llama.cpp's loader and graph for it read and use; a tensor the graph would not use is
+//! refused at load, naming it, rather than silently computed differently.
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use pdmesh_kernels::{HostWeight, SharedBytes, WeightMatrix, WeightType};
+use pdmesh_kernels::{HostWeight, SharedBytes, WeightMatrix};
 pub use pdmesh_model::card::{Arch, ModelCard, ModelConfig, RopeMode};
 
-use crate::error::{Error, Result};
-use crate::gguf::{GgmlType, GgufFile, TensorInfo};
-
-/// Where a weight lives in the file.
-#[derive(Debug, Clone, Copy)]
-pub struct WeightRef {
-    pub ty: WeightType,
-    pub rows: usize,
-    pub cols: usize,
-    pub offset: usize,
-    pub size: usize,
-}
-
-#[derive(Debug, Clone)]
-pub struct LayerWeights {
-    pub attn_norm: Vec<f32>,
-    pub wq: WeightRef,
-    pub wk: WeightRef,
-    pub wv: WeightRef,
-    /// Biases added to the Q, K and V projections (Qwen2), when the file has them.
-    pub bq: Option<Vec<f32>>,
-    pub bk: Option<Vec<f32>>,
-    pub bv: Option<Vec<f32>>,
-    /// RMS-norm weights (`head_dim` each) applied to every head of Q and of K before RoPE
-    /// (Qwen3).
-    pub q_norm: Option<Vec<f32>>,
-    pub k_norm: Option<Vec<f32>>,
-    pub wo: WeightRef,
-    pub ffn_norm: Vec<f32>,
-    pub w_gate: WeightRef,
-    pub w_up: WeightRef,
-    pub w_down: WeightRef,
-}
+use crate::error::Result;
+use crate::gguf::GgufFile;
+use crate::models;
+pub use crate::models::{Attention, HeadNorm, Layer, Mlp, WeightRef, weight_type};
 
 /// A loaded model: its card, and weights that are views into the memory-mapped GGUF. It reads
 /// as its card (`model.config`, `model.tokenizer`) through `Deref`: a model is a card that can
 /// also compute.
 pub struct Model {
     pub card: ModelCard,
-    pub layers: Vec<LayerWeights>,
+    pub layers: Vec<Layer>,
     pub token_embd: WeightRef,
     pub output: WeightRef,
     pub output_norm: Vec<f32>,
@@ -81,55 +51,15 @@ impl Model {
 
     pub fn from_gguf(gguf: GgufFile, path: PathBuf) -> Result<Self> {
         let card = ModelCard::from_gguf(gguf, path)?;
-        let gguf = card.gguf();
-        let (arch, c) = (card.arch, &card.config);
-        let mut t = Tensors { gguf, used: BTreeSet::new() };
-        let (hidden, vocab) = (c.hidden, c.vocab);
-        let token_embd = t.weight("token_embd.weight", hidden, Some(vocab))?;
-        let output = match gguf.tensor("output.weight") {
-            Some(_) => t.weight("output.weight", hidden, Some(vocab))?,
-            None => token_embd, // tied embeddings
-        };
-        let output_norm = t.vector("output_norm.weight", hidden)?;
-        // llama.cpp gives only llama's graph the frequency factors (qwen2/qwen3 pass none, so
-        // a file of theirs with the tensor is refused below as an unused tensor).
-        let rope_freqs = match arch {
-            Arch::Llama if gguf.tensor("rope_freqs.weight").is_some() => {
-                Some(t.vector("rope_freqs.weight", c.head_dim / 2)?)
-            }
-            _ => None,
-        };
-        let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
-        let mut lw = Vec::with_capacity(c.layers);
-        for i in 0..c.layers {
-            let n = |s: &str| format!("blk.{i}.{s}.weight");
-            let bias = |t: &mut Tensors<'_>, s: &str, len: usize| {
-                let name = format!("blk.{i}.{s}.bias");
-                t.optional(&name).then(|| t.vector(&name, len)).transpose()
-            };
-            let qk_norm = |t: &mut Tensors<'_>, s: &str| match arch {
-                Arch::Qwen3 => t.vector(&n(s), hd).map(Some),
-                Arch::Llama | Arch::Qwen2 => Ok(None),
-            };
-            lw.push(LayerWeights {
-                attn_norm: t.vector(&n("attn_norm"), hidden)?,
-                wq: t.weight(&n("attn_q"), hidden, Some(qd))?,
-                wk: t.weight(&n("attn_k"), hidden, Some(kvd))?,
-                wv: t.weight(&n("attn_v"), hidden, Some(kvd))?,
-                bq: bias(&mut t, "attn_q", qd)?,
-                bk: bias(&mut t, "attn_k", kvd)?,
-                bv: bias(&mut t, "attn_v", kvd)?,
-                q_norm: qk_norm(&mut t, "attn_q_norm")?,
-                k_norm: qk_norm(&mut t, "attn_k_norm")?,
-                wo: t.weight(&n("attn_output"), qd, Some(hidden))?,
-                ffn_norm: t.vector(&n("ffn_norm"), hidden)?,
-                w_gate: t.weight(&n("ffn_gate"), hidden, Some(c.ffn))?,
-                w_up: t.weight(&n("ffn_up"), hidden, Some(c.ffn))?,
-                w_down: t.weight(&n("ffn_down"), c.ffn, Some(hidden))?,
-            });
-        }
-        t.all_used(arch)?;
-        Ok(Self { layers: lw, token_embd, output, output_norm, rope_freqs, card })
+        let w = models::load(card.gguf(), &card.config)?;
+        Ok(Self {
+            layers: w.layers,
+            token_embd: w.token_embd,
+            output: w.output,
+            output_norm: w.output_norm,
+            rope_freqs: w.rope_freqs,
+            card,
+        })
     }
 
     /// A weight as a backend takes it: a view that shares (and keeps alive) the file's bytes.
@@ -152,95 +82,20 @@ impl Model {
         let layers: usize = self
             .layers
             .iter()
-            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .flat_map(|l| l.attn.weights().into_iter().chain(l.mlp.weights()))
             .map(|w| w.size)
             .sum();
         layers + self.output.size
     }
 }
 
-/// The kernels' format for a GGUF tensor type: every type the reader accepts is one the kernels
-/// compute with (`ggml_types_match_the_kernels` holds the two lists together).
-pub fn weight_type(t: GgmlType) -> WeightType {
-    WeightType::from_gguf_id(t.gguf_id()).expect("every GGUF type pdmesh reads has a kernel")
-}
-
-/// Looks tensors up by name, keeping the set of those used: a file with a tensor the graph
-/// does not use is one whose arithmetic pdmesh does not know (llama.cpp, for its part, fails
-/// to load it: its tensor count comes out short).
-struct Tensors<'a> {
-    gguf: &'a GgufFile,
-    used: BTreeSet<String>,
-}
-
-impl<'a> Tensors<'a> {
-    fn get(&mut self, name: &str) -> Result<&'a TensorInfo> {
-        let t = self
-            .gguf
-            .tensor(name)
-            .ok_or_else(|| Error::gguf(format!("tensor {name:?}"), "missing"))?;
-        self.used.insert(name.to_string());
-        Ok(t)
-    }
-
-    /// Whether the file has the tensor.
-    fn optional(&self, name: &str) -> bool {
-        self.gguf.tensor(name).is_some()
-    }
-
-    /// A 2-D weight with `cols` columns (and `rows` rows when known).
-    fn weight(&mut self, name: &str, cols: usize, rows: Option<usize>) -> Result<WeightRef> {
-        let t = self.get(name)?;
-        let (c, r) = t.matrix_shape();
-        if t.dims.len() != 2 || c != cols || rows.is_some_and(|rows| rows != r) {
-            return Err(Error::gguf(
-                format!("tensor {name:?}"),
-                format!(
-                    "shape {:?}, expected [{cols}, {}]",
-                    t.dims,
-                    rows.map_or("?".into(), |r| r.to_string())
-                ),
-            ));
-        }
-        Ok(WeightRef { ty: weight_type(t.ty), rows: r, cols: c, offset: t.offset, size: t.size })
-    }
-
-    /// A 1-D tensor of `n` values (a norm weight, a bias), as f32.
-    fn vector(&mut self, name: &str, n: usize) -> Result<Vec<f32>> {
-        let t = self.get(name)?;
-        if t.dims != [n as u64] {
-            return Err(Error::gguf(
-                format!("tensor {name:?}"),
-                format!("shape {:?}, expected [{n}]", t.dims),
-            ));
-        }
-        let mut out = vec![0f32; n];
-        pdmesh_kernels::quant::dequantize_row(
-            weight_type(t.ty),
-            self.gguf.tensor_data(t),
-            &mut out,
-        );
-        Ok(out)
-    }
-
-    fn all_used(&self, arch: Arch) -> Result<()> {
-        match self.gguf.tensors.iter().find(|t| !self.used.contains(&t.name)) {
-            None => Ok(()),
-            Some(t) => Err(Error::UnsupportedModel(format!(
-                "tensor {:?} is not part of pdmesh's {} graph",
-                t.name,
-                arch.name()
-            ))),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gguf::Value;
     use crate::gguf::writer::GgufBuilder;
+    use crate::gguf::{GgmlType, Value};
     use crate::testing::{BuildModel, TinyArch, TinyModel};
+    use pdmesh_kernels::WeightType;
 
     /// A llama header with a 3-token vocabulary and an embedding, but no layers yet.
     fn base(arch: &str, tok_model: &str) -> GgufBuilder {
@@ -400,8 +255,15 @@ mod tests {
             assert_eq!(m.config.kv_dim(), 2 * arch.head_dim(), "{arch:?}");
         }
         let q2 = TinyModel { arch: TinyArch::Qwen2, ..Default::default() }.build();
-        assert!(q2.layers.iter().all(|l| l.bq.is_some() && l.bk.is_some() && l.bv.is_some()));
+        let a = |l: &Layer| l.attn.clone();
+        assert!(
+            q2.layers.iter().map(a).all(|a| a.bq.is_some() && a.bk.is_some() && a.bv.is_some())
+        );
+        assert!(q2.layers.iter().all(|l| l.attn.head_norm.is_none()));
         let q3 = TinyModel { arch: TinyArch::Qwen3, ..Default::default() }.build();
-        assert!(q3.layers.iter().all(|l| l.q_norm.is_some() && l.k_norm.is_some()));
+        assert!(q3.layers.iter().all(|l| l.attn.head_norm.is_some()));
+        let llama = TinyModel::default().build();
+        assert!(llama.layers.iter().all(|l| l.attn.bq.is_none() && l.attn.head_norm.is_none()));
+        assert!(llama.layers.iter().all(|l| l.attn.window.is_none()));
     }
 }

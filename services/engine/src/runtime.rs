@@ -1,4 +1,5 @@
-//! The forward pass of the llama block (llama, qwen2, qwen3) on one backend: the model's
+//! The forward pass on one backend, as blocks (`attention`, `mlp`, the norms before them)
+//! that every architecture's layers are made of (`models`): the model's
 //! weights prepared for it, its KV pool and its scratch buffers, all in the backend's own
 //! memory types. `Runtime<B>` is generic (every kernel call is static), and the engine holds it
 //! as a `Device` trait object chosen from its config, so nothing above this file names a
@@ -13,7 +14,7 @@ use pdmesh_kernels::{
 
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvView, SeqId};
-use crate::model::Model;
+use crate::model::{Mlp, Model, ModelConfig};
 
 /// One step's tokens, in the order the step items listed them.
 #[derive(Debug)]
@@ -56,26 +57,47 @@ pub(crate) trait Device: Send + std::fmt::Debug {
     ) -> Rows<'_>;
 }
 
-struct LayerWeights<B: Backend> {
-    /// Which activation forms each matmul group's weights consume.
+/// An attention block's weights on the backend.
+struct AttentionWeights<B: Backend> {
+    /// Which activation forms the Q/K/V and the output projections consume.
     needs_qkv: ActNeeds,
     needs_o: ActNeeds,
-    needs_gate_up: ActNeeds,
-    needs_down: ActNeeds,
-    attn_norm: B::Buffer,
     wq: B::Weight,
     wk: B::Weight,
     wv: B::Weight,
+    wo: B::Weight,
     bq: Option<B::Buffer>,
     bk: Option<B::Buffer>,
     bv: Option<B::Buffer>,
-    q_norm: Option<B::Buffer>,
-    k_norm: Option<B::Buffer>,
-    wo: B::Weight,
+    /// Q's and K's per-head norms.
+    head_norm: Option<(B::Buffer, B::Buffer)>,
+}
+
+/// An MLP block's weights on the backend.
+enum MlpWeights<B: Backend> {
+    SwiGlu {
+        needs_gate_up: ActNeeds,
+        needs_down: ActNeeds,
+        gate: B::Weight,
+        up: B::Weight,
+        down: B::Weight,
+    },
+}
+
+impl<B: Backend> MlpWeights<B> {
+    /// The activation forms its input projections consume.
+    fn needs_in(&self) -> ActNeeds {
+        match self {
+            MlpWeights::SwiGlu { needs_gate_up, .. } => *needs_gate_up,
+        }
+    }
+}
+
+struct LayerWeights<B: Backend> {
+    attn_norm: B::Buffer,
+    attn: AttentionWeights<B>,
     ffn_norm: B::Buffer,
-    w_gate: B::Weight,
-    w_up: B::Weight,
-    w_down: B::Weight,
+    mlp: MlpWeights<B>,
 }
 
 /// Reusable buffers, sized to the largest step seen.
@@ -144,25 +166,35 @@ impl<B: Backend> Runtime<B> {
         let layers = model
             .layers
             .iter()
-            .map(|l| LayerWeights {
-                needs_qkv: ActNeeds::of([l.wq.ty, l.wk.ty, l.wv.ty]),
-                needs_o: ActNeeds::of([l.wo.ty]),
-                needs_gate_up: ActNeeds::of([l.w_gate.ty, l.w_up.ty]),
-                needs_down: ActNeeds::of([l.w_down.ty]),
-                attn_norm: vector(&l.attn_norm),
-                wq: weight(&l.wq),
-                wk: weight(&l.wk),
-                wv: weight(&l.wv),
-                bq: opt_vector(&l.bq),
-                bk: opt_vector(&l.bk),
-                bv: opt_vector(&l.bv),
-                q_norm: opt_vector(&l.q_norm),
-                k_norm: opt_vector(&l.k_norm),
-                wo: weight(&l.wo),
-                ffn_norm: vector(&l.ffn_norm),
-                w_gate: weight(&l.w_gate),
-                w_up: weight(&l.w_up),
-                w_down: weight(&l.w_down),
+            .map(|l| {
+                let a = &l.attn;
+                let attn = AttentionWeights {
+                    needs_qkv: ActNeeds::of([a.wq.ty, a.wk.ty, a.wv.ty]),
+                    needs_o: ActNeeds::of([a.wo.ty]),
+                    wq: weight(&a.wq),
+                    wk: weight(&a.wk),
+                    wv: weight(&a.wv),
+                    wo: weight(&a.wo),
+                    bq: opt_vector(&a.bq),
+                    bk: opt_vector(&a.bk),
+                    bv: opt_vector(&a.bv),
+                    head_norm: a.head_norm.as_ref().map(|h| (vector(&h.q), vector(&h.k))),
+                };
+                let mlp = match &l.mlp {
+                    Mlp::SwiGlu { gate, up, down } => MlpWeights::SwiGlu {
+                        needs_gate_up: ActNeeds::of([gate.ty, up.ty]),
+                        needs_down: ActNeeds::of([down.ty]),
+                        gate: weight(gate),
+                        up: weight(up),
+                        down: weight(down),
+                    },
+                };
+                LayerWeights {
+                    attn_norm: vector(&l.attn_norm),
+                    attn,
+                    ffn_norm: vector(&l.ffn_norm),
+                    mlp,
+                }
             })
             .collect();
         let scratch = Scratch {
@@ -270,85 +302,18 @@ impl<B: Backend> Device for Runtime<B> {
             .collect();
 
         let rotation = self.kv.geometry().rotation();
+        let step = Step { c, n, phases: batch.phases, mode };
         for (li, l) in self.layers.iter().enumerate() {
-            let (x, xn, acts) = (&s.x, &mut s.xn, &mut s.acts);
-            be.norm_quantize(
-                x,
-                &l.attn_norm,
-                c.rms_eps,
-                (n, d),
-                l.needs_qkv,
-                batch.phases,
-                xn,
-                acts,
-            );
-            be.matmul(
-                &s.acts,
-                &mut [
-                    MatmulJob { weight: &l.wq, out: &mut s.q },
-                    MatmulJob { weight: &l.wk, out: &mut s.k },
-                    MatmulJob { weight: &l.wv, out: &mut s.v },
-                ],
-            );
-            // Biases as llama.cpp's `ggml_add` after each projection, then the per-head
-            // norms (Qwen3) before RoPE, as its graphs order them.
-            for (x, b) in [(&mut s.q, &l.bq), (&mut s.k, &l.bk), (&mut s.v, &l.bv)] {
-                if let Some(b) = b {
-                    be.add_rows(x, b);
-                }
-            }
-            for (x, w, len) in [(&mut s.q, &l.q_norm, n * qd), (&mut s.k, &l.k_norm, n * kvd)] {
-                if let Some(w) = w {
-                    be.resize(&mut s.normed, len);
-                    be.rms_norm(x, w, c.rms_eps, &mut s.normed);
-                    std::mem::swap(x, &mut s.normed);
-                }
-            }
-            // A quantized cache holds K and V rotated, as llama.cpp's does: Q and K by the
-            // same Hadamard matrix (scores are unchanged in exact arithmetic), V by another
-            // that the output's rotation undoes.
-            if let Some((n_k, n_v)) = rotation {
-                be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin, mode);
-                be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin, mode);
-                be.fwht(&mut s.q, n_k);
-                be.fwht(&mut s.k, n_k);
-                be.fwht(&mut s.v, n_v);
-                be.kv_write(&mut self.kv, li, &s.k, &s.v, batch.slots);
-            } else {
-                let rope = Rope { cos: &s.cos, sin: &s.sin, mode };
-                let (q, k, v) = (&mut s.q, &mut s.k, &s.v);
-                be.rope_kv_write(&mut self.kv, li, q, k, v, c.heads, rope, batch.slots);
-            }
-            on_layer(li, &KvView::new(cache, &self.kv));
-            be.attention(&self.kv, li, c.heads, &s.q, &queries, &mut s.attn);
-            if let Some((_, n_v)) = rotation {
-                be.fwht(&mut s.attn, n_v);
-            }
-            be.quantize(&s.attn, n, qd, l.needs_o, batch.phases, &mut s.acts);
-            be.matmul(&s.acts, &mut [MatmulJob { weight: &l.wo, out: &mut s.proj }]);
+            // x += attn(norm(x)); x += mlp(norm(x)): the pre-norm layer of every
+            // architecture here.
+            norm_into(be, s, &l.attn_norm, &step, l.attn.needs_qkv);
+            let kv = &mut self.kv;
+            attention(be, kv, li, &l.attn, s, &step, rotation, batch.slots, &queries, &mut |kv| {
+                on_layer(li, &KvView::new(cache, kv))
+            });
             be.add_assign(&mut s.x, &s.proj);
-
-            let (x, xn, acts) = (&s.x, &mut s.xn, &mut s.acts);
-            be.norm_quantize(
-                x,
-                &l.ffn_norm,
-                c.rms_eps,
-                (n, d),
-                l.needs_gate_up,
-                batch.phases,
-                xn,
-                acts,
-            );
-            be.matmul(
-                &s.acts,
-                &mut [
-                    MatmulJob { weight: &l.w_gate, out: &mut s.gate },
-                    MatmulJob { weight: &l.w_up, out: &mut s.up },
-                ],
-            );
-            be.swiglu(&s.gate, &s.up, &mut s.ffn);
-            be.quantize(&s.ffn, n, c.ffn, l.needs_down, batch.phases, &mut s.acts);
-            be.matmul(&s.acts, &mut [MatmulJob { weight: &l.w_down, out: &mut s.proj }]);
+            norm_into(be, s, &l.ffn_norm, &step, l.mlp.needs_in());
+            mlp(be, &l.mlp, s, &step);
             be.add_assign(&mut s.x, &s.proj);
         }
 
@@ -372,6 +337,109 @@ impl<B: Backend> Device for Runtime<B> {
             return Rows::Candidates(&s.host_cands);
         }
         Rows::Logits(be.read(&s.logits, &mut s.host_logits))
+    }
+}
+
+/// What every block of one step shares.
+struct Step<'a> {
+    c: &'a ModelConfig,
+    /// Tokens in the step.
+    n: usize,
+    phases: &'a [Phase],
+    mode: RopeMode,
+}
+
+/// `xn = norm(x)`, quantized into `acts` as the next projections consume it.
+fn norm_into<B: Backend>(
+    be: &B,
+    s: &mut Scratch<B>,
+    w: &B::Buffer,
+    step: &Step<'_>,
+    needs: ActNeeds,
+) {
+    let (x, xn, acts) = (&s.x, &mut s.xn, &mut s.acts);
+    be.norm_quantize(x, w, step.c.rms_eps, (step.n, step.c.hidden), needs, step.phases, xn, acts);
+}
+
+/// The attention block on the normed activations: projections (with biases and per-head
+/// norms as the block has them), RoPE, the layer's KV written (`on_kv` called right after),
+/// attention over each query's prefix, and the output projection into `s.proj`.
+#[allow(clippy::too_many_arguments)]
+fn attention<B: Backend>(
+    be: &B,
+    kv: &mut B::Kv,
+    li: usize,
+    a: &AttentionWeights<B>,
+    s: &mut Scratch<B>,
+    step: &Step<'_>,
+    rotation: Option<(usize, usize)>,
+    slots: &[KvSlot],
+    queries: &[AttnQuery<'_>],
+    on_kv: &mut dyn FnMut(&B::Kv),
+) {
+    let (c, n, mode) = (step.c, step.n, step.mode);
+    let (hd, qd, kvd) = (c.head_dim, c.q_dim(), c.kv_dim());
+    be.matmul(
+        &s.acts,
+        &mut [
+            MatmulJob { weight: &a.wq, out: &mut s.q },
+            MatmulJob { weight: &a.wk, out: &mut s.k },
+            MatmulJob { weight: &a.wv, out: &mut s.v },
+        ],
+    );
+    // Biases as llama.cpp's `ggml_add` after each projection, then the per-head norms
+    // (Qwen3) before RoPE, as its graphs order them.
+    for (x, b) in [(&mut s.q, &a.bq), (&mut s.k, &a.bk), (&mut s.v, &a.bv)] {
+        if let Some(b) = b {
+            be.add_rows(x, b);
+        }
+    }
+    if let Some((q_norm, k_norm)) = &a.head_norm {
+        for (x, w, len) in [(&mut s.q, q_norm, n * qd), (&mut s.k, k_norm, n * kvd)] {
+            be.resize(&mut s.normed, len);
+            be.rms_norm(x, w, c.rms_eps, &mut s.normed);
+            std::mem::swap(x, &mut s.normed);
+        }
+    }
+    // A quantized cache holds K and V rotated, as llama.cpp's does: Q and K by the same
+    // Hadamard matrix (scores are unchanged in exact arithmetic), V by another that the
+    // output's rotation undoes.
+    if let Some((n_k, n_v)) = rotation {
+        be.rope(&mut s.q, c.heads, hd, &s.cos, &s.sin, mode);
+        be.rope(&mut s.k, c.kv_heads, hd, &s.cos, &s.sin, mode);
+        be.fwht(&mut s.q, n_k);
+        be.fwht(&mut s.k, n_k);
+        be.fwht(&mut s.v, n_v);
+        be.kv_write(kv, li, &s.k, &s.v, slots);
+    } else {
+        let rope = Rope { cos: &s.cos, sin: &s.sin, mode };
+        let (q, k, v) = (&mut s.q, &mut s.k, &s.v);
+        be.rope_kv_write(kv, li, q, k, v, c.heads, rope, slots);
+    }
+    on_kv(kv);
+    be.attention(kv, li, c.heads, &s.q, queries, &mut s.attn);
+    if let Some((_, n_v)) = rotation {
+        be.fwht(&mut s.attn, n_v);
+    }
+    be.quantize(&s.attn, n, qd, a.needs_o, step.phases, &mut s.acts);
+    be.matmul(&s.acts, &mut [MatmulJob { weight: &a.wo, out: &mut s.proj }]);
+}
+
+/// The MLP block on the normed activations, into `s.proj`.
+fn mlp<B: Backend>(be: &B, m: &MlpWeights<B>, s: &mut Scratch<B>, step: &Step<'_>) {
+    match m {
+        MlpWeights::SwiGlu { needs_down, gate, up, down, .. } => {
+            be.matmul(
+                &s.acts,
+                &mut [
+                    MatmulJob { weight: gate, out: &mut s.gate },
+                    MatmulJob { weight: up, out: &mut s.up },
+                ],
+            );
+            be.swiglu(&s.gate, &s.up, &mut s.ffn);
+            be.quantize(&s.ffn, step.n, step.c.ffn, *needs_down, step.phases, &mut s.acts);
+            be.matmul(&s.acts, &mut [MatmulJob { weight: down, out: &mut s.proj }]);
+        }
     }
 }
 

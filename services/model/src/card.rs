@@ -42,6 +42,9 @@ pub enum Arch {
 }
 
 impl Arch {
+    /// Every architecture, each with its model file in the engine's `models`.
+    pub const ALL: [Arch; 3] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3];
+
     pub fn from_name(name: &str) -> Option<Arch> {
         match name {
             "llama" => Some(Arch::Llama),
