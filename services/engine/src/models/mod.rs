@@ -140,8 +140,8 @@ mod tests {
     use pdmesh_model::Arch;
     use pdmesh_model::testing::TinyModel;
 
-    use super::blocks::{Attention, HeadNorms, Layer, Mlp, Weights};
     use super::Tensors;
+    use super::blocks::{Attention, HeadNorms, Layer, Mlp, Weights};
 
     /// A window shorter than the context would be computed as full attention by today's
     /// kernels: silently wrong past it, so it is refused until they have it.
