@@ -57,29 +57,31 @@ test: system-deps check-seams fetch-model vocab-fixtures test-models check-deplo
     {{nvrtc13_env}} cargo test --workspace --locked --test cuda_nvrtc -- --nocapture
     just test-emu-asan test-emu-tsan
 
-# The CUDA kernels on the emulated device under AddressSanitizer and UBSan (~6 min cold): the
+# The CUDA kernels on the emulated device under AddressSanitizer and UBSan: the
 # kernel suite, every architecture's 300-token prompt and SmolLM2's 12 prompts, with every
 # kernel's reads and writes checked against the buffers' bounds (on a GPU, a stray one is an
 # illegal address or silently wrong numbers), every typed load against its alignment (a GPU
 # faults on a misaligned int where x86 does not), and shared memory filled with garbage before
-# each block (PDMESH_EMU_POISON: a read before the write). Its own target dir: all rebuilt.
+# each block (PDMESH_EMU_POISON: a read before the write). Only the kernels' C++ is instrumented
+# (PDMESH_EMU_SANITIZE, read by kernels/build.rs): the run shares target/ and rebuilds the
+# kernels crate and what links it, not the dependency tree; the next plain build rebuilds them
+# back.
 # The emulated CUDA kernels under AddressSanitizer and UBSan, shared memory poisoned.
 test-emu-asan: system-deps fetch-model
     #!/usr/bin/env bash
     set -euo pipefail
     asan=$(gcc -print-file-name=libasan.so)
     [ -f "$asan" ] || { echo "no $asan: run scripts/system-deps.sh" >&2; exit 1; }
-    export CARGO_TARGET_DIR=target/asan RUSTFLAGS="-Clink-arg=-lasan -Clink-arg=-lubsan" \
-        CXXFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g" \
+    export PDMESH_EMU_SANITIZE=address \
         CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$asan ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 PDMESH_EMU_POISON=1"
     cargo test --locked -p pdmesh-kernels --test cuda_backend
     cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits bounded_kernels
     cargo test --locked -p pdmesh-engine --test cuda_model
 
-# The CUDA kernels on the emulated device under ThreadSanitizer (~4 min cold). A block's threads
-# are real threads there, so a write to shared or global memory that another thread reads
-# without a __syncthreads or __syncwarp between them is a data race TSan reports whatever the
-# schedule (compute-sanitizer's racecheck, without a GPU). Rust's std is not instrumented and
+# The CUDA kernels on the emulated device under ThreadSanitizer (target/ shared, as for ASan).
+# A block's threads are real threads there, so a write to shared or global memory that another
+# thread reads without a __syncthreads or __syncwarp between them is a data race TSan reports
+# whatever the schedule (compute-sanitizer's racecheck, without a GPU). Rust's std is not instrumented and
 # draws reports of its own; only a report with a frame in a kernel source fails. Blocks run
 # last to first (PDMESH_EMU_REVERSE_BLOCKS): a result that depends on their order fails too.
 # The emulated CUDA kernels under ThreadSanitizer, blocks in reverse order.
@@ -89,8 +91,7 @@ test-emu-tsan: system-deps
     tsan=$(gcc -print-file-name=libtsan.so)
     [ -f "$tsan" ] || { echo "no $tsan: run scripts/system-deps.sh" >&2; exit 1; }
     logs=$(mktemp -d)
-    export CARGO_TARGET_DIR=target/tsan RUSTFLAGS="-Clink-arg=-ltsan" \
-        CXXFLAGS="-fsanitize=thread -g -O1" \
+    export PDMESH_EMU_SANITIZE=thread \
         CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUNNER="env LD_PRELOAD=$tsan TSAN_OPTIONS=report_signal_unsafe=0:exitcode=0:log_path=$logs/tsan PDMESH_EMU_REVERSE_BLOCKS=1"
     cargo test --locked -p pdmesh-kernels --test cuda_backend
     cargo test --locked -p pdmesh-engine --lib -- cuda_backend_gives_the_cpu_backends_bits bounded_kernels

@@ -65,7 +65,8 @@ fn main() {
     std::fs::write(&unity_path, unity).expect("write emu_kernels.cpp");
     std::fs::write(out.join("cuda_modules.rs"), modules).expect("write cuda_modules.rs");
 
-    cc::Build::new()
+    let mut build = cc::Build::new();
+    build
         .cpp(true)
         .std("c++20")
         .include(dir.join("emu"))
@@ -74,9 +75,41 @@ fn main() {
         .flag("-ffp-contract=off")
         .flag("-fno-fast-math")
         .flag_if_supported("-Wno-unused-parameter")
-        .warnings(false)
-        .compile("pdmesh_cuda_emu");
+        .warnings(false);
+    let runtimes = sanitize(&mut build);
+    build.compile("pdmesh_cuda_emu");
+    for lib in runtimes {
+        println!("cargo:rustc-link-lib=dylib={lib}");
+    }
     println!("cargo:rustc-link-lib=stdc++");
+}
+
+/// The emulated kernels under a sanitizer when `PDMESH_EMU_SANITIZE` asks (`just
+/// test-emu-asan`, `test-emu-tsan`): only this library is instrumented, and its runtime linked
+/// into whatever links it, so a sanitizer run rebuilds this crate and its dependents rather
+/// than the whole dependency tree (as RUSTFLAGS or CXXFLAGS would). Returns the runtime
+/// libraries to link.
+fn sanitize(build: &mut cc::Build) -> &'static [&'static str] {
+    println!("cargo:rerun-if-env-changed=PDMESH_EMU_SANITIZE");
+    let which = std::env::var("PDMESH_EMU_SANITIZE").unwrap_or_default();
+    let (flags, runtimes): (&[&str], &[&str]) = match which.as_str() {
+        "" => (&[], &[]),
+        "address" => (
+            &[
+                "-fsanitize=address,undefined",
+                "-fno-sanitize-recover=undefined",
+                "-fno-omit-frame-pointer",
+                "-g",
+            ],
+            &["asan", "ubsan"],
+        ),
+        "thread" => (&["-fsanitize=thread", "-g", "-O1"], &["tsan"]),
+        other => panic!("PDMESH_EMU_SANITIZE={other:?}: use address or thread"),
+    };
+    for f in flags {
+        build.flag(f);
+    }
+    runtimes
 }
 
 fn env(name: &str) -> String {
