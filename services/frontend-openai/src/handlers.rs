@@ -64,7 +64,7 @@ impl AppState {
     }
 
     fn model(&self) -> &Arc<pdmesh_model::ModelCard> {
-        &self.router.mesh().model
+        self.router.model()
     }
 
     fn card(&self) -> ModelCard {
@@ -81,8 +81,7 @@ impl AppState {
 /// `GET /health`: 200 while a decode node can take requests, 503 otherwise (no key needed:
 /// load balancers probe it).
 pub async fn health(State(s): State<AppState>) -> Response {
-    let live =
-        s.router.mesh().registry().live_refs(pdmesh_proto::v1::Role::Decode, Instant::now()).len();
+    let live = s.router.live_decode_nodes();
     let status =
         if live > 0 { http::StatusCode::OK } else { http::StatusCode::SERVICE_UNAVAILABLE };
     (status, axum::Json(serde_json::json!({ "status": if live > 0 { "ok" } else { "no decode node" }, "decode_nodes": live })))
@@ -187,7 +186,7 @@ async fn generate(s: AppState, headers: HeaderMap, body: Body, kind: Kind) -> Re
             // A request that failed on the mesh was counted as it ended; one refused before
             // it started (invalid, over the limit) is counted here, as gRPC's are.
             if !counted {
-                s.router.mesh().metrics.failed(code_of(&e));
+                s.router.count_refused(code_of(&e));
             }
             e.into_response()
         }
@@ -279,7 +278,7 @@ async fn start(
     let now = Instant::now();
     // The key before anything else: a stranger's body is never read.
     let tenant = s.tenant(headers)?;
-    let most = Duration::from_millis(s.router.mesh().config.request_timeout_ms);
+    let most = s.router.request_timeout();
     let deadline = deadline(most, headers, now)?;
     trace::attr(&root, "tenant", tenant.tenant.clone());
     // A place first: a full router refuses before it reads, parses and tokenizes.

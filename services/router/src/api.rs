@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use pdmesh_common::apikey::Tenant;
 use pdmesh_common::gate::Quota;
-use pdmesh_model::{FinishReason, TokenLogprobs};
 use tokio::sync::{Semaphore, mpsc};
 use tracing::{Instrument, Span};
 
 use crate::error::RequestError;
+pub use crate::events::{Event, Finished, Timings, Usage};
 use crate::mesh::Mesh;
 use crate::request::Prepared;
 
@@ -24,65 +24,6 @@ const CLIENT_BUFFER: usize = 32;
 /// map lookup and is never refused.
 pub const MAX_CANCEL_FANOUTS: usize = 8;
 pub const MAX_CANCEL_FANOUTS_PER_TENANT: usize = 2;
-
-/// What a request produces, in order: `Started`, `Delta`s, then `Finished` (or an error).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Event {
-    Started {
-        request_id: String,
-        prompt_tokens: u32,
-        trace_id: Option<String>,
-    },
-    /// New text (never part of a stop string, never a broken character) and its tokens, with
-    /// one logprob report per token when the request asked for them.
-    Delta {
-        text: String,
-        tokens: Vec<u32>,
-        logprobs: Vec<TokenLogprobs>,
-    },
-    Finished(Finished),
-}
-
-/// How a request ended.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Finished {
-    pub reason: FinishReason,
-    pub usage: Usage,
-    pub timings: Timings,
-}
-
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    pub prompt_tokens: u32,
-    /// Prompt tokens whose KV came from a cache instead of being computed.
-    pub cached_tokens: u32,
-    pub completion_tokens: u32,
-}
-
-/// Where a request's time went, and which nodes served it.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct Timings {
-    /// Admission to the start of prefill compute.
-    pub queue_ms: f64,
-    pub prefill_ms: f64,
-    /// End of prefill compute to the KV being complete on the decode node.
-    pub transfer_ms: f64,
-    /// Admission to the first token leaving the router.
-    pub ttft_ms: f64,
-    pub total_ms: f64,
-    /// "colocated" when the decode node prefilled the prompt itself.
-    pub prefill_node: String,
-    pub decode_node: String,
-    /// How the KV moved: "ucx", "grpc", or "local" when colocated.
-    pub kv_transport: String,
-    pub kv_bytes: u64,
-    /// Attempts it took (2 when a failure before the first token was retried).
-    pub attempts: u32,
-    /// Times the stream moved to another decode node mid-way and continued there.
-    pub migrations: u32,
-    /// Times its decode node preempted it and it continued once a node had room.
-    pub preemptions: u32,
-}
 
 /// A request's events; dropping it cancels the request on every node.
 pub type Events = mpsc::Receiver<Result<Event, RequestError>>;
@@ -122,8 +63,31 @@ impl Router {
         Self { mesh, admission, tenants: Arc::default(), fanouts }
     }
 
-    pub fn mesh(&self) -> &Arc<Mesh> {
+    /// The mesh behind the API, for the router's own gRPC adapter; frontends use the
+    /// methods below.
+    pub(crate) fn mesh(&self) -> &Arc<Mesh> {
         &self.mesh
+    }
+
+    /// The model the mesh serves (its context length, tokenizer and chat template).
+    pub fn model(&self) -> &Arc<pdmesh_model::ModelCard> {
+        &self.mesh.model
+    }
+
+    /// Decode nodes alive now: none, and no request can be served.
+    pub fn live_decode_nodes(&self) -> usize {
+        self.mesh.registry().live_refs(pdmesh_proto::v1::Role::Decode, Instant::now()).len()
+    }
+
+    /// The longest a request may take, the client's own deadline aside.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.mesh.config.request_timeout_ms)
+    }
+
+    /// Counts a request a frontend refused before it reached the mesh (invalid, over a
+    /// limit), as the router counts its own: one `failed` by status code.
+    pub fn count_refused(&self, code: tonic::Code) {
+        self.mesh.metrics.failed(code);
     }
 
     /// Requests admitted and not yet ended.

@@ -9,6 +9,7 @@ mod attempt;
 pub mod coalesce;
 pub mod config;
 pub mod error;
+pub mod events;
 pub mod index;
 pub mod members;
 pub mod mesh;
@@ -20,6 +21,7 @@ pub mod registry;
 mod relay;
 pub mod request;
 pub mod service;
+mod stage;
 
 use std::future::Future;
 use std::pin::Pin;

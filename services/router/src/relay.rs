@@ -1,5 +1,6 @@
 //! One request's life on the router: attempts (`attempt.rs`) until one finishes it or a
-//! failure is final, then one `Finished` or one error to the client. A failure before the
+//! failure is final (what each failure leads to is `stage::decide`'s), then one `Finished` or
+//! one error to the client. A failure before the
 //! first token reaches the client is retried on other nodes (once, or up to `max_migrations`
 //! times). A decode node lost after
 //! that (dead, hung, gone from the mesh) does not end the stream: the request moves to another
@@ -25,26 +26,13 @@ use tracing::field::Empty;
 use pdmesh_common::apikey::Tenant;
 
 use crate::api::{Event, Finished, Usage};
-use crate::attempt::{Attempt, Decoded, Failure, Phase, Report, Request};
+use crate::attempt::{Attempt, Decoded, Failure, Phase, Report, Request, failure_text};
 use crate::error::RequestError;
 use crate::index::Hits;
 use crate::mesh::Mesh;
 use crate::placement::{Ask, PlaceError, PrefillPolicy, place};
 use crate::request::Prepared;
-
-/// Retries a request gets before its first token reaches the client, at least (more with a
-/// larger `max_migrations`: a node lost before the first token is as recoverable as one lost
-/// after it).
-const RETRIES: u32 = 1;
-
-/// Times a moving stream's re-prefill may fail (each failed prefill node is avoided after;
-/// with none left its decode node computes the prompt).
-const MAX_RECOMPUTES: u32 = 4;
-
-/// Times a request may be preempted. The youngest growing stream is the one preempted, so a
-/// request waits its turn rather than being preempted again and again; past this bound
-/// something is wrong, and the client gets the node's ABORTED.
-const MAX_PREEMPTIONS: u32 = 32;
+use crate::stage::{Action, Fault, Limits, Stage, Wait, decide};
 
 /// Runs an admitted request to its end, sending everything to `out`.
 pub(crate) async fn run(
@@ -138,31 +126,22 @@ fn finished(req: &Request<'_>, report: Report, reason: FinishReason, completion:
     Event::Finished(Finished { reason, usage, timings })
 }
 
-/// Attempts the request until one finishes it or a failure is final.
+/// Attempts the request until one finishes it or a failure is final: each failure goes
+/// through `stage::decide`, and this carries out what it says.
 async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Failure> {
     let mesh = req.mesh;
+    let limits = Limits::new(mesh.config.max_migrations);
+    let mut stage = Stage::default();
     let mut exclude: Vec<String> = Vec::new();
+    // The last failure that counted: the answer when no other node can take the request.
     let mut last: Option<Failure> = None;
-    let (mut retries, mut recomputes) = (0, 0);
-    // The decode node chosen had no room after all: wait for room before trying again.
-    let mut full = false;
-    // The last attempt was preempted: until one gets a reservation, this one waits for room.
-    let mut preempted = false;
     loop {
         if let Some(done) = ended_before_moving(req, report).await? {
             return Ok(done);
         }
-        // A first attempt that finds no room waits for it; a retry takes what there is.
-        let wait = if full {
-            Wait::First
-        } else if last.is_none() && !report.first_sent {
-            Wait::IfFull
-        } else {
-            Wait::Never
-        };
+        let wait = stage.wait(report.first_sent);
         let placed = match place_or_wait(req, &exclude, wait, report.resume.tokens.len()).await {
             Ok(p) => p,
-            // No other node can take the retry: the first failure is the answer.
             Err(e) => return Err(last.unwrap_or(e)),
         };
         report.timings.attempts += 1;
@@ -182,79 +161,51 @@ async fn attempts(req: &Request<'_>, report: &mut Report) -> Result<Decoded, Fai
         if let (Some(n), Failure::Lost { .. }) = (failure.node(), &failure) {
             mesh.registry().suspect(n, Instant::now());
         }
-        // The router's view of the node's room is a heartbeat old: a node that turns the
-        // reservation down as full is waited on like any full mesh, not held against. So is
-        // one that turns down a preempted request, which only ever waits for room.
-        full = (preempted || (!report.first_sent && last.is_none()))
-            && matches!(&failure, Failure::Refused { node, status }
-                if *node == decode_node && status.code() == tonic::Code::ResourceExhausted);
-        if full {
-            tracing::debug!(request = req.id, node = decode_node, "decode node full; waiting");
-            continue;
-        }
-        preempted = false;
-        // Its node ran out of blocks for it: it waits for room (there or anywhere) and
-        // continues from where its stream stands, as a moved stream does.
-        if failure.preempted() && failure.node() == Some(decode_node.as_str()) {
-            if report.timings.preemptions >= MAX_PREEMPTIONS {
-                return Err(failure);
-            }
-            report.timings.preemptions += 1;
-            mesh.metrics.preempted();
-            tracing::info!(
-                request = req.id,
-                node = decode_node,
-                tokens = report.resume.tokens.len(),
-                "preempted; waiting for room to continue"
-            );
-            (full, preempted) = (true, true);
-            continue;
-        }
-        if !failure.retryable() {
-            return Err(failure);
-        }
+        let (next, action) =
+            decide(stage, Fault::of(&failure, &decode_node), report.first_sent, &limits);
+        stage = next;
+        report.timings.migrations = stage.spent.migrations;
+        report.timings.preemptions = stage.spent.preemptions;
         let attempt = report.timings.attempts;
-        if report.first_sent && failure.node() == Some(decode_node.as_str()) {
-            // The stream's decode node is lost: that is what the migration budget counts.
-            if report.timings.migrations >= mesh.config.max_migrations {
-                return Err(failure);
+        let (id, tokens, why) = (req.id, report.resume.tokens.len(), failure_text(&failure));
+        match action {
+            Action::AwaitRoom => {
+                tracing::debug!(request = id, node = decode_node, "decode node full; waiting");
             }
-            report.timings.migrations += 1;
-            mesh.metrics.migrated();
-            tracing::warn!(
-                request = req.id,
-                tokens = report.resume.tokens.len(),
-                "attempt {attempt} failed mid-stream ({}); moving the stream to another node",
-                crate::attempt::failure_text(&failure)
-            );
-        } else if report.first_sent {
-            // A moving stream's re-prefill failed (its prefill node died with the decode node,
-            // say a whole host): not a loss of the stream's node, so not the budget's. Another
-            // prefill node computes it, or, none left, the decode node itself.
-            if recomputes >= MAX_RECOMPUTES {
-                return Err(failure);
+            Action::Preempted => {
+                mesh.metrics.preempted();
+                tracing::info!(
+                    request = id,
+                    node = decode_node,
+                    tokens,
+                    "preempted; waiting for room to continue"
+                );
             }
-            recomputes += 1;
-            tracing::warn!(
-                request = req.id,
-                tokens = report.resume.tokens.len(),
-                "attempt {attempt} could not re-prefill the moving stream ({}); computing it \
-                 elsewhere",
-                crate::attempt::failure_text(&failure)
-            );
-        } else {
-            if retries >= RETRIES.max(mesh.config.max_migrations) {
-                return Err(failure);
+            Action::Migrate => {
+                mesh.metrics.migrated();
+                tracing::warn!(
+                    request = id,
+                    tokens,
+                    "attempt {attempt} failed mid-stream ({why}); moving the stream to another \
+                     node"
+                );
             }
-            retries += 1;
-            tracing::warn!(
-                request = req.id,
-                "attempt {attempt} failed ({}); retrying on other nodes",
-                crate::attempt::failure_text(&failure)
-            );
+            Action::Recompute => tracing::warn!(
+                request = id,
+                tokens,
+                "attempt {attempt} could not re-prefill the moving stream ({why}); computing it \
+                 elsewhere"
+            ),
+            Action::Retry => tracing::warn!(
+                request = id,
+                "attempt {attempt} failed ({why}); retrying on other nodes"
+            ),
+            Action::Fail => return Err(failure),
         }
-        exclude.extend(failure.node().map(str::to_string));
-        last = Some(failure);
+        if action.counts() {
+            exclude.extend(failure.node().map(str::to_string));
+            last = Some(failure);
+        }
     }
 }
 
@@ -299,17 +250,6 @@ async fn ended_before_moving(
 /// How often a request waiting for room looks again without being woken (a missed wake costs
 /// at most this).
 const RECHECK: Duration = Duration::from_millis(250);
-
-/// Whether placing a request may wait for room.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Wait {
-    /// Take what there is (a retry after a failure).
-    Never,
-    /// Wait when no decode node has room (a request's first attempt).
-    IfFull,
-    /// Wait for room before trying (the node chosen turned it down as full).
-    First,
-}
 
 /// `placement`; when no decode node has room and `wait` allows, waits in the router's queue
 /// for room (first come first served within a tenant, tenants taking turns; arrivals also
