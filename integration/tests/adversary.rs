@@ -542,9 +542,11 @@ async fn the_metrics_port_survives_slowloris_and_fd_exhaustion() {
             Err(_) => break,
         }
     }
-    // The kernel completes connections into the backlog; give the process time to try (and
-    // fail) to accept them.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The kernel completes connections into the backlog; the process accepts them until it
+    // has no descriptor left.
+    let pid = store.pid();
+    let fds = || std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
+    eventually(WAIT, "the store out of descriptors", || async { fds() >= 64 }).await;
     // The descriptors really are gone: a new caller is not served.
     let stats = async {
         let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", store.addr))

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use pdmesh_integration::netns::{FABRIC_DEVICE, Netns};
 use pdmesh_integration::reference::{reference, request};
-use pdmesh_integration::{Cluster, ClusterBuilder, collect};
+use pdmesh_integration::{Cluster, ClusterBuilder, collect, eventually};
 use pdmesh_proto::v1::TransportStats;
 
 const MAX_TOKENS: u32 = 16;
@@ -94,15 +94,14 @@ async fn a_session_cut_mid_transfer_falls_back_to_grpc() {
         .start()
         .await;
     served(&c, 0).await; // warm: the endpoint exists before the cut
-    let cut = {
-        let hosts = Arc::clone(&hosts);
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(600)).await;
-            hosts.connect_fabric("decode-0", false);
+    let cut = async {
+        eventually(Duration::from_secs(30), "the KV on its way", || async {
+            c.prefill_stats(0).await.transferring > 0
         })
+        .await;
+        hosts.connect_fabric("decode-0", false);
     };
-    served(&c, 3).await;
-    cut.await.unwrap();
+    tokio::join!(served(&c, 3), cut);
     let p = c.prefill_stats(0).await.transports;
     let (ucx, grpc) = (sent(&p, "ucx"), sent(&p, "grpc"));
     assert_eq!((ucx.transfers, ucx.fallbacks, ucx.stalls), (1, 1, 1), "{p:?}");

@@ -298,9 +298,20 @@ async fn streams_outlive_a_whole_host_then_their_next_decode_node() {
         started.load(Ordering::SeqCst) == PROMPTS.len()
     })
     .await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The moved streams on the nodes left: every stream not yet over is recomputed (no
+    // prefill node is left) or decoding on one of them.
+    let left: Vec<usize> = (0..c.decodes.len()).filter(|&i| i != first).collect();
+    eventually(WAIT, "every moved stream placed again", || async {
+        let mut placed = 0;
+        for &i in &left {
+            let s = c.decode_stats(i).await;
+            placed += (s.prefilling + s.decoding) as usize;
+        }
+        placed + tasks.iter().filter(|t| t.is_finished()).count() >= PROMPTS.len()
+    })
+    .await;
     let mut second = (0, 0);
-    for i in (0..c.decodes.len()).filter(|&i| i != first) {
+    for &i in &left {
         let d = c.decode_stats(i).await.decoding;
         if d >= second.1 {
             second = (i, d);
