@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use pdmesh_common::ids::Capability;
 use pdmesh_engine::{
-    BatchRunner, End, Engine, Event as RunEvent, FinishReason, GenerateParams, Mark,
-    Output as RunOutput, Piece, Release, Role, SamplingParams, SeqId, SeqSpec,
+    BatchRunner, End, Engine, Event as RunEvent, FinishReason, GenerateParams, Mark, Origin,
+    Output as RunOutput, Piece, Release, SamplingParams, SeqId, SeqKind, SeqSpec,
 };
 use pdmesh_kv_transfer::Receiver;
 use pdmesh_wire::finish_reason;
@@ -408,9 +408,12 @@ impl DecodeCore {
         if local && known {
             return Err(DecodeError::Invalid(format!("reservation {id} already receives KV")));
         }
-        let first_token = match a.start {
-            Start::FirstToken(t) => Some(t),
-            Start::Local | Start::HandedOff => None,
+        let from = match (a.start, a.resumed) {
+            (Start::HandedOff, tokens) => Origin::HandedOff { tokens },
+            (Start::FirstToken(t), tokens) if tokens.is_empty() => Origin::FirstToken(t),
+            (Start::FirstToken(t), tokens) => Origin::Resumed { tokens, first_token: Some(t) },
+            (Start::Local, tokens) if tokens.is_empty() => Origin::Here,
+            (Start::Local, tokens) => Origin::Resumed { tokens, first_token: None },
         };
         let spec = SeqSpec {
             prompt: a.prompt,
@@ -422,12 +425,8 @@ impl DecodeCore {
                 ignore_eos: a.ignore_eos,
             },
             rng_position: a.rng_position,
-            role: Role::Generate,
-            text: true,
-            first_token,
             seq: Some(r.seq),
-            resumed: a.resumed,
-            handed_off: a.start == Start::HandedOff,
+            kind: SeqKind::Generate { text: true, from },
         };
         if !local && !known {
             self.receiver.await_kv(id);

@@ -41,8 +41,8 @@ pub use pacing::StepPacer;
 pub use pdmesh_kernels::Phase;
 pub use pdmesh_model::DEFAULT_MODEL_PATH;
 pub use runner::{
-    BatchRunner, End, Event, GenerateParams, Mark, Output, Paused, Role, SeqSpec, SeqStatus,
-    StepFailed,
+    BatchRunner, End, Event, GenerateParams, Mark, Origin, Output, Paused, Role, SeqKind, SeqSpec,
+    SeqStatus, StepFailed,
 };
 pub use sampler::{MAX_DEVICE_TOP_K, MAX_TOP_LOGPROBS, Sampler, SamplingParams, TokenLogprobs};
 pub use scheduler::{Scheduled, Scheduler, Work};

@@ -64,43 +64,78 @@ pub struct SeqSpec {
     pub params: GenerateParams,
     /// Where the sampler's random stream starts (a request continued from another node).
     pub rng_position: u128,
-    pub role: Role,
-    /// Whether outputs carry text (and stop strings apply); without it, pieces carry tokens.
-    pub text: bool,
-    /// A first token sampled elsewhere (by a prefill node): emitted at once, decoding starts
-    /// from it once the prompt's KV is complete.
-    pub first_token: Option<u32>,
     /// An engine sequence the caller made for it (a decode reservation, whose blocks may
     /// already hold KV); the runner makes one otherwise. Either way the runner owns it now.
     pub seq: Option<SeqId>,
-    /// This request's own output from before it moved here (its node died or drained), with
-    /// `rng_position` where the sampler stood after it. The KV of these tokens is recomputed
-    /// as it was first computed: the prompt as a prompt, then each token in a decode step
-    /// (which is not the prompt's arithmetic), fed instead of sampled; the text stream is
-    /// replayed over them (held text, stop-string matches), and they count towards
-    /// `max_tokens`. Output then continues exactly as if the request had never moved. With a
-    /// `first_token`, it must be the first of them (the prompt's first token, sampled again).
-    pub resumed: Vec<u32>,
-    /// The KV of the prompt and of every resumed token but the last is already in `seq`
-    /// (handed off by the node the request ran on): nothing is recomputed, decoding goes on
-    /// from the last resumed token.
-    pub handed_off: bool,
+    pub kind: SeqKind,
+}
+
+/// What a sequence is for, with what only that kind carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeqKind {
+    /// Compute the prompt's KV and sample the first token, then leave (a prefill node): its
+    /// output is that token, and the finish rules apply where it is decoded.
+    Prefill,
+    /// Generate until a finish rule ends it (a decode node, local generation). `text`:
+    /// outputs carry text (and stop strings apply); without it, pieces carry tokens.
+    Generate { text: bool, from: Origin },
+}
+
+/// Where a generating sequence's output starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// Its first token is sampled here, once its prompt is computed.
+    Here,
+    /// A first token sampled elsewhere (by a prefill node): emitted at once, decoding starts
+    /// from it once the prompt's KV is complete.
+    FirstToken(u32),
+    /// Its own output from before it moved here (its node died or drained), the sampler at
+    /// `rng_position` after it. The KV of these tokens is recomputed as it was first
+    /// computed: the prompt as a prompt, then each token in a decode step (which is not the
+    /// prompt's arithmetic), fed instead of sampled; the text stream is replayed over them
+    /// (held text, stop-string matches), and they count towards `max_tokens`. Output then
+    /// continues exactly as if the request had never moved. `first_token`: the prompt's first
+    /// token sampled again by a prefill node, which must be the first of `tokens`.
+    Resumed { tokens: Vec<u32>, first_token: Option<u32> },
+    /// Its output from before it moved, whose KV (the prompt's and every token's but the
+    /// last) is already in its sequence, handed off by the node it ran on: nothing is
+    /// recomputed, decoding goes on from the last of `tokens`.
+    HandedOff { tokens: Vec<u32> },
+}
+
+impl Origin {
+    /// The tokens it already generated elsewhere.
+    pub fn resumed(&self) -> &[u32] {
+        match self {
+            Origin::Resumed { tokens, .. } | Origin::HandedOff { tokens } => tokens,
+            Origin::Here | Origin::FirstToken(_) => &[],
+        }
+    }
+
+    /// A first token sampled elsewhere, to accept before any step.
+    pub fn first_token(&self) -> Option<u32> {
+        match self {
+            Origin::FirstToken(t) => Some(*t),
+            Origin::Resumed { first_token, .. } => *first_token,
+            Origin::Here | Origin::HandedOff { .. } => None,
+        }
+    }
+}
+
+impl SeqKind {
+    pub fn role(&self) -> Role {
+        match self {
+            SeqKind::Prefill => Role::Prefill,
+            SeqKind::Generate { .. } => Role::Generate,
+        }
+    }
 }
 
 impl SeqSpec {
-    /// A prompt to generate from, computed here.
+    /// A prompt to generate from, computed here, its output as tokens.
     pub fn generate(prompt: Vec<u32>, params: GenerateParams) -> Self {
-        Self {
-            prompt,
-            params,
-            rng_position: 0,
-            role: Role::Generate,
-            text: false,
-            first_token: None,
-            seq: None,
-            resumed: Vec::new(),
-            handed_off: false,
-        }
+        let kind = SeqKind::Generate { text: false, from: Origin::Here };
+        Self { prompt, params, rng_position: 0, seq: None, kind }
     }
 }
 

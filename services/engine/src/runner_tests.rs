@@ -74,18 +74,19 @@ impl KvConnector for Pushed {
     }
 }
 
+/// A sequence of `role` from `prompt`; a generating one has text output.
 fn spec(prompt: &[u32], params: &GenerateParams, role: Role) -> SeqSpec {
-    SeqSpec {
-        prompt: prompt.to_vec(),
-        params: params.clone(),
-        rng_position: 0,
-        role,
-        text: role == Role::Generate,
-        first_token: None,
-        seq: None,
-        resumed: Vec::new(),
-        handed_off: false,
-    }
+    let kind = match role {
+        Role::Prefill => SeqKind::Prefill,
+        Role::Generate => SeqKind::Generate { text: true, from: Origin::Here },
+    };
+    SeqSpec { prompt: prompt.to_vec(), params: params.clone(), rng_position: 0, seq: None, kind }
+}
+
+/// Generating sequence `s`, its output starting as `from`.
+fn from(s: SeqSpec, from: Origin) -> SeqSpec {
+    let SeqKind::Generate { text, .. } = s.kind else { panic!("a prefill sequence") };
+    SeqSpec { kind: SeqKind::Generate { text, from }, ..s }
 }
 
 /// Steps `runner` until sequence 1 is done, cancelling it once `cancel_after` tokens came out.
@@ -153,11 +154,7 @@ fn decode_run(model: &std::sync::Arc<Model>, prompt: &[u32], c: &Case) -> Ended 
     let mut e = engine(model);
     let mut runner = BatchRunner::new(&e, 4, false);
     let mut pushed = Pushed { prompt_len: prompt.len(), blocks };
-    let s = SeqSpec {
-        first_token: Some(first_token),
-        text: true,
-        ..spec(prompt, &c.params, Role::Generate)
-    };
+    let s = from(spec(prompt, &c.params, Role::Generate), Origin::FirstToken(first_token));
     let out = runner.add(&mut e, &mut pushed, 1, s).expect("add");
     drive(&mut runner, &mut e, &mut pushed, out, c.cancel_after)
 }
@@ -380,18 +377,17 @@ fn bad_sequences_are_refused_before_any_step() {
     for (s, want) in [
         (SeqSpec { prompt: vec![], ..ok.clone() }, "empty"),
         (SeqSpec { prompt: vec![vocab], ..ok.clone() }, "outside the vocabulary"),
-        (SeqSpec { first_token: Some(vocab + 1), ..ok.clone() }, "outside the vocabulary"),
+        (from(ok.clone(), Origin::FirstToken(vocab + 1)), "outside the vocabulary"),
         (SeqSpec { params: params(0), ..ok.clone() }, "max_tokens"),
         (SeqSpec { prompt: vec![1; 256], ..ok.clone() }, "context"),
         (
             SeqSpec {
                 params: GenerateParams { stop_strings: vec!["x".into()], ..params(4) },
-                text: false,
+                kind: SeqKind::Generate { text: false, from: Origin::Here },
                 ..ok.clone()
             },
             "text",
         ),
-        (SeqSpec { role: Role::Prefill, first_token: Some(1), ..ok.clone() }, "first token"),
     ] {
         let e = add(s).to_string();
         assert!(e.contains(want), "{e} lacks {want:?}");
@@ -471,14 +467,13 @@ fn a_sequence_resumed_at_any_mark_continues_bit_identically() {
         },
     ] {
         let p = GenerateParams { sampling, ..params(24) };
-        let (plain, _) =
-            run_marked(&model, SeqSpec { text: true, ..spec(&prompt, &p, Role::Generate) });
+        let (plain, _) = run_marked(&model, spec(&prompt, &p, Role::Generate));
         // A stop string that begins with a character of the output and never completes holds
         // text back wherever that character comes out, so marks fall where text lags tokens.
         let c = plain.iter().flat_map(|(p, _)| p.text.chars()).nth(2).expect("long enough");
         let stops = vec![format!("{c}\u{1}"), "never in the output \u{2}".to_string()];
         let p = GenerateParams { stop_strings: stops, ..p };
-        let whole = SeqSpec { text: true, ..spec(&prompt, &p, Role::Generate) };
+        let whole = spec(&prompt, &p, Role::Generate);
         let (events, reason) = run_marked(&model, whole.clone());
         let text = |e: &[(Piece, Option<Mark>)]| e.iter().map(|(p, _)| p.text.clone()).collect();
         let tokens = |e: &[(Piece, Option<Mark>)]| -> Vec<u32> {
@@ -494,8 +489,10 @@ fn a_sequence_resumed_at_any_mark_continues_bit_identically() {
             }
             let resumed = SeqSpec {
                 rng_position: mark.rng_position,
-                resumed: generated.clone(),
-                ..whole.clone()
+                ..from(
+                    whole.clone(),
+                    Origin::Resumed { tokens: generated.clone(), first_token: None },
+                )
             };
             // Prefilled here, or the prompt's KV and first token from a prefill run.
             let (Ended::Prefilled { first_token }, blocks) =
@@ -504,7 +501,9 @@ fn a_sequence_resumed_at_any_mark_continues_bit_identically() {
                 panic!("prefill did not prefill");
             };
             let mut pushed = Pushed { prompt_len: prompt.len(), blocks };
-            let moved = SeqSpec { first_token: Some(first_token), ..resumed.clone() };
+            let again =
+                Origin::Resumed { tokens: generated.clone(), first_token: Some(first_token) };
+            let moved = from(resumed.clone(), again);
             for (how, (rest, r)) in [
                 ("prefilled here", run_marked(&model, resumed)),
                 ("pushed", run_marked_with(&model, moved, &mut pushed)),
@@ -528,15 +527,21 @@ fn resumed_tokens_are_checked() {
     let mut e = engine(&model);
     let mut runner = BatchRunner::new(&e, 4, true);
     let p = params(4);
-    let ok = SeqSpec { text: true, ..spec(&[1, 2, 3], &p, Role::Generate) };
+    let ok = spec(&[1, 2, 3], &p, Role::Generate);
     let vocab = model.config.vocab as u32;
+    let resumed = |tokens: Vec<u32>, first_token| Origin::Resumed { tokens, first_token };
     for (s, want) in [
-        (SeqSpec { resumed: vec![5; 4], ..ok.clone() }, "leave none of max_tokens"),
-        (SeqSpec { resumed: vec![5, vocab], ..ok.clone() }, "outside the vocabulary"),
-        (SeqSpec { resumed: vec![5], first_token: Some(6), ..ok.clone() }, "not the resumed"),
-        (SeqSpec { resumed: vec![5], role: Role::Prefill, text: false, ..ok.clone() }, "no output"),
+        (from(ok.clone(), resumed(vec![5; 4], None)), "leave none of max_tokens"),
+        (from(ok.clone(), resumed(vec![5, vocab], None)), "outside the vocabulary"),
+        (from(ok.clone(), resumed(vec![5], Some(6))), "not the resumed"),
+        (from(ok.clone(), resumed(vec![], None)), "no resumed tokens"),
+        (from(ok.clone(), Origin::HandedOff { tokens: vec![] }), "no resumed tokens"),
         (
-            SeqSpec { resumed: vec![5; 3], prompt: vec![1; 254], params: params(8), ..ok.clone() },
+            SeqSpec {
+                prompt: vec![1; 254],
+                params: params(8),
+                ..from(ok.clone(), resumed(vec![5; 3], None))
+            },
             "context",
         ),
     ] {
@@ -551,7 +556,7 @@ fn a_paused_sequence_moves_with_its_kv_or_stays_and_continues_bit_identically() 
     let prompt = model.tokenizer.encode(PROMPT).expect("tokenizes");
     let sampling = SamplingParams { temperature: 0.9, seed: 5, ..Default::default() };
     let p = GenerateParams { sampling, ..params(20) };
-    let whole = SeqSpec { text: true, ..spec(&prompt, &p, Role::Generate) };
+    let whole = spec(&prompt, &p, Role::Generate);
     let (events, reason) = run_marked(&model, whole.clone());
     let tokens = |e: &[(Piece, Option<Mark>)]| -> Vec<u32> {
         e.iter().flat_map(|(_, m)| m.iter().flat_map(|m| m.tokens.clone())).collect()
@@ -584,10 +589,8 @@ fn a_paused_sequence_moves_with_its_kv_or_stays_and_continues_bit_identically() 
         let blocks = runner.export(&e, 1).expect("paused");
         let mut pushed = Pushed { prompt_len: paused.kv_tokens, blocks };
         let moved = SeqSpec {
-            resumed: generated.clone(),
             rng_position: paused.mark.rng_position,
-            handed_off: true,
-            ..whole.clone()
+            ..from(whole.clone(), Origin::HandedOff { tokens: generated.clone() })
         };
         let (rest, r) = run_marked_with(&model, moved, &mut pushed);
         assert_eq!([generated.clone(), tokens(&rest)].concat(), want, "moved at event {at}");
@@ -630,7 +633,11 @@ fn logprob_reports_follow_their_tokens() {
             Some(blocks) => Box::new(Pushed { prompt_len: prompt.len(), blocks }),
             None => Box::new(NoConnector),
         };
-        let s = SeqSpec { first_token, ..spec(&prompt, &params, Role::Generate) };
+        let s = spec(&prompt, &params, Role::Generate);
+        let s = match first_token {
+            Some(t) => from(s, Origin::FirstToken(t)),
+            None => s,
+        };
         let mut out = runner.add(&mut e, connector.as_mut(), 1, s).expect("add");
         let (mut tokens, mut reports) = (Vec::new(), Vec::new());
         for _ in 0..100 {

@@ -10,8 +10,8 @@ use std::time::Instant;
 use bytes::Bytes;
 use pdmesh_common::convert::ms;
 use pdmesh_engine::{
-    BatchRunner, End, Engine, Event as RunEvent, GenerateParams, Output as RunOutput, Role,
-    SamplingParams, SeqSpec, Work,
+    BatchRunner, End, Engine, Event as RunEvent, GenerateParams, Output as RunOutput,
+    SamplingParams, SeqKind, SeqSpec, Work,
 };
 use pdmesh_kv_transfer::{Export, KvPiece, PushConnector, PushJob, PushMode};
 use tokio::sync::mpsc;
@@ -183,12 +183,8 @@ impl PrefillCore {
             prompt: job.prompt,
             params: GenerateParams { sampling: job.sampling, max_tokens: 1, ..Default::default() },
             rng_position: job.rng_position,
-            role: Role::Prefill,
-            text: false,
-            first_token: None,
             seq: None,
-            resumed: Vec::new(),
-            handed_off: false,
+            kind: SeqKind::Prefill,
         };
         if let Err(e) = self.runner.add(&mut self.engine, &mut self.push, id, spec) {
             self.push.remove(id);

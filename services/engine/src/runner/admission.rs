@@ -4,7 +4,9 @@
 
 use std::collections::VecDeque;
 
-use super::{BatchRunner, End, Output, Role, SeqSpec, Slot, accept};
+use super::{
+    BatchRunner, End, GenerateParams, Origin, Output, Role, SeqKind, SeqSpec, Slot, accept,
+};
 use crate::connector::KvConnector;
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -39,70 +41,74 @@ impl BatchRunner {
         if spec.params.max_tokens == 0 {
             return Err(Error::invalid("max_tokens must be at least 1"));
         }
-        if let Some(t) = spec.prompt.iter().chain(&spec.first_token).find(|&&t| t >= vocab) {
+        let SeqSpec { prompt, params, rng_position, seq, kind } = spec;
+        let role = kind.role();
+        let (text, from) = match kind {
+            SeqKind::Prefill => (false, Origin::Here),
+            SeqKind::Generate { text, from } => (text, from),
+        };
+        let resumed = from.resumed().to_vec();
+        if let Some(t) = prompt.iter().chain(&from.first_token()).find(|&&t| t >= vocab) {
             return Err(Error::invalid(format!("token id {t} is outside the vocabulary")));
         }
         // A prefill sequence ends at its first token whatever the rules say; they apply where
         // it is decoded.
-        if spec.role == Role::Generate && !spec.text && !spec.params.stop_strings.is_empty() {
+        if role == Role::Generate && !text && !params.stop_strings.is_empty() {
             return Err(Error::invalid("stop strings need text output"));
         }
-        if spec.first_token.is_some() && spec.role == Role::Prefill {
-            return Err(Error::invalid("a prefill sequence samples its own first token"));
+        match &from {
+            Origin::Resumed { tokens, first_token } => {
+                check_resumed(&prompt, &params, tokens, *first_token, ctx, vocab)?;
+            }
+            Origin::HandedOff { tokens } => {
+                check_resumed(&prompt, &params, tokens, None, ctx, vocab)?
+            }
+            Origin::Here | Origin::FirstToken(_) => {}
         }
-        if spec.handed_off && (spec.resumed.is_empty() || spec.first_token.is_some()) {
-            return Err(Error::invalid(
-                "a handed-off sequence continues from its resumed tokens, without a first token",
-            ));
-        }
-        if !spec.resumed.is_empty() {
-            check_resumed(&spec, ctx, vocab)?;
-        }
-        let sampler = Sampler::resume(spec.params.sampling.clone(), spec.rng_position)?;
-        let blocks = match spec.role {
-            Role::Prefill => spec.prompt.len(),
-            Role::Generate => (spec.prompt.len() + spec.params.max_tokens).min(ctx),
+        let sampler = Sampler::resume(params.sampling.clone(), rng_position)?;
+        let blocks = match role {
+            Role::Prefill => prompt.len(),
+            Role::Generate => (prompt.len() + params.max_tokens).min(ctx),
         }
         .div_ceil(engine.config().block_size);
         if self.promise_blocks && blocks > engine.kv().total_blocks() {
             return Err(Error::KvExhausted { needed: blocks, free: engine.kv().total_blocks() });
         }
-        let mut text = spec.text.then(|| TextStream::new(spec.params.stop_strings.clone()));
+        let mut text = text.then(|| TextStream::new(params.stop_strings.clone()));
         if let Some(text) = &mut text {
             // The client has this output already: only the stream's state is wanted.
-            for &t in &spec.resumed {
+            for &t in &resumed {
                 if let Pushed::Stopped(_) = text.push(&self.model.tokenizer, t) {
                     return Err(Error::invalid("the resumed tokens already end in a stop string"));
                 }
             }
         }
-        let mut replay: VecDeque<u32> = spec.resumed.iter().copied().collect();
-        let mut prompt_len = spec.prompt.len();
-        let next = if spec.handed_off {
+        let mut replay: VecDeque<u32> = resumed.iter().copied().collect();
+        let mut prompt_len = prompt.len();
+        let (next, first_token) = match from {
             // Its KV came with it: only the last token is left to feed.
-            prompt_len += replay.len() - 1;
-            let last = replay.pop_back();
-            replay.clear();
-            last
-        } else {
-            match spec.first_token {
-                // The prompt's first token again: decoding starts from it, as it did.
-                Some(_) if !replay.is_empty() => replay.pop_front(),
-                _ => None,
+            Origin::HandedOff { .. } => {
+                prompt_len += replay.len() - 1;
+                let last = replay.pop_back();
+                replay.clear();
+                (last, None)
             }
+            // The prompt's first token again: decoding starts from it, as it did.
+            Origin::Resumed { first_token: Some(_), .. } => (replay.pop_front(), None),
+            Origin::FirstToken(t) => (None, Some(t)),
+            Origin::Here | Origin::Resumed { first_token: None, .. } => (None, None),
         };
-        let first_token = if next.is_some() { None } else { spec.first_token };
         let mut slot = Slot {
-            seq: spec.seq,
+            seq,
             admitted: false,
             prompt_len,
-            history: [spec.prompt, spec.resumed.clone()].concat(),
+            generated: resumed.len(),
+            history: [prompt, resumed].concat(),
             sampler,
             text,
-            params: spec.params,
-            role: spec.role,
+            params,
+            role,
             next,
-            generated: spec.resumed.len(),
             unmarked: Vec::new(),
             unmarked_logprobs: Vec::new(),
             replay,
@@ -191,30 +197,37 @@ impl BatchRunner {
 }
 
 /// Checks a resumed sequence's tokens against its prompt, rules and first token.
-fn check_resumed(spec: &SeqSpec, ctx: usize, vocab: u32) -> Result<()> {
-    let n = spec.resumed.len();
-    if spec.role == Role::Prefill {
-        return Err(Error::invalid("a prefill sequence has no output to resume"));
+fn check_resumed(
+    prompt: &[u32],
+    params: &GenerateParams,
+    resumed: &[u32],
+    first_token: Option<u32>,
+    ctx: usize,
+    vocab: u32,
+) -> Result<()> {
+    let n = resumed.len();
+    if n == 0 {
+        return Err(Error::invalid("a resumed sequence has no resumed tokens"));
     }
-    if n >= spec.params.max_tokens {
-        let max = spec.params.max_tokens;
+    if n >= params.max_tokens {
+        let max = params.max_tokens;
         return Err(Error::invalid(format!("{n} resumed tokens leave none of max_tokens {max}")));
     }
-    if spec.prompt.len() + n >= ctx {
+    if prompt.len() + n >= ctx {
         return Err(Error::invalid(format!(
             "{n} resumed tokens past a prompt of {} fill the context of {ctx}",
-            spec.prompt.len()
+            prompt.len()
         )));
     }
-    if let Some(t) = spec.resumed.iter().find(|&&t| t >= vocab) {
+    if let Some(t) = resumed.iter().find(|&&t| t >= vocab) {
         return Err(Error::invalid(format!("resumed token id {t} is outside the vocabulary")));
     }
-    if let Some(t) = spec.first_token
-        && t != spec.resumed[0]
+    if let Some(t) = first_token
+        && t != resumed[0]
     {
         return Err(Error::invalid(format!(
             "the first token {t} is not the resumed stream's first, {}",
-            spec.resumed[0]
+            resumed[0]
         )));
     }
     Ok(())
