@@ -4,6 +4,12 @@ set shell := ["bash", "-euo", "pipefail", "-c"]
 
 model := "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 bench_venv := ".bench/venv"
+# What is expensive to build and the same for every clone on this machine (the test models and
+# their llama.cpp references, 5.5 GB and ~15 min; llama-cpp-python's wheel, ~4 min) lives here,
+# outside the clone, so a fresh clone reuses it. Each entry is checked or keyed, never trusted
+# blindly: the models by make_test_models.py's manifest of input hashes, the wheel by this
+# CPU's flags (it is built for them).
+cache := env_var_or_default("PDMESH_CACHE", env_var_or_default("XDG_CACHE_HOME", env_var("HOME") / ".cache") / "pdmesh")
 # NVRTC (the CUDA kernel compiler, a library loaded at run time) from its PyPI wheel.
 nvrtc_lib := justfile_directory() / ".bench/nvrtc/nvidia/cuda_nvrtc/lib"
 ptxas := justfile_directory() / ".bench/nvrtc/nvidia/cuda_nvcc/bin/ptxas"
@@ -155,7 +161,7 @@ check-deploy: _llamacpp
 # The tokenizer's vocabulary fixtures in models/test/: vocab-only GGUFs (SentencePiece, and
 # byte-level BPE under each pre-tokenizer) with llama.cpp's token ids for them. Rebuilt when the
 # script or the test text is newer; needs llama-cpp-python (built the first time, ~4 min on 2 cores).
-vocab-fixtures: fetch-model _llamacpp
+vocab-fixtures: fetch-model _llamacpp _test-models-dir
     @[ models/test/vocab_fixtures.json -nt scripts/make_vocab_fixtures.py ] && \
         [ models/test/vocab_fixtures.json -nt tests/data/multilingual.txt ] || { \
         {{bench_venv}}/bin/pip install --quiet gguf==0.19.0 sentencepiece==0.2.3 && \
@@ -319,12 +325,12 @@ compare-llamacpp: system-deps fetch-model _llamacpp
 # Llama 3 / Qwen2 / Qwen3 / Mistral models in the same formats and a 1B-shaped one, each with
 # llama.cpp's reference logits and tokens (X.ref.json). Cached: a second run takes seconds.
 # `--only 'synth-qwen3-*'` builds a subset.
-fetch-test-models *args="": fetch-model _llamacpp
+fetch-test-models *args="": fetch-model _llamacpp _test-models-dir
     {{bench_venv}}/bin/pip install --quiet --disable-pip-version-check gguf==0.19.0 sentencepiece==0.2.3
     {{bench_venv}}/bin/python scripts/make_test_models.py {{args}}
 
 # The test models the tests read, with their llama.cpp references (~15 min cold, seconds warm).
-test-models: _llamacpp
+test-models: _llamacpp _test-models-dir
     just fetch-test-models --only 'smollm2-*,synth-llama3-[QFB]*,synth-llama3-1b-Q4_K_M,synth-qwen2-*,synth-qwen3-*,synth-mistral-*'
     {{bench_venv}}/bin/python scripts/arch_reference.py $(ls models/test/smollm2-*.gguf models/test/synth-{llama3-[QFB],llama3-1b-,qwen2-,qwen3-,mistral-}*.gguf)
     for kv in q8_0 q8_0-norot; do {{bench_venv}}/bin/python scripts/arch_reference.py --kv $kv models/test/{smollm2,synth-llama3,synth-qwen2,synth-qwen3,synth-mistral}-{Q8_0,Q4_K_M}.gguf; done
@@ -357,10 +363,25 @@ _openai: _llamacpp
     {{bench_venv}}/bin/python -m pip install --quiet --disable-pip-version-check openai==3.57.0
 
 _llamacpp:
-    @[ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null || { \
-        python3 -m venv {{bench_venv}} && \
+    #!/usr/bin/env bash
+    set -euo pipefail
+    [ -x {{bench_venv}}/bin/python ] && {{bench_venv}}/bin/python -c "import llama_cpp" 2>/dev/null && exit 0
+    python3 -m venv {{bench_venv}}
+    # Built for this CPU (GGML_NATIVE): the wheel is kept under a key of its flags.
+    cpu=$(grep -m1 '^flags' /proc/cpuinfo | sha256sum | cut -c1-16)
+    wheels="{{cache}}/wheels/llama-cpp-python-0.3.36-$cpu"
+    if ! ls "$wheels"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
+        mkdir -p "$wheels.tmp"
         CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-        {{bench_venv}}/bin/pip install --quiet llama-cpp-python==0.3.36 numpy; }
+            {{bench_venv}}/bin/pip wheel --quiet --no-deps --wheel-dir "$wheels.tmp" llama-cpp-python==0.3.36
+        rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
+    fi
+    {{bench_venv}}/bin/pip install --quiet --find-links "$wheels" llama-cpp-python==0.3.36 numpy
+
+# models/test, where the tests read the test models, is the machine's cache of them (see
+# `cache`) unless this clone already has a directory of its own there.
+_test-models-dir:
+    @[ -e models/test ] || { mkdir -p models "{{cache}}/test-models" && ln -s "{{cache}}/test-models" models/test; }
 
 # The prefix cache: TTFT with a 2,000-token system prompt cold vs cached, then the first 1,000
 # requests of the conversation trace per placement policy and KV-store budget (~40 min).
