@@ -381,7 +381,15 @@ _llamacpp:
 # models/test, where the tests read the test models, is the machine's cache of them (see
 # `cache`) unless this clone already has a directory of its own there.
 _test-models-dir:
-    @[ -e models/test ] || { mkdir -p models "{{cache}}/test-models" && ln -s "{{cache}}/test-models" models/test; }
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if [ -L models/test ]; then
+        # A link whose cache was emptied: the directory is made again, the link kept.
+        mkdir -p "$(readlink models/test)"
+    elif [ ! -e models/test ]; then
+        mkdir -p models "{{cache}}/test-models"
+        ln -s "{{cache}}/test-models" models/test
+    fi
 
 # The prefix cache: TTFT with a 2,000-token system prompt cold vs cached, then the first 1,000
 # requests of the conversation trace per placement policy and KV-store budget (~40 min).

@@ -296,39 +296,6 @@ impl Engine {
         self.kv.total_blocks() * self.kv.geometry().bytes_per_block()
     }
 
-    /// The KV pool's memory, for a transport to register: one allocation that never moves or
-    /// grows, kept alive by the region itself; block `b` starts at
-    /// `addr + b * bytes_per_block`.
-    pub fn kv_memory(&self) -> MemoryRegion {
-        self.device.store().region()
-    }
-
-    /// Moves the KV pool into `memory` (host memory of `kv_bytes()` that a transport
-    /// allocated for its peers to reach). Only before the engine holds any KV: blocks are not
-    /// carried over, and regions handed out earlier keep naming the old memory.
-    pub fn rehome_kv(&mut self, memory: HostMemory) -> Result<()> {
-        if self.kv.free_blocks() != self.kv.total_blocks() {
-            return Err(Error::invalid("the KV pool moves only while it holds no KV"));
-        }
-        self.device.store_mut().rehome(memory).map_err(|e| Error::KvAlloc(e.to_string()))
-    }
-
-    /// `len` zeroed bytes of host memory that `write_block` copies from fastest (page-locked
-    /// for a GPU): a transport's staging area for a pool it cannot reach itself.
-    pub fn kv_staging_memory(&self, len: usize) -> Result<HostMemory> {
-        self.device.store().staging(len).map_err(|e| Error::KvAlloc(e.to_string()))
-    }
-
-    /// Fresh host memory a transport allocated for staging (its shared memory), made as
-    /// fast to copy into the pool from as `kv_staging_memory`'s (page-locked for a GPU). On
-    /// failure the memory comes back, usable but slower, with the reason.
-    pub fn kv_pin(
-        &self,
-        memory: HostMemory,
-    ) -> std::result::Result<HostMemory, (HostMemory, Error)> {
-        self.device.store().pin(memory).map_err(|(m, e)| (m, Error::KvAlloc(e.to_string())))
-    }
-
     /// The layout of this engine's KV blocks: what a peer must match to exchange them.
     pub fn kv_layout(&self) -> KvLayout {
         KvLayout { model_fingerprint: self.model.fingerprint, geometry: *self.kv.geometry() }
@@ -541,7 +508,8 @@ impl Engine {
     }
 }
 
-/// A transport offers the engine's pool through this, without linking the engine.
+/// A transport offers the engine's pool through this, without linking the engine (the
+/// trait's documentation is the contract).
 impl pdmesh_kv_types::KvPool for Engine {
     fn kv_geometry(&self) -> pdmesh_kv_types::KvGeometry {
         *self.kv.geometry()
@@ -552,18 +520,28 @@ impl pdmesh_kv_types::KvPool for Engine {
     }
 
     fn kv_memory(&self) -> MemoryRegion {
-        Engine::kv_memory(self)
+        self.device.store().region()
     }
 
     fn rehome_kv(&mut self, memory: HostMemory) -> std::result::Result<(), String> {
-        Engine::rehome_kv(self, memory).map_err(|e| e.to_string())
+        // Blocks are not carried over, and regions handed out earlier keep naming the old
+        // memory: only an empty pool moves.
+        if self.kv.free_blocks() != self.kv.total_blocks() {
+            return Err(Error::invalid("the KV pool moves only while it holds no KV").to_string());
+        }
+        self.device.store_mut().rehome(memory).map_err(|e| kv_alloc(&e))
     }
 
     fn kv_staging_memory(&self, len: usize) -> std::result::Result<HostMemory, String> {
-        Engine::kv_staging_memory(self, len).map_err(|e| e.to_string())
+        self.device.store().staging(len).map_err(|e| kv_alloc(&e))
     }
 
     fn kv_pin(&self, memory: HostMemory) -> std::result::Result<HostMemory, (HostMemory, String)> {
-        Engine::kv_pin(self, memory).map_err(|(m, e)| (m, e.to_string()))
+        self.device.store().pin(memory).map_err(|(m, e)| (m, kv_alloc(&e)))
     }
+}
+
+/// A KV memory failure as the engine words it.
+fn kv_alloc(e: &impl std::fmt::Display) -> String {
+    Error::KvAlloc(e.to_string()).to_string()
 }
