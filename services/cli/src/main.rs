@@ -266,10 +266,17 @@ fn tool(args: Vec<OsString>) -> anyhow::Result<()> {
     Err(anyhow::Error::new(e).context(format!("running {}", tools.display())))
 }
 
+/// The command line, parsed with each service flag's help showing its config's default.
+fn cli() -> Cli {
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = serve::document_defaults(Cli::command()).get_matches();
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 fn main() -> std::process::ExitCode {
     // The transports beyond gRPC this binary carries: one line each (`kv_transport` names).
     pdmesh_kv_ucx::register();
-    let cli = Cli::parse();
+    let cli = cli();
     if let Err(e) = init_tls(&cli) {
         eprintln!("error: {}", pdmesh_cli::describe(&e));
         return std::process::ExitCode::FAILURE;
@@ -295,5 +302,67 @@ fn main() -> std::process::ExitCode {
             eprintln!("error: {}", pdmesh_cli::describe(&e));
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::{Cli, Command};
+
+    /// A node's flags set only what was given (so the file's and the environment's values stay
+    /// underneath), under the config's own keys, nested tables included.
+    #[test]
+    fn service_flags_write_back_only_what_was_given() {
+        let cli = Cli::try_parse_from([
+            "pdmesh",
+            "decode",
+            "--kv-blocks",
+            "9",
+            "--router",
+            "a:1",
+            "--router",
+            "b:2",
+            "--kv-shared-pool",
+            "false",
+        ])
+        .expect("parses");
+        let Command::Decode(a) = cli.command else { panic!("a decode command") };
+        let written = serde_json::to_value(&a.settings).expect("serializes");
+        let want = serde_json::json!({
+            "routers": ["a:1", "b:2"],
+            "kv_shared_pool": false,
+            "engine": {"kv_blocks": 9},
+        });
+        assert_eq!(written, want);
+        let e = Cli::try_parse_from(["pdmesh", "router", "--max-queued", "many"])
+            .expect_err("not a number");
+        assert!(e.to_string().contains("--max-queued"), "{e}");
+    }
+
+    /// `--help` shows each service's own defaults, from its config's `Default`: a decode node's
+    /// lease is not a KV-store's.
+    #[test]
+    fn help_shows_each_services_defaults() {
+        let cmd = super::serve::document_defaults(Cli::command());
+        cmd.clone().debug_assert();
+        let help = |sub: &str, arg: &str| {
+            let c = cmd.find_subcommand(sub).expect("a service command");
+            let a = c.get_arguments().find(|a| a.get_id() == arg).expect("a flag");
+            a.get_help().expect("help").to_string()
+        };
+        let decode = pdmesh_decode::DecodeConfig::default().lease_ms;
+        let kvstore = pdmesh_kvstore::KvStoreConfig::default().lease_ms;
+        assert_ne!(decode, kvstore, "the check needs two different defaults");
+        assert!(help("decode", "lease_ms").ends_with(&format!("[default: {decode}]")));
+        assert!(help("kvstore", "lease_ms").ends_with(&format!("[default: {kvstore}]")));
+        let blocks = pdmesh_decode::DecodeConfig::default().engine.kv_blocks;
+        assert!(help("decode", "kv_blocks").ends_with(&format!("[default: {blocks}]")));
+        // A nested table's (`[planner]`) too.
+        let slo = serde_json::json!(pdmesh_router::planner::PlannerConfig::default().ttft_slo_ms);
+        assert!(help("router", "ttft_slo_ms").ends_with(&format!("[default: {slo}]")));
+        // Unset by default: no default to show.
+        assert!(!help("kvstore", "advertise").contains("[default"));
     }
 }

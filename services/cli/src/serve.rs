@@ -4,27 +4,17 @@
 //! `pdmesh up` and the test harness wait for), and it stops cleanly on Ctrl-C or SIGTERM.
 
 use std::io::Write;
-use std::path::Path;
 
 use anyhow::Context;
 use pdmesh_cli::process::shutdown_signal;
 use pdmesh_common::metrics::Metrics;
 use pdmesh_common::tls::MeshRole;
-use pdmesh_kv_transfer::PushMode;
 use serde::Serialize;
 
 mod flags;
 mod fleet;
 
-pub use flags::{DecodeArgs, KvStoreArgs, NodeFlags, PrefillArgs, RouterArgs};
-
-#[derive(Serialize)]
-struct NodeOverlay<'a, X: Serialize> {
-    #[serde(flatten)]
-    node: &'a NodeFlags,
-    #[serde(flatten)]
-    extra: X,
-}
+pub use flags::{DecodeArgs, KvStoreArgs, PrefillArgs, ProcessFlags, RouterArgs};
 
 fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
@@ -45,42 +35,6 @@ async fn bind_and_announce(
     writeln!(out, "pdmesh {service} {what} {addr}")?;
     out.flush()?;
     Ok(l)
-}
-
-#[derive(Serialize)]
-struct DecodeExtra {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    lease_ms: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    drain_grace_ms: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    itl_target_ms: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_shared_pool: Option<bool>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_staging: Option<pdmesh_kv_transfer::KvStaging>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_staging_mb: Option<u64>,
-}
-
-#[derive(Serialize)]
-struct PrefillExtra {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_push: Option<PushMode>,
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    kv_verify: bool,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_stall_ms: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_stall_floor_mbit: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kvstore: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    cache_bytes: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    fault_transfer_delay_ms: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    fault_skip_block_event: Option<u64>,
 }
 
 /// What differs between the service commands; everything else goes through `start`.
@@ -284,9 +238,8 @@ fn settle_identity<C: Service>(cfg: &mut C) -> anyhow::Result<()> {
 /// Loads a service's config (defaults → file → env → `overlay`), binds, announces the address
 /// and runs until a signal.
 fn start<C: Service>(
-    file: Option<&Path>,
+    process: &ProcessFlags,
     overlay: &impl Serialize,
-    watch_stdin: bool,
     sim_nodes: usize,
 ) -> anyhow::Result<()> {
     let rt = runtime(C::ASYNC_THREADS)?;
@@ -295,6 +248,7 @@ fn start<C: Service>(
         let _in_runtime = rt.enter();
         pdmesh_common::telemetry::init(C::TRACE_NAME)?
     };
+    let file = process.config.as_deref();
     let mut cfg: C = pdmesh_common::load_config(&C::default(), file, C::ENV_PREFIX, overlay)?;
     cfg.check().map_err(|e| anyhow::anyhow!("invalid config: {e}"))?;
     settle_identity(&mut cfg)?;
@@ -304,7 +258,7 @@ fn start<C: Service>(
     if telemetry.exporting() {
         tracing::info!(service = C::TRACE_NAME, "exporting spans over OTLP");
     }
-    let shutdown = Box::pin(shutdown_signal(watch_stdin));
+    let shutdown = Box::pin(shutdown_signal(process.exit_with_stdin));
     let served = if sim_nodes != 1 {
         rt.block_on(fleet::run(cfg, sim_nodes, shutdown))
     } else {
@@ -343,51 +297,61 @@ async fn serve<C: Service>(cfg: C, shutdown: Shutdown) -> anyhow::Result<()> {
 }
 
 pub fn decode(a: DecodeArgs) -> anyhow::Result<()> {
-    let overlay = NodeOverlay {
-        node: &a.node,
-        extra: DecodeExtra {
-            lease_ms: a.lease_ms,
-            drain_grace_ms: a.drain_grace_ms,
-            itl_target_ms: a.itl_target_ms,
-            kv_shared_pool: a.kv_shared_pool,
-            kv_staging: a.kv_staging,
-            kv_staging_mb: a.kv_staging_mb,
-        },
-    };
-    start::<pdmesh_decode::DecodeConfig>(
-        a.node.config.as_deref(),
-        &overlay,
-        a.node.exit_with_stdin,
-        a.node.sim_nodes,
-    )
+    start::<pdmesh_decode::DecodeConfig>(&a.process, &a.settings, a.fleet.sim_nodes)
 }
 
 pub fn prefill(a: PrefillArgs) -> anyhow::Result<()> {
-    let extra = PrefillExtra {
-        kv_push: a.kv_push,
-        kv_verify: a.kv_verify,
-        kv_stall_ms: a.kv_stall_ms,
-        kv_stall_floor_mbit: a.kv_stall_floor_mbit,
-        kvstore: a.kvstore,
-        cache_bytes: a.cache_bytes,
-        fault_transfer_delay_ms: a.fault_transfer_delay_ms,
-        fault_skip_block_event: a.fault_skip_block_event,
-    };
-    let overlay = NodeOverlay { node: &a.node, extra };
-    start::<pdmesh_prefill::PrefillConfig>(
-        a.node.config.as_deref(),
-        &overlay,
-        a.node.exit_with_stdin,
-        a.node.sim_nodes,
-    )
+    start::<pdmesh_prefill::PrefillConfig>(&a.process, &a.settings, a.fleet.sim_nodes)
 }
 
 pub fn kvstore(a: KvStoreArgs) -> anyhow::Result<()> {
-    start::<pdmesh_kvstore::KvStoreConfig>(a.config.as_deref(), &a, a.exit_with_stdin, 1)
+    start::<pdmesh_kvstore::KvStoreConfig>(&a.process, &a.settings, 1)
 }
 
 pub fn router(a: RouterArgs) -> anyhow::Result<()> {
-    start::<pdmesh_router::RouterConfig>(a.config.as_deref(), &a, a.exit_with_stdin, 1)
+    start::<pdmesh_router::RouterConfig>(&a.process, &a.settings, 1)
+}
+
+/// `--help` for the service commands, each flag with its setting's default.
+pub fn document_defaults(cli: clap::Command) -> clap::Command {
+    fn one<C: Service>(
+        cli: clap::Command,
+        keys: fn(&str, &mut Vec<(&'static str, String)>),
+    ) -> clap::Command {
+        let defaults = serde_json::to_value(C::default()).expect("configs serialize");
+        let mut all = Vec::new();
+        keys("", &mut all);
+        cli.mut_subcommand(C::NAME, |c| flags::with_defaults(c, &defaults, &all))
+    }
+    // `up`'s mesh-wide flags set one service's setting each: theirs is that setting's default.
+    let cli = cli.mut_subcommand("up", |up| {
+        fn json(v: impl Serialize) -> serde_json::Value {
+            serde_json::to_value(v).expect("configs serialize")
+        }
+        let decode = json(pdmesh_decode::DecodeConfig::default());
+        let prefill = json(pdmesh_prefill::PrefillConfig::default());
+        let router = json(pdmesh_router::RouterConfig::default());
+        let one = |up, defaults: &serde_json::Value, id: &'static str, pointer: &str| {
+            flags::with_defaults(up, defaults, &[(id, pointer.to_string())])
+        };
+        let up = one(up, &decode, "kv_blocks", "/engine/kv_blocks");
+        let up = one(up, &decode, "block_size", "/engine/block_size");
+        let up = one(up, &decode, "kv_dtype", "/engine/kv_dtype");
+        let up = one(up, &decode, "kv_transport", "/kv_transport");
+        let up = one(up, &prefill, "prefill_backend", "/engine/backend");
+        let up = one(up, &decode, "decode_backend", "/engine/backend");
+        let up = one(up, &prefill, "kv_push", "/kv_push");
+        let up = one(up, &prefill, "cache_bytes", "/cache_bytes");
+        let up = one(up, &router, "prefill_policy", "/prefill_policy");
+        let up = one(up, &router, "ttft_slo_ms", "/planner/ttft_slo_ms");
+        let up = one(up, &router, "itl_slo_ms", "/planner/itl_slo_ms");
+        let up = one(up, &router, "planner_window_s", "/planner/window_s");
+        one(up, &router, "planner_cooldown_s", "/planner/cooldown_s")
+    });
+    let cli = one::<pdmesh_router::RouterConfig>(cli, pdmesh_router::RouterFlags::setting_keys);
+    let cli = one::<pdmesh_prefill::PrefillConfig>(cli, pdmesh_prefill::PrefillFlags::setting_keys);
+    let cli = one::<pdmesh_decode::DecodeConfig>(cli, pdmesh_decode::DecodeFlags::setting_keys);
+    one::<pdmesh_kvstore::KvStoreConfig>(cli, pdmesh_kvstore::KvStoreFlags::setting_keys)
 }
 
 #[cfg(test)]

@@ -5,19 +5,24 @@ use pdmesh_engine::EngineSettings;
 use pdmesh_kv_transfer::{KvStaging, TransportKind};
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, pdmesh_settings::Settings)]
 #[serde(deny_unknown_fields, default)]
+#[settings(flags = DecodeFlags)]
 pub struct DecodeConfig {
     /// Address to listen on ("host:port"; port 0 picks a free one).
+    #[arg(value_name = "ADDR")]
     pub listen: String,
     /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
     /// no metrics endpoint.
+    #[arg(value_name = "ADDR")]
     pub metrics_listen: Option<String>,
     /// Address routers and prefill nodes dial (default: the bound address).
+    #[arg(value_name = "ADDR")]
     pub advertise: Option<String>,
     /// Name in statuses, logs and stats (default: "decode@<advertise>").
     pub node_id: Option<String>,
     /// Routers to register with.
+    #[arg(long = "router", value_name = "ADDR")]
     pub routers: Vec<String>,
     /// Requests decoding at once (the continuous batch).
     pub max_running: usize,
@@ -41,20 +46,26 @@ pub struct DecodeConfig {
     /// With UCX: keep the KV pool in shared memory that UCX allocates and offer it to writers
     /// on this host, which then copy KV in with one memcpy (see kv-transfer's `pool`). They
     /// could reach every block, not only their reservation's; false keeps writers to puts.
+    #[arg(value_name = "BOOL")]
     pub kv_shared_pool: bool,
     /// With UCX: whether writers put into the KV pool itself ("direct"), into host staging
     /// blocks that this node copies into the pool at each commit ("staged"), or "auto":
     /// direct where UCX reaches the pool's memory (host memory; a GPU's with a CUDA-enabled
     /// UCX), staged otherwise. Stats and traces show the path taken (`kv_path`).
+    #[arg(value_name = "auto|direct|staged")]
     pub kv_staging: KvStaging,
     /// Size of the staging area in MiB (page-locked host memory for a GPU pool; shared memory
     /// with `kv_shared_pool`), at most the pool's size. It holds the KV of transfers in
     /// flight; a reservation that finds it full takes its KV over a stream instead.
+    #[arg(value_name = "MIB")]
     pub kv_staging_mb: u64,
     /// Fault injection for tests: the engine thread panics at this step. None in production.
+    #[settings(hide)]
     pub fault_engine_panic_at_step: Option<u64>,
     /// Fault injection for tests: each engine step waits this long first. 0 in production.
+    #[settings(hide)]
     pub fault_step_delay_ms: u64,
+    #[settings(flatten = pdmesh_engine::EngineFlags)]
     pub engine: EngineSettings,
 }
 

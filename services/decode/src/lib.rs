@@ -21,7 +21,7 @@ use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use config::DecodeConfig;
+pub use config::{DecodeConfig, DecodeFlags};
 pub use error::{DecodeError, StartError};
 
 use crate::core::DecodeCore;

@@ -46,7 +46,7 @@ pub use runner::{
 };
 pub use sampler::{MAX_DEVICE_TOP_K, MAX_TOP_LOGPROBS, Sampler, SamplingParams, TokenLogprobs};
 pub use scheduler::{Scheduled, Scheduler, Work};
-pub use settings::{BackendName, EngineName, EngineSettings};
+pub use settings::{BackendName, EngineFlags, EngineName, EngineSettings};
 pub use sim::SimProfile;
 pub use text::{Piece, Pushed, TextStream};
 pub use tokenizer::{StreamDecoder, Tokenizer};

@@ -71,22 +71,29 @@ impl std::str::FromStr for EngineName {
     }
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, pdmesh_settings::Settings)]
 #[serde(deny_unknown_fields, default)]
+#[settings(flags = EngineFlags)]
 pub struct EngineSettings {
     /// A GGUF model (llama, qwen2 or qwen3 architecture).
+    #[arg(env = "PDMESH_MODEL")]
     pub model: PathBuf,
-    /// "real" (the default) or "sim".
+    /// real, or sim: no computation, each step takes the time the real engine would (see
+    /// --sim-profile) and tokens are a fixed function of the sequence; for driving the router
+    /// and planner with more nodes than this machine could compute for.
     pub engine: EngineName,
     /// With the sim engine: `pdmesh bench engine --json` output to take step times from
-    /// (default: the calibration pdmesh bundles).
+    /// (none: the calibration pdmesh bundles).
+    #[arg(value_name = "FILE")]
     pub sim_profile: Option<PathBuf>,
-    /// What computes: "cpu", "cuda" (the first GPU) or "cuda-emu" (the CUDA backend on its
-    /// emulated device).
+    /// What computes: cpu; cuda (the first NVIDIA GPU, through the driver found at run time);
+    /// or cuda-emu (the CUDA backend on an emulation of the GPU on this CPU: slow, for checking
+    /// it without a GPU).
     pub backend: BackendName,
     /// Compute threads (0 = one per core).
     pub threads: usize,
-    /// KV element type: "f16" or "f32".
+    /// KV cache element type: f16, f32, q8_0 (llama.cpp's 8-bit blocks with its Hadamard
+    /// rotation: half of f16's memory and transfer bytes) or q8_0-norot (without it).
     pub kv_dtype: String,
     /// Tokens per KV block.
     pub block_size: usize,
@@ -94,11 +101,15 @@ pub struct EngineSettings {
     pub kv_blocks: usize,
     /// Most tokens one engine step processes.
     pub max_batch_tokens: usize,
-    /// With a cuda backend: prompt matmuls of the quantized formats on the int8 tensor
-    /// cores, within a stated bound of the CPU's logits instead of bit for bit.
+    /// With a cuda backend: prompt matmuls of quantized weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+    /// and the K-quants) on the int8 tensor cores, within a stated bound of the CPU's logits
+    /// instead of bit for bit.
+    #[arg(value_name = "BOOL")]
     pub cuda_mma: bool,
-    /// With a cuda backend: prompt attention with flash attention's running softmax, within
-    /// a stated bound of the CPU's instead of bit for bit.
+    /// With a cuda backend: attention of batches with prompt tokens (f16/f32 KV) with flash
+    /// attention's running softmax, within a stated bound of the CPU's logits instead of bit
+    /// for bit.
+    #[arg(value_name = "BOOL")]
     pub cuda_flash: bool,
 }
 

@@ -6,22 +6,27 @@ use pdmesh_common::InvalidConfig;
 use pdmesh_kv_transfer::TransportKind;
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, pdmesh_settings::Settings)]
 #[serde(deny_unknown_fields, default)]
+#[settings(flags = KvStoreFlags)]
 pub struct KvStoreConfig {
     /// Address to listen on ("host:port"; port 0 picks a free one).
+    #[arg(value_name = "ADDR")]
     pub listen: String,
     /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
     /// no metrics endpoint.
+    #[arg(value_name = "ADDR")]
     pub metrics_listen: Option<String>,
     /// Name in statuses and logs (default: "kvstore@<advertised address>").
     pub node_id: Option<String>,
     /// Routers to report the blocks it holds to ("host:port", each a name that may stand for
     /// several), so their placement knows what any prefill node can read from it. None: it
     /// reports to no one, and routers count only the nodes' own caches.
+    #[arg(long = "router", value_name = "ADDR")]
     pub routers: Vec<String>,
     /// The address prefill nodes reach it at (their `--kvstore`); routers pair the two by it
     /// (default: the bound address).
+    #[arg(value_name = "ADDR")]
     pub advertise: Option<String>,
     /// Bytes of KV blocks held; least recently used unpinned blocks go when it is full.
     pub budget_bytes: u64,
@@ -32,8 +37,9 @@ pub struct KvStoreConfig {
     /// Time in-flight calls get to finish at shutdown.
     pub drain_ms: u64,
     /// The model whose KV is stored (its fingerprint and shape make the KV layout).
+    #[arg(env = "PDMESH_MODEL")]
     pub model: PathBuf,
-    /// KV element type of the mesh: "f16" or "f32".
+    /// KV element type of the mesh: f16, f32, q8_0 or q8_0-norot.
     pub kv_dtype: String,
     /// Tokens per KV block of the mesh.
     pub block_size: usize,

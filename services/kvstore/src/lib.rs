@@ -10,7 +10,7 @@ pub mod service;
 pub mod store;
 pub mod trace;
 
-pub use config::KvStoreConfig;
+pub use config::{KvStoreConfig, KvStoreFlags};
 pub use error::StartError;
 pub use service::KvStoreService;
 pub use store::{Matched, PutSlot, Store, StoreStats};

@@ -6,19 +6,24 @@ use pdmesh_kv_transfer::{PushMode, TransportKind};
 
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, pdmesh_settings::Settings)]
 #[serde(deny_unknown_fields, default)]
+#[settings(flags = PrefillFlags)]
 pub struct PrefillConfig {
     /// Address to listen on ("host:port"; port 0 picks a free one).
+    #[arg(value_name = "ADDR")]
     pub listen: String,
     /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
     /// no metrics endpoint.
+    #[arg(value_name = "ADDR")]
     pub metrics_listen: Option<String>,
     /// Address routers dial (default: the bound address).
+    #[arg(value_name = "ADDR")]
     pub advertise: Option<String>,
     /// Name in statuses, logs and stats (default: "prefill@<advertise>").
     pub node_id: Option<String>,
     /// Routers to register with.
+    #[arg(long = "router", value_name = "ADDR")]
     pub routers: Vec<String>,
     /// Prompts computed at once (their chunks share each step's token budget).
     pub max_running: usize,
@@ -39,28 +44,37 @@ pub struct PrefillConfig {
     /// "chunk"), "chunk" (after each chunk's step), "prompt" (after the whole prompt).
     pub kv_push: PushMode,
     /// Send a checksum of every block; the decode node verifies it (DATA_LOSS on mismatch).
+    #[settings(switch)]
     pub kv_verify: bool,
     /// A UCX session that completes nothing for this long (plus the time its oldest put's
     /// bytes take at `kv_stall_floor_mbit`) is given up, and its KV sent again over gRPC.
+    #[arg(value_name = "MS")]
     pub kv_stall_ms: u64,
     /// The slowest link rate a session is expected to move at, in Mbit/s.
+    #[arg(value_name = "MBIT")]
     pub kv_stall_floor_mbit: u64,
     /// The KV-store (prefix cache) to match prompts against and publish computed blocks to,
     /// "host:port"; none = no prefix cache.
+    #[arg(value_name = "ADDR")]
     pub kvstore: Option<String>,
     /// The node's own prefix cache: bytes of recently computed or fetched blocks it keeps and
     /// looks up before the KV-store (0 = none).
+    #[arg(value_name = "BYTES")]
     pub cache_bytes: u64,
     /// Longest a prefix-cache lookup may take; past it the prompt is computed in full.
     pub kvstore_timeout_ms: u64,
     /// Fault injection for tests: wait this long before sending each KV message, so a
     /// transfer stays in flight long enough to be interrupted. 0 in production.
+    #[settings(hide)]
     pub fault_transfer_delay_ms: u64,
     /// Fault injection for tests: the block event with this number is never sent to any
     /// router, so each sees a gap. 0 in production.
+    #[settings(hide)]
     pub fault_skip_block_event: u64,
     /// Fault injection for tests: the engine thread panics at this step. None in production.
+    #[settings(hide)]
     pub fault_engine_panic_at_step: Option<u64>,
+    #[settings(flatten = pdmesh_engine::EngineFlags)]
     pub engine: EngineSettings,
 }
 

@@ -21,7 +21,7 @@ use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-pub use config::PrefillConfig;
+pub use config::{PrefillConfig, PrefillFlags};
 pub use error::{PrefillError, StartError};
 
 use crate::core::PrefillCore;

@@ -7,31 +7,40 @@ use serde::{Deserialize, Serialize};
 
 use crate::placement::PrefillPolicy;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, pdmesh_settings::Settings)]
 #[serde(deny_unknown_fields, default)]
+#[settings(flags = RouterFlags)]
 pub struct RouterConfig {
     /// Where Prometheus scrapes `GET /metrics` ("host:port"; port 0 picks a free one); none =
     /// no metrics endpoint.
+    #[arg(value_name = "ADDR")]
     pub metrics_listen: Option<String>,
     /// The public `Generation` API: where clients dial ("host:port"; port 0 picks a free one).
+    #[arg(value_name = "ADDR")]
     pub listen: String,
     /// `Membership`: where nodes register and heartbeat (mutual TLS, nodes' certificates
     /// only). Port 0 picks a free one.
+    #[arg(value_name = "ADDR")]
     pub internal_listen: String,
     /// The OpenAI-compatible HTTP API (`/v1/chat/completions`, `/v1/completions`,
     /// `/v1/models`, `/health`): where its clients dial ("host:port"; port 0 picks one). HTTPS
     /// with the router's certificate when the mesh runs TLS. None = not served.
+    #[arg(value_name = "ADDR")]
     pub http_listen: Option<String>,
     /// The model's id in the HTTP API (`model` in requests, `/v1/models`); default: the
     /// model file's name without `.gguf`.
+    #[arg(value_name = "NAME")]
     pub served_model_name: Option<String>,
     /// A TOML file of hashed API keys, each mapped to a tenant (`pdmesh api-key` makes
     /// them); re-read when it changes. Required unless `allow_anonymous`.
+    #[arg(value_name = "FILE")]
     pub api_keys: Option<PathBuf>,
     /// Serve the public API without API keys (every caller is tenant "anonymous"): for a
     /// router behind a gateway that authenticates, or experiments.
+    #[settings(switch)]
     pub allow_anonymous: bool,
     /// The GGUF whose tokenizer, chat template and context the router validates against.
+    #[arg(env = "PDMESH_MODEL")]
     pub model: PathBuf,
     /// Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint.
     pub max_in_flight: usize,
@@ -100,6 +109,7 @@ pub struct RouterConfig {
     /// Time in-flight requests get to finish at shutdown.
     pub drain_ms: u64,
     /// How many nodes the load needs (`[planner]`): SLOs, headroom, bounds.
+    #[settings(flatten = crate::planner::PlannerFlags)]
     pub planner: crate::planner::PlannerConfig,
 }
 

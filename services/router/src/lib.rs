@@ -36,7 +36,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 pub use api::{Admitted, Event, Events, Finished, Router, Timings, Usage};
-pub use config::RouterConfig;
+pub use config::{RouterConfig, RouterFlags};
 pub use error::{RequestError, RouterError};
 
 use crate::mesh::Mesh;

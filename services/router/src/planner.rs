@@ -15,23 +15,30 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 /// The planner's settings (the router config's `[planner]`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, pdmesh_settings::Settings)]
 #[serde(deny_unknown_fields, default)]
+#[settings(flags = PlannerFlags)]
 pub struct PlannerConfig {
     /// Time-to-first-token objective: p90 above it with prompts queueing asks for a prefill
     /// node.
     pub ttft_slo_ms: f64,
     /// Inter-token objective: a decode node's capacity is what it delivers at this latency.
     pub itl_slo_ms: f64,
-    /// Share of a node's measured capacity to plan for (headroom for bursts).
+    /// Share of a node's measured capacity the planner plans for (headroom for bursts).
     pub target_utilization: f64,
     /// The measurements planned on: requests that ended in this last stretch.
+    #[arg(long = "planner-window-s")]
     pub window_s: u64,
     /// Fewer nodes only after the need stayed lower this long since the last change.
+    #[arg(long = "planner-cooldown-s")]
     pub cooldown_s: u64,
+    /// Fewest prefill nodes the planner asks for.
     pub min_prefill: u32,
+    /// Most prefill nodes the planner asks for.
     pub max_prefill: u32,
+    /// Fewest decode nodes the planner asks for.
     pub min_decode: u32,
+    /// Most decode nodes the planner asks for.
     pub max_decode: u32,
 }
 
