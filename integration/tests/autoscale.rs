@@ -71,8 +71,7 @@ async fn up_autoscale_grows_and_shrinks_both_pools_without_failing_a_request() {
         })
         .collect();
     until("both pools grew", Duration::from_secs(120), || {
-        child_pid(pid, "--node-id prefill-1").is_some()
-            && child_pid(pid, "--node-id decode-1").is_some()
+        child_pid(pid, "/prefill-1.toml").is_some() && child_pid(pid, "/decode-1.toml").is_some()
     })
     .await;
     // The new nodes registered and took part of the step: each answered a request of it.
@@ -88,8 +87,7 @@ async fn up_autoscale_grows_and_shrinks_both_pools_without_failing_a_request() {
     assert!(answered.load(Ordering::SeqCst) > 12, "the step was answered");
     // The load is gone: the extra nodes drain and exit, and the mesh still serves.
     until("both pools shrank", Duration::from_secs(90), || {
-        child_pid(pid, "--node-id prefill-1").is_none()
-            && child_pid(pid, "--node-id decode-1").is_none()
+        child_pid(pid, "/prefill-1.toml").is_none() && child_pid(pid, "/decode-1.toml").is_none()
     })
     .await;
     let s = GenerationClient::new(ch).generate(greedy(&prompt, 8)).await.unwrap().into_inner();

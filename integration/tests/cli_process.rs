@@ -217,7 +217,17 @@ fn up_restarts_a_node_that_dies() {
         v["tokens"].clone()
     };
     let want = tokens(&generate().expect("the mesh serves"));
-    let decode = child_pid(up.id(), "--node-id decode-0").expect("a decode node child");
+    let decode = child_pid(up.id(), "/decode-0.toml").expect("a decode node child");
+    // `up` hands each child its settings as a config file: what was asked for is in it.
+    let cmdline = std::fs::read(format!("/proc/{decode}/cmdline")).unwrap();
+    let args: Vec<String> =
+        cmdline.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+    let file = &args[args.iter().position(|a| a == "--config").expect("--config") + 1];
+    let config: toml::Table = std::fs::read_to_string(file).unwrap().parse().unwrap();
+    assert_eq!(config["node_id"].as_str(), Some("decode-0"));
+    assert_eq!(config["engine"]["threads"].as_integer(), Some(1));
+    assert_eq!(config["engine"]["model"].as_str(), model.to_str());
+    assert_eq!(config["routers"].as_array().map(Vec::len), Some(1));
     assert!(
         std::process::Command::new("kill")
             .args(["-9", &decode.to_string()])
@@ -234,7 +244,7 @@ fn up_restarts_a_node_that_dies() {
         assert!(std::time::Instant::now() < until, "the mesh did not serve again");
     };
     assert_eq!(tokens(&got), want);
-    let again = child_pid(up.id(), "--node-id decode-0").expect("the decode node is back");
+    let again = child_pid(up.id(), "/decode-0.toml").expect("the decode node is back");
     assert_ne!(again, decode);
     assert!(up.try_wait().unwrap().is_none(), "up stopped when a node died");
     let _ = std::process::Command::new("kill").args(["-TERM", &up.id().to_string()]).status();

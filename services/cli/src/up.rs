@@ -19,13 +19,19 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Args;
-use pdmesh_proto::v1::membership_client::MembershipClient;
-use pdmesh_proto::v1::{ListNodesRequest, Role};
 
 use pdmesh_cli::client::{API_KEY_FILE, KEY_RING_FILE, OPERATOR};
-use pdmesh_cli::process::{Proc, spawn_announcing, stop};
+use pdmesh_cli::process::stop;
 use pdmesh_kv_transfer::{PushMode, TransportKind};
 use pdmesh_router::placement::PrefillPolicy;
+
+mod children;
+mod supervise;
+
+use children::{NodeTemplate, Settings, router_config};
+use supervise::{
+    AUTOSCALE_EVERY, Launch, Supervised, autoscale, desired_nodes, start_node, wait_ready,
+};
 
 #[derive(Debug, Args)]
 pub struct UpArgs {
@@ -51,11 +57,11 @@ pub struct UpArgs {
     /// KV blocks per decode node.
     #[arg(long)]
     kv_blocks: Option<usize>,
-    /// Tokens per KV block on every node and the KV-store (default 16). Also the unit the
+    /// Tokens per KV block on every node and the KV-store. Also the unit the
     /// prefix cache shares.
     #[arg(long)]
     block_size: Option<usize>,
-    /// KV element type on every node and the KV-store: f16 (default), f32, q8_0 (llama.cpp's
+    /// KV element type on every node and the KV-store: f16, f32, q8_0 (llama.cpp's
     /// 8-bit blocks with its Hadamard rotation: half of f16's KV memory and transfer bytes)
     /// or q8_0-norot.
     #[arg(long)]
@@ -63,11 +69,11 @@ pub struct UpArgs {
     /// Prompts shorter than this are prefilled on the decode node (0 = never).
     #[arg(long, default_value_t = 0)]
     colocate_below_tokens: usize,
-    /// What prefill nodes compute on: cpu (default), cuda (the first GPU) or cuda-emu (see
+    /// What prefill nodes compute on: cpu, cuda (the first GPU) or cuda-emu (see
     /// `pdmesh prefill --help`).
     #[arg(long)]
     prefill_backend: Option<pdmesh_engine::BackendName>,
-    /// What decode nodes compute on: cpu (default), cuda or cuda-emu.
+    /// What decode nodes compute on: cpu, cuda or cuda-emu.
     #[arg(long)]
     decode_backend: Option<pdmesh_engine::BackendName>,
     /// Pin prefill nodes to these CPUs (taskset list, e.g. "0" or "0-1").
@@ -83,12 +89,12 @@ pub struct UpArgs {
     #[arg(long)]
     kv_push: Option<PushMode>,
     /// Bytes the KV-store (the shared prefix cache) holds; 0 runs the mesh without one.
-    #[arg(long, default_value_t = 1 << 30)]
+    #[arg(long, default_value_t = pdmesh_kvstore::KvStoreConfig::default().budget_bytes)]
     kvstore_budget_bytes: u64,
     /// How the router chooses prefill nodes: prefix-aware, least-load or round-robin.
     #[arg(long)]
     prefill_policy: Option<PrefillPolicy>,
-    /// Bytes of recent KV blocks each prefill node keeps itself (0 = none; default 128 MiB).
+    /// Bytes of recent KV blocks each prefill node keeps itself (0 = none).
     #[arg(long, value_name = "BYTES")]
     cache_bytes: Option<u64>,
     /// Give up if the mesh is not ready within this many seconds.
@@ -104,16 +110,16 @@ pub struct UpArgs {
     /// Most decode nodes --autoscale runs.
     #[arg(long, default_value_t = 3)]
     max_decode: usize,
-    /// The planner's time-to-first-token objective, in ms (router default: 2000).
+    /// The planner's time-to-first-token objective, in ms.
     #[arg(long)]
     ttft_slo_ms: Option<f64>,
-    /// The planner's inter-token objective, in ms (router default: 100).
+    /// The planner's inter-token objective, in ms.
     #[arg(long)]
     itl_slo_ms: Option<f64>,
-    /// Seconds of finished requests the planner plans on (router default: 30).
+    /// Seconds of finished requests the planner plans on.
     #[arg(long)]
     planner_window_s: Option<u64>,
-    /// Seconds the planner's need must stay lower before a pool shrinks (router default: 60).
+    /// Seconds the planner's need must stay lower before a pool shrinks.
     #[arg(long)]
     planner_cooldown_s: Option<u64>,
 }
@@ -220,7 +226,7 @@ async fn renew_certificates(issued: Issued, dir: PathBuf) {
 pub const LOOPBACK_HOSTS: [&str; 3] = ["localhost", "127.0.0.1", "::1"];
 
 /// The mesh's UCX seal key, in the credentials directory.
-const SEAL_KEY_FILE: &str = "mesh-seal.key";
+pub(super) const SEAL_KEY_FILE: &str = "mesh-seal.key";
 
 /// Makes the mesh's credentials in `dir`: a CA, one certificate per process named as the
 /// process is, the operator's, the operator's API key and the UCX seal key.
@@ -259,115 +265,34 @@ fn write_private(path: &Path, data: &str) -> anyhow::Result<()> {
 }
 
 async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
-    // Each process gets its own certificate, named as it is; or all run --insecure.
-    let tls = |name: &str| -> Vec<String> {
-        match dir {
-            Some(d) => vec![
-                "--tls-dir".into(),
-                d.display().to_string(),
-                "--tls-name".into(),
-                name.into(),
-                "--seal-key".into(),
-                d.join(SEAL_KEY_FILE).display().to_string(),
-            ],
-            None => vec!["--insecure".into()],
-        }
-    };
-    let keys = match dir {
-        Some(d) => vec!["--api-keys".into(), d.join(KEY_RING_FILE).display().to_string()],
-        None => vec!["--allow-anonymous".into()],
-    };
+    // The children's config files live as long as the mesh.
+    let configs = tempfile::Builder::new()
+        .prefix("pdmesh-up-")
+        .tempdir()
+        .context("making a directory for the children's config files")?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
-    let model = a.model.display().to_string();
+    let launch = Launch { tls_dir: dir.map(Path::to_path_buf), configs: configs.path().into() };
     let mut procs: Vec<Supervised> = Vec::new();
     let mut http_addr = String::new();
     let mut template: Option<NodeTemplate<'_>> = None;
     let result = async {
-        let mut router = Supervised::start(
-            "router",
-            None,
-            [
-                "router".into(),
-                "--listen".into(),
-                a.listen.clone(),
-                "--internal-listen".into(),
-                "127.0.0.1:0".into(),
-                "--http-listen".into(),
-                a.http_listen.clone(),
-                "--model".into(),
-                model.clone(),
-                "--colocate-below-tokens".into(),
-                a.colocate_below_tokens.to_string(),
-                "--metrics-listen".into(),
-                "127.0.0.1:0".into(),
-                "--min-prefill".into(),
-                a.prefill.max(1).to_string(),
-                "--max-prefill".into(),
-                a.most("prefill").max(1).to_string(),
-                "--min-decode".into(),
-                a.decode.to_string(),
-                "--max-decode".into(),
-                a.most("decode").to_string(),
-            ]
-            .into_iter()
-            .chain(a.ttft_slo_ms.iter().flat_map(|v| ["--ttft-slo-ms".into(), v.to_string()]))
-            .chain(a.itl_slo_ms.iter().flat_map(|v| ["--itl-slo-ms".into(), v.to_string()]))
-            .chain(a.planner_window_s.iter().flat_map(|v| ["--planner-window-s".into(), v.to_string()]))
-            .chain(a.planner_cooldown_s.iter().flat_map(|v| ["--planner-cooldown-s".into(), v.to_string()]))
-            .chain(a.prefill_policy.iter().flat_map(|p| ["--prefill-policy".into(), p.to_string()]))
-            .chain(tls("router"))
-            .chain(keys)
-            .collect::<Vec<String>>(),
-            4,
-        )
-        .await?;
+        let mut router = launch.start("router", None, Settings::Router(router_config(a, dir).into()), 4).await?;
         let (addr, internal) = (router.addrs[0].clone(), router.addrs[1].clone());
-        let http = router.addrs[2].clone();
-        // Restarted, it must be where clients and nodes already dial it.
-        router.pin("--listen", &addr);
-        router.pin("--internal-listen", &internal);
-        router.pin("--http-listen", &http);
-        http_addr = http;
+        http_addr = router.addrs[2].clone();
+        router.pin();
         procs.push(router);
         let kvstore = if a.kvstore_budget_bytes > 0 && a.prefill > 0 {
-            let args: Vec<String> = [
-                "kvstore".to_string(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--model".into(),
-                model.clone(),
-                "--budget-bytes".into(),
-                a.kvstore_budget_bytes.to_string(),
-                "--metrics-listen".into(),
-                "127.0.0.1:0".into(),
-                "--router".into(),
-                internal.clone(),
-                // Its certificate's name: the router hears it only as that.
-                "--node-id".into(),
-                "kvstore".into(),
-            ]
-            .into_iter()
-            .chain(a.block_size.iter().flat_map(|b| ["--block-size".into(), b.to_string()]))
-            .chain(a.kv_dtype.iter().flat_map(|d| ["--kv-dtype".into(), d.name().to_string()]))
-            .chain(a.kv_transport.iter().flat_map(|t| ["--kv-transport".into(), t.to_string()]))
-            .chain(tls("kvstore"))
-            .collect::<Vec<String>>();
-            let mut p = Supervised::start("kvstore", None, args, 1).await?;
+            let c = children::kvstore_config(a, &internal);
+            let mut p = launch.start("kvstore", None, Settings::KvStore(c.into()), 1).await?;
+            p.pin();
             let kaddr = p.addrs[0].clone();
-            p.pin("--listen", &kaddr);
             procs.push(p);
             Some(kaddr)
         } else {
             None
         };
-        template = Some(NodeTemplate {
-            a,
-            internal: internal.clone(),
-            threads,
-            kvstore: kvstore.clone(),
-            tls_dir: dir.map(Path::to_path_buf),
-        });
+        template = Some(NodeTemplate { a, internal: internal.clone(), threads, kvstore: kvstore.clone(), launch: launch.clone() });
         let template = template.as_ref().expect("just set");
         for (role, n) in [("prefill", a.prefill), ("decode", a.decode)] {
             for i in 0..n {
@@ -381,6 +306,7 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             a.decode,
             if kvstore.is_some() { ", a KV-store" } else { "" }
         );
+        println!("  each process's settings: {}/NAME.toml", configs.path().display());
         match dir {
             Some(d) => println!(
                 "  mutual TLS between its processes and API keys on {addr}; `pdmesh generate` \
@@ -443,274 +369,4 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
     stop(procs.iter_mut().filter_map(|p| p.proc.take()).collect()).await;
     eprintln!("pdmesh: mesh stopped");
     Ok(())
-}
-
-/// How often --autoscale reads the planner's decision.
-const AUTOSCALE_EVERY: Duration = Duration::from_secs(2);
-
-/// What every node of the mesh is started with; `start_node` adds its name.
-struct NodeTemplate<'a> {
-    a: &'a UpArgs,
-    internal: String,
-    threads: usize,
-    kvstore: Option<String>,
-    tls_dir: Option<PathBuf>,
-}
-
-/// Starts node `i` of `role` under supervision.
-async fn start_node(t: &NodeTemplate<'_>, role: &str, i: usize) -> anyhow::Result<Supervised> {
-    let a = t.a;
-    let name = format!("{role}-{i}");
-    let mut args = vec![
-        role.to_string(),
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--router".into(),
-        t.internal.clone(),
-        "--node-id".into(),
-        name.clone(),
-        "--model".into(),
-        a.model.display().to_string(),
-        "--threads".into(),
-        t.threads.to_string(),
-        "--metrics-listen".into(),
-        "127.0.0.1:0".into(),
-    ];
-    if let Some(b) = a.block_size {
-        args.extend(["--block-size".into(), b.to_string()]);
-    }
-    if let Some(d) = a.kv_dtype {
-        args.extend(["--kv-dtype".into(), d.name().to_string()]);
-    }
-    if let Some(tk) = &a.kv_transport {
-        args.extend(["--kv-transport".into(), tk.to_string()]);
-    }
-    let backend = if role == "prefill" { a.prefill_backend } else { a.decode_backend };
-    if let Some(b) = backend {
-        args.extend(["--backend".into(), b.to_string()]);
-    }
-    let cpus = if role == "prefill" {
-        if let Some(p) = &a.kv_push {
-            args.extend(["--kv-push".into(), p.to_string()]);
-        }
-        if let Some(b) = a.cache_bytes {
-            args.extend(["--cache-bytes".into(), b.to_string()]);
-        }
-        if let Some(k) = &t.kvstore {
-            args.extend(["--kvstore".into(), k.clone()]);
-        }
-        a.prefill_cpus.clone()
-    } else {
-        if let Some(b) = a.kv_blocks {
-            args.extend(["--kv-blocks".into(), b.to_string()]);
-        }
-        a.decode_cpus.clone()
-    };
-    match &t.tls_dir {
-        Some(d) => args.extend([
-            "--tls-dir".into(),
-            d.display().to_string(),
-            "--tls-name".into(),
-            name.clone(),
-            "--seal-key".into(),
-            d.join(SEAL_KEY_FILE).display().to_string(),
-        ]),
-        None => args.push("--insecure".into()),
-    }
-    let mut node = Supervised::start(&name, cpus, args, 1).await?;
-    node.role = Some(if role == "prefill" { Role::Prefill } else { Role::Decode });
-    Ok(node)
-}
-
-/// The planner's `pdmesh_planner_desired_nodes` (prefill, decode), scraped from the router's
-/// metrics endpoint (`http://ADDR/metrics`).
-async fn desired_nodes(endpoint: &str) -> anyhow::Result<(usize, usize)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let addr = endpoint.trim_start_matches("http://").trim_end_matches("/metrics");
-    let body = tokio::time::timeout(Duration::from_secs(2), async {
-        let mut tcp = tokio::net::TcpStream::connect(addr).await?;
-        tcp.write_all(b"GET /metrics HTTP/1.0\r\nHost: router\r\n\r\n").await?;
-        let mut body = String::new();
-        tcp.read_to_string(&mut body).await?;
-        anyhow::Ok(body)
-    })
-    .await
-    .context("the router's metrics did not answer in 2 s")??;
-    let gauge = |role: &str| -> anyhow::Result<usize> {
-        let series = format!("pdmesh_planner_desired_nodes{{role=\"{role}\"}} ");
-        let line = body
-            .lines()
-            .find_map(|l| l.strip_prefix(series.as_str()))
-            .with_context(|| format!("no {series}yet"))?;
-        Ok(line.trim().parse::<f64>()? as usize)
-    };
-    Ok((gauge("prefill")?, gauge("decode")?))
-}
-
-/// One step towards the planner's pools: a node started, or one drained, per role.
-async fn autoscale(
-    t: &NodeTemplate<'_>,
-    procs: &mut Vec<Supervised>,
-    (prefill, decode): (usize, usize),
-) {
-    let a = t.a;
-    for (role, name, want, least) in
-        [(Role::Prefill, "prefill", prefill, a.prefill), (Role::Decode, "decode", decode, a.decode)]
-    {
-        let want = want.clamp(least, a.most(name));
-        let serving: Vec<usize> = (0..procs.len())
-            .filter(|&i| procs[i].role == Some(role) && !procs[i].retiring)
-            .collect();
-        if want > serving.len() {
-            // The lowest free name, so names (and their certificates) are reused.
-            let taken = |i: usize| procs.iter().any(|p| p.name == format!("{name}-{i}"));
-            let Some(i) = (0..a.most(name)).find(|&i| !taken(i)) else { continue };
-            eprintln!("pdmesh: the planner wants {want} {name} nodes; starting {name}-{i}");
-            match start_node(t, name, i).await {
-                Ok(node) => procs.push(node),
-                Err(e) => eprintln!("pdmesh: starting {name}-{i} failed: {e:#}"),
-            }
-        } else if want < serving.len() {
-            let newest = *serving.last().expect("more serving than wanted");
-            let p = &mut procs[newest];
-            eprintln!("pdmesh: the planner wants {want} {name} nodes; draining {}", p.name);
-            p.retire();
-        }
-    }
-}
-
-/// First pause before restarting a process that died; it doubles with each quick death.
-const RESTART_BACKOFF: Duration = Duration::from_millis(500);
-/// The longest pause between restarts.
-const MAX_RESTART_BACKOFF: Duration = Duration::from_secs(30);
-/// A process that ran this long before dying is restarted without delay.
-const HEALTHY_RUN: Duration = Duration::from_secs(60);
-
-/// One child of the mesh, restarted when it dies.
-struct Supervised {
-    name: String,
-    cpus: Option<String>,
-    args: Vec<String>,
-    /// Addresses it announces (the router: public and internal).
-    announces: usize,
-    /// What it announced when it last started.
-    addrs: Vec<String>,
-    proc: Option<Proc>,
-    started: Instant,
-    /// Quick deaths in a row.
-    deaths: u32,
-    /// When it is to be started again, after a death.
-    due: Option<Instant>,
-    /// A node's role (--autoscale counts them).
-    role: Option<Role>,
-    /// Drained on purpose: not restarted when it exits.
-    retiring: bool,
-}
-
-impl Supervised {
-    async fn start(
-        name: &str,
-        cpus: Option<String>,
-        args: Vec<String>,
-        announces: usize,
-    ) -> anyhow::Result<Self> {
-        let (proc, addrs) = spawn_announcing(name, cpus.as_deref(), &args, announces).await?;
-        Ok(Self {
-            name: name.to_string(),
-            cpus,
-            args,
-            announces,
-            addrs,
-            proc: Some(proc),
-            started: Instant::now(),
-            deaths: 0,
-            due: None,
-            role: None,
-            retiring: false,
-        })
-    }
-
-    /// Drains it (SIGTERM: a decode node hands its streams to the others with their KV) and
-    /// lets it go.
-    fn retire(&mut self) {
-        self.retiring = true;
-        if let Some(p) = &self.proc {
-            p.terminate();
-        }
-    }
-
-    /// Sets `flag`'s value for later starts.
-    fn pin(&mut self, flag: &str, value: &str) {
-        if let Some(i) = self.args.iter().position(|a| a == flag) {
-            self.args[i + 1] = value.to_string();
-        }
-    }
-
-    /// Notices a death and schedules the restart; restarts when it is due.
-    async fn tend(&mut self, now: Instant) {
-        if let Some(why) = self.proc.as_mut().and_then(Proc::exited) {
-            self.proc = None;
-            if self.retiring {
-                eprintln!("pdmesh: {why}, drained");
-                return;
-            }
-            self.deaths =
-                if now.duration_since(self.started) >= HEALTHY_RUN { 0 } else { self.deaths + 1 };
-            let wait = (RESTART_BACKOFF * 2u32.saturating_pow(self.deaths.saturating_sub(1)))
-                .min(MAX_RESTART_BACKOFF);
-            let wait = if self.deaths == 0 { Duration::ZERO } else { wait };
-            eprintln!("pdmesh: {why}; restarting it in {wait:?}");
-            self.due = Some(now + wait);
-        }
-        if self.due.is_some_and(|d| now >= d) {
-            match spawn_announcing(&self.name, self.cpus.as_deref(), &self.args, self.announces)
-                .await
-            {
-                Ok((proc, addrs)) => {
-                    eprintln!("pdmesh: {} restarted on {}", self.name, addrs.join(", "));
-                    self.proc = Some(proc);
-                    self.addrs = addrs;
-                    self.started = Instant::now();
-                    self.due = None;
-                }
-                Err(e) => {
-                    self.deaths += 1;
-                    let wait = (RESTART_BACKOFF * 2u32.saturating_pow(self.deaths))
-                        .min(MAX_RESTART_BACKOFF);
-                    eprintln!("pdmesh: restarting {} failed: {e:#}; again in {wait:?}", self.name);
-                    self.due = Some(Instant::now() + wait);
-                }
-            }
-        }
-    }
-}
-
-async fn wait_ready(
-    addr: &str,
-    prefill: usize,
-    decode: usize,
-    timeout: Duration,
-) -> anyhow::Result<()> {
-    let until = Instant::now() + timeout;
-    let mut last = String::from("router not reachable");
-    while Instant::now() < until {
-        let channel = async {
-            pdmesh_common::tls::endpoint(addr, pdmesh_common::tls::MeshRole::Router)?
-                .connect()
-                .await
-        };
-        if let Ok(ch) = channel.await
-            && let Ok(r) = MembershipClient::new(ch).list_nodes(ListNodesRequest {}).await
-        {
-            let nodes = r.into_inner().nodes;
-            let count = |role: Role| nodes.iter().filter(|n| n.role == role as i32).count();
-            let (p, d) = (count(Role::Prefill), count(Role::Decode));
-            if p >= prefill && d >= decode {
-                return Ok(());
-            }
-            last = format!("{p}/{prefill} prefill and {d}/{decode} decode nodes registered");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    bail!("mesh not ready after {timeout:?}: {last}")
 }

@@ -1,0 +1,266 @@
+//! What `pdmesh up` hands each child: its whole config, built from `up`'s flags on top of the
+//! service's defaults, written as TOML for the child's `--config`.
+
+use std::path::Path;
+
+use pdmesh_cli::client::KEY_RING_FILE;
+
+use super::UpArgs;
+use super::supervise::Launch;
+
+/// One child's settings: `pdmesh up` writes them to the child's config file (every key, so
+/// the file says exactly what the child runs with) and hands it over with `--config`.
+#[derive(Debug, Clone)]
+pub(super) enum Settings {
+    Router(Box<pdmesh_router::RouterConfig>),
+    KvStore(Box<pdmesh_kvstore::KvStoreConfig>),
+    Prefill(Box<pdmesh_prefill::PrefillConfig>),
+    Decode(Box<pdmesh_decode::DecodeConfig>),
+}
+
+impl Settings {
+    pub(super) fn service(&self) -> &'static str {
+        match self {
+            Settings::Router(_) => "router",
+            Settings::KvStore(_) => "kvstore",
+            Settings::Prefill(_) => "prefill",
+            Settings::Decode(_) => "decode",
+        }
+    }
+
+    pub(super) fn toml(&self) -> Result<String, toml::ser::Error> {
+        match self {
+            Settings::Router(c) => toml::to_string(c),
+            Settings::KvStore(c) => toml::to_string(c),
+            Settings::Prefill(c) => toml::to_string(c),
+            Settings::Decode(c) => toml::to_string(c),
+        }
+    }
+
+    /// Restarted, a process others dial must be where they already dial it: its listeners
+    /// take the addresses it announced (`spawn_announcing`'s order). Nodes re-register
+    /// wherever they land.
+    pub(super) fn pin(&mut self, announced: &[String]) {
+        match self {
+            Settings::Router(c) => {
+                c.listen.clone_from(&announced[0]);
+                c.internal_listen.clone_from(&announced[1]);
+                c.http_listen = Some(announced[2].clone());
+            }
+            Settings::KvStore(c) => c.listen.clone_from(&announced[0]),
+            Settings::Prefill(_) | Settings::Decode(_) => {}
+        }
+    }
+}
+
+/// Where every process of the mesh listens for its metrics: any free port.
+pub(super) const ANY_PORT: &str = "127.0.0.1:0";
+
+/// The router's settings from `up`'s flags.
+pub(super) fn router_config(a: &UpArgs, dir: Option<&Path>) -> pdmesh_router::RouterConfig {
+    let mut c = pdmesh_router::RouterConfig {
+        listen: a.listen.clone(),
+        internal_listen: ANY_PORT.into(),
+        http_listen: Some(a.http_listen.clone()),
+        metrics_listen: Some(ANY_PORT.into()),
+        model: a.model.clone(),
+        colocate_below_tokens: a.colocate_below_tokens,
+        api_keys: dir.map(|d| d.join(KEY_RING_FILE)),
+        allow_anonymous: dir.is_none(),
+        ..Default::default()
+    };
+    let p = &mut c.planner;
+    p.min_prefill = count(a.prefill.max(1));
+    p.max_prefill = count(a.most("prefill").max(1));
+    p.min_decode = count(a.decode);
+    p.max_decode = count(a.most("decode"));
+    set(&mut p.ttft_slo_ms, a.ttft_slo_ms);
+    set(&mut p.itl_slo_ms, a.itl_slo_ms);
+    set(&mut p.window_s, a.planner_window_s);
+    set(&mut p.cooldown_s, a.planner_cooldown_s);
+    set(&mut c.prefill_policy, a.prefill_policy);
+    c
+}
+
+/// The KV-store's settings from `up`'s flags: the mesh's block size, dtype and transport.
+pub(super) fn kvstore_config(a: &UpArgs, router: &str) -> pdmesh_kvstore::KvStoreConfig {
+    let mut c = pdmesh_kvstore::KvStoreConfig {
+        listen: ANY_PORT.into(),
+        metrics_listen: Some(ANY_PORT.into()),
+        // Its certificate's name: the router hears it only as that.
+        node_id: Some("kvstore".into()),
+        routers: vec![router.to_string()],
+        budget_bytes: a.kvstore_budget_bytes,
+        model: a.model.clone(),
+        ..Default::default()
+    };
+    set(&mut c.block_size, a.block_size);
+    set(&mut c.kv_dtype, a.kv_dtype.map(|d| d.name().to_string()));
+    set(&mut c.kv_transport, a.kv_transport.clone());
+    c
+}
+
+/// A setting `up` was given, over the default.
+fn set<T>(setting: &mut T, given: Option<T>) {
+    if let Some(v) = given {
+        *setting = v;
+    }
+}
+
+/// A node count as the planner's settings hold it.
+fn count(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+/// What every node of the mesh is started with; `start_node` adds its name.
+pub(super) struct NodeTemplate<'a> {
+    pub(super) a: &'a UpArgs,
+    pub(super) internal: String,
+    pub(super) threads: usize,
+    pub(super) kvstore: Option<String>,
+    pub(super) launch: Launch,
+}
+
+/// A prefill or decode node's settings from `up`'s flags, and the CPUs it is pinned to.
+pub(super) fn node_settings(
+    t: &NodeTemplate<'_>,
+    prefill: bool,
+    name: &str,
+) -> (Settings, Option<String>) {
+    let a = t.a;
+    let mut engine = pdmesh_engine::EngineSettings {
+        model: a.model.clone(),
+        threads: t.threads,
+        ..if prefill {
+            pdmesh_prefill::PrefillConfig::default().engine
+        } else {
+            pdmesh_decode::DecodeConfig::default().engine
+        }
+    };
+    set(&mut engine.block_size, a.block_size);
+    set(&mut engine.kv_dtype, a.kv_dtype.map(|d| d.name().to_string()));
+    set(&mut engine.backend, if prefill { a.prefill_backend } else { a.decode_backend });
+    let (listen, metrics_listen) = (ANY_PORT.to_string(), Some(ANY_PORT.to_string()));
+    let (routers, node_id) = (vec![t.internal.clone()], Some(name.to_string()));
+    if prefill {
+        let mut c = pdmesh_prefill::PrefillConfig {
+            listen,
+            metrics_listen,
+            routers,
+            node_id,
+            kvstore: t.kvstore.clone(),
+            engine,
+            ..Default::default()
+        };
+        set(&mut c.kv_transport, a.kv_transport.clone());
+        set(&mut c.kv_push, a.kv_push);
+        set(&mut c.cache_bytes, a.cache_bytes);
+        (Settings::Prefill(c.into()), a.prefill_cpus.clone())
+    } else {
+        let mut c = pdmesh_decode::DecodeConfig {
+            listen,
+            metrics_listen,
+            routers,
+            node_id,
+            engine,
+            ..Default::default()
+        };
+        set(&mut c.kv_transport, a.kv_transport.clone());
+        set(&mut c.engine.kv_blocks, a.kv_blocks);
+        (Settings::Decode(c.into()), a.decode_cpus.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use pdmesh_kv_transfer::PushMode;
+
+    use super::super::supervise::Launch;
+    use super::*;
+
+    #[derive(Parser)]
+    struct Up {
+        #[command(flatten)]
+        a: UpArgs,
+    }
+
+    /// What `up` writes for a child reads back through the child's own loader as exactly the
+    /// settings `up` meant, and carries what its flags asked for.
+    fn reads_back<C>(s: &Settings, file: &Path) -> C
+    where
+        C: serde::Serialize + serde::de::DeserializeOwned + Default + PartialEq + std::fmt::Debug,
+    {
+        std::fs::write(file, s.toml().expect("serializes")).expect("written");
+        let none = serde_json::json!({});
+        pdmesh_common::load_config(&C::default(), Some(file), "PDMESH_TEST_UP_", &none)
+            .expect("loads")
+    }
+
+    #[test]
+    fn children_get_what_up_was_asked_for() {
+        let up = Up::try_parse_from([
+            "up",
+            "--prefill",
+            "2",
+            "--kv-dtype",
+            "q8_0",
+            "--kv-blocks",
+            "77",
+            "--ttft-slo-ms",
+            "500",
+            "--prefill-policy",
+            "least-load",
+            "--kv-push",
+            "chunk",
+            "--threads",
+            "3",
+        ])
+        .expect("parses");
+        let dir = tempfile::tempdir().expect("temp dir");
+        let file = dir.path().join("c.toml");
+        let r = router_config(&up.a, Some(dir.path()));
+        let back: pdmesh_router::RouterConfig =
+            reads_back(&Settings::Router(r.clone().into()), &file);
+        assert_eq!(back, r);
+        assert_eq!(
+            (r.planner.ttft_slo_ms, r.planner.min_prefill, r.planner.min_decode),
+            (500.0, 2, 1)
+        );
+        assert_eq!(r.prefill_policy, pdmesh_router::placement::PrefillPolicy::LeastLoad);
+        assert_eq!(r.api_keys, Some(dir.path().join(KEY_RING_FILE)));
+        assert!(!r.allow_anonymous, "with credentials the router takes keys");
+        assert!(router_config(&up.a, None).allow_anonymous, "--insecure runs without keys");
+        let launch = Launch { tls_dir: None, configs: dir.path().into() };
+        let t = NodeTemplate {
+            a: &up.a,
+            internal: "127.0.0.1:9".into(),
+            threads: 3,
+            kvstore: None,
+            launch,
+        };
+        let (decode, _) = node_settings(&t, false, "decode-0");
+        let Settings::Decode(d) = &decode else { panic!("a decode node") };
+        let back: pdmesh_decode::DecodeConfig = reads_back(&decode, &file);
+        assert_eq!(&back, &**d);
+        assert_eq!(
+            (d.engine.kv_blocks, d.engine.kv_dtype.as_str(), d.engine.threads),
+            (77, "q8_0", 3)
+        );
+        assert_eq!(
+            (d.node_id.as_deref(), d.routers.as_slice()),
+            (Some("decode-0"), &["127.0.0.1:9".to_string()][..])
+        );
+        let (prefill, _) = node_settings(&t, true, "prefill-1");
+        let Settings::Prefill(p) = &prefill else { panic!("a prefill node") };
+        let back: pdmesh_prefill::PrefillConfig = reads_back(&prefill, &file);
+        assert_eq!(&back, &**p);
+        assert_eq!(p.kv_push, PushMode::Chunk);
+        assert_eq!(
+            p.engine.kv_blocks,
+            pdmesh_prefill::PrefillConfig::default().engine.kv_blocks,
+            "--kv-blocks is the decode nodes'"
+        );
+    }
+}
