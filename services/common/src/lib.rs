@@ -17,6 +17,7 @@ pub mod gate;
 pub mod ids;
 pub mod membership;
 pub mod metrics;
+pub mod node;
 pub mod serve;
 pub mod status;
 pub mod telemetry;
@@ -25,4 +26,4 @@ pub mod trace;
 pub mod worker;
 
 pub use config::{ConfigError, InvalidConfig, load_config};
-pub use serve::{Exposure, bind, serve, serve_node};
+pub use serve::{Exposure, bind, serve};

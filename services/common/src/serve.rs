@@ -222,7 +222,7 @@ async fn refuse_plaintext(tcp: TcpStream, exposure: Exposure) {
 
 /// `serve`; once `unhealthy` is cancelled, health reports NOT_SERVING while calls are still
 /// answered (with whatever status the node can give).
-async fn serve_until(
+pub(crate) async fn serve_until(
     routes: Routes,
     names: &[&str],
     listener: TcpListener,
@@ -376,54 +376,6 @@ pub async fn drain_until_idle(what: &str, grace: Duration, busy: impl Fn() -> u3
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tracing::info!("drained");
-}
-
-/// How a worker node serves and takes part in the mesh.
-#[derive(Clone)]
-pub struct Node<'a> {
-    /// Fully-qualified service names reported healthy.
-    pub names: &'a [&'a str],
-    /// Time in-flight calls get to finish at shutdown.
-    pub drain: Duration,
-    /// Routers to attach to.
-    pub routers: &'a [String],
-    /// What it tells them.
-    pub joining: crate::membership::Joining,
-    /// Cancelled when the node can no longer do its work (its engine thread died).
-    pub died: CancellationToken,
-}
-
-impl std::fmt::Debug for Node<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Node").field("names", &self.names).field("routers", &self.routers).finish()
-    }
-}
-
-/// Serves a worker node: keeps it registered with its routers while it serves, leaves the
-/// mesh (stops heartbeating, so routers stop placing new requests on it) as soon as
-/// `shutdown` completes, then drains in-flight calls for at most `node.drain`. A node that
-/// dies deregisters at once and reports NOT_SERVING, answering calls until it is stopped.
-pub async fn serve_node(
-    routes: Routes,
-    listener: TcpListener,
-    shutdown: impl Future<Output = ()> + Send,
-    node: Node<'_>,
-) -> Result<(), tonic::transport::Error> {
-    let stop = CancellationToken::new();
-    let _membership =
-        crate::membership::spawn(node.routers, node.joining, stop.clone(), node.died.clone());
-    let leave = {
-        let stop = stop.clone();
-        async move {
-            shutdown.await;
-            stop.cancel();
-        }
-    };
-    let served =
-        serve_until(routes, node.names, listener, Exposure::Internal, leave, node.drain, node.died)
-            .await;
-    stop.cancel();
-    served
 }
 
 #[cfg(test)]

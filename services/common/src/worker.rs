@@ -5,7 +5,7 @@
 //! what expired or lost its client, and publishes the core's counts.
 //!
 //! A core that panics takes its thread down, and the node with it: `died` is cancelled, which
-//! takes the node out of the mesh at once (see `serve_node`), the outputs it held are dropped,
+//! takes the node out of the mesh at once (see `node::serve`), the outputs it held are dropped,
 //! which ends every in-flight request with a status naming the node, and new calls find the
 //! command channel closed.
 

@@ -13,11 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_common::metrics::{Family, Kind, Metrics};
+use pdmesh_common::node::{self, Identity, Membership, Worker};
 use pdmesh_common::worker::{COMMAND_QUEUE, Faults};
 use pdmesh_engine::Engine;
 use pdmesh_kv_transfer::{Fabric, PoolOffer, PoolOptions, StagingArea, TransportKind};
+use pdmesh_proto::v1::Role;
 use pdmesh_proto::v1::decode_server::DecodeServer;
-use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -36,9 +37,10 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), StartError> {
     config.validate()?;
-    let bound = listener.local_addr().map_err(StartError::Listener)?;
-    let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
-    let node_id = config.node_id.clone().unwrap_or_else(|| format!("decode@{address}"));
+    let me =
+        Identity::of(&listener, "decode", config.advertise.as_deref(), config.node_id.as_deref())
+            .map_err(StartError::Listener)?;
+    let node_id = me.node_id.clone();
     let mut engine = tokio::task::spawn_blocking({
         let s = config.engine.clone();
         move || s.load()
@@ -100,42 +102,29 @@ pub async fn run(
     let drain = CancellationToken::new();
     let service = DecodeService {
         inbox: Arc::new(inbox),
-        address: address.clone(),
+        address: me.address.clone(),
         context,
         counts: Arc::clone(&counts),
         transport: Arc::new(transport),
         drain: drain.clone(),
     };
     let load_counts = Arc::clone(&counts);
-    tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, kv_path, "decode node serving");
-    let routes = tonic::service::Routes::new(
-        DecodeServer::new(service)
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(64 << 20),
-    );
-    let registration = RegisterRequest {
-        node_id: node_id.clone(),
-        role: Role::Decode as i32,
-        address,
-        layout: Some(layout.into()),
-        load: None,
-    };
-    let node = pdmesh_common::serve::Node {
+    tracing::info!(node = node_id, bound = %me.bound, kv_transport = %config.kv_transport, kv_path, "decode node serving");
+    let worker = Worker {
+        role: Role::Decode,
         names: &["pdmesh.v1.Decode"],
-        drain: Duration::from_millis(config.drain_ms),
-        routers: &config.routers,
+        routes: tonic::service::Routes::new(
+            DecodeServer::new(service)
+                .max_decoding_message_size(64 << 20)
+                .max_encoding_message_size(64 << 20),
+        ),
+        layout: layout.into(),
+        load: Arc::new(move || DecodeService::load(&load_counts.lock().expect("never poisoned"))),
         // Decode nodes keep no KV for reuse after a request: nothing to report but load.
-        joining: pdmesh_common::membership::Joining {
-            registration,
-            load: Arc::new(move || {
-                DecodeService::load(&load_counts.lock().expect("never poisoned"))
-            }),
-            blocks: None,
-            kvstore: String::new(),
-            fault_skip_event: 0,
-            source: pdmesh_common::membership::Joining::source_for(bound),
-        },
-        died,
+        blocks: None,
+        kvstore: String::new(),
+        fault_skip_event: 0,
+        engine: Some((worker, died)),
     };
     let grace = Duration::from_millis(config.drain_grace_ms);
     let stopping = async move {
@@ -145,11 +134,9 @@ pub async fn run(
         }
         drained(&tx, &counts, grace).await;
     };
-    let served = pdmesh_common::serve_node(routes, listener, stopping, node).await;
-    // The service (and with it the command sender) is gone; the thread ends once in-flight
-    // requests are done or cancelled.
-    let _ = tokio::task::spawn_blocking(move || worker.join()).await;
-    Ok(served?)
+    let membership =
+        Membership { drain: Duration::from_millis(config.drain_ms), routers: &config.routers };
+    Ok(node::serve(me, worker, listener, membership, stopping).await?)
 }
 
 /// Drains the node: no new work, running requests asked to move (the router hands each off

@@ -19,8 +19,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use pdmesh_common::metrics::{Family, Kind, Metrics};
+use pdmesh_common::node::{self, Identity, Membership, Worker};
 use pdmesh_proto::v1::kv_store_server::KvStoreServer;
-use pdmesh_proto::v1::{NodeLoad, RegisterRequest, Role};
+use pdmesh_proto::v1::{NodeLoad, Role};
 use tokio::net::TcpListener;
 
 /// Works out the mesh's KV layout from the model, allocates the pool, and serves
@@ -32,9 +33,10 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), StartError> {
     config.validate()?;
-    let bound = listener.local_addr().map_err(StartError::Listener)?;
-    let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
-    let node_id = config.node_id.clone().unwrap_or_else(|| format!("kvstore@{address}"));
+    let me =
+        Identity::of(&listener, "kvstore", config.advertise.as_deref(), config.node_id.as_deref())
+            .map_err(StartError::Listener)?;
+    let node_id = &me.node_id;
     // The layout is the model's fingerprint and shape with the mesh's block size and dtype,
     // exactly as the workers compute it; no engine is needed to know it.
     let dtype: pdmesh_kv_types::KvDtype =
@@ -48,9 +50,9 @@ pub async fn run(
     layout.validate().map_err(|e| pdmesh_common::InvalidConfig::new("kv_dtype", e))?;
     let budget = usize::try_from(config.budget_bytes)
         .map_err(|_| pdmesh_common::InvalidConfig::new("budget_bytes", "is too large"))?;
-    let fabric = config.kv_transport.start(&node_id).map_err(StartError::Transport)?;
+    let fabric = config.kv_transport.start(node_id).map_err(StartError::Transport)?;
     let service = KvStoreService::new(
-        &node_id,
+        node_id,
         layout,
         budget,
         Duration::from_millis(config.lease_ms),
@@ -61,43 +63,36 @@ pub async fn run(
         let service = service.clone();
         move || metric_families(&service.store_stats())
     });
-    tracing::info!(node = node_id, %bound, budget_bytes = config.budget_bytes, kv_transport = %config.kv_transport, "kv-store serving");
+    tracing::info!(node = node_id, bound = %me.bound, budget_bytes = config.budget_bytes, kv_transport = %config.kv_transport, "kv-store serving");
     let (stats, log) = (service.clone(), service.block_log());
     let routes = tonic::service::Routes::new(
         KvStoreServer::new(service)
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20),
     );
-    let node = pdmesh_common::serve::Node {
+    let worker = Worker {
+        role: Role::Kvstore,
         names: &["pdmesh.v1.KvStore"],
-        drain: Duration::from_millis(config.drain_ms),
-        routers: &config.routers,
-        joining: pdmesh_common::membership::Joining {
-            registration: RegisterRequest {
-                node_id,
-                role: Role::Kvstore as i32,
-                address: address.clone(),
-                layout: Some(layout.into()),
-                load: None,
-            },
-            load: std::sync::Arc::new(move || {
-                let s = stats.store_stats();
-                NodeLoad {
-                    free_blocks: s.capacity_blocks.saturating_sub(s.blocks) as u32,
-                    total_blocks: s.capacity_blocks as u32,
-                    cache_blocks: s.capacity_blocks as u32,
-                    ..NodeLoad::default()
-                }
-            }),
-            blocks: Some(log),
-            kvstore: address,
-            fault_skip_event: 0,
-            source: pdmesh_common::membership::Joining::source_for(bound),
-        },
+        routes,
+        layout: layout.into(),
+        load: std::sync::Arc::new(move || {
+            let s = stats.store_stats();
+            NodeLoad {
+                free_blocks: s.capacity_blocks.saturating_sub(s.blocks) as u32,
+                total_blocks: s.capacity_blocks as u32,
+                cache_blocks: s.capacity_blocks as u32,
+                ..NodeLoad::default()
+            }
+        }),
+        blocks: Some(log),
+        kvstore: me.address.clone(),
+        fault_skip_event: 0,
         // The store has no engine to lose.
-        died: tokio_util::sync::CancellationToken::new(),
+        engine: None,
     };
-    pdmesh_common::serve_node(routes, listener, shutdown, node).await?;
+    let membership =
+        Membership { drain: Duration::from_millis(config.drain_ms), routers: &config.routers };
+    node::serve(me, worker, listener, membership, shutdown).await?;
     Ok(())
 }
 

@@ -14,10 +14,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pdmesh_common::metrics::{Family, Kind, Metrics};
+use pdmesh_common::node::{self, Identity, Membership, Worker};
 use pdmesh_common::worker::{COMMAND_QUEUE, Faults};
 use pdmesh_kv_transfer::PrefixCache;
+use pdmesh_proto::v1::Role;
 use pdmesh_proto::v1::prefill_server::PrefillServer;
-use pdmesh_proto::v1::{RegisterRequest, Role};
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -36,9 +37,10 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), StartError> {
     config.validate()?;
-    let bound = listener.local_addr().map_err(StartError::Listener)?;
-    let address = config.advertise.clone().unwrap_or_else(|| bound.to_string());
-    let node_id = config.node_id.clone().unwrap_or_else(|| format!("prefill@{address}"));
+    let me =
+        Identity::of(&listener, "prefill", config.advertise.as_deref(), config.node_id.as_deref())
+            .map_err(StartError::Listener)?;
+    let node_id = me.node_id.clone();
     let engine = tokio::task::spawn_blocking({
         let s = config.engine.clone();
         move || s.load()
@@ -114,34 +116,23 @@ pub async fn run(
     let load_counts = Arc::clone(&counts);
     let load_draining = Arc::clone(&draining);
     let busy_transfers = Arc::clone(&transferring);
-    tracing::info!(node = node_id, %bound, kv_transport = %config.kv_transport, kv_push = %config.kv_push, "prefill node serving");
-    let routes = tonic::service::Routes::new(PrefillServer::new(service));
-    let registration = RegisterRequest {
-        node_id: node_id.clone(),
-        role: Role::Prefill as i32,
-        address,
-        layout: Some(layout.into()),
-        load: None,
-    };
-    let node = pdmesh_common::serve::Node {
+    tracing::info!(node = node_id, bound = %me.bound, kv_transport = %config.kv_transport, kv_push = %config.kv_push, "prefill node serving");
+    let worker = Worker {
+        role: Role::Prefill,
         names: &["pdmesh.v1.Prefill"],
-        drain: Duration::from_millis(config.drain_ms),
-        routers: &config.routers,
-        joining: pdmesh_common::membership::Joining {
-            registration,
-            load: Arc::new(move || {
-                let c = *load_counts.lock().expect("never poisoned");
-                let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
-                let draining = load_draining.load(std::sync::atomic::Ordering::Relaxed);
-                PrefillService::load(&c, t, cache_blocks, publishes, draining)
-            }),
-            // Only the node's own tier: the KV-store reports its blocks itself.
-            blocks: block_log,
-            kvstore: config.kvstore.clone().unwrap_or_default(),
-            fault_skip_event: config.fault_skip_block_event,
-            source: pdmesh_common::membership::Joining::source_for(bound),
-        },
-        died,
+        routes: tonic::service::Routes::new(PrefillServer::new(service)),
+        layout: layout.into(),
+        load: Arc::new(move || {
+            let c = *load_counts.lock().expect("never poisoned");
+            let t = transferring.load(std::sync::atomic::Ordering::Relaxed);
+            let draining = load_draining.load(std::sync::atomic::Ordering::Relaxed);
+            PrefillService::load(&c, t, cache_blocks, publishes, draining)
+        }),
+        // Only the node's own tier: the KV-store reports its blocks itself.
+        blocks: block_log,
+        kvstore: config.kvstore.clone().unwrap_or_default(),
+        fault_skip_event: config.fault_skip_block_event,
+        engine: Some((worker, died)),
     };
     let grace = Duration::from_millis(config.drain_grace_ms);
     let stopping = async move {
@@ -154,9 +145,9 @@ pub async fn run(
         })
         .await;
     };
-    let served = pdmesh_common::serve_node(routes, listener, stopping, node).await;
-    let _ = tokio::task::spawn_blocking(move || worker.join()).await;
-    Ok(served?)
+    let membership =
+        Membership { drain: Duration::from_millis(config.drain_ms), routers: &config.routers };
+    Ok(node::serve(me, worker, listener, membership, stopping).await?)
 }
 
 /// The node's counts and prefix-cache stats as Prometheus families.
