@@ -325,28 +325,28 @@ pub fn document_defaults(cli: clap::Command) -> clap::Command {
     }
     // `up`'s mesh-wide flags set one service's setting each: theirs is that setting's default.
     let cli = cli.mut_subcommand("up", |up| {
-        fn json(v: impl Serialize) -> serde_json::Value {
-            serde_json::to_value(v).expect("configs serialize")
-        }
-        let decode = json(pdmesh_decode::DecodeConfig::default());
-        let prefill = json(pdmesh_prefill::PrefillConfig::default());
-        let router = json(pdmesh_router::RouterConfig::default());
-        let one = |up, defaults: &serde_json::Value, id: &'static str, pointer: &str| {
-            flags::with_defaults(up, defaults, &[(id, pointer.to_string())])
-        };
-        let up = one(up, &decode, "kv_blocks", "/engine/kv_blocks");
-        let up = one(up, &decode, "block_size", "/engine/block_size");
-        let up = one(up, &decode, "kv_dtype", "/engine/kv_dtype");
-        let up = one(up, &decode, "kv_transport", "/kv_transport");
-        let up = one(up, &prefill, "prefill_backend", "/engine/backend");
-        let up = one(up, &decode, "decode_backend", "/engine/backend");
-        let up = one(up, &prefill, "kv_push", "/kv_push");
-        let up = one(up, &prefill, "cache_bytes", "/cache_bytes");
-        let up = one(up, &router, "prefill_policy", "/prefill_policy");
-        let up = one(up, &router, "ttft_slo_ms", "/planner/ttft_slo_ms");
-        let up = one(up, &router, "itl_slo_ms", "/planner/itl_slo_ms");
-        let up = one(up, &router, "planner_window_s", "/planner/window_s");
-        one(up, &router, "planner_cooldown_s", "/planner/cooldown_s")
+        let defaults = serde_json::json!({
+            "decode": pdmesh_decode::DecodeConfig::default(),
+            "prefill": pdmesh_prefill::PrefillConfig::default(),
+            "router": pdmesh_router::RouterConfig::default(),
+        });
+        let keys = [
+            ("kv_blocks", "/decode/engine/kv_blocks"),
+            ("block_size", "/decode/engine/block_size"),
+            ("kv_dtype", "/decode/engine/kv_dtype"),
+            ("kv_transport", "/decode/kv_transport"),
+            ("prefill_backend", "/prefill/engine/backend"),
+            ("decode_backend", "/decode/engine/backend"),
+            ("kv_push", "/prefill/kv_push"),
+            ("cache_bytes", "/prefill/cache_bytes"),
+            ("prefill_policy", "/router/prefill_policy"),
+            ("ttft_slo_ms", "/router/planner/ttft_slo_ms"),
+            ("itl_slo_ms", "/router/planner/itl_slo_ms"),
+            ("planner_window_s", "/router/planner/window_s"),
+            ("planner_cooldown_s", "/router/planner/cooldown_s"),
+        ]
+        .map(|(id, pointer)| (id, pointer.to_string()));
+        flags::with_defaults(up, &defaults, &keys)
     });
     let cli = one::<pdmesh_router::RouterConfig>(cli, pdmesh_router::RouterFlags::setting_keys);
     let cli = one::<pdmesh_prefill::PrefillConfig>(cli, pdmesh_prefill::PrefillFlags::setting_keys);

@@ -55,6 +55,16 @@ fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     ONE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Tokens each prompt generates: `n`, or under a sanitizer (`just test-emu-asan`) two — the
+/// prompt's step and one decode step of the whole batch. That runs every kernel at every shape
+/// the longer run does (the sanitizer checks each launch's accesses; more steps repeat the same
+/// launches on a cache one token longer) in a fraction of the time, which there is minutes.
+/// Attention across many KV blocks is the 300-token prompts' (the engine's unit tests, which
+/// the sanitizer runs also run).
+fn steps(n: usize) -> usize {
+    if std::env::var_os("PDMESH_EMU_SANITIZE").is_some() { n.min(2) } else { n }
+}
+
 /// The backend the CUDA side of each comparison runs on.
 fn cuda() -> BackendKind {
     match std::env::var("PDMESH_CUDA_TEST_DEVICE").as_deref() {
@@ -139,14 +149,14 @@ fn compare(kv_dtype: KvDtype, prompts: usize, max_tokens: usize) {
 
 #[test]
 fn cuda_backend_generates_the_cpu_backends_tokens_on_smollm2() {
-    compare(KvDtype::F16, PROMPTS.len(), 8);
+    compare(KvDtype::F16, PROMPTS.len(), steps(8));
 }
 
 /// q8_0 KV: the Hadamard rotations around attention and llama.cpp's flash-attention numerics,
 /// end to end (six prompts: the emulated device is slow).
 #[test]
 fn cuda_backend_with_q8_0_kv_generates_the_cpu_backends_tokens() {
-    compare(KvDtype::Q8_0, 6, 6);
+    compare(KvDtype::Q8_0, 6, steps(6));
 }
 
 /// The bounded kernels end to end (`--cuda-mma --cuda-flash`: prompt matmuls on the int8
@@ -209,7 +219,7 @@ fn samplers_picking_from_device_candidates_give_the_cpu_backends_tokens() {
         .map(|(i, p)| {
             let ids = m.tokenizer.encode(p).unwrap();
             let params = GenerateParams { sampling: sampling(i), ..Default::default() };
-            (ids, GenerateParams { max_tokens: 6, ignore_eos: true, ..params })
+            (ids, GenerateParams { max_tokens: steps(6), ignore_eos: true, ..params })
         })
         .collect();
     let tokens = |backend, whole: bool| {

@@ -29,41 +29,30 @@ pub struct FleetFlags {
     pub(crate) sim_nodes: usize,
 }
 
+/// `pdmesh prefill|decode`: a node's settings (`S`, derived from its config struct).
 #[derive(Debug, Args)]
-pub struct DecodeArgs {
+pub struct NodeArgs<S: Args> {
     #[command(flatten)]
     pub(crate) process: ProcessFlags,
     #[command(flatten)]
     pub(crate) fleet: FleetFlags,
     #[command(flatten)]
-    pub(crate) settings: pdmesh_decode::DecodeFlags,
+    pub(crate) settings: S,
 }
 
+/// `pdmesh router|kvstore`: a service's settings (`S`), in one process.
 #[derive(Debug, Args)]
-pub struct PrefillArgs {
+pub struct ServiceArgs<S: Args> {
     #[command(flatten)]
     pub(crate) process: ProcessFlags,
     #[command(flatten)]
-    pub(crate) fleet: FleetFlags,
-    #[command(flatten)]
-    pub(crate) settings: pdmesh_prefill::PrefillFlags,
+    pub(crate) settings: S,
 }
 
-#[derive(Debug, Args)]
-pub struct RouterArgs {
-    #[command(flatten)]
-    pub(crate) process: ProcessFlags,
-    #[command(flatten)]
-    pub(crate) settings: pdmesh_router::RouterFlags,
-}
-
-#[derive(Debug, Args)]
-pub struct KvStoreArgs {
-    #[command(flatten)]
-    pub(crate) process: ProcessFlags,
-    #[command(flatten)]
-    pub(crate) settings: pdmesh_kvstore::KvStoreFlags,
-}
+pub type DecodeArgs = NodeArgs<pdmesh_decode::DecodeFlags>;
+pub type PrefillArgs = NodeArgs<pdmesh_prefill::PrefillFlags>;
+pub type RouterArgs = ServiceArgs<pdmesh_router::RouterFlags>;
+pub type KvStoreArgs = ServiceArgs<pdmesh_kvstore::KvStoreFlags>;
 
 /// Appends each setting's default, as the config struct's `Default` has it, to its flag's
 /// help: `[default: …]` comes from the one place the value is written.
