@@ -551,9 +551,15 @@ async fn a_flood_of_cancels_is_bounded_per_tenant() {
         let r = pdmesh_proto::v1::CancelRequest { request_id: id.into() };
         async move { c.cancel(r).await.map(|_| ()).unwrap_err().code() }
     };
+    // The silent node reads what it is sent, and so sees when both fan-outs are out.
+    let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let listening = tokio::spawn(count_grpc_messages(silent, Arc::clone(&asked)));
     let held: Vec<_> =
         (0..2).map(|i| tokio::spawn(cancel(&flooder, &format!("made-up-{i}")))).collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually(Duration::from_secs(5), "both cancels reach the silent node", || async {
+        asked.load(std::sync::atomic::Ordering::Relaxed) >= 2
+    })
+    .await;
     let t0 = Instant::now();
     assert_eq!(cancel(&flooder, "made-up-2").await, Code::ResourceExhausted);
     assert!(t0.elapsed() < Duration::from_secs(1), "refused at once, not after the nodes");
@@ -562,7 +568,42 @@ async fn a_flood_of_cancels_is_bounded_per_tenant() {
         assert_eq!(h.await.unwrap(), Code::NotFound);
     }
     assert_eq!(cancel(&flooder, "made-up-4").await, Code::NotFound, "its places came back");
-    drop(silent);
+    listening.abort();
+}
+
+/// Accepts every connection to `listener` and counts the gRPC messages with a body that arrive
+/// on them (HTTP/2 DATA frames longer than gRPC's 5-byte message header: a cancel carries its
+/// id; the empty probe a new channel sends does not), never answering a byte: a node that has
+/// hung.
+async fn count_grpc_messages(
+    listener: tokio::net::TcpListener,
+    asked: Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use tokio::io::AsyncReadExt;
+    const PREFACE: usize = 24;
+    const DATA: u8 = 0x0;
+    const EMPTY_MESSAGE: usize = 5;
+    let mut connections = tokio::task::JoinSet::new();
+    while let Ok((mut tcp, _)) = listener.accept().await {
+        let asked = Arc::clone(&asked);
+        connections.spawn(async move {
+            let mut preface = [0u8; PREFACE];
+            if tcp.read_exact(&mut preface).await.is_err() {
+                return;
+            }
+            let mut head = [0u8; 9];
+            while tcp.read_exact(&mut head).await.is_ok() {
+                let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                let mut payload = vec![0u8; len];
+                if tcp.read_exact(&mut payload).await.is_err() {
+                    return;
+                }
+                if head[3] == DATA && len > EMPTY_MESSAGE {
+                    asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        });
+    }
 }
 
 /// A client that starts a stream and never reads it (an SSE client that stops consuming)
