@@ -312,6 +312,24 @@ pub fn router(a: RouterArgs) -> anyhow::Result<()> {
     start::<pdmesh_router::RouterConfig>(&a.process, &a.settings, 1)
 }
 
+/// Which child setting each of `up`'s mesh-wide flags sets (`service/json/pointer`): its
+/// `--help` shows that setting's default, and a test holds `up` to it.
+pub(crate) const UP_SETS: [(&str, &str); 13] = [
+    ("kv_blocks", "/decode/engine/kv_blocks"),
+    ("block_size", "/decode/engine/block_size"),
+    ("kv_dtype", "/decode/engine/kv_dtype"),
+    ("kv_transport", "/decode/kv_transport"),
+    ("prefill_backend", "/prefill/engine/backend"),
+    ("decode_backend", "/decode/engine/backend"),
+    ("kv_push", "/prefill/kv_push"),
+    ("cache_bytes", "/prefill/cache_bytes"),
+    ("prefill_policy", "/router/prefill_policy"),
+    ("ttft_slo_ms", "/router/planner/ttft_slo_ms"),
+    ("itl_slo_ms", "/router/planner/itl_slo_ms"),
+    ("planner_window_s", "/router/planner/window_s"),
+    ("planner_cooldown_s", "/router/planner/cooldown_s"),
+];
+
 /// `--help` for the service commands, each flag with its setting's default.
 pub fn document_defaults(cli: clap::Command) -> clap::Command {
     fn one<C: Service>(
@@ -330,22 +348,7 @@ pub fn document_defaults(cli: clap::Command) -> clap::Command {
             "prefill": pdmesh_prefill::PrefillConfig::default(),
             "router": pdmesh_router::RouterConfig::default(),
         });
-        let keys = [
-            ("kv_blocks", "/decode/engine/kv_blocks"),
-            ("block_size", "/decode/engine/block_size"),
-            ("kv_dtype", "/decode/engine/kv_dtype"),
-            ("kv_transport", "/decode/kv_transport"),
-            ("prefill_backend", "/prefill/engine/backend"),
-            ("decode_backend", "/decode/engine/backend"),
-            ("kv_push", "/prefill/kv_push"),
-            ("cache_bytes", "/prefill/cache_bytes"),
-            ("prefill_policy", "/router/prefill_policy"),
-            ("ttft_slo_ms", "/router/planner/ttft_slo_ms"),
-            ("itl_slo_ms", "/router/planner/itl_slo_ms"),
-            ("planner_window_s", "/router/planner/window_s"),
-            ("planner_cooldown_s", "/router/planner/cooldown_s"),
-        ]
-        .map(|(id, pointer)| (id, pointer.to_string()));
+        let keys = UP_SETS.map(|(id, pointer)| (id, pointer.to_string()));
         flags::with_defaults(up, &defaults, &keys)
     });
     let cli = one::<pdmesh_router::RouterConfig>(cli, pdmesh_router::RouterFlags::setting_keys);

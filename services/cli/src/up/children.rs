@@ -263,4 +263,51 @@ mod tests {
             "--kv-blocks is the decode nodes'"
         );
     }
+
+    /// Each of `up`'s mesh-wide flags changes the child setting its `--help` names the default
+    /// of (`serve::UP_SETS`): the help and what `up` does cannot drift apart.
+    #[test]
+    fn each_mesh_wide_flag_sets_the_setting_its_help_names() {
+        let value = |id: &str| match id {
+            "kv_dtype" => "q8_0",
+            "kv_transport" => "grpc",
+            "prefill_backend" | "decode_backend" => "cuda-emu",
+            "kv_push" => "chunk",
+            "prefill_policy" => "round-robin",
+            _ => "7",
+        };
+        let launch = Launch { tls_dir: None, configs: std::env::temp_dir() };
+        for (id, pointer) in crate::serve::UP_SETS {
+            let flag = format!("--{}", id.replace('_', "-"));
+            let up = Up::try_parse_from(["up", flag.as_str(), value(id)]).expect("parses");
+            let t = NodeTemplate {
+                a: &up.a,
+                internal: String::new(),
+                threads: 1,
+                kvstore: None,
+                launch: launch.clone(),
+            };
+            let json = |s: &Settings| match s {
+                Settings::Router(c) => serde_json::to_value(c),
+                Settings::KvStore(c) => serde_json::to_value(c),
+                Settings::Prefill(c) => serde_json::to_value(c),
+                Settings::Decode(c) => serde_json::to_value(c),
+            };
+            let children = serde_json::json!({
+                "router": json(&Settings::Router(router_config(&up.a, None).into())).unwrap(),
+                "prefill": json(&node_settings(&t, true, "p").0).unwrap(),
+                "decode": json(&node_settings(&t, false, "d").0).unwrap(),
+            });
+            let got = children.pointer(pointer).expect("the setting exists");
+            let shown = match got {
+                serde_json::Value::String(s) => s.clone(),
+                v => v.to_string(),
+            };
+            assert!(
+                shown == value(id) || shown == format!("{}.0", value(id)),
+                "{flag} {} left {pointer} at {shown}",
+                value(id)
+            );
+        }
+    }
 }
