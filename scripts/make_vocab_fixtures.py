@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +32,8 @@ from pathlib import Path
 import gguf
 import llama_cpp
 import sentencepiece as spm
+
+from verne import verne_path, verne_text
 
 ROOT = Path(__file__).resolve().parent.parent
 PINNED = {"gguf": "0.19.0", "sentencepiece": "0.2.3", "llama_cpp": "0.3.36"}
@@ -118,27 +119,6 @@ def check_versions() -> None:
 def _dist_version(name: str) -> str:
     from importlib.metadata import version
     return version(name)
-
-
-def verne_path() -> Path:
-    """Where cargo keeps the esaxx-rs crate's copy of the novel (it fetches the crate if needed)."""
-    meta = subprocess.run(
-        ["cargo", "metadata", "--format-version", "1", "--locked"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    )
-    for pkg in json.loads(meta.stdout)["packages"]:
-        if pkg["name"] == "esaxx-rs":
-            return Path(pkg["manifest_path"]).parent / "data" / "eighty.txt"
-    raise SystemExit("esaxx-rs is not in the cargo metadata: is the Cargo.lock the project's?")
-
-
-def verne_text(path: Path) -> str:
-    text = path.read_text(encoding="utf-8-sig")
-    # Keep the novel, not Project Gutenberg's header and licence.
-    start = text.index("*** START OF")
-    start = text.index("\n", start) + 1
-    end = text.index("*** END OF")
-    return text[start:end]
 
 
 def train_spm(workdir: Path, source: Path) -> spm.SentencePieceProcessor:

@@ -221,6 +221,12 @@ impl ClusterBuilder {
         self
     }
 
+    /// Extra flags for the KV-store.
+    pub fn kvstore_args(mut self, args: &[&str]) -> Self {
+        self.kvstore_args.extend(args.iter().map(|a| a.to_string()));
+        self
+    }
+
     /// The KV-store's budget in bytes (it evicts past it).
     pub fn kvstore_budget(mut self, bytes: u64) -> Self {
         self.kvstore_budget = bytes;
@@ -267,7 +273,12 @@ impl ClusterBuilder {
             std::fs::write(dir.join("seal.key"), pdmesh_kv_ucx::new_seal_key())
                 .expect("seal key written");
             pki.issue(&dir, "kvstore", MeshRole::KvStore);
-            let test = Tenant { tenant: "test".into(), max_in_flight: None, cache_group: None };
+            let test = Tenant {
+                tenant: "test".into(),
+                max_in_flight: None,
+                cache_group: None,
+                kv_policy: None,
+            };
             for t in std::iter::once(test).chain(self.tenants.iter().cloned()) {
                 let name = t.tenant.clone();
                 keys.insert(name, pdmesh_common::apikey::add(&keyring, t).expect("API key"));
@@ -308,6 +319,7 @@ impl ClusterBuilder {
             })
             .collect();
         let mut builder = self.clone();
+        let mut kvstore_args = Vec::new();
         let kvstore = self.kvstore.then(|| {
             // It reports its blocks to every router, as the name in its certificate.
             let routers: Vec<String> = std::iter::once(&router)
@@ -316,20 +328,18 @@ impl ClusterBuilder {
                     ["--router".to_string(), r.internal.clone().expect("internal address")]
                 })
                 .collect();
-            let k = Service::start_with_env(
-                "kvstore",
-                "kvstore",
-                &["--listen", "127.0.0.1:0", "--model", &model, "--budget-bytes"]
-                    .map(String::from)
-                    .into_iter()
-                    .chain(std::iter::once(self.kvstore_budget.to_string()))
-                    .chain(["--node-id".to_string(), "kvstore".to_string()])
-                    .chain(routers)
-                    .chain(self.tls_args(&dir, "kvstore"))
-                    .chain(self.kvstore_args.iter().cloned())
-                    .collect::<Vec<_>>(),
-                &self.env,
-            );
+            kvstore_args = ["--model", &model, "--budget-bytes"]
+                .map(String::from)
+                .into_iter()
+                .chain(std::iter::once(self.kvstore_budget.to_string()))
+                .chain(["--node-id".to_string(), "kvstore".to_string()])
+                .chain(routers)
+                .chain(self.tls_args(&dir, "kvstore"))
+                .chain(self.kvstore_args.iter().cloned())
+                .collect::<Vec<_>>();
+            let listen = ["--listen".to_string(), "127.0.0.1:0".to_string()];
+            let args: Vec<String> = listen.into_iter().chain(kvstore_args.clone()).collect();
+            let k = Service::start_with_env("kvstore", "kvstore", &args, &self.env);
             builder.prefill_args.extend(["--kvstore".to_string(), k.addr.clone()]);
             k
         });
@@ -339,6 +349,7 @@ impl ClusterBuilder {
             prefills: Vec::new(),
             decodes: Vec::new(),
             kvstore,
+            kvstore_args,
             builder,
             dir,
             keys,
@@ -384,6 +395,8 @@ pub struct Cluster {
     pub prefills: Vec<Service>,
     pub decodes: Vec<Service>,
     pub kvstore: Option<Service>,
+    /// The KV-store's arguments but its listener, for `restart_kvstore`.
+    kvstore_args: Vec<String>,
     pub router: Service,
     /// Routers besides the first (`ClusterBuilder::routers`).
     pub more_routers: Vec<Service>,
@@ -462,6 +475,16 @@ impl Cluster {
         let name = format!("decode-{i}");
         let args = self.node_args("decode", &name, &[]);
         self.decodes[i] = self.builder.launch("decode", &name, &args);
+    }
+
+    /// Kills the KV-store (SIGKILL) and starts it again with the same arguments on the same
+    /// address, where the prefill nodes look for it.
+    pub fn restart_kvstore(&mut self) {
+        let k = self.kvstore.as_mut().expect("a cluster with a KV-store");
+        k.kill();
+        let listen = ["--listen".to_string(), k.addr.clone()];
+        let args: Vec<String> = listen.into_iter().chain(self.kvstore_args.clone()).collect();
+        *k = Service::start_with_env("kvstore", "kvstore", &args, &self.builder.env);
     }
 
     /// Starts prefill node `i` again (killing it first if it runs): same name, new port.

@@ -385,11 +385,21 @@ async fn kv_that_no_request_ever_attaches_to_is_freed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tenants_cancel_only_their_own_and_hold_only_their_share() {
     let _serial = SERIAL.lock().await;
-    let limited = Tenant { tenant: "small".into(), max_in_flight: Some(1), cache_group: None };
+    let limited = Tenant {
+        tenant: "small".into(),
+        max_in_flight: Some(1),
+        cache_group: None,
+        kv_policy: None,
+    };
     let c = Cluster::builder()
         .prefill(1)
         .decode(1)
-        .tenant(Tenant { tenant: "alice".into(), max_in_flight: None, cache_group: None })
+        .tenant(Tenant {
+            tenant: "alice".into(),
+            max_in_flight: None,
+            cache_group: None,
+            kv_policy: None,
+        })
         .tenant(limited)
         .start()
         .await;
@@ -445,12 +455,18 @@ async fn cached_tokens_reveal_only_the_callers_own_prompts() {
         tenant: name.into(),
         max_in_flight: None,
         cache_group: Some("shared-system-prompt".into()),
+        kv_policy: None,
     };
     let c = Cluster::builder()
         .prefill(1)
         .decode(1)
         .kvstore()
-        .tenant(Tenant { tenant: "alice".into(), max_in_flight: None, cache_group: None })
+        .tenant(Tenant {
+            tenant: "alice".into(),
+            max_in_flight: None,
+            cache_group: None,
+            kv_policy: None,
+        })
         .tenant(group("carol"))
         .tenant(group("dave"))
         .start()

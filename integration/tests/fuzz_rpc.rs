@@ -152,6 +152,8 @@ struct Target {
     store: String,
     layout: KvLayout,
     _stop: tokio_util::sync::CancellationToken,
+    /// The store's disk tier's directory, removed with the target.
+    _disk: tempfile::TempDir,
 }
 
 impl Target {
@@ -162,6 +164,7 @@ impl Target {
             .build()
             .unwrap();
         let stop = tokio_util::sync::CancellationToken::new();
+        let disk = tempfile::tempdir().unwrap();
         let (mesh, store, layout) = rt.block_on(async {
             let mesh = Settings::new(1, 1).start().await;
             let mut d = DecodeClient::new(ch(&mesh.decode[0]).await);
@@ -173,6 +176,16 @@ impl Target {
                 Duration::from_secs(5),
                 Duration::from_secs(30),
                 None,
+                // A disk tier too: fuzzed writes and matches go through it.
+                Some(
+                    pdmesh_kvstore::disk::DiskTier::open(
+                        disk.path(),
+                        &pdmesh_proto::layout_from_wire(&layout).unwrap(),
+                        8 << 20,
+                        false,
+                    )
+                    .unwrap(),
+                ),
             )
             .unwrap();
             let (l, addr) = pdmesh_common::bind("127.0.0.1:0").await.unwrap();
@@ -190,7 +203,7 @@ impl Target {
             ));
             (mesh, addr.to_string(), layout)
         });
-        Self { rt, mesh, store, layout, _stop: stop }
+        Self { rt, mesh, store, layout, _stop: stop, _disk: disk }
     }
 
     /// Greedy tokens of an honest request.
@@ -375,6 +388,7 @@ fn every_internal_handler_survives_malformed_input() {
         ignore_eos: true,
         start: Some(decode_request::Start::PrefillLocally(true)),
         resumed: Vec::new(),
+        kv_policy: "sinks:64".into(),
     };
     let mut first = attach.clone();
     first.start = Some(decode_request::Start::FirstToken(5));

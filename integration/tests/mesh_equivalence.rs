@@ -286,6 +286,43 @@ async fn a_staged_decode_pool_gives_the_tokens_of_one_engine() {
     assert_eq!((p.mapped, p.fallbacks), (0, 1), "{p:?}");
 }
 
+per_transport!(gemma3_past_its_window_through_the_mesh);
+
+/// Gemma 3 270M (`just fetch-gemma3`), whose window layers attend to the last 512 tokens only:
+/// the 2,560-token prompt of its llama.cpp reference (`just test-models`), through one prefill
+/// and one decode node with the KV of all 18 layers shipped and verified, continues with
+/// llama.cpp's 32 greedy tokens.
+async fn gemma3_past_its_window_through_the_mesh(transport: &str) {
+    let _serial = SERIAL.lock().await;
+    let model = repo_root().join("models/gemma-3-270m-q4_k_m.gguf");
+    assert!(model.exists(), "{} is missing: run `just fetch-gemma3`", model.display());
+    let at = repo_root().join("models/test/gemma-3-270m-q4_k_m.long2560.ubatch4.json");
+    let meta = std::fs::read_to_string(&at)
+        .unwrap_or_else(|e| panic!("{}: {e}; run `just test-models`", at.display()));
+    let meta: serde_json::Value = serde_json::from_str(&meta).unwrap();
+    let ids = |key: &str| -> Vec<u32> {
+        meta[key].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    };
+    let (prompt, greedy) = (ids("prompt_tokens"), ids("greedy"));
+    let cluster = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .model(&model)
+        .transport(transport)
+        .prefill_args(&["--kv-verify"])
+        .start()
+        .await;
+    let mut client = cluster.client().await;
+    let req = pdmesh_integration::greedy(&prompt, greedy.len() as u32);
+    let s = client.generate(req).await.unwrap().into_inner();
+    let (tokens, finished) = collect(s).await.unwrap();
+    assert_eq!(tokens, greedy, "Gemma 3 through the mesh differs from llama.cpp");
+    let t = finished.expect("a finish message").timings.unwrap();
+    assert_eq!(t.kv_transport, transport);
+    // 18 layers x (K + V) x 256 x f16 per token, in whole blocks of 16.
+    assert_eq!(t.kv_bytes, prompt.len().div_ceil(16) as u64 * 16 * 18 * 2 * 256 * 2);
+}
+
 /// Greedy tokens of `pdmesh run --raw` on one engine for `model`.
 fn run_raw(model: &std::path::Path, prompt: &str) -> Vec<u32> {
     let mut c = std::process::Command::new(pdmesh_bin());
@@ -338,4 +375,62 @@ async fn k_quant_and_1b_models_through_the_mesh() {
             );
         }
     }
+}
+
+/// Each transport's run takes over two minutes on two cores (most of it the quadratic
+/// attention of the prompt, twice): `just test-long` runs them, not CI.
+mod a_32k_token_prompt {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "minutes: `just test-long`"]
+    async fn grpc() {
+        super::a_32k_token_prompt_through_the_mesh("grpc").await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "minutes: `just test-long`"]
+    async fn ucx() {
+        super::a_32k_token_prompt_through_the_mesh("ucx").await
+    }
+}
+
+/// A 32,768-token prompt through one prefill and one decode process, on a tiny model whose
+/// context is 40,000: nothing on the way limits a long prompt (the request's size, the
+/// router's checks, 2,048 blocks of KV shipped and verified, the decode node's attention over
+/// all of them), and the tokens are one engine's.
+async fn a_32k_token_prompt_through_the_mesh(transport: &str) {
+    use pdmesh_engine::testing::{BuildModel, TinyModel};
+    let _serial = SERIAL.lock().await;
+    let tiny = TinyModel { context: 40_000, ..Default::default() };
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("tiny-40k.gguf");
+    std::fs::write(&model, tiny.gguf()).unwrap();
+    let prompt: Vec<u32> = (0..32_768u32).map(|i| (i * 7919 + 13) % 250).collect();
+    let want = {
+        let cfg = pdmesh_engine::EngineConfig { threads: 2, kv_blocks: 2100, ..Default::default() };
+        let mut e = pdmesh_engine::Engine::new(tiny.build(), cfg).unwrap();
+        let greedy = pdmesh_engine::SamplingParams { temperature: 0.0, ..Default::default() };
+        let p = pdmesh_engine::GenerateParams {
+            sampling: greedy,
+            max_tokens: 8,
+            ignore_eos: true,
+            ..Default::default()
+        };
+        pdmesh_engine::generate(&mut e, &prompt, &p, |_| true).unwrap().tokens
+    };
+    let blocks = ["--kv-blocks", "2100"];
+    let cluster = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .model(&model)
+        .transport(transport)
+        .prefill_args(&["--kv-blocks", "2100", "--kv-verify"])
+        .decode_args(&blocks)
+        .start()
+        .await;
+    let mut client = cluster.client().await;
+    let s = client.generate(pdmesh_integration::greedy(&prompt, 8)).await.unwrap().into_inner();
+    let (tokens, finished) = collect(s).await.unwrap();
+    assert_eq!(tokens, want, "a 32K-token prompt through the mesh differs from one engine");
+    let f = finished.expect("a finish message");
+    assert_eq!(f.usage.unwrap().prompt_tokens, 32_768);
+    assert_eq!(f.timings.unwrap().kv_transport, transport);
 }

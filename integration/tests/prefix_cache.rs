@@ -1,8 +1,9 @@
 //! The prefix cache end to end with real processes: a prompt served from cached KV gives the
 //! same tokens bit for bit, a prompt sharing a system prompt reuses it, two prefill nodes that
 //! compute the same prompt store it once, a herd sharing a new prefix computes it once, a dead
-//! KV-store only costs the cache, and prefix-aware placement sends a shared prefix back to the
-//! node that holds it.
+//! KV-store only costs the cache, a KV-store killed and started again serves its prefixes from
+//! its disk tier (and drops a torn block file unserved), and prefix-aware placement sends a
+//! shared prefix back to the node that holds it.
 
 #![allow(clippy::unwrap_used)]
 
@@ -245,4 +246,130 @@ async fn prefix_aware_placement_finds_the_node_that_holds_the_prefix() {
         assert_eq!((s.local_hit_tokens, s.store_hit_tokens), (own, 0), "{policy}: {s:?}");
         assert!(s.local_blocks >= 7, "{policy}: {s:?}");
     }
+}
+
+async fn store_stats(c: &Cluster) -> pdmesh_proto::v1::KvStoreStats {
+    store_client(c).await.stats(StatsRequest {}).await.unwrap().into_inner()
+}
+
+/// A KV-store with a disk tier, killed (SIGKILL) and started again on its directory, serves
+/// the prefix it held from disk: the cached prompt gives the tokens it gave computed, bit for
+/// bit. Killed again, and one block's file torn meanwhile (its tail cut, as a crash mid-write
+/// without the sync would leave it): the match ends before that block, the file is deleted
+/// unserved, the rest of the prompt is computed (and stored again), and the tokens are still
+/// the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_kvstore_restarts_serving_its_prefixes_from_disk() {
+    let _serial = SERIAL.lock().await;
+    let disk = tempfile::tempdir().unwrap();
+    let dir = disk.path().display().to_string();
+    let mut c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        // The node keeps no blocks itself: every hit comes from the KV-store.
+        .prefill_args(&["--cache-bytes", "0"])
+        .kvstore()
+        .kvstore_args(&["--disk-dir", &dir])
+        .start()
+        .await;
+    let mut client = c.client().await;
+    let prompt = tokens(5, 130); // 8 full blocks of 16
+    let (cold, f) = generate(&mut client, prompt.clone(), 0).await;
+    assert_eq!(f.usage.unwrap().cached_tokens, 0);
+    eventually(WAIT, "blocks published to RAM and disk", || async {
+        store_stats(&c).await.disk_blocks >= 8
+    })
+    .await;
+
+    c.restart_kvstore();
+    let s = store_stats(&c).await;
+    assert_eq!((s.blocks, s.held_blocks, s.disk_recovered), (0, 8, 8), "{s:?}");
+    let (warm, f) = generate(&mut client, prompt.clone(), 0).await;
+    let usage = f.usage.unwrap();
+    assert_eq!(usage.cached_tokens, 128);
+    let tiers = usage.cached_by_tier.unwrap();
+    assert_eq!((tiers.kvstore_disk, tiers.kvstore_ram, tiers.node_ram), (128, 0, 0), "{tiers:?}");
+    assert_eq!(warm, cold, "the prefix served from disk gives other tokens");
+    assert_eq!(store_stats(&c).await.disk_hit_tokens, 128);
+
+    c.restart_kvstore();
+    // The sixth block's file loses its tail.
+    let layout = c.decode_stats(0).await.layout.unwrap();
+    let layout = pdmesh_proto::layout_from_wire(&layout).unwrap();
+    // Hashed as the mesh hashes the prompts of the harness's tenant, "test".
+    let tenant = pdmesh_common::apikey::Tenant {
+        tenant: "test".into(),
+        max_in_flight: None,
+        cache_group: None,
+        kv_policy: None,
+    };
+    let hasher = pdmesh_kv_types::BlockHasher::new(&layout).unwrap();
+    let sixth = hasher.salted(&tenant.cache_salt()).chain(&prompt)[5];
+    let files: Vec<_> = std::fs::read_dir(disk.path())
+        .unwrap()
+        .map(|d| d.unwrap().path().join(format!("{:032x}.kv", sixth.0)))
+        .filter(|p| p.exists())
+        .collect();
+    assert_eq!(files.len(), 1, "the sixth block's file");
+    let len = std::fs::metadata(&files[0]).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&files[0]).unwrap().set_len(len / 2).unwrap();
+    let (again, f) = generate(&mut client, prompt, 0).await;
+    assert_eq!(f.usage.unwrap().cached_tokens, 80, "five blocks before the torn one");
+    assert_eq!(again, cold);
+    let s = store_stats(&c).await;
+    assert_eq!((s.disk_corrupt, s.disk_hit_tokens), (1, 80), "{s:?}");
+    // The torn file was deleted; the block the prefill node computed instead is stored and
+    // written anew, whole.
+    let whole = || std::fs::metadata(&files[0]).is_ok_and(|m| m.len() == len);
+    eventually(WAIT, "the recomputed block on disk", || async { whole() }).await;
+}
+
+/// The prefix cache stats of the (one) prefill node.
+async fn prefill_node(c: &Cluster) -> pdmesh_proto::v1::PrefixCacheStats {
+    use pdmesh_proto::v1::prefill_client::PrefillClient;
+    let mut p = PrefillClient::new(c.channel(&c.prefills[0].addr).await);
+    p.stats(StatsRequest {}).await.unwrap().into_inner().prefix_cache.unwrap()
+}
+
+/// A prefill node with a disk tier under its own cache, killed (SIGKILL) and started again on
+/// the same directory (a reclaimed instance replaced), resumes with its prefixes: the prompt
+/// it computed before is served from its disk, the tier named in the usage, with the same
+/// tokens bit for bit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_prefill_node_resumes_with_its_prefixes_from_disk() {
+    let _serial = SERIAL.lock().await;
+    let disk = tempfile::tempdir().unwrap();
+    let dir = disk.path().display().to_string();
+    let mut c = Cluster::builder()
+        .prefill(1)
+        .decode(1)
+        .prefill_args(&["--cache-disk-dir", &dir])
+        .start()
+        .await;
+    let mut client = c.client().await;
+    let prompt = tokens(9, 130); // 8 full blocks of 16
+    let (cold, f) = generate(&mut client, prompt.clone(), 0).await;
+    assert_eq!(f.usage.unwrap().cached_tokens, 0);
+    eventually(WAIT, "the prompt's blocks on disk", || async {
+        prefill_node(&c).await.disk_blocks >= 8
+    })
+    .await;
+
+    c.restart_prefill(0);
+    // The router has the restarted node (same name, new address) before the prompt comes.
+    let addr = c.prefills[0].addr.clone();
+    eventually(WAIT, "the restarted node registered", || async {
+        c.nodes().await.iter().any(|n| n.address == addr)
+    })
+    .await;
+    let s = prefill_node(&c).await;
+    assert_eq!((s.local_blocks, s.disk_blocks, s.disk_recovered), (0, 8, 8), "{s:?}");
+    let (warm, f) = generate(&mut client, prompt, 0).await;
+    let usage = f.usage.unwrap();
+    assert_eq!(usage.cached_tokens, 128);
+    let tiers = usage.cached_by_tier.unwrap();
+    assert_eq!((tiers.node_disk, tiers.node_ram), (128, 0), "{tiers:?}");
+    assert_eq!(warm, cold, "the prefix served from the node's disk gives other tokens");
+    let s = prefill_node(&c).await;
+    assert_eq!((s.local_disk_hit_tokens, s.local_blocks), (128, 8), "{s:?}");
 }

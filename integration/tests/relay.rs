@@ -102,6 +102,7 @@ async fn the_library_api_yields_plain_events() {
         sampling: SamplingParams::default(),
         stop: Vec::new(),
         ignore_eos: true,
+        kv_policy: None,
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     let (id, mut events) = router
@@ -473,17 +474,10 @@ async fn a_strangers_message_is_never_decoded() {
         tenant: "t".into(),
         max_in_flight: None,
         cache_group: None,
+        kv_policy: None,
     };
     let key = pdmesh_common::apikey::add(&keys, tenant).unwrap();
-    let mut s = Settings::new(0, 1);
-    s.router.allow_anonymous = false;
-    s.router.api_keys = Some(keys);
-    let m = s.start().await;
-    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", m.router))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
+    let (_m, ch) = keyed_mesh(Settings::new(0, 1), keys).await;
     let call = |key: Option<String>| {
         let ch = ch.clone();
         async move {
@@ -521,7 +515,12 @@ async fn a_flood_of_cancels_is_bounded_per_tenant() {
     use pdmesh_proto::v1::generation_client::GenerationClient;
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.toml");
-    let tenant = |t: &str| Tenant { tenant: t.into(), max_in_flight: None, cache_group: None };
+    let tenant = |t: &str| Tenant {
+        tenant: t.into(),
+        max_in_flight: None,
+        cache_group: None,
+        kv_policy: None,
+    };
     let (flooder, other) = (add(&keys, tenant("flood")).unwrap(), add(&keys, tenant("b")).unwrap());
     let mut s = Settings::new(0, 1);
     s.router.allow_anonymous = false;
@@ -630,6 +629,7 @@ async fn a_client_that_never_reads_lets_go_of_its_place() {
         sampling: SamplingParams::default(),
         stop: Vec::new(),
         ignore_eos: true,
+        kv_policy: None,
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     let (_, mut events) = router.generate(None, prep, deadline, tracing::Span::none()).unwrap();
@@ -677,4 +677,71 @@ async fn a_local_prefill_longer_than_the_stall_bound_is_not_a_hung_node() {
     let mut e = Engine::new(TinyModel::default().build(), cfg).unwrap();
     let p = GenerateParams { max_tokens: 4, ignore_eos: true, ..Default::default() };
     assert_eq!(tokens, pdmesh_engine::generate(&mut e, &ids, &p, |_| true).unwrap().tokens);
+}
+
+/// A lossy KV policy through the mesh (prefill node, KV transfer, decode node): the usage
+/// names it with the KV it evicted, a tenant's applies when a request names none and a
+/// request's own wins, and nonsense is refused naming the field: by the router, or by the
+/// decode node for a budget its blocks (4 tokens here) cannot hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_policy_is_applied_named_and_checked() {
+    use pdmesh_common::apikey::{Bearer, Tenant, add};
+    use pdmesh_proto::v1::generation_client::GenerationClient;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    let tenant = |t: &str, p: Option<&str>| Tenant {
+        tenant: t.into(),
+        max_in_flight: None,
+        cache_group: None,
+        kv_policy: p.map(|p| p.parse().unwrap()),
+    };
+    let plain = add(&keys, tenant("plain", None)).unwrap();
+    let streaming = add(&keys, tenant("streaming", Some("sinks:16"))).unwrap();
+    let (m, ch) = keyed_mesh(Settings::new(1, 1), keys).await;
+    let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 200).collect();
+    let run = |key: &str, policy: &str| {
+        let mut c = GenerationClient::with_interceptor(ch.clone(), Bearer::new(Some(key)).unwrap());
+        let mut r = pdmesh_integration::greedy(&ids, 24);
+        r.kv_policy = policy.into();
+        async move {
+            let (tokens, f) =
+                pdmesh_integration::collect(c.generate(r).await?.into_inner()).await?;
+            Ok::<_, tonic::Status>((tokens, f.and_then(|f| f.usage).expect("a usage")))
+        }
+    };
+    let (full, u) = run(&plain, "").await.unwrap();
+    assert_eq!((u.kv_policy.as_str(), u.kv_evicted_tokens), ("", 0));
+    let (sinks, u) = run(&plain, "sinks:16:4").await.unwrap();
+    assert_eq!(u.kv_policy, "sinks:16:4");
+    // The KV held the prompt and all but the last of 24 tokens, less 13 to 16 kept.
+    let held = 40 + 23;
+    assert!((held - 16..=held - 13).contains(&u.kv_evicted_tokens), "{u:?}");
+    assert_eq!(full[0], sinks[0], "the first token saw the whole prompt");
+    assert_ne!(full, sinks, "24 tokens past a budget of 16 changed nothing");
+    let (by_tenant, u) = run(&streaming, "").await.unwrap();
+    assert_eq!((u.kv_policy.as_str(), &by_tenant), ("sinks:16:4", &sinks));
+    let (_, u) = run(&streaming, "h2o:16:8").await.unwrap();
+    assert_eq!(u.kv_policy, "h2o:16:8");
+    for bad in ["lru:16", "sinks:0", "sinks:10:4"] {
+        let e = run(&plain, bad).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{bad}: {e:?}");
+        assert!(e.message().contains("kv_policy"), "{bad}: {}", e.message());
+    }
+    drop(m);
+}
+
+/// A mesh that takes only the API keys in `keys`, and a channel to its router.
+async fn keyed_mesh(
+    mut s: Settings,
+    keys: std::path::PathBuf,
+) -> (Mesh, tonic::transport::Channel) {
+    s.router.allow_anonymous = false;
+    s.router.api_keys = Some(keys);
+    let m = s.start().await;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", m.router))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    (m, ch)
 }

@@ -171,16 +171,18 @@ __device__ float pd_qk(const float* q, const Row& k, int hd, bool decode) {
     return float(sum);
 }
 
-// Chunk `c` of a query's `n` scores turned into `exp(score - mx)` in place, and their sum as
-// `ops::attend` forms it (16 lanes, zeros past `n`).
-__device__ float pd_exp_chunk(float* p, int c, int n, float mx) {
+// Chunk `c` of a query's scores `lo..n` turned into `exp(score - mx)` in place, and their sum
+// as `ops::attend` forms it (16 lanes, zeros outside `lo..n`; the masked ones before `lo`
+// written as zeros).
+__device__ float pd_exp_chunk(float* p, int c, int lo, int n, float mx) {
     float e[16];
     for (int k = 0; k < 16; k++) {
         int j = 16 * c + k;
-        if (j < n) {
+        if (j >= lo && j < n) {
             p[j] = pd_exp(p[j] - mx);
             e[k] = p[j];
         } else {
+            if (j < n) p[j] = 0.0f;
             e[k] = 0.0f;
         }
     }
@@ -213,16 +215,19 @@ __device__ __forceinline__ float pd_fold_sets(float* r, bool decode) {
 // inner loop unrolled so that the accumulators are registers: with a runtime count and
 // `r[j % sets]`, ptxas kept them in local memory (a 256-byte stack frame).
 template <int SETS>
-__device__ float pd_weighted_v(const float* p, int n, const KvPool& pool, const u32* table,
-                               int block_size, int layer, int kvh, int d) {
+__device__ float pd_weighted_v(const float* p, int lo, int n, const KvPool& pool,
+                               const u32* table, int block_size, int layer, int kvh, int d) {
     float r[SETS];
 #pragma unroll
     for (int k = 0; k < SETS; k++) r[k] = 0.0f;
-    for (int j0 = 0; j0 < n; j0 += SETS) {
+    // Masked positions add exact zeros: the loop starts at the window, keeping each
+    // position's set.
+    for (int j0 = lo / SETS * SETS; j0 < n; j0 += SETS) {
 #pragma unroll
         for (int k = 0; k < SETS; k++) {
             int j = j0 + k;
             if (j >= n) break;
+            if (j < lo) continue;
             size_t off = pool.offset(int(table[j / block_size]), layer, 1, kvh, j % block_size);
             r[k] = fmaf(p[j], pool.at(off + d), r[k]);
         }
@@ -236,9 +241,10 @@ __device__ float pd_weighted_v(const float* p, int n, const KvPool& pool, const 
 // `stride / 16` chunk sums.
 extern "C" __global__ void attention(const u8* base, int dtype, int layers, int kv_heads,
                                      int head_dim, int block_size, int layer, int heads,
-                                     const float* q, const u32* pos, const u8* phases,
-                                     const u32* tables, const u32* table_at, float* out,
-                                     float* scratch, int stride) {
+                                     float scale, const float* q, const u32* pos,
+                                     const u32* firsts, const u8* phases, const u32* tables,
+                                     const u32* table_at, float* out, float* scratch,
+                                     int stride) {
     __shared__ float qh[PD_MAX_HEAD_DIM];
     __shared__ float part[PD_ATTN_THREADS];
     __shared__ float shared_max;
@@ -247,21 +253,20 @@ extern "C" __global__ void attention(const u8* base, int dtype, int layers, int 
     KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
     bool f16 = dtype == PD_KV_F16;
     int hd = head_dim, group = heads / kv_heads;
-    int n = int(pos[t]) + 1;
+    int n = int(pos[t]) + 1, lo = int(firsts[t]);
     bool decode = phases[t] != 0;
     const u32* table = tables + table_at[t];
     float* p = scratch + ((size_t)t * kv_heads + kvh) * (stride + stride / 16);
     float* csum = p + stride;
-    float scale = 1.0f / sqrtf(float(hd));
-    int chunks = (n + 15) / 16;
+    int chunks = (n + 15) / 16, c0 = lo / 16;
     for (int g = 0; g < group; g++) {
         int h = kvh * group + g;
         const float* qsrc = q + ((size_t)t * heads + h) * hd;
         for (int d = tid; d < hd; d += nthreads) qh[d] = f16 ? pd_round_f16(qsrc[d]) : qsrc[d];
         __syncthreads();
         float m = __uint_as_float(0xff800000u);
-        for (int j = tid; j < chunks * 16; j += nthreads) {
-            if (j < n) {
+        for (int j = c0 * 16 + tid; j < chunks * 16; j += nthreads) {
+            if (j >= lo && j < n) {
                 size_t off = pool.offset(int(table[j / block_size]), layer, 0, kvh, j % block_size);
                 p[j] = pd_qk(qh, PdPoolRow{pool, off}, hd, decode) * scale;
                 m = fmaxf(m, p[j]);
@@ -278,24 +283,24 @@ extern "C" __global__ void attention(const u8* base, int dtype, int layers, int 
         }
         __syncthreads();
         float mx = shared_max;
-        for (int c = tid; c < chunks; c += nthreads) csum[c] = pd_exp_chunk(p, c, n, mx);
+        for (int c = c0 + tid; c < chunks; c += nthreads) csum[c] = pd_exp_chunk(p, c, lo, n, mx);
         __syncthreads();
         if (tid == 0) {
             double sum = 0.0;
-            for (int c = 0; c < chunks; c++) sum += double(csum[c]);
+            for (int c = c0; c < chunks; c++) sum += double(csum[c]);
             shared_inv = float(1.0 / sum);
         }
         __syncthreads();
         float inv = shared_inv;
-        for (int j = tid; j < n; j += nthreads) {
+        for (int j = lo + tid; j < n; j += nthreads) {
             float v = p[j] * inv;
             p[j] = f16 ? pd_round_f16(v) : v;
         }
         __syncthreads();
         float* o = out + ((size_t)t * heads + h) * hd;
         for (int d = tid; d < hd; d += nthreads) {
-            o[d] = decode ? pd_weighted_v<64>(p, n, pool, table, block_size, layer, kvh, d)
-                          : pd_weighted_v<16>(p, n, pool, table, block_size, layer, kvh, d);
+            o[d] = decode ? pd_weighted_v<64>(p, lo, n, pool, table, block_size, layer, kvh, d)
+                          : pd_weighted_v<16>(p, lo, n, pool, table, block_size, layer, kvh, d);
         }
         __syncthreads();
     }
@@ -303,15 +308,16 @@ extern "C" __global__ void attention(const u8* base, int dtype, int layers, int 
 
 #define PD_TILE 16
 
-// K (`which` 0) or V (1) rows of positions `at .. at + 16` into `tile` as f32, zeros past
-// `len`: the block's threads share the work.
+// K (`which` 0) or V (1) rows of positions `at .. at + 16` into `tile` as f32, zeros outside
+// `from .. len` (the rows before a window may be gone): the block's threads share the work.
 __device__ void pd_load_tile(float* tile, const KvPool& pool, const u32* table, int layer,
-                             int which, int kvh, int at, int len) {
+                             int which, int kvh, int at, int from, int len) {
     int hd = pool.head_dim, bs = pool.block_size;
     for (int i = threadIdx.x; i < PD_TILE * hd; i += blockDim.x) {
         int j = at + i / hd;
-        size_t off = j < len ? pool.offset(int(table[j / bs]), layer, which, kvh, j % bs) : 0;
-        tile[i] = j < len ? pool.at(off + i % hd) : 0.0f;
+        bool in = j >= from && j < len;
+        size_t off = in ? pool.offset(int(table[j / bs]), layer, which, kvh, j % bs) : 0;
+        tile[i] = in ? pool.at(off + i % hd) : 0.0f;
     }
 }
 
@@ -320,25 +326,30 @@ __device__ void pd_load_tile(float* tile, const KvPool& pool, const u32* table, 
 // `(16·kc + jj) % SETS`, that is `16·(kc % (SETS/16)) + jj`: the tiles are taken SETS/16 at a
 // time, unrolled, so every set index is a constant and the sets stay in registers.
 template <int SETS>
-__device__ float pd_tiled_weighted_v(const float* p, int n, bool live, int d, int hd, float* kv,
-                                     const KvPool& pool, const u32* table, int layer, int kvh,
-                                     int kchunks, int longest) {
+__device__ float pd_tiled_weighted_v(const float* p, int lo, int n, bool live, int d, int hd,
+                                     float* kv, const KvPool& pool, const u32* table, int layer,
+                                     int kvh, int kstart, int kchunks, int earliest,
+                                     int longest) {
     float r[SETS];
 #pragma unroll
     for (int k = 0; k < SETS; k++) r[k] = 0.0f;
-    for (int kc0 = 0; kc0 < kchunks; kc0 += SETS / 16) {
+    // From the group of tiles holding the earliest window's start, so that every position
+    // keeps its set; positions before a query's window add exact zeros and are skipped.
+    for (int kc0 = kstart / (SETS / 16) * (SETS / 16); kc0 < kchunks; kc0 += SETS / 16) {
 #pragma unroll
         for (int q = 0; q < SETS / 16; q++) {
             int kc = kc0 + q;
             if (kc >= kchunks) break;
+            if (kc < kstart) continue;
             __syncthreads();
-            pd_load_tile(kv, pool, table, layer, 1, kvh, kc * 16, longest);
+            pd_load_tile(kv, pool, table, layer, 1, kvh, kc * 16, earliest, longest);
             __syncthreads();
             if (!live) continue;
 #pragma unroll
             for (int jj = 0; jj < 16; jj++) {
                 int j = kc * 16 + jj;
                 if (j >= n) break;
+                if (j < lo) continue;
                 r[16 * q + jj] = fmaf(p[j], kv[jj * hd + d], r[16 * q + jj]);
             }
         }
@@ -355,7 +366,8 @@ __device__ float pd_tiled_weighted_v(const float* p, int n, bool live, int d, in
 // `tiles` holds (first query, count) per block; f16/f32 KV.
 extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers, int kv_heads,
                                            int head_dim, int block_size, int layer, int heads,
-                                           const float* q, const u32* pos, const u8* phases,
+                                           float scale, const float* q, const u32* pos,
+                                           const u32* firsts, const u8* phases,
                                            const u32* tables, const u32* table_at, float* out,
                                            float* scratch, int stride, const u32* tiles) {
     __shared__ float qs[PD_TILE * PD_MAX_HEAD_DIM];
@@ -368,10 +380,12 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
     int hd = head_dim, group = heads / kv_heads;
     bool decode = phases[first] != 0;
     const u32* table = tables + table_at[first];
-    int longest = 0;
-    for (int i = 0; i < count; i++) longest = pd_max(longest, int(pos[first + i]) + 1);
-    int kchunks = (longest + 15) / 16;
-    float scale = 1.0f / sqrtf(float(hd));
+    int longest = 0, earliest = int(firsts[first]);
+    for (int i = 0; i < count; i++) {
+        longest = pd_max(longest, int(pos[first + i]) + 1);
+        earliest = pd_min(earliest, int(firsts[first + i]));
+    }
+    int kchunks = (longest + 15) / 16, kstart = earliest / 16;
     size_t per_query = (size_t)stride + stride / 16;
 #define PD_SCORES(i) (scratch + ((size_t)(first + (i)) * kv_heads + kvh) * per_query)
     for (int g = 0; g < group; g++) {
@@ -382,15 +396,15 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
             qs[qi * hd + d] = f16 ? pd_round_f16(x) : x;
         }
         // Scores, 16 keys at a time.
-        for (int kc = 0; kc < kchunks; kc++) {
+        for (int kc = kstart; kc < kchunks; kc++) {
             __syncthreads();
-            pd_load_tile(kv, pool, table, layer, 0, kvh, kc * 16, longest);
+            pd_load_tile(kv, pool, table, layer, 0, kvh, kc * 16, earliest, longest);
             __syncthreads();
             for (int i = tid; i < count * PD_TILE; i += nthreads) {
                 int qi = i / PD_TILE, j = kc * 16 + i % PD_TILE;
-                int n = int(pos[first + qi]) + 1;
+                int n = int(pos[first + qi]) + 1, lo = int(firsts[first + qi]);
                 float* p = PD_SCORES(qi);
-                if (j < n)
+                if (j >= lo && j < n)
                     p[j] = pd_qk(qs + qi * hd, PdSharedRow{kv + (j % 16) * hd}, hd, decode) * scale;
                 else if (j < (n + 15) / 16 * 16)
                     p[j] = 0.0f;
@@ -400,13 +414,14 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
         // Each query's softmax: its maximum, then exponentials summed in chunks of 16.
         for (int qi = tid; qi < count; qi += nthreads) {
             int n = int(pos[first + qi]) + 1, chunks = (n + 15) / 16;
+            int lo = int(firsts[first + qi]);
             float* p = PD_SCORES(qi);
             float* csum = p + stride;
             float mx = __uint_as_float(0xff800000u);
-            for (int j = 0; j < n; j++) mx = fmaxf(mx, p[j]);
+            for (int j = lo; j < n; j++) mx = fmaxf(mx, p[j]);
             double sum = 0.0;
-            for (int c = 0; c < chunks; c++) {
-                csum[c] = pd_exp_chunk(p, c, n, mx);
+            for (int c = lo / 16; c < chunks; c++) {
+                csum[c] = pd_exp_chunk(p, c, lo, n, mx);
                 sum += double(csum[c]);
             }
             inv[qi] = float(1.0 / sum);
@@ -414,7 +429,7 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
         __syncthreads();
         for (int i = tid; i < count * longest; i += nthreads) {
             int qi = i / longest, j = i % longest;
-            if (j <= int(pos[first + qi])) {
+            if (j >= int(firsts[first + qi]) && j <= int(pos[first + qi])) {
                 float* p = PD_SCORES(qi);
                 float v = p[j] * inv[qi];
                 p[j] = f16 ? pd_round_f16(v) : v;
@@ -425,13 +440,15 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
             int pair = r0 + tid;
             bool live = pair < count * hd;
             int qi = live ? pair / hd : 0, d = pair % hd;
-            int n = int(pos[first + qi]) + 1;
+            int n = int(pos[first + qi]) + 1, lo = int(firsts[first + qi]);
             const float* p = PD_SCORES(qi);
             // `decode` is the block's: every thread takes the same branch to its barriers.
-            float v = decode ? pd_tiled_weighted_v<64>(p, n, live, d, hd, kv, pool, table, layer,
-                                                       kvh, kchunks, longest)
-                             : pd_tiled_weighted_v<16>(p, n, live, d, hd, kv, pool, table, layer,
-                                                       kvh, kchunks, longest);
+            float v = decode ? pd_tiled_weighted_v<64>(p, lo, n, live, d, hd, kv, pool, table,
+                                                       layer, kvh, kstart, kchunks, earliest,
+                                                       longest)
+                             : pd_tiled_weighted_v<16>(p, lo, n, live, d, hd, kv, pool, table,
+                                                       layer, kvh, kstart, kchunks, earliest,
+                                                       longest);
             if (live) out[((size_t)(first + qi) * heads + h) * hd + d] = v;
         }
         __syncthreads();
@@ -454,7 +471,8 @@ extern "C" __global__ void attention_tiled(const u8* base, int dtype, int layers
 // launched with `PD_FLASH_THREADS` threads, which `PD_FLASH_OUTS` assumes.
 extern "C" __global__ void attention_flash(const u8* base, int dtype, int layers, int kv_heads,
                                            int head_dim, int block_size, int layer, int heads,
-                                           const float* q, const u32* pos, const u32* tables,
+                                           float scale, const float* q, const u32* pos,
+                                           const u32* firsts, const u32* tables,
                                            const u32* table_at, float* out, const u32* tiles) {
     __shared__ float qs[PD_TILE * PD_MAX_HEAD_DIM];
     __shared__ float kv[PD_TILE * PD_MAX_HEAD_DIM];
@@ -467,10 +485,12 @@ extern "C" __global__ void attention_flash(const u8* base, int dtype, int layers
     bool f16 = dtype == PD_KV_F16;
     int hd = head_dim, group = heads / kv_heads, outs = count * hd;
     const u32* table = tables + table_at[first];
-    int longest = 0;
-    for (int i = 0; i < count; i++) longest = pd_max(longest, int(pos[first + i]) + 1);
+    int longest = 0, earliest = int(firsts[first]);
+    for (int i = 0; i < count; i++) {
+        longest = pd_max(longest, int(pos[first + i]) + 1);
+        earliest = pd_min(earliest, int(firsts[first + i]));
+    }
     int kchunks = (longest + 15) / 16;
-    float scale = 1.0f / sqrtf(float(hd));
     const float neg_inf = __uint_as_float(0xff800000u);
     for (int g = 0; g < group; g++) {
         int h = kvh * group + g;
@@ -485,26 +505,29 @@ extern "C" __global__ void attention_flash(const u8* base, int dtype, int layers
         float o[PD_FLASH_OUTS];
 #pragma unroll
         for (int r = 0; r < PD_FLASH_OUTS; r++) o[r] = 0.0f;
-        for (int kc = 0; kc < kchunks; kc++) {
+        for (int kc = earliest / 16; kc < kchunks; kc++) {
             __syncthreads();
-            pd_load_tile(kv, pool, table, layer, 0, kvh, kc * 16, longest);
+            pd_load_tile(kv, pool, table, layer, 0, kvh, kc * 16, earliest, longest);
             __syncthreads();
             for (int i = tid; i < count * PD_TILE; i += nthreads) {
-                int qi = i / PD_TILE, jj = i % PD_TILE;
-                bool seen = kc * 16 + jj <= int(pos[first + qi]);
-                pr[i] = seen ? pd_qk(qs + qi * hd, PdSharedRow{kv + jj * hd}, hd, false) * scale
+                int qi = i / PD_TILE, j = kc * 16 + i % PD_TILE;
+                bool seen = j >= int(firsts[first + qi]) && j <= int(pos[first + qi]);
+                pr[i] = seen ? pd_qk(qs + qi * hd, PdSharedRow{kv + (j % 16) * hd}, hd, false) *
+                                   scale
                              : neg_inf;
             }
             __syncthreads();
-            // The first tile holds position 0 of every query, so the maximum is finite from
-            // then on; `pd_exp(-inf)` is 0, for masked keys and the first rescale alike.
+            // `pd_exp(-inf)` is 0, for masked keys and the first rescale alike; a query none
+            // of whose keys so far is in its window (a later window in the tile) keeps an
+            // infinite maximum, and adds nothing yet.
             for (int qi = tid; qi < count; qi += nthreads) {
                 float* s = pr + qi * PD_TILE;
                 float m = run_max[qi];
                 for (int jj = 0; jj < PD_TILE; jj++) m = fmaxf(m, s[jj]);
-                float a = pd_exp(run_max[qi] - m), sum = 0.0f;
+                bool none = m == neg_inf;
+                float a = none ? 1.0f : pd_exp(run_max[qi] - m), sum = 0.0f;
                 for (int jj = 0; jj < PD_TILE; jj++) {
-                    s[jj] = pd_exp(s[jj] - m);
+                    s[jj] = none ? 0.0f : pd_exp(s[jj] - m);
                     sum += s[jj];
                 }
                 run_sum[qi] = fmaf(run_sum[qi], a, sum);
@@ -512,7 +535,7 @@ extern "C" __global__ void attention_flash(const u8* base, int dtype, int layers
                 rescale[qi] = a;
             }
             __syncthreads();
-            pd_load_tile(kv, pool, table, layer, 1, kvh, kc * 16, longest);
+            pd_load_tile(kv, pool, table, layer, 1, kvh, kc * 16, earliest, longest);
             __syncthreads();
 #pragma unroll
             for (int r = 0; r < PD_FLASH_OUTS; r++) {
@@ -609,26 +632,27 @@ __device__ float pd_dot_q8_0(const u8* k, const u8* q, int nb) {
 // accumulator of its own dimensions.
 extern "C" __global__ void attention_q8(const u8* base, int dtype, int layers, int kv_heads,
                                         int head_dim, int block_size, int layer, int heads,
-                                        const float* q, const u32* pos, const u8* phases,
-                                        const u32* tables, const u32* table_at, float* out,
-                                        float* scratch, int stride) {
+                                        float scale, const float* q, const u32* pos,
+                                        const u32* firsts, const u8* phases, const u32* tables,
+                                        const u32* table_at, float* out, float* scratch,
+                                        int stride) {
     // Words, for the slots' alignment.
     __shared__ u32 qq_words[PD_MAX_HEAD_DIM / 32 * PD_Q8_SLOT / 4];
     u8* qq = (u8*)qq_words;
     int t = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, nthreads = blockDim.x;
     KvPool pool{base, dtype, layers, kv_heads, head_dim, block_size};
     int hd = head_dim, group = heads / kv_heads, nb = hd / 32;
-    int n = int(pos[t]) + 1;
+    // Keys before the window are skipped, as llama.cpp's flash attention skips a masked one.
+    int n = int(pos[t]) + 1, lo = int(firsts[t]);
     const u32* table = tables + table_at[t];
     float* p = scratch + ((size_t)t * kv_heads + kvh) * (stride + stride / 16);
-    float scale = 1.0f / sqrtf(float(hd));
     for (int g = 0; g < group; g++) {
         int h = kvh * group + g;
         const float* qsrc = q + ((size_t)t * heads + h) * hd;
         for (int b = tid; b < nb; b += nthreads)
             pd_quantize_q8_0_block(qsrc + b * 32, qq + b * PD_Q8_SLOT + 2);
         __syncthreads();
-        for (int j = tid; j < n; j += nthreads) {
+        for (int j = lo + tid; j < n; j += nthreads) {
             const u8* k = pool.q8_row(int(table[j / block_size]), layer, 0, kvh, j % block_size);
             // `+ 0.0f` is llama.cpp's mask add: it turns a -0 score into +0.
             p[j] = pd_dot_q8_0(k, qq, nb) * scale + 0.0f;
@@ -638,7 +662,7 @@ extern "C" __global__ void attention_q8(const u8* base, int dtype, int layers, i
         for (int d0 = 0; d0 < hd; d0 += nthreads) {
             int d = d0 + tid;
             float m = __uint_as_float(0xff800000u), s = 0.0f, acc = 0.0f;
-            for (int j = 0; j < n; j++) {
+            for (int j = lo; j < n; j++) {
                 float sj = p[j], ms = 1.0f, vs = 1.0f;
                 if (sj > m) {
                     float old = m;

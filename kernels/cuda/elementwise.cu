@@ -74,6 +74,24 @@ extern "C" __global__ void swiglu(const float* gate, const float* up, long n, fl
     if (i < n) out[i] = pd_silu(gate[i]) * up[i];
 }
 
+// `out = gelu(gate) * up` as llama.cpp's CPU computes it (`cpu::ops::geglu`): `table` holds
+// GELU at every f16 input (`cpu::ops::gelu_table`), looked up by the input rounded to f16.
+extern "C" __global__ void geglu(const float* gate, const float* up, long n, const float* table,
+                                 float* out) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float g = gate[i];
+    if (g <= -10.0f)
+        out[i] = 0.0f;
+    else
+        out[i] = (g >= 10.0f ? g : table[pd_f32_to_f16(g)]) * up[i];
+}
+
+extern "C" __global__ void scale_f32(float* x, long n, float s) {
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = x[i] * s;
+}
+
 // `dst = src`: a copy on the device that a graph can hold (a `cuMemcpy` would end one).
 extern "C" __global__ void copy_f32(const float* src, long n, float* dst) {
     long i = (long)blockIdx.x * blockDim.x + threadIdx.x;

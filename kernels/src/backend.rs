@@ -34,12 +34,21 @@ pub enum RopeMode {
 }
 
 /// The angles RoPE rotates by: `head_dim / 2` cosines and sines per token, and which pairs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct Rope<'a, B> {
     pub cos: &'a B,
     pub sin: &'a B,
     pub mode: RopeMode,
 }
+
+// By hand: derived, they would ask for `B: Copy`, and buffers are not.
+impl<B> Clone for Rope<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B> Copy for Rope<'_, B> {}
 
 /// Why a KV pool cannot be made or written.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -203,6 +212,14 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     /// `out = silu(gate) * up`.
     fn swiglu(&self, gate: &Self::Buffer, up: &Self::Buffer, out: &mut Self::Buffer);
 
+    /// `out = gelu(gate) * up`, GELU's tanh approximation as llama.cpp's CPU backend computes
+    /// it: looked up by the input rounded to f16 in a table of f16 values (`gelu_f16`), the
+    /// input itself past ±10.
+    fn geglu(&self, gate: &Self::Buffer, up: &Self::Buffer, out: &mut Self::Buffer);
+
+    /// `x *= s`.
+    fn scale(&self, x: &mut Self::Buffer, s: f32);
+
     /// `x += y`.
     fn add_assign(&self, x: &mut Self::Buffer, y: &Self::Buffer);
 
@@ -241,13 +258,16 @@ pub trait Backend: Send + Sync + std::fmt::Debug + 'static {
     }
 
     /// Causal attention of each query token (`heads × head_dim` in `q`) over its sequence's
-    /// paged KV in layer `layer`; writes `heads × head_dim` per token to `out`.
+    /// paged KV in layer `layer`, positions `first..=pos` of each query, scores `q·k` times
+    /// `scale`; writes `heads × head_dim` per token to `out`.
+    #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
         kv: &Self::Kv,
         layer: usize,
         heads: usize,
         q: &Self::Buffer,
+        scale: f32,
         queries: &[AttnQuery<'_>],
         out: &mut Self::Buffer,
     );

@@ -191,13 +191,32 @@ pub enum Phase {
     Decode,
 }
 
-/// One token's attention: attend to positions `0..=pos` of a sequence whose KV lives in
-/// `blocks` (its block table).
+/// One token's attention: attend to positions `first..=pos` of a sequence whose KV lives in
+/// `blocks` (its block table). `first` is 0 for full attention and `pos + 1 - window` past
+/// the start of a sliding window; the positions before it are masked, exactly as a mask of
+/// -inf would: they take no part in the maximum and add exact zeros to every sum, so the
+/// positions still attended to keep the summation lanes (counted from position 0) they would
+/// have without the mask.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnQuery<'a> {
     pub pos: usize,
+    pub first: usize,
     pub blocks: &'a [u32],
     pub phase: Phase,
+}
+
+impl<'a> AttnQuery<'a> {
+    /// Full attention to `0..=pos`.
+    pub fn full(pos: usize, blocks: &'a [u32], phase: Phase) -> Self {
+        Self { pos, first: 0, blocks, phase }
+    }
+
+    /// The same query through a sliding window of `window` tokens (itself included), or
+    /// unchanged for `None`.
+    pub fn windowed(self, window: Option<usize>) -> Self {
+        let first = window.map_or(0, |w| (self.pos + 1).saturating_sub(w));
+        Self { first, ..self }
+    }
 }
 
 #[cfg(test)]

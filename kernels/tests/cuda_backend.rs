@@ -260,6 +260,21 @@ fn elementwise_ops_equal_cpu() {
     e.swiglu(&to_dev(&e, &g), &to_dev(&e, &u), &mut o);
     same_bits(&to_host(&e, &o), &want, "swiglu");
 
+    // GeGLU through the same table, past both ends of it; and a scale.
+    let mut g = random_vec(&mut rng, 5000, 12.0);
+    g.extend([-10.0, 10.0, -10.001, 10.001, 0.0, -0.0, 1e-8, -65504.0, 70000.0]);
+    let u = random_vec(&mut rng, g.len(), 2.0);
+    let mut want = vec![0f32; g.len()];
+    c.geglu(&g, &u, &mut want);
+    let mut o = e.buffer();
+    e.geglu(&to_dev(&e, &g), &to_dev(&e, &u), &mut o);
+    same_bits(&to_host(&e, &o), &want, "geglu");
+    let mut want = g.clone();
+    c.scale(&mut want, 25.298_222);
+    let mut gb = to_dev(&e, &g);
+    e.scale(&mut gb, 25.298_222);
+    same_bits(&to_host(&e, &gb), &want, "scale");
+
     // RoPE in both modes, with angles of every size.
     let (heads, hd, tokens) = (3, 64, 5);
     let x = random_vec(&mut rng, tokens * heads * hd, 3.0);
@@ -383,32 +398,39 @@ fn kv_write_and_paged_attention_equal_cpu_over_ragged_tables_and_gqa() {
         }
         // Every position of every sequence, mixing sequences in one call (prompt-like runs: the
         // tiled kernel for f16/f32), then only each sequence's last (a decode batch: a block
-        // per query).
-        let every = |phase| -> Vec<AttnQuery<'_>> {
-            lens.iter()
-                .zip(&tables)
-                .flat_map(|(&n, t)| (0..n).map(move |pos| AttnQuery { pos, blocks: t, phase }))
-                .collect()
-        };
-        let last = |phase| -> Vec<AttnQuery<'_>> {
-            lens.iter()
-                .zip(&tables)
-                .map(|(&n, t)| AttnQuery { pos: n - 1, blocks: t, phase })
-                .collect()
-        };
-        for (phase, queries) in [
-            (Phase::Prefill, every(Phase::Prefill)),
-            (Phase::Decode, every(Phase::Decode)),
-            (Phase::Decode, last(Phase::Decode)),
-            (Phase::Prefill, last(Phase::Prefill)),
-        ] {
-            let q = random_vec(&mut rng, queries.len() * heads * head_dim, 2.0);
-            let mut want = vec![0f32; q.len()];
-            c.attention(&kc, 1, heads, &q, &queries, &mut want);
-            let mut out = e.buffer();
-            e.attention(&ke, 1, heads, &to_dev(&e, &q), &queries, &mut out);
-            let what = format!("case {case} {phase:?}, {} queries", queries.len());
-            same_bits(&to_host(&e, &out), &want, &what);
+        // per query); each in full and through sliding windows (one shorter than a softmax
+        // chunk, one longer), whose keys start at different offsets within one tile.
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        for window in [None, Some(5), Some(20)] {
+            let every = |phase| -> Vec<AttnQuery<'_>> {
+                lens.iter()
+                    .zip(&tables)
+                    .flat_map(|(&n, t)| {
+                        (0..n).map(move |pos| AttnQuery::full(pos, t, phase).windowed(window))
+                    })
+                    .collect()
+            };
+            let last = |phase| -> Vec<AttnQuery<'_>> {
+                lens.iter()
+                    .zip(&tables)
+                    .map(|(&n, t)| AttnQuery::full(n - 1, t, phase).windowed(window))
+                    .collect()
+            };
+            for (phase, queries) in [
+                (Phase::Prefill, every(Phase::Prefill)),
+                (Phase::Decode, every(Phase::Decode)),
+                (Phase::Decode, last(Phase::Decode)),
+                (Phase::Prefill, last(Phase::Prefill)),
+            ] {
+                let q = random_vec(&mut rng, queries.len() * heads * head_dim, 2.0);
+                let mut want = vec![0f32; q.len()];
+                c.attention(&kc, 1, heads, &q, scale, &queries, &mut want);
+                let mut out = e.buffer();
+                e.attention(&ke, 1, heads, &to_dev(&e, &q), scale, &queries, &mut out);
+                let what =
+                    format!("case {case} {phase:?} window {window:?}, {} queries", queries.len());
+                same_bits(&to_host(&e, &out), &want, &what);
+            }
         }
     }
 }
@@ -440,7 +462,12 @@ fn flash_attention_is_within_its_bound_of_the_cpu() {
         let vmax = f64::from(v.iter().fold(0f32, |m, x| m.max(x.abs())));
         let u = if dtype == KvDtype::F16 { 2f64.powi(-10) } else { 0.0 };
         let bound = (u + 2f64.powi(-17)) * vmax;
-        let query = |s: usize, pos: usize, phase| AttnQuery { pos, blocks: &tables[s], phase };
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        // The first sequence through a window of 24 (several tiles of each query masked).
+        let window = |s: usize| (s == 0).then_some(24);
+        let query = |s: usize, pos: usize, phase| {
+            AttnQuery::full(pos, &tables[s], phase).windowed(window(s))
+        };
         let every = |phase| -> Vec<AttnQuery<'_>> {
             (0..3).flat_map(|s| (0..lens[s]).map(move |p| query(s, p, phase))).collect()
         };
@@ -459,9 +486,9 @@ fn flash_attention_is_within_its_bound_of_the_cpu() {
         ] {
             let q = random_vec(&mut rng, queries.len() * heads * head_dim, 2.0);
             let mut want = vec![0f32; q.len()];
-            c.attention(&kc, 0, heads, &q, &queries, &mut want);
+            c.attention(&kc, 0, heads, &q, scale, &queries, &mut want);
             let mut out = e.buffer();
-            e.attention(&ke, 0, heads, &to_dev(&e, &q), &queries, &mut out);
+            e.attention(&ke, 0, heads, &to_dev(&e, &q), scale, &queries, &mut out);
             let got = to_host(&e, &out);
             let what = format!("case {case} {name}, {} queries", queries.len());
             if name == "generated alone" {

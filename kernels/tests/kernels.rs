@@ -198,8 +198,8 @@ fn attention_matches_reference_on_every_backend() {
         let heads = 6; // group of 3 query heads per KV head
         let hd = g.head_dim;
         let queries: Vec<AttnQuery<'_>> = (0..11)
-            .map(|p| AttnQuery { pos: p, blocks: &tables[0], phase })
-            .chain((0..6).map(|p| AttnQuery { pos: p, blocks: &tables[1], phase }))
+            .map(|p| AttnQuery { pos: p, first: 0, blocks: &tables[0], phase })
+            .chain((0..6).map(|p| AttnQuery { pos: p, first: 0, blocks: &tables[1], phase }))
             .collect();
         let q = random_vec(&mut rng, queries.len() * heads * hd, 1.0);
         let mut results = Vec::new();
@@ -207,7 +207,7 @@ fn attention_matches_reference_on_every_backend() {
             let mut kv = KvBuffer::new(g, 10).unwrap();
             b.kv_write(&mut kv, 1, &k, &v, &slots);
             let mut out = vec![0f32; q.len()];
-            b.attention(&kv, 1, heads, &q, &queries, &mut out);
+            b.attention(&kv, 1, heads, &q, 1.0 / (hd as f32).sqrt(), &queries, &mut out);
             results.push((out, kv));
         }
         for (r, _) in &results[1..] {
@@ -267,8 +267,13 @@ fn q8_0_attention_matches_reference_on_every_backend() {
     let (g, tables, k, v, slots) = attention_setup(&mut rng, KvDtype::Q8_0);
     let (heads, hd) = (6, g.head_dim);
     let queries: Vec<AttnQuery<'_>> = (0..11)
-        .map(|p| AttnQuery { pos: p, blocks: &tables[0], phase: Phase::Prefill })
-        .chain((0..6).map(|p| AttnQuery { pos: p, blocks: &tables[1], phase: Phase::Decode }))
+        .map(|p| AttnQuery { pos: p, first: 0, blocks: &tables[0], phase: Phase::Prefill })
+        .chain((0..6).map(|p| AttnQuery {
+            pos: p,
+            first: 0,
+            blocks: &tables[1],
+            phase: Phase::Decode,
+        }))
         .collect();
     let q = random_vec(&mut rng, queries.len() * heads * hd, 2.0);
     let through_q8 = |x: &[f32]| {
@@ -283,7 +288,7 @@ fn q8_0_attention_matches_reference_on_every_backend() {
         let mut kv = KvBuffer::new(g, 10).unwrap();
         b.kv_write(&mut kv, 1, &k, &v, &slots);
         let mut out = vec![0f32; q.len()];
-        b.attention(&kv, 1, heads, &q, &queries, &mut out);
+        b.attention(&kv, 1, heads, &q, 1.0 / (hd as f32).sqrt(), &queries, &mut out);
         results.push(out);
     }
     for r in &results[1..] {
@@ -364,7 +369,7 @@ fn long_context_attention_is_identical_on_every_backend() {
                         [0, 7, 8, 15, 16, 63, 64, 65, 100, n - 1]
                             .into_iter()
                             .filter(move |&p| p < n)
-                            .map(move |p| AttnQuery { pos: p, blocks: tb, phase })
+                            .map(move |p| AttnQuery { pos: p, first: 0, blocks: tb, phase })
                     })
                     .collect();
                 let q = random_vec(&mut rng, queries.len() * heads * hd, 3.0);
@@ -373,7 +378,7 @@ fn long_context_attention_is_identical_on_every_backend() {
                     let mut kv = KvBuffer::new(g, n_blocks).unwrap();
                     b.kv_write(&mut kv, 1, &k, &v, &slots);
                     let mut out = vec![0f32; q.len()];
-                    b.attention(&kv, 1, heads, &q, &queries, &mut out);
+                    b.attention(&kv, 1, heads, &q, 1.0 / (hd as f32).sqrt(), &queries, &mut out);
                     assert!(out.iter().all(|x| x.is_finite()));
                     results.push(out);
                 }
@@ -383,6 +388,50 @@ fn long_context_attention_is_identical_on_every_backend() {
                         bits(r),
                         bits(&results[0]),
                         "hd {hd} group {group} {dtype} {phase:?}: SIMD attention differs"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A sliding window is a mask: attention over `first..=pos` gives the bits of full attention
+/// over `0..=pos` whose keys before `first` score so low (K rows of -100 against positive
+/// queries) that their probabilities are exact zeros. So every key in the window keeps its
+/// softmax chunk and summation lane, as under llama.cpp's -inf mask. Windows start on and off
+/// 16- and 64-key boundaries, for every KV type, both phases and every backend.
+#[test]
+fn a_window_is_full_attention_with_the_keys_before_it_masked() {
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    let (hd, heads, n): (usize, usize, usize) = (64, 2, 150);
+    let scale = 1.0 / (hd as f32).sqrt();
+    for dtype in KvDtype::ALL {
+        let g = KvGeometry { layers: 1, kv_heads: 1, head_dim: hd, block_size: 16, dtype };
+        let table: Vec<u32> = (0..n.div_ceil(16) as u32).rev().collect();
+        let slots: Vec<KvSlot> =
+            (0..n).map(|p| KvSlot { block: table[p / 16], slot: (p % 16) as u32 }).collect();
+        let k = random_vec(&mut rng, n * hd, 1.0);
+        let v = random_vec(&mut rng, n * hd, 1.0);
+        for (pos, first) in [(149, 0), (149, 85), (149, 128), (149, 64), (100, 37), (20, 5)] {
+            let mut masked = k.clone();
+            masked[..first * hd].fill(-100.0);
+            let q: Vec<f32> = (0..heads * hd).map(|_| rng.random_range(0.5..1.5)).collect();
+            for phase in [Phase::Prefill, Phase::Decode] {
+                let windowed = [AttnQuery { pos, first, blocks: &table, phase }];
+                let full = [AttnQuery::full(pos, &table, phase)];
+                for b in backends(2) {
+                    let run = |keys: &[f32], queries: &[AttnQuery<'_>]| {
+                        let mut kv = KvBuffer::new(g, table.len()).unwrap();
+                        b.kv_write(&mut kv, 0, &keys.to_vec(), &v, &slots);
+                        let mut out = vec![0f32; q.len()];
+                        b.attention(&kv, 0, heads, &q, scale, queries, &mut out);
+                        out.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                    };
+                    assert_eq!(
+                        run(&k, &windowed),
+                        run(&masked, &full),
+                        "{dtype} {phase:?} {} keys {first}..={pos}",
+                        b.describe()
                     );
                 }
             }
@@ -421,6 +470,30 @@ fn elementwise_ops_match_reference() {
                 "{} vs {want}",
                 o[i]
             );
+        }
+
+        // GeGLU: GELU's tanh form in f64, its input and output through f16 (the table's),
+        // saturating past ±10.
+        let mut g = random_vec(&mut rng, 40_000, 12.0);
+        g.extend([-10.0, 10.0, -10.5, 11.0]);
+        let u = random_vec(&mut rng, g.len(), 2.0);
+        let mut o = vec![0f32; g.len()];
+        b.geglu(&g, &u, &mut o);
+        let f16r = |x: f64| f64::from(f16::from_f64(x).to_f32());
+        for i in (0..g.len()).step_by(997).chain(g.len() - 4..g.len()) {
+            let x = f64::from(g[i]);
+            let gelu = if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                x
+            } else {
+                let x = f16r(x);
+                let inner = 0.797_884_560_802_865_4 * x * (1.0 + 0.044_715 * x * x);
+                f16r(0.5 * x * (1.0 + inner.tanh()))
+            };
+            let want = gelu * f64::from(u[i]);
+            let tol = 2f64.powi(-10) * want.abs() + 1e-6;
+            assert!((f64::from(o[i]) - want).abs() <= tol, "geglu({x}): {} vs {want}", o[i]);
         }
 
         let (heads, hd, tokens) = (3, 8, 2);

@@ -7,6 +7,8 @@ pub(crate) mod ops;
 pub mod portable;
 pub mod q8kv;
 
+pub use ops::gelu_table;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::slice::HalfFloatSliceExt;
@@ -130,9 +132,9 @@ impl Isa for Avx2Isa {
         unsafe { avx2::round_f16_slice(x) }
     }
     #[inline(always)]
-    fn exp16(self, chunk: &mut [f32], max: f32, valid: usize) -> f32 {
+    fn exp16(self, chunk: &mut [f32], max: f32, from: usize, valid: usize) -> f32 {
         // SAFETY: as above.
-        unsafe { avx2::exp16(chunk, max, valid) }
+        unsafe { avx2::exp16(chunk, max, from, valid) }
     }
     #[inline(always)]
     fn dot_q8_0(self, k: &[u8], q: &[u8]) -> f32 {
@@ -163,6 +165,8 @@ mod avx2_ops {
     wrap! {
         rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
         swiglu(gate: &[f32], up: &[f32], out: &mut [f32]);
+        geglu(table: &[f32], gate: &[f32], up: &[f32], out: &mut [f32]);
+        scale(x: &mut [f32], s: f32);
         quantize_row_q8_0(x: &[f32], out: &mut [u8]);
         add_assign(x: &mut [f32], y: &[f32]);
         add_rows(x: &mut [f32], bias: &[f32]);
@@ -183,14 +187,15 @@ mod avx2_ops {
         kv_head: usize,
         query: &AttnQuery<'_>,
         q: &[f32],
+        scale: f32,
         out: &mut [f32],
         scratch: &mut ops::AttnScratch,
     ) {
         if !matches!(kv, KvData::Q8_0(_)) && avx2::attend_fits(geom.head_dim, query.phase) {
             // SAFETY: AVX2 enabled here; the caller checked the block table.
-            unsafe { avx2::attend(geom, kv, layer, kv_head, query, q, out, scratch) }
+            unsafe { avx2::attend(geom, kv, layer, kv_head, query, q, scale, out, scratch) }
         } else {
-            ops::attend(isa, geom, kv, layer, kv_head, query, q, out, scratch)
+            ops::attend(isa, geom, kv, layer, kv_head, query, q, scale, out, scratch)
         }
     }
 }
@@ -517,6 +522,23 @@ impl Backend for CpuBackend {
         });
     }
 
+    fn geglu(&self, gate: &Vec<f32>, up: &Vec<f32>, out: &mut Vec<f32>) {
+        assert!(gate.len() == up.len() && up.len() == out.len(), "geglu: shape mismatch");
+        const CHUNK: usize = 1024;
+        let table = gelu_table();
+        let o = SharedMut::new(out);
+        self.rows_par(gate.len().div_ceil(CHUNK), CHUNK, |r| {
+            let range = r.start * CHUNK..(r.end * CHUNK).min(gate.len());
+            // SAFETY: chunk ranges are disjoint.
+            let os = unsafe { o.slice(range.clone()) };
+            dispatch!(self, geglu(table, &gate[range.clone()], &up[range], os))
+        });
+    }
+
+    fn scale(&self, x: &mut Vec<f32>, s: f32) {
+        dispatch!(self, scale(x, s))
+    }
+
     fn add_assign(&self, x: &mut Vec<f32>, y: &Vec<f32>) {
         assert_eq!(x.len(), y.len(), "add_assign: shape mismatch");
         dispatch!(self, add_assign(x, y))
@@ -573,6 +595,7 @@ impl Backend for CpuBackend {
         layer: usize,
         heads: usize,
         q: &Vec<f32>,
+        scale: f32,
         queries: &[AttnQuery<'_>],
         out: &mut Vec<f32>,
     ) {
@@ -587,9 +610,13 @@ impl Backend for CpuBackend {
         assert!(layer < g.layers, "attention: layer out of range");
         for query in queries {
             let need = query.pos / g.block_size + 1;
+            assert!(query.first <= query.pos, "attention: a window past its query");
             assert!(query.blocks.len() >= need, "attention: block table shorter than position");
             assert!(
-                query.blocks[..need].iter().all(|&b| (b as usize) < kv.n_blocks()),
+                // Only the window's blocks are read: those before it may be gone.
+                query.blocks[query.first / g.block_size..need]
+                    .iter()
+                    .all(|&b| (b as usize) < kv.n_blocks()),
                 "attention: block id out of range"
             );
         }
@@ -615,7 +642,8 @@ impl Backend for CpuBackend {
                 let query = &queries[qi];
                 match self.simd {
                     Simd::Portable => {
-                        ops::attend(PortableIsa, g, data, layer, kh, query, qs, os, &mut scratch)
+                        let isa = PortableIsa;
+                        ops::attend(isa, g, data, layer, kh, query, qs, scale, os, &mut scratch)
                     }
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: AVX2 verified at construction.
@@ -628,6 +656,7 @@ impl Backend for CpuBackend {
                             kh,
                             query,
                             qs,
+                            scale,
                             os,
                             &mut scratch,
                         )
@@ -639,7 +668,8 @@ impl Backend for CpuBackend {
                 }
             }
         };
-        let work: usize = queries.iter().map(|q| q.pos + 1).sum::<usize>() * heads * hd;
+        let work: usize =
+            queries.iter().map(|q| q.pos + 1 - q.first.min(q.pos)).sum::<usize>() * heads * hd;
         if work < PARALLEL_MIN_ELEMS || self.pool.threads() == 1 {
             run(0, 1);
         } else {

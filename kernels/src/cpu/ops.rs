@@ -29,13 +29,15 @@ pub(crate) trait Isa: Copy + Send + Sync {
     fn dequantize_q8_0(self, row: &[u8], out: &mut [f32]) {
         super::q8kv::dequantize_row_q8_0(row, out)
     }
-    /// Softmax's step over one 16-lane chunk: `v = exp(v - max)` for the first `valid` lanes
-    /// (the rest are left as they are, zero), returning the chunk's `reduce16` with the
-    /// lanes past `valid` counted as zero.
+    /// Softmax's step over one 16-lane chunk: `v = exp(v - max)` for lanes `from..valid`,
+    /// zero for the masked lanes before `from` (the lanes past `valid` are left as they are,
+    /// zero), returning the chunk's `reduce16` with every lane outside `from..valid` counted
+    /// as zero.
     #[inline(always)]
-    fn exp16(self, chunk: &mut [f32], max: f32, valid: usize) -> f32 {
+    fn exp16(self, chunk: &mut [f32], max: f32, from: usize, valid: usize) -> f32 {
         let mut e = [0f32; 16];
-        for (t, v) in chunk[..valid].iter_mut().enumerate() {
+        chunk[..from.min(valid)].fill(0.0);
+        for (t, v) in chunk[..valid].iter_mut().enumerate().skip(from) {
             *v = exp(*v - max);
             e[t] = *v;
         }
@@ -234,6 +236,55 @@ pub fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// llama.cpp's GELU table (`ggml_table_gelu_f16`): for every f16 bit pattern `x`, ggml's
+/// `ggml_gelu_f32(x)` (the tanh approximation) rounded to f16, here widened back to f32. It is
+/// computed as GCC compiles ggml's expression, `1 + a·x·x` fused into one FMA, with the C
+/// library's `tanhf` (Rust's `f32::tanh`): `gelu_table_is_llama_cpps` holds it to the table
+/// of the llama.cpp build the references come from, entry for entry.
+pub fn gelu_table() -> &'static [f32] {
+    static TABLE: std::sync::OnceLock<Vec<f32>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        const A: f32 = 0.044_715;
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        (0..=u16::MAX)
+            .map(|bits| {
+                let x = half::f16::from_bits(bits).to_f32();
+                let inner = (A * x).mul_add(x, 1.0);
+                let y = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * inner).tanh());
+                half::f16::from_f32(y).to_f32()
+            })
+            .collect()
+    })
+}
+
+/// `gelu(x)` as llama.cpp's CPU backend computes it (`GGML_GELU_FP16`): 0 at or below -10,
+/// `x` at or above 10, else the table's value at `x` rounded to f16.
+#[inline(always)]
+pub fn gelu(table: &[f32], x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        table[usize::from(half::f16::from_f32(x).to_bits())]
+    }
+}
+
+/// `out = gelu(gate) * up` (`ggml_vec_geglu_f32`).
+#[inline(always)]
+pub fn geglu(table: &[f32], gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = if g <= -10.0 { 0.0 } else { gelu(table, g) * u };
+    }
+}
+
+#[inline(always)]
+pub fn scale(x: &mut [f32], s: f32) {
+    for v in x {
+        *v *= s;
+    }
+}
+
 #[inline(always)]
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {
@@ -305,10 +356,11 @@ pub(crate) struct AttnScratch {
 /// Attention of one query token for one KV head and the query heads that share it (GQA).
 /// `q` and `out` hold those `group` heads. A q8_0 cache goes to `q8kv::attend_q8`.
 ///
-/// Scores are `q·k` (q rounded to the KV type first); softmax exponentiates in 16-lane chunks
-/// aligned to position 0 and sums the chunks in f64; probabilities are rounded to the KV type
-/// and multiplied into V with one accumulator per lane (16 for prefill, 64 for decode), which
-/// are then reduced in `phase`'s order.
+/// Scores are `q·k` (q rounded to the KV type first) times `scale`; softmax exponentiates in
+/// 16-lane chunks aligned to position 0 and sums the chunks in f64; probabilities are rounded
+/// to the KV type and multiplied into V with one accumulator per lane (16 for prefill, 64 for
+/// decode), which are then reduced in `phase`'s order. Positions before `query.first` are
+/// skipped: llama.cpp's mask makes them exact zeros, which change none of these sums.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend<I: Isa>(
@@ -319,17 +371,19 @@ pub(crate) fn attend<I: Isa>(
     kv_head: usize,
     query: &AttnQuery<'_>,
     q: &[f32],
+    scale: f32,
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
     if let KvData::Q8_0(bytes) = kv {
-        return super::q8kv::attend_q8(isa, geom, bytes, layer, kv_head, query, q, out, scratch);
+        let q8 = super::q8kv::attend_q8;
+        return q8(isa, geom, bytes, layer, kv_head, query, q, scale, out, scratch);
     }
     let hd = geom.head_dim;
     let group = q.len() / hd;
     let n = query.pos + 1;
+    let first = query.first.min(query.pos);
     let bs = geom.block_size;
-    let scale = 1.0 / (hd as f32).sqrt();
     let half_kv = matches!(kv, KvData::F16(_));
     let sets = match query.phase {
         Phase::Prefill => 16,
@@ -345,26 +399,28 @@ pub(crate) fn attend<I: Isa>(
         if half_kv {
             isa.round_f16(qh);
         }
-        for (j, pj) in p[..n].iter_mut().enumerate() {
+        for (j, pj) in p[..n].iter_mut().enumerate().skip(first) {
             let off = geom.offset(query.blocks[j / bs] as usize, layer, 0, kv_head, j % bs);
             *pj = isa.qk_dot(qh, kv, off, query.phase) * scale;
         }
-        let max = p[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // Chunks of 16 from position 0; lanes past the last position stay exactly zero
-        // (they are masked with -inf in llama.cpp, whose exp gives +0).
+        let max = p[first..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        // Chunks of 16 from position 0; lanes outside `first..n` stay exactly zero (they are
+        // masked with -inf in llama.cpp, whose exp gives +0), and whole chunks of them add
+        // +0 to the sum: they are skipped.
         let mut sum = 0f64;
-        for (c, chunk) in p.chunks_exact_mut(16).enumerate() {
-            sum += f64::from(isa.exp16(chunk, max, (n - 16 * c).min(16)));
+        for (c, chunk) in p.chunks_exact_mut(16).enumerate().skip(first / 16) {
+            let from = first.saturating_sub(16 * c);
+            sum += f64::from(isa.exp16(chunk, max, from, (n - 16 * c).min(16)));
         }
         let inv = (1.0 / sum) as f32;
-        for v in &mut p[..n] {
+        for v in &mut p[first..n] {
             *v *= inv;
         }
         if half_kv {
-            isa.round_f16(&mut p[..n]);
+            isa.round_f16(&mut p[first..n]);
         }
         acc.fill(0.0);
-        for (j, &pj) in p[..n].iter().enumerate() {
+        for (j, &pj) in p[..n].iter().enumerate().skip(first) {
             let off = geom.offset(query.blocks[j / bs] as usize, layer, 1, kv_head, j % bs);
             let set = j % sets;
             isa.kv_axpy(pj, kv, off, &mut acc[set * hd..(set + 1) * hd]);

@@ -171,6 +171,7 @@ pub(crate) fn attend_q8<I: Isa>(
     kv_head: usize,
     query: &AttnQuery<'_>,
     q: &[f32],
+    scale: f32,
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
@@ -178,8 +179,10 @@ pub(crate) fn attend_q8<I: Isa>(
     let rb = geom.row_bytes();
     let group = q.len() / hd;
     let n = query.pos + 1;
+    // llama.cpp's flash attention skips a masked key (`continue`): the online softmax starts
+    // at the window.
+    let first = query.first.min(query.pos);
     let bs = geom.block_size;
-    let scale = 1.0 / (hd as f32).sqrt();
     let AttnScratch { q: v32, p: scores, acc: vkq, qq, .. } = scratch;
     qq.resize(group * rb, 0);
     scores.resize(group * n, 0.0);
@@ -195,7 +198,7 @@ pub(crate) fn attend_q8<I: Isa>(
     };
     // Scores first: each K row is read once for the whole group. `+ 0.0` is the mask's add
     // (it turns a -0 score into +0, as llama.cpp's does).
-    for j in 0..n {
+    for j in first..n {
         let k = row(0, j);
         for (h, qqh) in qq.chunks_exact(rb).enumerate() {
             scores[h * n + j] = isa.dot_q8_0(k, qqh) * scale + 0.0;
@@ -204,7 +207,7 @@ pub(crate) fn attend_q8<I: Isa>(
     let mut m = [f32::NEG_INFINITY; MAX_GROUP];
     let mut s = [0f32; MAX_GROUP];
     assert!(group <= MAX_GROUP, "attention: more than {MAX_GROUP} query heads per KV head");
-    for j in 0..n {
+    for j in first..n {
         isa.dequantize_q8_0(row(1, j), v32);
         for h in 0..group {
             let sj = scores[h * n + j];

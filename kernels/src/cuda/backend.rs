@@ -119,6 +119,8 @@ pub struct CudaWeight {
 struct Staging {
     slots: HashMap<&'static str, (Vec<u8>, Grow)>,
     attn_scratch: Grow,
+    /// `cpu::ops::gelu_table`, uploaded with the first GeGLU.
+    gelu: Grow,
     /// The candidates of a step's rows, per row (`candidates_rows`) and packed.
     cand_rows: Grow,
     cand_packed: Grow,
@@ -478,6 +480,38 @@ impl<D: Device> Backend for CudaBackend<D> {
         }
     }
 
+    fn geglu(&self, gate: &DeviceVec, up: &DeviceVec, out: &mut DeviceVec) {
+        assert_eq!(gate.len, up.len, "geglu: shape mismatch");
+        self.resize(out, gate.len);
+        if gate.len == 0 {
+            return;
+        }
+        let table = {
+            let mut st = self.staging();
+            if st.gelu.mem.is_none() {
+                let bytes: &[u8] = bytemuck::cast_slice(crate::cpu::gelu_table());
+                let m = st.gelu.ensure(&*self.dev, bytes.len());
+                ok(self.dev.htod(bytes, m, 0));
+            }
+            Arg::Ptr(st.gelu.addr())
+        };
+        self.launch(
+            "geglu",
+            Dims::per_item(gate.len, 256),
+            &[gate.ptr(), up.ptr(), Arg::long(gate.len), table, out.ptr()],
+        );
+    }
+
+    fn scale(&self, x: &mut DeviceVec, s: f32) {
+        if x.len > 0 {
+            self.launch(
+                "scale_f32",
+                Dims::per_item(x.len, 256),
+                &[x.ptr(), Arg::long(x.len), Arg::F32(s)],
+            );
+        }
+    }
+
     fn add_assign(&self, x: &mut DeviceVec, y: &DeviceVec) {
         assert_eq!(x.len, y.len, "add_assign: shape mismatch");
         if x.len > 0 {
@@ -575,6 +609,7 @@ impl<D: Device> Backend for CudaBackend<D> {
         layer: usize,
         heads: usize,
         q: &DeviceVec,
+        scale: f32,
         queries: &[AttnQuery<'_>],
         out: &mut DeviceVec,
     ) {
@@ -591,11 +626,14 @@ impl<D: Device> Backend for CudaBackend<D> {
         }
         // Block tables, shared by a sequence's tokens (the same slice) and sent once.
         let (mut tables, mut table_at, mut pos, mut phases) = (vec![], vec![], vec![], vec![]);
+        let mut firsts = vec![];
         let mut last: Option<(*const u32, usize, u32)> = None;
         for query in queries {
             let need = query.pos / g.block_size + 1;
+            assert!(query.first <= query.pos, "attention: a window past its query");
             assert!(query.blocks.len() >= need, "attention: block table shorter than position");
-            let table = &query.blocks[..need];
+            // Only the window's blocks are read: those before it may be gone.
+            let table = &query.blocks[query.first / g.block_size..need];
             assert!(
                 table.iter().all(|&b| (b as usize) < kv.n_blocks),
                 "attention: block id out of range"
@@ -611,6 +649,7 @@ impl<D: Device> Backend for CudaBackend<D> {
             };
             table_at.push(at);
             pos.push(u32::try_from(query.pos).expect("positions fit a u32"));
+            firsts.push(query.first as u32);
             phases.push(u8::from(query.phase == Phase::Decode));
         }
         let longest = queries.iter().map(|q| q.pos + 1).max().unwrap_or(1);
@@ -622,6 +661,7 @@ impl<D: Device> Backend for CudaBackend<D> {
         let tables_arg = st.put(dev, "attn_tables", bytemuck::cast_slice(&tables));
         let at_arg = st.put(dev, "attn_table_at", bytemuck::cast_slice(&table_at));
         let pos_arg = st.put(dev, "attn_pos", bytemuck::cast_slice(&pos));
+        let first_arg = st.put(dev, "attn_first", bytemuck::cast_slice(&firsts));
         let n = queries.len();
         if self.flash && !kv.is_q8() {
             let tiles = attention_tiles(queries, &table_at, n).concat();
@@ -633,8 +673,10 @@ impl<D: Device> Backend for CudaBackend<D> {
                 args.extend([
                     Arg::int(layer),
                     Arg::int(heads),
+                    Arg::F32(scale),
                     q.ptr(),
                     pos_arg,
+                    first_arg,
                     tables_arg,
                     at_arg,
                     out.ptr(),
@@ -672,8 +714,10 @@ impl<D: Device> Backend for CudaBackend<D> {
             args.extend([
                 Arg::int(layer),
                 Arg::int(heads),
+                Arg::F32(scale),
                 offset(q.ptr(), t0 * heads * hd * 4),
                 offset(pos_arg, t0 * 4),
+                offset(first_arg, t0 * 4),
                 offset(ph_arg, t0),
                 tables_arg,
                 offset(at_arg, t0 * 4),

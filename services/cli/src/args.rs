@@ -12,7 +12,7 @@ use pdmesh_kernels::{KvDtype, Simd};
 
 #[derive(Debug, Clone, Args)]
 pub struct EngineArgs {
-    /// Path to a GGUF model (llama, qwen2 or qwen3 architecture).
+    /// Path to a GGUF model (llama, qwen2, qwen3 or gemma3 architecture).
     #[arg(long, env = "PDMESH_MODEL", default_value = DEFAULT_MODEL_PATH)]
     pub model: PathBuf,
     /// Compute threads (0 = one per core).

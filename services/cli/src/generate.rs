@@ -53,6 +53,11 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-turn tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// An opt-in lossy KV policy: `sinks:BUDGET[:SINKS]` or `h2o:BUDGET[:RECENT]` (budget in
+    /// tokens); the finish line names it and what it evicted. Default: the tenant's, else
+    /// full attention.
+    #[arg(long)]
+    kv_policy: Option<pdmesh_kv_types::KvPolicy>,
     /// Give up after this many seconds (sent as the call's deadline).
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
@@ -109,6 +114,7 @@ pub fn request_of(a: &GenerateArgs) -> GenerateRequest {
         }),
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
+        kv_policy: a.kv_policy.map(|p| p.to_string()).unwrap_or_default(),
         request_id: String::new(),
     }
 }
@@ -162,6 +168,8 @@ async fn generate(a: GenerateArgs, key: Option<String>) -> anyhow::Result<()> {
                             "prompt_tokens": usage.prompt_tokens,
                             "cached_tokens": usage.cached_tokens,
                             "completion_tokens": usage.completion_tokens,
+                            "kv_policy": usage.kv_policy,
+                            "kv_evicted_tokens": usage.kv_evicted_tokens,
                         },
                         "timings": {
                             "queue_ms": t.queue_ms, "prefill_ms": t.prefill_ms,
@@ -185,6 +193,12 @@ async fn generate(a: GenerateArgs, key: Option<String>) -> anyhow::Result<()> {
                         t.total_ms,
                         t.decode_node
                     );
+                    if !usage.kv_policy.is_empty() {
+                        eprintln!(
+                            "[KV policy {}: {} tokens of KV evicted]",
+                            usage.kv_policy, usage.kv_evicted_tokens
+                        );
+                    }
                     if !trace_id.is_empty() {
                         eprintln!("[trace {trace_id}]");
                     }

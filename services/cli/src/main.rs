@@ -141,6 +141,10 @@ struct ApiKeyArgs {
     /// tenant's own).
     #[arg(long)]
     cache_group: Option<String>,
+    /// The lossy KV policy of this tenant's requests that name none: `sinks:BUDGET[:SINKS]`
+    /// or `h2o:BUDGET[:RECENT]` (default: none, full attention).
+    #[arg(long)]
+    kv_policy: Option<pdmesh_kv_types::KvPolicy>,
 }
 
 fn api_key(a: ApiKeyArgs) -> anyhow::Result<()> {
@@ -150,6 +154,7 @@ fn api_key(a: ApiKeyArgs) -> anyhow::Result<()> {
         tenant: a.tenant,
         max_in_flight: a.max_in_flight,
         cache_group: a.cache_group,
+        kv_policy: a.kv_policy,
     };
     let key = pdmesh_common::apikey::add(&a.file, tenant)?;
     println!("{key}");

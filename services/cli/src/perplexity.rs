@@ -18,6 +18,12 @@ pub struct PerplexityArgs {
     /// Score at most this many windows (0 = all).
     #[arg(long, default_value_t = 0)]
     max_windows: usize,
+    /// A lossy KV policy to score instead of full attention: `sinks:BUDGET[:SINKS]`
+    /// (StreamingLLM: the first SINKS tokens, 4 by default, and the most recent) or
+    /// `h2o:BUDGET[:RECENT]` (the RECENT newest tokens, half the budget by default, and the
+    /// most attended older blocks). Each window then streams one block per step.
+    #[arg(long)]
+    kv_policy: Option<pdmesh_engine::kv_policy::KvPolicy>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -30,9 +36,12 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
     if a.max_windows > 0 {
         tokens.truncate(a.max_windows * a.ctx);
     }
-    eprintln!("{} tokens, windows of {}", tokens.len(), a.ctx);
+    match a.kv_policy {
+        Some(p) => eprintln!("{} tokens, windows of {}, KV policy {p}", tokens.len(), a.ctx),
+        None => eprintln!("{} tokens, windows of {}", tokens.len(), a.ctx),
+    }
     let start = std::time::Instant::now();
-    let r = pdmesh_engine::eval::perplexity(&mut engine, &tokens, a.ctx, |i, n| {
+    let r = pdmesh_engine::eval::perplexity(&mut engine, &tokens, a.ctx, a.kv_policy, |i, n| {
         eprint!("\rwindow {i}/{n}");
     })?;
     eprintln!();

@@ -12,8 +12,15 @@ use pdmesh_cli::args::EngineArgs;
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The prompt. Wrapped in the model's chat template as a user message unless --raw.
-    #[arg(long, short)]
-    prompt: String,
+    #[arg(long, short, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// Read the prompt from this UTF-8 file instead (a prompt too long for a command line).
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<std::path::PathBuf>,
+    /// Keep only the first N tokens of the prompt (0 = all of it): a prompt of an exact
+    /// length, for measuring.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    prompt_tokens: usize,
     /// Tokenize the prompt exactly as given (special tokens such as <|im_start|> included),
     /// without the chat template.
     #[arg(long)]
@@ -69,21 +76,38 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
         ..Default::default()
     };
     sampling.validate()?;
+    let given = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => {
+            std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?
+        }
+        (None, None) => bail!("give --prompt or --prompt-file"),
+    };
     let mut engine = a.engine.engine()?;
     let model = std::sync::Arc::clone(engine.model());
     let text = if a.raw {
-        a.prompt.clone()
+        given
     } else {
         let mut msgs = Vec::new();
         if let Some(s) = &a.system {
             msgs.push(Message::new("system", s.clone()));
         }
-        msgs.push(Message::new("user", a.prompt.clone()));
+        msgs.push(Message::new("user", given));
         model.tokenizer.chat_template()?.render(&msgs, true)?
     };
-    let prompt = model.tokenizer.encode(&text)?;
+    let mut prompt = model.tokenizer.encode(&text)?;
     if prompt.is_empty() {
         bail!("the prompt is empty after tokenization");
+    }
+    if a.prompt_tokens > 0 {
+        if prompt.len() < a.prompt_tokens {
+            bail!(
+                "--prompt-tokens {}: the prompt has only {} tokens",
+                a.prompt_tokens,
+                prompt.len()
+            );
+        }
+        prompt.truncate(a.prompt_tokens);
     }
     let params = GenerateParams {
         sampling,

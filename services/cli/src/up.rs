@@ -48,7 +48,7 @@ pub struct UpArgs {
     /// with the same API key).
     #[arg(long, default_value = "127.0.0.1:8000")]
     http_listen: String,
-    /// A GGUF model (llama, qwen2 or qwen3 architecture).
+    /// A GGUF model (llama, qwen2, qwen3 or gemma3 architecture).
     #[arg(long, env = "PDMESH_MODEL", default_value = pdmesh_engine::DEFAULT_MODEL_PATH)]
     model: PathBuf,
     /// Compute threads per node (default: the machine's cores shared among the nodes).
@@ -91,6 +91,14 @@ pub struct UpArgs {
     /// Bytes the KV-store (the shared prefix cache) holds; 0 runs the mesh without one.
     #[arg(long, default_value_t = pdmesh_kvstore::KvStoreConfig::default().budget_bytes)]
     kvstore_budget_bytes: u64,
+    /// A directory for the KV-store's disk tier (`pdmesh kvstore --disk-dir`): its blocks are
+    /// also kept there and served again after it restarts. None: RAM only.
+    #[arg(long, value_name = "DIR")]
+    kvstore_disk_dir: Option<PathBuf>,
+    /// A directory for the prefill nodes' own caches' disk tiers, each node in a subdirectory
+    /// of its name (`pdmesh prefill --cache-disk-dir`). None: RAM only.
+    #[arg(long, value_name = "DIR")]
+    cache_disk_dir: Option<PathBuf>,
     /// How the router chooses prefill nodes: prefix-aware, least-load or round-robin.
     #[arg(long)]
     prefill_policy: Option<PrefillPolicy>,
@@ -251,6 +259,7 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<Issued> {
         tenant: OPERATOR.into(),
         max_in_flight: None,
         cache_group: None,
+        kv_policy: None,
     };
     let key = pdmesh_common::apikey::add(&dir.join(KEY_RING_FILE), operator)?;
     write_private(&dir.join(API_KEY_FILE), &key)?;

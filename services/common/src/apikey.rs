@@ -8,6 +8,7 @@
 //! sha256 = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 //! max_in_flight = 64          # optional: this tenant's requests at once
 //! cache_group = "search"      # optional: tenants naming one group share cached prefixes
+//! kv_policy = "sinks:4096"    # optional: the lossy KV policy of requests that name none
 //! ```
 //!
 //! `pdmesh api-key --tenant NAME --file FILE` makes a key, appends its hash and prints the key
@@ -18,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use pdmesh_kv_types::KvPolicy;
 use serde::{Deserialize, Serialize};
 use tonic::metadata::MetadataValue;
 
@@ -46,12 +48,36 @@ pub struct Tenant {
     /// default each tenant is a group of its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_group: Option<String>,
+    /// The lossy KV policy (`GenerateRequest.kv_policy`'s form) of this tenant's requests that
+    /// name none; none: full attention.
+    #[serde(default, with = "policy_text", skip_serializing_if = "Option::is_none")]
+    pub kv_policy: Option<KvPolicy>,
+}
+
+/// A KV policy in the key file: its text form, checked as the file is read.
+mod policy_text {
+    use pdmesh_kv_types::KvPolicy;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(p: &Option<KvPolicy>, s: S) -> Result<S::Ok, S::Error> {
+        match p {
+            Some(p) => s.serialize_str(&p.to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<KvPolicy>, D::Error> {
+        let text: Option<String> = Option::deserialize(d)?;
+        // The key's entry is flattened, so the parser's message would not name the field.
+        let bad = |e: String| serde::de::Error::custom(format!("kv_policy: {e}"));
+        text.map(|t| t.parse().map_err(bad)).transpose()
+    }
 }
 
 impl Tenant {
     /// The caller of a mesh without API keys (`allow_anonymous`).
     pub fn anonymous() -> Self {
-        Self { tenant: "anonymous".into(), max_in_flight: None, cache_group: None }
+        Self { tenant: "anonymous".into(), max_in_flight: None, cache_group: None, kv_policy: None }
     }
 
     /// The salt of this tenant's prefix-cache hashes: equal only within a cache group.
@@ -131,14 +157,15 @@ fn parse(path: &Path) -> Result<HashMap<String, Arc<Tenant>>, KeyError> {
 fn disagree(first: &Tenant, other: &Tenant) -> String {
     let show = |t: &Tenant| {
         format!(
-            "max_in_flight {}, cache_group {}",
+            "max_in_flight {}, cache_group {}, kv_policy {}",
             t.max_in_flight.map_or("none".into(), |m| m.to_string()),
-            t.cache_group.as_deref().unwrap_or("none")
+            t.cache_group.as_deref().unwrap_or("none"),
+            t.kv_policy.map_or("none".into(), |p| p.to_string())
         )
     };
     format!(
         "the keys of tenant {:?} disagree ({} against {}): every key of a tenant must give \
-         the same max_in_flight and cache_group",
+         the same max_in_flight, cache_group and kv_policy",
         first.tenant,
         show(first),
         show(other)
@@ -324,8 +351,16 @@ mod tests {
     fn keys_map_to_tenants_and_strangers_are_refused() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("keys.toml");
-        let a = add(&f, Tenant { tenant: "a".into(), max_in_flight: Some(2), cache_group: None })
-            .unwrap();
+        let a = add(
+            &f,
+            Tenant {
+                tenant: "a".into(),
+                max_in_flight: Some(2),
+                cache_group: None,
+                kv_policy: None,
+            },
+        )
+        .unwrap();
         let ring = Arc::new(KeyRing::load(&f).unwrap());
         assert_eq!(ring.authenticate(&meta(&format!("Bearer {a}"))).unwrap().tenant, "a");
         assert_eq!(ring.authenticate(&meta(&format!("bearer  {a} "))).unwrap().tenant, "a");
@@ -334,8 +369,11 @@ mod tests {
         assert_eq!(ring.authenticate(&meta("Basic abc")), Err(Refused::Malformed));
         assert_eq!(ring.authenticate(&meta("Bearer pdm_guess")), Err(Refused::Unknown));
         // Another key appears in the file: picked up by a reload, the first still works.
-        let b =
-            add(&f, Tenant { tenant: "b".into(), max_in_flight: None, cache_group: None }).unwrap();
+        let b = add(
+            &f,
+            Tenant { tenant: "b".into(), max_in_flight: None, cache_group: None, kv_policy: None },
+        )
+        .unwrap();
         assert!(ring.reload().unwrap());
         assert_eq!(ring.authenticate(&meta(&format!("Bearer {b}"))).unwrap().tenant, "b");
         // A broken file keeps the keys in use.
@@ -354,7 +392,12 @@ mod tests {
     fn the_keys_of_one_tenant_cannot_disagree_on_its_limit() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("keys.toml");
-        let t = |limit| Tenant { tenant: "t".into(), max_in_flight: limit, cache_group: None };
+        let t = |limit| Tenant {
+            tenant: "t".into(),
+            max_in_flight: limit,
+            cache_group: None,
+            kv_policy: None,
+        };
         add(&f, t(Some(1))).unwrap();
         add(&f, t(Some(1))).unwrap();
         let e = add(&f, t(Some(2))).unwrap_err().to_string();
@@ -374,12 +417,33 @@ mod tests {
         assert!(e.contains("disagree"), "{e}");
     }
 
+    /// A tenant's KV policy is checked when the file is read: a typo would otherwise
+    /// silently serve that tenant with full attention, or fail each of its requests.
+    #[test]
+    fn a_tenants_kv_policy_is_checked_on_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("keys.toml");
+        let entry = |policy: &str| {
+            format!(
+                "[[key]]\nsha256 = \"{}\"\ntenant = \"t\"\nkv_policy = \"{policy}\"\n",
+                hash(&generate())
+            )
+        };
+        std::fs::write(&f, entry("sinks:1024")).unwrap();
+        let ring = KeyRing::load(&f).unwrap();
+        assert_eq!(ring.len(), 1);
+        std::fs::write(&f, entry("sinks:lots")).unwrap();
+        let e = KeyRing::load(&f).unwrap_err().to_string();
+        assert!(e.contains("kv_policy") && e.contains("sinks:lots"), "{e}");
+    }
+
     #[test]
     fn cache_salts_differ_by_group_only() {
         let t = |name: &str, group: Option<&str>| Tenant {
             tenant: name.into(),
             max_in_flight: None,
             cache_group: group.map(String::from),
+            kv_policy: None,
         };
         assert_ne!(t("a", None).cache_salt(), t("b", None).cache_salt());
         assert_eq!(t("a", Some("g")).cache_salt(), t("b", Some("g")).cache_salt());

@@ -20,6 +20,7 @@ use pdmesh_engine::{
     Output as RunOutput, Piece, Release, SamplingParams, SeqId, SeqKind, SeqSpec,
 };
 use pdmesh_kv_transfer::Receiver;
+use pdmesh_kv_types::KvPolicy;
 use pdmesh_wire::finish_reason;
 use tracing::Span;
 
@@ -51,8 +52,19 @@ pub enum Event {
         completion_tokens: u32,
         queue_ms: f64,
         prefill_ms: f64,
+        /// KV tokens the request's lossy policy evicted.
+        kv_evicted_tokens: u32,
     },
     Failed(DecodeError),
+}
+
+/// What the runner says of a request that left it.
+struct Ended {
+    generated: usize,
+    largest_batch: usize,
+    kept: Option<SeqId>,
+    /// KV tokens its lossy policy evicted.
+    evicted: usize,
 }
 
 /// How an attached request starts.
@@ -75,6 +87,8 @@ pub struct Attach {
     pub max_tokens: usize,
     pub stops: Vec<String>,
     pub ignore_eos: bool,
+    /// The request's lossy KV policy, put on its sequence once its prompt's KV is here.
+    pub kv_policy: Option<KvPolicy>,
     pub start: Start,
     /// The request's own output so far, from another node (`SeqSpec::resumed`).
     pub resumed: Vec<u32>,
@@ -423,6 +437,7 @@ impl DecodeCore {
                 stop_tokens: Vec::new(),
                 stop_strings: a.stops,
                 ignore_eos: a.ignore_eos,
+                kv_policy: a.kv_policy,
             },
             rng_position: a.rng_position,
             seq: Some(r.seq),
@@ -537,13 +552,13 @@ impl DecodeCore {
                         ));
                     }
                 }
-                RunEvent::Done { end, generated, largest_batch, kept, .. } => {
+                RunEvent::Done { end, generated, largest_batch, kept, evicted, .. } => {
                     let end = if gone.contains(&o.id) {
                         End::Finished { reason: FinishReason::Cancelled, stop_token: None }
                     } else {
                         end
                     };
-                    self.finish(o.id, end, generated, largest_batch, kept);
+                    self.finish(o.id, end, Ended { generated, largest_batch, kept, evicted });
                 }
             }
         }
@@ -557,14 +572,8 @@ impl DecodeCore {
     }
 
     /// A request left the runner: report its end and settle its reservation.
-    fn finish(
-        &mut self,
-        id: u64,
-        end: End,
-        generated: usize,
-        largest_batch: usize,
-        kept: Option<SeqId>,
-    ) {
+    fn finish(&mut self, id: u64, end: End, ended: Ended) {
+        let Ended { generated, largest_batch, kept, evicted } = ended;
         let failing = self.failing.remove(&id);
         let moved = self.moved.remove(&id);
         let Some(r) = self.reservations.get_mut(&id) else { return };
@@ -596,6 +605,7 @@ impl DecodeCore {
                     completion_tokens: generated as u32,
                     queue_ms: a.queue_ms,
                     prefill_ms: a.prefill_ms,
+                    kv_evicted_tokens: evicted as u32,
                 });
                 if reason == FinishReason::Cancelled {
                     self.counts.cancelled += 1;

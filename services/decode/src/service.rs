@@ -204,7 +204,13 @@ impl Stream for Events {
                     mark: None,
                 })
             }
-            Event::Finished { reason, completion_tokens, queue_ms, prefill_ms } => {
+            Event::Finished {
+                reason,
+                completion_tokens,
+                queue_ms,
+                prefill_ms,
+                kv_evicted_tokens,
+            } => {
                 self.ended = true;
                 Ok(DecodeEvent {
                     mark: None,
@@ -213,6 +219,7 @@ impl Stream for Events {
                         completion_tokens,
                         queue_ms,
                         prefill_ms,
+                        kv_evicted_tokens,
                     })),
                 })
             }
@@ -330,6 +337,8 @@ impl Decode for DecodeService {
             )));
         }
         pdmesh_wire::check_stops(&r.stop).map_err(Status::invalid_argument)?;
+        let kv_policy = pdmesh_kv_types::KvPolicy::parse_field(&r.kv_policy)
+            .map_err(|e| Status::invalid_argument(format!("kv_policy: {e}")))?;
         let max_tokens = (r.max_tokens as usize).min(self.context);
         let attach = Box::new(Attach {
             prompt: r.prompt,
@@ -338,6 +347,7 @@ impl Decode for DecodeService {
             max_tokens,
             stops: r.stop,
             ignore_eos: r.ignore_eos,
+            kv_policy,
             start,
             resumed: r.resumed,
             span: Span::current(),

@@ -71,6 +71,7 @@ fn attach(prompt: Vec<u32>, max_tokens: usize, start: Start) -> Attach {
         max_tokens,
         stops: Vec::new(),
         ignore_eos: true,
+        kv_policy: None,
         start,
         resumed: Vec::new(),
         span: tracing::Span::none(),

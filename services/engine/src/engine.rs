@@ -10,6 +10,7 @@ use pdmesh_kv_types::KvLayout;
 
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, KvView, SeqId};
+use crate::kv_policy::KvPolicy;
 use crate::model::Model;
 use crate::runtime::{Batch, Device, Rows, Runtime};
 use crate::sim::{SimDevice, SimProfile};
@@ -201,6 +202,8 @@ pub struct Engine {
     config: EngineConfig,
     /// `(item index, token index within the item)` of each logits row of the last step.
     logit_rows: Vec<(usize, usize)>,
+    /// The attention mass the last step's probes gave each block (kept for its allocation).
+    mass: Vec<(SeqId, Vec<f32>)>,
 }
 
 impl Engine {
@@ -265,7 +268,7 @@ impl Engine {
                 model.tokenizer.eog_tokens().to_vec(),
             )?),
         };
-        Ok(Self { model, kv, device, config, logit_rows: Vec::new() })
+        Ok(Self { model, kv, device, config, logit_rows: Vec::new(), mass: Vec::new() })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -331,6 +334,24 @@ impl Engine {
 
     pub fn seq_len(&self, seq: SeqId) -> Result<usize> {
         self.kv.len(seq)
+    }
+
+    /// Puts the sequence's KV under a lossy policy (`None`: keep everything, the default), and
+    /// evicts down to its budget at once and after each step the sequence is in.
+    pub fn set_kv_policy(&mut self, seq: SeqId, policy: Option<KvPolicy>) -> Result<()> {
+        self.kv.set_policy(seq, policy)?;
+        // A sequence already past the budget (a whole prompt) is cut down at once.
+        self.kv.enforce(seq).map(|_| ())
+    }
+
+    /// Tokens the sequence's policy has evicted so far.
+    pub fn evicted_tokens(&self, seq: SeqId) -> Result<usize> {
+        self.kv.evicted(seq)
+    }
+
+    /// The position of the sequence's next token (its length plus what was evicted).
+    pub fn seq_position(&self, seq: SeqId) -> Result<usize> {
+        self.kv.position(seq)
     }
 
     /// Appends `n` slots to `seq` without computing them: for KV that arrives from another node
@@ -417,7 +438,7 @@ impl Engine {
                     self.model.config.vocab
                 )));
             }
-            let len = self.kv.len(it.seq)?;
+            let len = self.kv.position(it.seq)?;
             if len + it.tokens.len() > self.max_seq_len() {
                 return Err(Error::invalid(format!(
                     "{} would hold {} tokens, past the model's context of {}",
@@ -458,6 +479,7 @@ impl Engine {
         let n: usize = items.iter().map(|it| it.tokens.len()).sum();
         let mut tokens = Vec::with_capacity(n);
         let mut positions = Vec::with_capacity(n);
+        let mut cache_pos = Vec::with_capacity(n);
         let mut slots: Vec<KvSlot> = Vec::with_capacity(n);
         let mut owner = Vec::with_capacity(n);
         let mut phases = Vec::with_capacity(n);
@@ -466,9 +488,14 @@ impl Engine {
         let mut logit_tokens = Vec::new();
         // Each wanted row's cut, while every wanted row has one.
         let (mut cuts, mut all_cut) = (Vec::new(), true);
+        // Rows whose attention a score-driven policy sums: each item's last.
+        let mut probes = Vec::new();
         for (i, it) in items.iter().enumerate() {
-            let start = self.kv.len(it.seq)?;
+            let (start, at) = (self.kv.position(it.seq)?, self.kv.len(it.seq)?);
             let s = self.kv.append(it.seq, it.tokens.len(), self.device.store_mut())?;
+            if self.kv.mass(it.seq)?.is_some() {
+                probes.push(tokens.len() + it.tokens.len() - 1);
+            }
             for (j, &t) in it.tokens.iter().enumerate() {
                 let want = match it.logits {
                     Logits::None => false,
@@ -485,6 +512,7 @@ impl Engine {
                 }
                 tokens.push(t);
                 positions.push(start + j);
+                cache_pos.push(at + j);
                 owner.push(it.seq);
                 phases.push(it.phase);
             }
@@ -496,13 +524,25 @@ impl Engine {
         let batch = Batch {
             tokens: &tokens,
             positions: &positions,
+            cache_pos: &cache_pos,
+            probes: &probes,
             slots: &slots,
             owner: &owner,
             phases: &phases,
             cuts: &cuts,
             logit_tokens: &logit_tokens,
         };
-        let data = self.device.forward(&self.kv, &batch, on_layer);
+        let mut mass = std::mem::take(&mut self.mass);
+        mass.clear();
+        let data = self.device.forward(&self.kv, &batch, on_layer, &mut mass);
+        for (id, m) in &mass {
+            self.kv.add_mass(*id, m);
+        }
+        self.mass = mass;
+        // A policy's budget holds after every step (its evictions were checked when set).
+        for it in items {
+            self.kv.enforce(it.seq).expect("a policy evicts only full blocks it holds");
+        }
         self.logit_rows = logit_rows;
         Ok(StepLogits { data, vocab: self.model.config.vocab, rows: &self.logit_rows })
     }

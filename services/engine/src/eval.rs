@@ -2,6 +2,7 @@
 
 use crate::engine::{Engine, Logits, StepItem};
 use crate::error::{Error, Result};
+use crate::kv_policy::KvPolicy;
 
 /// Result of scoring a token stream.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,10 +17,15 @@ pub struct Perplexity {
 /// Splits `tokens` into non-overlapping windows of `ctx` tokens (a shorter tail is dropped)
 /// and scores every token of each window except its first, from a fresh sequence.
 /// `on_window(i, n)` reports progress.
+///
+/// Under a lossy KV `policy` each window is fed one block of tokens per step, the policy
+/// evicting after each, so that no token sees more than the budget and one block: what a
+/// sequence that streams past its budget would see.
 pub fn perplexity(
     engine: &mut Engine,
     tokens: &[u32],
     ctx: usize,
+    policy: Option<KvPolicy>,
     mut on_window: impl FnMut(usize, usize),
 ) -> Result<Perplexity> {
     if ctx < 2 {
@@ -38,13 +44,17 @@ pub fn perplexity(
             tokens.len()
         )));
     }
-    let budget = engine.config().max_batch_tokens;
+    let budget = match policy {
+        Some(_) => engine.config().block_size.min(engine.config().max_batch_tokens),
+        None => engine.config().max_batch_tokens,
+    };
     let mut nll = 0f64;
     let mut count = 0usize;
     for w in 0..windows {
         let win = &tokens[w * ctx..(w + 1) * ctx];
         let seq = engine.create_sequence();
         let r = (|| -> Result<()> {
+            engine.set_kv_policy(seq, policy)?;
             for (c, chunk) in win.chunks(budget).enumerate() {
                 let base = c * budget;
                 let logits = engine.step(&[StepItem::prefill(seq, chunk, Logits::All)])?;

@@ -97,7 +97,7 @@ proptest! {
 
 /// Metadata keys a model's shape, rope, vocabulary and specials come from (`{a}` is the
 /// architecture).
-const KEYS: [&str; 20] = [
+const KEYS: [&str; 22] = [
     "{a}.block_count",
     "{a}.context_length",
     "{a}.embedding_length",
@@ -108,7 +108,9 @@ const KEYS: [&str; 20] = [
     "{a}.attention.key_length",
     "{a}.attention.value_length",
     "{a}.attention.sliding_window",
+    "{a}.attention.sliding_window_pattern",
     "{a}.rope.freq_base",
+    "{a}.rope.freq_base_swa",
     "{a}.rope.dimension_count",
     "{a}.rope.scaling.type",
     "{a}.rope.scaling.factor",
@@ -145,7 +147,9 @@ proptest! {
     /// a model that loads generates without panicking.
     #[test]
     fn nonsense_metadata_is_refused_or_runs(
-        arch in prop::sample::select(vec![TinyArch::Llama, TinyArch::Llama3, TinyArch::Qwen2, TinyArch::Qwen3]),
+        arch in prop::sample::select(vec![
+            TinyArch::Llama, TinyArch::Llama3, TinyArch::Qwen2, TinyArch::Qwen3, TinyArch::Gemma3,
+        ]),
         edits in prop::collection::vec((prop::sample::select(KEYS.to_vec()), value()), 1..3),
     ) {
         let tiny = TinyModel { arch, ..Default::default() };

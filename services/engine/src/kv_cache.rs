@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use pdmesh_kernels::{KvGeometry, KvSlot, KvStorage};
 
 use crate::error::{Error, Result};
+use crate::kv_policy::KvPolicy;
 
 /// Reference-counted allocation of block ids `0..n`. A plain struct: no I/O, no locking.
 #[derive(Debug, Clone)]
@@ -76,7 +77,15 @@ impl std::fmt::Display for SeqId {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sequence {
     pub blocks: Vec<u32>,
+    /// Tokens the blocks hold (slots, not positions: see `evicted`).
     pub len: usize,
+    /// Tokens a lossy KV policy dropped: the next token's position is `evicted + len`.
+    pub evicted: usize,
+    /// Attention each block has received, summed over heads, layers and probed queries, while
+    /// a score-driven policy tracks it (one entry per block).
+    pub mass: Option<Vec<f32>>,
+    /// The lossy policy the sequence's KV follows, if it opted in to one.
+    pub policy: Option<KvPolicy>,
 }
 
 /// The bookkeeping of a paged KV pool: which sequence owns which blocks, and how many of its
@@ -149,6 +158,92 @@ impl KvCache {
 
     pub fn len(&self, id: SeqId) -> Result<usize> {
         Ok(self.seq(id)?.len)
+    }
+
+    /// The position of the sequence's next token: the tokens it holds plus those a lossy
+    /// policy evicted.
+    pub fn position(&self, id: SeqId) -> Result<usize> {
+        let s = self.seq(id)?;
+        Ok(s.evicted + s.len)
+    }
+
+    /// Tokens a lossy policy has evicted from the sequence.
+    pub fn evicted(&self, id: SeqId) -> Result<usize> {
+        Ok(self.seq(id)?.evicted)
+    }
+
+    /// Puts the sequence under a lossy policy (or none), checked against the block size; a
+    /// score-driven one starts summing the attention its blocks receive (existing blocks from
+    /// zero). The policy evicts after each step the sequence is in (`enforce`).
+    pub fn set_policy(&mut self, id: SeqId, policy: Option<KvPolicy>) -> Result<()> {
+        if let Some(p) = &policy {
+            p.validate(self.geometry.block_size).map_err(Error::invalid)?;
+        }
+        let s = self
+            .seqs
+            .get_mut(&id)
+            .ok_or_else(|| Error::invalid(format!("unknown sequence {id}")))?;
+        s.mass = match policy {
+            Some(p) if p.tracks_attention() => {
+                Some(s.mass.take().unwrap_or_else(|| vec![0.0; s.blocks.len()]))
+            }
+            _ => None,
+        };
+        s.policy = policy;
+        Ok(())
+    }
+
+    /// Evicts what the sequence's policy says it must to hold its budget; returns the tokens
+    /// evicted now.
+    pub fn enforce(&mut self, id: SeqId) -> Result<usize> {
+        let s = self.seq(id)?;
+        let Some(p) = s.policy else { return Ok(0) };
+        let bs = self.geometry.block_size;
+        let victims = p.victims(s.len, bs, s.mass.as_deref());
+        self.evict(id, &victims)?;
+        Ok(victims.len() * bs)
+    }
+
+    /// The attention mass per block, while tracked.
+    pub fn mass(&self, id: SeqId) -> Result<Option<&[f32]>> {
+        Ok(self.seq(id)?.mass.as_deref())
+    }
+
+    /// Adds `add[i]` to block `i`'s mass (a no-op for an untracked sequence).
+    pub(crate) fn add_mass(&mut self, id: SeqId, add: &[f32]) {
+        if let Some(m) = self.seqs.get_mut(&id).and_then(|s| s.mass.as_mut()) {
+            for (m, a) in m.iter_mut().zip(add) {
+                *m += a;
+            }
+        }
+    }
+
+    /// Drops the sequence's blocks at table indices `which` (full blocks only: the one being
+    /// filled stays) and closes the gaps, so the blocks after them keep their slots. Their
+    /// tokens count as evicted; attention no longer sees them. Nothing changes on error.
+    pub fn evict(&mut self, id: SeqId, which: &[usize]) -> Result<()> {
+        let bs = self.geometry.block_size;
+        let s = self.seq(id)?;
+        let full = s.len / bs;
+        let mut which = which.to_vec();
+        which.sort_unstable();
+        which.dedup();
+        if let Some(&bad) = which.iter().find(|&&i| i >= full) {
+            return Err(Error::invalid(format!(
+                "{id} has {full} full blocks: block {bad} cannot be evicted"
+            )));
+        }
+        let mut s = self.seqs.remove(&id).expect("sequence checked above");
+        for &i in which.iter().rev() {
+            self.alloc.release(s.blocks.remove(i));
+            if let Some(m) = s.mass.as_mut() {
+                m.remove(i);
+            }
+        }
+        s.len -= which.len() * bs;
+        s.evicted += which.len() * bs;
+        self.seqs.insert(id, s);
+        Ok(())
     }
 
     pub fn blocks(&self, id: SeqId) -> Result<&[u32]> {
@@ -227,6 +322,9 @@ impl KvCache {
         for pos in s.len..s.len + n {
             if pos / bs == s.blocks.len() {
                 s.blocks.push(self.alloc.alloc().expect("counted in `needed`"));
+                if let Some(m) = s.mass.as_mut() {
+                    m.push(0.0);
+                }
             }
             slots.push(KvSlot { block: s.blocks[pos / bs], slot: (pos % bs) as u32 });
         }
@@ -371,6 +469,24 @@ mod tests {
     }
 
     #[test]
+    fn eviction_closes_the_gap_and_counts_the_tokens() {
+        let mut c = cache(8);
+        let s = c.create();
+        c.append(s, 14).unwrap(); // 3 full blocks and 2 tokens
+        let before = c.blocks(s).unwrap().to_vec();
+        let e = c.evict(s, &[3]).unwrap_err();
+        assert!(e.to_string().contains("3 full blocks"), "the block being filled stays: {e}");
+        c.evict(s, &[1, 0, 1]).unwrap();
+        assert_eq!(c.blocks(s).unwrap(), &before[2..]);
+        assert_eq!((c.len(s).unwrap(), c.evicted(s).unwrap(), c.position(s).unwrap()), (6, 8, 14));
+        assert_eq!(c.free_blocks(), 6);
+        // New tokens go on after the kept ones.
+        let slots = c.append(s, 3).unwrap();
+        assert_eq!(slots[0], KvSlot { block: before[3], slot: 2 });
+        assert_eq!(c.position(s).unwrap(), 17);
+    }
+
+    #[test]
     fn unknown_sequence_is_invalid_request() {
         let mut c = cache(2);
         assert!(matches!(c.free(SeqId(42)), Err(Error::InvalidRequest(_))));
@@ -386,7 +502,7 @@ mod tests {
             let mut c = cache(64);
             let mut live: Vec<SeqId> = Vec::new();
             for _ in 0..400 {
-                match rng.random_range(0..4) {
+                match rng.random_range(0..5) {
                     0 => live.push(c.create()),
                     1 if !live.is_empty() => {
                         let s = live[rng.random_range(0..live.len())];
@@ -399,6 +515,14 @@ mod tests {
                     3 if !live.is_empty() => {
                         let s = live.swap_remove(rng.random_range(0..live.len()));
                         c.free(s).unwrap();
+                    }
+                    // A policy's eviction of some full block (shared ones included).
+                    4 if !live.is_empty() => {
+                        let s = live[rng.random_range(0..live.len())];
+                        let full = c.len(s).unwrap() / 4;
+                        if full > 0 {
+                            c.evict(s, &[rng.random_range(0..full)]).unwrap();
+                        }
                     }
                     _ => {}
                 }

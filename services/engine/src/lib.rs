@@ -1,4 +1,4 @@
-//! The pdmesh engine: loads a llama, qwen2 or qwen3 model's weights on top of its card
+//! The pdmesh engine: loads a llama, qwen2, qwen3 or gemma3 model's weights on top of its card
 //! (`pdmesh-model`; weights stay quantized in a memory map; one file per architecture in
 //! `models`) and runs the forward pass over a paged KV cache through one batched `step` that
 //! mixes prompt chunks and decode tokens from many sequences, with the sampler and the batch
@@ -14,6 +14,7 @@ pub mod eval;
 mod fuzz;
 pub mod generate;
 pub mod kv_cache;
+pub mod kv_policy;
 pub mod model;
 mod models;
 pub mod pacing;

@@ -13,7 +13,9 @@ pub use pdmesh_model::card::{Arch, ModelCard, ModelConfig, RopeMode};
 use crate::error::Result;
 use crate::gguf::GgufFile;
 use crate::models;
-pub use crate::models::{Attention, HeadNorm, Layer, Mlp, WeightRef, weight_type};
+pub use crate::models::{
+    Activation, Attention, HeadNorm, Layer, Mlp, RopeFreq, WeightRef, weight_type,
+};
 
 /// A loaded model: its card, and weights that are views into the memory-mapped GGUF. It reads
 /// as its card (`model.config`, `model.tokenizer`) through `Deref`: a model is a card that can
@@ -27,6 +29,8 @@ pub struct Model {
     /// Llama 3's RoPE frequency factors (`rope_freqs.weight`, one per rotated pair): pair
     /// `i`'s angle is divided by factor `i`.
     pub rope_freqs: Option<Vec<f32>>,
+    /// A factor the embeddings are multiplied by (Gemma's `√hidden`).
+    pub embed_scale: Option<f32>,
 }
 
 impl std::fmt::Debug for Model {
@@ -58,6 +62,7 @@ impl Model {
             output: w.output,
             output_norm: w.output_norm,
             rope_freqs: w.rope_freqs,
+            embed_scale: w.embed_scale,
             card,
         })
     }
@@ -183,6 +188,17 @@ mod tests {
                 TinyArch::Llama,
                 Box::new(|b| b.set_kv("llama.rope.scaling.attn_factor", Value::F32(1.5))),
                 "llama.rope.scaling.attn_factor",
+            ),
+            // A NaN base once panicked the engine's grouping of layers by rotation.
+            (
+                TinyArch::Llama,
+                Box::new(|b| b.set_kv("llama.rope.freq_base", Value::F32(f32::NAN))),
+                "llama.rope.freq_base",
+            ),
+            (
+                TinyArch::Gemma3,
+                Box::new(|b| b.set_kv("gemma3.rope.freq_base_swa", Value::F32(-1.0))),
+                "gemma3.rope.freq_base_swa",
             ),
             (
                 TinyArch::Llama,

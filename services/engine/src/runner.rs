@@ -16,6 +16,7 @@ use crate::engine::{Engine, Logits, StepItem};
 use crate::error::{Error, Result};
 use crate::finish::FinishReason;
 use crate::kv_cache::SeqId;
+use crate::kv_policy::KvPolicy;
 use crate::model::Model;
 use crate::pacing::StepPacer;
 use crate::sampler::{Sampler, SamplingParams, TokenLogprobs};
@@ -34,6 +35,9 @@ pub struct GenerateParams {
     pub stop_strings: Vec<String>,
     /// Keep going past end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,
+    /// An opt-in lossy KV policy, put on the sequence once its prompt's KV is complete (the
+    /// prompt is computed whole, however it is chunked or wherever); none: full attention.
+    pub kv_policy: Option<KvPolicy>,
 }
 
 impl Default for GenerateParams {
@@ -44,6 +48,7 @@ impl Default for GenerateParams {
             stop_tokens: Vec::new(),
             stop_strings: Vec::new(),
             ignore_eos: false,
+            kv_policy: None,
         }
     }
 }
@@ -185,7 +190,15 @@ pub enum Event {
     Delta(Piece, Option<Mark>),
     /// The sequence left; `kept` is its engine sequence when the connector said its blocks
     /// must not be freed yet (the caller frees it later).
-    Done { end: End, generated: usize, steps: u32, largest_batch: usize, kept: Option<SeqId> },
+    /// `evicted`: KV tokens the sequence's lossy policy evicted (0 without one).
+    Done {
+        end: End,
+        generated: usize,
+        steps: u32,
+        largest_batch: usize,
+        kept: Option<SeqId>,
+        evicted: usize,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -366,6 +379,13 @@ impl BatchRunner {
             return Err(Error::invalid(format!("sequence {id} is not paused")));
         };
         let seq = slot.seq.expect("admitted sequences have one");
+        // Its blocks are no longer its tokens' prefix: a receiver would read them as one.
+        let evicted = engine.evicted_tokens(seq)?;
+        if evicted > 0 {
+            return Err(Error::invalid(format!(
+                "sequence {id}'s lossy KV policy evicted {evicted} tokens: its KV cannot move"
+            )));
+        }
         let view = engine.kv_view();
         (0..view.blocks(seq)?.len())
             .map(|i| {
@@ -537,6 +557,17 @@ impl BatchRunner {
             }
         }
         connector.save(&engine.kv_view(), &saved);
+        // Prompts completed in this step go under their policies now, before their first
+        // decode step.
+        for s in plan {
+            let Some(slot) = self.slots.get(&s.id) else { continue };
+            if matches!(s.work, Work::Prefill { last: true, .. }) && slot.role == Role::Generate {
+                let seq = slot.seq.expect("admitted sequences have one");
+                if let Err(e) = engine.set_kv_policy(seq, slot.params.kv_policy) {
+                    ends.push((s.id, End::Failed(e)));
+                }
+            }
+        }
         for (id, end) in ends {
             out.extend(self.leave(engine, connector, id, end));
         }
@@ -564,6 +595,7 @@ impl BatchRunner {
                 out.push(Output { id, event: Event::Delta(tail, None) });
             }
         }
+        let evicted = slot.seq.and_then(|seq| engine.evicted_tokens(seq).ok()).unwrap_or(0);
         let kept = slot.seq.and_then(|seq| match connector.finished(id, seq, &engine.kv_view()) {
             Release::Free => {
                 engine.free_sequence(seq).expect("the runner's sequences exist");
@@ -577,6 +609,7 @@ impl BatchRunner {
             steps: slot.steps,
             largest_batch: slot.largest_batch,
             kept,
+            evicted,
         };
         out.push(Output { id, event });
         out

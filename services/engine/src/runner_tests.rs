@@ -28,8 +28,16 @@ const PROMPT: &str = "<|im_start|>user\nthe one and the two and the one<|im_end|
 /// What a run ended with.
 #[derive(Debug, Clone, PartialEq)]
 enum Ended {
-    Finished { tokens: Vec<u32>, reason: FinishReason, stop_token: Option<u32> },
-    Prefilled { first_token: u32 },
+    /// `evicted`: KV tokens a lossy policy evicted.
+    Finished {
+        tokens: Vec<u32>,
+        reason: FinishReason,
+        stop_token: Option<u32>,
+        evicted: usize,
+    },
+    Prefilled {
+        first_token: u32,
+    },
 }
 
 /// A prefill run's export: the prompt's KV blocks, read as the sequence left.
@@ -103,14 +111,14 @@ fn drive(
             assert_eq!(o.id, 1);
             match o.event {
                 Event::Delta(p, _) => tokens.extend(p.tokens),
-                Event::Done { end, generated, kept, .. } => {
+                Event::Done { end, generated, kept, evicted, .. } => {
                     assert!(kept.is_none());
                     assert!(runner.is_empty());
                     assert_eq!(engine.kv().free_blocks(), engine.kv().total_blocks(), "leak");
                     return match end {
                         End::Finished { reason, stop_token } => {
                             assert_eq!(generated, tokens.len());
-                            Ended::Finished { tokens, reason, stop_token }
+                            Ended::Finished { tokens, reason, stop_token, evicted }
                         }
                         End::Prefilled { first_token, .. } => Ended::Prefilled { first_token },
                         End::Failed(e) => panic!("failed: {e}"),
@@ -181,7 +189,7 @@ fn params(max_tokens: usize) -> GenerateParams {
 }
 
 fn finished(tokens: &[u32], reason: FinishReason, stop_token: Option<u32>) -> Ended {
-    Ended::Finished { tokens: tokens.to_vec(), reason, stop_token }
+    Ended::Finished { tokens: tokens.to_vec(), reason, stop_token, evicted: 0 }
 }
 
 #[test]
@@ -752,4 +760,61 @@ fn paced_steps_chunk_a_prompt_beside_a_stream_and_change_no_token() {
     assert_eq!(paced, [FIRST_CHUNK, 32, MIN_CHUNK, 8], "paced");
     assert_eq!(plain, same, "pacing changed tokens");
     assert_eq!(plain[&1].len(), 40);
+}
+
+/// A lossy KV policy goes on once the prompt is whole, wherever it was computed: generating
+/// here (the prompt in chunks of 8) and decoding after a prefill node give the same tokens and
+/// evict the same KV; the first token saw the whole prompt, and later ones part from full
+/// attention's once past the budget.
+#[test]
+fn a_kv_policy_starts_with_the_whole_prompt_wherever_it_was_computed() {
+    let model = TinyModel::default().build();
+    let prompt = model.tokenizer.encode(PROMPT).expect("tokenizes");
+    assert!(prompt.len() > 16, "the prompt alone is past the budget");
+    for policy in ["sinks:16:4", "h2o:16:8"] {
+        let policy: KvPolicy = policy.parse().unwrap();
+        let case = |p| Case::plain(&model, GenerateParams { kv_policy: p, ..params(40) });
+        let full = generate_run(&model, &prompt, &case(None));
+        let here = generate_run(&model, &prompt, &case(Some(policy)));
+        let there = decode_run(&model, &prompt, &case(Some(policy)));
+        assert_eq!(here, there, "{policy}");
+        let (
+            Ended::Finished { tokens: f, evicted: 0, .. },
+            Ended::Finished { tokens: h, evicted, .. },
+        ) = (&full, &here)
+        else {
+            panic!("{policy}: {full:?} / {here:?}");
+        };
+        // Whole blocks of 4 go as soon as the budget of 16 is passed: 13 to 16 tokens stay
+        // of the prompt and every generated token but the last.
+        let held = prompt.len() + 40 - 1;
+        assert!((held - 16..=held - 13).contains(evicted), "{policy}: {evicted} of {held}");
+        assert_eq!(f[0], h[0], "{policy}: the first token sees the whole prompt");
+        assert_ne!(f, h, "{policy}: 40 tokens past a 16-token budget change nothing");
+    }
+}
+
+/// A sequence whose policy evicted KV cannot be exported for a move (its blocks are no longer
+/// its tokens' prefix); a budget its blocks cannot hold is refused when it is added.
+#[test]
+fn evicted_kv_never_moves_and_bad_budgets_are_refused_on_add() {
+    let model = TinyModel::default().build();
+    let prompt = model.tokenizer.encode(PROMPT).expect("tokenizes");
+    let mut e = engine(&model);
+    let mut runner = BatchRunner::new(&e, 4, true);
+    let bad = GenerateParams { kv_policy: Some("sinks:8:4".parse().unwrap()), ..params(8) };
+    let err = runner
+        .add(&mut e, &mut NoConnector, 1, spec(&prompt, &bad, Role::Generate))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("kv_policy") && err.contains("12 tokens"), "{err}");
+    let p = GenerateParams { kv_policy: Some("sinks:16:4".parse().unwrap()), ..params(8) };
+    let mut out =
+        runner.add(&mut e, &mut NoConnector, 2, spec(&prompt, &p, Role::Generate)).unwrap();
+    while runner.status(2) != Some(SeqStatus::Decoding) {
+        out.extend(runner.step(&mut e, &mut NoConnector).expect("step"));
+    }
+    runner.pause(2).expect("pauses");
+    let err = runner.export(&e, 2).unwrap_err().to_string();
+    assert!(err.contains("cannot move"), "{err}");
 }

@@ -138,6 +138,41 @@ fn qk_norms_weigh_every_head_before_attention() {
     }
 }
 
+/// Gemma 3's window: a window past the prompt is full attention (with the window layers'
+/// RoPE base set to the model's, no bit differs from a model without one); a window of 8
+/// changes nothing before position 8 and every position from it on; and a prompt computed in
+/// chunks of 3 (each chunk's queries reaching back into the last) gives the bits of one step.
+#[test]
+fn a_sliding_window_masks_exactly_the_keys_before_it() {
+    let gemma = || tiny(TinyArch::Gemma3).set_kv("gemma3.rope.freq_base_swa", Value::F32(10_000.0));
+    let windowed = load(gemma());
+    assert_eq!(windowed.config.window(0), Some(pdmesh_model::testing::TINY_WINDOW));
+    assert_eq!(windowed.config.window(1), None, "a pattern of 2: every other layer global");
+    let none = logits(load(gemma().remove_kv("gemma3.attention.sliding_window")));
+    let wide = logits(load(gemma().set_kv("gemma3.attention.sliding_window", Value::U32(64))));
+    assert_eq!(bits(&wide), bits(&none), "a window past the prompt is full attention");
+    let eight = logits(Arc::clone(&windowed));
+    let v = windowed.config.vocab;
+    let row = |l: &[f32], i: usize| bits(&l[i * v..(i + 1) * v]);
+    for i in 0..40 {
+        assert_eq!(row(&eight, i) == row(&none, i), i < 8, "position {i}");
+    }
+    // Chunked: the same bits.
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 5) % 250).collect();
+    let cfg = EngineConfig { threads: 2, kv_blocks: 32, ..Default::default() };
+    let mut e = Engine::new(windowed, cfg).expect("engine");
+    let seq = e.create_sequence();
+    let mut chunked = Vec::new();
+    for c in prompt.chunks(3) {
+        let l = e.step(&[StepItem::prefill(seq, c, Logits::All)]).expect("step");
+        chunked.extend((0..l.len()).flat_map(|i| l.row(i).1.to_vec()));
+    }
+    assert_eq!(bits(&chunked), bits(&eight), "chunks of 3");
+    // And the window layers' own RoPE base is used.
+    let base100 = logits(load(tiny(TinyArch::Gemma3)));
+    assert_ne!(bits(&base100), bits(&eight), "rope.freq_base_swa is read");
+}
+
 #[test]
 fn neox_rope_is_normal_rope_on_conversions_permuted_rows() {
     // convert_hf_to_gguf.py permutes llama's Q and K rows so that normal RoPE's adjacent pairs

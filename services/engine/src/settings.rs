@@ -75,7 +75,7 @@ impl std::str::FromStr for EngineName {
 #[serde(deny_unknown_fields, default)]
 #[settings(flags = EngineFlags)]
 pub struct EngineSettings {
-    /// A GGUF model (llama, qwen2 or qwen3 architecture).
+    /// A GGUF model (llama, qwen2, qwen3 or gemma3 architecture).
     #[arg(env = "PDMESH_MODEL")]
     pub model: PathBuf,
     /// real, or sim: no computation, each step takes the time the real engine would (see

@@ -15,7 +15,7 @@ use pdmesh_kv_types::KvShape;
 use serde::Deserialize;
 
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvCache, KvView};
+use crate::kv_cache::{KvCache, KvView, SeqId};
 use crate::runtime::{Batch, Device, Rows};
 
 /// The KV shape of a simulated node: the least that still moves block by block.
@@ -195,6 +195,7 @@ impl Device for SimDevice {
         cache: &KvCache,
         batch: &Batch<'_>,
         on_layer: &mut dyn FnMut(usize, &KvView<'_>),
+        _mass: &mut Vec<(SeqId, Vec<f32>)>,
     ) -> Rows<'_> {
         let decode = batch.phases.iter().filter(|&&p| p == Phase::Decode).count();
         let prompt = batch.phases.len() - decode;

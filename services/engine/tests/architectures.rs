@@ -2,7 +2,9 @@
 //! architecture in `models/test/`: `synth-llama3` (Llama 3 RoPE frequency factors, untied
 //! output; `synth-llama3-1b` has Llama 3.2 1B's shapes, tied), `synth-qwen2` (Q/K/V biases,
 //! NEOX RoPE, tied), `synth-qwen3` (per-head Q/K norms, heads of 128 with hidden / heads = 64)
-//! and `synth-mistral` (arch llama, SentencePiece).
+//! `synth-mistral` (arch llama, SentencePiece) and `synth-gemma3` (Gemma 3: Q/K norms,
+//! post-norms, GeGLU, embeddings scaled, five of six layers attending through a 20-token
+//! window with their own RoPE base; its 43-token prompt and 32 greedy tokens run past it).
 //!
 //! Every format of every family is required (`just test-models` makes them). The references are llama.cpp's logits for every
 //! prompt position, computed in micro-batches of 4 (`scripts/arch_reference.py` says why that
@@ -43,7 +45,9 @@ struct Reference {
     text: String,
     tokens: Vec<u32>,
     n_vocab: usize,
-    /// Every prompt position's logits.
+    /// The prompt positions whose logits `logits` holds (a long prompt's are a sample).
+    rows: Vec<usize>,
+    /// Those positions' logits.
     logits: Vec<f32>,
     /// llama.cpp's greedy tokens after the prompt, and the logits after feeding each alone.
     greedy: Vec<u32>,
@@ -63,9 +67,13 @@ fn tag(kv: KvDtype) -> String {
 }
 
 fn reference(model: &Path, kv: KvDtype) -> Reference {
+    reference_at(model, &model.with_file_name("x"), &tag(kv))
+}
+
+/// The reference files `{stem}.{tag}.*` of `model`, in the directory of `at`.
+fn reference_at(model: &Path, at: &Path, tag: &str) -> Reference {
     let stem = model.file_stem().unwrap().to_string_lossy().into_owned();
-    let tag = tag(kv);
-    let json = model.with_file_name(format!("{stem}.{tag}.json"));
+    let json = at.with_file_name(format!("{stem}.{tag}.json"));
     let meta =
         std::fs::read_to_string(&json).unwrap_or_else(|e| panic!("{}: {e}; {HOW}", json.display()));
     let meta: serde_json::Value = serde_json::from_str(&meta).unwrap();
@@ -77,13 +85,19 @@ fn reference(model: &Path, kv: KvDtype) -> Reference {
     let ids = |key: &str| -> Vec<u32> {
         meta[key].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
     };
+    let tokens = ids("prompt_tokens");
+    let rows = match meta["rows"].as_array() {
+        Some(r) => r.iter().map(|t| t.as_u64().unwrap() as usize).collect(),
+        None => (0..tokens.len()).collect(),
+    };
     Reference {
         text: meta["prompt_text"].as_str().unwrap().to_string(),
-        tokens: ids("prompt_tokens"),
+        tokens,
+        rows,
         n_vocab: meta["n_vocab"].as_u64().unwrap() as usize,
-        logits: floats(&model.with_file_name(format!("{stem}.{tag}.f32"))),
+        logits: floats(&at.with_file_name(format!("{stem}.{tag}.f32"))),
         greedy: ids("greedy"),
-        decode: floats(&model.with_file_name(format!("{stem}.{tag}.decode.f32"))),
+        decode: floats(&at.with_file_name(format!("{stem}.{tag}.decode.f32"))),
         system_info: meta["system_info"].as_str().unwrap().to_string(),
     }
 }
@@ -101,25 +115,34 @@ struct Matched {
 }
 
 fn compare(model: &Path, kv: KvDtype) -> Matched {
-    let r = reference(model, kv);
+    compare_with(model, kv, &reference(model, kv), true)
+}
+
+/// pdmesh against reference `r` on `model` with a `kv` cache; `rechunk` also checks that a
+/// prefill in chunks of 5 on one thread gives the same bits.
+fn compare_with(model: &Path, kv: KvDtype, r: &Reference, rechunk: bool) -> Matched {
     let m = Arc::new(Model::load(model).unwrap());
     assert_eq!(m.config.vocab, r.n_vocab);
+    let ours = m.tokenizer.encode(&r.text).unwrap();
+    // A long reference keeps a prefix of the text's tokens.
     assert_eq!(
-        m.tokenizer.encode(&r.text).unwrap(),
-        r.tokens,
+        ours.get(..r.tokens.len()),
+        Some(&r.tokens[..]),
         "{}: pdmesh tokenizes the prompt otherwise than llama.cpp",
         model.display()
     );
-    let (whole, decoded) = logits(&m, kv, &r.tokens, r.tokens.len(), 2, &r.greedy);
+    let (whole, decoded) = logits(&m, kv, &r.tokens, &r.rows, usize::MAX, 2, &r.greedy);
     assert_eq!(whole.len(), r.logits.len(), "{}: prompt rows", model.display());
     assert_eq!(decoded.len(), r.decode.len(), "{}: decode rows", model.display());
-    // pdmesh's own promise, whatever the architecture: chunks and threads change no bit.
-    let (chunked, chunked_decoded) = logits(&m, kv, &r.tokens, 5, 1, &r.greedy);
-    assert!(
-        bits(&chunked) == bits(&whole) && bits(&chunked_decoded) == bits(&decoded),
-        "{}: a chunked prefill on one thread differs from one step on two",
-        model.display()
-    );
+    if rechunk {
+        // pdmesh's own promise, whatever the architecture: chunks and threads change no bit.
+        let (chunked, chunked_decoded) = logits(&m, kv, &r.tokens, &r.rows, 5, 1, &r.greedy);
+        assert!(
+            bits(&chunked) == bits(&whole) && bits(&chunked_decoded) == bits(&decoded),
+            "{}: a chunked prefill on one thread differs from one step on two",
+            model.display()
+        );
+    }
     let n = r.n_vocab;
     let same = |a: &[f32], b: &[f32]| {
         let rows = a.len() / n;
@@ -159,23 +182,38 @@ fn compare(model: &Path, kv: KvDtype) -> Matched {
     }
 }
 
-/// Every prompt position's logits, the prompt computed in steps of `chunk` tokens, then the
-/// logits after each of `then` is fed as a generated token.
+/// The logits of prompt positions `rows` (increasing), the prompt computed in steps of at
+/// most `chunk` tokens (cut also around each run of wanted rows, so that no step computes
+/// logits nobody reads), then the logits after each of `then` is fed as a generated token.
 fn logits(
     m: &Arc<Model>,
     kv_dtype: KvDtype,
     tokens: &[u32],
+    rows: &[usize],
     chunk: usize,
     threads: usize,
     then: &[u32],
 ) -> (Vec<f32>, Vec<f32>) {
-    let cfg = EngineConfig { threads, kv_blocks: 64, kv_dtype, ..Default::default() };
+    let blocks = (tokens.len() + then.len()).div_ceil(16) + 4;
+    let cfg = EngineConfig { threads, kv_blocks: blocks.max(64), kv_dtype, ..Default::default() };
     let mut e = Engine::new(Arc::clone(m), cfg).unwrap();
     let seq = e.create_sequence();
+    let wanted = |i: usize| rows.binary_search(&i).is_ok();
     let mut prompt = Vec::new();
-    for c in tokens.chunks(chunk) {
-        let l = e.step(&[StepItem::prefill(seq, c, Logits::All)]).unwrap();
-        prompt.extend((0..l.len()).flat_map(|i| l.row(i).1.to_vec()));
+    let mut at = 0;
+    while at < tokens.len() {
+        // A run of positions all wanted or all not, at most `chunk` long.
+        let want = wanted(at);
+        let mut end = at + 1;
+        while end < tokens.len() && end - at < chunk && wanted(end) == want {
+            end += 1;
+        }
+        let kind = if want { Logits::All } else { Logits::None };
+        let l = e.step(&[StepItem::prefill(seq, &tokens[at..end], kind)]).unwrap();
+        if want {
+            prompt.extend((0..l.len()).flat_map(|i| l.row(i).1.to_vec()));
+        }
+        at = end;
     }
     let mut decoded = Vec::new();
     for &t in then {
@@ -254,6 +292,54 @@ fn mistral_matches_llama_cpp() {
     check_family("synth-mistral");
 }
 
+#[test]
+fn gemma3_matches_llama_cpp() {
+    check("synth-gemma3", &["Q8_0", "Q4_K_M", "F16"]);
+}
+
+/// Gemma 3 270M itself (`just fetch-gemma3`) on the first 2,560 tokens of Verne's novel, five
+/// times its 512-token window: pdmesh's tokens of the text, the logits of every 256th group of
+/// 4 positions and of the last, and 32 greedy tokens after it (each with its logits), all as
+/// llama.cpp computes them (`scripts/arch_reference.py --long 2560`).
+#[test]
+fn gemma3_270m_matches_llama_cpp_past_its_window() {
+    // In models/, beside models/test (which may be a link into the cache: not `test/..`).
+    let model =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/gemma-3-270m-q4_k_m.gguf");
+    assert!(model.exists(), "{} is missing: run `just fetch-gemma3`", model.display());
+    // The reference lives with the test models (a cache shared by clones).
+    let r = reference_at(&model, &models_dir().join("x"), "long2560.ubatch4");
+    assert_eq!(r.tokens.len(), 2560);
+    assert!(r.rows.iter().any(|&p| p > 4 * 512), "rows past the window: {:?}", r.rows);
+    let Matched { prompt: (p, pn), decode: (d, dn), max_diff, lacks, .. } =
+        compare_with(&model, KvDtype::F16, &r, false);
+    eprintln!(
+        "gemma-3-270m (2,560 tokens): prompt {p}/{pn}, decode {d}/{dn} rows bit-identical to \
+         llama.cpp, max |diff| {max_diff:e}"
+    );
+    assert!(lacks.is_none(), "the reference llama.cpp lacks {lacks:?}");
+    assert_eq!((p, d), (pn, dn), "rows bit-identical to llama.cpp");
+}
+
+/// The engine's GELU table (`gelu_table`) is the one llama.cpp's CPU backend builds at start
+/// (`ggml_table_gelu_f16`, dumped by `scripts/arch_reference.py`), entry for entry: GeGLU
+/// looks its values up, so one wrong entry is a wrong activation wherever an input rounds to
+/// it.
+#[test]
+fn gelu_table_is_llama_cpps() {
+    let path = models_dir().join("ggml-gelu-f16.bin");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}; {HOW}", path.display()));
+    let theirs: Vec<u16> =
+        bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+    let ours = pdmesh_kernels::cpu::gelu_table();
+    assert_eq!(theirs.len(), ours.len());
+    let wrong: Vec<usize> = (0..ours.len())
+        .filter(|&i| !half::f16::from_bits(i as u16).is_nan())
+        .filter(|&i| half::f16::from_f32(ours[i]).to_bits() != theirs[i])
+        .collect();
+    assert!(wrong.is_empty(), "{} entries differ, first at f16 {:#06x}", wrong.len(), wrong[0]);
+}
+
 /// Llama 3.2 1B's shapes (16 layers, hidden 2048, tied embeddings) in Q4_K_M.
 #[test]
 fn llama3_1b_matches_llama_cpp() {
@@ -264,8 +350,8 @@ fn llama3_1b_matches_llama_cpp() {
 /// its flash-attention path, with its default Hadamard rotation (heads of 64, and of 128 in
 /// synth-qwen3) and without it (`q8_0-norot`). Two weight formats each: attention does not
 /// depend on them, the rest of the model is checked above.
-const KV_FAMILIES: [&str; 5] =
-    ["smollm2", "synth-llama3", "synth-qwen2", "synth-qwen3", "synth-mistral"];
+const KV_FAMILIES: [&str; 6] =
+    ["smollm2", "synth-llama3", "synth-qwen2", "synth-qwen3", "synth-mistral", "synth-gemma3"];
 const KV_FORMATS: [&str; 2] = ["Q8_0", "Q4_K_M"];
 
 #[test]

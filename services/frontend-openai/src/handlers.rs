@@ -281,6 +281,7 @@ async fn start(
     let most = s.router.request_timeout();
     let deadline = deadline(most, headers, now)?;
     trace::attr(&root, "tenant", tenant.tenant.clone());
+    let tenant_policy = tenant.kv_policy;
     // A place first: a full router refuses before it reads, parses and tokenizes.
     let admitted = s.router.admit(tenant)?;
     let body = read_body(headers, body).await?;
@@ -293,6 +294,11 @@ async fn start(
     })
     .await
     .map_err(|e| ApiError::internal(format!("validation task: {e}")))??;
+    let mut plan = plan;
+    plan.prep.kv_policy = plan.prep.kv_policy.or(tenant_policy);
+    if let Some(p) = plan.prep.kv_policy {
+        trace::attr(&root, "kv_policy", p.to_string());
+    }
     trace::attr(&root, "prompt_tokens", plan.prep.prompt.len() as i64);
     trace::attr(&root, "max_tokens", plan.prep.max_tokens as i64);
     if let Some(u) = &plan.user {
@@ -348,6 +354,8 @@ fn usage(f: &Finished) -> Usage {
         completion_tokens: f.usage.completion_tokens,
         total_tokens: f.usage.prompt_tokens + f.usage.completion_tokens,
         prompt_tokens_details: PromptTokensDetails { cached_tokens: f.usage.cached_tokens },
+        kv_policy: f.usage.kv_policy.map(|p| p.to_string()),
+        kv_evicted_tokens: f.usage.kv_policy.map(|_| f.usage.kv_evicted_tokens),
     }
 }
 

@@ -273,6 +273,13 @@ fn plan(
         ..SamplingParams::default()
     };
     sampling.validate().map_err(|e| ApiError::invalid("sampling", e.to_string()))?;
+    let kv_policy = c
+        .kv_policy
+        .as_deref()
+        .map(|p| {
+            p.parse::<pdmesh_kv_types::KvPolicy>().map_err(|e| ApiError::invalid("kv_policy", e))
+        })
+        .transpose()?;
     Ok(Plan {
         prep: Prepared {
             prompt,
@@ -280,6 +287,7 @@ fn plan(
             sampling,
             stop,
             ignore_eos: c.ignore_eos.unwrap_or(false),
+            kv_policy,
         },
         stream,
         include_usage: c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),

@@ -62,6 +62,9 @@ pub struct CommonParams {
     /// Also return the generated token ids (`token_ids` on each choice or chunk) and, without
     /// streaming, the prompt's (`prompt_token_ids`), as vLLM does.
     pub return_token_ids: Option<bool>,
+    /// pdmesh's: an opt-in lossy KV policy (`GenerateRequest.kv_policy`'s form); the usage
+    /// then names it and counts what it evicted.
+    pub kv_policy: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -231,12 +234,18 @@ pub struct CompletionLogprobs {
     pub text_offset: Vec<usize>,
 }
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
     pub prompt_tokens_details: PromptTokensDetails,
+    /// pdmesh's: the lossy KV policy the request ran under and the KV tokens it evicted
+    /// (absent under full attention).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_policy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_evicted_tokens: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]

@@ -54,6 +54,7 @@ fn a_good_chat_request_becomes_the_routers_request() {
         "min_p": 0.05,
         "repetition_penalty": 1.1,
         "ignore_eos": true,
+        "kv_policy": "h2o:512",
         "stream": true,
         "stream_options": {"include_usage": true},
         "user": "u-1",
@@ -69,6 +70,7 @@ fn a_good_chat_request_becomes_the_routers_request() {
     assert_eq!((s.logprobs, p.logprobs), (Some(4), Some(4)));
     assert_eq!(p.prep.stop, ["x"]);
     assert!(p.prep.ignore_eos && p.stream && p.include_usage);
+    assert_eq!(p.prep.kv_policy.map(|k| k.to_string()).as_deref(), Some("h2o:512:256"));
     assert_eq!(p.user.as_deref(), Some("u-1"));
     // The prompt is the chat template's rendering; defaults fill the rest of the context.
     let d = chat(user(json!({}))).unwrap();
@@ -126,6 +128,8 @@ fn every_bad_value_names_its_parameter() {
         (user(json!({"tools": [{"type": "function"}]})), "tools"),
         (user(json!({"response_format": {"type": "json_object"}})), "response_format"),
         (user(json!({"seed": "x"})), "seed"),
+        (user(json!({"kv_policy": "lru:64"})), "kv_policy"),
+        (user(json!({"kv_policy": "sinks:0"})), "kv_policy"),
         (json!({"model": ID, "messages": []}), "messages"),
         (
             json!({"model": ID, "messages": [{"role": "wizard", "content": "x"}]}),

@@ -10,6 +10,7 @@
 //! that know the engine (feature `connectors`); the KV-store and transports link without it.
 
 pub mod auto;
+pub mod disk;
 pub mod grpc;
 pub mod inbox;
 pub mod layout;
@@ -32,6 +33,7 @@ use pdmesh_proto::v1::KvTarget;
 use tonic::Status;
 
 pub use auto::{AutoTransport, Fallen};
+pub use disk::{DiskStats, DiskTier};
 pub use grpc::{GrpcTransport, receive_push};
 pub use inbox::{KvInbox, parse_reservation};
 pub use layout::check_layout;

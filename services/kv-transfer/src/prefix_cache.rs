@@ -1,6 +1,7 @@
 //! The prefill node's prefix cache, in two tiers. Its own LRU of recently computed or fetched
-//! blocks is looked up first (no network); the KV-store is asked only for the blocks after
-//! what the node holds. The store's blocks are read with one-sided gets (UCX) from its
+//! blocks is looked up first (no network), then its disk tier when it has one (every block
+//! of its own is written through to it, so a restarted or replacement node resumes with its
+//! prefixes); the KV-store is asked only for the blocks after what the node holds. The store's blocks are read with one-sided gets (UCX) from its
 //! registered pool when both sides run the same such transport (the match pins them while
 //! they are read), else streamed over gRPC; a failed get falls back to the stream. After a prompt is computed, its new full
 //! blocks go into the node's tier at once and to the KV-store in the background. Every
@@ -20,6 +21,7 @@ use pdmesh_kv_types::{BlockHash, BlockHasher, KvLayout};
 use pdmesh_common::blocks::BlockLog;
 use pdmesh_common::channels::ChannelCache;
 
+use crate::disk::DiskTier;
 use crate::transport::RemoteReader;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
@@ -45,25 +47,82 @@ pub enum CacheError {
 pub struct Lookup {
     pub chain: Vec<BlockHash>,
     pub cached: Vec<Bytes>,
+    /// Where the cached blocks came from, in tokens.
+    pub tiers: pdmesh_proto::v1::CachedTokens,
 }
 
 /// The node's own tier: at most the LRU's capacity in blocks, least recently used evicted first. The
 /// bytes are shared (`Bytes`), so a block being read by a job outlives its eviction. Every
 /// block stored or evicted is told to `log` under the LRU's lock, for the routers' indexes.
+/// With a disk tier, every block stored is written through to it, and a block counts as held
+/// (for the log and the digest) while RAM or disk has it.
 #[derive(Debug)]
 struct Local {
-    blocks: Mutex<LruCache<BlockHash, Bytes>>,
+    blocks: Arc<Mutex<LruCache<BlockHash, Bytes>>>,
     log: Arc<BlockLog>,
+    disk: Option<Arc<DiskTier>>,
 }
 
 impl Local {
-    /// The longest run of `chain`'s blocks held here, from its start.
+    fn new(capacity: NonZeroUsize, disk: Option<DiskTier>) -> Self {
+        let log = Arc::new(BlockLog::default());
+        if let Some(d) = &disk {
+            // What the last run wrote is held from the start.
+            log.record(d.hashes().into_iter().map(|h| h.0), []);
+        }
+        let blocks = Arc::new(Mutex::new(LruCache::new(capacity)));
+        Self { blocks, log, disk: disk.map(Arc::new) }
+    }
+
+    /// The longest run of `chain`'s blocks held in RAM, from its start.
     fn prefix(&self, chain: &[BlockHash]) -> Vec<Bytes> {
         let mut l = self.blocks.lock().expect("never poisoned");
         chain.iter().map_while(|h| l.get(h).cloned()).collect()
     }
 
-    fn insert(&self, hashes: &[BlockHash], blocks: &[Bytes]) {
+    /// The longest run of `chain`'s blocks on disk, from its start (up to a missing or torn
+    /// one), read off the async threads; they are kept in RAM too.
+    async fn disk_prefix(&self, chain: &[BlockHash], block_bytes: usize) -> Vec<Bytes> {
+        let Some(disk) = self.disk.clone() else { return Vec::new() };
+        if chain.is_empty() || !disk.contains(chain[0]) {
+            return Vec::new();
+        }
+        let wanted = chain.to_vec();
+        let read = tokio::task::spawn_blocking(move || {
+            let mut out = Vec::new();
+            for h in wanted {
+                let mut buf = vec![0u8; block_bytes];
+                match disk.read(h, &mut buf) {
+                    Ok(()) => out.push(Bytes::from(buf)),
+                    Err(crate::disk::ReadError::Absent) => break,
+                    Err(e) => {
+                        tracing::warn!(block = %h, "reading a cached KV block from disk: {e}");
+                        break;
+                    }
+                }
+            }
+            out
+        })
+        .await
+        .unwrap_or_default();
+        self.remember(&chain[..read.len()], &read);
+        read
+    }
+
+    /// Blocks that left one tier: logged as gone unless the other still has them.
+    fn forget(&self, l: &LruCache<BlockHash, Bytes>, left: Vec<BlockHash>) {
+        let gone: Vec<u128> = left
+            .into_iter()
+            .filter(|h| !l.contains(h) && !self.disk.as_ref().is_some_and(|d| d.contains(*h)))
+            .map(|h| h.0)
+            .collect();
+        if !gone.is_empty() {
+            self.log.record([], gone);
+        }
+    }
+
+    /// Keeps blocks in RAM (and logs them held).
+    fn remember(&self, hashes: &[BlockHash], blocks: &[Bytes]) {
         let mut l = self.blocks.lock().expect("never poisoned");
         let mut evicted = Vec::new();
         for (h, b) in hashes.iter().zip(blocks) {
@@ -71,14 +130,40 @@ impl Local {
             if let Some((old, _)) = l.push(*h, b.clone())
                 && old != *h
             {
-                evicted.push(old.0);
+                evicted.push(old);
             }
         }
         let stored: Vec<u128> = hashes.iter().take(blocks.len()).map(|h| h.0).collect();
+        self.log.record(stored, []);
         // A block evicted and stored again within this call is held: the log ends where the
-        // LRU does.
-        evicted.retain(|e| !l.contains(&BlockHash(*e)));
-        self.log.record(stored, evicted);
+        // tiers do.
+        self.forget(&l, evicted);
+    }
+
+    /// Keeps blocks in RAM and writes them through to disk in the background.
+    fn insert(&self, hashes: &[BlockHash], blocks: &[Bytes]) {
+        self.remember(hashes, blocks);
+        let Some(disk) = self.disk.clone() else { return };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else { return };
+        let todo: Vec<(BlockHash, Bytes)> =
+            hashes.iter().copied().zip(blocks.iter().cloned()).collect();
+        let (ram, log) = (Arc::clone(&self.blocks), Arc::clone(&self.log));
+        rt.spawn_blocking(move || {
+            let mut evicted = Vec::new();
+            for (h, data) in todo {
+                match disk.put(h, &data) {
+                    Ok(e) => evicted.extend(e),
+                    Err(e) => tracing::warn!(block = %h, "writing a cached KV block to disk: {e}"),
+                }
+            }
+            // A block the disk let go of is gone unless RAM has it.
+            let l = ram.lock().expect("never poisoned");
+            let gone: Vec<u128> =
+                evicted.into_iter().filter(|h| !l.contains(h)).map(|h| h.0).collect();
+            if !gone.is_empty() {
+                log.record([], gone);
+            }
+        });
     }
 
     fn len(&self) -> usize {
@@ -86,7 +171,12 @@ impl Local {
     }
 
     fn digest(&self) -> u64 {
-        pdmesh_kv_types::digest(self.blocks.lock().expect("never poisoned").iter().map(|(h, _)| *h))
+        let l = self.blocks.lock().expect("never poisoned");
+        let mut held: std::collections::HashSet<BlockHash> = l.iter().map(|(h, _)| *h).collect();
+        if let Some(d) = &self.disk {
+            held.extend(d.hashes());
+        }
+        pdmesh_kv_types::digest(held)
     }
 }
 
@@ -130,7 +220,11 @@ const MAX_PUBLISHING: usize = 16;
 #[derive(Debug, Default)]
 struct Counters {
     local_hit_tokens: AtomicU64,
+    /// Of `local_hit_tokens`, those read back from the node's disk tier.
+    local_disk_hit_tokens: AtomicU64,
     store_hit_tokens: AtomicU64,
+    /// Of `store_hit_tokens`, those the KV-store read back from its disk tier.
+    store_disk_hit_tokens: AtomicU64,
     miss_tokens: AtomicU64,
     store_failures: AtomicU64,
     remote_blocks: AtomicU64,
@@ -155,10 +249,12 @@ impl PrefixCache {
     /// A cache holding up to `local_bytes` of blocks itself and backed by the KV-store at
     /// `store` (dialled lazily), read through `remote` when given and the store offers it. None when both tiers
     /// are off.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         layout: KvLayout,
         node_id: &str,
         local_bytes: u64,
+        disk: Option<DiskTier>,
         store: Option<&str>,
         timeout: Duration,
         remote: Option<Arc<dyn RemoteReader>>,
@@ -168,10 +264,7 @@ impl PrefixCache {
         let local = usize::try_from(local_bytes / bytes_per_block as u64)
             .ok()
             .and_then(NonZeroUsize::new)
-            .map(|n| Local {
-                blocks: Mutex::new(LruCache::new(n)),
-                log: Arc::new(BlockLog::default()),
-            });
+            .map(|n| Local::new(n, disk));
         let store = match store {
             Some(address) => {
                 let channel = Arc::new(ChannelCache::new(1));
@@ -215,9 +308,17 @@ impl PrefixCache {
     pub fn stats(&self) -> PrefixCacheStats {
         let c = &self.counters;
         let local_blocks = self.local.as_ref().map_or(0, Local::len) as u64;
+        let disk = self.local.as_ref().and_then(|l| l.disk.as_ref()).map(|d| d.stats());
+        let disk = disk.unwrap_or_default();
         PrefixCacheStats {
             local_hit_tokens: c.local_hit_tokens.load(Relaxed),
+            local_disk_hit_tokens: c.local_disk_hit_tokens.load(Relaxed),
+            disk_blocks: disk.blocks,
+            disk_bytes: disk.bytes,
+            disk_corrupt: disk.corrupt,
+            disk_recovered: disk.recovered,
             store_hit_tokens: c.store_hit_tokens.load(Relaxed),
+            store_disk_hit_tokens: c.store_disk_hit_tokens.load(Relaxed),
             miss_tokens: c.miss_tokens.load(Relaxed),
             local_blocks,
             local_bytes: local_blocks * self.bytes_per_block as u64,
@@ -237,6 +338,8 @@ impl PrefixCache {
             "prefill.cache_match",
             prompt_blocks = Empty,
             own_blocks = Empty,
+            own_disk_blocks = Empty,
+            kvstore_disk_blocks = Empty,
             kvstore_blocks = Empty,
             kvstore_transport = Empty,
             kvstore_failed = Empty,
@@ -251,7 +354,12 @@ impl PrefixCache {
         let bs = self.hasher.block_size();
         let usable = (prompt.len().saturating_sub(1) / bs).min(chain.len());
         let mut cached = self.local.as_ref().map_or_else(Vec::new, |l| l.prefix(&chain[..usable]));
+        let ram = cached.len();
+        if let Some(l) = &self.local {
+            cached.extend(l.disk_prefix(&chain[ram..usable], self.bytes_per_block).await);
+        }
         let local = cached.len();
+        let mut store_disk = 0;
         if let Some(store) = &self.store
             && local < usable
         {
@@ -259,10 +367,11 @@ impl PrefixCache {
             // finds exactly the blocks that continue it.
             let rest = &chain[local..usable];
             match tokio::time::timeout(store.timeout, self.read(store, rest)).await {
-                Ok(Ok(more)) => {
+                Ok(Ok((more, from_disk))) => {
                     if let Some(l) = &self.local {
                         l.insert(&chain[local..local + more.len()], &more);
                     }
+                    store_disk = from_disk.min(more.len());
                     cached.extend(more);
                 }
                 Ok(Err(e)) => {
@@ -282,18 +391,35 @@ impl PrefixCache {
         }
         let c = &self.counters;
         c.local_hit_tokens.fetch_add((local * bs) as u64, Relaxed);
+        c.local_disk_hit_tokens.fetch_add(((local - ram) * bs) as u64, Relaxed);
+        c.store_disk_hit_tokens.fetch_add((store_disk * bs) as u64, Relaxed);
         c.store_hit_tokens.fetch_add(((cached.len() - local) * bs) as u64, Relaxed);
         c.miss_tokens.fetch_add((prompt.len() - 1 - cached.len() * bs) as u64, Relaxed);
         span.record("prompt_blocks", chain.len() as i64);
         span.record("own_blocks", local as i64);
+        span.record("own_disk_blocks", (local - ram) as i64);
         span.record("kvstore_blocks", (cached.len() - local) as i64);
+        span.record("kvstore_disk_blocks", store_disk as i64);
         span.record("cached_tokens", (cached.len() * bs) as i64);
-        Lookup { chain, cached }
+        let tokens = |blocks: usize| (blocks * bs) as u32;
+        let tiers = pdmesh_proto::v1::CachedTokens {
+            node_ram: tokens(ram),
+            node_disk: tokens(local - ram),
+            kvstore_ram: tokens(cached.len() - local - store_disk),
+            kvstore_disk: tokens(store_disk),
+        };
+        Lookup { chain, cached, tiers }
     }
 
-    async fn read(&self, store: &Store, chain: &[BlockHash]) -> Result<Vec<Bytes>, tonic::Status> {
+    /// The blocks of `chain` the KV-store holds, from its start, and how many of them it read
+    /// back from its disk tier.
+    async fn read(
+        &self,
+        store: &Store,
+        chain: &[BlockHash],
+    ) -> Result<(Vec<Bytes>, usize), tonic::Status> {
         if chain.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), 0));
         }
         let mut c = store.client()?;
         let hashes = chain.iter().map(|h| Bytes::copy_from_slice(&h.to_bytes())).collect();
@@ -305,8 +431,9 @@ impl PrefixCache {
         };
         let m = c.r#match(req).await?.into_inner();
         if m.blocks == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), 0));
         }
+        let from_disk = m.disk_blocks as usize;
         // A store claiming more than it was asked would have the caller index past the chain.
         if m.blocks as usize > chain.len() {
             return Err(tonic::Status::data_loss(format!(
@@ -363,7 +490,7 @@ impl PrefixCache {
             }
             .in_current_span(),
         );
-        read
+        read.map(|blocks| (blocks, from_disk))
     }
 
     /// Keeps `blocks`, the prompt's full blocks from `first` on, in the node's tier at once
@@ -452,9 +579,9 @@ mod tests {
         let geometry =
             KvGeometry { dtype: KvDtype::F16, block_size: 4, layers: 1, kv_heads: 1, head_dim: 8 };
         let layout = KvLayout { model_fingerprint: 7, geometry };
-        let cache = PrefixCache::new(layout, "p", 0, Some(&addr), Duration::from_secs(30), None)
-            .unwrap()
-            .unwrap();
+        let timeout = Duration::from_secs(30);
+        let cache =
+            PrefixCache::new(layout, "p", 0, None, Some(&addr), timeout, None).unwrap().unwrap();
         let block = Bytes::from(vec![1u8; layout.bytes_per_block()]);
         for i in 0..(MAX_PUBLISHING as u32 + 20) {
             let chain = cache.hasher.chain(&[i, i + 1, i + 2, i + 3]);

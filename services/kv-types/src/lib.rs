@@ -8,11 +8,13 @@
 mod hash;
 mod layout;
 mod memory;
+mod policy;
 mod pool;
 
 pub use hash::{BlockHash, BlockHasher, digest};
 pub use layout::{KvDtype, KvGeometry, KvLayout, KvShape, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 pub use memory::{HOST_ALIGN, HostMemory, MemoryKind, MemoryRegion};
+pub use policy::KvPolicy;
 pub use pool::KvPool;
 
 /// The checksum of one KV block in verify mode (xxh3-64 of its bytes).

@@ -39,6 +39,7 @@ async fn serve(budget_blocks: usize, fabric: Option<&dyn Fabric>) -> KvStoreClie
         Duration::from_secs(10),
         Duration::from_secs(60),
         fabric,
+        None,
     )
     .unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

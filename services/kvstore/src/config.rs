@@ -28,8 +28,19 @@ pub struct KvStoreConfig {
     /// (default: the bound address).
     #[arg(value_name = "ADDR")]
     pub advertise: Option<String>,
-    /// Bytes of KV blocks held; least recently used unpinned blocks go when it is full.
+    /// Bytes of KV blocks held in RAM; least recently used unpinned blocks go when it is full
+    /// (to the disk tier only, when there is one).
     pub budget_bytes: u64,
+    /// A directory for the disk tier: every block stored is also written there (checksummed,
+    /// crash-safe), read back when RAM no longer holds it, and served again after a restart.
+    /// None: RAM only.
+    #[arg(value_name = "DIR")]
+    pub disk_dir: Option<PathBuf>,
+    /// Bytes of blocks the disk tier holds; least recently used files are deleted past it.
+    pub disk_budget_bytes: u64,
+    /// Sync each block file to the disk before it counts as written (off: a power loss may tear
+    /// recent files, which are then detected and dropped, never served).
+    pub disk_sync: bool,
     /// Lease on a match's pins when the caller asks for none.
     pub lease_ms: u64,
     /// Longest lease a caller may ask for.
@@ -57,6 +68,9 @@ impl Default for KvStoreConfig {
             routers: Vec::new(),
             advertise: None,
             budget_bytes: 1 << 30,
+            disk_dir: None,
+            disk_budget_bytes: 16 << 30,
+            disk_sync: true,
             lease_ms: 10_000,
             max_lease_ms: 60_000,
             drain_ms: 5_000,
@@ -76,6 +90,9 @@ impl KvStoreConfig {
                 self.max_lease_ms, self.lease_ms
             );
             return Err(InvalidConfig::new("lease_ms", why));
+        }
+        if self.disk_dir.is_some() && self.disk_budget_bytes == 0 {
+            return Err(InvalidConfig::new("disk_budget_bytes", "must be above 0 with a disk_dir"));
         }
         if self.block_size == 0 {
             return Err(InvalidConfig::new("block_size", "must be at least 1"));

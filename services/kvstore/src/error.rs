@@ -16,6 +16,8 @@ pub enum StartError {
     Layout(String),
     #[error("the pool: {0}")]
     Pool(String),
+    #[error("the disk tier: {0}")]
+    Disk(String),
     /// The configured transport could not start (the message names it).
     #[error("{0}")]
     Transport(String),

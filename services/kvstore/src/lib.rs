@@ -12,6 +12,7 @@ pub mod trace;
 
 pub use config::{KvStoreConfig, KvStoreFlags};
 pub use error::StartError;
+pub use pdmesh_kv_transfer::disk;
 pub use service::KvStoreService;
 pub use store::{Matched, PutSlot, Store, StoreStats};
 
@@ -51,6 +52,20 @@ pub async fn run(
     let budget = usize::try_from(config.budget_bytes)
         .map_err(|_| pdmesh_common::InvalidConfig::new("budget_bytes", "is too large"))?;
     let fabric = config.kv_transport.start(node_id).map_err(StartError::Transport)?;
+    let disk = match &config.disk_dir {
+        Some(dir) => Some(
+            disk::DiskTier::open_logged(
+                dir,
+                &layout,
+                config.disk_budget_bytes,
+                config.disk_sync,
+                "KV-store",
+            )
+            .await
+            .map_err(StartError::Disk)?,
+        ),
+        None => None,
+    };
     let service = KvStoreService::new(
         node_id,
         layout,
@@ -58,6 +73,7 @@ pub async fn run(
         Duration::from_millis(config.lease_ms),
         Duration::from_millis(config.max_lease_ms),
         fabric.as_deref(),
+        disk,
     )?;
     metrics.register_snapshot({
         let service = service.clone();
@@ -76,7 +92,8 @@ pub async fn run(
         routes,
         layout: layout.into(),
         load: std::sync::Arc::new(move || {
-            let s = stats.store_stats();
+            // RAM's counters: the heartbeat need not gather both tiers' blocks.
+            let s = stats.ram_stats();
             NodeLoad {
                 free_blocks: s.capacity_blocks.saturating_sub(s.blocks) as u32,
                 total_blocks: s.capacity_blocks as u32,
@@ -113,5 +130,14 @@ fn metric_families(s: &StoreStats) -> Vec<Family> {
         f("pinned_blocks", "Blocks pinned by leases.", Gauge, s.pinned_blocks),
         f("leases", "Leases open.", Gauge, s.leases),
         f("leases_expired", "Leases that expired before their release.", Counter, s.leases_expired),
+        f("held_blocks", "Blocks held in either tier.", Gauge, s.held_blocks),
+        f("disk_blocks", "Blocks on the disk tier.", Gauge, s.disk.blocks),
+        f("disk_bytes", "Bytes of blocks on the disk tier.", Gauge, s.disk.bytes),
+        f("disk_capacity_blocks", "Blocks the disk budget holds.", Gauge, s.disk.capacity_blocks),
+        f("disk_hit_tokens", "Matched tokens read back from disk.", Counter, s.disk_hit_tokens),
+        f("disk_writes", "Blocks written to disk.", Counter, s.disk.writes),
+        f("disk_evictions", "Block files deleted for room.", Counter, s.disk.evictions),
+        f("disk_corrupt", "Torn or foreign block files deleted unserved.", Counter, s.disk.corrupt),
+        f("disk_write_errors", "Block writes to disk that failed.", Counter, s.disk.write_errors),
     ]
 }

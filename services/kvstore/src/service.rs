@@ -2,6 +2,11 @@
 //! pool. Writes arrive over gRPC. Reads go either way: a caller that can use UCX gets the
 //! matched blocks' addresses in the pool (registered once with UCX) and reads them with
 //! one-sided gets while the match's lease pins them; any other caller streams them with `Read`.
+//!
+//! With a disk tier (`disk`), every block stored is also written to disk; a match whose chain
+//! goes on past what RAM holds reads the next blocks back from disk into RAM first (checked:
+//! a torn file ends the match there), so the caller reads them as any other. A block counts
+//! as held (for routers, stats and its digest) while either tier has it.
 
 use pdmesh_common::ids::Capability;
 use pdmesh_common::trace;
@@ -24,8 +29,9 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::StartError;
-use crate::store::{PutSlot, Store};
+use crate::store::{PutSlot, Store, StoreStats};
 use pdmesh_common::blocks::BlockLog;
+use pdmesh_kv_transfer::disk::DiskTier;
 
 /// Most hashes one Match may carry (a 128k-token prompt in 16-token blocks is 8,192).
 pub const MAX_CHAIN: usize = 65_536;
@@ -60,6 +66,8 @@ pub struct KvStoreService {
     /// registered for remote read under its lease alone.
     reads: Option<Arc<dyn ReadOffer>>,
     state: Arc<Mutex<State>>,
+    /// The warm tier, when the store has one.
+    disk: Option<Arc<DiskTier>>,
     /// The blocks it holds, as changes for the routers it reports to.
     log: Arc<BlockLog>,
 }
@@ -75,12 +83,16 @@ impl KvStoreService {
         default_lease: Duration,
         max_lease: Duration,
         fabric: Option<&dyn Fabric>,
+        disk: Option<DiskTier>,
     ) -> Result<Self, StartError> {
         layout.validate().map_err(StartError::Layout)?;
         let block_bytes = layout.bytes_per_block();
         let log = Arc::new(BlockLog::default());
-        let store =
+        let mut store =
             Store::new(budget_bytes, block_bytes, layout.block_size()).with_log(Arc::clone(&log));
+        if disk.is_some() {
+            store = store.backed();
+        }
         let len = store.capacity() * block_bytes;
         let pool = HostMemory::zeroed(len).map_err(StartError::Pool)?;
         let reads = match fabric {
@@ -99,8 +111,112 @@ impl KvStoreService {
             max_lease,
             reads,
             state: Arc::new(Mutex::new(State { store, pool, grants: HashMap::new() })),
+            disk: disk.map(|d| {
+                // What the last run left on disk is held from the start.
+                log.record(d.hashes().into_iter().map(|h| h.0), []);
+                Arc::new(d)
+            }),
             log,
         })
+    }
+
+    /// Logs as gone the blocks that left one tier and are in no other.
+    fn forget(&self, st: &State, left: Vec<BlockHash>) {
+        let gone: Vec<u128> = left
+            .into_iter()
+            .filter(|h| {
+                !st.store.is_ready(h) && !self.disk.as_ref().is_some_and(|d| d.contains(*h))
+            })
+            .map(|h| h.0)
+            .collect();
+        if !gone.is_empty() {
+            self.log.record([], gone);
+        }
+    }
+
+    /// Writes stored blocks through to the disk tier, off the async threads.
+    async fn write_through(&self, blocks: Vec<(BlockHash, Bytes)>) {
+        let Some(disk) = self.disk.clone() else { return };
+        if blocks.is_empty() {
+            return;
+        }
+        let evicted = tokio::task::spawn_blocking(move || {
+            let mut evicted = Vec::new();
+            for (h, data) in blocks {
+                match disk.put(h, &data) {
+                    Ok(e) => evicted.extend(e),
+                    Err(e) => tracing::warn!(block = %h, "writing a KV block to disk: {e}"),
+                }
+            }
+            evicted
+        })
+        .await
+        .unwrap_or_default();
+        let st = self.state();
+        self.forget(&st, evicted);
+    }
+
+    /// Reads the blocks of `chain` that follow on from RAM's on disk back into RAM, in chain
+    /// order, up to the first block neither tier has, a torn file, or as many as RAM has room
+    /// for beside what is pinned. Returns the blocks it read.
+    async fn promote(&self, chain: &[BlockHash]) -> Vec<BlockHash> {
+        let Some(disk) = self.disk.clone() else { return Vec::new() };
+        let wanted: Vec<BlockHash> = {
+            let st = self.state();
+            let s = st.store.stats();
+            let mut room = (s.capacity_blocks.saturating_sub(s.pinned_blocks)) as usize;
+            let mut wanted = Vec::new();
+            for h in chain {
+                if st.store.is_ready(h) {
+                    room = room.saturating_sub(1);
+                } else if disk.contains(*h) && wanted.len() < room {
+                    wanted.push(*h);
+                } else {
+                    break;
+                }
+            }
+            wanted
+        };
+        if wanted.is_empty() {
+            return wanted;
+        }
+        let bytes = self.block_bytes;
+        let read = tokio::task::spawn_blocking(move || {
+            let mut read = Vec::new();
+            for h in wanted {
+                let mut buf = vec![0u8; bytes];
+                match disk.read(h, &mut buf) {
+                    Ok(()) => read.push((h, buf)),
+                    Err(e) => {
+                        tracing::warn!(block = %h, "reading a KV block from disk: {e}");
+                        break;
+                    }
+                }
+            }
+            read
+        })
+        .await
+        .unwrap_or_default();
+        let mut st = self.state();
+        // The chain's blocks in RAM are not what the room is made from.
+        st.store.touch_ready(chain);
+        let mut promoted = Vec::new();
+        for (h, data) in read {
+            match st.store.reserve_put(h) {
+                PutSlot::Write(slot) => {
+                    let at = slot as usize * self.block_bytes;
+                    st.pool.bytes_mut()[at..at + self.block_bytes].copy_from_slice(&data);
+                    st.store.commit_put(h);
+                    promoted.push(h);
+                }
+                // Put by a writer meanwhile: in RAM already.
+                PutSlot::Duplicate => {}
+                PutSlot::Full => break,
+            }
+        }
+        let evicted = st.store.take_evicted();
+        self.forget(&st, evicted);
+        promoted
     }
 
     /// What it holds, as numbered changes.
@@ -108,8 +224,27 @@ impl KvStoreService {
         Arc::clone(&self.log)
     }
 
-    pub fn store_stats(&self) -> crate::store::StoreStats {
+    /// RAM's counters alone (what the node's load reports).
+    pub fn ram_stats(&self) -> StoreStats {
         self.state().store.stats()
+    }
+
+    /// Both tiers' counters; `blocks`, `bytes` and `digest` are RAM's and the disk's together
+    /// (a block in both counted once).
+    pub fn store_stats(&self) -> StoreStats {
+        let st = self.state();
+        let mut s = st.store.stats();
+        if let Some(d) = &self.disk {
+            let ds = d.stats();
+            let mut held: std::collections::HashSet<BlockHash> = st.store.ready().collect();
+            held.extend(d.hashes());
+            s.digest = pdmesh_kv_types::digest(held.iter().copied());
+            s.disk = ds;
+            s.held_blocks = held.len() as u64;
+        } else {
+            s.held_blocks = s.blocks;
+        }
+        s
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -169,10 +304,14 @@ impl KvStore for KvStoreService {
             0 => self.default_lease,
             ms => Duration::from_millis(u64::from(ms)).min(self.max_lease),
         };
+        let promoted = self.promote(&chain).await;
         let now = Instant::now();
         let mut st = self.state();
         st.sweep(now);
         let m = st.store.match_prefix(&chain, lease, now);
+        // The matched blocks that came from disk for this match: its disk tier hits.
+        let from_disk = m.blocks.iter().filter(|(h, _)| promoted.contains(h)).count() as u32;
+        st.store.count_disk_hits(u64::from(from_disk));
         let reads = self.reads.as_ref().filter(|o| r.transports.iter().any(|t| t == o.transport()));
         let remote = match (reads, m.lease) {
             (Some(o), Some(lease)) => {
@@ -195,6 +334,7 @@ impl KvStore for KvStoreService {
         let span = tracing::Span::current();
         trace::attr(&span, "chain_blocks", chain.len() as i64);
         trace::attr(&span, "matched_blocks", m.blocks.len() as i64);
+        trace::attr(&span, "disk_blocks", i64::from(from_disk));
         trace::attr(
             &span,
             "remote",
@@ -204,6 +344,7 @@ impl KvStore for KvStoreService {
             lease: m.lease.map(|c| c.to_string()).unwrap_or_default(),
             blocks: m.blocks.len() as u32,
             remote,
+            disk_blocks: from_disk,
         }))
     }
 
@@ -273,6 +414,7 @@ impl KvStore for KvStoreService {
         };
         let mut out = KvWriteResponse::default();
         let mut n = 0usize;
+        let mut stored = Vec::new();
         let mut written = std::collections::HashSet::new();
         while let Some(chunk) = s.message().await? {
             let Some(Chunk::Block(b)) = chunk.chunk else {
@@ -304,12 +446,17 @@ impl KvStore for KvStoreService {
                     st.pool.bytes_mut()[at..at + self.block_bytes].copy_from_slice(&b.data);
                     st.store.commit_put(h);
                     out.stored += 1;
+                    stored.push((h, b.data));
                 }
                 PutSlot::Duplicate => out.duplicates += 1,
                 PutSlot::Full => out.full += 1,
             }
+            let evicted = st.store.take_evicted();
+            self.forget(&st, evicted);
+            drop(st);
             n += 1;
         }
+        self.write_through(stored).await;
         let span = tracing::Span::current();
         trace::attr(&span, "from", from.clone());
         trace::attr(&span, "stored", i64::from(out.stored));
@@ -326,7 +473,7 @@ impl KvStore for KvStoreService {
     }
 
     async fn stats(&self, _: Request<StatsRequest>) -> Result<Response<KvStoreStats>, Status> {
-        let s = self.state().store.stats();
+        let s = self.store_stats();
         Ok(Response::new(KvStoreStats {
             layout: Some(self.layout.into()),
             blocks: s.blocks,
@@ -340,6 +487,14 @@ impl KvStore for KvStoreService {
             leases: s.leases,
             leases_expired: s.leases_expired,
             digest: s.digest,
+            disk_blocks: s.disk.blocks,
+            disk_bytes: s.disk.bytes,
+            disk_capacity_blocks: s.disk.capacity_blocks,
+            disk_hit_tokens: s.disk_hit_tokens,
+            disk_evictions: s.disk.evictions,
+            disk_corrupt: s.disk.corrupt,
+            disk_recovered: s.disk.recovered,
+            held_blocks: s.held_blocks,
         }))
     }
 }
@@ -369,6 +524,7 @@ mod tests {
             1 << 20,
             Duration::from_secs(5),
             Duration::from_secs(60),
+            None,
             None,
         )
         .unwrap();

@@ -54,8 +54,15 @@ pub struct StoreStats {
     pub pinned_blocks: u64,
     pub leases: u64,
     pub leases_expired: u64,
-    /// `pdmesh_kv_types::digest` of the ready blocks.
+    /// `pdmesh_kv_types::digest` of the ready blocks (with a disk tier: of every block either
+    /// tier holds).
     pub digest: u64,
+    /// Matched tokens whose blocks were read back from the disk tier for the match.
+    pub disk_hit_tokens: u64,
+    /// Blocks either tier holds.
+    pub held_blocks: u64,
+    /// The disk tier's counters (zero without one).
+    pub disk: pdmesh_kv_transfer::disk::DiskStats,
 }
 
 /// A match: the stored prefix, as `(hash, slot)` in chain order, pinned under `lease`
@@ -91,6 +98,9 @@ pub struct Store {
     stats: StoreStats,
     /// Blocks becoming ready and evicted, for the routers' indexes.
     log: Option<Arc<BlockLog>>,
+    /// Blocks evicted since `take_evicted`, kept instead of logged when another tier may
+    /// still hold them (`backed`).
+    evicted: Option<Vec<BlockHash>>,
 }
 
 impl Store {
@@ -109,7 +119,47 @@ impl Store {
             tick: 0,
             stats: StoreStats { capacity_blocks: capacity as u64, ..Default::default() },
             log: None,
+            evicted: None,
         }
+    }
+
+    /// Another tier backs this one: an evicted block is kept for `take_evicted` (whoever knows
+    /// whether it is still held elsewhere logs its removal), not logged as gone.
+    pub fn backed(mut self) -> Self {
+        self.evicted = Some(Vec::new());
+        self
+    }
+
+    /// The blocks evicted since the last call (`backed` stores only).
+    pub fn take_evicted(&mut self) -> Vec<BlockHash> {
+        self.evicted.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Whether block `h` is stored and ready.
+    pub fn is_ready(&self, h: &BlockHash) -> bool {
+        self.index.get(h).is_some_and(|e| e.state == State::Ready)
+    }
+
+    /// Makes the ready, unpinned blocks among `hashes` the most recently used, in order: what
+    /// a match is about to read stays while room is made for the rest of its chain.
+    pub fn touch_ready(&mut self, hashes: &[BlockHash]) {
+        for h in hashes {
+            let tick = self.tick + 1;
+            if let Some(e) = self.index.get_mut(h)
+                && e.state == State::Ready
+                && e.pins == 0
+            {
+                self.lru.remove(&e.tick);
+                e.tick = tick;
+                self.tick = tick;
+                self.lru.insert(tick, *h);
+            }
+        }
+    }
+
+    /// Every ready block.
+    pub fn ready(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.index.iter().filter(|(_, e)| e.state == State::Ready).map(|(h, _)| *h)
     }
 
     /// Tells `log` of every block that becomes matchable or is evicted, from now on.
@@ -228,8 +278,10 @@ impl Store {
                 let Some((_, victim)) = self.lru.pop_first() else { return PutSlot::Full };
                 let e = self.index.remove(&victim).expect("LRU entries are indexed");
                 self.stats.evictions += 1;
-                if let Some(log) = &self.log {
-                    log.record([], [victim.0]);
+                match (&mut self.evicted, &self.log) {
+                    (Some(kept), _) => kept.push(victim),
+                    (None, Some(log)) => log.record([], [victim.0]),
+                    (None, None) => {}
                 }
                 e.slot
             }
@@ -269,6 +321,11 @@ impl Store {
             }
             _ => false,
         }
+    }
+
+    /// Counts `blocks` of a match as read back from disk.
+    pub fn count_disk_hits(&mut self, blocks: u64) {
+        self.stats.disk_hit_tokens += blocks * self.tokens_per_block as u64;
     }
 
     pub fn stats(&self) -> StoreStats {

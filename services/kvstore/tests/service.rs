@@ -1,20 +1,22 @@
 //! The KvStore gRPC service in-process: two writers of the same blocks store them once, a
 //! match pins the stored prefix and streamed reads give back the bytes written, and every
-//! bad input gets a precise status. (Reads by UCX get: kv-ucx's `tests/store.rs`.)
+//! bad input gets a precise status; with a disk tier, what RAM evicted and what a restart
+//! finds is served from disk. (Reads by UCX get: kv-ucx's `tests/store.rs`.)
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use pdmesh_kv_types::{BlockHasher, KvDtype, KvGeometry, KvLayout};
+use pdmesh_kv_types::{BlockHash, BlockHasher, KvDtype, KvGeometry, KvLayout};
 use pdmesh_kvstore::KvStoreService;
+use pdmesh_kvstore::disk::DiskTier;
 use pdmesh_proto::v1::kv_store_client::KvStoreClient;
 use pdmesh_proto::v1::kv_store_server::KvStoreServer;
 use pdmesh_proto::v1::kv_write_chunk::Chunk;
 use pdmesh_proto::v1::{
-    KvMatchRequest, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock, KvWriteChunk,
-    KvWriteHeader, StatsRequest,
+    KvMatchRequest, KvMatchResponse, KvReadRequest, KvReleaseMatchRequest, KvStoreBlock,
+    KvWriteChunk, KvWriteHeader, StatsRequest,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -31,6 +33,11 @@ fn wire() -> pdmesh_proto::v1::KvLayout {
 }
 
 async fn serve(budget_blocks: usize) -> KvStoreClient<Channel> {
+    serve_with(budget_blocks, None).await
+}
+
+/// A store of `budget_blocks` in RAM, with `disk` as its disk tier.
+async fn serve_with(budget_blocks: usize, disk: Option<DiskTier>) -> KvStoreClient<Channel> {
     let svc = KvStoreService::new(
         "kvstore-0",
         layout(),
@@ -38,6 +45,7 @@ async fn serve(budget_blocks: usize) -> KvStoreClient<Channel> {
         Duration::from_secs(10),
         Duration::from_secs(60),
         None,
+        disk,
     )
     .unwrap();
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -198,4 +206,70 @@ async fn bad_input_gets_a_precise_status() {
     let r = c.write(tokio_stream::iter(write_msgs(&again, &[block(6)]))).await.unwrap();
     assert_eq!(r.into_inner().full, 1, "every slot pinned: refused");
     assert_eq!(c.stats(StatsRequest {}).await.unwrap().into_inner().pinned_blocks, 2);
+}
+
+async fn matched(c: &mut KvStoreClient<Channel>, hashes: &[Bytes]) -> KvMatchResponse {
+    let m = KvMatchRequest {
+        layout: Some(wire()),
+        hashes: hashes.to_vec(),
+        lease_ms: 0,
+        transports: Vec::new(),
+    };
+    c.r#match(m).await.unwrap().into_inner()
+}
+
+async fn read_all(c: &mut KvStoreClient<Channel>, lease: &str) -> Vec<Bytes> {
+    let mut s = c.read(KvReadRequest { lease: lease.into() }).await.unwrap().into_inner();
+    let mut got = Vec::new();
+    while let Some(b) = s.message().await.unwrap() {
+        got.push(b.data);
+    }
+    got
+}
+
+/// With a disk tier, RAM is a cache of it: a chain RAM evicted is read back from disk for a
+/// match (counted as disk hits) with the bytes written; a store started again on the
+/// directory (the last one killed) serves every block from disk; and a block whose file was
+/// torn ends the match before it, is deleted and counted, and is never read.
+#[tokio::test]
+async fn a_disk_tier_serves_what_ram_evicted_and_what_a_restart_finds() {
+    let root = tempfile::tempdir().unwrap();
+    let tier = || DiskTier::open(root.path(), &layout(), 1 << 20, true).unwrap();
+    let mut c = serve_with(4, Some(tier())).await;
+    let a_tokens: Vec<u32> = (0..16).collect();
+    let b_tokens: Vec<u32> = (100..116).collect();
+    let (a, b) = (chain(&a_tokens), chain(&b_tokens));
+    let (a_data, b_data): (Vec<Bytes>, Vec<Bytes>) =
+        ((1..=4).map(block).collect(), (11..=14).map(block).collect());
+    c.write(tokio_stream::iter(write_msgs(&a, &a_data))).await.unwrap();
+    // B fills RAM: A is on disk only.
+    c.write(tokio_stream::iter(write_msgs(&b, &b_data))).await.unwrap();
+    let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((s.blocks, s.disk_blocks, s.held_blocks, s.evictions), (4, 8, 8, 4), "{s:?}");
+
+    let m = matched(&mut c, &a).await;
+    assert_eq!((m.blocks, m.disk_blocks), (4, 4));
+    assert_eq!(read_all(&mut c, &m.lease).await, a_data, "A read back from disk");
+    c.release_match(KvReleaseMatchRequest { lease: m.lease }).await.unwrap();
+    let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((s.disk_hit_tokens, s.hit_tokens), (16, 16), "{s:?}");
+    drop(c);
+
+    // Restarted on the same directory: nothing in RAM, all 8 blocks held.
+    let disk = tier();
+    let torn = disk.dir().join(format!("{:032x}.kv", BlockHash::from_bytes(&b[2]).unwrap().0));
+    let mut c = serve_with(8, Some(disk)).await;
+    let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((s.blocks, s.held_blocks, s.disk_recovered), (0, 8, 8), "{s:?}");
+    // B's third block's file loses its tail: B matches up to it.
+    let len = std::fs::metadata(&torn).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&torn).unwrap().set_len(len - 1).unwrap();
+    let m = matched(&mut c, &b).await;
+    assert_eq!((m.blocks, m.disk_blocks), (2, 2));
+    assert_eq!(read_all(&mut c, &m.lease).await, b_data[..2].to_vec());
+    let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert_eq!((s.disk_corrupt, s.held_blocks), (1, 7), "{s:?}");
+    assert!(!torn.exists(), "the torn file is deleted");
+    let m = matched(&mut c, &a).await;
+    assert_eq!(read_all(&mut c, &m.lease).await, a_data, "A after the restart");
 }

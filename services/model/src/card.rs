@@ -9,18 +9,22 @@
 //! The hyperparameters are read as llama.cpp's loader reads them; a key that would change the
 //! arithmetic is refused at load, naming it, rather than silently computed differently.
 //!
-//! `{arch}.attention.sliding_window` is ignored, as llama.cpp ignores it for these three
-//! architectures: none of their loaders reads it, their KV cache is not the sliding-window
-//! kind, and every query attends to its whole prefix. (Mistral 7B v0.1 was trained with a
-//! 4,096-token window; llama.cpp's converter does not even write the key for arch llama, and a
-//! file that has it computes full attention in llama.cpp, so it does here too.)
+//! `gemma3` (Gemma 3: NEOX RoPE, per-head Q/K norms, norms after attention and MLP, GELU) is
+//! the one with sliding-window attention: five of every six layers attend to the last
+//! `gemma3.attention.sliding_window` tokens, with a RoPE base of their own (`SlidingWindow`).
+//!
+//! `{arch}.attention.sliding_window` is ignored for the other three, as llama.cpp ignores it:
+//! none of their loaders reads it, their KV cache is not the sliding-window kind, and every
+//! query attends to its whole prefix. (Mistral 7B v0.1 was trained with a 4,096-token window;
+//! llama.cpp's converter does not even write the key for arch llama, and a file that has it
+//! computes full attention in llama.cpp, so it does here too.)
 
 use std::path::{Path, PathBuf};
 
 use pdmesh_kv_types::{KvDtype, KvGeometry, KvLayout, KvShape};
 
 use crate::error::{Error, Result};
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, Value};
 use crate::tokenizer::Tokenizer;
 
 /// Which dimensions of a head RoPE rotates together (llama.cpp's rope types). It belongs to
@@ -39,19 +43,15 @@ pub enum Arch {
     Llama,
     Qwen2,
     Qwen3,
+    Gemma3,
 }
 
 impl Arch {
     /// Every architecture, each with its model file in the engine's `models`.
-    pub const ALL: [Arch; 3] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3];
+    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
     pub fn from_name(name: &str) -> Option<Arch> {
-        match name {
-            "llama" => Some(Arch::Llama),
-            "qwen2" => Some(Arch::Qwen2),
-            "qwen3" => Some(Arch::Qwen3),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|a| a.name() == name)
     }
 
     /// The prefix of its metadata keys.
@@ -60,6 +60,7 @@ impl Arch {
             Arch::Llama => "llama",
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         }
     }
 
@@ -67,8 +68,27 @@ impl Arch {
     pub fn rope_mode(self) -> RopeMode {
         match self {
             Arch::Llama => RopeMode::Normal,
-            Arch::Qwen2 | Arch::Qwen3 => RopeMode::Neox,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeMode::Neox,
         }
+    }
+}
+
+/// Sliding-window attention: the layers that attend to only the last `tokens` positions (the
+/// query's own included), and the RoPE those layers rotate by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlidingWindow {
+    pub tokens: usize,
+    /// `local[i]`: whether layer `i` attends through the window.
+    pub local: Vec<bool>,
+    /// The window layers' RoPE base and angle scale (the other layers take the model's).
+    pub rope_base: f32,
+    pub rope_freq_scale: f32,
+}
+
+impl SlidingWindow {
+    /// Layer `layer`'s window, `None` for a layer that attends to its whole prefix.
+    pub fn of_layer(&self, layer: usize) -> Option<usize> {
+        self.local.get(layer).copied().unwrap_or(false).then_some(self.tokens)
     }
 }
 
@@ -91,9 +111,16 @@ pub struct ModelConfig {
     pub rope_freq_scale: f32,
     pub rope_mode: RopeMode,
     pub rms_eps: f32,
+    /// The layers that attend through a sliding window, when some do.
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 impl ModelConfig {
+    /// Layer `layer`'s attention window in tokens, `None` for full attention.
+    pub fn window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.as_ref().and_then(|w| w.of_layer(layer))
+    }
+
     /// Width of a token's Q (and of the attention output).
     pub fn q_dim(&self) -> usize {
         self.heads * self.head_dim
@@ -148,8 +175,8 @@ impl ModelCard {
             gguf.require("general.architecture", gguf.get_str("general.architecture"))?;
         let arch = Arch::from_name(arch_name).ok_or_else(|| {
             Error::UnsupportedModel(format!(
-                "architecture {arch_name:?} (general.architecture): pdmesh runs llama, qwen2 \
-                 and qwen3"
+                "architecture {arch_name:?} (general.architecture): pdmesh runs llama, qwen2, \
+                 qwen3 and gemma3"
             ))
         })?;
         let h = Hparams::read(&gguf, arch)?;
@@ -185,6 +212,7 @@ impl ModelCard {
             rope_freq_scale: h.rope_freq_scale,
             rope_mode: arch.rope_mode(),
             rms_eps: h.rms_eps,
+            sliding_window: h.sliding_window,
         };
         let fingerprint = fingerprint(&config, &gguf);
         Ok(Self { path, arch, config, tokenizer, fingerprint, gguf })
@@ -265,6 +293,7 @@ struct Hparams {
     rope_base: f32,
     rope_freq_scale: f32,
     rms_eps: f32,
+    sliding_window: Option<SlidingWindow>,
 }
 
 impl Hparams {
@@ -342,7 +371,7 @@ impl Hparams {
             )));
         }
 
-        let rope_base = gguf.get_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0) as f32;
+        let rope_base = rope_base(gguf, &key, "rope.freq_base")?;
         // llama.cpp: the scaling type defaults to linear, whose factor defaults to 1; `none`
         // ignores the factor. Llama 3's scaling has no type of its own in GGUF: it is the
         // `rope_freqs.weight` tensor.
@@ -374,6 +403,18 @@ impl Hparams {
                 format!("a RoPE magnitude factor of {f} is not supported"),
             ));
         }
+        let sliding_window = match arch {
+            Arch::Gemma3 => sliding_window(gguf, &key, layers, context)?,
+            Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => None,
+        };
+        if let Some(cap) = gguf.get_f64(&key("final_logit_softcapping"))?
+            && cap != 0.0
+        {
+            return Err(unsupported(
+                "final_logit_softcapping",
+                format!("logit soft-capping ({cap}) is not supported"),
+            ));
+        }
         Ok(Self {
             arch,
             layers,
@@ -386,6 +427,61 @@ impl Hparams {
             rope_base,
             rope_freq_scale,
             rms_eps,
+            sliding_window,
         })
     }
+}
+
+/// A RoPE base (10,000 when absent). A NaN, infinite, zero or negative base would give NaN
+/// angles, and NaN also breaks the engine's grouping of layers by rotation (NaN != NaN).
+fn rope_base(gguf: &GgufFile, key: &dyn Fn(&str) -> String, k: &str) -> Result<f32> {
+    let base = gguf.get_f64(&key(k))?.unwrap_or(10_000.0) as f32;
+    if !(base.is_finite() && base > 0.0) {
+        return Err(Error::gguf(
+            format!("metadata {:?}", key(k)),
+            format!("RoPE base {base} is not a positive finite number"),
+        ));
+    }
+    Ok(base)
+}
+
+/// Gemma 3's windows, as llama.cpp's loader reads them: `attention.sliding_window` tokens (none
+/// when absent or 0), on the layers `attention.sliding_window_pattern` names (a period `p`:
+/// layer `i` is local unless `i % p == p - 1`, 6 when absent; or one bool per layer), rotated
+/// with base `rope.freq_base_swa` (10,000 when absent) and no scaling. A window as long as the
+/// context is full attention, and so none.
+fn sliding_window(
+    gguf: &GgufFile,
+    key: &dyn Fn(&str) -> String,
+    layers: usize,
+    context: usize,
+) -> Result<Option<SlidingWindow>> {
+    let bad = |k: &str, why: String| Error::gguf(format!("metadata {:?}", key(k)), why);
+    let tokens = match gguf.get_u64(&key("attention.sliding_window"))? {
+        None | Some(0) => return Ok(None),
+        Some(t) => t as usize,
+    };
+    if tokens >= context {
+        return Ok(None);
+    }
+    let k = key("attention.sliding_window_pattern");
+    let local: Vec<bool> = match gguf.get_array(&k) {
+        Ok(Some(a)) => {
+            let flags: Option<Vec<bool>> =
+                a.iter().map(|v| if let Value::Bool(b) = v { Some(*b) } else { None }).collect();
+            match flags {
+                Some(f) if f.len() == layers => f,
+                _ => {
+                    let why = format!("expected {layers} bools, one per layer");
+                    return Err(bad("attention.sliding_window_pattern", why));
+                }
+            }
+        }
+        _ => {
+            let period = gguf.get_u64(&k)?.unwrap_or(6) as usize;
+            (0..layers).map(|i| period == 0 || i % period < period - 1).collect()
+        }
+    };
+    let rope_base = rope_base(gguf, key, "rope.freq_base_swa")?;
+    Ok(Some(SlidingWindow { tokens, local, rope_base, rope_freq_scale: 1.0 }))
 }

@@ -15,7 +15,7 @@ pub mod testing;
 pub mod text;
 pub mod tokenizer;
 
-pub use card::{Arch, ModelCard, ModelConfig, RopeMode};
+pub use card::{Arch, ModelCard, ModelConfig, RopeMode, SlidingWindow};
 pub use chat::{ChatTemplate, Message};
 pub use error::{Error, ErrorClass, Result};
 pub use finish::FinishReason;

@@ -46,7 +46,14 @@ pub enum TinyArch {
     /// Qwen3: NEOX RoPE, per-head Q/K norms, and heads of 32 (`key_length`) where hidden /
     /// heads is 16.
     Qwen3,
+    /// Gemma 3: per-head Q/K norms, norms after attention and MLP, GeGLU, and layer 0
+    /// attending through a window of `TINY_WINDOW` tokens (layer 1 globally: a pattern of
+    /// period 2) with a RoPE base of its own.
+    Gemma3,
 }
+
+/// The tiny Gemma 3's sliding window, in tokens.
+pub const TINY_WINDOW: usize = 8;
 
 impl TinyArch {
     pub fn name(self) -> &'static str {
@@ -54,6 +61,7 @@ impl TinyArch {
             TinyArch::Llama | TinyArch::Llama3 => "llama",
             TinyArch::Qwen2 => "qwen2",
             TinyArch::Qwen3 => "qwen3",
+            TinyArch::Gemma3 => "gemma3",
         }
     }
 
@@ -221,6 +229,12 @@ impl TinyModel {
                 .kv(&key("attention.key_length"), Value::U32(hd as u32))
                 .kv(&key("attention.value_length"), Value::U32(hd as u32));
         }
+        if self.arch == TinyArch::Gemma3 {
+            b = b
+                .kv(&key("attention.sliding_window"), Value::U32(TINY_WINDOW as u32))
+                .kv(&key("attention.sliding_window_pattern"), Value::U32(2))
+                .kv(&key("rope.freq_base_swa"), Value::F32(100.0));
+        }
         if self.arch == TinyArch::Llama3 {
             let factors = f32s(&mut extra, hd / 2, 1.0..8.0);
             b = b.tensor("rope_freqs.weight", &[hd as u64 / 2], GgmlType::F32, factors);
@@ -271,11 +285,17 @@ impl TinyModel {
                         );
                     }
                 }
-                TinyArch::Qwen3 => {
+                TinyArch::Qwen3 | TinyArch::Gemma3 => {
                     for name in ["attn_q_norm", "attn_k_norm"] {
                         let w = f32s(&mut extra, hd, 0.5..1.5);
                         b = b.tensor(&t(name), &[hd as u64], GgmlType::F32, w);
                     }
+                }
+            }
+            if self.arch == TinyArch::Gemma3 {
+                for name in ["post_attention_norm", "post_ffw_norm"] {
+                    let w = f32s(&mut extra, HIDDEN, 0.5..1.5);
+                    b = b.tensor(&t(name), &[hidden], GgmlType::F32, w);
                 }
             }
         }

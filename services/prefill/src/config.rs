@@ -61,6 +61,14 @@ pub struct PrefillConfig {
     /// looks up before the KV-store (0 = none).
     #[arg(value_name = "BYTES")]
     pub cache_bytes: u64,
+    /// A directory for the node's own cache's disk tier: its blocks are written through there
+    /// (checksummed, crash-safe), read back when RAM no longer holds them, and served again
+    /// after a restart, or by a replacement node given the same directory. None: RAM only.
+    #[arg(value_name = "DIR")]
+    pub cache_disk_dir: Option<std::path::PathBuf>,
+    /// Bytes of blocks the disk tier holds; least recently used files are deleted past it.
+    #[arg(value_name = "BYTES")]
+    pub cache_disk_bytes: u64,
     /// Longest a prefix-cache lookup may take; past it the prompt is computed in full.
     pub kvstore_timeout_ms: u64,
     /// Fault injection for tests: wait this long before sending each KV message, so a
@@ -98,6 +106,8 @@ impl Default for PrefillConfig {
             kv_stall_floor_mbit: 1_000,
             kvstore: None,
             cache_bytes: 128 << 20,
+            cache_disk_dir: None,
+            cache_disk_bytes: 4 << 30,
             kvstore_timeout_ms: 500,
             fault_transfer_delay_ms: 0,
             fault_skip_block_event: 0,
@@ -111,6 +121,12 @@ impl PrefillConfig {
     pub fn validate(&self) -> Result<(), InvalidConfig> {
         if self.max_running == 0 {
             return Err(InvalidConfig::new("max_running", "must be at least 1"));
+        }
+        if self.cache_disk_dir.is_some() && (self.cache_bytes == 0 || self.cache_disk_bytes == 0) {
+            return Err(InvalidConfig::new(
+                "cache_disk_dir",
+                "needs a cache in RAM (cache_bytes) and a disk budget (cache_disk_bytes) above 0",
+            ));
         }
         if self.blocks_per_message == 0 || self.blocks_per_message > 64 {
             let got = self.blocks_per_message;

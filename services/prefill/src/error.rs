@@ -53,6 +53,8 @@ pub enum StartError {
     Transport(String),
     #[error("the prefix cache: {0}")]
     Cache(#[from] pdmesh_kv_transfer::CacheError),
+    #[error("the prefix cache's disk tier: {0}")]
+    Disk(String),
     #[error("starting the engine thread: {0}")]
     Thread(#[source] std::io::Error),
     #[error("serving: {0}")]

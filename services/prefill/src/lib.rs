@@ -67,10 +67,25 @@ pub async fn run(
     let draining = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let fabric = config.kv_transport.start(&node_id).map_err(StartError::Transport)?;
     let stats = Arc::new(pdmesh_kv_transfer::TransferStats::new());
+    let disk = match &config.cache_disk_dir {
+        Some(dir) => Some(
+            pdmesh_kv_transfer::DiskTier::open_logged(
+                dir,
+                &layout,
+                config.cache_disk_bytes,
+                true,
+                "prefix cache",
+            )
+            .await
+            .map_err(StartError::Disk)?,
+        ),
+        None => None,
+    };
     let cache = PrefixCache::new(
         layout,
         &node_id,
         config.cache_bytes,
+        disk,
         config.kvstore.as_deref(),
         Duration::from_millis(config.kvstore_timeout_ms),
         fabric.as_ref().map(|f| f.reader()),
@@ -188,7 +203,24 @@ fn metric_families(
             "Prompt tokens whose KV came from a cache, by tier.",
             "tier",
             Counter,
-            &[("own", p.local_hit_tokens), ("kvstore", p.store_hit_tokens)],
+            &[
+                ("own", p.local_hit_tokens - p.local_disk_hit_tokens),
+                ("own_disk", p.local_disk_hit_tokens),
+                ("kvstore", p.store_hit_tokens - p.store_disk_hit_tokens),
+                ("kvstore_disk", p.store_disk_hit_tokens),
+            ],
+        ));
+        v.push(Family::one(
+            "pdmesh_prefill_prefix_cache_disk_blocks",
+            "Blocks on the node's own prefix cache's disk tier.",
+            Gauge,
+            p.disk_blocks as f64,
+        ));
+        v.push(Family::one(
+            "pdmesh_prefill_prefix_cache_disk_corrupt",
+            "Torn or foreign block files the disk tier found and deleted, never served.",
+            Counter,
+            p.disk_corrupt as f64,
         ));
         v.push(Family::one(
             "pdmesh_prefill_prefix_miss_tokens",

@@ -198,6 +198,7 @@ impl Prefill for PrefillService {
             stats: Arc::clone(&self.stats),
             transferring: Arc::clone(&self.transferring),
             cache: self.cache.clone().map(|c| (c, lookup.chain)),
+            tiers: lookup.tiers,
             transfer,
             events,
         };
@@ -268,6 +269,8 @@ struct Relay {
     transferring: Arc<AtomicU32>,
     /// The prefix cache and the prompt's chain, to publish what was computed.
     cache: Option<(Arc<PrefixCache>, Vec<BlockHash>)>,
+    /// Where the cached prefix came from.
+    tiers: pdmesh_proto::v1::CachedTokens,
     transfer: Span,
     events: mpsc::Sender<Result<PrefillEvent, Status>>,
 }
@@ -333,6 +336,7 @@ impl Relay {
                         queue_ms,
                         prefill_ms,
                         cached_tokens: export.cached_tokens as u32,
+                        cached_by_tier: Some(self.tiers),
                         logprobs: logprobs.as_ref().map(pdmesh_wire::logprobs_to_wire),
                     };
                     let ev = PrefillEvent { event: Some(prefill_event::Event::Computed(ev)) };

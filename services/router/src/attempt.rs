@@ -89,8 +89,9 @@ impl Request<'_> {
 #[derive(Debug, Default)]
 pub(crate) struct Report {
     pub timings: Timings,
-    /// Prompt tokens the prefill node took from the prefix cache.
+    /// Prompt tokens the prefill node took from the prefix cache, and from which tiers.
     pub cached_tokens: u32,
+    pub cached_by_tier: Option<pdmesh_proto::v1::CachedTokens>,
     pub first_sent: bool,
     /// Where the client's stream stands: what a migrated request continues from.
     pub resume: Resume,
@@ -99,6 +100,8 @@ pub(crate) struct Report {
     pub logprobs: VecDeque<TokenLogprobs>,
     /// Leading the computation of its prompt's new blocks: held until they are computed.
     pub leading: Option<crate::coalesce::Lead>,
+    /// KV tokens the request's lossy policy evicted on the node that finished it.
+    pub kv_evicted_tokens: u32,
 }
 
 impl Report {
@@ -202,6 +205,7 @@ impl<'a> Attempt<'a> {
         // does. A moved stream keeps the account of its prompt.
         if !self.report.first_sent {
             self.report.cached_tokens = 0;
+            self.report.cached_by_tier = None;
         }
         let prep = self.req.prep;
         let resumed = self.report.resume.tokens.len();

@@ -35,6 +35,23 @@ pub struct Usage {
     /// Prompt tokens whose KV came from a cache instead of being computed.
     pub cached_tokens: u32,
     pub completion_tokens: u32,
+    /// `cached_tokens` by tier, when the prefill node said.
+    pub cached_by_tier: Option<CachedTiers>,
+    /// The lossy KV policy the request ran under, if any.
+    pub kv_policy: Option<pdmesh_kv_types::KvPolicy>,
+    /// KV tokens it evicted (0: the output is what full attention gives).
+    pub kv_evicted_tokens: u32,
+}
+
+/// Cached prompt tokens by where their KV came from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CachedTiers {
+    /// The prefill node's own cache: RAM, disk.
+    pub node_ram: u32,
+    pub node_disk: u32,
+    /// The KV-store: RAM, disk.
+    pub kvstore_ram: u32,
+    pub kvstore_disk: u32,
 }
 
 /// Where a request's time went, and which nodes served it.

@@ -107,6 +107,14 @@ fn finished(req: &Request<'_>, report: Report, reason: FinishReason, completion:
         prompt_tokens: req.prep.prompt.len() as u32,
         cached_tokens: report.cached_tokens,
         completion_tokens: completion,
+        cached_by_tier: report.cached_by_tier.map(|t| crate::events::CachedTiers {
+            node_ram: t.node_ram,
+            node_disk: t.node_disk,
+            kvstore_ram: t.kvstore_ram,
+            kvstore_disk: t.kvstore_disk,
+        }),
+        kv_policy: req.prep.kv_policy,
+        kv_evicted_tokens: report.kv_evicted_tokens,
     };
     let root = Span::current();
     if !root.is_disabled() {
@@ -122,6 +130,9 @@ fn finished(req: &Request<'_>, report: Report, reason: FinishReason, completion:
         trace::attr(&root, "kv_bytes", timings.kv_bytes as i64);
         trace::attr(&root, "ttft_ms", timings.ttft_ms);
         trace::attr(&root, "cached_tokens", i64::from(usage.cached_tokens));
+        if usage.kv_policy.is_some() {
+            trace::attr(&root, "kv_evicted_tokens", i64::from(usage.kv_evicted_tokens));
+        }
     }
     Event::Finished(Finished { reason, usage, timings })
 }

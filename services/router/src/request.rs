@@ -1,6 +1,7 @@
 //! Checking a Generate request and turning it into token ids and sampler settings. Every
 //! problem is an INVALID_ARGUMENT that names the field.
 
+use pdmesh_kv_types::KvPolicy;
 use pdmesh_model::{Message, ModelCard, SamplingParams};
 use pdmesh_proto::v1::{Chat, GenerateRequest, generate_request};
 
@@ -15,6 +16,9 @@ pub struct Prepared {
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// The lossy KV policy the request asked for (`GenerateRequest.kv_policy`); the router
+    /// puts its tenant's in when it names none.
+    pub kv_policy: Option<KvPolicy>,
 }
 
 /// The message of an INVALID_ARGUMENT.
@@ -167,12 +171,15 @@ pub fn prepare(model: &ModelCard, req: &GenerateRequest) -> Result<Prepared, Inv
         pdmesh_model::Error::InvalidRequest(m) => format!("sampling.{m}"),
         other => format!("sampling: {other}"),
     })?;
+    // The decode node checks the budget against its own block size too.
+    let kv_policy = KvPolicy::parse_field(&req.kv_policy).map_err(|e| format!("kv_policy: {e}"))?;
     Ok(Prepared {
         prompt,
         max_tokens,
         sampling,
         stop: req.stop.clone(),
         ignore_eos: req.ignore_eos,
+        kv_policy,
     })
 }
 

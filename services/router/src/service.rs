@@ -137,6 +137,7 @@ impl RouterService {
         let model = Arc::clone(&self.mesh().model);
         // A place first: a full router refuses before it tokenizes (the costly part of checking).
         trace::attr(&root, "tenant", tenant.tenant.clone());
+        let tenant_policy = tenant.kv_policy;
         let admitted = self.router.admit(tenant)?;
         let request_id = (!r.request_id.is_empty()).then(|| r.request_id.clone());
         // Token ids are only checked against the vocabulary: microseconds, less than the
@@ -150,6 +151,11 @@ impl RouterService {
                 .map_err(|e| Status::internal(format!("validation task: {e}")))?
         }
         .map_err(Status::invalid_argument)?;
+        let mut prep = prep;
+        prep.kv_policy = prep.kv_policy.or(tenant_policy);
+        if let Some(p) = prep.kv_policy {
+            trace::attr(&root, "kv_policy", p.to_string());
+        }
         trace::attr(&root, "prompt_tokens", prep.prompt.len() as i64);
         trace::attr(&root, "max_tokens", prep.max_tokens as i64);
         Span::current().record("in_flight", self.router.in_flight() as i64);
@@ -187,6 +193,14 @@ fn to_wire(e: Event) -> generate_response::Event {
                     prompt_tokens: f.usage.prompt_tokens,
                     cached_tokens: f.usage.cached_tokens,
                     completion_tokens: f.usage.completion_tokens,
+                    cached_by_tier: f.usage.cached_by_tier.map(|t| w::CachedTokens {
+                        node_ram: t.node_ram,
+                        node_disk: t.node_disk,
+                        kvstore_ram: t.kvstore_ram,
+                        kvstore_disk: t.kvstore_disk,
+                    }),
+                    kv_policy: f.usage.kv_policy.map(|p| p.to_string()).unwrap_or_default(),
+                    kv_evicted_tokens: f.usage.kv_evicted_tokens,
                 }),
                 timings: Some(w::Timings {
                     queue_ms: t.queue_ms,
@@ -290,8 +304,12 @@ mod tests {
     fn a_tenant_holds_few_calls_whose_message_has_not_arrived() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("keys.toml");
-        let tenant =
-            |name: &str| Tenant { tenant: name.into(), max_in_flight: Some(2), cache_group: None };
+        let tenant = |name: &str| Tenant {
+            tenant: name.into(),
+            max_in_flight: Some(2),
+            cache_group: None,
+            kv_policy: None,
+        };
         let mallory = pdmesh_common::apikey::add(&f, tenant("mallory")).unwrap();
         let alice = pdmesh_common::apikey::add(&f, tenant("alice")).unwrap();
         let mut check = KeyCheck::new(Some(Arc::new(KeyRing::load(&f).unwrap())));

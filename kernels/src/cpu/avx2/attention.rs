@@ -115,22 +115,26 @@ unsafe fn exp8(x: __m256) -> __m256 {
 /// The CPU must support AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn exp16(chunk: &mut [f32], max: f32, valid: usize) -> f32 {
-    assert!(chunk.len() == 16 && valid <= 16);
+pub unsafe fn exp16(chunk: &mut [f32], max: f32, from: usize, valid: usize) -> f32 {
+    assert!(chunk.len() == 16 && valid <= 16 && from <= 16);
     let m = _mm256_set1_ps(max);
     let lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     let p = chunk.as_mut_ptr();
     let mut halves = [_mm256_setzero_ps(); 2];
     for (h, out) in halves.iter_mut().enumerate() {
-        // Lanes `8h + i` with `8h + i < valid` are live; the others stay as they are (zero).
-        let live = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid as i32 - 8 * h as i32), lane);
-        let live = _mm256_castsi256_ps(live);
+        // Lanes `8h + i` below `valid` are written: their exp when at or past `from`, zero
+        // (masked) before it; the lanes past `valid` stay as they are (zero).
+        let lane = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * h as i32));
+        let inside = _mm256_cmpgt_epi32(_mm256_set1_epi32(valid as i32), lane);
+        let masked = _mm256_cmpgt_epi32(_mm256_set1_epi32(from as i32), lane);
+        let live = _mm256_castsi256_ps(_mm256_andnot_si256(masked, inside));
+        let inside = _mm256_castsi256_ps(inside);
         // SAFETY: `chunk` holds 16 floats (asserted); AVX2/FMA are enabled here.
         unsafe {
             let at = p.add(8 * h);
             let v = _mm256_loadu_ps(at);
             let e = _mm256_and_ps(exp8(_mm256_sub_ps(v, m)), live);
-            _mm256_storeu_ps(at, _mm256_blendv_ps(v, e, live));
+            _mm256_storeu_ps(at, _mm256_blendv_ps(v, e, inside));
             *out = e;
         }
     }
@@ -276,14 +280,15 @@ pub(crate) unsafe fn attend(
     kv_head: usize,
     query: &AttnQuery<'_>,
     q: &[f32],
+    scale: f32,
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
     // SAFETY: forwarded contract.
     unsafe {
         match kv {
-            KvData::F16(v) => attend_in(geom, v, layer, kv_head, query, q, out, scratch),
-            KvData::F32(v) => attend_in(geom, v, layer, kv_head, query, q, out, scratch),
+            KvData::F16(v) => attend_in(geom, v, layer, kv_head, query, q, scale, out, scratch),
+            KvData::F32(v) => attend_in(geom, v, layer, kv_head, query, q, scale, out, scratch),
             KvData::Q8_0(_) => unreachable!("q8_0 KV is read by q8kv::attend_q8"),
         }
     }
@@ -298,21 +303,28 @@ unsafe fn attend_in<E: KvElem>(
     kv_head: usize,
     query: &AttnQuery<'_>,
     q: &[f32],
+    scale: f32,
     out: &mut [f32],
     scratch: &mut AttnScratch,
 ) {
     let hd = geom.head_dim;
     assert!(attend_fits(hd, query.phase) && q.len().is_multiple_of(hd) && out.len() == q.len());
     let group = q.len() / hd;
-    let n = query.pos + 1;
     let bs = geom.block_size;
-    let scale = 1.0 / (hd as f32).sqrt();
+    // A window's keys from a multiple of 64 before its first: that keeps every key in the
+    // softmax chunk (16) and lane set (16 or 64) it has counted from position 0. The keys
+    // between `base` and `first` read the first one's row (theirs may be gone) and are
+    // masked to exact zeros.
+    let first = query.first.min(query.pos);
+    let base = first / 64 * 64;
+    let masked = first - base;
+    let n = query.pos + 1 - base;
     let AttnScratch { q: qh, p, acc, offs, .. } = scratch;
     offs.clear();
-    for (b, &block) in query.blocks[..n.div_ceil(bs)].iter().enumerate() {
-        let row0 = geom.offset(block as usize, layer, 0, kv_head, 0);
-        offs.extend((0..bs.min(n - b * bs)).map(|slot| row0 + slot * hd));
-    }
+    offs.extend((base..=query.pos).map(|j| {
+        let j = j.max(first);
+        geom.offset(query.blocks[j / bs] as usize, layer, 0, kv_head, j % bs)
+    }));
     // V's rows sit `kv_heads` heads of a block after K's.
     let vshift = geom.kv_heads * bs * hd;
     let last = offs.iter().copied().max().unwrap_or(0);
@@ -358,7 +370,7 @@ unsafe fn attend_in<E: KvElem>(
     for h in 0..group {
         let ph = &mut p[h * np..(h + 1) * np];
         // SAFETY: AVX2/FMA enabled here; `ph` holds `np` scores, padded with zeros.
-        unsafe { softmax(ph, n, E::HALF) };
+        unsafe { softmax(ph, masked, n, E::HALF) };
         for c in (0..hd).step_by(8) {
             // SAFETY: V rows lie below `last + vshift + hd` (asserted); `acc` holds `sets`
             // vectors; AVX2/FMA enabled here.
@@ -430,27 +442,30 @@ unsafe fn scores<E: KvElem, const G: usize, const DECODE: bool>(
     }
 }
 
-/// `ops::attend`'s softmax over the first `n` scores of `p` (zero-padded to a multiple of 16),
-/// in place: probabilities, rounded to f16 when `half`.
+/// `ops::attend`'s softmax over scores `from..n` of `p` (zero-padded to a multiple of 16), in
+/// place: probabilities, rounded to f16 when `half`; the scores before `from` (fewer than 64)
+/// become exact zeros.
 #[inline(always)]
-unsafe fn softmax(p: &mut [f32], n: usize, half: bool) {
+unsafe fn softmax(p: &mut [f32], from: usize, n: usize, half: bool) {
     // The max is the same whatever the order; `max_ps(x, m)` keeps `m` when `x` is NaN, as
     // `f32::max` does.
-    let whole = n & !7;
+    let start = from.next_multiple_of(8).min(n);
+    let whole = start + ((n - start) & !7);
     // SAFETY: (whole body) `p` holds `n.next_multiple_of(16)` floats; AVX2/FMA enabled by the
     // (inlining) caller.
     unsafe {
         let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
-        for i in (0..whole).step_by(8) {
+        for i in (start..whole).step_by(8) {
             m = _mm256_max_ps(_mm256_loadu_ps(p.as_ptr().add(i)), m);
         }
         let mut lanes = [0f32; 8];
         _mm256_storeu_ps(lanes.as_mut_ptr(), m);
-        let max =
-            lanes.into_iter().chain(p[whole..n].iter().copied()).fold(f32::NEG_INFINITY, f32::max);
+        let rest = p[from..start].iter().chain(&p[whole..n]).copied();
+        let max = lanes.into_iter().chain(rest).fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f64;
         for (c, chunk) in p.chunks_exact_mut(16).enumerate() {
-            sum += f64::from(exp16(chunk, max, (n - 16 * c).min(16)));
+            let lo = from.saturating_sub(16 * c).min(16);
+            sum += f64::from(exp16(chunk, max, lo, (n - 16 * c).min(16)));
         }
         let inv = _mm256_set1_ps((1.0 / sum) as f32);
         for i in (0..whole).step_by(8) {
@@ -616,7 +631,7 @@ mod tests {
                 }
                 let want_sum = ops::reduce16(&e);
                 // SAFETY: AVX2 checked above.
-                let sum = unsafe { super::exp16(&mut v, 0.5, valid) };
+                let sum = unsafe { super::exp16(&mut v, 0.5, 0, valid) };
                 assert_eq!(v.map(f32::to_bits), want.map(f32::to_bits), "{chunk:?} valid {valid}");
                 assert_eq!(sum.to_bits(), want_sum.to_bits());
                 seen += valid;

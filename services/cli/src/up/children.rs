@@ -91,6 +91,7 @@ pub(super) fn kvstore_config(a: &UpArgs, router: &str) -> pdmesh_kvstore::KvStor
         node_id: Some("kvstore".into()),
         routers: vec![router.to_string()],
         budget_bytes: a.kvstore_budget_bytes,
+        disk_dir: a.kvstore_disk_dir.clone(),
         model: a.model.clone(),
         ..Default::default()
     };
@@ -155,6 +156,7 @@ pub(super) fn node_settings(
         set(&mut c.kv_transport, a.kv_transport.clone());
         set(&mut c.kv_push, a.kv_push);
         set(&mut c.cache_bytes, a.cache_bytes);
+        c.cache_disk_dir = a.cache_disk_dir.as_ref().map(|d| d.join(name));
         (Settings::Prefill(c.into()), a.prefill_cpus.clone())
     } else {
         let mut c = pdmesh_decode::DecodeConfig {

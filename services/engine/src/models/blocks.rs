@@ -1,9 +1,10 @@
 //! The blocks a layer is made of, as weights read from the file: the attention over the paged
-//! cache, the MLP, and the RMS norms before each. What varies between architectures within a
-//! block is a property of it (Q/K/V biases, per-head Q/K norms, a sliding window), which the
-//! runtime's block functions compute; a new kind of block is a new variant here and there.
+//! cache, the MLP, and the RMS norms before (and, in Gemma, after) each. What varies between
+//! architectures within a block is a property of it (Q/K/V biases, per-head Q/K norms, a
+//! sliding window, its RoPE, a query scale), which the runtime's block functions compute; a
+//! new kind of block is a new variant here and there.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::ModelConfig;
 use crate::models::Tensors;
 use pdmesh_kernels::WeightType;
@@ -42,6 +43,18 @@ pub struct Attention {
     /// Tokens a query attends back to, itself included, when the layer's attention is a
     /// sliding window; `None` attends to the whole prefix.
     pub window: Option<usize>,
+    /// The RoPE it rotates Q and K by.
+    pub rope: RopeFreq,
+    /// A factor Q is multiplied by after RoPE, the scores then taken unscaled (Gemma's
+    /// `f_attention_scale`); `None` scales the scores by `1/√head_dim` instead.
+    pub q_scale: Option<f32>,
+}
+
+/// A RoPE's base and the factor every angle is multiplied by (`1 / linear scaling factor`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeFreq {
+    pub base: f32,
+    pub scale: f32,
 }
 
 /// Whether an architecture's attention has per-head Q/K norms.
@@ -53,7 +66,8 @@ pub enum HeadNorms {
 
 impl Attention {
     /// Layer `i`'s attention: biases where the file has them (llama.cpp adds each one the
-    /// file has), head norms as the architecture requires, full attention.
+    /// file has), head norms as the architecture requires, the model's window for the layer
+    /// and the RoPE that goes with it.
     pub(crate) fn load(
         t: &mut Tensors<'_>,
         i: usize,
@@ -77,7 +91,12 @@ impl Attention {
             }),
         };
         let wo = t.weight(&w("attn_output"), qd, Some(hidden))?;
-        Ok(Self { wq, wk, wv, wo, bq, bk, bv, head_norm, window: None })
+        let window = c.window(i);
+        let rope = match (&c.sliding_window, window) {
+            (Some(sw), Some(_)) => RopeFreq { base: sw.rope_base, scale: sw.rope_freq_scale },
+            _ => RopeFreq { base: c.rope_base, scale: c.rope_freq_scale },
+        };
+        Ok(Self { wq, wk, wv, wo, bq, bk, bv, head_norm, window, rope, q_scale: None })
     }
 
     pub fn weights(&self) -> [&WeightRef; 4] {
@@ -88,35 +107,58 @@ impl Attention {
 /// The feed-forward block.
 #[derive(Debug, Clone)]
 pub enum Mlp {
-    /// `down(silu(gate(x)) * up(x))`.
-    SwiGlu { gate: WeightRef, up: WeightRef, down: WeightRef },
+    /// `down(act(gate(x)) * up(x))`, `act` SiLU or GELU.
+    Gated { act: Activation, gate: WeightRef, up: WeightRef, down: WeightRef },
+}
+
+/// A gated MLP's activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU: SwiGLU (Llama, Qwen).
+    Silu,
+    /// GELU's tanh approximation: GeGLU (Gemma).
+    Gelu,
 }
 
 impl Mlp {
-    /// Layer `i`'s SwiGLU MLP.
-    pub(crate) fn swiglu(t: &mut Tensors<'_>, i: usize, c: &ModelConfig) -> Result<Self> {
+    /// Layer `i`'s gated MLP with activation `act`.
+    pub(crate) fn gated(
+        t: &mut Tensors<'_>,
+        i: usize,
+        c: &ModelConfig,
+        act: Activation,
+    ) -> Result<Self> {
         let w = |s: &str| format!("blk.{i}.{s}.weight");
-        Ok(Mlp::SwiGlu {
+        Ok(Mlp::Gated {
+            act,
             gate: t.weight(&w("ffn_gate"), c.hidden, Some(c.ffn))?,
             up: t.weight(&w("ffn_up"), c.hidden, Some(c.ffn))?,
             down: t.weight(&w("ffn_down"), c.ffn, Some(c.hidden))?,
         })
     }
 
+    /// Layer `i`'s SwiGLU MLP.
+    pub(crate) fn swiglu(t: &mut Tensors<'_>, i: usize, c: &ModelConfig) -> Result<Self> {
+        Self::gated(t, i, c, Activation::Silu)
+    }
+
     pub fn weights(&self) -> Vec<&WeightRef> {
         match self {
-            Mlp::SwiGlu { gate, up, down } => vec![gate, up, down],
+            Mlp::Gated { gate, up, down, .. } => vec![gate, up, down],
         }
     }
 }
 
-/// A pre-norm decoder layer: `x += attn(norm(x)); x += mlp(norm(x))`.
+/// A pre-norm decoder layer: `x += attn(norm(x)); x += mlp(norm(x))`, each block's output
+/// normed once more before it is added when the layer has post-norms (Gemma's "sandwich").
 #[derive(Debug, Clone)]
 pub struct Layer {
     pub attn_norm: Vec<f32>,
     pub attn: Attention,
+    pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
     pub mlp: Mlp,
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 impl Layer {
@@ -130,10 +172,39 @@ impl Layer {
         attn: impl FnOnce(&mut Tensors<'_>) -> Result<Attention>,
         mlp: impl FnOnce(&mut Tensors<'_>) -> Result<Mlp>,
     ) -> Result<Self> {
-        let attn_norm = t.vector(&format!("blk.{i}.attn_norm.weight"), c.hidden)?;
+        Self::read(t, i, c, attn, mlp, false)
+    }
+
+    /// `pre_norm` with a norm after each block as well (`post_attention_norm`,
+    /// `post_ffw_norm`): Gemma's layer.
+    pub(crate) fn sandwich(
+        t: &mut Tensors<'_>,
+        i: usize,
+        c: &ModelConfig,
+        attn: impl FnOnce(&mut Tensors<'_>) -> Result<Attention>,
+        mlp: impl FnOnce(&mut Tensors<'_>) -> Result<Mlp>,
+    ) -> Result<Self> {
+        Self::read(t, i, c, attn, mlp, true)
+    }
+
+    /// The layer's tensors in graph order, with the post-norms when `post`.
+    fn read(
+        t: &mut Tensors<'_>,
+        i: usize,
+        c: &ModelConfig,
+        attn: impl FnOnce(&mut Tensors<'_>) -> Result<Attention>,
+        mlp: impl FnOnce(&mut Tensors<'_>) -> Result<Mlp>,
+        post: bool,
+    ) -> Result<Self> {
+        let norm =
+            |t: &mut Tensors<'_>, name: &str| t.vector(&format!("blk.{i}.{name}.weight"), c.hidden);
+        let attn_norm = norm(t, "attn_norm")?;
         let attn = attn(t)?;
-        let ffn_norm = t.vector(&format!("blk.{i}.ffn_norm.weight"), c.hidden)?;
-        Ok(Self { attn_norm, attn, ffn_norm, mlp: mlp(t)? })
+        let post_attn_norm = if post { Some(norm(t, "post_attention_norm")?) } else { None };
+        let ffn_norm = norm(t, "ffn_norm")?;
+        let mlp = mlp(t)?;
+        let post_ffn_norm = if post { Some(norm(t, "post_ffw_norm")?) } else { None };
+        Ok(Self { attn_norm, attn, post_attn_norm, ffn_norm, mlp, post_ffn_norm })
     }
 }
 
@@ -147,6 +218,8 @@ pub struct Weights {
     /// RoPE frequency factors (`rope_freqs.weight`, one per rotated pair): pair `i`'s angle is
     /// divided by factor `i` (Llama 3).
     pub rope_freqs: Option<Vec<f32>>,
+    /// A factor the embeddings are multiplied by before the first layer (Gemma's `√hidden`).
+    pub embed_scale: Option<f32>,
 }
 
 impl Weights {
@@ -166,16 +239,6 @@ impl Weights {
         };
         let output_norm = t.vector("output_norm.weight", hidden)?;
         let layers: Vec<Layer> = (0..c.layers).map(|i| layer(t, i)).collect::<Result<_>>()?;
-        if let Some(w) = layers.iter().find_map(|l| l.attn.window)
-            && w < c.context
-        {
-            // The attention kernels attend to the whole prefix; computing a window as full
-            // attention would be silently wrong past it.
-            return Err(Error::UnsupportedModel(format!(
-                "sliding-window attention ({w} of {} tokens) is not in the attention kernels",
-                c.context
-            )));
-        }
-        Ok(Self { layers, token_embd, output, output_norm, rope_freqs })
+        Ok(Self { layers, token_embd, output, output_norm, rope_freqs, embed_scale: None })
     }
 }

@@ -41,6 +41,10 @@ impl BatchRunner {
         if spec.params.max_tokens == 0 {
             return Err(Error::invalid("max_tokens must be at least 1"));
         }
+        if let Some(p) = &spec.params.kv_policy {
+            p.validate(engine.config().block_size)
+                .map_err(|e| Error::invalid(format!("kv_policy: {e}")))?;
+        }
         let SeqSpec { prompt, params, rng_position, seq, kind } = spec;
         let role = kind.role();
         let (text, from) = match kind {
@@ -174,6 +178,10 @@ impl BatchRunner {
             return Err(Error::invalid(format!(
                 "the connector loaded {have} tokens of KV for sequence {id}, not {available}"
             )));
+        }
+        // KV that came whole (from a prefill node, or moved here) goes under its policy now.
+        if have >= slot.prompt_len && slot.role == Role::Generate {
+            engine.set_kv_policy(seq, slot.params.kv_policy)?;
         }
         let scheduled = match (have == slot.prompt_len, slot.next) {
             (true, Some(_)) => self.sched.add_prefilled(id, slot.prompt_len),

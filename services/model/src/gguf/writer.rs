@@ -30,6 +30,12 @@ impl GgufBuilder {
         self
     }
 
+    /// Drops `key` (no-op when absent).
+    pub fn remove_kv(mut self, key: &str) -> Self {
+        self.kv.retain(|(k, _)| k != key);
+        self
+    }
+
     /// Changes the bytes of tensor `name` in place (a test varying one weight); no-op when absent.
     pub fn map_tensor(mut self, name: &str, f: impl FnOnce(&mut Vec<u8>)) -> Self {
         if let Some(t) = self.tensors.iter_mut().find(|t| t.0 == name) {

@@ -134,6 +134,7 @@ impl Attempt<'_> {
             t.queue_ms = ms(queued_at_router) + computed.queue_ms;
             t.prefill_ms = computed.prefill_ms;
             self.report.cached_tokens = computed.cached_tokens;
+            self.report.cached_by_tier = computed.cached_by_tier;
         }
         let until =
             req.deadline.min(Instant::now() + Duration::from_millis(cfg.transfer_timeout_ms));

@@ -26,6 +26,7 @@ impl<'a> Attempt<'a> {
             ignore_eos: req.prep.ignore_eos,
             start: Some(leg.start),
             resumed: resume.tokens.clone(),
+            kv_policy: req.prep.kv_policy.map(|p| p.to_string()).unwrap_or_default(),
         };
         let mut client = leg.client.clone();
         let opened =
@@ -102,6 +103,7 @@ impl<'a> Attempt<'a> {
                         self.report.timings.queue_ms = f.queue_ms;
                         self.report.timings.prefill_ms = f.prefill_ms;
                     }
+                    self.report.kv_evicted_tokens = f.kv_evicted_tokens;
                     return Ok(Relayed::Finished(Decoded {
                         reason: pdmesh_wire::finish_from(f.reason),
                         completion_tokens: f.completion_tokens,
