@@ -674,5 +674,4 @@ fn accept(
 mod admission;
 
 #[cfg(test)]
-#[path = "runner_tests.rs"]
 mod tests;
