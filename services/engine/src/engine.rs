@@ -202,8 +202,6 @@ pub struct Engine {
     config: EngineConfig,
     /// `(item index, token index within the item)` of each logits row of the last step.
     logit_rows: Vec<(usize, usize)>,
-    /// The attention mass the last step's probes gave each block (kept for its allocation).
-    mass: Vec<(SeqId, Vec<f32>)>,
 }
 
 impl Engine {
@@ -268,7 +266,7 @@ impl Engine {
                 model.tokenizer.eog_tokens().to_vec(),
             )?),
         };
-        Ok(Self { model, kv, device, config, logit_rows: Vec::new(), mass: Vec::new() })
+        Ok(Self { model, kv, device, config, logit_rows: Vec::new() })
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -532,13 +530,12 @@ impl Engine {
             cuts: &cuts,
             logit_tokens: &logit_tokens,
         };
-        let mut mass = std::mem::take(&mut self.mass);
-        mass.clear();
+        // The attention mass the probes gave each block, per probed sequence.
+        let mut mass = Vec::new();
         let data = self.device.forward(&self.kv, &batch, on_layer, &mut mass);
         for (id, m) in &mass {
             self.kv.add_mass(*id, m);
         }
-        self.mass = mass;
         // A policy's budget holds after every step (its evictions were checked when set).
         for it in items {
             self.kv.enforce(it.seq).expect("a policy evicts only full blocks it holds");

@@ -234,23 +234,18 @@ impl DiskTier {
     fn write_file(&self, h: BlockHash, data: &[u8]) -> io::Result<()> {
         let header =
             Header { tag: self.tag, hash: h, len: data.len(), checksum: block_checksum(data) };
-        // A name of its own per writer: two puts of one block never share a temporary file.
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmp = self.dir.join(format!("{:032x}.tmp.{}.{n}", h.0, std::process::id()));
-        let written = (|| {
-            let mut f = File::create(&tmp)?;
-            f.write_all(&header.bytes())?;
-            f.write_all(data)?;
-            if self.sync {
-                f.sync_all()?;
-            }
-            fs::rename(&tmp, self.path(h))
-        })();
-        if written.is_err() {
-            let _ = fs::remove_file(&tmp);
+        // A temporary file of its own per writer (two puts of one block never share one),
+        // deleted if the write fails before the rename.
+        let mut f = tempfile::Builder::new()
+            .prefix(&format!("{:032x}.", h.0))
+            .suffix(".tmp")
+            .tempfile_in(&self.dir)?;
+        f.write_all(&header.bytes())?;
+        f.write_all(data)?;
+        if self.sync {
+            f.as_file().sync_all()?;
         }
-        written
+        f.persist(self.path(h)).map(drop).map_err(|e| e.error)
     }
 
     /// Block `h`'s bytes into `out` (one block long), checked against its header and checksum;
