@@ -19,6 +19,7 @@ use pdmesh_proto::v1::{
     FinishReason, Finished, GenerateRequest, GenerateResponse, RegisterRequest, Role, TokenIds,
     generate_request,
 };
+use pdmesh_common::apikey::Tenant;
 use pdmesh_router::api::{Event, Router};
 use pdmesh_router::request::Prepared;
 use tonic::Code;
@@ -105,12 +106,30 @@ async fn the_library_api_yields_plain_events() {
         kv_policy: None,
     };
     let deadline = Instant::now() + Duration::from_secs(30);
+    // A request that stays in flight while the dup check runs: its reader reads nothing, so
+    // its stream stops at the client buffer long before 200 tokens (an 8-token one could
+    // finish between the two calls on a loaded machine, and the id would be free again).
+    let held = Prepared { max_tokens: 200, ..prep.clone() };
+    let (_, mut held_events) = router
+        .generate(Some("lib-held".into()), held.clone(), deadline, tracing::Span::none())
+        .unwrap();
+    let dup = router.generate(Some("lib-held".into()), held, deadline, tracing::Span::none());
+    assert_eq!(dup.unwrap_err().code(), Code::AlreadyExists, "one id, one request");
+    assert!(router.cancel(&Tenant::anonymous(), "lib-held"), "still running");
+    let mut last = None;
+    while let Some(ev) = held_events.recv().await {
+        last = Some(ev.unwrap());
+    }
+    match last {
+        Some(Event::Finished(f)) => {
+            assert_eq!(f.reason, pdmesh_engine::FinishReason::Cancelled)
+        }
+        other => panic!("the held request ended with {other:?}"),
+    }
     let (id, mut events) = router
-        .generate(Some("lib-1".into()), prep.clone(), deadline, tracing::Span::none())
+        .generate(Some("lib-1".into()), prep, deadline, tracing::Span::none())
         .unwrap();
     assert_eq!(id, "lib-1");
-    let dup = router.generate(Some("lib-1".into()), prep, deadline, tracing::Span::none());
-    assert_eq!(dup.unwrap_err().code(), Code::AlreadyExists, "one id, one request");
     let mut tokens = Vec::new();
     let mut seen = Vec::new();
     while let Some(ev) = events.recv().await {
@@ -470,7 +489,7 @@ struct NotARequest {
 async fn a_strangers_message_is_never_decoded() {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.toml");
-    let tenant = pdmesh_common::apikey::Tenant {
+    let tenant = Tenant {
         tenant: "t".into(),
         max_in_flight: None,
         cache_group: None,
