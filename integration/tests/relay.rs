@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pdmesh_common::apikey::Tenant;
 use pdmesh_engine::testing::{BuildModel, TinyModel};
 use pdmesh_engine::{Engine, EngineConfig, GenerateParams, SamplingParams};
 use pdmesh_integration::eventually;
@@ -19,7 +20,6 @@ use pdmesh_proto::v1::{
     FinishReason, Finished, GenerateRequest, GenerateResponse, RegisterRequest, Role, TokenIds,
     generate_request,
 };
-use pdmesh_common::apikey::Tenant;
 use pdmesh_router::api::{Event, Router};
 use pdmesh_router::request::Prepared;
 use tonic::Code;
@@ -126,9 +126,8 @@ async fn the_library_api_yields_plain_events() {
         }
         other => panic!("the held request ended with {other:?}"),
     }
-    let (id, mut events) = router
-        .generate(Some("lib-1".into()), prep, deadline, tracing::Span::none())
-        .unwrap();
+    let (id, mut events) =
+        router.generate(Some("lib-1".into()), prep, deadline, tracing::Span::none()).unwrap();
     assert_eq!(id, "lib-1");
     let mut tokens = Vec::new();
     let mut seen = Vec::new();
@@ -489,12 +488,8 @@ struct NotARequest {
 async fn a_strangers_message_is_never_decoded() {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.toml");
-    let tenant = Tenant {
-        tenant: "t".into(),
-        max_in_flight: None,
-        cache_group: None,
-        kv_policy: None,
-    };
+    let tenant =
+        Tenant { tenant: "t".into(), max_in_flight: None, cache_group: None, kv_policy: None };
     let key = pdmesh_common::apikey::add(&keys, tenant).unwrap();
     let (_m, ch) = keyed_mesh(Settings::new(0, 1), keys).await;
     let call = |key: Option<String>| {

@@ -196,7 +196,9 @@ pub struct Reserved {
     /// Blocks the prompt's KV fills.
     pub prompt_blocks: usize,
     pub lease: Duration,
-    /// Pool blocks of the prompt, in order, when they were allocated at reservation.
+    /// Pool blocks of the prompt, in order, when they were allocated at reservation; in a
+    /// pool that keeps sliding-window layers apart (reached only through staging, where only
+    /// their count matters) the prompt's block indices.
     pub pool_blocks: Vec<u32>,
 }
 
@@ -343,7 +345,10 @@ impl DecodeCore {
         let mut pool_blocks = Vec::new();
         if remote_kv {
             let grown = self.engine.extend_sequence(seq, prompt_len).and_then(|()| {
-                (0..self.blocks_for(prompt_len)).map(|i| self.engine.pool_block(seq, i)).collect()
+                let whole = self.engine.kv().groups().is_whole();
+                (0..self.blocks_for(prompt_len))
+                    .map(|i| if whole { self.engine.pool_block(seq, i) } else { Ok(i as u32) })
+                    .collect()
             });
             match grown {
                 Ok(b) => pool_blocks = b,

@@ -54,6 +54,13 @@ pub trait KvConnector {
     /// Worker side: the step is done for `batch`.
     fn save(&mut self, _kv: &KvView<'_>, _batch: &[Saved]) {}
 
+    /// Whether a sliding window's layers may let go of the blocks it has moved past once a
+    /// step's `save` is done: only for a connector that never reads a sequence's blocks whole
+    /// after its steps (one that publishes or pushes a prompt at its end does).
+    fn lets_window_go(&self) -> bool {
+        false
+    }
+
     /// The sequence leaves the runner (finished, failed or cancelled) with its KV still in
     /// `seq`: export what should outlive it, and say whether its blocks can be freed.
     fn finished(&mut self, _id: u64, _seq: SeqId, _kv: &KvView<'_>) -> Release {
@@ -65,4 +72,8 @@ pub trait KvConnector {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct NoConnector;
 
-impl KvConnector for NoConnector {}
+impl KvConnector for NoConnector {
+    fn lets_window_go(&self) -> bool {
+        true
+    }
+}

@@ -9,7 +9,7 @@ use pdmesh_kv_types::HostMemory;
 use pdmesh_kv_types::KvLayout;
 
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvCache, KvView, SeqId};
+use crate::kv_cache::{KvCache, KvGroups, KvView, SeqId};
 use crate::kv_policy::KvPolicy;
 use crate::model::Model;
 use crate::runtime::{Batch, Device, Rows, Runtime};
@@ -236,27 +236,34 @@ impl Engine {
                 pdmesh_kernels::cpu::q8kv::MAX_GROUP
             )));
         }
-        let kv = KvCache::new(geom, config.kv_blocks)?;
+        // Local layers' KV goes in groups of its own, so that it can follow the window (the
+        // simulated device keeps no per-layer KV).
+        let groups = match (&config.backend, &model.config.sliding_window) {
+            (BackendKind::Sim(_), _) | (_, None) => KvGroups::whole(geom.layers),
+            (_, Some(w)) => KvGroups::windowed(&w.local, w.tokens),
+        };
+        let kv = KvCache::grouped(geom, groups, config.kv_blocks)?;
+        let (pool, pool_blocks) = (*kv.pool_geometry(), kv.pool_blocks());
         let device: Box<dyn Device> = match &config.backend {
             BackendKind::Cpu { simd: None } => {
                 let be = CpuBackend::new(config.threads);
-                Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
+                Box::new(Runtime::new(be, Arc::clone(&model), pool, pool_blocks)?)
             }
             &BackendKind::Cpu { simd: Some(simd) } => {
                 let be = CpuBackend::with_simd(config.threads, simd)
                     .map_err(|e| Error::invalid(e.to_string()))?;
-                Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
+                Box::new(Runtime::new(be, Arc::clone(&model), pool, pool_blocks)?)
             }
             &BackendKind::Cuda { device, opts } => {
                 let dev = pdmesh_kernels::cuda::GpuDevice::open(device)
                     .map_err(|e| Error::invalid(format!("--backend cuda: {e}")))?;
                 let be = opts.apply(pdmesh_kernels::cuda::CudaBackend::new(dev));
-                Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
+                Box::new(Runtime::new(be, Arc::clone(&model), pool, pool_blocks)?)
             }
             &BackendKind::CudaEmu { opts } => {
                 let dev = pdmesh_kernels::cuda::EmuDevice;
                 let be = opts.apply(pdmesh_kernels::cuda::CudaBackend::new(dev));
-                Box::new(Runtime::new(be, Arc::clone(&model), geom, config.kv_blocks)?)
+                Box::new(Runtime::new(be, Arc::clone(&model), pool, pool_blocks)?)
             }
             BackendKind::Sim(profile) => Box::new(SimDevice::new(
                 geom,
@@ -294,7 +301,7 @@ impl Engine {
 
     /// Bytes of KV memory the pool holds.
     pub fn kv_bytes(&self) -> usize {
-        self.kv.total_blocks() * self.kv.geometry().bytes_per_block()
+        self.kv.pool_blocks() * self.kv.pool_geometry().bytes_per_block()
     }
 
     /// The layout of this engine's KV blocks: what a peer must match to exchange them.
@@ -302,7 +309,8 @@ impl Engine {
         KvLayout { model_fingerprint: self.model.fingerprint, geometry: *self.kv.geometry() }
     }
 
-    /// Physical pool block of the sequence's `index`-th block.
+    /// Physical pool block of the sequence's `index`-th block, in a pool of whole blocks
+    /// (`KvPool::kv_blocks_whole`).
     pub fn pool_block(&self, seq: SeqId, index: usize) -> Result<u32> {
         self.kv.block(seq, index).map(|b| b as u32)
     }
@@ -366,7 +374,13 @@ impl Engine {
 
     /// Blocks the sequence holds.
     pub fn sequence_blocks(&self, seq: SeqId) -> Result<usize> {
-        Ok(self.kv.blocks(seq)?.len())
+        self.kv.block_count(seq)
+    }
+
+    /// Lets go of the blocks of `seq`'s windowed layers that no later query reads; returns the
+    /// pool blocks freed. Only once nothing reads the sequence's blocks whole again.
+    pub fn release_window(&mut self, seq: SeqId) -> Result<usize> {
+        self.kv.release_window(seq)
     }
 
     /// Appends the bytes of the sequence's `index`-th block to `out`.
@@ -388,11 +402,8 @@ impl Engine {
         first: usize,
         blocks: impl IntoIterator<Item = &'d [u8]>,
     ) -> Result<()> {
-        let writes = blocks
-            .into_iter()
-            .enumerate()
-            .map(|(i, d)| Ok((self.kv.block(seq, first + i)?, d)))
-            .collect::<Result<Vec<_>>>()?;
+        let owned = KvView::scatter(&self.kv, seq, first, blocks)?;
+        let writes: Vec<(usize, &[u8])> = owned.iter().map(|(b, d)| (*b, &d[..])).collect();
         self.device.store_mut().write_blocks(&writes).map_err(|e| Error::invalid(e.to_string()))
     }
 
@@ -446,7 +457,7 @@ impl Engine {
                 )));
             }
             total += it.tokens.len();
-            blocks += self.kv.blocks_needed(it.seq, it.tokens.len())?;
+            blocks += self.kv.pool_blocks_needed(it.seq, it.tokens.len())?;
         }
         if total > self.config.max_batch_tokens {
             return Err(Error::invalid(format!(
@@ -454,8 +465,8 @@ impl Engine {
                 self.config.max_batch_tokens
             )));
         }
-        if blocks > self.kv.free_blocks() {
-            return Err(Error::KvExhausted { needed: blocks, free: self.kv.free_blocks() });
+        if blocks > self.kv.free_pool_blocks() {
+            return Err(Error::KvExhausted { needed: blocks, free: self.kv.free_pool_blocks() });
         }
         Ok(())
     }
@@ -478,7 +489,7 @@ impl Engine {
         let mut tokens = Vec::with_capacity(n);
         let mut positions = Vec::with_capacity(n);
         let mut cache_pos = Vec::with_capacity(n);
-        let mut slots: Vec<KvSlot> = Vec::with_capacity(n);
+        let mut slots: Vec<Vec<KvSlot>> = vec![Vec::with_capacity(n); self.kv.groups().count()];
         let mut owner = Vec::with_capacity(n);
         let mut phases = Vec::with_capacity(n);
         let mut logit_rows = std::mem::take(&mut self.logit_rows);
@@ -514,7 +525,9 @@ impl Engine {
                 owner.push(it.seq);
                 phases.push(it.phase);
             }
-            slots.extend(s);
+            for (g, part) in slots.iter_mut().zip(s.chunks_exact(it.tokens.len())) {
+                g.extend_from_slice(part);
+            }
         }
         if !all_cut {
             cuts.clear();
@@ -550,6 +563,10 @@ impl Engine {
 impl pdmesh_kv_types::KvPool for Engine {
     fn kv_geometry(&self) -> pdmesh_kv_types::KvGeometry {
         *self.kv.geometry()
+    }
+
+    fn kv_blocks_whole(&self) -> bool {
+        self.kv.groups().is_whole()
     }
 
     fn kv_bytes(&self) -> usize {

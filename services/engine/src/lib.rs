@@ -36,7 +36,7 @@ pub use engine::{BackendKind, CudaOptions, Engine, EngineConfig, Logits, StepIte
 pub use error::{Error, ErrorClass, Result};
 pub use finish::FinishReason;
 pub use generate::{Generation, generate, generate_batch, generate_batch_observed};
-pub use kv_cache::{BlockAllocator, KvCache, KvView, SeqId};
+pub use kv_cache::{BlockAllocator, KvCache, KvGroups, KvView, SeqId};
 pub use model::{Model, ModelCard, ModelConfig};
 pub use pacing::StepPacer;
 pub use pdmesh_kernels::Phase;

@@ -387,7 +387,7 @@ impl BatchRunner {
             )));
         }
         let view = engine.kv_view();
-        (0..view.blocks(seq)?.len())
+        (0..view.block_count(seq)?)
             .map(|i| {
                 let mut b = Vec::new();
                 view.read_block(seq, i, &mut b)?;
@@ -557,6 +557,14 @@ impl BatchRunner {
             }
         }
         connector.save(&engine.kv_view(), &saved);
+        // What the step's windows moved past is read by no one now.
+        if connector.lets_window_go() {
+            for s in plan {
+                if let Some(seq) = self.slots.get(&s.id).and_then(|slot| slot.seq) {
+                    engine.release_window(seq).expect("the runner's sequences exist");
+                }
+            }
+        }
         // Prompts completed in this step go under their policies now, before their first
         // decode step.
         for s in plan {

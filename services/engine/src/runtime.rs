@@ -28,7 +28,8 @@ pub(crate) struct Batch<'a> {
     /// Tokens (indexes into `tokens`) whose attention over their sequence's blocks is summed
     /// into the forward's `mass`, for a score-driven policy.
     pub probes: &'a [usize],
-    pub slots: &'a [KvSlot],
+    /// Where each token's KV goes, per KV group (`KvGroups`): `slots[g][t]`.
+    pub slots: &'a [Vec<KvSlot>],
     pub owner: &'a [SeqId],
     pub phases: &'a [Phase],
     /// Indexes (into `tokens`) of the tokens whose logits are wanted.
@@ -356,19 +357,23 @@ impl<B: Backend> Device for Runtime<B> {
             be.scale(&mut s.x, f);
         }
 
-        let queries: Vec<AttnQuery<'_>> = batch
-            .cache_pos
-            .iter()
-            .zip(batch.owner)
-            .zip(batch.phases)
-            .map(|((&pos, id), &phase)| AttnQuery::full(pos, &cache.seqs[id].blocks, phase))
+        // Each KV group's queries, over its own tables; through the window for the groups of
+        // layers that have one (a model has at most one window length).
+        let groups = cache.groups();
+        let queries: Vec<Vec<AttnQuery<'_>>> = (0..groups.count())
+            .map(|g| {
+                let w = groups.window(g);
+                batch
+                    .cache_pos
+                    .iter()
+                    .zip(batch.owner)
+                    .zip(batch.phases)
+                    .map(|((&pos, id), &phase)| {
+                        AttnQuery::full(pos, &cache.seqs[id].tables[g], phase).windowed(w)
+                    })
+                    .collect()
+            })
             .collect();
-        // The same queries through the window, for the layers that have one (a model has at
-        // most one window length).
-        // (None without a window: nothing is built for models that have none.)
-        let window = self.layers.iter().find_map(|l| l.attn.window);
-        let windowed: Option<Vec<AttnQuery<'_>>> =
-            window.map(|_| queries.iter().map(|q| q.windowed(window)).collect());
 
         let rotation = self.kv.geometry().rotation();
         let step = Step { c, n, phases: batch.phases };
@@ -378,18 +383,19 @@ impl<B: Backend> Device for Runtime<B> {
             // a post-norm (Gemma).
             norm_into(be, s, &l.attn_norm, &step, l.attn.needs_qkv);
             let kv = &mut self.kv;
-            let qs = match (&windowed, l.attn.window) {
-                (Some(w), Some(_)) => w,
-                _ => &queries,
-            };
+            // The layer's group holds its KV, at its index within the group's blocks.
+            let (g, at) = groups.place(li);
+            let qs = &queries[g];
+            debug_assert_eq!(groups.window(g).is_some(), l.attn.window.is_some());
             let rope = &self.ropes[l.attn.rope];
-            let at = Attend { rope: Rope { cos: &rope.cos, sin: &rope.sin, mode }, queries: qs };
-            attention(be, kv, li, &l.attn, s, &step, rotation, batch.slots, &at, &mut |kv| {
+            let how = Attend { rope: Rope { cos: &rope.cos, sin: &rope.sin, mode }, queries: qs };
+            let slots = &batch.slots[g];
+            attention(be, kv, at, &l.attn, s, &step, rotation, slots, &how, &mut |kv| {
                 on_layer(li, &KvView::new(cache, kv))
             });
             if !batch.probes.is_empty() && l.attn.window.is_none() {
                 let q = be.read(&s.q, &mut s.host_q);
-                probe_mass(&*kv, li, c, l.attn.kq_scale(c), q, &queries, batch, mass);
+                probe_mass(&*kv, at, c, l.attn.kq_scale(c), q, qs, batch, mass);
             }
             add_block(be, s, l.post_attn_norm.as_ref(), c.rms_eps);
             norm_into(be, s, &l.ffn_norm, &step, l.mlp.needs_in());
@@ -532,7 +538,7 @@ fn attention<B: Backend>(
 }
 
 /// Adds, for each probe of `batch`, its attention over its sequence's blocks at layer `layer`
-/// (softmax of `q·k · scale` per head, summed over heads and per block) to `mass`. It reads K
+/// of the blocks `queries` name (softmax of `q·k · scale` per head, summed over heads and per block) to `mass`. It reads K
 /// back as stored and scores in f32 on the host: a ranking for a score-driven policy, which
 /// needs no bit-exactness, from any backend.
 #[allow(clippy::too_many_arguments)]

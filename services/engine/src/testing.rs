@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-pub use pdmesh_model::testing::{HIDDEN, SPECIALS, TinyArch, TinyModel, tiny_card};
+pub use pdmesh_model::testing::{HIDDEN, SPECIALS, TINY_WINDOW, TinyArch, TinyModel, tiny_card};
 
 use crate::model::Model;
 

@@ -240,3 +240,52 @@ fn samplers_picking_from_device_candidates_give_the_cpu_backends_tokens() {
     eprintln!("cpu {cpu_time:?}, {:?} {:?}", cuda(), start.elapsed() - cpu_time);
     assert_eq!(got, want);
 }
+
+/// The tiny Gemma 3, whose layer 0 attends through a window of 8 tokens in a KV group of its
+/// own: by the end of its 300-token prompts the blocks that layer's window left are gone from
+/// its tables (a released entry is `u32::MAX`, uploaded with the rest of the table), and the
+/// device, reading only the window's entries, gives the CPU backend's tokens and logits.
+#[test]
+fn a_windowed_model_whose_local_blocks_left_gives_the_cpu_backends_tokens() {
+    use pdmesh_model::testing::{TinyArch, TinyModel};
+    let _one = one_at_a_time();
+    let tiny = TinyModel { arch: TinyArch::Gemma3, context: 512, ..TinyModel::default() };
+    let m = Arc::new(Model::from_gguf(tiny.file(), "tiny.gguf".into()).unwrap());
+    let run = |backend| {
+        let cfg =
+            EngineConfig { kv_blocks: 128, max_batch_tokens: 128, backend, ..Default::default() };
+        let mut e = Engine::new(Arc::clone(&m), cfg).unwrap();
+        assert_eq!(e.kv().groups().count(), 2);
+        let reqs: Vec<(Vec<u32>, GenerateParams)> = (0..3u32)
+            .map(|p| {
+                let ids = (0..300).map(|i| 33 + (i * 7 + p * 13) % 150).collect();
+                (
+                    ids,
+                    GenerateParams {
+                        max_tokens: steps(12),
+                        ignore_eos: true,
+                        ..Default::default()
+                    },
+                )
+            })
+            .collect();
+        let mut logits = vec![Vec::new(); reqs.len()];
+        let out = generate_batch_observed(
+            &mut e,
+            &reqs,
+            3,
+            |i, l| logits[i].push(l.to_vec()),
+            |_, _| true,
+        )
+        .unwrap();
+        assert_eq!(e.kv().free_blocks(), e.kv().total_blocks(), "leaked KV blocks");
+        (out.into_iter().map(|g| g.tokens).collect::<Vec<_>>(), logits)
+    };
+    let (want, want_logits) = run(BackendKind::Cpu { simd: None });
+    let (got, got_logits) = run(cuda());
+    assert_eq!(got, want);
+    for (g, w) in got_logits.iter().flatten().zip(want_logits.iter().flatten()) {
+        let worst = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-3, "logits differ by up to {worst}");
+    }
+}

@@ -141,7 +141,8 @@ pub trait PoolOffer: Send + Sync + std::fmt::Debug {
     /// The staging area, when the pool is staged.
     fn staging(&self) -> Option<&Arc<StagingArea>>;
     /// Grants the blocks of a reservation whose prompt occupies `pool_blocks`, in prompt
-    /// order: the pool blocks themselves, or as many staging blocks.
+    /// order: the pool blocks themselves, or as many staging blocks (a staged pool reads
+    /// only their count).
     fn grant(&self, pool_blocks: &[u32]) -> Result<Granted, GrantError>;
     /// What an accepted session tells a writer on this host beyond its grant (the pool
     /// mapped into it), when the pool is offered so (`KvAccepted.direct`).

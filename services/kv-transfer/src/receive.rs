@@ -284,6 +284,12 @@ impl KvConnector for Receiver {
     fn finished(&mut self, id: u64, _seq: SeqId, _kv: &KvView<'_>) -> Release {
         self.forget(id)
     }
+
+    /// A decode node's sequences are scheduled once their KV is whole, and nothing here
+    /// reads them whole after that (a migration's export reads what a continuation needs).
+    fn lets_window_go(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

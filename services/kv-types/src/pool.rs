@@ -12,8 +12,14 @@ pub trait KvPool {
     /// Bytes of KV memory the pool holds.
     fn kv_bytes(&self) -> usize;
     /// The pool's memory: one allocation that never moves or grows while the region lives;
-    /// block `b` starts at `addr + b * bytes_per_block`.
+    /// where `kv_blocks_whole`, block `b` starts at `addr + b * bytes_per_block`.
     fn kv_memory(&self) -> MemoryRegion;
+    /// Whether each of the pool's blocks holds every layer of its tokens in the geometry's
+    /// order, so that a writer may put a block straight into `kv_memory`. A pool that keeps
+    /// some layers apart (sliding-window groups) is reached only through staging.
+    fn kv_blocks_whole(&self) -> bool {
+        true
+    }
     /// Moves the pool into `memory` (host memory of `kv_bytes()` that the transport
     /// allocated for its peers to reach); only while the pool holds no KV.
     fn rehome_kv(&mut self, memory: HostMemory) -> Result<(), String>;

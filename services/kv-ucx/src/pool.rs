@@ -16,7 +16,9 @@
 
 use std::sync::Arc;
 
-use pdmesh_kv_transfer::{Grant, GrantError, Granted, KvPath, PoolOffer, PoolOptions, StagingArea};
+use pdmesh_kv_transfer::{
+    Grant, GrantError, Granted, KvPath, KvStaging, PoolOffer, PoolOptions, StagingArea,
+};
 use pdmesh_kv_types::{HostMemory, KvGeometry, KvPool, MemoryRegion};
 use pdmesh_proto::v1::TransportDescriptor;
 
@@ -51,6 +53,15 @@ pub fn offer(
     options: &PoolOptions,
 ) -> Result<UcxPool, String> {
     let memory = kv.kv_memory();
+    if !kv.kv_blocks_whole() {
+        // Its blocks' layers are apart in the pool: only the engine can put a block there.
+        if options.staging == KvStaging::Direct {
+            return Err("this KV pool keeps its sliding-window layers' blocks apart: UCX writers \
+                        reach it only through staging (--kv-staging auto or staged)"
+                .into());
+        }
+        return stage_pool(node, kv, options);
+    }
     if options.staging.stages(node.reaches(memory.kind())) {
         return stage_pool(node, kv, options);
     }
@@ -273,15 +284,17 @@ impl PoolOffer for UcxPool {
     /// The grant keeps the blocks the descriptor names (only) writable by peers until
     /// dropped: the pool blocks themselves, or as many staging blocks.
     fn grant(&self, pool_blocks: &[u32]) -> Result<Granted, GrantError> {
-        if let Some(b) = pool_blocks.iter().find(|&&b| b >= self.blocks) {
-            return Err(GrantError::Failed(format!(
-                "block {b} is past the pool's {}",
-                self.blocks
-            )));
-        }
         let staged = match &self.staging {
             Some(area) => Some(area.take(pool_blocks.len())?),
-            None => None,
+            None => {
+                if let Some(b) = pool_blocks.iter().find(|&&b| b >= self.blocks) {
+                    return Err(GrantError::Failed(format!(
+                        "block {b} is past the pool's {}",
+                        self.blocks
+                    )));
+                }
+                None
+            }
         };
         let blocks = staged.as_ref().map_or(pool_blocks, |s| s.blocks());
         let (target, grant) = UcxGrant::new(

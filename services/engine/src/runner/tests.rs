@@ -10,7 +10,7 @@ use super::*;
 use crate::connector::NoConnector;
 use crate::engine::EngineConfig;
 use crate::kv_cache::KvView;
-use crate::testing::{BuildModel, TinyModel};
+use crate::testing::{BuildModel, TinyArch, TinyModel};
 
 fn engine(model: &std::sync::Arc<Model>) -> Engine {
     // Small blocks and budget: the prompt spans blocks and is chunked over several steps.
@@ -49,7 +49,7 @@ struct Export {
 
 impl KvConnector for Export {
     fn finished(&mut self, id: u64, seq: SeqId, kv: &KvView<'_>) -> Release {
-        let n = kv.blocks(seq).expect("live").len();
+        let n = kv.block_count(seq).expect("live");
         let blocks = (0..n)
             .map(|i| {
                 let mut b = Vec::new();
@@ -575,3 +575,4 @@ fn paced_steps_chunk_a_prompt_beside_a_stream_and_change_no_token() {
 
 mod policy;
 mod resume;
+mod window;
