@@ -404,8 +404,10 @@ _test-models-dir:
     fi
 
 # Long contexts: TTFT and peak RSS of 8K/32K-token prompts (SmolLM2, the 1B-shaped model,
-# Gemma 3) beside 1K-token runs, and TTFT of a 4,000-token prefix recomputed vs cached in RAM
-# vs on disk, in the KV-store and in the prefill node's own cache (~20 min).
+# Gemma 3) beside 1K-token runs; TTFT of a 4,000-token prefix recomputed vs cached in RAM
+# vs on disk, in the KV-store and in the prefill node's own cache; the KV blocks Gemma 3
+# holds at most on 8K tokens, and a run in exactly that many (~22 min; `--parts window`
+# alone ~2 min).
 bench-long-context *args="": system-deps fetch-model fetch-gemma3 test-models
     cargo build --release --locked -q -p pdmesh-cli -p pdmesh-tools
     {{bench_venv}}/bin/python scripts/bench_long_context.py {{args}}

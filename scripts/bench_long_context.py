@@ -14,6 +14,12 @@
    disk tier (the prefill node killed instead). Medians over --reps prompts; ratios over the
    cold TTFT.
 
+3. A window's KV: Gemma 3 270M on the first --window-tokens tokens (five of its six layers
+   attend through a 512-token window) in a roomy pool, which reports the most blocks it held
+   at once; then in exactly that many blocks, and in one fewer, which must run out. Beside
+   what keeping every block of every layer takes (tokens / 16): TTFT and peak RSS of the
+   first two.
+
 Absolute times drift on a shared machine; compare within one run. Raw numbers go to
 .bench/long_context.json.
 """
@@ -44,17 +50,25 @@ def verne(path):
         f.write(verne_text(verne_path()))
 
 
-def run_once(model, text, tokens, threads):
-    """TTFT (ms) and peak RSS (MiB) of one `pdmesh run` of `tokens` prompt tokens."""
-    blocks = tokens // 16 + 64
+def run_once(model, text, tokens, threads, blocks=None, step=512, refused=False, peak=False):
+    """TTFT (ms) and peak RSS (MiB) of one `pdmesh run` of `tokens` prompt tokens (and with
+    `peak`, the most KV blocks it held at once); with `refused`, checks that it is refused
+    for want of KV blocks instead."""
+    blocks = blocks or tokens // 16 + 64
     cmd = ["/usr/bin/time", "-v", BIN, "run", "--model", model, "--raw", "--prompt-file", text,
            "--prompt-tokens", str(tokens), "--max-tokens", "1", "--json", "--kv-blocks", str(blocks),
-           "--threads", str(threads)]
+           "--threads", str(threads), "--max-batch-tokens", str(step)]
     p = subprocess.run(cmd, capture_output=True, text=True)
+    if refused:
+        if p.returncode == 0 or "exhausted" not in p.stderr:
+            raise SystemExit(f"{' '.join(cmd)} was not refused for KV:\n{p.stderr[-2000:]}")
+        return None
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
     out = json.loads(p.stdout)
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", p.stderr).group(1))
+    if peak:
+        return out["ttft_ms"], rss / 1024, out["kv_peak_blocks"]
     return out["ttft_ms"], rss / 1024
 
 
@@ -83,6 +97,33 @@ def long_prompts(a, report):
         print(f"{r['model']:10} {r['tokens']:>7} {r['ttft_ms'] / 1e3:>8.1f} "
               f"{r['tokens'] / (r['ttft_ms'] / 1e3):>7.0f} {r['rss_mib']:>13.0f} "
               f"{per:>15.2f}x {r['rss_mib'] - r['ref_rss_mib']:>12.0f}M")
+
+
+def window_kv(a, report):
+    text = os.path.join(tempfile.gettempdir(), "pdmesh-verne.txt")
+    verne(text)
+    model, n, step, bs, window = MODELS["gemma3"], a.window_tokens, a.max_batch_tokens, 16, 512
+    if not os.path.exists(model):
+        print(f"  skipped: {model} is missing (just fetch-gemma3)", file=sys.stderr)
+        return
+    # Every block of every layer, as before local layers let go of what their window left.
+    whole = -(-n // bs)
+    print(f"  gemma3 {n:,} tokens in {whole + 64} blocks, then in its peak, then one fewer ...",
+          file=sys.stderr)
+    full_ttft, full_rss, least = run_once(model, text, n, a.threads, whole + 64, step, peak=True)
+    ttft, rss = run_once(model, text, n, a.threads, least, step)
+    run_once(model, text, n, a.threads, least - 1, step, refused=True)
+    report["window_kv"] = {"tokens": n, "whole_blocks": whole, "least_blocks": least,
+                           "roomy_ttft_ms": full_ttft, "roomy_rss_mib": full_rss,
+                           "least_ttft_ms": ttft, "least_rss_mib": rss}
+    print(f"\n== a window's KV: Gemma 3 270M, {n:,} tokens, steps of {step} ==")
+    print(f"every block of every layer would take {whole} blocks of {bs} tokens")
+    print(f"{'pool':28} {'blocks':>7} {'TTFT s':>8} {'peak RSS MiB':>13}")
+    print(f"{'roomy (' + str(whole + 64) + ')':28} {whole + 64:>7} {full_ttft / 1e3:>8.1f} "
+          f"{full_rss:>13.0f}")
+    print(f"{'its peak':28} {least:>7} {ttft / 1e3:>8.1f} {rss:>13.0f}")
+    print(f"{least - 1} blocks: refused. Peak {whole / least:.2f}x below every block; "
+          f"TTFT {ttft / full_ttft:.3f}x, RSS {full_rss - rss:.0f} MiB less than roomy")
 
 
 def children(pid):
@@ -161,7 +202,10 @@ def main():
     ap.add_argument("--threads", type=int, default=0, help="engine threads in part 1 (0: all)")
     ap.add_argument("--system-tokens", type=int, default=4000)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--parts", default="long,tiers", help="which parts to run (comma-separated)")
+    ap.add_argument("--window-tokens", type=int, default=8192, help="the prompt of part 3")
+    ap.add_argument("--max-batch-tokens", type=int, default=512, help="engine step of part 3")
+    ap.add_argument("--parts", default="long,tiers,window",
+                    help="which parts to run (comma-separated: long, tiers, window)")
     ap.add_argument("--drop-caches", action=argparse.BooleanOptionalAction, default=os.geteuid() == 0,
                     help="drop the page cache before the disk hits (default: when root)")
     a = ap.parse_args()
@@ -171,6 +215,8 @@ def main():
         long_prompts(a, report)
     if "tiers" in parts:
         prefix_tiers(a, report)
+    if "window" in parts:
+        window_kv(a, report)
     os.makedirs(".bench", exist_ok=True)
     with open(".bench/long_context.json", "w") as f:
         json.dump(report, f, indent=1)

@@ -25,7 +25,9 @@ pub struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Blocks in the KV pool (the ledger line printed at start says what that costs).
+    /// Blocks in the KV pool (the ledger line printed at start says what that costs). A model
+    /// with sliding-window layers (Gemma 3) lets theirs go once the window has left them, so a
+    /// long prompt fits in far fewer than its tokens / block-size.
     #[arg(long, default_value_t = 512)]
     pub kv_blocks: usize,
     /// Most tokens one engine step processes (prompt chunk size).

@@ -169,6 +169,8 @@ pub fn run(a: RunArgs) -> anyhow::Result<()> {
             "completion_tokens": g.tokens.len(),
             "ttft_ms": g.time_to_first_token.as_secs_f64() * 1e3,
             "decode_tok_s": decode_tps,
+            // The least --kv-blocks this run fits in.
+            "kv_peak_blocks": engine.kv().peak_blocks(),
         });
         let mut obj = obj;
         if top_n > 0 {

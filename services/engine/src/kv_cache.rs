@@ -211,6 +211,8 @@ pub struct KvCache {
     pub(crate) alloc: BlockAllocator,
     pub(crate) seqs: HashMap<SeqId, Sequence>,
     next_id: u64,
+    /// The most pool blocks in use at once so far.
+    peak: usize,
 }
 
 impl KvCache {
@@ -240,6 +242,7 @@ impl KvCache {
             alloc: BlockAllocator::new(total),
             seqs: HashMap::new(),
             next_id: 0,
+            peak: 0,
         })
     }
 
@@ -291,6 +294,12 @@ impl KvCache {
     /// Logical blocks the pool's memory holds.
     pub fn total_blocks(&self) -> usize {
         self.alloc.total() / self.groups.count()
+    }
+
+    /// The most memory the pool's blocks held at once so far, in logical blocks (rounded up):
+    /// the least pool the same work runs in.
+    pub fn peak_blocks(&self) -> usize {
+        self.peak.div_ceil(self.groups.count())
     }
 
     /// A new, empty sequence.
@@ -498,6 +507,28 @@ impl KvCache {
         Ok(())
     }
 
+    /// The most logical blocks a sequence of `tokens` tokens holds at once when it steps at
+    /// most `step` tokens at a time: all of them, unless its windowed groups let go of what
+    /// their windows left after each step (`release`, as `release_window`). Then a local
+    /// group holds at most the blocks of its window and one step, plus the one being filled:
+    /// before a step of `c` tokens at length `L`, entries from `(L + 1 - w) / bs` on are
+    /// live, and the step fills up to `ceil((L + c) / bs)`, which is at most
+    /// `ceil((w + c) / bs) + 1` entries.
+    pub fn blocks_to_hold(&self, tokens: usize, step: usize, release: bool) -> usize {
+        let bs = self.geometry.block_size;
+        let all = tokens.div_ceil(bs);
+        if !release {
+            return all;
+        }
+        let pool: usize = self
+            .groups
+            .windows
+            .iter()
+            .map(|w| w.map_or(all, |w| all.min((w + step).div_ceil(bs) + 1)))
+            .sum();
+        pool.div_ceil(self.groups.count())
+    }
+
     /// Logical blocks that appending `n` tokens to `id` would take from the pool (a pool block
     /// of one group, for a copy-on-write, counts as a whole one).
     pub fn blocks_needed(&self, id: SeqId, n: usize) -> Result<usize> {
@@ -578,6 +609,7 @@ impl KvCache {
         }
         s.len += n;
         self.seqs.insert(id, s);
+        self.peak = self.peak.max(self.alloc.total() - self.alloc.free_count());
         Ok(slots)
     }
 }
@@ -793,6 +825,7 @@ mod tests {
         assert!(e.to_string().contains("bytes"), "{e}");
         c.free(s).unwrap();
         assert_eq!(c.free_blocks(), 8);
+        assert_eq!(c.peak_blocks(), 3, "six pool blocks at most: three logical ones");
     }
 
     #[test]

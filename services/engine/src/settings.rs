@@ -97,7 +97,9 @@ pub struct EngineSettings {
     pub kv_dtype: String,
     /// Tokens per KV block.
     pub block_size: usize,
-    /// Blocks in the KV pool.
+    /// Blocks in the KV pool: the memory of this many blocks of every layer. A model with
+    /// sliding-window layers keeps theirs in blocks apart, which go once the window has left
+    /// them, so a long sequence needs far fewer than its tokens / block-size.
     pub kv_blocks: usize,
     /// Most tokens one engine step processes.
     pub max_batch_tokens: usize,

@@ -70,11 +70,13 @@ impl BatchRunner {
             Origin::Here | Origin::FirstToken(_) => {}
         }
         let sampler = Sampler::resume(params.sampling.clone(), rng_position)?;
-        let blocks = match role {
+        let tokens = match role {
             Role::Prefill => prompt.len(),
             Role::Generate => (prompt.len() + params.max_tokens).min(ctx),
-        }
-        .div_ceil(engine.config().block_size);
+        };
+        // Windowed layers that let go of what they left hold only a window's blocks.
+        let step = engine.config().max_batch_tokens;
+        let blocks = engine.kv().blocks_to_hold(tokens, step, connector.lets_window_go());
         if self.promise_blocks && blocks > engine.kv().total_blocks() {
             return Err(Error::KvExhausted { needed: blocks, free: engine.kv().total_blocks() });
         }
