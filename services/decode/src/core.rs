@@ -196,9 +196,8 @@ pub struct Reserved {
     /// Blocks the prompt's KV fills.
     pub prompt_blocks: usize,
     pub lease: Duration,
-    /// Pool blocks of the prompt, in order, when they were allocated at reservation; in a
-    /// pool that keeps sliding-window layers apart (reached only through staging, where only
-    /// their count matters) the prompt's block indices.
+    /// What a writer is granted for the prompt's blocks, in order, when they were allocated at
+    /// reservation (`Engine::writer_blocks`).
     pub pool_blocks: Vec<u32>,
 }
 
@@ -344,12 +343,10 @@ impl DecodeCore {
         let seq = self.engine.create_sequence();
         let mut pool_blocks = Vec::new();
         if remote_kv {
-            let grown = self.engine.extend_sequence(seq, prompt_len).and_then(|()| {
-                let whole = self.engine.kv().groups().is_whole();
-                (0..self.blocks_for(prompt_len))
-                    .map(|i| if whole { self.engine.pool_block(seq, i) } else { Ok(i as u32) })
-                    .collect()
-            });
+            let grown = self
+                .engine
+                .extend_sequence(seq, prompt_len)
+                .and_then(|()| self.engine.writer_blocks(seq, self.blocks_for(prompt_len)));
             match grown {
                 Ok(b) => pool_blocks = b,
                 Err(e) => {

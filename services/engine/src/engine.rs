@@ -315,6 +315,14 @@ impl Engine {
         self.kv.block(seq, index).map(|b| b as u32)
     }
 
+    /// What a remote writer is granted for the sequence's first `n` blocks: their pool blocks
+    /// where the pool keeps blocks whole; else their indices, since such a pool is reached
+    /// only through staging, which reads only how many there are.
+    pub fn writer_blocks(&self, seq: SeqId, n: usize) -> Result<Vec<u32>> {
+        let whole = self.kv.groups().is_whole();
+        (0..n).map(|i| if whole { self.pool_block(seq, i) } else { Ok(i as u32) }).collect()
+    }
+
     /// The model's context length, the most tokens one sequence may hold.
     pub fn max_seq_len(&self) -> usize {
         self.model.config.context
@@ -402,7 +410,7 @@ impl Engine {
         first: usize,
         blocks: impl IntoIterator<Item = &'d [u8]>,
     ) -> Result<()> {
-        let owned = KvView::scatter(&self.kv, seq, first, blocks)?;
+        let owned = self.kv.scatter(seq, first, blocks)?;
         let writes: Vec<(usize, &[u8])> = owned.iter().map(|(b, d)| (*b, &d[..])).collect();
         self.device.store_mut().write_blocks(&writes).map_err(|e| Error::invalid(e.to_string()))
     }

@@ -10,6 +10,9 @@ use pdmesh_kernels::{KvGeometry, KvSlot, KvStorage};
 use crate::error::{Error, Result};
 use crate::kv_policy::KvPolicy;
 
+mod groups;
+pub use groups::KvGroups;
+
 /// Reference-counted allocation of block ids `0..n`. A plain struct: no I/O, no locking.
 #[derive(Debug, Clone)]
 pub struct BlockAllocator {
@@ -78,94 +81,6 @@ impl std::fmt::Display for SeqId {
 /// `u32`, since a device may copy a whole table while reading only the window's entries.
 const RELEASED: u32 = u32::MAX;
 
-/// How a model's layers share the pool's blocks. Every layer of a block goes together unless
-/// some layers attend through a sliding window: then the pool's block holds `unit` layers of
-/// one kind (`gcd(#global, #local)`), a sequence has one table per group of `unit` layers,
-/// and a local group's blocks can leave once the window has moved past them, so a local
-/// layer's KV is O(window) per sequence while a global one keeps its whole history.
-///
-/// A *logical* block (what leaves the engine, and what the layout describes) is still every
-/// layer of `block_size` tokens in layer order: the groups are this engine's own business.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KvGroups {
-    unit: usize,
-    /// `(group, index in the group's block)` of each model layer.
-    place: Vec<(usize, usize)>,
-    /// The layers of each group, in their order within its block.
-    members: Vec<Vec<usize>>,
-    /// Each group's window in tokens, `None` for one that keeps every block.
-    windows: Vec<Option<usize>>,
-}
-
-impl KvGroups {
-    /// One group of every layer: a pool block is a logical block.
-    pub fn whole(layers: usize) -> Self {
-        Self {
-            unit: layers,
-            place: (0..layers).map(|l| (0, l)).collect(),
-            members: vec![(0..layers).collect()],
-            windows: vec![None],
-        }
-    }
-
-    /// Groups for a model whose layers `local[l]` attend through a window of `window` tokens.
-    pub fn windowed(local: &[bool], window: usize) -> Self {
-        let n_local = local.iter().filter(|&&l| l).count();
-        if n_local == 0 || window == 0 {
-            return Self::whole(local.len());
-        }
-        let unit = gcd(local.len() - n_local, n_local);
-        let (mut place, mut members, mut windows) =
-            (Vec::new(), Vec::<Vec<usize>>::new(), Vec::new());
-        // The group each kind is filling (global, local).
-        let mut open: [Option<usize>; 2] = [None, None];
-        for (l, &is_local) in local.iter().enumerate() {
-            let kind = usize::from(is_local);
-            let g = match open[kind] {
-                Some(g) if members[g].len() < unit => g,
-                _ => {
-                    members.push(Vec::with_capacity(unit));
-                    windows.push(is_local.then_some(window));
-                    members.len() - 1
-                }
-            };
-            open[kind] = Some(g);
-            place.push((g, members[g].len()));
-            members[g].push(l);
-        }
-        Self { unit, place, members, windows }
-    }
-
-    /// Groups: pool blocks per logical block.
-    pub fn count(&self) -> usize {
-        self.windows.len()
-    }
-
-    /// Layers per pool block.
-    pub fn unit(&self) -> usize {
-        self.unit
-    }
-
-    /// Whether a pool block is a whole logical block (one group).
-    pub fn is_whole(&self) -> bool {
-        self.count() == 1
-    }
-
-    /// `(group, index in the group's block)` of model layer `layer`.
-    pub fn place(&self, layer: usize) -> (usize, usize) {
-        self.place[layer]
-    }
-
-    /// The window of `group`'s layers, `None` when they attend to every token.
-    pub fn window(&self, group: usize) -> Option<usize> {
-        self.windows[group]
-    }
-}
-
-fn gcd(a: usize, b: usize) -> usize {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sequence {
     /// One block table per group (`KvGroups`), all as long: entry `i` holds the group's part
@@ -223,10 +138,10 @@ impl KvCache {
 
     /// A pool with the memory of `n_blocks` logical blocks, cut into `groups`.
     pub fn grouped(geometry: KvGeometry, groups: KvGroups, n_blocks: usize) -> Result<Self> {
-        if groups.place.len() != geometry.layers {
+        if groups.layers() != geometry.layers {
             return Err(Error::invalid(format!(
                 "KV groups place {} layers, the model has {}",
-                groups.place.len(),
+                groups.layers(),
                 geometry.layers
             )));
         }
@@ -612,6 +527,42 @@ impl KvCache {
         self.peak = self.peak.max(self.alloc.total() - self.alloc.free_count());
         Ok(slots)
     }
+
+    /// Pool writes that put logical blocks `blocks` at the sequence's blocks from `first` on:
+    /// each split into its groups' parts (whole blocks go as they are).
+    pub(crate) fn scatter<'d>(
+        &self,
+        id: SeqId,
+        first: usize,
+        blocks: impl IntoIterator<Item = &'d [u8]>,
+    ) -> Result<Vec<(usize, std::borrow::Cow<'d, [u8]>)>> {
+        let groups = &self.groups;
+        let bpl = self.geometry.bytes_per_layer();
+        let mut writes = Vec::new();
+        for (i, d) in blocks.into_iter().enumerate() {
+            if groups.is_whole() {
+                writes.push((self.block(id, first + i)?, std::borrow::Cow::Borrowed(d)));
+                continue;
+            }
+            let want = self.geometry.bytes_per_block();
+            if d.len() != want {
+                return Err(Error::invalid(format!("a KV block is {want} bytes, not {}", d.len())));
+            }
+            for (g, layers) in groups.members.iter().enumerate() {
+                let b = self.entry(id, g, first + i)?;
+                if b == RELEASED {
+                    return Err(Error::invalid(format!(
+                        "{id}'s block {} is past a window its layers have let go of",
+                        first + i
+                    )));
+                }
+                let part: Vec<u8> =
+                    layers.iter().flat_map(|&l| &d[l * bpl..(l + 1) * bpl]).copied().collect();
+                writes.push((b as usize, std::borrow::Cow::Owned(part)));
+            }
+        }
+        Ok(writes)
+    }
 }
 
 /// The KV of the pool's sequences, for reading: the bookkeeping with the backend's memory.
@@ -650,15 +601,31 @@ impl<'a> KvView<'a> {
     /// `out`. A layer whose window has moved past the block reads as zeros: no query of the
     /// sequence reads it again, so a continuation elsewhere needs nothing there.
     pub fn read_block(&self, id: SeqId, index: usize, out: &mut Vec<u8>) -> Result<()> {
-        if self.cache.groups.is_whole() {
+        let groups = &self.cache.groups;
+        if groups.is_whole() {
             let b = self.cache.entry(id, 0, index)?;
             if b != RELEASED {
                 self.store.read_block(b as usize, out);
                 return Ok(());
             }
         }
-        for layer in 0..self.geometry().layers {
-            self.read_block_layer(id, index, layer, out)?;
+        // One read per group (a device copies each pool block once), its layers put in place.
+        let entries = (0..groups.count())
+            .map(|g| self.cache.entry(id, g, index))
+            .collect::<Result<Vec<_>>>()?;
+        let bpl = self.geometry().bytes_per_layer();
+        let start = out.len();
+        out.resize(start + self.geometry().bytes_per_block(), 0);
+        let mut part = Vec::new();
+        for (layers, b) in groups.members.iter().zip(entries) {
+            if b == RELEASED {
+                continue;
+            }
+            part.clear();
+            self.store.read_block(b as usize, &mut part);
+            for (at, &l) in layers.iter().enumerate() {
+                out[start + l * bpl..][..bpl].copy_from_slice(&part[at * bpl..][..bpl]);
+            }
         }
         Ok(())
     }
@@ -682,274 +649,7 @@ impl<'a> KvView<'a> {
         }
         Ok(())
     }
-
-    /// Pool writes that put logical blocks `blocks` at the sequence's blocks from `first` on:
-    /// each split into its groups' parts (whole blocks go as they are).
-    pub(crate) fn scatter<'d>(
-        cache: &KvCache,
-        id: SeqId,
-        first: usize,
-        blocks: impl IntoIterator<Item = &'d [u8]>,
-    ) -> Result<Vec<(usize, std::borrow::Cow<'d, [u8]>)>> {
-        let groups = &cache.groups;
-        let bpl = cache.geometry.bytes_per_layer();
-        let mut writes = Vec::new();
-        for (i, d) in blocks.into_iter().enumerate() {
-            if groups.is_whole() {
-                writes.push((cache.block(id, first + i)?, std::borrow::Cow::Borrowed(d)));
-                continue;
-            }
-            let want = cache.geometry.bytes_per_block();
-            if d.len() != want {
-                return Err(Error::invalid(format!("a KV block is {want} bytes, not {}", d.len())));
-            }
-            for (g, layers) in groups.members.iter().enumerate() {
-                let b = cache.entry(id, g, first + i)?;
-                if b == RELEASED {
-                    return Err(Error::invalid(format!(
-                        "{id}'s block {} is past a window its layers have let go of",
-                        first + i
-                    )));
-                }
-                let part: Vec<u8> =
-                    layers.iter().flat_map(|&l| &d[l * bpl..(l + 1) * bpl]).copied().collect();
-                writes.push((b as usize, std::borrow::Cow::Owned(part)));
-            }
-        }
-        Ok(writes)
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use pdmesh_kernels::{KvBuffer, KvDtype};
-    use rand::{Rng, SeedableRng};
-
-    /// The bookkeeping with a host pool for its copies.
-    struct Cache {
-        c: KvCache,
-        store: KvBuffer,
-    }
-
-    impl std::ops::Deref for Cache {
-        type Target = KvCache;
-        fn deref(&self) -> &KvCache {
-            &self.c
-        }
-    }
-
-    impl std::ops::DerefMut for Cache {
-        fn deref_mut(&mut self) -> &mut KvCache {
-            &mut self.c
-        }
-    }
-
-    impl Cache {
-        fn append(&mut self, id: SeqId, n: usize) -> Result<Vec<KvSlot>> {
-            self.c.append(id, n, &mut self.store)
-        }
-    }
-
-    fn cache(blocks: usize) -> Cache {
-        let g =
-            KvGeometry { layers: 1, kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F32 };
-        Cache { c: KvCache::new(g, blocks).unwrap(), store: KvBuffer::new(g, blocks).unwrap() }
-    }
-
-    /// Four layers, 1 and 3 global, 0 and 2 through a window of 6 tokens: two groups of two.
-    fn windowed(blocks: usize) -> Cache {
-        let g =
-            KvGeometry { layers: 4, kv_heads: 1, head_dim: 8, block_size: 4, dtype: KvDtype::F32 };
-        let groups = KvGroups::windowed(&[true, false, true, false], 6);
-        let c = KvCache::grouped(g, groups, blocks).unwrap();
-        let store = KvBuffer::new(*c.pool_geometry(), c.pool_blocks()).unwrap();
-        Cache { c, store }
-    }
-
-    /// Gemma 3's pattern (five local layers, then a global one) in its sizes' groups.
-    #[test]
-    fn groups_hold_layers_of_one_kind_in_units_of_their_gcd() {
-        let pattern = |n: usize| (0..n).map(|l| (l + 1) % 6 != 0).collect::<Vec<_>>();
-        for (layers, unit, count) in [(18, 3, 6), (26, 2, 13), (34, 1, 34), (48, 8, 6)] {
-            let local = pattern(layers);
-            let g = KvGroups::windowed(&local, 512);
-            assert_eq!((g.unit(), g.count()), (unit, count), "{layers} layers");
-            for (l, &is_local) in local.iter().enumerate() {
-                let (group, at) = g.place(l);
-                assert_eq!(g.window(group).is_some(), is_local, "layer {l}");
-                assert_eq!(g.members[group][at], l);
-            }
-        }
-        assert!(KvGroups::windowed(&[false, false], 512).is_whole(), "no local layer");
-        let all = KvGroups::windowed(&[true; 4], 512);
-        assert_eq!((all.count(), all.window(0)), (1, Some(512)), "every layer local");
-    }
-
-    /// Logical blocks go in and out in layer order whatever the groups; what the window let
-    /// go of reads as zeros and takes no write.
-    #[test]
-    fn grouped_blocks_scatter_gather_and_release() {
-        let mut c = windowed(8);
-        assert_eq!((c.total_blocks(), c.pool_blocks()), (8, 16));
-        let s = c.create();
-        let slots = c.append(s, 10).unwrap(); // 3 blocks, each in both groups
-        assert_eq!(slots.len(), 20, "a slot per token per group");
-        assert_eq!((c.free_blocks(), c.block_count(s).unwrap()), (5, 3));
-        let bpb = c.geometry().bytes_per_block();
-        let data: Vec<u8> = (0..3 * bpb).map(|i| (i % 251) as u8).collect();
-        let writes = KvView::scatter(&c.c, s, 0, data.chunks(bpb)).unwrap();
-        assert_eq!(writes.len(), 6);
-        let refs: Vec<(usize, &[u8])> = writes.iter().map(|(b, d)| (*b, &d[..])).collect();
-        c.store.write_blocks(&refs).unwrap();
-        let read = |c: &Cache, i: usize| {
-            let mut out = Vec::new();
-            KvView::new(&c.c, &c.store).read_block(s, i, &mut out).unwrap();
-            out
-        };
-        assert_eq!(read(&c, 1), &data[bpb..2 * bpb]);
-        // The next query (slot 10) sees slots 5..=10: block 0 (slots 0..4) has left.
-        assert_eq!(c.release_window(s).unwrap(), 1);
-        assert_eq!(c.release_window(s).unwrap(), 0, "once");
-        assert_eq!((c.group_blocks(s, 0).unwrap(), c.group_blocks(s, 1).unwrap()), (2, 3));
-        let bpl = c.geometry().bytes_per_layer();
-        let zeroed: Vec<u8> = data[..bpb]
-            .chunks(bpl)
-            .enumerate()
-            .flat_map(|(l, part)| if l % 2 == 0 { vec![0; bpl] } else { part.to_vec() })
-            .collect();
-        assert_eq!(read(&c, 0), zeroed, "local layers read as zeros, global ones as written");
-        let e = KvView::scatter(&c.c, s, 0, [&data[..bpb]]).unwrap_err();
-        assert!(e.to_string().contains("let go"), "{e}");
-        let e = KvView::scatter(&c.c, s, 1, [&data[..bpb - 1]]).unwrap_err();
-        assert!(e.to_string().contains("bytes"), "{e}");
-        c.free(s).unwrap();
-        assert_eq!(c.free_blocks(), 8);
-        assert_eq!(c.peak_blocks(), 3, "six pool blocks at most: three logical ones");
-    }
-
-    #[test]
-    fn append_allocates_blocks_lazily() {
-        let mut c = cache(8);
-        let s = c.create();
-        let slots = c.append(s, 5).unwrap();
-        assert_eq!(c.blocks(s).unwrap().len(), 2);
-        assert_eq!(slots[4], KvSlot { block: c.blocks(s).unwrap()[1], slot: 0 });
-        assert_eq!(c.free_blocks(), 6);
-        c.append(s, 3).unwrap();
-        assert_eq!(c.free_blocks(), 6);
-        c.append(s, 1).unwrap();
-        assert_eq!(c.free_blocks(), 5);
-        c.free(s).unwrap();
-        assert_eq!(c.free_blocks(), 8);
-    }
-
-    #[test]
-    fn exhaustion_changes_nothing() {
-        let mut c = cache(2);
-        let s = c.create();
-        c.append(s, 6).unwrap();
-        let e = c.append(s, 3).unwrap_err();
-        assert!(matches!(e, Error::KvExhausted { needed: 1, free: 0 }), "{e}");
-        assert_eq!(c.len(s).unwrap(), 6);
-    }
-
-    #[test]
-    fn fork_shares_then_copies_partial_block_on_write() {
-        let mut c = cache(8);
-        let a = c.create();
-        c.append(a, 6).unwrap(); // blocks: full, partial(2/4)
-        let b = c.fork(a).unwrap();
-        assert_eq!(c.free_blocks(), 6);
-        assert_eq!(c.blocks_needed(b, 1).unwrap(), 1); // copy-on-write of the partial block
-        let slots = c.append(b, 1).unwrap();
-        assert_ne!(slots[0].block, c.blocks(a).unwrap()[1], "wrote into a shared block");
-        assert_eq!(c.blocks(a).unwrap()[0], c.blocks(b).unwrap()[0], "full block not shared");
-        // `a` is now the only owner of its partial block: no copy needed.
-        assert_eq!(c.blocks_needed(a, 1).unwrap(), 0);
-        c.free(a).unwrap();
-        c.free(b).unwrap();
-        assert_eq!(c.free_blocks(), 8);
-    }
-
-    #[test]
-    fn eviction_closes_the_gap_and_counts_the_tokens() {
-        let mut c = cache(8);
-        let s = c.create();
-        c.append(s, 14).unwrap(); // 3 full blocks and 2 tokens
-        let before = c.blocks(s).unwrap().to_vec();
-        let e = c.evict(s, &[3]).unwrap_err();
-        assert!(e.to_string().contains("3 full blocks"), "the block being filled stays: {e}");
-        c.evict(s, &[1, 0, 1]).unwrap();
-        assert_eq!(c.blocks(s).unwrap(), &before[2..]);
-        assert_eq!((c.len(s).unwrap(), c.evicted(s).unwrap(), c.position(s).unwrap()), (6, 8, 14));
-        assert_eq!(c.free_blocks(), 6);
-        // New tokens go on after the kept ones.
-        let slots = c.append(s, 3).unwrap();
-        assert_eq!(slots[0], KvSlot { block: before[3], slot: 2 });
-        assert_eq!(c.position(s).unwrap(), 17);
-    }
-
-    #[test]
-    fn unknown_sequence_is_invalid_request() {
-        let mut c = cache(2);
-        assert!(matches!(c.free(SeqId(42)), Err(Error::InvalidRequest(_))));
-        assert!(matches!(c.append(SeqId(42), 1), Err(Error::InvalidRequest(_))));
-    }
-
-    /// Random add/fork/append/free sequences never leak or double-free a block, and refcounts
-    /// always equal the number of table entries pointing at a block.
-    #[test]
-    fn no_leak_after_random_operations() {
-        for seed in 0..40 {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-            // Odd seeds: two groups, one windowed, whose releases count too.
-            let mut c = if seed % 2 == 0 { cache(64) } else { windowed(32) };
-            let mut live: Vec<SeqId> = Vec::new();
-            for _ in 0..400 {
-                match rng.random_range(0..6) {
-                    0 => live.push(c.create()),
-                    1 if !live.is_empty() => {
-                        let s = live[rng.random_range(0..live.len())];
-                        live.push(c.fork(s).unwrap());
-                    }
-                    2 if !live.is_empty() => {
-                        let s = live[rng.random_range(0..live.len())];
-                        let _ = c.append(s, rng.random_range(1..9));
-                    }
-                    3 if !live.is_empty() => {
-                        let s = live.swap_remove(rng.random_range(0..live.len()));
-                        c.free(s).unwrap();
-                    }
-                    // A policy's eviction of some full block (shared ones included).
-                    4 if !live.is_empty() => {
-                        let s = live[rng.random_range(0..live.len())];
-                        let full = c.len(s).unwrap() / 4;
-                        if full > 0 {
-                            c.evict(s, &[rng.random_range(0..full)]).unwrap();
-                        }
-                    }
-                    5 if !live.is_empty() => {
-                        let s = live[rng.random_range(0..live.len())];
-                        c.release_window(s).unwrap();
-                    }
-                    _ => {}
-                }
-                let mut counts = vec![0u32; 64];
-                for s in c.seqs.values() {
-                    for b in s.live() {
-                        counts[b as usize] += 1;
-                    }
-                }
-                for (b, &n) in counts.iter().enumerate() {
-                    assert_eq!(c.alloc.refcount(b as u32), n, "seed {seed}: block {b}");
-                }
-                assert_eq!(c.free_pool_blocks(), counts.iter().filter(|&&n| n == 0).count());
-            }
-            for s in live {
-                c.free(s).unwrap();
-            }
-            assert_eq!(c.free_pool_blocks(), 64, "seed {seed}: leaked blocks");
-        }
-    }
-}
+mod tests;

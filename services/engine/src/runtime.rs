@@ -538,9 +538,9 @@ fn attention<B: Backend>(
 }
 
 /// Adds, for each probe of `batch`, its attention over its sequence's blocks at layer `layer`
-/// of the blocks `queries` name (softmax of `q·k · scale` per head, summed over heads and per block) to `mass`. It reads K
-/// back as stored and scores in f32 on the host: a ranking for a score-driven policy, which
-/// needs no bit-exactness, from any backend.
+/// of the blocks `queries` name (softmax of `q·k · scale` per head, summed over heads and per
+/// block) to `mass`. It reads K back as stored and scores in f32 on the host: a ranking for a
+/// score-driven policy, which needs no bit-exactness, from any backend.
 #[allow(clippy::too_many_arguments)]
 fn probe_mass(
     kv: &dyn KvStorage,

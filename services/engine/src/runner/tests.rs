@@ -14,13 +14,19 @@ use crate::testing::{BuildModel, TinyArch, TinyModel};
 
 fn engine(model: &std::sync::Arc<Model>) -> Engine {
     // Small blocks and budget: the prompt spans blocks and is chunked over several steps.
-    let cfg = EngineConfig {
-        threads: 1,
-        block_size: 4,
-        kv_blocks: 64,
-        max_batch_tokens: 8,
-        ..Default::default()
-    };
+    engine_with(model, 4, 64, 8)
+}
+
+/// A one-thread engine with blocks of `block_size`, `kv_blocks` of them, and steps of at most
+/// `max_batch_tokens`.
+fn engine_with(
+    model: &std::sync::Arc<Model>,
+    block_size: usize,
+    kv_blocks: usize,
+    max_batch_tokens: usize,
+) -> Engine {
+    let cfg =
+        EngineConfig { threads: 1, block_size, kv_blocks, max_batch_tokens, ..Default::default() };
     Engine::new(std::sync::Arc::clone(model), cfg).expect("engine")
 }
 
@@ -524,14 +530,7 @@ fn paced_steps_chunk_a_prompt_beside_a_stream_and_change_no_token() {
     let stream = model.tokenizer.encode(PROMPT).expect("tokenizes");
     let long: Vec<u32> = stream.iter().cycle().take(120).copied().collect();
     let run = |target: Option<std::time::Duration>| {
-        let cfg = EngineConfig {
-            threads: 1,
-            block_size: 4,
-            kv_blocks: 128,
-            max_batch_tokens: 128,
-            ..Default::default()
-        };
-        let mut e = Engine::new(std::sync::Arc::clone(&model), cfg).expect("engine");
+        let mut e = engine_with(&model, 4, 128, 128);
         let mut runner = BatchRunner::new(&e, 4, true);
         runner.set_itl_target(&e, target);
         let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();

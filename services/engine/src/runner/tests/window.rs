@@ -18,14 +18,7 @@ fn run(
     kv_blocks: usize,
     c: &mut dyn KvConnector,
 ) -> Result<Run> {
-    let cfg = EngineConfig {
-        threads: 1,
-        block_size: BS,
-        kv_blocks,
-        max_batch_tokens: 512,
-        ..Default::default()
-    };
-    let mut e = Engine::new(std::sync::Arc::clone(model), cfg).expect("engine");
+    let mut e = engine_with(model, BS, kv_blocks, 512);
     let groups = e.kv().groups().clone();
     assert_eq!(groups.count(), 2, "one local layer and one global one, a group each");
     let local = (0..2).find(|&g| groups.window(g).is_some()).expect("a local group");
