@@ -365,7 +365,7 @@ async fn kv_that_no_request_ever_attaches_to_is_freed() {
             grant: 0,
         }),
         PushChunk::Blocks(KvBlocks { first_block: 0, data: data.into() }),
-        PushChunk::End(KvEnd { blocks: blocks as u32, checksums }),
+        PushChunk::End(KvEnd { blocks: blocks as u32, checksums, bytes: 0 }),
     ]
     .map(|c| KvChunk { chunk: Some(c) });
     let mut p = DecodeClient::new(as_node(&c, &c.decodes[0].addr, "p", MeshRole::Prefill).await);

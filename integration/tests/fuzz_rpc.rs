@@ -447,7 +447,9 @@ fn every_internal_handler_survives_malformed_input() {
                 data: Bytes::from(vec![1u8; 64]),
             })),
         },
-        KvChunk { chunk: Some(kv_chunk::Chunk::End(KvEnd { blocks: 3, checksums: vec![1, 2] })) },
+        KvChunk {
+            chunk: Some(kv_chunk::Chunk::End(KvEnd { blocks: 3, checksums: vec![1, 2], bytes: 0 })),
+        },
     ];
     // A stream is a header (kept whole half the time, so the rest gets past it), then the
     // mutated messages.
@@ -485,7 +487,11 @@ fn every_internal_handler_survives_malformed_input() {
     let session = vec![
         KvSessionRequest { msg: Some(kv_session_request::Msg::Open(header("0".repeat(32)))) },
         KvSessionRequest {
-            msg: Some(kv_session_request::Msg::Commit(KvEnd { blocks: 3, checksums: vec![] })),
+            msg: Some(kv_session_request::Msg::Commit(KvEnd {
+                blocks: 3,
+                checksums: vec![],
+                bytes: 0,
+            })),
         },
     ];
     t.fuzz(

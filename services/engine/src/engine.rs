@@ -306,7 +306,14 @@ impl Engine {
 
     /// The layout of this engine's KV blocks: what a peer must match to exchange them.
     pub fn kv_layout(&self) -> KvLayout {
-        KvLayout { model_fingerprint: self.model.fingerprint, geometry: *self.kv.geometry() }
+        let (g, fingerprint) = (*self.kv.geometry(), self.model.fingerprint);
+        match self.config.backend {
+            // The simulated device's pool has a shape of its own and keeps no layer's KV.
+            BackendKind::Sim(_) => {
+                KvLayout { model_fingerprint: fingerprint, geometry: g, window: None }
+            }
+            _ => self.model.config.kv_layout(fingerprint, g.block_size, g.dtype),
+        }
     }
 
     /// Physical pool block of the sequence's `index`-th block, in a pool of whole blocks
@@ -410,9 +417,33 @@ impl Engine {
         first: usize,
         blocks: impl IntoIterator<Item = &'d [u8]>,
     ) -> Result<()> {
-        let owned = self.kv.scatter(seq, first, blocks)?;
+        self.write_wire_blocks(seq, first, 0, blocks)
+    }
+
+    /// `write_blocks` of blocks in their wire form: those before `thin` thin (their global
+    /// layers, `KvLayout::thin_blocks`), whose local layers no later query reads.
+    pub fn write_wire_blocks<'d>(
+        &mut self,
+        seq: SeqId,
+        first: usize,
+        thin: usize,
+        blocks: impl IntoIterator<Item = &'d [u8]>,
+    ) -> Result<()> {
+        let layout = self.kv_layout();
+        let owned = self.kv.scatter(seq, first, (&layout, thin), blocks)?;
         let writes: Vec<(usize, &[u8])> = owned.iter().map(|(b, d)| (*b, &d[..])).collect();
         self.device.store_mut().write_blocks(&writes).map_err(|e| Error::invalid(e.to_string()))
+    }
+
+    /// Appends block `index`'s wire form (thin before `thin`) to `out`.
+    pub fn read_wire_block(
+        &self,
+        seq: SeqId,
+        index: usize,
+        thin: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        self.kv_view().read_wire_block(seq, index, (&self.kv_layout(), thin), out)
     }
 
     /// Checks a step without changing anything.

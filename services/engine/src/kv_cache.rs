@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use pdmesh_kernels::{KvGeometry, KvSlot, KvStorage};
+use pdmesh_kv_types::KvLayout;
 
 use crate::error::{Error, Result};
 use crate::kv_policy::KvPolicy;
@@ -529,35 +530,47 @@ impl KvCache {
     }
 
     /// Pool writes that put logical blocks `blocks` at the sequence's blocks from `first` on:
-    /// each split into its groups' parts (whole blocks go as they are).
+    /// each split into its groups' parts (whole blocks go as they are). Blocks before `thin`
+    /// are in their thin wire form (`KvLayout::wire_layer_offset` of `layout`): only the groups
+    /// whose layers they carry are written. A pool of whole blocks takes no thin block.
     pub(crate) fn scatter<'d>(
         &self,
         id: SeqId,
         first: usize,
+        (layout, thin): (&KvLayout, usize),
         blocks: impl IntoIterator<Item = &'d [u8]>,
     ) -> Result<Vec<(usize, std::borrow::Cow<'d, [u8]>)>> {
         let groups = &self.groups;
         let bpl = self.geometry.bytes_per_layer();
         let mut writes = Vec::new();
         for (i, d) in blocks.into_iter().enumerate() {
+            let index = first + i;
+            let want = layout.wire_block_bytes(index, thin);
+            if d.len() != want {
+                return Err(Error::invalid(format!(
+                    "KV block {index} is {want} bytes on the wire, not {}",
+                    d.len()
+                )));
+            }
             if groups.is_whole() {
-                writes.push((self.block(id, first + i)?, std::borrow::Cow::Borrowed(d)));
+                if index < thin {
+                    return Err(Error::invalid("a pool of whole blocks takes no thin block"));
+                }
+                writes.push((self.block(id, index)?, std::borrow::Cow::Borrowed(d)));
                 continue;
             }
-            let want = self.geometry.bytes_per_block();
-            if d.len() != want {
-                return Err(Error::invalid(format!("a KV block is {want} bytes, not {}", d.len())));
-            }
             for (g, layers) in groups.members.iter().enumerate() {
-                let b = self.entry(id, g, first + i)?;
+                let at: Option<Vec<usize>> =
+                    layers.iter().map(|&l| layout.wire_layer_offset(l, index, thin)).collect();
+                // A thin block carries none of a local group's layers.
+                let Some(at) = at else { continue };
+                let b = self.entry(id, g, index)?;
                 if b == RELEASED {
                     return Err(Error::invalid(format!(
-                        "{id}'s block {} is past a window its layers have let go of",
-                        first + i
+                        "{id}'s block {index} is past a window its layers have let go of"
                     )));
                 }
-                let part: Vec<u8> =
-                    layers.iter().flat_map(|&l| &d[l * bpl..(l + 1) * bpl]).copied().collect();
+                let part: Vec<u8> = at.iter().flat_map(|&o| &d[o..o + bpl]).copied().collect();
                 writes.push((b as usize, std::borrow::Cow::Owned(part)));
             }
         }
@@ -625,6 +638,26 @@ impl<'a> KvView<'a> {
             self.store.read_block(b as usize, &mut part);
             for (at, &l) in layers.iter().enumerate() {
                 out[start + l * bpl..][..bpl].copy_from_slice(&part[at * bpl..][..bpl]);
+            }
+        }
+        Ok(())
+    }
+
+    /// Appends block `index`'s wire form to `out`: the whole block, or, before `thin`, its
+    /// layers `layout` says a thin block carries, in layer order.
+    pub fn read_wire_block(
+        &self,
+        id: SeqId,
+        index: usize,
+        (layout, thin): (&KvLayout, usize),
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        if index >= thin {
+            return self.read_block(id, index, out);
+        }
+        for l in 0..self.geometry().layers {
+            if layout.wire_layer_offset(l, index, thin).is_some() {
+                self.read_block_layer(id, index, l, out)?;
             }
         }
         Ok(())

@@ -373,7 +373,8 @@ impl BatchRunner {
         self.sched.add_prefilled(id, kv).map_err(|e| Error::invalid(e.to_string()))
     }
 
-    /// A paused sequence's KV, block by block, for moving it.
+    /// A paused sequence's KV, block by block in its wire form (those before the window of
+    /// its next token thin: `KvLayout::thin_blocks` of its length), for moving it.
     pub fn export(&self, engine: &Engine, id: u64) -> Result<Vec<Vec<u8>>> {
         let Some(slot) = self.slots.get(&id).filter(|s| s.paused) else {
             return Err(Error::invalid(format!("sequence {id} is not paused")));
@@ -387,10 +388,12 @@ impl BatchRunner {
             )));
         }
         let view = engine.kv_view();
+        let layout = engine.kv_layout();
+        let thin = layout.thin_blocks(view.len(seq)?);
         (0..view.block_count(seq)?)
             .map(|i| {
                 let mut b = Vec::new();
-                view.read_block(seq, i, &mut b)?;
+                view.read_wire_block(seq, i, (&layout, thin), &mut b)?;
                 Ok(b)
             })
             .collect()

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::KvTarget;
 
 use crate::grpc::GrpcTransport;
@@ -54,13 +55,9 @@ impl AutoTransport {
         target: &KvTarget,
         prefill_node: &str,
     ) -> Box<dyn KvSink> {
-        let geometry = target
-            .layout
-            .as_ref()
-            .and_then(|l| pdmesh_proto::layout_from_wire(l).ok())
-            .map(|l| (l.bytes_per_block(), l.geometry.layers));
-        match geometry {
-            Some((bpb, layers)) if layers > 0 && bpb % layers == 0 => Box::new(Fallback {
+        let layout = target.layout.as_ref().and_then(|l| pdmesh_proto::layout_from_wire(l).ok());
+        match layout {
+            Some(layout) => Box::new(Fallback {
                 remote: Some(sink),
                 from,
                 kept: Vec::new(),
@@ -69,8 +66,8 @@ impl AutoTransport {
                 target: target.clone(),
                 prefill_node: prefill_node.to_string(),
                 stats: Arc::clone(&self.stats),
-                bpb,
-                layers,
+                thin: layout.thin_blocks(target.prompt_tokens as usize),
+                layout,
             }),
             // The sink refused such a target already; nothing to fall back with.
             _ => sink,
@@ -140,8 +137,9 @@ struct Fallback {
     target: KvTarget,
     prefill_node: String,
     stats: Arc<TransferStats>,
-    bpb: usize,
-    layers: usize,
+    layout: KvLayout,
+    /// The prompt's first blocks that travel thin (`KvLayout::thin_blocks`).
+    thin: usize,
 }
 
 impl Fallback {
@@ -156,7 +154,7 @@ impl Fallback {
             &[("from", self.from.into()), ("to", "grpc".into()), ("reason", reason)],
         );
         let mut sink = self.grpc.open(&self.target, &self.prefill_node).await?;
-        let mut asm = Assembler::new(self.bpb, self.layers);
+        let mut asm = Assembler::new(self.layout, self.thin);
         for p in std::mem::take(&mut self.kept) {
             asm.add(p).map_err(|reason| self.invalid(reason))?;
         }
@@ -232,11 +230,12 @@ impl KvSink for Fallback {
     }
 }
 
-/// Whole blocks, in order, from pieces of whole blocks or of single layers.
+/// Whole blocks (in their wire form: thin before `thin`), in order, from pieces of whole
+/// blocks or of single layers.
 #[derive(Debug)]
 struct Assembler {
-    bpb: usize,
-    layers: usize,
+    layout: KvLayout,
+    thin: usize,
     /// Blocks still missing layers: their bytes so far and how many layers arrived.
     partial: BTreeMap<usize, (Vec<u8>, usize)>,
     whole: BTreeMap<usize, Bytes>,
@@ -248,37 +247,45 @@ struct Assembler {
 const RUN: usize = 4;
 
 impl Assembler {
-    fn new(bpb: usize, layers: usize) -> Self {
-        Self { bpb, layers, partial: BTreeMap::new(), whole: BTreeMap::new(), next: 0 }
+    fn new(layout: KvLayout, thin: usize) -> Self {
+        Self { layout, thin, partial: BTreeMap::new(), whole: BTreeMap::new(), next: 0 }
     }
 
     fn add(&mut self, piece: KvPiece) -> Result<(), String> {
-        let first = piece.first_block as usize;
-        let unit = match piece.layer {
-            None => self.bpb,
-            Some(l) if (l as usize) < self.layers => self.bpb / self.layers,
-            Some(l) => return Err(format!("layer {l} is past the model's {} layers", self.layers)),
+        let (first, thin, l) = (piece.first_block as usize, self.thin, &self.layout);
+        let Some(layer) = piece.layer else {
+            let blocks = l.split_wire(first, thin, &piece.data).filter(|b| !b.is_empty());
+            let blocks = blocks.ok_or_else(|| {
+                format!("{} bytes from block {first} are not whole blocks", piece.data.len())
+            })?;
+            let mut at = 0;
+            for (i, b) in blocks.iter().enumerate() {
+                self.whole.insert(first + i, piece.data.slice(at..at + b.len()));
+                at += b.len();
+            }
+            return Ok(());
         };
+        let layer = layer as usize;
+        let layers = l.geometry.layers;
+        if layer >= layers {
+            return Err(format!("layer {layer} is past the model's {layers} layers"));
+        }
+        let unit = l.geometry.bytes_per_layer();
         if piece.data.is_empty() || !piece.data.len().is_multiple_of(unit) {
             return Err(format!("{} bytes are not whole units of {unit}", piece.data.len()));
         }
         for (i, part) in piece.data.chunks_exact(unit).enumerate() {
             let b = first + i;
-            match piece.layer {
-                None => {
-                    self.whole.insert(b, piece.data.slice(i * unit..(i + 1) * unit));
-                }
-                Some(l) => {
-                    let (buf, seen) =
-                        self.partial.entry(b).or_insert_with(|| (vec![0; self.bpb], 0));
-                    let at = l as usize * unit;
-                    buf[at..at + unit].copy_from_slice(part);
-                    *seen += 1;
-                    if *seen == self.layers {
-                        let (buf, _) = self.partial.remove(&b).expect("just filled");
-                        self.whole.insert(b, Bytes::from(buf));
-                    }
-                }
+            let at = l
+                .wire_layer_offset(layer, b, thin)
+                .ok_or_else(|| format!("thin block {b} travels without layer {layer}"))?;
+            let size = l.wire_block_bytes(b, thin);
+            let (buf, seen) = self.partial.entry(b).or_insert_with(|| (vec![0; size], 0));
+            buf[at..at + unit].copy_from_slice(part);
+            *seen += 1;
+            if *seen * unit == size {
+                let (buf, _) = self.partial.remove(&b).expect("just filled");
+                self.whole.insert(b, Bytes::from(buf));
             }
         }
         Ok(())
@@ -288,7 +295,7 @@ impl Assembler {
     fn next_run(&mut self) -> Option<KvPiece> {
         let first = self.next;
         let mut data = Vec::new();
-        while data.len() < RUN * self.bpb {
+        while data.len() < RUN * self.layout.bytes_per_block() {
             let Some(b) = self.whole.remove(&self.next) else { break };
             data.extend_from_slice(&b);
             self.next += 1;
@@ -304,13 +311,49 @@ impl Assembler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use pdmesh_kv_types::{KvDtype, KvGeometry, KvWindow, LayerMask};
+
+    /// `layers` layers of 4 bytes a block; `local` through a window.
+    fn layout(layers: usize, local: Option<&[usize]>) -> KvLayout {
+        let geometry =
+            KvGeometry { layers, kv_heads: 1, head_dim: 1, block_size: 1, dtype: KvDtype::F16 };
+        let window = local.map(|l| KvWindow {
+            tokens: 2,
+            local: LayerMask::from_layers(l.iter().copied()).unwrap(),
+        });
+        KvLayout { model_fingerprint: 1, geometry, window }
+    }
+
+    /// Before the cut a block is made of its global layers (1 and 2 of 0..3) and is whole
+    /// once they came; a windowed layer's piece for it is refused, as is a torn thin block.
+    #[test]
+    fn thin_blocks_are_whole_with_their_global_layers() {
+        let l = layout(3, Some(&[0]));
+        let mut a = Assembler::new(l, 2);
+        let piece = |first: u32, layer: Option<u32>, data: Vec<u8>| KvPiece {
+            first_block: first,
+            layer,
+            data: data.into(),
+        };
+        a.add(piece(0, Some(2), vec![2; 8])).unwrap();
+        assert!(a.add(piece(0, Some(0), vec![9; 4])).unwrap_err().contains("without layer 0"));
+        assert!(a.next_run().is_none(), "layer 1 of blocks 0 and 1 is missing");
+        a.add(piece(0, Some(1), vec![1; 8])).unwrap();
+        a.add(piece(2, None, vec![7; 12])).unwrap();
+        let run = a.next_run().unwrap();
+        let thin = [vec![1; 4], vec![2; 4]].concat();
+        assert_eq!(run.data.to_vec(), [thin.clone(), thin, vec![7; 12]].concat());
+        let mut b = Assembler::new(l, 2);
+        assert!(b.add(piece(0, None, vec![0; 12])).is_err(), "a whole-sized thin block");
+        b.add(piece(0, None, vec![0; 16])).unwrap();
+        assert_eq!(b.next_run().unwrap().data.len(), 16, "two thin blocks");
+    }
 
     #[test]
     fn layers_in_any_order_make_whole_blocks_in_order() {
-        let (bpb, layers) = (8, 2);
         let block = |b: u8| (0..8).map(|i| b * 16 + i).collect::<Vec<u8>>();
         let layer = |b: u8, l: usize| block(b)[l * 4..(l + 1) * 4].to_vec();
-        let mut a = Assembler::new(bpb, layers);
+        let mut a = Assembler::new(layout(2, None), 0);
         let piece = |first: u32, layer: Option<u32>, data: Vec<u8>| KvPiece {
             first_block: first,
             layer,

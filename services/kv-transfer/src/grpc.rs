@@ -10,6 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use pdmesh_common::channels::ChannelCache;
 use pdmesh_common::trace::Channel;
+use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::kv_chunk::Chunk;
 use pdmesh_proto::v1::{KvBlocks, KvChunk, KvEnd, KvHeader, KvTarget, PushKvResponse};
@@ -79,16 +80,15 @@ impl KvTransport for GrpcTransport {
         prefill_node: &str,
     ) -> Result<Box<dyn KvSink>, TransferError> {
         let node = target.decode_node.clone();
-        let block_bytes = target
+        let layout = target
             .layout
             .as_ref()
             .and_then(|l| pdmesh_proto::layout_from_wire(l).ok())
-            .map(|l| l.bytes_per_block())
-            .filter(|&b| b > 0)
             .ok_or_else(|| TransferError::Invalid {
                 node: node.clone(),
                 reason: "the KV target carries no valid layout".into(),
             })?;
+        let thin = layout.thin_blocks(target.prompt_tokens as usize);
         let channel = self.channel(&target.address, &node)?;
         let (tx, rx) = mpsc::channel(IN_FLIGHT_MESSAGES);
         let header = KvChunk {
@@ -111,7 +111,7 @@ impl KvTransport for GrpcTransport {
             }
             .in_current_span(),
         );
-        Ok(Box::new(GrpcSink { node, tx: Some(tx), call: Some(call), sent: 0, block_bytes }))
+        Ok(Box::new(GrpcSink { node, tx: Some(tx), call: Some(call), sent: 0, layout, thin }))
     }
 }
 
@@ -120,18 +120,36 @@ struct GrpcSink {
     tx: Option<mpsc::Sender<KvChunk>>,
     call: Option<JoinHandle<Result<u64, tonic::Status>>>,
     sent: u64,
-    block_bytes: usize,
+    layout: KvLayout,
+    /// The prompt's first blocks that travel thin (`KvLayout::thin_blocks`).
+    thin: usize,
 }
 
-/// `data` (blocks from `first_block` on, `block_bytes` each) as messages of at most
-/// `MAX_MESSAGE_BYTES`, cut at block boundaries; slices of the one buffer, not copies.
-fn messages(first_block: u32, data: Bytes, block_bytes: usize) -> impl Iterator<Item = KvBlocks> {
-    let step = (MAX_MESSAGE_BYTES / block_bytes).max(1) * block_bytes;
-    // `max(1)`: an empty piece is still one (empty) message, as before the cut.
-    (0..data.len().max(1)).step_by(step).map(move |at| KvBlocks {
-        first_block: first_block + (at / block_bytes) as u32,
-        data: data.slice(at..(at + step).min(data.len())),
-    })
+/// `data` (blocks from `first_block` on, `bytes(i)` each for block `i`) as messages of at
+/// most `MAX_MESSAGE_BYTES` (or one block, when a block is larger), cut at block boundaries;
+/// slices of the one buffer, not copies. An empty piece is still one (empty) message.
+fn messages(
+    first_block: u32,
+    data: Bytes,
+    bytes: impl Fn(usize) -> usize,
+) -> impl Iterator<Item = KvBlocks> {
+    let mut out = Vec::new();
+    let (mut at, mut block) = (0, first_block as usize);
+    loop {
+        let (start, first) = (at, block);
+        while at < data.len() {
+            let n = bytes(block).max(1);
+            if at > start && at - start + n > MAX_MESSAGE_BYTES {
+                break;
+            }
+            at = (at + n).min(data.len());
+            block += 1;
+        }
+        out.push(KvBlocks { first_block: first as u32, data: data.slice(start..at) });
+        if at >= data.len() {
+            return out.into_iter();
+        }
+    }
 }
 
 fn closed(node: &str) -> TransferError {
@@ -170,7 +188,8 @@ impl KvSink for GrpcSink {
                 reason: "the gRPC stream carries whole blocks, not layers".into(),
             });
         }
-        for blocks in messages(first_block, data, self.block_bytes) {
+        let (layout, thin) = (self.layout, self.thin);
+        for blocks in messages(first_block, data, |i| layout.wire_block_bytes(i, thin)) {
             let n = blocks.data.len() as u64;
             let msg = KvChunk { chunk: Some(Chunk::Blocks(blocks)) };
             let tx = self.tx.as_ref().ok_or_else(|| closed(&self.node))?;
@@ -190,7 +209,7 @@ impl KvSink for GrpcSink {
         checksums: Vec<u64>,
     ) -> Result<Finished, TransferError> {
         if let Some(tx) = self.tx.take() {
-            let end = KvChunk { chunk: Some(Chunk::End(KvEnd { blocks, checksums })) };
+            let end = KvChunk { chunk: Some(Chunk::End(KvEnd { blocks, checksums, bytes: 0 })) };
             // A failed send means the call already ended; its outcome says how.
             let _ = tx.send(end).await;
         }
@@ -278,7 +297,7 @@ mod tests {
     fn large_pieces_go_as_messages_of_whole_blocks() {
         let block = 3 << 20;
         let data = Bytes::from((0..20 * block).map(|i| (i % 251) as u8).collect::<Vec<_>>());
-        let m: Vec<_> = messages(7, data.clone(), block).collect();
+        let m: Vec<_> = messages(7, data.clone(), |_| block).collect();
         assert_eq!(m.len(), 4, "5 blocks (15 MiB) fit one message, 20 take four");
         let mut next = 7;
         let mut joined = Vec::new();
@@ -290,14 +309,38 @@ mod tests {
         }
         assert_eq!(joined, data);
         // A block over the limit still goes, alone; a small piece stays one message.
-        let big = messages(0, Bytes::from(vec![1u8; 2 * (20 << 20)]), 20 << 20);
+        let big = messages(0, Bytes::from(vec![1u8; 2 * (20 << 20)]), |_| 20 << 20);
         assert_eq!(big.map(|b| b.first_block).collect::<Vec<_>>(), [0, 1]);
-        let small: Vec<_> = messages(3, data.slice(..block), block).collect();
+        let small: Vec<_> = messages(3, data.slice(..block), |_| block).collect();
         assert_eq!((small.len(), small[0].first_block, small[0].data.len()), (1, 3, block));
         assert_eq!(
-            messages(5, Bytes::new(), block).map(|b| b.first_block).collect::<Vec<_>>(),
+            messages(5, Bytes::new(), |_| block).map(|b| b.first_block).collect::<Vec<_>>(),
             [5]
         );
+    }
+
+    /// Thin blocks (smaller) before whole ones: each message starts at a block boundary and
+    /// names its first block, so the receiver can cut it again.
+    #[test]
+    fn thin_blocks_are_cut_at_their_own_sizes() {
+        let (thin, whole) = (1 << 20, 6 << 20);
+        let size = |i: usize| if i < 40 { thin } else { whole };
+        let len: usize = (0..44).map(size).sum();
+        let data = Bytes::from((0..len).map(|i| (i % 251) as u8).collect::<Vec<_>>());
+        let m: Vec<_> = messages(0, data.clone(), size).collect();
+        let mut next = 0usize;
+        let mut joined = Vec::new();
+        for b in &m {
+            assert!(b.data.len() <= MAX_MESSAGE_BYTES, "{}", b.data.len());
+            assert_eq!(b.first_block as usize, next);
+            let mut left = b.data.len();
+            while left > 0 {
+                left = left.checked_sub(size(next)).expect("whole blocks");
+                next += 1;
+            }
+            joined.extend_from_slice(&b.data);
+        }
+        assert_eq!((next, joined), (44, data.to_vec()));
     }
 
     /// Targets name the decode node's address, so a caller could make a prefill node keep a

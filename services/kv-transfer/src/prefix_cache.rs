@@ -578,7 +578,7 @@ mod tests {
         });
         let geometry =
             KvGeometry { dtype: KvDtype::F16, block_size: 4, layers: 1, kv_heads: 1, head_dim: 8 };
-        let layout = KvLayout { model_fingerprint: 7, geometry };
+        let layout = KvLayout { model_fingerprint: 7, geometry, window: None };
         let timeout = Duration::from_secs(30);
         let cache =
             PrefixCache::new(layout, "p", 0, None, Some(&addr), timeout, None).unwrap().unwrap();

@@ -12,6 +12,7 @@ use std::collections::HashMap;
 
 use bytes::Bytes;
 use pdmesh_engine::{Engine, KvConnector, KvView, Release, Saved, SeqId};
+use pdmesh_kv_types::KvLayout;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
@@ -80,7 +81,7 @@ pub struct PushJob {
 /// What a prompt's push leaves behind when its sequence is done.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Export {
-    /// Verify mode: each block's checksum; else empty.
+    /// Verify mode: each block's checksum (of its wire form); else empty.
     pub checksums: Vec<u64>,
     /// With `publish`: the full blocks computed here (after the cached ones), in order.
     pub computed_blocks: Vec<Bytes>,
@@ -96,6 +97,9 @@ struct Active {
     cached_blocks: usize,
     /// Blocks handed to the transport so far (layer mode: every layer of them).
     sent: usize,
+    /// The first blocks, before the window of the token after the prompt, that travel thin
+    /// (`KvLayout::thin_blocks`).
+    thin: usize,
     checksums: Vec<u64>,
 }
 
@@ -104,6 +108,7 @@ struct Active {
 pub struct PushConnector {
     jobs: HashMap<u64, Active>,
     exports: HashMap<u64, Export>,
+    layout: KvLayout,
     block_size: usize,
     layers: usize,
     blocks_per_message: usize,
@@ -115,6 +120,7 @@ impl PushConnector {
         Self {
             jobs: HashMap::new(),
             exports: HashMap::new(),
+            layout: engine.kv_layout(),
             block_size: g.block_size,
             layers: g.layers,
             blocks_per_message: blocks_per_message.max(1),
@@ -146,7 +152,9 @@ impl PushConnector {
         }
         let blocks = prompt_len.div_ceil(self.block_size);
         let cached_blocks = job.cached.len();
-        self.jobs.insert(id, Active { job, blocks, cached_blocks, sent: 0, checksums: Vec::new() });
+        let thin = self.layout.thin_blocks(prompt_len);
+        let a = Active { job, blocks, cached_blocks, sent: 0, thin, checksums: Vec::new() };
+        self.jobs.insert(id, a);
         Ok(())
     }
 
@@ -175,9 +183,16 @@ impl PushConnector {
     }
 }
 
-fn read_blocks(kv: &KvView<'_>, seq: SeqId, blocks: std::ops::Range<usize>, out: &mut Vec<u8>) {
+/// Appends blocks `blocks` in their wire form (thin before `thin`).
+fn read_blocks(
+    kv: &KvView<'_>,
+    seq: SeqId,
+    blocks: std::ops::Range<usize>,
+    wire: (&KvLayout, usize),
+    out: &mut Vec<u8>,
+) {
     for i in blocks {
-        kv.read_block(seq, i, out).expect("blocks of a live sequence");
+        kv.read_wire_block(seq, i, wire, out).expect("blocks of a live sequence");
     }
 }
 
@@ -198,15 +213,20 @@ impl KvConnector for PushConnector {
         for s in batch {
             let Some(a) = self.jobs.get(&s.id) else { continue };
             let ready = self.ready(a, s);
-            if a.job.mode != PushMode::Layer || ready <= a.sent {
+            // A thin block travels without this layer when it is a windowed one.
+            let first = match self.layout.wire_layer_offset(layer, a.sent, a.thin) {
+                Some(_) => a.sent,
+                None => a.sent.max(a.thin),
+            };
+            if a.job.mode != PushMode::Layer || ready <= first {
                 continue;
             }
             let mut buf = Vec::new();
-            for i in a.sent..ready {
+            for i in first..ready {
                 kv.read_block_layer(s.seq, i, layer, &mut buf).expect("blocks of a live sequence");
             }
             let piece =
-                KvPiece { first_block: a.sent as u32, layer: Some(layer as u32), data: buf.into() };
+                KvPiece { first_block: first as u32, layer: Some(layer as u32), data: buf.into() };
             // A closed transfer is noticed by its caller; the prompt is then cancelled.
             let _ = a.job.pieces.try_send(piece);
         }
@@ -221,7 +241,8 @@ impl KvConnector for PushConnector {
                 let mut buf = Vec::new();
                 for i in a.sent..ready {
                     buf.clear();
-                    kv.read_block(s.seq, i, &mut buf).expect("blocks of a live sequence");
+                    kv.read_wire_block(s.seq, i, (&self.layout, a.thin), &mut buf)
+                        .expect("blocks of a live sequence");
                     a.checksums.push(pdmesh_kv_types::block_checksum(&buf));
                 }
             }
@@ -232,7 +253,7 @@ impl KvConnector for PushConnector {
             while a.sent < ready {
                 let n = (ready - a.sent).min(self.blocks_per_message);
                 let mut buf = Vec::new();
-                read_blocks(kv, s.seq, a.sent..a.sent + n, &mut buf);
+                read_blocks(kv, s.seq, a.sent..a.sent + n, (&self.layout, a.thin), &mut buf);
                 let piece = KvPiece { first_block: a.sent as u32, layer: None, data: buf.into() };
                 if a.job.pieces.try_send(piece).is_err() {
                     break;
@@ -252,8 +273,9 @@ impl KvConnector for PushConnector {
         if a.job.publish {
             let full = kv.len(seq).unwrap_or(0) / self.block_size;
             for i in a.cached_blocks..full {
+                // Whole: a later prompt may continue from any of them.
                 let mut buf = Vec::new();
-                read_blocks(kv, seq, i..i + 1, &mut buf);
+                kv.read_block(seq, i, &mut buf).expect("blocks of a live sequence");
                 computed_blocks.push(Bytes::from(buf));
             }
         }

@@ -21,7 +21,7 @@ pub enum ReceiveError {
     NotReceiving(u64),
     #[error("reservation {0} was made without remote_kv; its blocks have no addresses")]
     NotPreallocated(u64),
-    #[error("KV data of {len} bytes is not whole blocks of {block}")]
+    #[error("KV data of {len} bytes is not whole blocks (the first is {block} bytes)")]
     PartialBlock { len: usize, block: usize },
     #[error("KV blocks {first}..{end} are past the prompt's {blocks} blocks")]
     PastPrompt { first: usize, end: usize, blocks: usize },
@@ -137,11 +137,14 @@ impl Receiver {
         let Some(Transfer::Streaming { next }) = self.transfers.get(&id).copied() else {
             return Err(ReceiveError::NotReceiving(id));
         };
-        let bpb = engine.kv().geometry().bytes_per_block();
-        if data.is_empty() || !data.len().is_multiple_of(bpb) {
-            return Err(ReceiveError::PartialBlock { len: data.len(), block: bpb });
-        }
-        let n = data.len() / bpb;
+        let layout = engine.kv_layout();
+        let thin = layout.thin_blocks(t.prompt_len);
+        let parts = layout.split_wire(first_block, thin, data).filter(|p| !p.is_empty());
+        let Some(parts) = parts else {
+            let block = layout.wire_block_bytes(first_block, thin);
+            return Err(ReceiveError::PartialBlock { len: data.len(), block });
+        };
+        let n = parts.len();
         let blocks = Self::blocks(engine, t.prompt_len);
         if first_block + n > blocks {
             return Err(ReceiveError::PastPrompt {
@@ -153,7 +156,7 @@ impl Receiver {
         if first_block != next {
             return Err(ReceiveError::OutOfOrder { got: first_block, want: next });
         }
-        engine.write_blocks(t.seq, first_block, data.chunks_exact(bpb))?;
+        engine.write_wire_blocks(t.seq, first_block, thin, parts)?;
         self.transfers.insert(id, Transfer::Streaming { next: next + n });
         Ok(())
     }
@@ -186,7 +189,7 @@ impl Receiver {
             return Err(ReceiveError::Incomplete { got: got.min(blocks), want });
         }
         let unstaged = match staged.filter(|_| remote) {
-            Some(s) => match Self::unstage(engine, t.seq, s, want) {
+            Some(s) => match Self::unstage(engine, t, s, want) {
                 Ok(d) => Some(d),
                 Err(e) => {
                     self.abort(id);
@@ -195,7 +198,7 @@ impl Receiver {
             },
             None => None,
         };
-        if let Err(e) = Self::verify(engine, t.seq, checksums, want) {
+        if let Err(e) = Self::verify(engine, t, checksums, want) {
             self.abort(id);
             return Err(e);
         }
@@ -203,10 +206,11 @@ impl Receiver {
         Ok(unstaged)
     }
 
-    /// Copies the `want` staged blocks of `seq`'s prompt into its pool blocks.
+    /// Copies the `want` staged blocks of `t`'s prompt into its pool blocks. A staged block
+    /// holds its wire form from its start (a thin one, its global layers).
     fn unstage(
         engine: &mut Engine,
-        seq: SeqId,
+        t: Target,
         staged: &StagedBlocks,
         want: usize,
     ) -> Result<Duration, ReceiveError> {
@@ -214,13 +218,17 @@ impl Receiver {
             return Err(ReceiveError::Staging { staged: staged.len(), want });
         }
         let started = Instant::now();
-        engine.write_blocks(seq, 0, (0..want).map(|i| staged.block(i)))?;
+        let layout = engine.kv_layout();
+        let thin = layout.thin_blocks(t.prompt_len);
+        let blocks = (0..want).map(|i| &staged.block(i)[..layout.wire_block_bytes(i, thin)]);
+        engine.write_wire_blocks(t.seq, 0, thin, blocks)?;
         Ok(started.elapsed())
     }
 
+    /// Checks each block's wire form against its checksum.
     fn verify(
         engine: &Engine,
-        seq: SeqId,
+        t: Target,
         checksums: &[u64],
         want: usize,
     ) -> Result<(), ReceiveError> {
@@ -230,10 +238,11 @@ impl Receiver {
         if checksums.len() != want {
             return Err(ReceiveError::Checksums { got: checksums.len(), want });
         }
+        let thin = engine.kv_layout().thin_blocks(t.prompt_len);
         let mut buf = Vec::new();
         for (i, &sum) in checksums.iter().enumerate() {
             buf.clear();
-            engine.read_block(seq, i, &mut buf)?;
+            engine.read_wire_block(t.seq, i, thin, &mut buf)?;
             if pdmesh_kv_types::block_checksum(&buf) != sum {
                 return Err(ReceiveError::Corrupt { block: i });
             }

@@ -72,7 +72,10 @@ pub async fn accept_session(
         let outcome = match inbound.message().await {
             Ok(Some(KvSessionRequest { msg: Some(kv_session_request::Msg::Commit(e)) })) => {
                 let blocks = e.blocks as usize;
-                let bytes = blocks as u64 * inbox.layout().bytes_per_block() as u64;
+                // The writer's count where it gives one (thin blocks are smaller); at most
+                // every block whole, so a writer cannot inflate the statistics.
+                let whole = blocks as u64 * inbox.layout().bytes_per_block() as u64;
+                let bytes = if e.bytes > 0 { e.bytes.min(whole) } else { whole };
                 let r = inbox.end(id, blocks, e.checksums).await;
                 let secs = started.elapsed().as_secs_f64();
                 inbox.stats().record(transport, r.as_ref().ok().map(|_| bytes), secs);

@@ -13,7 +13,7 @@ use pdmesh_kv_types::{BlockHash, KvDtype, KvGeometry, KvLayout};
 fn layout(fingerprint: u64) -> KvLayout {
     let geometry =
         KvGeometry { dtype: KvDtype::F16, block_size: 4, layers: 2, kv_heads: 1, head_dim: 8 };
-    KvLayout { model_fingerprint: fingerprint, geometry }
+    KvLayout { model_fingerprint: fingerprint, geometry, window: None }
 }
 
 fn block(i: u8) -> Vec<u8> {

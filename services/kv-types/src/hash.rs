@@ -123,6 +123,7 @@ mod tests {
                 kv_heads: 3,
                 head_dim: 64,
             },
+            window: None,
         }
     }
 

@@ -5,6 +5,8 @@
 //! region, a layer's part of a block is contiguous (so a layer can be shipped as soon as it is
 //! computed), and one head's keys for consecutive tokens are contiguous (so attention streams).
 
+use crate::KvWindow;
+
 /// Element type of the KV cache.
 ///
 /// `Q8_0` is llama.cpp's q8_0 block format for `type_k`/`type_v` (32 values as an f16 scale and
@@ -199,11 +201,13 @@ impl KvGeometry {
 
 /// The KV layout handshake: which model computed a block and what shape it has. Two nodes
 /// exchange KV only when their layouts are equal; a block from another model or geometry is
-/// never mixed in.
+/// never mixed in. The window (a model whose local layers attend through one) is also implied
+/// by the fingerprint, but stated, since it decides which blocks travel thin (`window`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct KvLayout {
     pub model_fingerprint: u64,
     pub geometry: KvGeometry,
+    pub window: Option<KvWindow>,
 }
 
 impl KvLayout {
@@ -234,8 +238,21 @@ impl KvLayout {
                     .iter()
                     .try_fold(row, |a, &x| a.checked_mul(x))
             })
-            .map(|_| ())
-            .ok_or_else(|| "KV layout: a block's size overflows".to_string())
+            .ok_or_else(|| "KV layout: a block's size overflows".to_string())?;
+        if let Some(w) = &self.window {
+            if w.tokens == 0 {
+                return Err("KV layout: the sliding window is 0 tokens".into());
+            }
+            if let Some(l) = w.local.layers().find(|&l| l >= g.layers) {
+                return Err(format!("KV layout: window layer {l} is past the {} layers", g.layers));
+            }
+            // A thin block would be empty: the wire has no way to say so, and no model we load
+            // windows every layer.
+            if w.local.count() == g.layers {
+                return Err("KV layout: every layer attends through the window".into());
+            }
+        }
+        Ok(())
     }
 
     pub const fn bytes_per_block(&self) -> usize {
@@ -269,6 +286,13 @@ impl KvLayout {
                 diffs.push(format!("{name} {x} vs {y}"));
             }
         }
+        if self.window != theirs.window {
+            let say = |w: &Option<KvWindow>| match w {
+                Some(w) => format!("{} tokens on {} layers", w.tokens, w.local.count()),
+                None => "none".to_string(),
+            };
+            diffs.push(format!("window {} vs {}", say(&self.window), say(&theirs.window)));
+        }
         (!diffs.is_empty()).then(|| diffs.join(", "))
     }
 }
@@ -282,7 +306,7 @@ mod tests {
     }
 
     fn smollm() -> KvLayout {
-        KvLayout { model_fingerprint: 0xabc, geometry: geom() }
+        KvLayout { model_fingerprint: 0xabc, geometry: geom(), window: None }
     }
 
     #[test]

@@ -10,12 +10,14 @@ mod layout;
 mod memory;
 mod policy;
 mod pool;
+mod window;
 
 pub use hash::{BlockHash, BlockHasher, digest};
 pub use layout::{KvDtype, KvGeometry, KvLayout, KvShape, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 pub use memory::{HOST_ALIGN, HostMemory, MemoryKind, MemoryRegion};
 pub use policy::KvPolicy;
 pub use pool::KvPool;
+pub use window::{KvWindow, LayerMask, MAX_WINDOW_LAYERS};
 
 /// The checksum of one KV block in verify mode (xxh3-64 of its bytes).
 pub fn block_checksum(block: &[u8]) -> u64 {

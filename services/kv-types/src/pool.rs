@@ -16,7 +16,8 @@ pub trait KvPool {
     fn kv_memory(&self) -> MemoryRegion;
     /// Whether each of the pool's blocks holds every layer of its tokens in the geometry's
     /// order, so that a writer may put a block straight into `kv_memory`. A pool that keeps
-    /// some layers apart (sliding-window groups) is reached only through staging.
+    /// some layers apart (sliding-window groups), or takes thin blocks (`KvLayout::
+    /// thin_blocks`), is reached only through staging.
     fn kv_blocks_whole(&self) -> bool {
         true
     }

@@ -17,6 +17,7 @@ use std::time::Duration;
 use pdmesh_kv_transfer::{
     Finished, GrpcTransport, KvPiece, KvSink, KvTransport, StallBound, TransferError,
 };
+use pdmesh_kv_types::KvLayout;
 use pdmesh_proto::v1::decode_client::DecodeClient;
 use pdmesh_proto::v1::{
     KvAbandon, KvEnd, KvHeader, KvSessionEvent, KvSessionRequest, KvTarget, kv_session_event,
@@ -180,8 +181,8 @@ impl KvTransport for UcxTransport {
             keys,
             mapped,
             addrs: ucx.block_addrs.clone(),
-            bpb,
-            layers: layout.geometry.layers as u64,
+            thin: layout.thin_blocks(target.prompt_tokens as usize),
+            layout,
             session: Some((tx, events)),
             stall: self.stall,
             pending: VecDeque::new(),
@@ -203,8 +204,9 @@ struct UcxSink {
     /// The decode node's pool mapped here (same host): blocks are copied in, not put.
     mapped: Option<Arc<Mapped>>,
     addrs: Vec<u64>,
-    bpb: u64,
-    layers: u64,
+    layout: KvLayout,
+    /// The prompt's first blocks that travel thin (`KvLayout::thin_blocks`).
+    thin: usize,
     session: Option<Session>,
     stall: StallBound,
     /// Puts in flight, oldest first, with their bytes.
@@ -346,50 +348,75 @@ impl KvSink for UcxSink {
     }
 
     async fn send(&mut self, piece: KvPiece) -> Result<(), TransferError> {
-        let (bpb, layers) = (self.bpb, self.layers);
-        let (unit, offset) = match piece.layer {
-            None => (bpb, 0),
-            Some(l) if u64::from(l) < layers => (bpb / layers, u64::from(l) * (bpb / layers)),
-            Some(l) => {
-                return Err(TransferError::Invalid {
-                    node: self.node.clone(),
-                    reason: format!("layer {l} is past the model's {layers} layers"),
-                });
-            }
-        };
+        let invalid = |reason: String| TransferError::Invalid { node: self.node.clone(), reason };
+        let (l, thin) = (&self.layout, self.thin);
         let len = piece.data.len() as u64;
         let first = piece.first_block as usize;
-        let n = (len / unit.max(1)) as usize;
-        if unit == 0 || len == 0 || !len.is_multiple_of(unit) || first + n > self.addrs.len() {
-            return Err(TransferError::Invalid {
-                node: self.node.clone(),
-                reason: format!(
-                    "{len} bytes at block {first} are not whole units of {unit} within {} blocks",
-                    self.addrs.len()
-                ),
-            });
+        // Each block's part of the piece: (block, at in the piece, bytes, at in the block). A
+        // block's wire form (a thin one, its global layers) starts its slot; a layer's part
+        // goes where the wire form holds it.
+        let mut parts = Vec::new();
+        match piece.layer {
+            None => {
+                let blocks = l.split_wire(first, thin, &piece.data).filter(|b| !b.is_empty());
+                let blocks = blocks.ok_or_else(|| {
+                    invalid(format!("{len} bytes at block {first} are not whole blocks"))
+                })?;
+                let mut at = 0;
+                for (i, b) in blocks.iter().enumerate() {
+                    parts.push((first + i, at, b.len(), 0));
+                    at += b.len();
+                }
+            }
+            Some(layer) => {
+                let layers = l.geometry.layers;
+                if layer as usize >= layers {
+                    return Err(invalid(format!(
+                        "layer {layer} is past the model's {layers} layers"
+                    )));
+                }
+                let unit = l.geometry.bytes_per_layer();
+                if len == 0 || !piece.data.len().is_multiple_of(unit) {
+                    return Err(invalid(format!("{len} bytes are not whole layers of {unit}")));
+                }
+                for i in 0..piece.data.len() / unit {
+                    let b = first + i;
+                    let off = l.wire_layer_offset(layer as usize, b, thin).ok_or_else(|| {
+                        invalid(format!("thin block {b} travels without layer {layer}"))
+                    })?;
+                    parts.push((b, i * unit, unit, off));
+                }
+            }
         }
-        // Whole blocks that sit next to each other in the decode pool, within one granted
-        // range, go as one put or copy. (Each block lies in a range: `open` checked them all.)
+        if let Some(&(b, ..)) = parts.last().filter(|p| p.0 >= self.addrs.len()) {
+            return Err(invalid(format!("block {b} is past the target's {}", self.addrs.len())));
+        }
+        // Parts that sit next to each other both in the piece and in the decode pool, within
+        // one granted range, go as one put or copy. (Each block lies in a range: `open`
+        // checked them all.)
         let mut plan = Vec::new();
         let mut i = 0;
-        while i < n {
-            let start = self.addrs[first + i] + offset;
-            let Some(key) = self.keys.key(start, unit) else {
-                return Err(TransferError::Invalid {
-                    node: self.node.clone(),
-                    reason: format!("{unit} bytes at {start:#x} lie outside the granted ranges"),
-                });
+        while i < parts.len() {
+            let (b, at, n, off) = parts[i];
+            let start = self.addrs[b] + off as u64;
+            let Some(key) = self.keys.key(start, n as u64) else {
+                return Err(invalid(format!(
+                    "{n} bytes at {start:#x} lie outside the granted ranges"
+                )));
             };
-            let mut run = 1;
-            while piece.layer.is_none()
-                && i + run < n
-                && self.addrs[first + i + run] == start + run as u64 * bpb
-                && self.keys.key(start, (run as u64 + 1) * bpb).is_some()
-            {
+            let (mut run, mut bytes) = (1, n);
+            while let Some(&(b2, at2, n2, off2)) = parts.get(i + run) {
+                let next = self.addrs[b2] + off2 as u64;
+                if at2 != at + bytes
+                    || next != start + bytes as u64
+                    || self.keys.key(start, (bytes + n2) as u64).is_none()
+                {
+                    break;
+                }
                 run += 1;
+                bytes += n2;
             }
-            let data = piece.data.slice(i * unit as usize..(i + run) * unit as usize);
+            let data = piece.data.slice(at..at + bytes);
             match self.local(start, data.len() as u64) {
                 Some(dst) => plan.push((data, dst)),
                 None => {
@@ -432,7 +459,11 @@ impl KvSink for UcxSink {
         let (tx, mut events) =
             self.session.take().ok_or_else(|| unreachable(&self.node, "the session is gone"))?;
         let commit = KvSessionRequest {
-            msg: Some(kv_session_request::Msg::Commit(KvEnd { blocks, checksums })),
+            msg: Some(kv_session_request::Msg::Commit(KvEnd {
+                blocks,
+                checksums,
+                bytes: self.bytes,
+            })),
         };
         if tx.send(commit).await.is_err() {
             return Err(unreachable(&self.node, "the session closed before the commit"));

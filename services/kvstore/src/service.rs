@@ -517,6 +517,7 @@ mod tests {
                 kv_heads: 1,
                 head_dim: 8,
             },
+            window: None,
         };
         let s = KvStoreService::new(
             "store",

@@ -25,7 +25,7 @@ fn layout() -> KvLayout {
     // Small blocks: 2 layers × K|V × 1 head × 4 slots × 8 dims × 2 bytes = 256 bytes.
     let geometry =
         KvGeometry { dtype: KvDtype::F16, block_size: 4, layers: 2, kv_heads: 1, head_dim: 8 };
-    KvLayout { model_fingerprint: 42, geometry }
+    KvLayout { model_fingerprint: 42, geometry, window: None }
 }
 
 fn wire() -> pdmesh_proto::v1::KvLayout {

@@ -21,7 +21,9 @@
 
 use std::path::{Path, PathBuf};
 
-use pdmesh_kv_types::{KvDtype, KvGeometry, KvLayout, KvShape};
+use pdmesh_kv_types::{
+    KvDtype, KvGeometry, KvLayout, KvShape, KvWindow, LayerMask, MAX_WINDOW_LAYERS,
+};
 
 use crate::error::{Error, Result};
 use crate::gguf::{GgufFile, Value};
@@ -139,6 +141,21 @@ impl ModelConfig {
     pub fn kv_geometry(&self, block_size: usize, dtype: KvDtype) -> KvGeometry {
         KvGeometry::new(self.kv_shape(), block_size, dtype)
     }
+
+    /// The KV layout of this model in blocks of `block_size` tokens of `dtype`, under
+    /// `fingerprint`: what an engine of it holds and a KV-store of its mesh stores.
+    pub fn kv_layout(&self, fingerprint: u64, block_size: usize, dtype: KvDtype) -> KvLayout {
+        // The card's loader refuses masks past the layout's (`MAX_WINDOW_LAYERS`).
+        let window = self.sliding_window.as_ref().map(|w| KvWindow {
+            tokens: w.tokens,
+            local: LayerMask::from_flags(&w.local).expect("a window's layers fit the mask"),
+        });
+        KvLayout {
+            model_fingerprint: fingerprint,
+            geometry: self.kv_geometry(block_size, dtype),
+            window,
+        }
+    }
 }
 
 /// A model as everything but the engine sees it. Holds the mapped file, whose weights the
@@ -221,10 +238,7 @@ impl ModelCard {
     /// The layout of this model's KV in blocks of `block_size` tokens of `dtype`: what an engine
     /// of these settings holds, and what a KV-store of the mesh stores.
     pub fn kv_layout(&self, block_size: usize, dtype: KvDtype) -> KvLayout {
-        KvLayout {
-            model_fingerprint: self.fingerprint,
-            geometry: self.config.kv_geometry(block_size, dtype),
-        }
+        self.config.kv_layout(self.fingerprint, block_size, dtype)
     }
 
     pub fn gguf(&self) -> &GgufFile {
@@ -482,6 +496,15 @@ fn sliding_window(
             (0..layers).map(|i| period == 0 || i % period < period - 1).collect()
         }
     };
+    // The KV layout states the window's layers in a bounded mask, and a block before the window
+    // travels as its global layers, of which it must have some.
+    if layers > MAX_WINDOW_LAYERS || local.iter().all(|&l| l) {
+        let why = format!(
+            "a window on every layer, or on a model of more than {MAX_WINDOW_LAYERS} layers, \
+             is not served"
+        );
+        return Err(bad("attention.sliding_window_pattern", why));
+    }
     let rope_base = rope_base(gguf, key, "rope.freq_base_swa")?;
     Ok(Some(SlidingWindow { tokens, local, rope_base, rope_freq_scale: 1.0 }))
 }

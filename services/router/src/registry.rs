@@ -211,7 +211,7 @@ pub(crate) mod tests {
     pub(crate) fn layout(fingerprint: u64, block_size: usize) -> KvLayout {
         let geometry =
             KvGeometry { layers: 30, kv_heads: 3, head_dim: 64, block_size, dtype: KvDtype::F16 };
-        KvLayout { model_fingerprint: fingerprint, geometry }
+        KvLayout { model_fingerprint: fingerprint, geometry, window: None }
     }
 
     fn load() -> NodeLoad {

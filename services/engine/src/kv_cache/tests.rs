@@ -44,6 +44,16 @@ fn windowed(blocks: usize) -> Cache {
     Cache { c, store }
 }
 
+/// `windowed`'s layout: layers 0 and 2 through the window.
+fn windowed_layout(c: &KvCache) -> KvLayout {
+    let local = pdmesh_kv_types::LayerMask::from_layers([0, 2]).unwrap();
+    KvLayout {
+        model_fingerprint: 1,
+        geometry: *c.geometry(),
+        window: Some(pdmesh_kv_types::KvWindow { tokens: 6, local }),
+    }
+}
+
 /// Gemma 3's pattern (five local layers, then a global one) in its sizes' groups.
 #[test]
 fn groups_hold_layers_of_one_kind_in_units_of_their_gcd() {
@@ -75,7 +85,8 @@ fn grouped_blocks_scatter_gather_and_release() {
     assert_eq!((c.free_blocks(), c.block_count(s).unwrap()), (5, 3));
     let bpb = c.geometry().bytes_per_block();
     let data: Vec<u8> = (0..3 * bpb).map(|i| (i % 251) as u8).collect();
-    let writes = c.scatter(s, 0, data.chunks(bpb)).unwrap();
+    let layout = windowed_layout(&c);
+    let writes = c.scatter(s, 0, (&layout, 0), data.chunks(bpb)).unwrap();
     assert_eq!(writes.len(), 6);
     let refs: Vec<(usize, &[u8])> = writes.iter().map(|(b, d)| (*b, &d[..])).collect();
     c.store.write_blocks(&refs).unwrap();
@@ -96,13 +107,46 @@ fn grouped_blocks_scatter_gather_and_release() {
         .flat_map(|(l, part)| if l % 2 == 0 { vec![0; bpl] } else { part.to_vec() })
         .collect();
     assert_eq!(read(&c, 0), zeroed, "local layers read as zeros, global ones as written");
-    let e = c.scatter(s, 0, [&data[..bpb]]).unwrap_err();
+    let e = c.scatter(s, 0, (&layout, 0), [&data[..bpb]]).unwrap_err();
     assert!(e.to_string().contains("let go"), "{e}");
-    let e = c.scatter(s, 1, [&data[..bpb - 1]]).unwrap_err();
+    let e = c.scatter(s, 1, (&layout, 0), [&data[..bpb - 1]]).unwrap_err();
     assert!(e.to_string().contains("bytes"), "{e}");
     c.free(s).unwrap();
     assert_eq!(c.free_blocks(), 8);
     assert_eq!(c.peak_blocks(), 3, "six pool blocks at most: three logical ones");
+}
+
+/// A thin block (before the window) goes in as its global layers only and comes out the
+/// same; the local group's block is not written, so it may be gone; a whole-sized or torn
+/// thin block is refused.
+#[test]
+fn thin_blocks_carry_the_global_layers() {
+    let mut c = windowed(8);
+    let layout = windowed_layout(&c);
+    let s = c.create();
+    c.append(s, 10).unwrap();
+    assert_eq!(layout.thin_blocks(10), 1, "the token at 10 sees 5..=10: block 0 is thin");
+    let bpl = c.geometry().bytes_per_layer();
+    let thin: Vec<u8> = (0..2 * bpl).map(|i| (i % 13) as u8 + 1).collect();
+    assert_eq!(layout.wire_block_bytes(0, 1), thin.len());
+    assert_eq!(c.release_window(s).unwrap(), 1, "block 0's local part is gone");
+    let writes = c.scatter(s, 0, (&layout, 1), [&thin[..]]).unwrap();
+    assert_eq!(writes.len(), 1, "the global group only");
+    let refs: Vec<(usize, &[u8])> = writes.iter().map(|(b, d)| (*b, &d[..])).collect();
+    c.store.write_blocks(&refs).unwrap();
+    let mut out = Vec::new();
+    KvView::new(&c.c, &c.store).read_wire_block(s, 0, (&layout, 1), &mut out).unwrap();
+    assert_eq!(out, thin);
+    let mut whole = Vec::new();
+    KvView::new(&c.c, &c.store).read_block(s, 0, &mut whole).unwrap();
+    assert_eq!((&whole[bpl..2 * bpl], &whole[3 * bpl..]), (&thin[..bpl], &thin[bpl..]));
+    let e = c.scatter(s, 0, (&layout, 1), [&whole[..]]).unwrap_err();
+    assert!(e.to_string().contains("on the wire"), "{e}");
+    assert!(c.scatter(s, 0, (&layout, 1), [&thin[1..]]).is_err());
+    // Past the cut, a block is whole again.
+    let mut b1 = Vec::new();
+    KvView::new(&c.c, &c.store).read_wire_block(s, 1, (&layout, 1), &mut b1).unwrap();
+    assert_eq!(b1.len(), c.geometry().bytes_per_block());
 }
 
 #[test]

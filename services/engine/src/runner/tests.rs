@@ -68,7 +68,7 @@ impl KvConnector for Export {
     }
 }
 
-/// Decode's side in miniature: a prompt's KV that arrived from elsewhere, whole.
+/// Decode's side in miniature: a prompt's KV that arrived from elsewhere.
 struct Pushed {
     prompt_len: usize,
     blocks: Vec<Vec<u8>>,
@@ -82,10 +82,11 @@ impl KvConnector for Pushed {
 
     fn load(&mut self, _: u64, seq: SeqId, engine: &mut Engine) -> Result<()> {
         engine.extend_sequence(seq, self.prompt_len)?;
-        for (i, b) in self.blocks.iter().enumerate() {
-            engine.write_block(seq, i, b)?;
-        }
-        Ok(())
+        // Whole blocks (a prefill's), or a move's wire form.
+        let layout = engine.kv_layout();
+        let whole = self.blocks.iter().all(|b| b.len() == layout.bytes_per_block());
+        let thin = if whole { 0 } else { layout.thin_blocks(self.prompt_len) };
+        engine.write_wire_blocks(seq, 0, thin, self.blocks.iter().map(|b| &b[..]))
     }
 }
 

@@ -178,6 +178,14 @@ fn moves_or_stays(arch: TinyArch) {
         assert!(runner.step(&mut e, &mut NoConnector).expect("step").is_empty());
         // Moved: a new engine gets its KV and continues from its tokens.
         let blocks = runner.export(&e, 1).expect("paused");
+        // What left the window moves as its global layers only.
+        let layout = e.kv_layout();
+        let thin = layout.thin_blocks(paused.kv_tokens);
+        assert_eq!(thin > 0, arch == TinyArch::Gemma3, "{arch:?}: {thin} thin blocks");
+        for (i, b) in blocks.iter().enumerate() {
+            assert_eq!(b.len(), layout.wire_block_bytes(i, thin), "{arch:?} block {i}");
+        }
+        assert!(thin == 0 || blocks[0].len() < layout.bytes_per_block());
         let mut pushed = Pushed { prompt_len: paused.kv_tokens, blocks };
         let moved = SeqSpec {
             rng_position: paused.mark.rng_position,
