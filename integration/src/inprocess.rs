@@ -25,6 +25,8 @@ pub struct Settings {
     pub router: RouterConfig,
     pub prefill: Vec<PrefillConfig>,
     pub decode: Vec<DecodeConfig>,
+    /// The tiny model every service loads (its plain form unless a test picks another).
+    pub model: TinyModel,
 }
 
 /// A running in-process mesh. Dropping it stops every service.
@@ -51,9 +53,9 @@ impl Drop for Mesh {
 }
 
 /// The tiny model's GGUF, written where every service can load it.
-fn tiny_gguf(dir: &std::path::Path) -> PathBuf {
+fn tiny_gguf(dir: &std::path::Path, model: &TinyModel) -> PathBuf {
     let path = dir.join("tiny.gguf");
-    std::fs::write(&path, TinyModel::default().gguf()).expect("the tiny model is written");
+    std::fs::write(&path, model.gguf()).expect("the tiny model is written");
     path
 }
 
@@ -95,7 +97,7 @@ impl Settings {
                 DecodeConfig { node_id: Some(id), listen, lease_ms: 5_000, ..Default::default() }
             })
             .collect();
-        Self { router, prefill, decode }
+        Self { router, prefill, decode, model: TinyModel::default() }
     }
 
     /// Starts every service and waits until each node has registered.
@@ -103,7 +105,7 @@ impl Settings {
         // As the binary does: its nodes may run UCX (`kv_transport = auto`).
         pdmesh_kv_ucx::register();
         let dir = tempfile::tempdir().expect("a temp dir");
-        let model = tiny_gguf(dir.path());
+        let model = tiny_gguf(dir.path(), &self.model);
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
         let (listener, addr) = pdmesh_common::bind(&self.router.listen).await.expect("binds");

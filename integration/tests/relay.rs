@@ -24,6 +24,9 @@ use pdmesh_router::api::{Event, Router};
 use pdmesh_router::request::Prepared;
 use tonic::Code;
 
+#[path = "relay/window.rs"]
+mod window;
+
 fn prompt() -> Vec<u32> {
     (0..21u32).map(|i| 33 + (i * 11) % 150).collect()
 }

@@ -2,8 +2,10 @@
 //! prefix cache) is loaded into its sequence instead of computed, and the KV computed for it
 //! is handed to its transfer as soon as it exists — each layer of the blocks a chunk
 //! completes while later layers compute (`layer`), the blocks after each step (`chunk`), or
-//! everything after the last chunk (`prompt`). As the sequence leaves, its export (checksums,
-//! the full blocks it computed, for the prefix cache) is kept for the caller.
+//! everything after the last chunk (`prompt`). A sliding-window model's blocks wholly before
+//! the window of the token after the prompt go thin (their global layers: a windowed layer's
+//! piece of them is never sent). As the sequence leaves, its export (checksums, the full
+//! blocks it computed, whole, for the prefix cache) is kept for the caller.
 //!
 //! Pieces go into a bounded channel per prompt, sized for every piece it can produce, so the
 //! engine thread never waits on a slow network; the transfer's task sends them on.

@@ -1,9 +1,10 @@
 //! The receiving side of every transport on a decode node, as a `KvConnector`: which
 //! reservations' KV is arriving and how far each has got, whole blocks written in order as a
 //! stream delivers them (gRPC), or a remote writer putting them itself until its commit (UCX),
-//! with checksums verified in verify mode. The batch runner learns from it when a request's KV
-//! is complete, and a reservation a remote writer may still reach keeps its blocks until the
-//! writer's session ends.
+//! with checksums verified in verify mode. Blocks come in their wire form (a sliding-window
+//! model's blocks before the window, thin: `KvLayout::thin_blocks`). The batch runner learns
+//! from it when a request's KV is complete, and a reservation a remote writer may still reach
+//! keeps its blocks until the writer's session ends.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
