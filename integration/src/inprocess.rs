@@ -15,6 +15,7 @@ use pdmesh_proto::v1::generation_client::GenerationClient;
 use pdmesh_proto::v1::membership_client::MembershipClient;
 use pdmesh_proto::v1::{ListNodesRequest, NodeStatus};
 use pdmesh_router::RouterConfig;
+use pdmesh_router::config::ServedModel;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Channel;
@@ -27,6 +28,26 @@ pub struct Settings {
     pub decode: Vec<DecodeConfig>,
     /// The tiny model every service loads (its plain form unless a test picks another).
     pub model: TinyModel,
+    /// More models served beside `model` (`serve`), each on nodes of its own.
+    pub extra: Vec<Extra>,
+}
+
+/// A model served beside the default one, and its nodes.
+#[derive(Debug, Clone)]
+pub struct Extra {
+    pub name: String,
+    pub model: TinyModel,
+    pub prefill: Vec<PrefillConfig>,
+    pub decode: Vec<DecodeConfig>,
+}
+
+fn prefill_config(id: String) -> PrefillConfig {
+    PrefillConfig { node_id: Some(id), listen: "127.0.0.1:0".into(), ..Default::default() }
+}
+
+fn decode_config(id: String) -> DecodeConfig {
+    let listen = "127.0.0.1:0".into();
+    DecodeConfig { node_id: Some(id), listen, lease_ms: 5_000, ..Default::default() }
 }
 
 /// A running in-process mesh. Dropping it stops every service.
@@ -52,9 +73,9 @@ impl Drop for Mesh {
     }
 }
 
-/// The tiny model's GGUF, written where every service can load it.
-fn tiny_gguf(dir: &std::path::Path, model: &TinyModel) -> PathBuf {
-    let path = dir.join("tiny.gguf");
+/// A tiny model's GGUF, written where every service can load it.
+fn tiny_gguf(dir: &std::path::Path, name: &str, model: &TinyModel) -> PathBuf {
+    let path = dir.join(format!("{name}.gguf"));
     std::fs::write(&path, model.gguf()).expect("the tiny model is written");
     path
 }
@@ -84,20 +105,18 @@ impl Settings {
             node_ttl_ms: 400,
             ..Default::default()
         };
-        let node = |role: &str, i: usize| (format!("{role}-{i}"), "127.0.0.1:0".to_string());
-        let prefill = (0..prefill)
-            .map(|i| {
-                let (id, listen) = node("prefill", i);
-                PrefillConfig { node_id: Some(id), listen, ..Default::default() }
-            })
-            .collect();
-        let decode = (0..decode)
-            .map(|i| {
-                let (id, listen) = node("decode", i);
-                DecodeConfig { node_id: Some(id), listen, lease_ms: 5_000, ..Default::default() }
-            })
-            .collect();
-        Self { router, prefill, decode, model: TinyModel::default() }
+        let prefill = (0..prefill).map(|i| prefill_config(format!("prefill-{i}"))).collect();
+        let decode = (0..decode).map(|i| decode_config(format!("decode-{i}"))).collect();
+        Self { router, prefill, decode, model: TinyModel::default(), extra: Vec::new() }
+    }
+
+    /// Serves `model` too, as `name`, on `prefill` and `decode` nodes of its own (ids
+    /// `NAME-prefill-i`, `NAME-decode-i`). The default model's id is `tiny`.
+    pub fn serve(mut self, name: &str, model: TinyModel, prefill: usize, decode: usize) -> Self {
+        let prefill = (0..prefill).map(|i| prefill_config(format!("{name}-prefill-{i}"))).collect();
+        let decode = (0..decode).map(|i| decode_config(format!("{name}-decode-{i}"))).collect();
+        self.extra.push(Extra { name: name.into(), model, prefill, decode });
+        self
     }
 
     /// Starts every service and waits until each node has registered.
@@ -105,7 +124,18 @@ impl Settings {
         // As the binary does: its nodes may run UCX (`kv_transport = auto`).
         pdmesh_kv_ucx::register();
         let dir = tempfile::tempdir().expect("a temp dir");
-        let model = tiny_gguf(dir.path(), &self.model);
+        let model = tiny_gguf(dir.path(), "tiny", &self.model);
+        let extra: Vec<(Extra, PathBuf)> = std::mem::take(&mut self.extra)
+            .into_iter()
+            .map(|e| {
+                let path = tiny_gguf(dir.path(), &e.name, &e.model);
+                (e, path)
+            })
+            .collect();
+        self.router.models = extra
+            .iter()
+            .map(|(e, path)| ServedModel { path: path.clone(), name: Some(e.name.clone()) })
+            .collect();
         let stop = CancellationToken::new();
         let mut tasks = Vec::new();
         let (listener, addr) = pdmesh_common::bind(&self.router.listen).await.expect("binds");
@@ -122,12 +152,12 @@ impl Settings {
         }));
         // Each node: bound, pointed at the router and the tiny model, and run until `stop`.
         macro_rules! start_nodes {
-            ($configs:expr, $run:path) => {{
+            ($configs:expr, $model:expr, $run:path) => {{
                 let mut addrs = Vec::new();
                 for mut c in $configs {
                     let (listener, addr) = pdmesh_common::bind(&c.listen).await.expect("binds");
                     c.routers = vec![members.clone()];
-                    c.engine = engine(&model);
+                    c.engine = engine($model);
                     addrs.push(addr.to_string());
                     let done = stop.clone();
                     tasks.push(tokio::spawn(async move {
@@ -138,8 +168,12 @@ impl Settings {
                 addrs
             }};
         }
-        let decode = start_nodes!(self.decode, pdmesh_decode::run);
-        let prefill = start_nodes!(self.prefill, pdmesh_prefill::run);
+        let mut decode = start_nodes!(self.decode, &model, pdmesh_decode::run);
+        let mut prefill = start_nodes!(self.prefill, &model, pdmesh_prefill::run);
+        for (e, path) in extra {
+            decode.extend(start_nodes!(e.decode, &path, pdmesh_decode::run));
+            prefill.extend(start_nodes!(e.prefill, &path, pdmesh_prefill::run));
+        }
         let mesh = Mesh { router, members, decode, prefill, stop, tasks, _dir: dir };
         let want = mesh.decode.len() + mesh.prefill.len();
         crate::eventually(Duration::from_secs(20), "every node registers", || async {

@@ -24,6 +24,8 @@ use pdmesh_router::api::{Event, Router};
 use pdmesh_router::request::Prepared;
 use tonic::Code;
 
+#[path = "relay/models.rs"]
+mod models;
 #[path = "relay/window.rs"]
 mod window;
 
@@ -86,7 +88,8 @@ async fn the_library_api_yields_plain_events() {
     let m = Settings::new(1, 1).start().await;
     // A second router, as a library: its mesh knows the same nodes.
     let model = TinyModel::default().card();
-    let mesh = Arc::new(pdmesh_router::mesh::Mesh::new(Default::default(), model));
+    let mesh =
+        Arc::new(pdmesh_router::mesh::Mesh::new(Default::default(), vec![("tiny".into(), model)]));
     for n in m.nodes().await {
         let layout = pdmesh_proto::layout_from_wire(&n.layout.unwrap()).unwrap();
         let role = Role::try_from(n.role).unwrap();
@@ -107,6 +110,7 @@ async fn the_library_api_yields_plain_events() {
         stop: Vec::new(),
         ignore_eos: true,
         kv_policy: None,
+        model: String::new(),
     };
     let deadline = Instant::now() + Duration::from_secs(30);
     // A request that stays in flight while the dup check runs: its reader reads nothing, so
@@ -631,7 +635,7 @@ async fn a_client_that_never_reads_lets_go_of_its_place() {
     let m = Settings::new(1, 1).start().await;
     let model = TinyModel::default().card();
     let config = pdmesh_router::RouterConfig { client_stall_ms: 300, ..Default::default() };
-    let mesh = Arc::new(pdmesh_router::mesh::Mesh::new(config, model));
+    let mesh = Arc::new(pdmesh_router::mesh::Mesh::new(config, vec![("tiny".into(), model)]));
     for n in m.nodes().await {
         let layout = pdmesh_proto::layout_from_wire(&n.layout.unwrap()).unwrap();
         let role = Role::try_from(n.role).unwrap();
@@ -647,6 +651,7 @@ async fn a_client_that_never_reads_lets_go_of_its_place() {
         stop: Vec::new(),
         ignore_eos: true,
         kv_policy: None,
+        model: String::new(),
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     let (_, mut events) = router.generate(None, prep, deadline, tracing::Span::none()).unwrap();

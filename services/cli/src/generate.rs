@@ -61,6 +61,10 @@ pub struct GenerateArgs {
     /// Give up after this many seconds (sent as the call's deadline).
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
+    /// The served model to ask (a mesh may serve several: `ModelInfo` names the default);
+    /// default: the router's default model.
+    #[arg(long, value_name = "NAME")]
+    model: Option<String>,
     /// Print one JSON object at the end (tokens, text, finish reason, usage, timings).
     #[arg(long)]
     json: bool,
@@ -116,6 +120,7 @@ pub fn request_of(a: &GenerateArgs) -> GenerateRequest {
         ignore_eos: a.ignore_eos,
         kv_policy: a.kv_policy.map(|p| p.to_string()).unwrap_or_default(),
         request_id: String::new(),
+        model: a.model.clone().unwrap_or_default(),
     }
 }
 

@@ -63,18 +63,22 @@ impl AppState {
         keys.authenticate_http(headers).map_err(|e| ApiError::unauthenticated(e.to_string()))
     }
 
-    fn model(&self) -> &Arc<pdmesh_model::ModelCard> {
-        self.router.model()
-    }
-
-    fn card(&self) -> ModelCard {
+    fn card(&self, id: &str, model: &pdmesh_model::ModelCard) -> ModelCard {
         ModelCard {
-            id: self.model_id.to_string(),
+            id: id.to_string(),
             object: "model",
             created: self.started,
             owned_by: "pdmesh",
-            max_model_len: self.model().config.context as u32,
+            max_model_len: model.config.context as u32,
         }
+    }
+
+    /// The served model `asked` names, with its card; else 404 naming those served.
+    fn pick(&self, asked: &str) -> Result<Arc<pdmesh_model::ModelCard>, ApiError> {
+        self.router.model_named(asked).ok_or_else(|| {
+            let served: Vec<String> = self.router.models().into_iter().map(|(id, _)| id).collect();
+            ApiError::unknown_model(asked, &served.join("`, `"))
+        })
     }
 }
 
@@ -90,7 +94,8 @@ pub async fn health(State(s): State<AppState>) -> Response {
 
 pub async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     s.tenant(&headers)?;
-    Ok(axum::Json(ModelList { object: "list", data: vec![s.card()] }).into_response())
+    let data = s.router.models().iter().map(|(id, m)| s.card(id, m)).collect();
+    Ok(axum::Json(ModelList { object: "list", data }).into_response())
 }
 
 pub async fn model(
@@ -99,10 +104,8 @@ pub async fn model(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     s.tenant(&headers)?;
-    if id != *s.model_id {
-        return Err(ApiError::unknown_model(&id, &s.model_id));
-    }
-    Ok(axum::Json(s.card()).into_response())
+    let model = s.pick(&id)?;
+    Ok(axum::Json(s.card(&id, &model)).into_response())
 }
 
 pub async fn not_found(uri: http::Uri) -> ApiError {
@@ -285,11 +288,18 @@ async fn start(
     // A place first: a full router refuses before it reads, parses and tokenizes.
     let admitted = s.router.admit(tenant)?;
     let body = read_body(headers, body).await?;
-    let (model, id) = (Arc::clone(s.model()), Arc::clone(&s.model_id));
+    let state = s.clone();
+    // The body names the model, whose tokenizer and template check the rest.
     let plan = tokio::task::spawn_blocking(move || match kind {
-        Kind::Chat => prepare::chat(&model, &id, &parse_body(&body)?, &parse_body(&body)?),
+        Kind::Chat => {
+            let r: ChatCompletionRequest = parse_body(&body)?;
+            let model = state.pick(&r.model)?;
+            prepare::chat(&model, &r.model, &r, &parse_body(&body)?)
+        }
         Kind::Completion => {
-            prepare::completion(&model, &id, &parse_body(&body)?, &parse_body(&body)?)
+            let r: CompletionRequest = parse_body(&body)?;
+            let model = state.pick(&r.model)?;
+            prepare::completion(&model, &r.model, &r, &parse_body(&body)?)
         }
     })
     .await
@@ -378,7 +388,8 @@ impl Answer {
             Kind::Chat => "chatcmpl",
             Kind::Completion => "cmpl",
         };
-        let model = Arc::clone(s.model());
+        let model_id = plan.prep.model.clone();
+        let model = s.router.model_named(&model_id).unwrap_or_else(|| Arc::clone(s.router.model()));
         let fingerprint = format!("fp_{:016x}", model.fingerprint);
         Self {
             kind,
@@ -386,7 +397,7 @@ impl Answer {
             model,
             id: format!("{prefix}-{request_id}"),
             created: now_s(),
-            model_id: s.model_id.to_string(),
+            model_id,
             fingerprint,
             offset: 0,
         }

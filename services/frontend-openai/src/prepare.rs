@@ -112,7 +112,7 @@ pub fn chat(
     // The newer name wins; without either, the rest of the context.
     let max_tokens = r.max_completion_tokens.map(|m| ("max_completion_tokens", m));
     let max_tokens = max_tokens.or(common.max_tokens.map(|m| ("max_tokens", m)));
-    plan(model, prompt, "messages", max_tokens, common, logprobs)
+    plan((model, model_id), prompt, "messages", max_tokens, common, logprobs)
 }
 
 /// Checks a completions request against `model` (served as `model_id`).
@@ -168,7 +168,7 @@ pub fn completion(
     }
     // The API's default for completions is 16 tokens.
     let max_tokens = Some(("max_tokens", common.max_tokens.unwrap_or(16)));
-    plan(model, prompt, "prompt", max_tokens, common, r.logprobs)
+    plan((model, model_id), prompt, "prompt", max_tokens, common, r.logprobs)
 }
 
 fn text_prompt(model: &ModelCard, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -197,7 +197,7 @@ fn check_model(asked: &str, served: &str) -> Result<(), ApiError> {
 
 /// The parameters both endpoints share, checked, around a tokenized prompt.
 fn plan(
-    model: &ModelCard,
+    (model, model_id): (&ModelCard, &str),
     prompt: Vec<u32>,
     prompt_param: &str,
     max_tokens: Option<(&str, u32)>,
@@ -288,6 +288,7 @@ fn plan(
             stop,
             ignore_eos: c.ignore_eos.unwrap_or(false),
             kv_policy,
+            model: model_id.to_string(),
         },
         stream,
         include_usage: c.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),

@@ -69,14 +69,26 @@ impl Router {
         &self.mesh
     }
 
-    /// The model the mesh serves (its context length, tokenizer and chat template).
+    /// The model the mesh serves by default (its context length, tokenizer and chat
+    /// template).
     pub fn model(&self) -> &Arc<pdmesh_model::ModelCard> {
-        &self.mesh.model
+        &self.mesh.pool().model
+    }
+
+    /// Every served model, the default first: its id and card.
+    pub fn models(&self) -> Vec<(String, Arc<pdmesh_model::ModelCard>)> {
+        self.mesh.pools().iter().map(|p| (p.id.clone(), Arc::clone(&p.model))).collect()
+    }
+
+    /// The card of the model requests call `id`, if it is served.
+    pub fn model_named(&self, id: &str) -> Option<Arc<pdmesh_model::ModelCard>> {
+        self.mesh.pool_named(id).map(|p| Arc::clone(&p.model))
     }
 
     /// Decode nodes alive now: none, and no request can be served.
     pub fn live_decode_nodes(&self) -> usize {
-        self.mesh.registry().live_refs(pdmesh_proto::v1::Role::Decode, Instant::now()).len()
+        let model = self.mesh.pool().fingerprint();
+        self.mesh.registry().live_count(model, pdmesh_proto::v1::Role::Decode, Instant::now())
     }
 
     /// The longest a request may take, the client's own deadline aside.

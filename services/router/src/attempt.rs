@@ -49,6 +49,8 @@ use stream::{Leg, Relayed};
 /// What every attempt of one request shares.
 pub(crate) struct Request<'a> {
     pub mesh: &'a Mesh,
+    /// The pool of the request's model: where it is placed, queued and moved.
+    pub pool: &'a crate::pool::Pool,
     pub id: &'a str,
     pub prep: &'a Prepared,
     /// The tenant it runs for: what a cancel names, with its id.

@@ -39,9 +39,16 @@ pub struct RouterConfig {
     /// router behind a gateway that authenticates, or experiments.
     #[settings(switch)]
     pub allow_anonymous: bool,
-    /// The GGUF whose tokenizer, chat template and context the router validates against.
+    /// The GGUF whose tokenizer, chat template and context the router validates against:
+    /// the default model, which requests that name none are served by.
     #[arg(env = "PDMESH_MODEL")]
     pub model: PathBuf,
+    /// More models served beside `model` (`[[models]]` in the file: `path`, and `name`, the
+    /// file's name without `.gguf` by default). Each has a pool of its own nodes (those
+    /// whose weights are its), placed, queued and planned apart; a request names one by
+    /// `model`.
+    #[settings(skip)]
+    pub models: Vec<ServedModel>,
     /// Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint.
     pub max_in_flight: usize,
     /// Admitted requests that may wait for room on a decode node (a burst past the mesh's
@@ -124,6 +131,7 @@ impl Default for RouterConfig {
             allow_anonymous: false,
             metrics_listen: None,
             model: PathBuf::from(pdmesh_model::DEFAULT_MODEL_PATH),
+            models: Vec::new(),
             max_in_flight: 256,
             max_queued: 1024,
             retry_after_ms: 500,
@@ -182,6 +190,18 @@ impl RouterConfig {
         if self.served_model_name.as_deref().is_some_and(|n| n.trim().is_empty()) {
             return Err(InvalidConfig::new("served_model_name", "must not be empty"));
         }
+        let mut names = vec![self.model_id()];
+        for m in &self.models {
+            let name = m.id();
+            if name.trim().is_empty() || name == AUTO_MODEL {
+                let why = format!("a model's name must be neither empty nor {AUTO_MODEL:?}");
+                return Err(InvalidConfig::new("models", why));
+            }
+            if names.contains(&name) {
+                return Err(InvalidConfig::new("models", format!("{name:?} is served twice")));
+            }
+            names.push(name);
+        }
         if self.max_in_flight == 0 {
             return Err(InvalidConfig::new("max_in_flight", "must be at least 1"));
         }
@@ -213,9 +233,34 @@ impl RouterConfig {
 }
 
 impl RouterConfig {
-    /// The model's id in the HTTP API.
+    /// The default model's id (requests' `model`, the HTTP API's).
     pub fn model_id(&self) -> String {
         self.served_model_name.clone().unwrap_or_else(|| default_model_id(&self.model))
+    }
+
+    /// Every served model, the default first: its id and its file.
+    pub fn served(&self) -> Vec<(String, PathBuf)> {
+        let extra = self.models.iter().map(|m| (m.id(), m.path.clone()));
+        std::iter::once((self.model_id(), self.model.clone())).chain(extra).collect()
+    }
+}
+
+/// A name no model may take: kept for routing along a ladder of models.
+pub const AUTO_MODEL: &str = "auto";
+
+/// A model served beside the default one.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServedModel {
+    /// Its GGUF.
+    pub path: PathBuf,
+    /// Its id in requests; default: the file's name without `.gguf`.
+    pub name: Option<String>,
+}
+
+impl ServedModel {
+    pub fn id(&self) -> String {
+        self.name.clone().unwrap_or_else(|| default_model_id(&self.path))
     }
 }
 
@@ -224,4 +269,36 @@ pub fn default_model_id(model: &std::path::Path) -> String {
     let file = model.file_name().map(|f| f.to_string_lossy().into_owned());
     let file = file.unwrap_or_else(|| "model".into());
     file.strip_suffix(".gguf").map(str::to_string).unwrap_or(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(models: &[(&str, Option<&str>)]) -> RouterConfig {
+        let models = models
+            .iter()
+            .map(|(p, n)| ServedModel { path: p.into(), name: n.map(str::to_string) })
+            .collect();
+        RouterConfig { allow_anonymous: true, models, ..Default::default() }
+    }
+
+    /// Every served model has one id, the default first; a name served twice (by the
+    /// default's file name too), an empty one or the reserved `auto` is refused.
+    #[test]
+    fn served_models_have_distinct_ids() {
+        let c = with(&[("m/gemma.gguf", None), ("m/b.gguf", Some("big"))]);
+        c.validate().unwrap();
+        let ids: Vec<String> = c.served().into_iter().map(|(id, _)| id).collect();
+        assert_eq!(ids, [c.model_id().as_str(), "gemma", "big"]);
+        for (bad, why) in [
+            (with(&[("x/gemma.gguf", None), ("y/gemma.gguf", None)]), "served twice"),
+            (with(&[("x/a.gguf", Some(&c.model_id()))]), "served twice"),
+            (with(&[("x/a.gguf", Some(" "))]), "empty"),
+            (with(&[("x/a.gguf", Some("auto"))]), "auto"),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("models"), "{e}");
+        }
+    }
 }

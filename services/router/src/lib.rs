@@ -16,6 +16,7 @@ pub mod mesh;
 pub mod metrics;
 pub mod placement;
 pub mod planner;
+pub mod pool;
 pub mod queue;
 pub mod registry;
 mod relay;
@@ -96,17 +97,25 @@ pub async fn run_with(
         }
     };
     let _watch = keys.as_ref().map(|k| k.watch(KEYS_RELOAD_EVERY));
-    if !config.model.exists() {
-        let problem = format!(
-            "{} not found (run `just fetch-model` or set the path)",
-            config.model.display()
-        );
-        return Err(pdmesh_common::InvalidConfig::new("model", problem).into());
+    let mut models: Vec<(String, Arc<ModelCard>)> = Vec::new();
+    for (i, (id, path)) in config.served().into_iter().enumerate() {
+        let key = if i == 0 { "model" } else { "models" };
+        if !path.exists() {
+            let problem =
+                format!("{} not found (run `just fetch-model` or set the path)", path.display());
+            return Err(pdmesh_common::InvalidConfig::new(key, problem).into());
+        }
+        let card = Arc::new(ModelCard::load(&path)?);
+        // One pool per model: two names for one model's weights would split its nodes.
+        if let Some((other, _)) = models.iter().find(|(_, m)| m.fingerprint == card.fingerprint) {
+            let problem = format!("{id:?} and {other:?} are the same model ({})", path.display());
+            return Err(pdmesh_common::InvalidConfig::new(key, problem).into());
+        }
+        models.push((id, card));
     }
-    let model = Arc::new(ModelCard::load(&config.model)?);
     let drain = Duration::from_millis(config.drain_ms);
     let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
-    let mesh = Arc::new(Mesh::new(config, model));
+    let mesh = Arc::new(Mesh::new(config, models));
     let router = Router::new(Arc::clone(&mesh));
     mesh.metrics.register(&metrics, Arc::clone(&mesh), Arc::clone(router.admission()));
     let reaper = tokio::spawn({

@@ -23,6 +23,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use crate::index::{Attaching, Refused};
 use crate::mesh::Mesh;
+use crate::registry::Node;
 use crate::service::RouterService;
 
 /// Longest a node may take to say hello once its call is open.
@@ -90,28 +91,34 @@ impl RouterService {
             r.layout.as_ref().ok_or_else(|| Status::invalid_argument("layout is required"))?;
         let layout = pdmesh_proto::layout_from_wire(layout)
             .map_err(|e| Status::invalid_argument(format!("layout: {e}")))?;
-        let ours = self.mesh().model.fingerprint;
-        if layout.model_fingerprint != ours {
-            // Its tokens would not be this model's: joining would serve wrong answers.
+        let Some(pool) = self.mesh().pool_of(layout.model_fingerprint).cloned() else {
+            // Its tokens would be no served model's: joining would serve wrong answers.
+            let ours: Vec<String> =
+                self.mesh().pools().iter().map(|p| format!("{:016x}", p.fingerprint())).collect();
+            let ours = ours.join(", ");
             tracing::warn!(
                 node = r.node_id,
-                "refused: node serves model {:016x}, this router serves {ours:016x}",
+                "refused: node serves model {:016x}, this router serves {ours}",
                 layout.model_fingerprint
             );
             self.mesh().metrics.refused("model");
             return Err(Status::failed_precondition(format!(
-                "node {} serves model {:016x}; this router serves {ours:016x}",
+                "node {} serves model {:016x}; this router serves {ours}",
                 r.node_id, layout.model_fingerprint
             )));
-        }
+        };
         let now = Instant::now();
         let session;
         let (every, ttl) = {
             let mut reg = self.mesh().registry();
-            // KV moves only between nodes of one layout: a node whose blocks differ from the
-            // mesh's (another dtype or block size) could serve no request with the others.
-            if let Some(other) =
-                reg.iter().find(|n| n.id != r.node_id && n.layout != layout).cloned()
+            // KV moves only between nodes of one layout: a node whose blocks differ from its
+            // pool's (another dtype or block size) could serve no request with the others.
+            let same_model = |n: &&Node| n.layout.model_fingerprint == layout.model_fingerprint;
+            if let Some(other) = reg
+                .iter()
+                .filter(same_model)
+                .find(|n| n.id != r.node_id && n.layout != layout)
+                .cloned()
             {
                 let g = |l: &pdmesh_kv_types::KvLayout| {
                     format!("{} in blocks of {}", l.geometry.dtype.name(), l.geometry.block_size)
@@ -143,11 +150,11 @@ impl RouterService {
             let ttl = reg.get(&r.node_id).map(|n| reg.ttl_of(n));
             (every, ttl.unwrap_or(Duration::from_millis(u64::from(self.mesh().config.node_ttl_ms))))
         };
-        self.mesh().set_layout(layout);
+        pool.set_layout(layout);
         if matches!(role, Role::Prefill | Role::Decode) {
             self.mesh().warm_channel(&r.node_id, &r.address, role);
         }
-        self.mesh().queue.wake();
+        pool.queue.wake();
         tracing::info!(
             node = r.node_id,
             role = role.as_str_name(),
@@ -234,7 +241,7 @@ impl Membership for RouterService {
             reg.heartbeat(&r.node_id, r.load.unwrap_or_default(), Instant::now())
         };
         // The node's free blocks are news to requests waiting for room.
-        self.mesh().queue.wake();
+        self.mesh().wake();
         Ok(Response::new(HeartbeatResponse {
             known: every.is_some(),
             heartbeat_interval_ms: every.map_or(0, |d| d.as_millis() as u32),
@@ -326,7 +333,7 @@ async fn follow(
                     let why = "this router dropped the node (it was silent too long): attach again";
                     return end(Status::not_found(why)).await;
                 };
-                mesh.queue.wake();
+                mesh.wake();
                 if now_every != every {
                     every = now_every;
                     if tx.send(Ok(pace(every, now_ttl))).await.is_err() {

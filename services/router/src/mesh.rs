@@ -1,5 +1,5 @@
 //! What the router shares between requests: the node registry, one gRPC channel per node
-//! address, the model (for validation), the config, and the running requests by id.
+//! address, the served models' pools (`pool`), the config, and the running requests by id.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -18,7 +18,8 @@ use tokio_util::sync::CancellationToken;
 use crate::config::RouterConfig;
 use crate::index::KvIndex;
 use crate::metrics::RouterMetrics;
-use crate::planner::{Plan, Planner, Pools, Sample};
+use crate::planner::Pools;
+use crate::pool::Pool;
 use crate::registry::{Node, Registry};
 
 /// How long a decode node gets to answer a cancel for another router's request.
@@ -33,7 +34,9 @@ pub const MAX_CHANNELS: usize = 1024;
 #[derive(Debug)]
 pub struct Mesh {
     pub config: RouterConfig,
-    pub model: Arc<ModelCard>,
+    /// The models served, each with its nodes' layout, planner and queue; the first is the
+    /// default. Fixed at start.
+    pools: Vec<Arc<Pool>>,
     pub registry: Mutex<Registry>,
     /// Channels to node addresses (only registered nodes are ever dialled); nodes come and
     /// go, so the least recently used is dropped past `MAX_CHANNELS`.
@@ -43,99 +46,72 @@ pub struct Mesh {
     active: Mutex<HashMap<(String, String), CancellationToken>>,
     /// Which node holds which KV block, from the nodes' block events.
     pub index: KvIndex,
-    /// The KV layout of the mesh's nodes (registration keeps it one): prompts are hashed in
-    /// it before placement takes the registry's lock.
-    layout: Mutex<Option<pdmesh_kv_types::KvLayout>>,
     /// Prompts a prefill node is computing now, for others sharing their prefix to wait on.
     pub computing: crate::coalesce::Computing,
     pub metrics: RouterMetrics,
     turn: AtomicUsize,
-    /// The planner, and its latest plan (`replan`).
-    planner: Mutex<(Planner, Option<Plan>)>,
-    /// Requests waiting for room on a decode node.
-    pub queue: crate::queue::RoomQueue,
 }
 
 impl Mesh {
-    pub fn new(config: RouterConfig, model: Arc<ModelCard>) -> Self {
+    /// A mesh that serves `models` (id and card, the default first).
+    pub fn new(config: RouterConfig, models: Vec<(String, Arc<ModelCard>)>) -> Self {
+        assert!(!models.is_empty(), "a mesh serves at least one model");
+        let pools = models
+            .into_iter()
+            .map(|(id, m)| Arc::new(Pool::new(id, m, config.planner.clone(), config.max_queued)))
+            .collect();
         let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
         let every = Duration::from_millis(u64::from(config.heartbeat_interval_ms));
         Self {
-            model,
+            pools,
             registry: Mutex::new(Registry::new(ttl, every, config.max_heartbeats_per_s)),
             channels: ChannelCache::new(MAX_CHANNELS),
             active: Mutex::new(HashMap::new()),
             index: KvIndex::default(),
-            layout: Mutex::new(None),
             computing: crate::coalesce::Computing::new(config.coalesce_min_tokens),
             metrics: RouterMetrics::default(),
             turn: AtomicUsize::new(0),
-            planner: Mutex::new((Planner::new(config.planner.clone()), None)),
-            queue: crate::queue::RoomQueue::new(config.max_queued),
             config,
         }
     }
 
-    /// The nodes' KV layout, once one has joined.
-    pub fn layout(&self) -> Option<pdmesh_kv_types::KvLayout> {
-        *self.layout.lock().unwrap_or_else(|p| p.into_inner())
+    /// The default model's pool (what a request that names no model is served by).
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pools[0]
     }
 
-    pub fn set_layout(&self, layout: pdmesh_kv_types::KvLayout) {
-        *self.layout.lock().unwrap_or_else(|p| p.into_inner()) = Some(layout);
+    /// The pool of the model whose fingerprint is `fingerprint`, if it is served.
+    pub fn pool_of(&self, fingerprint: u64) -> Option<&Arc<Pool>> {
+        self.pools.iter().find(|p| p.fingerprint() == fingerprint)
     }
 
-    /// Tells the planner how a finished request went.
-    pub fn observe(&self, f: &crate::api::Finished) {
-        let (t, u) = (&f.timings, &f.usage);
-        let itl = if u.completion_tokens > 1 {
-            (t.total_ms - t.ttft_ms) / f64::from(u.completion_tokens - 1)
-        } else {
-            0.0
-        };
-        let now = Instant::now();
-        let ms = |v: f64| Duration::from_secs_f64(v.max(0.0) / 1e3);
-        // Admission was `total_ms` ago; prefill compute began `queue_ms` after it.
-        let admitted = now.checked_sub(ms(t.total_ms)).unwrap_or(now);
-        let sample = Sample {
-            at: now,
-            prefill_from: admitted + ms(t.queue_ms),
-            prefill_node: t.prefill_node.clone(),
-            computed_tokens: u.prompt_tokens.saturating_sub(u.cached_tokens),
-            prefill_ms: t.prefill_ms,
-            queue_ms: t.queue_ms,
-            ttft_ms: t.ttft_ms,
-            completion_tokens: u.completion_tokens,
-            itl_ms: itl,
-            decode_node: t.decode_node.clone(),
-        };
-        self.planner.lock().expect("planner lock is never poisoned").0.observe(sample);
+    /// The pool of the model requests call `id`.
+    pub fn pool_named(&self, id: &str) -> Option<&Arc<Pool>> {
+        self.pools.iter().find(|p| p.id == id)
     }
 
-    /// Plans again from the window and the nodes registered now; logs a changed decision.
-    pub fn replan(&self) -> Plan {
-        let current = Pools {
-            prefill: self.live_count(Role::Prefill) as u32,
-            decode: self.live_count(Role::Decode) as u32,
-        };
-        let mut p = self.planner.lock().expect("planner lock is never poisoned");
-        let plan = p.0.plan(Instant::now(), current);
-        if p.1.as_ref().is_none_or(|last| last.desired != plan.desired) {
-            tracing::info!(
-                prefill = plan.desired.prefill,
-                decode = plan.desired.decode,
-                prefill_demand_tps = plan.prefill_demand_tps,
-                decode_demand_tps = plan.decode_demand_tps,
-                "planner: the load needs this many nodes"
-            );
+    pub fn pools(&self) -> &[Arc<Pool>] {
+        &self.pools
+    }
+
+    /// Plans every pool again from its window and the nodes registered now.
+    pub fn replan(&self) {
+        for p in &self.pools {
+            let fp = p.fingerprint();
+            let current = Pools {
+                prefill: self.live_count(fp, Role::Prefill) as u32,
+                decode: self.live_count(fp, Role::Decode) as u32,
+            };
+            p.replan(current);
         }
-        p.1 = Some(plan.clone());
-        plan
     }
 
-    /// The latest plan (`replan`).
-    pub fn plan(&self) -> Option<Plan> {
-        self.planner.lock().expect("planner lock is never poisoned").1.clone()
+    /// Room may have changed (a node joined or reported, a request ended): every pool's
+    /// waiting requests look again.
+    pub fn wake(&self) {
+        for p in &self.pools {
+            p.queue.wake();
+        }
     }
 
     pub fn registry(&self) -> std::sync::MutexGuard<'_, Registry> {
@@ -221,8 +197,9 @@ impl Mesh {
         self.registry().get(id).cloned()
     }
 
-    pub fn live_count(&self, role: Role) -> usize {
-        self.registry().live_count(role, Instant::now())
+    /// Usable nodes of `role` serving the model `fingerprint`.
+    pub fn live_count(&self, fingerprint: u64, role: Role) -> usize {
+        self.registry().live_count(fingerprint, role, Instant::now())
     }
 
     /// Registers `owner`'s running request for `Cancel`; None if it already runs one with
@@ -242,7 +219,7 @@ impl Mesh {
         let key = (owner.to_string(), id.to_string());
         self.active.lock().expect("active map lock is never poisoned").remove(&key);
         // Its blocks are free again (the node's next heartbeat says how many).
-        self.queue.wake();
+        self.wake();
     }
 
     pub fn cancel(&self, id: &str, owner: &str) -> bool {

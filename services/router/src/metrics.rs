@@ -189,8 +189,11 @@ impl RouterMetrics {
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
-            let nodes = |r: Role| mesh.live_count(r) as f64;
-            let plan = mesh.plan();
+            let nodes = |r: Role| {
+                mesh.pools().iter().map(|p| mesh.live_count(p.fingerprint(), r)).sum::<usize>()
+                    as f64
+            };
+            let plan = mesh.pool().plan();
             let mut v = planner_families(plan.as_ref());
             v.extend([
                 Family::one(
@@ -203,7 +206,7 @@ impl RouterMetrics {
                     "pdmesh_router_waiting_requests",
                     "Requests waiting for room on a decode node.",
                     Kind::Gauge,
-                    mesh.queue.len() as f64,
+                    mesh.pools().iter().map(|p| p.queue.len()).sum::<usize>() as f64,
                 ),
                 Family::labelled(
                     "pdmesh_router_nodes",

@@ -155,22 +155,22 @@ impl Registry {
         }
     }
 
-    /// Usable nodes of a role: not suspect, not draining (a draining node's requests still
+    /// Usable nodes of a role serving model `model` (its fingerprint): not suspect, not draining (a draining node's requests still
     /// run there until they move or finish; new ones go elsewhere).
     ///
     /// Read in place, under the registry's lock: copying a thousand nodes for each request
     /// was most of the router's time per request.
-    pub fn live_refs(&self, role: Role, now: Instant) -> Vec<&Node> {
+    pub fn live_refs(&self, model: u64, role: Role, now: Instant) -> Vec<&Node> {
         self.nodes
             .values()
-            .filter(|n| n.role == role && n.suspect_until.is_none_or(|t| t <= now))
-            .filter(|n| !n.load.draining)
+            .filter(|n| n.role == role && n.layout.model_fingerprint == model)
+            .filter(|n| n.suspect_until.is_none_or(|t| t <= now) && !n.load.draining)
             .collect()
     }
 
-    /// How many `live` would list.
-    pub fn live_count(&self, role: Role, now: Instant) -> usize {
-        self.live_refs(role, now).len()
+    /// How many `live_refs` would list.
+    pub fn live_count(&self, model: u64, role: Role, now: Instant) -> usize {
+        self.live_refs(model, role, now).len()
     }
 
     pub fn iter(&self) -> impl Iterator<Item = &Node> {
@@ -223,7 +223,7 @@ pub(crate) mod tests {
         let t0 = Instant::now();
         let mut r = Registry::new(Duration::from_secs(2), Duration::from_millis(500), 1_000);
         r.register("d1", Role::Decode, "a:1", layout(0, 16), load(), t0);
-        assert_eq!(r.live_refs(Role::Decode, t0).len(), 1);
+        assert_eq!(r.live_refs(0, Role::Decode, t0).len(), 1);
         assert_eq!(r.heartbeat("d1", load(), t0 + Duration::from_secs(1)), Some(ms(500)));
         assert!(r.expire(t0 + Duration::from_millis(2500)).is_empty());
         assert_eq!(r.expire(t0 + Duration::from_millis(3100)), vec!["d1".to_string()]);
@@ -233,8 +233,8 @@ pub(crate) mod tests {
             "dropped, unknown"
         );
         r.register("d2", Role::Decode, "a:2", layout(0, 16), load(), t0 + Duration::from_secs(4));
-        assert_eq!(r.live_refs(Role::Decode, t0 + Duration::from_secs(4))[0].id, "d2");
-        assert!(r.live_refs(Role::Prefill, t0).is_empty());
+        assert_eq!(r.live_refs(0, Role::Decode, t0 + Duration::from_secs(4))[0].id, "d2");
+        assert!(r.live_refs(0, Role::Prefill, t0).is_empty());
     }
 
     fn ms(v: u64) -> Duration {
@@ -289,8 +289,8 @@ pub(crate) mod tests {
         let mut r = Registry::new(Duration::from_secs(2), Duration::from_millis(500), 1_000);
         r.register("p1", Role::Prefill, "a:1", layout(0, 16), load(), t0);
         r.suspect("p1", t0);
-        assert!(r.live_refs(Role::Prefill, t0 + Duration::from_millis(10)).is_empty());
+        assert!(r.live_refs(0, Role::Prefill, t0 + Duration::from_millis(10)).is_empty());
         r.heartbeat("p1", load(), t0 + Duration::from_millis(20));
-        assert_eq!(r.live_refs(Role::Prefill, t0 + Duration::from_millis(30)).len(), 1);
+        assert_eq!(r.live_refs(0, Role::Prefill, t0 + Duration::from_millis(30)).len(), 1);
     }
 }

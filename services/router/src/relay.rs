@@ -55,6 +55,8 @@ pub(crate) async fn run(
     }
     let req = Request {
         mesh,
+        // Admission checked the name; the default pool serves one that names none.
+        pool: mesh.pool_named(&prep.model).unwrap_or_else(|| mesh.pool()),
         id: &id,
         prep: &prep,
         owner: &tenant.tenant,
@@ -82,7 +84,7 @@ pub(crate) async fn run(
         Ok(Event::Finished(f)) => {
             mesh.metrics.finished(f);
             if f.reason != FinishReason::Cancelled {
-                mesh.observe(f);
+                req.pool.observe(f);
             }
         }
         Ok(_) => {}
@@ -231,7 +233,7 @@ async fn ended_before_moving(
     if generated.is_empty() {
         return Ok(None);
     }
-    let tokenizer = &req.mesh.model.tokenizer;
+    let tokenizer = &req.pool.model.tokenizer;
     let mut text = pdmesh_model::TextStream::new(req.prep.stop.clone());
     for &t in generated {
         if let pdmesh_model::Pushed::Stopped(_) = text.push(tokenizer, t) {
@@ -243,7 +245,7 @@ async fn ended_before_moving(
     }
     let reason = if generated.len() >= req.prep.max_tokens {
         FinishReason::Length
-    } else if req.prep.prompt.len() + generated.len() >= req.mesh.model.config.context {
+    } else if req.prep.prompt.len() + generated.len() >= req.pool.model.config.context {
         FinishReason::ContextFull
     } else {
         return Ok(None);
@@ -272,7 +274,7 @@ async fn place_or_wait(
     wait: Wait,
     resumed: usize,
 ) -> Result<Placed, Failure> {
-    let queue = &req.mesh.queue;
+    let queue = &req.pool.queue;
     let full = || Failure::QueueFull { waiting: queue.len() };
     let may_wait = wait != Wait::Never;
     let mut ticket = None;
@@ -328,11 +330,12 @@ fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Pl
     let mesh = req.mesh;
     let cfg = &mesh.config;
     // Hashed before the registry's lock: a long prompt must not hold up the nodes' reports.
-    let chain = mesh.layout().map(|l| (l, req.chain(&l)));
+    let chain = req.pool.layout().map(|l| (l, req.chain(&l)));
     // Placement reads the registry in place, under its lock, and copies only the nodes chosen.
     let reg = mesh.registry();
     let now = Instant::now();
-    let prefills = reg.live_refs(Role::Prefill, now);
+    let model = req.pool.fingerprint();
+    let prefills = reg.live_refs(model, Role::Prefill, now);
     let span = pdmesh_common::span!(
         "router.placement",
         policy = %cfg.prefill_policy,
@@ -344,8 +347,8 @@ fn placement(req: &Request<'_>, exclude: &[String], resumed: usize) -> Result<Pl
     );
     let _entered = span.enter();
     let ask = ask_of(mesh, req.prep, chain.as_ref(), &prefills, resumed);
-    let placed =
-        place(&prefills, &reg.live_refs(Role::Decode, now), &ask, exclude).map_err(|e| {
+    let placed = place(&prefills, &reg.live_refs(model, Role::Decode, now), &ask, exclude)
+        .map_err(|e| {
             let retry_after = Duration::from_millis(cfg.retry_after_ms);
             let status: tonic::Status = Failure::Place(e.clone()).into_error(retry_after).into();
             trace::fail(&span, &status);

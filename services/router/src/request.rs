@@ -19,6 +19,8 @@ pub struct Prepared {
     /// The lossy KV policy the request asked for (`GenerateRequest.kv_policy`); the router
     /// puts its tenant's in when it names none.
     pub kv_policy: Option<KvPolicy>,
+    /// The served model's id; empty: the default model.
+    pub model: String,
 }
 
 /// The message of an INVALID_ARGUMENT.
@@ -180,6 +182,7 @@ pub fn prepare(model: &ModelCard, req: &GenerateRequest) -> Result<Prepared, Inv
         stop: req.stop.clone(),
         ignore_eos: req.ignore_eos,
         kv_policy,
+        model: req.model.clone(),
     })
 }
 

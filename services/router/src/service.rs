@@ -134,7 +134,18 @@ impl RouterService {
         deadline: Instant,
         root: Span,
     ) -> Result<Response<ResponseStream>, Status> {
-        let model = Arc::clone(&self.mesh().model);
+        let pool = match r.model.as_str() {
+            "" => self.mesh().pool(),
+            name => self.mesh().pool_named(name).ok_or_else(|| {
+                let served: Vec<&str> = self.mesh().pools().iter().map(|p| &p.id[..]).collect();
+                Status::not_found(format!(
+                    "model {name:?} is not served here; served: {}",
+                    served.join(", ")
+                ))
+            })?,
+        };
+        let (model, model_id) = (Arc::clone(&pool.model), pool.id.clone());
+        trace::attr(&root, "model", model_id.clone());
         // A place first: a full router refuses before it tokenizes (the costly part of checking).
         trace::attr(&root, "tenant", tenant.tenant.clone());
         let tenant_policy = tenant.kv_policy;
@@ -152,6 +163,7 @@ impl RouterService {
         }
         .map_err(Status::invalid_argument)?;
         let mut prep = prep;
+        prep.model = model_id;
         prep.kv_policy = prep.kv_policy.or(tenant_policy);
         if let Some(p) = prep.kv_policy {
             trace::attr(&root, "kv_policy", p.to_string());
@@ -247,7 +259,7 @@ impl Generation for RouterService {
             tokenize_request::Input::Prompt(p) => generate_request::Input::Prompt(p),
             tokenize_request::Input::Chat(c) => generate_request::Input::Chat(c),
         });
-        let model = Arc::clone(&self.mesh().model);
+        let model = Arc::clone(&self.mesh().pool().model);
         // Tokenizing is the work a Generate is admitted for: it takes a place too while it runs.
         let _admitted = self.router.admit(tenant)?;
         let ids = tokio::task::spawn_blocking(move || tokenize(&model, input.as_ref()))
@@ -262,7 +274,7 @@ impl Generation for RouterService {
         req: Request<ModelInfoRequest>,
     ) -> Result<Response<ModelInfoResponse>, Status> {
         self.tenant(&req)?;
-        let m = &self.mesh().model;
+        let m = &self.mesh().pool().model;
         Ok(Response::new(ModelInfoResponse {
             name: m.config.name.clone(),
             architecture: m.config.arch.clone(),

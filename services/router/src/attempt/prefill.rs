@@ -36,7 +36,7 @@ impl Attempt<'_> {
             let c = (on.layout, req.chain(&on.layout));
             let held = {
                 let reg = mesh.registry();
-                let prefills = reg.live_refs(Role::Prefill, Instant::now());
+                let prefills = reg.live_refs(req.pool.fingerprint(), Role::Prefill, Instant::now());
                 let hits = crate::relay::hits_of(mesh, req.prep.prompt.len(), &c, &prefills);
                 hits.values().map(|h| h.total()).max().unwrap_or(0)
             };

@@ -146,7 +146,7 @@ impl<'a> Attempt<'a> {
         // As placement does: in the registry, under its lock, copying only the node chosen.
         let node = {
             let reg = mesh.registry();
-            let decodes = reg.live_refs(Role::Decode, Instant::now());
+            let decodes = reg.live_refs(req.pool.fingerprint(), Role::Decode, Instant::now());
             let placed = place(&[], &decodes, &ask, others).map_err(|e| e.to_string())?;
             reg.get(&placed.decode).cloned().ok_or("the node chosen left the mesh")?
         };
