@@ -48,6 +48,8 @@ fn mutation() -> impl Strategy<Value = Mutation> {
 
 fn apply(bytes: &mut Vec<u8>, m: &Mutation) {
     match m {
+        // A file already cut to nothing has no byte left to damage.
+        Mutation::Byte(_, _) if bytes.is_empty() => {}
         Mutation::Byte(i, b) => {
             let at = i.index(bytes.len());
             bytes[at] = *b;
