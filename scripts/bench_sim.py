@@ -79,6 +79,12 @@ def metric(text, name, labels=""):
     return float(m.group(1)) if m else None
 
 
+def nodes(text, role):
+    """The router's usable nodes of `role`, over every model it serves."""
+    pat = rf'^pdmesh_router_nodes{{[^}}]*role="{role}"[^}}]*}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pat, text, re.M))
+
+
 def buckets(text, name):
     """Cumulative bucket counts of a histogram, by upper bound."""
     out = []
@@ -147,8 +153,7 @@ class Mesh:
         while time.time() < deadline:
             try:
                 ts = self.scrapes()
-                if all(metric(t, "pdmesh_router_nodes", '{role="prefill"}') == prefill and
-                       metric(t, "pdmesh_router_nodes", '{role="decode"}') == decode
+                if all(nodes(t, "prefill") == prefill and nodes(t, "decode") == decode
                        for t in ts):
                     return
             except OSError:

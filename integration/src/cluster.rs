@@ -125,6 +125,17 @@ pub struct ClusterBuilder {
     shared_ipc: bool,
     /// Tenants with API keys (besides "test", which `client()` uses), with their limits.
     tenants: Vec<Tenant>,
+    /// Models served beside the default one, each with nodes of its own.
+    also: Vec<AlsoServed>,
+}
+
+/// A model the router serves beside the default (`[[models]]` in its config), and its nodes.
+#[derive(Debug, Clone)]
+struct AlsoServed {
+    path: PathBuf,
+    name: String,
+    prefill: usize,
+    decode: usize,
 }
 
 impl ClusterBuilder {
@@ -136,6 +147,14 @@ impl ClusterBuilder {
 
     fn model_arg(&self) -> String {
         self.model.clone().unwrap_or_else(model_path).display().to_string()
+    }
+
+    /// Serves `path` as `name` beside the default model, on `prefill` + `decode` nodes of its
+    /// own (started after the default model's, so numbered after them).
+    pub fn also_serve(mut self, path: &Path, name: &str, prefill: usize, decode: usize) -> Self {
+        let (path, name) = (path.to_path_buf(), name.to_string());
+        self.also.push(AlsoServed { path, name, prefill, decode });
+        self
     }
 
     /// Sets an environment variable for every service process.
@@ -302,6 +321,23 @@ impl ClusterBuilder {
             "--node-ttl-ms".into(),
             "1000".into(),
         ]);
+        if !self.also.is_empty() {
+            let models: Vec<toml::Value> = self
+                .also
+                .iter()
+                .map(|m| {
+                    let mut t = toml::Table::new();
+                    t.insert("path".into(), m.path.display().to_string().into());
+                    t.insert("name".into(), m.name.clone().into());
+                    toml::Value::Table(t)
+                })
+                .collect();
+            let mut table = toml::Table::new();
+            table.insert("models".into(), toml::Value::Array(models));
+            let file = dir.join("router-models.toml");
+            std::fs::write(&file, table.to_string()).expect("router config written");
+            rargs.extend(["--config".to_string(), file.display().to_string()]);
+        }
         rargs.extend(self.router_args.iter().cloned());
         let router = self.launch("router", "router", &rargs);
         let more_routers = (1..=self.more_routers)
@@ -353,12 +389,21 @@ impl ClusterBuilder {
             builder,
             dir,
             keys,
+            node_models: std::collections::HashMap::new(),
         };
         for _ in 0..self.prefill {
             c.add_prefill(&[]);
         }
         for _ in 0..self.decode {
             c.add_decode(&[]);
+        }
+        for m in &self.also {
+            for _ in 0..m.prefill {
+                c.add_prefill_of(&m.path, &[]);
+            }
+            for _ in 0..m.decode {
+                c.add_decode_of(&m.path, &[]);
+            }
         }
         // A node that dies at start (a backend it cannot load) fails the start at once, not
         // after the 30 s the wait gives nodes to register.
@@ -379,7 +424,10 @@ impl ClusterBuilder {
             }
         });
         tokio::select! {
-            () = c.wait_nodes(self.prefill, self.decode) => watch.abort(),
+            () = c.wait_nodes(
+                self.prefill + self.also.iter().map(|m| m.prefill).sum::<usize>(),
+                self.decode + self.also.iter().map(|m| m.decode).sum::<usize>(),
+            ) => watch.abort(),
             dead = &mut watch => panic!(
                 "{} exited while the mesh was starting (its log above says why)",
                 dead.unwrap_or_default()
@@ -405,6 +453,8 @@ pub struct Cluster {
     dir: PathBuf,
     /// API keys by tenant.
     keys: std::collections::HashMap<String, String>,
+    /// The GGUF of each node that serves another than the default model, by name.
+    node_models: std::collections::HashMap<String, PathBuf>,
 }
 
 impl Cluster {
@@ -425,11 +475,15 @@ impl Cluster {
             insecure: false,
             shared_ipc: false,
             tenants: Vec::new(),
+            also: Vec::new(),
         }
     }
 
     fn node_args(&self, role: &str, name: &str, extra: &[&str]) -> Vec<String> {
-        let model = self.builder.model_arg();
+        let model = match self.node_models.get(name) {
+            Some(m) => m.display().to_string(),
+            None => self.builder.model_arg(),
+        };
         let any = format!("{}:0", self.builder.command(name).1);
         let mut a: Vec<String> = vec!["--listen".to_string(), any];
         for r in std::iter::once(&self.router).chain(&self.more_routers) {
@@ -467,6 +521,18 @@ impl Cluster {
         let args = self.node_args("decode", &name, extra);
         self.decodes.push(self.builder.launch("decode", &name, &args));
         self.decodes.len() - 1
+    }
+
+    /// Starts another prefill node of `model` (one the router serves); returns its index.
+    pub fn add_prefill_of(&mut self, model: &Path, extra: &[&str]) -> usize {
+        self.node_models.insert(format!("prefill-{}", self.prefills.len()), model.into());
+        self.add_prefill(extra)
+    }
+
+    /// Starts another decode node of `model` (one the router serves); returns its index.
+    pub fn add_decode_of(&mut self, model: &Path, extra: &[&str]) -> usize {
+        self.node_models.insert(format!("decode-{}", self.decodes.len()), model.into());
+        self.add_decode(extra)
     }
 
     /// Starts decode node `i` again (killing it first if it runs): same name, new port.

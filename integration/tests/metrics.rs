@@ -42,7 +42,10 @@ async fn every_service_counts_what_it_does() {
 
     let (r0, raw) = scrape(&router).await;
     assert!(raw.contains("# TYPE pdmesh_router_ttft_seconds histogram"), "{raw}");
-    assert_eq!(get(&r0, "pdmesh_router_nodes{role=\"prefill\"}"), 1.0);
+    assert_eq!(
+        get(&r0, "pdmesh_router_nodes{model=\"SmolLM2-135M-Instruct.Q4_1\",role=\"prefill\"}"),
+        1.0
+    );
     assert_eq!(get(&r0, "pdmesh_router_ttft_seconds_count"), 0.0);
     let (p0, _) = scrape(&prefill).await;
     let free = get(&p0, "pdmesh_prefill_kv_blocks_free");
@@ -59,7 +62,9 @@ async fn every_service_counts_what_it_does() {
     assert_eq!(bad.code(), tonic::Code::InvalidArgument);
 
     let (r, _) = scrape(&router).await;
-    let finished = "pdmesh_router_requests_total{outcome=\"finished\",reason=\"length\"}";
+    // By the model that served them; a request refused before it chose one names none.
+    let finished = "pdmesh_router_requests_total{model=\"SmolLM2-135M-Instruct.Q4_1\",\
+                    outcome=\"finished\",reason=\"length\"}";
     assert_eq!(get(&r, finished), 2.0);
     assert_eq!(
         get(&r, "pdmesh_router_requests_total{outcome=\"failed\",code=\"InvalidArgument\"}"),

@@ -176,7 +176,7 @@ node_id: None, internal: Some(&c.internal_listen), http: c.http_listen.as_deref(
 run: |l, m, s| async move {
     let internal = l.internal.expect("the router is bound to its internal address too");
     let drain = std::time::Duration::from_millis(c.drain_ms);
-    let http = l.http.map(|h| pdmesh_frontend_openai::frontend(h, c.model_id(), drain));
+    let http = l.http.map(|h| pdmesh_frontend_openai::frontend(h, drain));
     pdmesh_router::run_with(c, l.main, internal, m, s, http).await
 });
 service!(pdmesh_kvstore::KvStoreConfig, "kvstore", "PDMESH_KVSTORE_", 2, KvStore,

@@ -35,12 +35,13 @@ use supervise::{
 
 #[derive(Debug, Args)]
 pub struct UpArgs {
-    /// Prefill nodes (0: decode nodes prefill prompts themselves).
-    #[arg(long, default_value_t = 1)]
-    prefill: usize,
-    /// Decode nodes (at least 1).
-    #[arg(long, default_value_t = 1)]
-    decode: usize,
+    /// Prefill nodes of each model (0: decode nodes prefill prompts themselves): one count for
+    /// every model, or one per `--model` in order, comma-separated (`--prefill 1,2`).
+    #[arg(long, default_value = "1", value_delimiter = ',', value_name = "N[,N...]")]
+    prefill: Vec<usize>,
+    /// Decode nodes of each model (at least 1), as `--prefill` counts them.
+    #[arg(long, default_value = "1", value_delimiter = ',', value_name = "N[,N...]")]
+    decode: Vec<usize>,
     /// Where the router listens.
     #[arg(long, default_value = "127.0.0.1:50051")]
     listen: String,
@@ -48,9 +49,12 @@ pub struct UpArgs {
     /// with the same API key).
     #[arg(long, default_value = "127.0.0.1:8000")]
     http_listen: String,
-    /// A GGUF model (llama, qwen2, qwen3 or gemma3 architecture).
-    #[arg(long, env = "PDMESH_MODEL", default_value = pdmesh_engine::DEFAULT_MODEL_PATH)]
-    model: PathBuf,
+    /// A GGUF model (llama, qwen2, qwen3 or gemma3 architecture). Repeat it to serve several:
+    /// each has nodes of its own and is asked for by its file's name without `.gguf` (the
+    /// first serves requests that name none; the KV-store, if any, caches its prefixes).
+    #[arg(long = "model", env = "PDMESH_MODEL", value_name = "GGUF")]
+    #[arg(default_value = pdmesh_engine::DEFAULT_MODEL_PATH)]
+    models: Vec<PathBuf>,
     /// Compute threads per node (default: the machine's cores shared among the nodes).
     #[arg(long)]
     threads: Option<usize>,
@@ -133,30 +137,86 @@ pub struct UpArgs {
 }
 
 impl UpArgs {
-    /// Most nodes of `role` this mesh may run.
+    /// The default model: requests that name none, the KV-store and `--autoscale` are its.
+    fn model(&self) -> &Path {
+        &self.models[0]
+    }
+
+    /// Nodes of `role` model `k` starts with.
+    fn nodes(&self, role: &str, k: usize) -> usize {
+        let counts = if role == "prefill" { &self.prefill } else { &self.decode };
+        counts.get(k).or(counts.first()).copied().unwrap_or(0)
+    }
+
+    /// Nodes of `role` the mesh starts with, every model's.
+    fn total(&self, role: &str) -> usize {
+        (0..self.models.len()).map(|k| self.nodes(role, k)).sum()
+    }
+
+    /// Most nodes of `role` the default model may run.
     fn most(&self, role: &str) -> usize {
+        let least = self.nodes(role, 0);
         match (role, self.autoscale) {
-            ("prefill", true) => self.max_prefill.max(self.prefill),
-            ("prefill", false) => self.prefill,
-            (_, true) => self.max_decode.max(self.decode),
-            (_, false) => self.decode,
+            ("prefill", true) => self.max_prefill.max(least),
+            (_, true) => self.max_decode.max(least),
+            (_, false) => least,
         }
+    }
+
+    /// The name node `i` of `role` of model `k` runs (and is certified) as: the default
+    /// model's are `prefill-0`, `decode-1`, ..., model k's `m{k}-prefill-0`, ...
+    fn node_name(k: usize, role: &str, i: usize) -> String {
+        if k == 0 { format!("{role}-{i}") } else { format!("m{k}-{role}-{i}") }
+    }
+
+    /// Refuses a mesh `up` cannot run, naming the flag.
+    fn check(&self) -> anyhow::Result<()> {
+        let models = self.models.len();
+        for (flag, counts) in [("--prefill", &self.prefill), ("--decode", &self.decode)] {
+            if counts.len() != 1 && counts.len() != models {
+                bail!(
+                    "{flag} has {} counts for {models} models: give one for every model or one \
+                     per --model",
+                    counts.len()
+                );
+            }
+        }
+        if let Some(k) = (0..models).find(|&k| self.nodes("decode", k) == 0) {
+            bail!(
+                "--decode must be at least 1 for every model ({} has none): decode nodes serve \
+                 every request",
+                self.models[k].display()
+            );
+        }
+        if self.autoscale && models > 1 {
+            bail!(
+                "--autoscale follows the planner of one model; with several --model, size each \
+                 model's pools with --prefill and --decode"
+            );
+        }
+        if self.autoscale && self.nodes("prefill", 0) == 0 {
+            bail!("--autoscale needs --prefill of at least 1: it scales both pools");
+        }
+        let mut ids = Vec::new();
+        for m in &self.models {
+            if !m.exists() {
+                bail!(
+                    "model file {} not found: run `just fetch-model` (or pass --model PATH)",
+                    m.display()
+                );
+            }
+            let id = pdmesh_router::config::default_model_id(m);
+            if ids.contains(&id) {
+                bail!("two --model files are both named {id:?}: each model is asked for by name");
+            }
+            ids.push(id);
+        }
+        Ok(())
     }
 }
 
 pub fn run(a: UpArgs, insecure: bool) -> anyhow::Result<()> {
-    if a.decode == 0 {
-        bail!("--decode must be at least 1: decode nodes serve every request");
-    }
-    if a.autoscale && a.prefill == 0 {
-        bail!("--autoscale needs --prefill of at least 1: it scales both pools");
-    }
-    if !a.model.exists() {
-        bail!(
-            "model file {} not found: run `just fetch-model` (or pass --model PATH)",
-            a.model.display()
-        );
-    }
+    a.check()?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     if insecure {
         // Plaintext and without keys: refused before anything starts, rather than by the
@@ -251,8 +311,12 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<Issued> {
         ("kvstore".into(), MeshRole::KvStore),
         (OPERATOR.into(), MeshRole::Admin),
     ];
-    names.extend((0..a.most("prefill")).map(|i| (format!("prefill-{i}"), MeshRole::Prefill)));
-    names.extend((0..a.most("decode")).map(|i| (format!("decode-{i}"), MeshRole::Decode)));
+    for k in 0..a.models.len() {
+        for (role, cert) in [("prefill", MeshRole::Prefill), ("decode", MeshRole::Decode)] {
+            let n = if k == 0 { a.most(role) } else { a.nodes(role, k) };
+            names.extend((0..n).map(|i| (UpArgs::node_name(k, role, i), cert)));
+        }
+    }
     let issued = Issued { ca, names };
     issued.issue(dir)?;
     let operator = pdmesh_common::apikey::Tenant {
@@ -280,7 +344,8 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
         .tempdir()
         .context("making a directory for the children's config files")?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let threads = a.threads.unwrap_or_else(|| (cores / (a.prefill + a.decode)).max(1));
+    let (prefill, decode) = (a.total("prefill"), a.total("decode"));
+    let threads = a.threads.unwrap_or_else(|| (cores / (prefill + decode)).max(1));
     let launch = Launch { tls_dir: dir.map(Path::to_path_buf), configs: configs.path().into() };
     let mut procs: Vec<Supervised> = Vec::new();
     let mut http_addr = String::new();
@@ -291,7 +356,7 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
         http_addr = router.addrs[2].clone();
         router.pin();
         procs.push(router);
-        let kvstore = if a.kvstore_budget_bytes > 0 && a.prefill > 0 {
+        let kvstore = if a.kvstore_budget_bytes > 0 && a.nodes("prefill", 0) > 0 {
             let c = children::kvstore_config(a, &internal);
             let mut p = launch.start("kvstore", None, Settings::KvStore(c.into()), 1).await?;
             p.pin();
@@ -303,18 +368,29 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
         };
         template = Some(NodeTemplate { a, internal: internal.clone(), threads, kvstore: kvstore.clone(), launch: launch.clone() });
         let template = template.as_ref().expect("just set");
-        for (role, n) in [("prefill", a.prefill), ("decode", a.decode)] {
-            for i in 0..n {
-                procs.push(start_node(template, role, i).await?);
+        for k in 0..a.models.len() {
+            for role in ["prefill", "decode"] {
+                for i in 0..a.nodes(role, k) {
+                    procs.push(start_node(template, k, role, i).await?);
+                }
             }
         }
-        wait_ready(&internal, a.prefill, a.decode, Duration::from_secs(a.ready_timeout_s)).await?;
+        wait_ready(&internal, prefill, decode, Duration::from_secs(a.ready_timeout_s)).await?;
         println!(
-            "pdmesh mesh ready: router on {addr} ({} prefill, {} decode, {threads} threads each{}); Ctrl-C stops it",
-            a.prefill,
-            a.decode,
+            "pdmesh mesh ready: router on {addr} ({prefill} prefill, {decode} decode, {threads} threads each{}); Ctrl-C stops it",
             if kvstore.is_some() { ", a KV-store" } else { "" }
         );
+        if a.models.len() > 1 {
+            for (k, m) in a.models.iter().enumerate() {
+                println!(
+                    "  model {} ({} prefill, {} decode){}",
+                    pdmesh_router::config::default_model_id(m),
+                    a.nodes("prefill", k),
+                    a.nodes("decode", k),
+                    if k == 0 { ": the default" } else { "" }
+                );
+            }
+        }
         println!("  each process's settings: {}/NAME.toml", configs.path().display());
         match dir {
             Some(d) => println!(
@@ -331,13 +407,13 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             Some(d) => println!(
                 "  OpenAI API on https://{http_addr}/v1 (model {}); e.g. \
                  OPENAI_BASE_URL=https://{http_addr}/v1 OPENAI_API_KEY=$(cat {}) SSL_CERT_FILE={}",
-                pdmesh_router::config::default_model_id(&a.model),
+                pdmesh_router::config::default_model_id(a.model()),
                 d.join(API_KEY_FILE).display(),
                 d.join("ca.pem").display()
             ),
             None => println!(
                 "  OpenAI API on http://{http_addr}/v1 (model {})",
-                pdmesh_router::config::default_model_id(&a.model)
+                pdmesh_router::config::default_model_id(a.model())
             ),
         }
         anyhow::Ok(())

@@ -44,7 +44,6 @@ pub struct AppState {
     pub router: Router,
     /// None: anonymous callers (the router runs `allow_anonymous`).
     pub keys: Option<Arc<KeyRing>>,
-    pub model_id: Arc<str>,
     /// When this server started: `created` of its model card.
     pub started: u64,
 }
@@ -54,8 +53,8 @@ fn now_s() -> u64 {
 }
 
 impl AppState {
-    pub fn new(router: Router, keys: Option<Arc<KeyRing>>, model_id: String) -> Self {
-        Self { router, keys, model_id: model_id.into(), started: now_s() }
+    pub fn new(router: Router, keys: Option<Arc<KeyRing>>) -> Self {
+        Self { router, keys, started: now_s() }
     }
 
     fn tenant(&self, headers: &HeaderMap) -> Result<Arc<Tenant>, ApiError> {

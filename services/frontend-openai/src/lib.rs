@@ -44,14 +44,10 @@ pub fn app(state: AppState) -> axum::Router {
 /// The frontend the router serves beside gRPC (`pdmesh_router::run_with`): this API on
 /// `listener`, with the router's API keys, until the router stops; then in-flight requests get
 /// `drain` to finish.
-pub fn frontend(
-    listener: TcpListener,
-    model_id: String,
-    drain: Duration,
-) -> pdmesh_router::Frontend {
+pub fn frontend(listener: TcpListener, drain: Duration) -> pdmesh_router::Frontend {
     Box::new(move |router: Router, keys: Option<Arc<KeyRing>>, stop: CancellationToken| {
         Box::pin(async move {
-            let state = AppState::new(router, keys, model_id);
+            let state = AppState::new(router, keys);
             serve(app(state), listener, stop.cancelled_owned(), drain).await;
             Ok(())
         })

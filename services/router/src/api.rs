@@ -99,7 +99,7 @@ impl Router {
     /// Counts a request a frontend refused before it reached the mesh (invalid, over a
     /// limit), as the router counts its own: one `failed` by status code.
     pub fn count_refused(&self, code: tonic::Code) {
-        self.mesh.metrics.failed(code);
+        self.mesh.metrics.failed(None, code);
     }
 
     /// Requests admitted and not yet ended.

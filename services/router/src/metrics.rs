@@ -189,9 +189,22 @@ impl RouterMetrics {
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
-            let nodes = |r: Role| {
-                mesh.pools().iter().map(|p| mesh.live_count(p.fingerprint(), r)).sum::<usize>()
-                    as f64
+            let roles =
+                [("prefill", Role::Prefill), ("decode", Role::Decode), ("kvstore", Role::Kvstore)];
+            let nodes = Family {
+                name: "pdmesh_router_nodes".into(),
+                help: "Usable registered nodes, by model and role.",
+                kind: Kind::Gauge,
+                samples: mesh
+                    .pools()
+                    .iter()
+                    .flat_map(|p| {
+                        roles.map(|(name, r)| {
+                            let labels = vec![("model", p.id.clone()), ("role", name.to_string())];
+                            (labels, mesh.live_count(p.fingerprint(), r) as f64)
+                        })
+                    })
+                    .collect(),
             };
             let plan = mesh.pool().plan();
             let mut v = planner_families(plan.as_ref());
@@ -208,17 +221,7 @@ impl RouterMetrics {
                     Kind::Gauge,
                     mesh.pools().iter().map(|p| p.queue.len()).sum::<usize>() as f64,
                 ),
-                Family::labelled(
-                    "pdmesh_router_nodes",
-                    "Usable registered nodes, by role.",
-                    Kind::Gauge,
-                    "role",
-                    &[
-                        ("prefill", nodes(Role::Prefill)),
-                        ("decode", nodes(Role::Decode)),
-                        ("kvstore", nodes(Role::Kvstore)),
-                    ],
-                ),
+                nodes,
             ]);
             let (blocks, entries) = mesh.index.size();
             v.push(Family::one(
@@ -250,12 +253,14 @@ impl RouterMetrics {
         });
     }
 
-    /// A request finished (any reason): its latencies and tokens.
-    pub fn finished(&self, f: &Finished) {
+    /// A request of `model` finished (any reason): its latencies and tokens.
+    pub fn finished(&self, model: &str, f: &Finished) {
         let (t, completion) = (&f.timings, f.usage.completion_tokens);
         let reason = pdmesh_wire::finish_reason(f.reason);
         let name = reason.as_str_name().trim_start_matches("FINISH_REASON_").to_ascii_lowercase();
-        self.requests.get_or_create(&vec![("outcome", "finished".into()), ("reason", name)]).inc();
+        let labels =
+            vec![("model", model.into()), ("outcome", "finished".into()), ("reason", name)];
+        self.requests.get_or_create(&labels).inc();
         // A request cancelled before its first token has no TTFT.
         if t.ttft_ms > 0.0 {
             self.ttft.observe(t.ttft_ms / 1e3);
@@ -309,14 +314,16 @@ impl RouterMetrics {
         self.coalesced.inc();
     }
 
-    /// The client went away before the request ended.
-    pub fn abandoned(&self) {
-        self.requests.get_or_create(&vec![("outcome", "abandoned".into())]).inc();
+    /// The client of a request of `model` went away before the request ended.
+    pub fn abandoned(&self, model: &str) {
+        let labels = vec![("model", model.into()), ("outcome", "abandoned".into())];
+        self.requests.get_or_create(&labels).inc();
     }
 
-    /// A request failed with `code`.
-    pub fn failed(&self, code: tonic::Code) {
-        let code = format!("{code:?}");
-        self.requests.get_or_create(&vec![("outcome", "failed".into()), ("code", code)]).inc();
+    /// A request failed with `code`: of `model`, or refused before it chose one (None).
+    pub fn failed(&self, model: Option<&str>, code: tonic::Code) {
+        let mut labels: Labels = model.map(|m| ("model", m.to_string())).into_iter().collect();
+        labels.extend([("outcome", "failed".into()), ("code", format!("{code:?}"))]);
+        self.requests.get_or_create(&labels).inc();
     }
 }

@@ -74,7 +74,7 @@ pub(crate) async fn run(
         Ok(d) => Ok(finished(&req, report, d.reason, d.completion_tokens)),
         Err(Failure::Cancelled) => Ok(finished(&req, report, FinishReason::Cancelled, 0)),
         Err(Failure::Abandoned) => {
-            mesh.metrics.abandoned();
+            mesh.metrics.abandoned(&req.pool.id);
             tracing::info!(request = id, "client went away; aborting both legs");
             return;
         }
@@ -82,14 +82,14 @@ pub(crate) async fn run(
     };
     match &end {
         Ok(Event::Finished(f)) => {
-            mesh.metrics.finished(f);
+            mesh.metrics.finished(&req.pool.id, f);
             if f.reason != FinishReason::Cancelled {
                 req.pool.observe(f);
             }
         }
         Ok(_) => {}
         Err(e) => {
-            mesh.metrics.failed(e.code());
+            mesh.metrics.failed(Some(&req.pool.id), e.code());
             tracing::warn!(request = id, code = ?e.code(), "request failed: {e}");
         }
     }

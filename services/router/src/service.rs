@@ -245,7 +245,7 @@ impl Generation for RouterService {
         // Refused before it started (invalid, over the limit): counted here; everything later
         // is counted as the request ends.
         if let Err(s) = &started {
-            self.mesh().metrics.failed(s.code());
+            self.mesh().metrics.failed(None, s.code());
         }
         started
     }

@@ -63,16 +63,20 @@ pub(super) fn router_config(a: &UpArgs, dir: Option<&Path>) -> pdmesh_router::Ro
         internal_listen: ANY_PORT.into(),
         http_listen: Some(a.http_listen.clone()),
         metrics_listen: Some(ANY_PORT.into()),
-        model: a.model.clone(),
+        model: a.model().to_path_buf(),
+        models: a.models[1..]
+            .iter()
+            .map(|m| pdmesh_router::config::ServedModel { path: m.clone(), name: None })
+            .collect(),
         colocate_below_tokens: a.colocate_below_tokens,
         api_keys: dir.map(|d| d.join(KEY_RING_FILE)),
         allow_anonymous: dir.is_none(),
         ..Default::default()
     };
     let p = &mut c.planner;
-    p.min_prefill = count(a.prefill.max(1));
+    p.min_prefill = count(a.nodes("prefill", 0).max(1));
     p.max_prefill = count(a.most("prefill").max(1));
-    p.min_decode = count(a.decode);
+    p.min_decode = count(a.nodes("decode", 0));
     p.max_decode = count(a.most("decode"));
     set(&mut p.ttft_slo_ms, a.ttft_slo_ms);
     set(&mut p.itl_slo_ms, a.itl_slo_ms);
@@ -92,7 +96,7 @@ pub(super) fn kvstore_config(a: &UpArgs, router: &str) -> pdmesh_kvstore::KvStor
         routers: vec![router.to_string()],
         budget_bytes: a.kvstore_budget_bytes,
         disk_dir: a.kvstore_disk_dir.clone(),
-        model: a.model.clone(),
+        model: a.model().to_path_buf(),
         ..Default::default()
     };
     set(&mut c.block_size, a.block_size);
@@ -122,15 +126,17 @@ pub(super) struct NodeTemplate<'a> {
     pub(super) launch: Launch,
 }
 
-/// A prefill or decode node's settings from `up`'s flags, and the CPUs it is pinned to.
+/// The settings of a prefill or decode node of model `k` (`up`'s `--model`s in order) from
+/// `up`'s flags, and the CPUs it is pinned to.
 pub(super) fn node_settings(
     t: &NodeTemplate<'_>,
+    k: usize,
     prefill: bool,
     name: &str,
 ) -> (Settings, Option<String>) {
     let a = t.a;
     let mut engine = pdmesh_engine::EngineSettings {
-        model: a.model.clone(),
+        model: a.models[k].clone(),
         threads: t.threads,
         ..if prefill {
             pdmesh_prefill::PrefillConfig::default().engine
@@ -149,7 +155,8 @@ pub(super) fn node_settings(
             metrics_listen,
             routers,
             node_id,
-            kvstore: t.kvstore.clone(),
+            // The KV-store keeps the default model's prefixes only.
+            kvstore: t.kvstore.clone().filter(|_| k == 0),
             engine,
             ..Default::default()
         };
@@ -242,7 +249,7 @@ mod tests {
             kvstore: None,
             launch,
         };
-        let (decode, _) = node_settings(&t, false, "decode-0");
+        let (decode, _) = node_settings(&t, 0, false, "decode-0");
         let Settings::Decode(d) = &decode else { panic!("a decode node") };
         let back: pdmesh_decode::DecodeConfig = reads_back(&decode, &file);
         assert_eq!(&back, &**d);
@@ -254,7 +261,7 @@ mod tests {
             (d.node_id.as_deref(), d.routers.as_slice()),
             (Some("decode-0"), &["127.0.0.1:9".to_string()][..])
         );
-        let (prefill, _) = node_settings(&t, true, "prefill-1");
+        let (prefill, _) = node_settings(&t, 0, true, "prefill-1");
         let Settings::Prefill(p) = &prefill else { panic!("a prefill node") };
         let back: pdmesh_prefill::PrefillConfig = reads_back(&prefill, &file);
         assert_eq!(&back, &**p);
@@ -297,8 +304,8 @@ mod tests {
             };
             let children = serde_json::json!({
                 "router": json(&Settings::Router(router_config(&up.a, None).into())).unwrap(),
-                "prefill": json(&node_settings(&t, true, "p").0).unwrap(),
-                "decode": json(&node_settings(&t, false, "d").0).unwrap(),
+                "prefill": json(&node_settings(&t, 0, true, "p").0).unwrap(),
+                "decode": json(&node_settings(&t, 0, false, "d").0).unwrap(),
             });
             let got = children.pointer(pointer).expect("the setting exists");
             let shown = match got {
@@ -311,5 +318,49 @@ mod tests {
                 value(id)
             );
         }
+    }
+
+    /// Several `--model`s: the router serves each beside the first, each model's nodes load
+    /// it and are named apart, and only the first model's prefill nodes use the KV-store.
+    #[test]
+    fn several_models_each_get_nodes_of_their_own() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (a, b) = (dir.path().join("small.gguf"), dir.path().join("large.gguf"));
+        for m in [&a, &b] {
+            std::fs::write(m, b"weights").expect("written");
+        }
+        let (sa, sb) = (a.display().to_string(), b.display().to_string());
+        let up = Up::try_parse_from(["up", "--model", &sa, "--model", &sb, "--decode", "1,2"])
+            .expect("parses");
+        up.a.check().expect("a valid mesh");
+        assert_eq!((up.a.total("prefill"), up.a.total("decode")), (2, 3));
+        assert_eq!(UpArgs::node_name(1, "decode", 1), "m1-decode-1");
+        let r = router_config(&up.a, None);
+        assert_eq!((r.model.as_path(), r.models.len()), (a.as_path(), 1));
+        assert_eq!(r.served()[1], ("large".to_string(), b.clone()));
+        let t = NodeTemplate {
+            a: &up.a,
+            internal: String::new(),
+            threads: 1,
+            kvstore: Some("127.0.0.1:7".into()),
+            launch: Launch { tls_dir: None, configs: dir.path().into() },
+        };
+        for (k, model, kvstore) in [(0, &a, true), (1, &b, false)] {
+            let (s, _) = node_settings(&t, k, true, "p");
+            let Settings::Prefill(p) = s else { panic!("a prefill node") };
+            assert_eq!((&p.engine.model, p.kvstore.is_some()), (model, kvstore), "model {k}");
+        }
+
+        let refused = |args: &[&str]| {
+            let mut argv = vec!["up", "--model", &sa, "--model", &sb];
+            argv.extend(args);
+            let up = Up::try_parse_from(argv).expect("parses");
+            up.a.check().expect_err("refused").to_string()
+        };
+        assert!(refused(&["--decode", "1,1,1"]).contains("--decode has 3 counts for 2"));
+        assert!(refused(&["--decode", "1,0"]).contains("large.gguf has none"));
+        assert!(refused(&["--autoscale"]).contains("--autoscale follows the planner of one"));
+        let twice = Up::try_parse_from(["up", "--model", &sa, "--model", &sa]).expect("parses");
+        assert!(twice.a.check().expect_err("refused").to_string().contains("\"small\""));
     }
 }

@@ -70,14 +70,15 @@ impl Launch {
     }
 }
 
-/// Starts node `i` of `role` under supervision.
+/// Starts node `i` of `role` of model `k` under supervision.
 pub(super) async fn start_node(
     t: &NodeTemplate<'_>,
+    k: usize,
     role: &str,
     i: usize,
 ) -> anyhow::Result<Supervised> {
-    let name = format!("{role}-{i}");
-    let (settings, cpus) = node_settings(t, role == "prefill", &name);
+    let name = super::UpArgs::node_name(k, role, i);
+    let (settings, cpus) = node_settings(t, k, role == "prefill", &name);
     let mut node = t.launch.start(&name, cpus, settings, 1).await?;
     node.role = Some(if role == "prefill" { Role::Prefill } else { Role::Decode });
     Ok(node)
@@ -115,10 +116,10 @@ pub(super) async fn autoscale(
     (prefill, decode): (usize, usize),
 ) {
     let a = t.a;
-    for (role, name, want, least) in
-        [(Role::Prefill, "prefill", prefill, a.prefill), (Role::Decode, "decode", decode, a.decode)]
+    for (role, name, want) in
+        [(Role::Prefill, "prefill", prefill), (Role::Decode, "decode", decode)]
     {
-        let want = want.clamp(least, a.most(name));
+        let want = want.clamp(a.nodes(name, 0), a.most(name));
         let serving: Vec<usize> = (0..procs.len())
             .filter(|&i| procs[i].role == Some(role) && !procs[i].retiring)
             .collect();
@@ -127,7 +128,7 @@ pub(super) async fn autoscale(
             let taken = |i: usize| procs.iter().any(|p| p.name == format!("{name}-{i}"));
             let Some(i) = (0..a.most(name)).find(|&i| !taken(i)) else { continue };
             eprintln!("pdmesh: the planner wants {want} {name} nodes; starting {name}-{i}");
-            match start_node(t, name, i).await {
+            match start_node(t, 0, name, i).await {
                 Ok(node) => procs.push(node),
                 Err(e) => eprintln!("pdmesh: starting {name}-{i} failed: {e:#}"),
             }
