@@ -603,7 +603,14 @@ impl BatchRunner {
         if let (End::Finished { .. }, Some(text)) = (&end, &mut slot.text) {
             let tail = text.finish();
             if !tail.is_empty() {
-                out.push(Output { id, event: Event::Delta(tail, None) });
+                // The text held these tokens back: their mark (and logprob reports) goes with
+                // them, or the last token's report would never leave the node.
+                let mark = Mark {
+                    tokens: std::mem::take(&mut slot.unmarked),
+                    rng_position: slot.sampler.rng_position(),
+                    logprobs: std::mem::take(&mut slot.unmarked_logprobs),
+                };
+                out.push(Output { id, event: Event::Delta(tail, Some(mark)) });
             }
         }
         let evicted = slot.seq.and_then(|seq| engine.evicted_tokens(seq).ok()).unwrap_or(0);
