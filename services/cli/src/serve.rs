@@ -414,9 +414,9 @@ mod tests {
                     l.trim_start().starts_with(&format!("{key} ="))
                         || l.trim() == format!("[{key}]")
                 });
-                // Unset, these have no TOML spelling (the disk tiers' directories are shown
-                // commented out), and the fault hooks are for tests.
-                let unset = ["advertise", "node_id", "disk_dir", "cache_disk_dir"];
+                // Unset, these have no TOML spelling (the disk tiers' directories and the
+                // router's ladder are shown commented out), and the fault hooks are for tests.
+                let unset = ["advertise", "node_id", "disk_dir", "cache_disk_dir", "tiers"];
                 let optional = unset.contains(&key.as_str()) || key.starts_with("fault_");
                 assert!(spelled || optional, "{name} does not set {key}");
             }

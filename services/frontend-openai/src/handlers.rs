@@ -17,6 +17,7 @@ use http::{HeaderMap, HeaderValue};
 use pdmesh_common::apikey::{KeyRing, Tenant};
 use pdmesh_common::trace;
 use pdmesh_model::{FinishReason, TokenLogprobs};
+use pdmesh_router::config::AUTO_MODEL;
 use pdmesh_router::{Event, Events, Finished, Router};
 use serde::de::DeserializeOwned;
 use tracing::Span;
@@ -72,12 +73,37 @@ impl AppState {
         }
     }
 
+    /// `auto`'s card where the router declares a ladder: its context is the least of the
+    /// ladder's, which every model it may run can take.
+    fn auto_card(&self) -> Option<ModelCard> {
+        let ladder = self.router.ladder()?;
+        let (_, smallest) = ladder.iter().min_by_key(|(_, m)| m.config.context)?;
+        Some(self.card(AUTO_MODEL, smallest))
+    }
+
     /// The served model `asked` names, with its card; else 404 naming those served.
     fn pick(&self, asked: &str) -> Result<Arc<pdmesh_model::ModelCard>, ApiError> {
-        self.router.model_named(asked).ok_or_else(|| {
-            let served: Vec<String> = self.router.models().into_iter().map(|(id, _)| id).collect();
-            ApiError::unknown_model(asked, &served.join("`, `"))
-        })
+        self.router.model_named(asked).ok_or_else(|| self.unknown(asked))
+    }
+
+    fn unknown(&self, asked: &str) -> ApiError {
+        let mut served: Vec<String> = self.router.models().into_iter().map(|(id, _)| id).collect();
+        if self.router.ladder().is_some() {
+            served.push(AUTO_MODEL.into());
+        }
+        ApiError::unknown_model(asked, &served.join("`, `"))
+    }
+
+    /// What a request for `asked` is prepared for: that model, or each model of the ladder
+    /// for `auto`.
+    fn models_for(
+        &self,
+        asked: &str,
+    ) -> Result<Vec<(String, Arc<pdmesh_model::ModelCard>)>, ApiError> {
+        if asked == AUTO_MODEL {
+            return self.router.ladder().ok_or_else(|| self.unknown(asked));
+        }
+        Ok(vec![(asked.to_string(), self.pick(asked)?)])
     }
 }
 
@@ -93,7 +119,8 @@ pub async fn health(State(s): State<AppState>) -> Response {
 
 pub async fn models(State(s): State<AppState>, headers: HeaderMap) -> Result<Response, ApiError> {
     s.tenant(&headers)?;
-    let data = s.router.models().iter().map(|(id, m)| s.card(id, m)).collect();
+    let mut data: Vec<ModelCard> = s.router.models().iter().map(|(id, m)| s.card(id, m)).collect();
+    data.extend(s.auto_card());
     Ok(axum::Json(ModelList { object: "list", data }).into_response())
 }
 
@@ -103,6 +130,9 @@ pub async fn model(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     s.tenant(&headers)?;
+    if let Some(auto) = s.auto_card().filter(|c| c.id == id) {
+        return Ok(axum::Json(auto).into_response());
+    }
     let model = s.pick(&id)?;
     Ok(axum::Json(s.card(&id, &model)).into_response())
 }
@@ -289,22 +319,41 @@ async fn start(
     let body = read_body(headers, body).await?;
     let state = s.clone();
     // The body names the model, whose tokenizer and template check the rest.
-    let plan = tokio::task::spawn_blocking(move || match kind {
-        Kind::Chat => {
-            let r: ChatCompletionRequest = parse_body(&body)?;
-            let model = state.pick(&r.model)?;
-            prepare::chat(&model, &r.model, &r, &parse_body(&body)?)
-        }
-        Kind::Completion => {
-            let r: CompletionRequest = parse_body(&body)?;
-            let model = state.pick(&r.model)?;
-            prepare::completion(&model, &r.model, &r, &parse_body(&body)?)
+    // `auto` is prepared for each model of its ladder, by that model's tokenizer and template.
+    let plans = tokio::task::spawn_blocking(move || -> Result<Vec<Plan>, ApiError> {
+        match kind {
+            Kind::Chat => {
+                let r: ChatCompletionRequest = parse_body(&body)?;
+                let common = parse_body(&body)?;
+                let each = |(id, model): &(String, Arc<pdmesh_model::ModelCard>)| {
+                    let r = ChatCompletionRequest { model: id.clone(), ..r.clone() };
+                    prepare::chat(model, id, &r, &common)
+                };
+                state.models_for(&r.model)?.iter().map(each).collect()
+            }
+            Kind::Completion => {
+                let r: CompletionRequest = parse_body(&body)?;
+                let common = parse_body(&body)?;
+                let each = |(id, model): &(String, Arc<pdmesh_model::ModelCard>)| {
+                    let r = CompletionRequest { model: id.clone(), ..r.clone() };
+                    prepare::completion(model, id, &r, &common)
+                };
+                state.models_for(&r.model)?.iter().map(each).collect()
+            }
         }
     })
     .await
     .map_err(|e| ApiError::internal(format!("validation task: {e}")))??;
-    let mut plan = plan;
-    plan.prep.kv_policy = plan.prep.kv_policy.or(tenant_policy);
+    let auto = plans.len() > 1;
+    let mut plans: Vec<Plan> = plans
+        .into_iter()
+        .map(|mut p| {
+            p.prep.kv_policy = p.prep.kv_policy.or(tenant_policy);
+            p
+        })
+        .collect();
+    let ladder: Vec<_> = plans.iter().map(|p| p.prep.clone()).collect();
+    let plan = &plans[0];
     if let Some(p) = plan.prep.kv_policy {
         trace::attr(&root, "kv_policy", p.to_string());
     }
@@ -313,18 +362,25 @@ async fn start(
     if let Some(u) = &plan.user {
         trace::attr(&root, "user", u.clone());
     }
-    let (request_id, mut events) =
-        s.router.generate_admitted(admitted, None, plan.prep.clone(), deadline, root.clone())?;
+    let (request_id, mut events) = if auto {
+        s.router.generate_tiered(admitted, None, ladder, deadline, root.clone())?
+    } else {
+        s.router.generate_admitted(admitted, None, plan.prep.clone(), deadline, root.clone())?
+    };
     root.record("request_id", request_id.as_str());
-    // Started, then the first token or why there is none: the status is known before the
-    // response begins.
+    // Started (naming the model that answers), then the first token or why there is none:
+    // the status is known before the response begins.
+    let mut answering = plan.prep.model.clone();
     let first = loop {
         match next_event(&mut None, &mut events).await.map_err(on_mesh)? {
-            Event::Started { .. } => continue,
+            Event::Started { model, .. } => answering = model,
             ev => break ev,
         }
     };
-    let mut answer = Answer::new(s, kind, plan, &request_id);
+    // The answering model's own plan: its prompt ids are its tokenizer's.
+    let at = plans.iter().position(|p| p.prep.model == answering).unwrap_or(0);
+    let plan = plans.swap_remove(at);
+    let mut answer = Answer::new(s, kind, plan, &answering, &request_id);
     let mut response = if answer.plan.stream {
         let body = answer.stream(first, events);
         SseBody::new(body).into_response()
@@ -382,12 +438,13 @@ struct Answer {
 }
 
 impl Answer {
-    fn new(s: &AppState, kind: Kind, plan: Plan, request_id: &str) -> Self {
+    /// The answer of `model_id` (for `auto`, the ladder's model that answers) to `plan`.
+    fn new(s: &AppState, kind: Kind, plan: Plan, model_id: &str, request_id: &str) -> Self {
         let prefix = match kind {
             Kind::Chat => "chatcmpl",
             Kind::Completion => "cmpl",
         };
-        let model_id = plan.prep.model.clone();
+        let model_id = model_id.to_string();
         let model = s.router.model_named(&model_id).unwrap_or_else(|| Arc::clone(s.router.model()));
         let fingerprint = format!("fp_{:016x}", model.fingerprint);
         Self {

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use pdmesh_common::apikey::Tenant;
 use pdmesh_common::gate::Quota;
 use tokio::sync::{Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 
 use crate::error::RequestError;
@@ -27,6 +28,7 @@ pub const MAX_CANCEL_FANOUTS_PER_TENANT: usize = 2;
 
 /// A request's events; dropping it cancels the request on every node.
 pub type Events = mpsc::Receiver<Result<Event, RequestError>>;
+type EventSender = mpsc::Sender<Result<Event, RequestError>>;
 
 /// A request's place among those in flight (`Router::admit`), on the router and among its
 /// tenant's; dropping it gives both back.
@@ -172,6 +174,24 @@ impl Router {
         deadline: Instant,
         span: Span,
     ) -> Result<(String, Events), RequestError> {
+        self.start(admitted, request_id, span, move |mesh, id, tenant, tx, cancel| async move {
+            crate::relay::run(&mesh, id, prep, &tenant, deadline, tx, cancel).await;
+        })
+    }
+
+    /// Registers the request's id and runs `body` for it in a task of its own, in `span`; the
+    /// id and the admitted place are let go when `body` ends.
+    fn start<F, Fut>(
+        &self,
+        admitted: Admitted,
+        request_id: Option<String>,
+        span: Span,
+        body: F,
+    ) -> Result<(String, Events), RequestError>
+    where
+        F: FnOnce(Arc<Mesh>, String, Arc<Tenant>, EventSender, CancellationToken) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
         let id = match request_id {
             Some(id) => {
                 pdmesh_common::ids::check_request_id(&id).map_err(RequestError::Invalid)?;
@@ -184,16 +204,42 @@ impl Router {
             self.mesh.start(&id, &owner).ok_or_else(|| RequestError::Duplicate(id.clone()))?;
         let (tx, rx) = mpsc::channel(CLIENT_BUFFER);
         let mesh = Arc::clone(&self.mesh);
+        let work = body(Arc::clone(&mesh), id.clone(), Arc::clone(&admitted.tenant), tx, cancel);
         let run_id = id.clone();
         let run = async move {
-            let tenant = Arc::clone(&admitted.tenant);
-            crate::relay::run(&mesh, run_id.clone(), prep, &tenant, deadline, tx, cancel).await;
+            work.await;
             mesh.finish(&run_id, &owner);
             drop(admitted);
         };
         // The request outlives the call that started it; it runs in the request's span.
         tokio::spawn(run.instrument(span));
         Ok((id, rx))
+    }
+
+    /// `generate_admitted` for a request for `auto`: `ladder` is the request prepared for each
+    /// model of the router's ladder in order (`Router::ladder`), run as a cascade.
+    pub fn generate_tiered(
+        &self,
+        admitted: Admitted,
+        request_id: Option<String>,
+        ladder: Vec<Prepared>,
+        deadline: Instant,
+        span: Span,
+    ) -> Result<(String, Events), RequestError> {
+        let Some(tiers) = self.mesh.config.tiers.clone() else {
+            return Err(RequestError::Invalid("this router declares no ladder for `auto`".into()));
+        };
+        self.start(admitted, request_id, span, move |mesh, id, tenant, tx, cancel| async move {
+            let threshold = tiers.min_mean_logprob;
+            crate::tiers::run(&mesh, id, ladder, threshold, &tenant, deadline, tx, cancel).await;
+        })
+    }
+
+    /// The ladder of `auto` (`[tiers]`): each model's id and card, cheapest first; None where
+    /// the router declares none.
+    pub fn ladder(&self) -> Option<Vec<(String, Arc<pdmesh_model::ModelCard>)>> {
+        let tiers = self.mesh.config.tiers.as_ref()?;
+        tiers.ladder.iter().map(|id| Some((id.clone(), self.model_named(id)?))).collect()
     }
 
     /// Cancels `tenant`'s running request: it ends with `Finished(Cancelled)` and frees its

@@ -49,6 +49,10 @@ pub struct RouterConfig {
     /// `model`.
     #[settings(skip)]
     pub models: Vec<ServedModel>,
+    /// Tiered routing (`[tiers]` in the file): what a request for the virtual model `auto`
+    /// runs on. None: `auto` is not served.
+    #[settings(skip)]
+    pub tiers: Option<Tiers>,
     /// Requests admitted at once; more get RESOURCE_EXHAUSTED with a retry hint.
     pub max_in_flight: usize,
     /// Admitted requests that may wait for room on a decode node (a burst past the mesh's
@@ -132,6 +136,7 @@ impl Default for RouterConfig {
             metrics_listen: None,
             model: PathBuf::from(pdmesh_model::DEFAULT_MODEL_PATH),
             models: Vec::new(),
+            tiers: None,
             max_in_flight: 256,
             max_queued: 1024,
             retry_after_ms: 500,
@@ -202,6 +207,9 @@ impl RouterConfig {
             }
             names.push(name);
         }
+        if let Some(t) = &self.tiers {
+            t.validate(&names).map_err(|why| InvalidConfig::new("tiers", why))?;
+        }
         if self.max_in_flight == 0 {
             return Err(InvalidConfig::new("max_in_flight", "must be at least 1"));
         }
@@ -247,6 +255,42 @@ impl RouterConfig {
 
 /// A name no model may take: kept for routing along a ladder of models.
 pub const AUTO_MODEL: &str = "auto";
+
+/// A cascade along a ladder of served models, cheapest first: a request for `auto` is
+/// answered by the first model, and re-run on the next while its answer's confidence (the
+/// mean log-probability of its tokens) is below `min_mean_logprob`; the last model's answer
+/// is kept whatever it is. Nothing reaches the client until an answer is kept.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tiers {
+    /// Served models' ids, cheapest first (at least two).
+    pub ladder: Vec<String>,
+    /// The least mean token log-probability (≤ 0) an answer needs to be kept.
+    pub min_mean_logprob: f32,
+}
+
+impl Tiers {
+    fn validate(&self, served: &[String]) -> Result<(), String> {
+        if self.ladder.len() < 2 {
+            return Err("ladder: at least two models, cheapest first".into());
+        }
+        for (i, m) in self.ladder.iter().enumerate() {
+            if !served.contains(m) {
+                return Err(format!("ladder[{i}]: {m:?} is not served (served: {served:?})"));
+            }
+            if self.ladder[..i].contains(m) {
+                return Err(format!("ladder[{i}]: {m:?} is on the ladder twice"));
+            }
+        }
+        if !(self.min_mean_logprob.is_finite() && self.min_mean_logprob <= 0.0) {
+            return Err(format!(
+                "min_mean_logprob: a log-probability, finite and <= 0; got {}",
+                self.min_mean_logprob
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// A model served beside the default one.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -300,5 +344,32 @@ mod tests {
             let e = bad.validate().unwrap_err().to_string();
             assert!(e.contains(why) && e.contains("models"), "{e}");
         }
+    }
+
+    /// A ladder names served models, each once, at least two, with a log-probability
+    /// threshold; anything else is refused naming what is wrong.
+    #[test]
+    fn a_ladder_climbs_served_models() {
+        let tiers = |ladder: &[&str], t: f32| {
+            let mut c = with(&[("m/big.gguf", None)]);
+            let ladder = ladder.iter().map(|s| s.to_string()).collect();
+            c.tiers = Some(Tiers { ladder, min_mean_logprob: t });
+            c
+        };
+        let small = RouterConfig::default().model_id();
+        tiers(&[&small, "big"], -0.5).validate().unwrap();
+        for (bad, why) in [
+            (tiers(&["big"], -0.5), "at least two"),
+            (tiers(&[&small, "huge"], -0.5), "\"huge\" is not served"),
+            (tiers(&[&small, &small], -0.5), "twice"),
+            (tiers(&[&small, "big"], 0.5), "<= 0"),
+            (tiers(&[&small, "big"], f32::NAN), "<= 0"),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("tiers"), "{e}");
+        }
+        let file: RouterConfig =
+            toml::from_str("[tiers]\nladder = [\"a\", \"b\"]\nmin_mean_logprob = -0.7\n").unwrap();
+        assert_eq!(file.tiers.unwrap().ladder, ["a", "b"]);
     }
 }

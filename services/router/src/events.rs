@@ -10,6 +10,8 @@ pub enum Event {
         request_id: String,
         prompt_tokens: u32,
         trace_id: Option<String>,
+        /// The served model that answers.
+        model: String,
     },
     /// New text (never part of a stop string, never a broken character) and its tokens, with
     /// one logprob report per token when the request asked for them.
@@ -27,6 +29,8 @@ pub struct Finished {
     pub reason: FinishReason,
     pub usage: Usage,
     pub timings: Timings,
+    /// The served model that answered.
+    pub model: String,
 }
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -77,4 +81,6 @@ pub struct Timings {
     pub migrations: u32,
     /// Times its decode node preempted it and it continued once a node had room.
     pub preemptions: u32,
+    /// Times an `auto` request was re-run on the next model of the ladder.
+    pub escalations: u32,
 }

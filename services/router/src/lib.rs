@@ -23,6 +23,7 @@ mod relay;
 pub mod request;
 pub mod service;
 mod stage;
+mod tiers;
 
 use std::future::Future;
 use std::pin::Pin;

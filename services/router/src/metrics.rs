@@ -31,6 +31,7 @@ pub struct RouterMetrics {
     index_changes: Counter,
     index_resyncs: Counter,
     refused: LabelledFamily<Labels, Counter>,
+    escalations: LabelledFamily<Labels, Counter>,
 }
 
 impl Default for RouterMetrics {
@@ -56,6 +57,7 @@ impl Default for RouterMetrics {
             index_changes: Counter::default(),
             index_resyncs: Counter::default(),
             refused: LabelledFamily::default(),
+            escalations: LabelledFamily::default(),
         }
     }
 }
@@ -186,6 +188,12 @@ impl RouterMetrics {
              (KV in another dtype or block size than the mesh's nodes). A refused node retries.",
             self.refused.clone(),
         );
+        m.register(
+            "pdmesh_router_escalations",
+            "Requests for `auto` re-run on the next model of the ladder, by the model whose \
+             answer was not kept (its run counts in `requests_total` of that model too).",
+            self.escalations.clone(),
+        );
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
@@ -307,6 +315,12 @@ impl RouterMetrics {
     /// A node asked to join and was refused for `reason`.
     pub fn refused(&self, reason: &'static str) {
         self.refused.get_or_create(&vec![("reason", reason.into())]).inc();
+    }
+
+    /// An `auto` request's answer from `model` was not confident enough (or `model` could not
+    /// answer): it runs on the next model of the ladder.
+    pub fn escalated(&self, model: &str) {
+        self.escalations.get_or_create(&vec![("from", model.into())]).inc();
     }
 
     /// A request waited for its prefix to be computed by another.

@@ -45,18 +45,20 @@ pub(crate) async fn run(
     cancel: CancellationToken,
 ) {
     let t0 = Instant::now();
+    // Admission checked the name; the default pool serves one that names none.
+    let pool = mesh.pool_named(&prep.model).unwrap_or_else(|| mesh.pool());
     let started = Event::Started {
         request_id: id.clone(),
         prompt_tokens: prep.prompt.len() as u32,
         trace_id: trace::trace_id(),
+        model: pool.id.clone(),
     };
     if out.send(Ok(started)).await.is_err() {
         return;
     }
     let req = Request {
         mesh,
-        // Admission checked the name; the default pool serves one that names none.
-        pool: mesh.pool_named(&prep.model).unwrap_or_else(|| mesh.pool()),
+        pool,
         id: &id,
         prep: &prep,
         owner: &tenant.tenant,
@@ -136,7 +138,7 @@ fn finished(req: &Request<'_>, report: Report, reason: FinishReason, completion:
             trace::attr(&root, "kv_evicted_tokens", i64::from(usage.kv_evicted_tokens));
         }
     }
-    Event::Finished(Finished { reason, usage, timings })
+    Event::Finished(Finished { reason, usage, timings, model: req.pool.id.clone() })
 }
 
 /// Attempts the request until one finishes it or a failure is final: each failure goes

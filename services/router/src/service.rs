@@ -24,8 +24,10 @@ use pdmesh_common::gate::{Quota, Slot};
 use pdmesh_common::trace;
 
 use crate::api::{Event, Router};
+use crate::config::AUTO_MODEL;
 use crate::mesh::Mesh;
-use crate::request::{prepare, tokenize};
+use crate::request::{Prepared, prepare, tokenize};
+use pdmesh_model::ModelCard;
 
 #[derive(Debug, Clone)]
 pub struct RouterService {
@@ -134,18 +136,34 @@ impl RouterService {
         deadline: Instant,
         root: Span,
     ) -> Result<Response<ResponseStream>, Status> {
-        let pool = match r.model.as_str() {
-            "" => self.mesh().pool(),
-            name => self.mesh().pool_named(name).ok_or_else(|| {
-                let served: Vec<&str> = self.mesh().pools().iter().map(|p| &p.id[..]).collect();
+        let served = || {
+            let mut ids: Vec<&str> = self.mesh().pools().iter().map(|p| &p.id[..]).collect();
+            if self.mesh().config.tiers.is_some() {
+                ids.push(AUTO_MODEL);
+            }
+            ids.join(", ")
+        };
+        // The models to prepare it for: the one it names, or `auto`'s whole ladder.
+        let models: Vec<(String, Arc<ModelCard>)> = match r.model.as_str() {
+            "" => vec![(self.mesh().pool().id.clone(), Arc::clone(&self.mesh().pool().model))],
+            AUTO_MODEL => self.router.ladder().ok_or_else(|| {
                 Status::not_found(format!(
-                    "model {name:?} is not served here; served: {}",
-                    served.join(", ")
+                    "model \"auto\" is not served here (the router declares no [tiers]); \
+                     served: {}",
+                    served()
                 ))
             })?,
+            name => {
+                let pool = self.mesh().pool_named(name).ok_or_else(|| {
+                    Status::not_found(format!(
+                        "model {name:?} is not served here; served: {}",
+                        served()
+                    ))
+                })?;
+                vec![(pool.id.clone(), Arc::clone(&pool.model))]
+            }
         };
-        let (model, model_id) = (Arc::clone(&pool.model), pool.id.clone());
-        trace::attr(&root, "model", model_id.clone());
+        trace::attr(&root, "model", r.model.clone());
         // A place first: a full router refuses before it tokenizes (the costly part of checking).
         trace::attr(&root, "tenant", tenant.tenant.clone());
         let tenant_policy = tenant.kv_policy;
@@ -154,25 +172,46 @@ impl RouterService {
         // Token ids are only checked against the vocabulary: microseconds, less than the
         // hand-off to a blocking thread and back. Text is tokenized (and a chat rendered) off
         // the async threads, which a long prompt would hold up.
-        let prep = if matches!(r.input, Some(generate_request::Input::TokenIds(_))) {
-            prepare(&model, &r)
+        let auto = r.model == AUTO_MODEL;
+        if auto && matches!(r.input, Some(generate_request::Input::TokenIds(_))) {
+            return Err(Status::invalid_argument(
+                "token_ids: ids are one tokenizer's, and `auto` may run several models; send a \
+                 prompt or a chat",
+            ));
+        }
+        let ids_only = matches!(r.input, Some(generate_request::Input::TokenIds(_))) && !auto;
+        let prepare_all = move || -> Result<Vec<Prepared>, String> {
+            let prepare_for = |(id, model): &(String, Arc<ModelCard>)| {
+                let mut prep = prepare(model, &r).map_err(|e| match models.len() {
+                    1 => e,
+                    _ => format!("for {id}: {e}"),
+                })?;
+                prep.model.clone_from(id);
+                prep.kv_policy = prep.kv_policy.or(tenant_policy);
+                Ok(prep)
+            };
+            models.iter().map(prepare_for).collect()
+        };
+        let mut preps = if ids_only {
+            prepare_all()
         } else {
-            tokio::task::spawn_blocking(move || prepare(&model, &r))
+            tokio::task::spawn_blocking(prepare_all)
                 .await
                 .map_err(|e| Status::internal(format!("validation task: {e}")))?
         }
         .map_err(Status::invalid_argument)?;
-        let mut prep = prep;
-        prep.model = model_id;
-        prep.kv_policy = prep.kv_policy.or(tenant_policy);
-        if let Some(p) = prep.kv_policy {
+        if let Some(p) = preps[0].kv_policy {
             trace::attr(&root, "kv_policy", p.to_string());
         }
-        trace::attr(&root, "prompt_tokens", prep.prompt.len() as i64);
-        trace::attr(&root, "max_tokens", prep.max_tokens as i64);
+        trace::attr(&root, "prompt_tokens", preps[0].prompt.len() as i64);
+        trace::attr(&root, "max_tokens", preps[0].max_tokens as i64);
         Span::current().record("in_flight", self.router.in_flight() as i64);
-        let (id, events) =
-            self.router.generate_admitted(admitted, request_id, prep, deadline, root.clone())?;
+        let (id, events) = if auto {
+            self.router.generate_tiered(admitted, request_id, preps, deadline, root.clone())?
+        } else {
+            let prep = preps.swap_remove(0);
+            self.router.generate_admitted(admitted, request_id, prep, deadline, root.clone())?
+        };
         trace::attr(&root, "request_id", id);
         let stream = tokio_stream::wrappers::ReceiverStream::new(events).map(|ev| {
             ev.map(|e| GenerateResponse { event: Some(to_wire(e)) }).map_err(Status::from)
@@ -185,11 +224,12 @@ impl RouterService {
 fn to_wire(e: Event) -> generate_response::Event {
     use pdmesh_proto::v1 as w;
     match e {
-        Event::Started { request_id, prompt_tokens, trace_id } => {
+        Event::Started { request_id, prompt_tokens, trace_id, model } => {
             generate_response::Event::Started(w::Started {
                 request_id,
                 prompt_tokens,
                 trace_id: trace_id.unwrap_or_default(),
+                model,
             })
         }
         Event::Delta { text, tokens, logprobs } => generate_response::Event::Delta(w::Delta {
@@ -227,7 +267,9 @@ fn to_wire(e: Event) -> generate_response::Event {
                     attempts: t.attempts,
                     migrations: t.migrations,
                     preemptions: t.preemptions,
+                    escalations: t.escalations,
                 }),
+                model: f.model,
             })
         }
     }
