@@ -247,8 +247,9 @@ check-tasks:
 # The task set's quality and cost per model: SmolLM2, Gemma 3 270M and Qwen2.5-Coder-0.5B served
 # by one mesh (`pdmesh up` with three --model, one prefill and one decode node each), every
 # task asked greedily through the official OpenAI SDK; accuracy by kind and level, tokens and
-# seconds per model (~10 min on 2 cores). `args` go to `task_set.py score` (e.g. --json).
-bench-tiers *args="": system-deps fetch-model fetch-gemma3 fetch-qwen05 _openai check-tasks
+# seconds per model; then the quality-cost table of a SmolLM2 -> Qwen cascade at several
+# thresholds, compute as tokens x parameters (~5 min on 2 cores). `report` keeps every answer.
+bench-tiers report="target/bench-tiers.json": system-deps fetch-model fetch-gemma3 fetch-qwen05 _openai check-tasks
     #!/usr/bin/env bash
     set -euo pipefail
     cargo build --release --locked -q -p pdmesh-cli
@@ -267,7 +268,10 @@ bench-tiers *args="": system-deps fetch-model fetch-gemma3 fetch-qwen05 _openai 
     OPENAI_BASE_URL=https://127.0.0.1:8151/v1 OPENAI_API_KEY=$(cat $d/api-key) SSL_CERT_FILE=$d/ca.pem \
         {{bench_venv}}/bin/python scripts/task_set.py score tests/data/tasks.jsonl \
         --model SmolLM2-135M-Instruct.Q4_1 --model gemma-3-270m-q4_k_m \
-        --model qwen2.5-coder-0.5b-instruct {{args}}
+        --model qwen2.5-coder-0.5b-instruct --out {{report}}
+    python3 scripts/task_set.py cascade {{report}} --small SmolLM2-135M-Instruct.Q4_1 \
+        --large qwen2.5-coder-0.5b-instruct --cost SmolLM2-135M-Instruct.Q4_1=135 \
+        --cost qwen2.5-coder-0.5b-instruct=494 --thresholds=-0.05,-0.1,-0.2,-0.3,-0.5,-0.8
 
 # Every benchmark.
 bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate bench-sim bench-http

@@ -4,7 +4,8 @@ difficulty levels, built here with no network and no judge model.
 
   python3 scripts/task_set.py generate [--per-kind 12] [--seed 1] > tasks.jsonl
   python3 scripts/task_set.py check tasks.jsonl        # every reference passes, a wrong one fails
-  python3 scripts/task_set.py score tasks.jsonl --model ID [--model ID ...] [--json]
+  python3 scripts/task_set.py score tasks.jsonl --model ID [--model ID ...] [--out FILE]
+  python3 scripts/task_set.py cascade report.json --small ID --large ID [--cost ID=C ...]
 
 Kinds (each at levels 1-3, harder with the level):
   arith    arithmetic: sums, products, then multi-step word problems; the answer is a number
@@ -214,17 +215,22 @@ def ask(client, model: str, task: dict, raw: bool):
     if raw:
         r = client.completions.create(
             model=model, prompt=f"Question: {task['prompt']}\nAnswer:",
-            max_tokens=task["max_tokens"], temperature=0, stop=["\nQuestion:"])
+            max_tokens=task["max_tokens"], temperature=0, stop=["\nQuestion:"], logprobs=0)
         text = r.choices[0].text
+        lps = r.choices[0].logprobs.token_logprobs if r.choices[0].logprobs else []
     else:
         r = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": task["prompt"]}],
-            max_tokens=task["max_tokens"], temperature=0)
+            max_tokens=task["max_tokens"], temperature=0, logprobs=True)
         text = r.choices[0].message.content or ""
-    return text, r.usage, time.perf_counter() - t0
+        content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
+        lps = [t.logprob for t in content or []]
+    # The cascade's confidence: the mean log-probability of the answer's tokens.
+    confidence = sum(lps) / len(lps) if lps else float("-inf")
+    return text, r.usage, time.perf_counter() - t0, confidence
 
 
-def score(tasks: list[dict], models: list[str], as_json: bool) -> None:
+def score(tasks: list[dict], models: list[str], out: str | None) -> None:
     import openai
 
     client = openai.OpenAI(max_retries=0, timeout=600)
@@ -234,22 +240,21 @@ def score(tasks: list[dict], models: list[str], as_json: bool) -> None:
         rows = []
         for t in tasks:
             try:
-                text, usage, secs = ask(client, model, t, raw)
+                text, usage, secs, confidence = ask(client, model, t, raw)
             except openai.BadRequestError as e:
                 if raw or "chat template" not in str(e):
                     raise
                 raw = True  # the model has no chat template: ask it raw from now on
-                text, usage, secs = ask(client, model, t, raw)
+                text, usage, secs, confidence = ask(client, model, t, raw)
             rows.append({"id": t["id"], "kind": t["kind"], "level": t["level"],
-                         "ok": passes(t, text), "answer": text,
+                         "ok": passes(t, text), "answer": text, "confidence": confidence,
                          "prompt_tokens": usage.prompt_tokens,
                          "completion_tokens": usage.completion_tokens, "seconds": secs})
         report[model] = {"mode": "raw" if raw else "chat", "tasks": rows}
-        if not as_json:
-            summarize(model, rows, raw)
-    if as_json:
-        json.dump(report, sys.stdout, indent=1)
-        print()
+        summarize(model, rows, raw)
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 def summarize(model: str, rows: list[dict], raw: bool) -> None:
@@ -268,6 +273,45 @@ def summarize(model: str, rows: list[dict], raw: bool) -> None:
         print(f"  {kind:8} {'  '.join(by_level)}")
 
 
+def cascade(report: dict, small: str, large: str, costs: dict, thresholds: list[float]) -> None:
+    """The quality-cost table of a two-model cascade from both models' scored answers.
+
+    Greedy answers are deterministic, so what the router's `auto` would keep at a threshold is
+    the small model's answer where its confidence reaches it, else the large model's; the
+    compute is the small model's run for every task plus the large model's where it escalated.
+    Compute is tokens (prompt + completion) x the model's cost (`costs`, e.g. parameters in M)
+    and client-side seconds."""
+    a = {r["id"]: r for r in report[small]["tasks"]}
+    b = {r["id"]: r for r in report[large]["tasks"]}
+    ids = list(a)
+    tok = lambda r: r["prompt_tokens"] + r["completion_tokens"]  # noqa: E731
+
+    def row(name, chosen, compute, secs):
+        acc = sum(chosen) / len(ids)
+        return name, acc, compute, secs
+
+    rows = []
+    rows.append(row(f"{small} alone", [a[i]["ok"] for i in ids],
+                    sum(tok(a[i]) * costs[small] for i in ids), sum(a[i]["seconds"] for i in ids)))
+    rows.append(row(f"{large} alone", [b[i]["ok"] for i in ids],
+                    sum(tok(b[i]) * costs[large] for i in ids), sum(b[i]["seconds"] for i in ids)))
+    for t in thresholds:
+        keep = {i: a[i]["confidence"] >= t for i in ids}
+        chosen = [a[i]["ok"] if keep[i] else b[i]["ok"] for i in ids]
+        compute = sum(tok(a[i]) * costs[small] + (0 if keep[i] else tok(b[i]) * costs[large])
+                      for i in ids)
+        secs = sum(a[i]["seconds"] + (0 if keep[i] else b[i]["seconds"]) for i in ids)
+        name = f"cascade >= {t:g} ({sum(not k for k in keep.values())} escalated)"
+        rows.append(row(name, chosen, compute, secs))
+    big_acc, big_compute = rows[1][1], rows[1][2]
+    print(f"| policy | accuracy | / {large} | compute | / {large} | seconds |")
+    print("|---|---|---|---|---|---|")
+    for name, acc, compute, secs in rows:
+        rel = acc / big_acc if big_acc else float("nan")
+        print(f"| {name} | {acc:.3f} | {rel:.3f} | {compute:,.0f} | "
+              f"{compute / big_compute:.3f} | {secs:.1f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -279,8 +323,22 @@ def main() -> None:
     s = sub.add_parser("score", help="score models served at OPENAI_BASE_URL")
     s.add_argument("file")
     s.add_argument("--model", action="append", required=True, help="a served model's id")
-    s.add_argument("--json", action="store_true", help="every answer, as JSON")
+    s.add_argument("--out", metavar="FILE", help="every answer, its confidence and cost, as JSON")
+    k = sub.add_parser("cascade", help="a cascade's quality-cost table from `score --out`")
+    k.add_argument("report", help="the JSON `score --out` wrote")
+    k.add_argument("--small", required=True)
+    k.add_argument("--large", required=True)
+    k.add_argument("--cost", action="append", default=[], metavar="MODEL=C",
+                   help="a model's cost per token (e.g. its parameters in millions)")
+    k.add_argument("--thresholds", default="-0.1,-0.2,-0.3,-0.5,-0.8,-1.2")
     a = p.parse_args()
+    if a.cmd == "cascade":
+        costs = {m: float(c) for m, c in (x.split("=", 1) for x in a.cost)}
+        for m in (a.small, a.large):
+            costs.setdefault(m, 1.0)
+        thresholds = [float(x) for x in a.thresholds.split(",")]
+        cascade(json.load(open(a.report)), a.small, a.large, costs, thresholds)
+        return
     if a.cmd == "generate":
         for t in generate(a.per_kind, a.seed):
             print(json.dumps(t))
@@ -289,7 +347,7 @@ def main() -> None:
     if a.cmd == "check":
         check(tasks)
     else:
-        score(tasks, a.model, a.json)
+        score(tasks, a.model, a.out)
 
 
 if __name__ == "__main__":
