@@ -600,17 +600,20 @@ impl BatchRunner {
             self.promised -= slot.promised;
         }
         let mut out = Vec::new();
-        if let (End::Finished { .. }, Some(text)) = (&end, &mut slot.text) {
+        if let (End::Finished { reason, .. }, Some(text)) = (&end, &mut slot.text) {
             let tail = text.finish();
             if !tail.is_empty() {
-                // The text held these tokens back: their mark (and logprob reports) goes with
-                // them, or the last token's report would never leave the node.
-                let mark = Mark {
+                // A sequence that ended by its own rule sends the tokens its text held back
+                // with their mark (and logprob reports), or the last token's report would
+                // never leave the node. A cancelled one (a client gone, a preemption, a move)
+                // is not their end: the stream, if it goes on, goes on from the last mark,
+                // and those tokens are generated again there.
+                let mark = (*reason != FinishReason::Cancelled).then(|| Mark {
                     tokens: std::mem::take(&mut slot.unmarked),
                     rng_position: slot.sampler.rng_position(),
                     logprobs: std::mem::take(&mut slot.unmarked_logprobs),
-                };
-                out.push(Output { id, event: Event::Delta(tail, Some(mark)) });
+                });
+                out.push(Output { id, event: Event::Delta(tail, mark) });
             }
         }
         let evicted = slot.seq.and_then(|seq| engine.evicted_tokens(seq).ok()).unwrap_or(0);
