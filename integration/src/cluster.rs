@@ -330,7 +330,7 @@ impl ClusterBuilder {
             "--node-ttl-ms".into(),
             "1000".into(),
         ]);
-        if !self.also.is_empty() {
+        if !self.also.is_empty() || self.tiers.is_some() {
             let models: Vec<toml::Value> = self
                 .also
                 .iter()

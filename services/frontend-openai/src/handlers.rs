@@ -318,7 +318,7 @@ async fn start(
     let admitted = s.router.admit(tenant)?;
     let body = read_body(headers, body).await?;
     let state = s.clone();
-    // The body names the model, whose tokenizer and template check the rest.
+    // The body names the model, whose tokenizer and template check the rest;
     // `auto` is prepared for each model of its ladder, by that model's tokenizer and template.
     let plans = tokio::task::spawn_blocking(move || -> Result<Vec<Plan>, ApiError> {
         match kind {
@@ -326,7 +326,6 @@ async fn start(
                 let r: ChatCompletionRequest = parse_body(&body)?;
                 let common = parse_body(&body)?;
                 let each = |(id, model): &(String, Arc<pdmesh_model::ModelCard>)| {
-                    let r = ChatCompletionRequest { model: id.clone(), ..r.clone() };
                     prepare::chat(model, id, &r, &common)
                 };
                 state.models_for(&r.model)?.iter().map(each).collect()
@@ -335,7 +334,6 @@ async fn start(
                 let r: CompletionRequest = parse_body(&body)?;
                 let common = parse_body(&body)?;
                 let each = |(id, model): &(String, Arc<pdmesh_model::ModelCard>)| {
-                    let r = CompletionRequest { model: id.clone(), ..r.clone() };
                     prepare::completion(model, id, &r, &common)
                 };
                 state.models_for(&r.model)?.iter().map(each).collect()

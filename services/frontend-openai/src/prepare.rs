@@ -26,14 +26,14 @@ pub struct Plan {
     pub user: Option<String>,
 }
 
-/// Checks a chat request against `model` (served as `model_id`).
+/// Checks a chat request against `model`, served as `model_id` (the caller resolved the name
+/// the request gave: one model, or each of `auto`'s ladder).
 pub fn chat(
     model: &ModelCard,
     model_id: &str,
     r: &ChatCompletionRequest,
     common: &CommonParams,
 ) -> Result<Plan, ApiError> {
-    check_model(&r.model, model_id)?;
     let refuse = |param: &str, why: &str| Err(ApiError::invalid(param, why));
     if present(&r.tools) || present(&r.functions) {
         return refuse("tools", "function calling is not supported by this server");
@@ -115,14 +115,13 @@ pub fn chat(
     plan((model, model_id), prompt, "messages", max_tokens, common, logprobs)
 }
 
-/// Checks a completions request against `model` (served as `model_id`).
+/// Checks a completions request against `model`, served as `model_id` (as `chat`).
 pub fn completion(
     model: &ModelCard,
     model_id: &str,
     r: &CompletionRequest,
     common: &CommonParams,
 ) -> Result<Plan, ApiError> {
-    check_model(&r.model, model_id)?;
     if r.echo == Some(true) {
         return Err(ApiError::invalid("echo", "echoing the prompt is not supported"));
     }
@@ -189,10 +188,6 @@ fn present(v: &Option<serde_json::Value>) -> bool {
         Some(serde_json::Value::Array(a)) => !a.is_empty(),
         Some(_) => true,
     }
-}
-
-fn check_model(asked: &str, served: &str) -> Result<(), ApiError> {
-    if asked == served { Ok(()) } else { Err(ApiError::unknown_model(asked, served)) }
 }
 
 /// The parameters both endpoints share, checked, around a tokenized prompt.
