@@ -306,6 +306,7 @@ impl ClusterBuilder {
                 max_in_flight: None,
                 cache_group: None,
                 kv_policy: None,
+                default_model: None,
             };
             for t in std::iter::once(test).chain(self.tenants.iter().cloned()) {
                 let name = t.tenant.clone();

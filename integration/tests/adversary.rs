@@ -390,6 +390,7 @@ async fn tenants_cancel_only_their_own_and_hold_only_their_share() {
         max_in_flight: Some(1),
         cache_group: None,
         kv_policy: None,
+        default_model: None,
     };
     let c = Cluster::builder()
         .prefill(1)
@@ -399,6 +400,7 @@ async fn tenants_cancel_only_their_own_and_hold_only_their_share() {
             max_in_flight: None,
             cache_group: None,
             kv_policy: None,
+            default_model: None,
         })
         .tenant(limited)
         .start()
@@ -456,6 +458,7 @@ async fn cached_tokens_reveal_only_the_callers_own_prompts() {
         max_in_flight: None,
         cache_group: Some("shared-system-prompt".into()),
         kv_policy: None,
+        default_model: None,
     };
     let c = Cluster::builder()
         .prefill(1)
@@ -466,6 +469,7 @@ async fn cached_tokens_reveal_only_the_callers_own_prompts() {
             max_in_flight: None,
             cache_group: None,
             kv_policy: None,
+            default_model: None,
         })
         .tenant(group("carol"))
         .tenant(group("dave"))

@@ -302,6 +302,7 @@ async fn a_killed_kvstore_restarts_serving_its_prefixes_from_disk() {
         max_in_flight: None,
         cache_group: None,
         kv_policy: None,
+        default_model: None,
     };
     let hasher = pdmesh_kv_types::BlockHasher::new(&layout).unwrap();
     let sixth = hasher.salted(&tenant.cache_salt()).chain(&prompt)[5];

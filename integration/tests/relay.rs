@@ -495,8 +495,13 @@ struct NotARequest {
 async fn a_strangers_message_is_never_decoded() {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.toml");
-    let tenant =
-        Tenant { tenant: "t".into(), max_in_flight: None, cache_group: None, kv_policy: None };
+    let tenant = Tenant {
+        tenant: "t".into(),
+        max_in_flight: None,
+        cache_group: None,
+        kv_policy: None,
+        default_model: None,
+    };
     let key = pdmesh_common::apikey::add(&keys, tenant).unwrap();
     let (_m, ch) = keyed_mesh(Settings::new(0, 1), keys).await;
     let call = |key: Option<String>| {
@@ -541,6 +546,7 @@ async fn a_flood_of_cancels_is_bounded_per_tenant() {
         max_in_flight: None,
         cache_group: None,
         kv_policy: None,
+        default_model: None,
     };
     let (flooder, other) = (add(&keys, tenant("flood")).unwrap(), add(&keys, tenant("b")).unwrap());
     let mut s = Settings::new(0, 1);
@@ -716,6 +722,7 @@ async fn a_kv_policy_is_applied_named_and_checked() {
         max_in_flight: None,
         cache_group: None,
         kv_policy: p.map(|p| p.parse().unwrap()),
+        default_model: None,
     };
     let plain = add(&keys, tenant("plain", None)).unwrap();
     let streaming = add(&keys, tenant("streaming", Some("sinks:16"))).unwrap();

@@ -94,8 +94,13 @@ async fn losing_a_router_costs_only_its_own_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_router_cancels_a_request_another_relays_for_its_tenant_only() {
     let _serial = SERIAL.lock().await;
-    let other =
-        Tenant { tenant: "other".into(), max_in_flight: None, cache_group: None, kv_policy: None };
+    let other = Tenant {
+        tenant: "other".into(),
+        max_in_flight: None,
+        cache_group: None,
+        kv_policy: None,
+        default_model: None,
+    };
     let c = Cluster::builder().routers(2).prefill(1).decode(1).tenant(other).start().await;
     let mut at0 = c.client_at(0).await;
     let req = GenerateRequest {

@@ -76,7 +76,7 @@ fn text(model: &str, max_tokens: u32, logprobs: Option<u32>) -> GenerateRequest 
 async fn ladder_mesh(threshold: f32) -> Mesh {
     let mut s = Settings::new(1, 1).serve("other", other(), 1, 1);
     let ladder = vec!["tiny".to_string(), "other".to_string()];
-    s.router.tiers = Some(pdmesh_router::config::Tiers { ladder, min_mean_logprob: threshold });
+    s.router.tiers = Some(pdmesh_router::config::Tiers::cascade(ladder, threshold));
     s.start().await
 }
 
@@ -138,4 +138,92 @@ async fn auto_escalates_below_the_threshold_and_not_above() {
     let m = Settings::new(1, 1).serve("other", other(), 1, 1).start().await;
     let e = generate(&m, text("auto", 4, None)).await.unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
+}
+
+/// A mesh of `tiny` and `other` whose `auto` lets a classifier choose: `tiny` for a request
+/// that says "easy", `other` for any other.
+async fn classified_mesh(dir: &std::path::Path) -> Mesh {
+    let file = dir.join("tiers.json");
+    // The check text's score, as the router must recompute it: sigmoid(-5 + 10).
+    let p = 1.0 / (1.0 + (-5.0f64).exp());
+    let json = format!(
+        r#"{{"features": "ascii-words+pairs+len/v1",
+            "models": {{"tiny": {{"bias": -5.0, "weights": {{"easy": 10.0}}}}}},
+            "checks": [{{"text": "an easy one", "p": {{"tiny": {p:?}}}}}]}}"#
+    );
+    std::fs::write(&file, json).unwrap();
+    let mut s = Settings::new(1, 1).serve("other", other(), 1, 1);
+    let ladder = vec!["tiny".to_string(), "other".to_string()];
+    s.router.tiers = Some(pdmesh_router::config::Tiers::classifier(ladder, file, 0.5));
+    s.start().await
+}
+
+/// The classifier policy runs one model per request, chosen before any runs: the cheaper one
+/// where its predicted chance reaches the threshold, else the last; the answer is that
+/// model's own, streamed, on that model's nodes, with no escalation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_by_classifier_runs_the_chosen_model_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let m = classified_mesh(dir.path()).await;
+    let ask = |words: &str, model: &str| GenerateRequest {
+        input: Some(generate_request::Input::Prompt(words.into())),
+        ..asking(model, 10)
+    };
+    for (words, model) in [("an easy one and the two", "tiny"), ("the one and the two", "other")] {
+        let (want, _) = generate(&m, ask(words, model)).await.unwrap();
+        let (tokens, f) = generate(&m, ask(words, "auto")).await.unwrap();
+        assert_eq!((tokens, f.model.as_str()), (want, model), "{words:?}");
+        let t = f.timings.unwrap();
+        assert_eq!(t.escalations, 0);
+        let prefix = if model == "tiny" { "" } else { "other-" };
+        assert_eq!(t.decode_node, format!("{prefix}decode-0"), "{t:?}");
+    }
+}
+
+/// A tenant's `default_model` serves its requests that name none — a served model or `auto`
+/// — while a request's own name wins, and other tenants keep the router's default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_default_model_serves_its_requests_that_name_none() {
+    use pdmesh_common::apikey::{Bearer, Tenant, add};
+    use pdmesh_proto::v1::generation_client::GenerationClient;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys.toml");
+    let tenant = |t: &str, model: Option<&str>| Tenant {
+        tenant: t.into(),
+        max_in_flight: None,
+        cache_group: None,
+        kv_policy: None,
+        default_model: model.map(String::from),
+    };
+    let plain = add(&keys, tenant("plain", None)).unwrap();
+    let big = add(&keys, tenant("big", Some("other"))).unwrap();
+    let tiered = add(&keys, tenant("tiered", Some("auto"))).unwrap();
+    let gone = add(&keys, tenant("gone", Some("retired"))).unwrap();
+    let mut s = Settings::new(1, 1).serve("other", other(), 1, 1);
+    let ladder = vec!["tiny".to_string(), "other".to_string()];
+    // Any answer escalates: `auto` answers with `other`, after one escalation.
+    s.router.tiers = Some(pdmesh_router::config::Tiers::cascade(ladder, 0.0));
+    let (m, ch) = keyed_mesh(s, keys).await;
+    let run = |key: &str, model: &str| {
+        let mut c = GenerationClient::with_interceptor(ch.clone(), Bearer::new(Some(key)).unwrap());
+        let r = text(model, 8, None);
+        async move {
+            let (_, f) = pdmesh_integration::collect(c.generate(r).await?.into_inner()).await?;
+            let f = f.expect("a finish");
+            Ok::<_, tonic::Status>((f.model, f.timings.unwrap_or_default().escalations))
+        }
+    };
+    for (key, asked, model, escalations) in [
+        (&plain, "", "tiny", 0),
+        (&big, "", "other", 0),
+        (&big, "tiny", "tiny", 0),
+        (&tiered, "", "other", 1),
+    ] {
+        let got = run(key, asked).await.unwrap();
+        assert_eq!(got, (model.to_string(), escalations), "asked {asked:?}");
+    }
+    let e = run(&gone, "").await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert!(e.message().contains("\"retired\""), "{}", e.message());
+    drop(m);
 }

@@ -145,6 +145,10 @@ struct ApiKeyArgs {
     /// or `h2o:BUDGET[:RECENT]` (default: none, full attention).
     #[arg(long)]
     kv_policy: Option<pdmesh_kv_types::KvPolicy>,
+    /// The model of the tenant's requests that name none: a served model's id, or `auto`
+    /// (tiered routing); default: the router's default model.
+    #[arg(long, value_name = "MODEL")]
+    default_model: Option<String>,
 }
 
 fn api_key(a: ApiKeyArgs) -> anyhow::Result<()> {
@@ -155,6 +159,7 @@ fn api_key(a: ApiKeyArgs) -> anyhow::Result<()> {
         max_in_flight: a.max_in_flight,
         cache_group: a.cache_group,
         kv_policy: a.kv_policy,
+        default_model: a.default_model,
     };
     let key = pdmesh_common::apikey::add(&a.file, tenant)?;
     println!("{key}");

@@ -9,6 +9,7 @@
 //! max_in_flight = 64          # optional: this tenant's requests at once
 //! cache_group = "search"      # optional: tenants naming one group share cached prefixes
 //! kv_policy = "sinks:4096"    # optional: the lossy KV policy of requests that name none
+//! default_model = "auto"      # optional: the model of requests that name none
 //! ```
 //!
 //! `pdmesh api-key --tenant NAME --file FILE` makes a key, appends its hash and prints the key
@@ -52,6 +53,10 @@ pub struct Tenant {
     /// name none; none: full attention.
     #[serde(default, with = "policy_text", skip_serializing_if = "Option::is_none")]
     pub kv_policy: Option<KvPolicy>,
+    /// The model of this tenant's requests that name none (a served model's id, or `auto`
+    /// for tiered routing); none: the router's default model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_model: Option<String>,
 }
 
 /// A KV policy in the key file: its text form, checked as the file is read.
@@ -77,7 +82,13 @@ mod policy_text {
 impl Tenant {
     /// The caller of a mesh without API keys (`allow_anonymous`).
     pub fn anonymous() -> Self {
-        Self { tenant: "anonymous".into(), max_in_flight: None, cache_group: None, kv_policy: None }
+        Self {
+            tenant: "anonymous".into(),
+            max_in_flight: None,
+            cache_group: None,
+            kv_policy: None,
+            default_model: None,
+        }
     }
 
     /// The salt of this tenant's prefix-cache hashes: equal only within a cache group.
@@ -140,6 +151,9 @@ fn parse(path: &Path) -> Result<HashMap<String, Arc<Tenant>>, KeyError> {
         if e.tenant.tenant.is_empty() || e.tenant.max_in_flight == Some(0) {
             return Err(invalid(path, "every key needs a tenant, and max_in_flight ≥ 1"));
         }
+        if e.tenant.default_model.as_deref().is_some_and(|m| m.trim().is_empty()) {
+            return Err(invalid(path, "default_model, when given, names a model"));
+        }
         if let Some(first) = tenants.get(&e.tenant.tenant) {
             if *first != e.tenant {
                 return Err(invalid(path, disagree(first, &e.tenant)));
@@ -157,15 +171,16 @@ fn parse(path: &Path) -> Result<HashMap<String, Arc<Tenant>>, KeyError> {
 fn disagree(first: &Tenant, other: &Tenant) -> String {
     let show = |t: &Tenant| {
         format!(
-            "max_in_flight {}, cache_group {}, kv_policy {}",
+            "max_in_flight {}, cache_group {}, kv_policy {}, default_model {}",
             t.max_in_flight.map_or("none".into(), |m| m.to_string()),
             t.cache_group.as_deref().unwrap_or("none"),
-            t.kv_policy.map_or("none".into(), |p| p.to_string())
+            t.kv_policy.map_or("none".into(), |p| p.to_string()),
+            t.default_model.as_deref().unwrap_or("none")
         )
     };
     format!(
         "the keys of tenant {:?} disagree ({} against {}): every key of a tenant must give \
-         the same max_in_flight, cache_group and kv_policy",
+         the same max_in_flight, cache_group, kv_policy and default_model",
         first.tenant,
         show(first),
         show(other)
@@ -358,6 +373,7 @@ mod tests {
                 max_in_flight: Some(2),
                 cache_group: None,
                 kv_policy: None,
+                default_model: None,
             },
         )
         .unwrap();
@@ -371,7 +387,13 @@ mod tests {
         // Another key appears in the file: picked up by a reload, the first still works.
         let b = add(
             &f,
-            Tenant { tenant: "b".into(), max_in_flight: None, cache_group: None, kv_policy: None },
+            Tenant {
+                tenant: "b".into(),
+                max_in_flight: None,
+                cache_group: None,
+                kv_policy: None,
+                default_model: None,
+            },
         )
         .unwrap();
         assert!(ring.reload().unwrap());
@@ -397,6 +419,7 @@ mod tests {
             max_in_flight: limit,
             cache_group: None,
             kv_policy: None,
+            default_model: None,
         };
         add(&f, t(Some(1))).unwrap();
         add(&f, t(Some(1))).unwrap();
@@ -444,6 +467,7 @@ mod tests {
             max_in_flight: None,
             cache_group: group.map(String::from),
             kv_policy: None,
+            default_model: None,
         };
         assert_ne!(t("a", None).cache_salt(), t("b", None).cache_salt());
         assert_eq!(t("a", Some("g")).cache_salt(), t("b", Some("g")).cache_salt());

@@ -94,12 +94,14 @@ impl AppState {
         ApiError::unknown_model(asked, &served.join("`, `"))
     }
 
-    /// What a request for `asked` is prepared for: that model, or each model of the ladder
-    /// for `auto`.
+    /// What a request for `asked` is prepared for: that model (for none, the tenant's
+    /// `default_model` or the router's default), or each model of the ladder for `auto`.
     fn models_for(
         &self,
         asked: &str,
+        tenant_default: Option<&str>,
     ) -> Result<Vec<(String, Arc<pdmesh_model::ModelCard>)>, ApiError> {
+        let asked = &self.router.resolve_model(asked, tenant_default)[..];
         if asked == AUTO_MODEL {
             return self.router.ladder().ok_or_else(|| self.unknown(asked));
         }
@@ -314,6 +316,7 @@ async fn start(
     let deadline = deadline(most, headers, now)?;
     trace::attr(&root, "tenant", tenant.tenant.clone());
     let tenant_policy = tenant.kv_policy;
+    let tenant_model = tenant.default_model.clone();
     // A place first: a full router refuses before it reads, parses and tokenizes.
     let admitted = s.router.admit(tenant)?;
     let body = read_body(headers, body).await?;
@@ -328,7 +331,7 @@ async fn start(
                 let each = |(id, model): &(String, Arc<pdmesh_model::ModelCard>)| {
                     prepare::chat(model, id, &r, &common)
                 };
-                state.models_for(&r.model)?.iter().map(each).collect()
+                state.models_for(&r.model, tenant_model.as_deref())?.iter().map(each).collect()
             }
             Kind::Completion => {
                 let r: CompletionRequest = parse_body(&body)?;
@@ -336,7 +339,7 @@ async fn start(
                 let each = |(id, model): &(String, Arc<pdmesh_model::ModelCard>)| {
                     prepare::completion(model, id, &r, &common)
                 };
-                state.models_for(&r.model)?.iter().map(each).collect()
+                state.models_for(&r.model, tenant_model.as_deref())?.iter().map(each).collect()
             }
         }
     })
@@ -361,7 +364,7 @@ async fn start(
         trace::attr(&root, "user", u.clone());
     }
     let (request_id, mut events) = if auto {
-        s.router.generate_tiered(admitted, None, ladder, deadline, root.clone())?
+        s.router.generate_tiered(admitted, None, ladder, &plan.words, deadline, root.clone())?
     } else {
         s.router.generate_admitted(admitted, None, plan.prep.clone(), deadline, root.clone())?
     };

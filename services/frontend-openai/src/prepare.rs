@@ -24,6 +24,8 @@ pub struct Plan {
     pub logprobs: Option<u32>,
     pub return_token_ids: bool,
     pub user: Option<String>,
+    /// The words `auto`'s classifier reads: the last user message, or the prompt's text.
+    pub words: String,
 }
 
 /// Checks a chat request against `model`, served as `model_id` (the caller resolved the name
@@ -112,7 +114,9 @@ pub fn chat(
     // The newer name wins; without either, the rest of the context.
     let max_tokens = r.max_completion_tokens.map(|m| ("max_completion_tokens", m));
     let max_tokens = max_tokens.or(common.max_tokens.map(|m| ("max_tokens", m)));
-    plan((model, model_id), prompt, "messages", max_tokens, common, logprobs)
+    let mut p = plan((model, model_id), prompt, "messages", max_tokens, common, logprobs)?;
+    p.words = request::classified_words(&msgs);
+    Ok(p)
 }
 
 /// Checks a completions request against `model`, served as `model_id` (as `chat`).
@@ -167,7 +171,13 @@ pub fn completion(
     }
     // The API's default for completions is 16 tokens.
     let max_tokens = Some(("max_tokens", common.max_tokens.unwrap_or(16)));
-    plan((model, model_id), prompt, "prompt", max_tokens, common, r.logprobs)
+    let mut p = plan((model, model_id), prompt, "prompt", max_tokens, common, r.logprobs)?;
+    if let Prompt::Text(t) = &r.prompt {
+        p.words.clone_from(t);
+    } else if let Prompt::Texts(t) = &r.prompt {
+        p.words.clone_from(&t[0]);
+    }
+    Ok(p)
 }
 
 fn text_prompt(model: &ModelCard, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -290,6 +300,7 @@ fn plan(
         logprobs,
         return_token_ids: c.return_token_ids.unwrap_or(false),
         user: c.user.clone(),
+        words: String::new(),
     })
 }
 

@@ -9,10 +9,13 @@ use std::time::{Duration, Instant};
 
 use pdmesh_common::apikey::Tenant;
 use pdmesh_common::gate::Quota;
+use pdmesh_common::trace;
 use tokio::sync::{Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 
+use crate::classifier::Classifier;
+use crate::config::TierPolicy;
 use crate::error::RequestError;
 pub use crate::events::{Event, Finished, Timings, Usage};
 use crate::mesh::Mesh;
@@ -48,6 +51,8 @@ pub struct Router {
     tenants: Arc<Mutex<HashMap<String, TenantPlaces>>>,
     /// Cancels being asked of every decode node, by tenant.
     fanouts: Quota<String, String>,
+    /// `auto`'s classifier, under `[tiers] policy = "classifier"`.
+    classifier: Option<Arc<Classifier>>,
 }
 
 /// A tenant's limit and its places under it.
@@ -62,7 +67,13 @@ impl Router {
             format!("{MAX_CANCEL_FANOUTS} cancels of other routers' requests under way"),
             format!("{MAX_CANCEL_FANOUTS_PER_TENANT} of this tenant's cancels under way"),
         );
-        Self { mesh, admission, tenants: Arc::default(), fanouts }
+        Self { mesh, admission, tenants: Arc::default(), fanouts, classifier: None }
+    }
+
+    /// This router, choosing `auto`'s model up front with `classifier`.
+    pub fn with_classifier(mut self, classifier: Classifier) -> Self {
+        self.classifier = Some(Arc::new(classifier));
+        self
     }
 
     /// The mesh behind the API, for the router's own gRPC adapter; frontends use the
@@ -80,6 +91,16 @@ impl Router {
     /// Every served model, the default first: its id and card.
     pub fn models(&self) -> Vec<(String, Arc<pdmesh_model::ModelCard>)> {
         self.mesh.pools().iter().map(|p| (p.id.clone(), Arc::clone(&p.model))).collect()
+    }
+
+    /// The model a request asking for `asked` runs on: `asked` itself, or for a request that
+    /// names none its tenant's `default_model`, else the router's default model.
+    pub fn resolve_model(&self, asked: &str, tenant_default: Option<&str>) -> String {
+        match (asked, tenant_default) {
+            ("", Some(d)) => d.to_string(),
+            ("", None) => self.mesh.pool().id.clone(),
+            (a, _) => a.to_string(),
+        }
     }
 
     /// The card of the model requests call `id`, if it is served.
@@ -217,21 +238,36 @@ impl Router {
     }
 
     /// `generate_admitted` for a request for `auto`: `ladder` is the request prepared for each
-    /// model of the router's ladder in order (`Router::ladder`), run as a cascade.
+    /// model of the router's ladder in order (`Router::ladder`), run by the ladder's policy;
+    /// `text` is the request's words as the classifier reads them (the prompt, or the chat's
+    /// last user message).
     pub fn generate_tiered(
         &self,
         admitted: Admitted,
         request_id: Option<String>,
         ladder: Vec<Prepared>,
+        text: &str,
         deadline: Instant,
         span: Span,
     ) -> Result<(String, Events), RequestError> {
         let Some(tiers) = self.mesh.config.tiers.clone() else {
             return Err(RequestError::Invalid("this router declares no ladder for `auto`".into()));
         };
+        let policy = match (&self.classifier, tiers.policy) {
+            (Some(c), TierPolicy::Classifier) => {
+                let (k, chances) = c.choose(&tiers.ladder, text, f64::from(tiers.min_p_correct));
+                trace::attr(&span, "tier_chances", format!("{chances:.3?}"));
+                self.mesh.metrics.tier_chosen(&tiers.ladder[k]);
+                crate::tiers::Policy::Chosen(k)
+            }
+            (None, TierPolicy::Classifier) => {
+                let e = tonic::Status::internal("the tier classifier is not loaded");
+                return Err(RequestError::Node(e));
+            }
+            (_, TierPolicy::Cascade) => crate::tiers::Policy::Cascade(tiers.min_mean_logprob),
+        };
         self.start(admitted, request_id, span, move |mesh, id, tenant, tx, cancel| async move {
-            let threshold = tiers.min_mean_logprob;
-            crate::tiers::run(&mesh, id, ladder, threshold, &tenant, deadline, tx, cancel).await;
+            crate::tiers::run(&mesh, id, ladder, policy, &tenant, deadline, tx, cancel).await;
         })
     }
 

@@ -208,7 +208,7 @@ impl RouterConfig {
             names.push(name);
         }
         if let Some(t) = &self.tiers {
-            t.validate(&names).map_err(|why| InvalidConfig::new("tiers", why))?;
+            t.check(&names).map_err(|why| InvalidConfig::new("tiers", why))?;
         }
         if self.max_in_flight == 0 {
             return Err(InvalidConfig::new("max_in_flight", "must be at least 1"));
@@ -256,21 +256,78 @@ impl RouterConfig {
 /// A name no model may take: kept for routing along a ladder of models.
 pub const AUTO_MODEL: &str = "auto";
 
-/// A cascade along a ladder of served models, cheapest first: a request for `auto` is
-/// answered by the first model, and re-run on the next while its answer's confidence (the
-/// mean log-probability of its tokens) is below `min_mean_logprob`; the last model's answer
-/// is kept whatever it is. Nothing reaches the client until an answer is kept.
+/// Tiered routing along a ladder of served models, cheapest first: how a request for `auto`
+/// picks the model that answers it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Tiers {
     /// Served models' ids, cheapest first (at least two).
     pub ladder: Vec<String>,
-    /// The least mean token log-probability (≤ 0) an answer needs to be kept.
+    /// `cascade` (the default) or `classifier`.
+    #[serde(default)]
+    pub policy: TierPolicy,
+    /// cascade: the least mean token log-probability (≤ 0) an answer needs to be kept.
+    #[serde(default = "default_min_mean_logprob")]
     pub min_mean_logprob: f32,
+    /// classifier: the file `scripts/train_tiers.py` wrote (weights for every model of the
+    /// ladder but the last).
+    #[serde(default)]
+    pub classifier: Option<PathBuf>,
+    /// classifier: the least predicted chance of a good answer (0..1) a cheaper model needs
+    /// to be chosen.
+    #[serde(default = "default_min_p_correct")]
+    pub min_p_correct: f32,
+}
+
+/// How `auto` climbs its ladder.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TierPolicy {
+    /// Each model but the last answers in full, out of the client's sight; its answer is
+    /// kept when the mean log-probability of its tokens reaches `min_mean_logprob`, and the
+    /// request is otherwise re-run on the next model. No training; costs the cheaper models'
+    /// runs on every escalated request.
+    #[default]
+    Cascade,
+    /// Before any model runs, a classifier trained offline on graded answers predicts from
+    /// the request's words how likely each cheaper model is to answer well; the cheapest
+    /// whose chance reaches `min_p_correct` answers, else the last. One run per request.
+    Classifier,
+}
+
+fn default_min_mean_logprob() -> f32 {
+    -0.3
+}
+
+fn default_min_p_correct() -> f32 {
+    0.5
 }
 
 impl Tiers {
-    fn validate(&self, served: &[String]) -> Result<(), String> {
+    /// A cascade along `ladder` that keeps answers whose mean token log-probability reaches
+    /// `min_mean_logprob`.
+    pub fn cascade(ladder: Vec<String>, min_mean_logprob: f32) -> Self {
+        Self {
+            ladder,
+            policy: TierPolicy::Cascade,
+            min_mean_logprob,
+            classifier: None,
+            min_p_correct: default_min_p_correct(),
+        }
+    }
+
+    /// Routing up front along `ladder` by the classifier in `file`.
+    pub fn classifier(ladder: Vec<String>, file: PathBuf, min_p_correct: f32) -> Self {
+        Self {
+            policy: TierPolicy::Classifier,
+            classifier: Some(file),
+            min_p_correct,
+            ..Self::cascade(ladder, default_min_mean_logprob())
+        }
+    }
+
+    /// Refuses a ladder of models not all in `served`, or settings out of range, saying why.
+    pub fn check(&self, served: &[String]) -> Result<(), String> {
         if self.ladder.len() < 2 {
             return Err("ladder: at least two models, cheapest first".into());
         }
@@ -288,7 +345,19 @@ impl Tiers {
                 self.min_mean_logprob
             ));
         }
-        Ok(())
+        if !(0.0..=1.0).contains(&self.min_p_correct) {
+            return Err(format!("min_p_correct: a chance in 0..=1; got {}", self.min_p_correct));
+        }
+        match (self.policy, &self.classifier) {
+            (TierPolicy::Classifier, None) => {
+                Err("policy \"classifier\" needs `classifier`, the trained file".into())
+            }
+            (TierPolicy::Cascade, Some(_)) => {
+                Err("classifier: only read with policy = \"classifier\" (the policy is cascade)"
+                    .into())
+            }
+            _ => Ok(()),
+        }
     }
 }
 
@@ -353,7 +422,7 @@ mod tests {
         let tiers = |ladder: &[&str], t: f32| {
             let mut c = with(&[("m/big.gguf", None)]);
             let ladder = ladder.iter().map(|s| s.to_string()).collect();
-            c.tiers = Some(Tiers { ladder, min_mean_logprob: t });
+            c.tiers = Some(Tiers::cascade(ladder, t));
             c
         };
         let small = RouterConfig::default().model_id();
@@ -368,8 +437,30 @@ mod tests {
             let e = bad.validate().unwrap_err().to_string();
             assert!(e.contains(why) && e.contains("tiers"), "{e}");
         }
+        // The classifier policy needs its file, and the file no other policy.
+        let with_tiers = |t: Tiers| RouterConfig { tiers: Some(t), ..tiers(&[], 0.0) };
+        let ladder = || vec![small.clone(), "big".to_string()];
+        with_tiers(Tiers::classifier(ladder(), "c.json".into(), 0.6)).validate().unwrap();
+        let no_file = Tiers { classifier: None, ..Tiers::classifier(ladder(), "c".into(), 0.6) };
+        let stray = Tiers { classifier: Some("c.json".into()), ..Tiers::cascade(ladder(), -0.3) };
+        for (bad, why) in [
+            (with_tiers(no_file), "needs `classifier`"),
+            (with_tiers(stray), "only read with policy"),
+            (with_tiers(Tiers::classifier(ladder(), "c".into(), 1.5)), "0..=1"),
+        ] {
+            let e = bad.validate().unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("tiers"), "{e}");
+        }
         let file: RouterConfig =
             toml::from_str("[tiers]\nladder = [\"a\", \"b\"]\nmin_mean_logprob = -0.7\n").unwrap();
         assert_eq!(file.tiers.unwrap().ladder, ["a", "b"]);
+        let file: RouterConfig = toml::from_str(
+            "[tiers]\nladder = [\"a\", \"b\"]\npolicy = \"classifier\"\nclassifier = \"c.json\"\n",
+        )
+        .unwrap();
+        let t = file.tiers.unwrap();
+        assert_eq!((t.policy, t.min_p_correct), (TierPolicy::Classifier, 0.5));
+        let e = toml::from_str::<RouterConfig>("[tiers]\nladder = []\npolicy = \"guess\"\n");
+        assert!(e.unwrap_err().to_string().contains("unknown variant"));
     }
 }

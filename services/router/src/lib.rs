@@ -6,6 +6,7 @@
 
 pub mod api;
 mod attempt;
+pub mod classifier;
 pub mod coalesce;
 pub mod config;
 pub mod error;
@@ -116,8 +117,23 @@ pub async fn run_with(
     }
     let drain = Duration::from_millis(config.drain_ms);
     let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
+    let classifier = match &config.tiers {
+        Some(t) => match &t.classifier {
+            Some(path) => {
+                let c = classifier::Classifier::load(path, &t.ladder)
+                    .map_err(|e| pdmesh_common::InvalidConfig::new("tiers.classifier", e))?;
+                tracing::info!(file = %path.display(), "tier classifier loaded");
+                Some(c)
+            }
+            None => None,
+        },
+        None => None,
+    };
     let mesh = Arc::new(Mesh::new(config, models));
-    let router = Router::new(Arc::clone(&mesh));
+    let mut router = Router::new(Arc::clone(&mesh));
+    if let Some(c) = classifier {
+        router = router.with_classifier(c);
+    }
     mesh.metrics.register(&metrics, Arc::clone(&mesh), Arc::clone(router.admission()));
     let reaper = tokio::spawn({
         let mesh = Arc::clone(&mesh);

@@ -32,6 +32,7 @@ pub struct RouterMetrics {
     index_resyncs: Counter,
     refused: LabelledFamily<Labels, Counter>,
     escalations: LabelledFamily<Labels, Counter>,
+    tier_choices: LabelledFamily<Labels, Counter>,
 }
 
 impl Default for RouterMetrics {
@@ -58,54 +59,56 @@ impl Default for RouterMetrics {
             index_resyncs: Counter::default(),
             refused: LabelledFamily::default(),
             escalations: LabelledFamily::default(),
+            tier_choices: LabelledFamily::default(),
         }
     }
 }
 
-/// The planner's decision and what it rests on, for KEDA / an HPA on external metrics and
-/// `pdmesh up --autoscale` (nothing before the first plan).
-fn planner_families(plan: Option<&crate::planner::Plan>) -> Vec<Family> {
-    let Some(p) = plan else { return Vec::new() };
-    let by_role = |name: &str, help: &'static str, pools: crate::planner::Pools| {
-        Family::labelled(
-            name,
-            help,
-            Kind::Gauge,
-            "role",
-            &[("prefill", f64::from(pools.prefill)), ("decode", f64::from(pools.decode))],
-        )
+/// Each pool's planner decision and what it rests on, labelled by its model, for KEDA / an
+/// HPA on external metrics and `pdmesh up --autoscale` (a pool has none before its first plan).
+fn planner_families(plans: &[(String, crate::planner::Plan)]) -> Vec<Family> {
+    type Pick = fn(&crate::planner::Plan) -> (f64, f64);
+    let family = |name: &str, help: &'static str, label: &'static str, pick: Pick| Family {
+        name: name.into(),
+        help,
+        kind: Kind::Gauge,
+        samples: plans
+            .iter()
+            .flat_map(|(model, p)| {
+                let (prefill, decode) = pick(p);
+                [("prefill", prefill), ("decode", decode)]
+                    .map(|(l, v)| (vec![(label, l.to_string()), ("model", model.clone())], v))
+            })
+            .collect(),
     };
-    let by_phase = |name: &str, help: &'static str, prefill: f64, decode: f64| {
-        Family::labelled(
-            name,
-            help,
-            Kind::Gauge,
-            "phase",
-            &[("prefill", prefill), ("decode", decode)],
-        )
-    };
+    if plans.is_empty() {
+        return Vec::new();
+    }
     vec![
-        by_role(
+        family(
             "pdmesh_planner_desired_nodes",
-            "Nodes the load needs, per role, after hysteresis and bounds: scale each pool on it.",
-            p.desired,
+            "Nodes the load needs, per model and role, after hysteresis and bounds: scale each \
+             pool on it.",
+            "role",
+            |p| (f64::from(p.desired.prefill), f64::from(p.desired.decode)),
         ),
-        by_role(
+        family(
             "pdmesh_planner_needed_nodes",
             "Nodes the last window's demand over measured capacity asks for, before hysteresis.",
-            p.needed,
+            "role",
+            |p| (f64::from(p.needed.prefill), f64::from(p.needed.decode)),
         ),
-        by_phase(
+        family(
             "pdmesh_planner_demand_tokens_per_second",
             "Prompt tokens computed and tokens generated per second over the planner's window.",
-            p.prefill_demand_tps,
-            p.decode_demand_tps,
+            "phase",
+            |p| (p.prefill_demand_tps, p.decode_demand_tps),
         ),
-        by_phase(
+        family(
             "pdmesh_planner_node_tokens_per_second",
             "What one node delivers, measured (decode: stretched to the inter-token SLO).",
-            p.prefill_node_tps,
-            p.decode_node_tps,
+            "phase",
+            |p| (p.prefill_node_tps, p.decode_node_tps),
         ),
     ]
 }
@@ -194,6 +197,12 @@ impl RouterMetrics {
              answer was not kept (its run counts in `requests_total` of that model too).",
             self.escalations.clone(),
         );
+        m.register(
+            "pdmesh_router_tier_choices",
+            "Requests for `auto` the tier classifier sent to each model of the ladder, before \
+             any model ran.",
+            self.tier_choices.clone(),
+        );
         let max = mesh.config.max_in_flight;
         m.register_snapshot(move || {
             let in_flight = max.saturating_sub(admission.available_permits());
@@ -214,8 +223,9 @@ impl RouterMetrics {
                     })
                     .collect(),
             };
-            let plan = mesh.pool().plan();
-            let mut v = planner_families(plan.as_ref());
+            let plans: Vec<(String, crate::planner::Plan)> =
+                mesh.pools().iter().filter_map(|p| Some((p.id.clone(), p.plan()?))).collect();
+            let mut v = planner_families(&plans);
             v.extend([
                 Family::one(
                     "pdmesh_router_in_flight_requests",
@@ -321,6 +331,11 @@ impl RouterMetrics {
     /// answer): it runs on the next model of the ladder.
     pub fn escalated(&self, model: &str) {
         self.escalations.get_or_create(&vec![("from", model.into())]).inc();
+    }
+
+    /// The tier classifier chose `model` to answer an `auto` request.
+    pub fn tier_chosen(&self, model: &str) {
+        self.tier_choices.get_or_create(&vec![("model", model.into())]).inc();
     }
 
     /// A request waited for its prefix to be computed by another.

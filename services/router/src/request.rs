@@ -23,6 +23,12 @@ pub struct Prepared {
     pub model: String,
 }
 
+/// What `auto`'s classifier reads of a chat: the last user message (the question asked
+/// now), or nothing when there is none.
+pub fn classified_words(msgs: &[Message]) -> String {
+    msgs.iter().rev().find(|m| m.role == "user").map(|m| m.content.clone()).unwrap_or_default()
+}
+
 /// The message of an INVALID_ARGUMENT.
 pub type Invalid = String;
 

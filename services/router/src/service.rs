@@ -27,7 +27,7 @@ use crate::api::{Event, Router};
 use crate::config::AUTO_MODEL;
 use crate::mesh::Mesh;
 use crate::request::{Prepared, prepare, tokenize};
-use pdmesh_model::ModelCard;
+use pdmesh_model::{Message, ModelCard};
 
 #[derive(Debug, Clone)]
 pub struct RouterService {
@@ -143,9 +143,10 @@ impl RouterService {
             }
             ids.join(", ")
         };
-        // The models to prepare it for: the one it names, or `auto`'s whole ladder.
-        let models: Vec<(String, Arc<ModelCard>)> = match r.model.as_str() {
-            "" => vec![(self.mesh().pool().id.clone(), Arc::clone(&self.mesh().pool().model))],
+        // The models to prepare it for: the one it names (or its tenant's default), or
+        // `auto`'s whole ladder.
+        let asked = self.router.resolve_model(&r.model, tenant.default_model.as_deref());
+        let models: Vec<(String, Arc<ModelCard>)> = match asked.as_str() {
             AUTO_MODEL => self.router.ladder().ok_or_else(|| {
                 Status::not_found(format!(
                     "model \"auto\" is not served here (the router declares no [tiers]); \
@@ -163,7 +164,7 @@ impl RouterService {
                 vec![(pool.id.clone(), Arc::clone(&pool.model))]
             }
         };
-        trace::attr(&root, "model", r.model.clone());
+        trace::attr(&root, "model", asked.clone());
         // A place first: a full router refuses before it tokenizes (the costly part of checking).
         trace::attr(&root, "tenant", tenant.tenant.clone());
         let tenant_policy = tenant.kv_policy;
@@ -172,7 +173,7 @@ impl RouterService {
         // Token ids are only checked against the vocabulary: microseconds, less than the
         // hand-off to a blocking thread and back. Text is tokenized (and a chat rendered) off
         // the async threads, which a long prompt would hold up.
-        let auto = r.model == AUTO_MODEL;
+        let auto = asked == AUTO_MODEL;
         if auto && matches!(r.input, Some(generate_request::Input::TokenIds(_))) {
             return Err(Status::invalid_argument(
                 "token_ids: ids are one tokenizer's, and `auto` may run several models; send a \
@@ -180,6 +181,15 @@ impl RouterService {
             ));
         }
         let ids_only = matches!(r.input, Some(generate_request::Input::TokenIds(_))) && !auto;
+        let words = match &r.input {
+            Some(generate_request::Input::Prompt(p)) if auto => p.clone(),
+            Some(generate_request::Input::Chat(c)) if auto => {
+                let msgs: Vec<Message> =
+                    c.messages.iter().map(|m| Message::new(&m.role, &m.content)).collect();
+                crate::request::classified_words(&msgs)
+            }
+            _ => String::new(),
+        };
         let prepare_all = move || -> Result<Vec<Prepared>, String> {
             let prepare_for = |(id, model): &(String, Arc<ModelCard>)| {
                 let mut prep = prepare(model, &r).map_err(|e| match models.len() {
@@ -207,7 +217,14 @@ impl RouterService {
         trace::attr(&root, "max_tokens", preps[0].max_tokens as i64);
         Span::current().record("in_flight", self.router.in_flight() as i64);
         let (id, events) = if auto {
-            self.router.generate_tiered(admitted, request_id, preps, deadline, root.clone())?
+            self.router.generate_tiered(
+                admitted,
+                request_id,
+                preps,
+                &words,
+                deadline,
+                root.clone(),
+            )?
         } else {
             let prep = preps.swap_remove(0);
             self.router.generate_admitted(admitted, request_id, prep, deadline, root.clone())?
@@ -363,6 +380,7 @@ mod tests {
             max_in_flight: Some(2),
             cache_group: None,
             kv_policy: None,
+            default_model: None,
         };
         let mallory = pdmesh_common::apikey::add(&f, tenant("mallory")).unwrap();
         let alice = pdmesh_common::apikey::add(&f, tenant("alice")).unwrap();

@@ -115,6 +115,7 @@ fn pki() -> anyhow::Result<Pki> {
         max_in_flight: None,
         cache_group: None,
         kv_policy: None,
+        default_model: None,
     };
     let key = pdmesh_common::apikey::add(&dir.path().join("api-keys.toml"), tenant)?;
     pdmesh_common::tls::init(Some(MeshTls::load(dir.path(), "bench")?));
