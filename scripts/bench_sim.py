@@ -79,10 +79,15 @@ def metric(text, name, labels=""):
     return float(m.group(1)) if m else None
 
 
+def by_role(text, name, role):
+    """A gauge's value for `role`, summed over every model the router serves."""
+    pat = rf'^{re.escape(name)}{{[^}}]*role="{role}"[^}}]*}} (\S+)$'
+    return sum(float(m.group(1)) for m in re.finditer(pat, text, re.M))
+
+
 def nodes(text, role):
     """The router's usable nodes of `role`, over every model it serves."""
-    pat = rf'^pdmesh_router_nodes{{[^}}]*role="{role}"[^}}]*}} (\S+)$'
-    return sum(float(m.group(1)) for m in re.finditer(pat, text, re.M))
+    return by_role(text, "pdmesh_router_nodes", role)
 
 
 def buckets(text, name):
@@ -322,7 +327,7 @@ def day(a, bin):
                 continue
             # Each router plans for the requests it served: the pools need their sum (what an
             # autoscaler summing the gauge over the routers would ask for).
-            g = lambda n, r: sum(metric(t, n, f'{{role="{r}"}}') or 0 for t in ts)
+            g = lambda n, r: sum(by_role(t, n, r) for t in ts)
             samples.append({
                 "t": time.time() - t0,
                 "desired": {r: g("pdmesh_planner_desired_nodes", r) for r in ("prefill", "decode")},

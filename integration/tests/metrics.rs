@@ -77,15 +77,19 @@ async fn every_service_counts_what_it_does() {
     assert_eq!(get(&r, "pdmesh_router_cached_tokens_total"), 64.0);
     // The planner measured the two requests: demand and node speed are there, and one node
     // of each role covers a load this light.
+    // Each pool's gauges carry its model.
+    let planner = |name: &str, label: &str| {
+        format!("pdmesh_planner_{name}{{{label},model=\"SmolLM2-135M-Instruct.Q4_1\"}}")
+    };
     eventually(Duration::from_secs(10), "the planner's gauges", || async {
         let (r, _) = scrape(&router).await;
-        get(&r, "pdmesh_planner_demand_tokens_per_second{phase=\"prefill\"}") > 0.0
-            && get(&r, "pdmesh_planner_node_tokens_per_second{phase=\"decode\"}") > 0.0
+        get(&r, &planner("demand_tokens_per_second", "phase=\"prefill\"")) > 0.0
+            && get(&r, &planner("node_tokens_per_second", "phase=\"decode\"")) > 0.0
     })
     .await;
     let (r, raw) = scrape(&router).await;
-    assert_eq!(get(&r, "pdmesh_planner_desired_nodes{role=\"prefill\"}"), 1.0, "{raw}");
-    assert_eq!(get(&r, "pdmesh_planner_desired_nodes{role=\"decode\"}"), 1.0, "{raw}");
+    assert_eq!(get(&r, &planner("desired_nodes", "role=\"prefill\"")), 1.0, "{raw}");
+    assert_eq!(get(&r, &planner("desired_nodes", "role=\"decode\"")), 1.0, "{raw}");
 
     let (p, raw) = scrape(&prefill).await;
     assert_eq!(get(&p, "pdmesh_prefill_requests_total{outcome=\"completed\"}"), 2.0, "{raw}");

@@ -6,8 +6,8 @@
 //! children by closing their stdin (each exits cleanly when it closes, so none can outlive this
 //! process), killing any that do not stop in time.
 //!
-//! With `--autoscale` it follows the router's planner (`pdmesh_planner_desired_nodes`): it
-//! starts a node when the planner wants more, and drains one (SIGTERM: its streams move to the
+//! With `--autoscale` it follows the router's planner (`pdmesh_planner_desired_nodes`, one per
+//! model's pools): it starts a node of a model when its planner wants more, and drains one (SIGTERM: its streams move to the
 //! others with their KV) when it wants fewer, between the starting counts and `--max-*`.
 //!
 //! The mesh runs as production does: mutual TLS between its processes under a throwaway CA,
@@ -113,13 +113,14 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 120)]
     ready_timeout_s: u64,
     /// Follow the router's planner: start nodes when the load needs more, drain nodes when it
-    /// needs fewer (never below --prefill/--decode, never above --max-prefill/--max-decode).
+    /// needs fewer (never below --prefill/--decode, never above --max-prefill/--max-decode);
+    /// each model's pools by that model's own planner.
     #[arg(long)]
     autoscale: bool,
-    /// Most prefill nodes --autoscale runs.
+    /// Most prefill nodes --autoscale runs, of each model.
     #[arg(long, default_value_t = 3)]
     max_prefill: usize,
-    /// Most decode nodes --autoscale runs.
+    /// Most decode nodes --autoscale runs, of each model.
     #[arg(long, default_value_t = 3)]
     max_decode: usize,
     /// The planner's time-to-first-token objective, in ms.
@@ -134,10 +135,29 @@ pub struct UpArgs {
     /// Seconds the planner's need must stay lower before a pool shrinks.
     #[arg(long)]
     planner_cooldown_s: Option<u64>,
+    /// Serve the virtual model `auto` along these served models, cheapest first (a model's id
+    /// is its file's name without `.gguf`), by --tier-policy. None: `auto` is not served.
+    #[arg(long, value_delimiter = ',', value_name = "ID,ID[,...]")]
+    tiers: Vec<String>,
+    /// How `auto` picks the model that answers: cascade (each cheaper model answers out of
+    /// sight, kept when confident enough) or classifier (chosen up front from the request's
+    /// words by --tier-classifier).
+    #[arg(long, default_value = "cascade", requires = "tiers")]
+    tier_policy: pdmesh_router::config::TierPolicy,
+    /// cascade: the least mean token log-probability (<= 0) a cheaper model's answer needs.
+    #[arg(long, default_value_t = -0.3, requires = "tiers", allow_negative_numbers = true)]
+    tier_min_logprob: f32,
+    /// classifier: the file `scripts/train_tiers.py train` wrote (e.g.
+    /// deploy/config/tier-classifier.json).
+    #[arg(long, value_name = "FILE", requires = "tiers")]
+    tier_classifier: Option<PathBuf>,
+    /// classifier: the least predicted chance (0..1) of a good answer a cheaper model needs.
+    #[arg(long, default_value_t = 0.5, requires = "tiers")]
+    tier_min_p: f32,
 }
 
 impl UpArgs {
-    /// The default model: requests that name none, the KV-store and `--autoscale` are its.
+    /// The default model: requests that name none and the KV-store are its.
     fn model(&self) -> &Path {
         &self.models[0]
     }
@@ -153,9 +173,9 @@ impl UpArgs {
         (0..self.models.len()).map(|k| self.nodes(role, k)).sum()
     }
 
-    /// Most nodes of `role` the default model may run.
-    fn most(&self, role: &str) -> usize {
-        let least = self.nodes(role, 0);
+    /// Most nodes of `role` model `k` may run.
+    fn most(&self, role: &str, k: usize) -> usize {
+        let least = self.nodes(role, k);
         match (role, self.autoscale) {
             ("prefill", true) => self.max_prefill.max(least),
             (_, true) => self.max_decode.max(least),
@@ -188,14 +208,14 @@ impl UpArgs {
                 self.models[k].display()
             );
         }
-        if self.autoscale && models > 1 {
+        if self.autoscale
+            && let Some(k) = (0..models).find(|&k| self.nodes("prefill", k) == 0)
+        {
             bail!(
-                "--autoscale follows the planner of one model; with several --model, size each \
-                 model's pools with --prefill and --decode"
+                "--autoscale needs --prefill of at least 1 for every model ({} has none): it \
+                 scales both pools",
+                self.models[k].display()
             );
-        }
-        if self.autoscale && self.nodes("prefill", 0) == 0 {
-            bail!("--autoscale needs --prefill of at least 1: it scales both pools");
         }
         let mut ids = Vec::new();
         for m in &self.models {
@@ -210,6 +230,13 @@ impl UpArgs {
                 bail!("two --model files are both named {id:?}: each model is asked for by name");
             }
             ids.push(id);
+        }
+        if let Some(t) = router_config(self, None).tiers {
+            t.check(&ids).map_err(|e| anyhow::anyhow!("--tiers and --tier-*: {e}"))?;
+            if let Some(file) = &t.classifier {
+                pdmesh_router::classifier::Classifier::load(file, &t.ladder)
+                    .map_err(|e| anyhow::anyhow!("--tier-classifier: {e}"))?;
+            }
         }
         Ok(())
     }
@@ -313,7 +340,7 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<Issued> {
     ];
     for k in 0..a.models.len() {
         for (role, cert) in [("prefill", MeshRole::Prefill), ("decode", MeshRole::Decode)] {
-            let n = if k == 0 { a.most(role) } else { a.nodes(role, k) };
+            let n = a.most(role, k);
             names.extend((0..n).map(|i| (UpArgs::node_name(k, role, i), cert)));
         }
     }
@@ -324,6 +351,7 @@ fn issue_credentials(a: &UpArgs, dir: &Path) -> anyhow::Result<Issued> {
         max_in_flight: None,
         cache_group: None,
         kv_policy: None,
+        default_model: None,
     };
     let key = pdmesh_common::apikey::add(&dir.join(KEY_RING_FILE), operator)?;
     write_private(&dir.join(API_KEY_FILE), &key)?;
@@ -437,11 +465,21 @@ async fn up_with(a: &UpArgs, dir: Option<&Path>) -> anyhow::Result<()> {
             if a.autoscale && now.duration_since(planned) >= AUTOSCALE_EVERY {
                 planned = now;
                 // The router's metrics port, as it announced it when it (re)started.
-                let metrics =
-                    procs.iter().find(|p| p.name == "router").and_then(|p| p.addrs.get(3));
-                match desired_nodes(metrics.map_or("", String::as_str)).await {
-                    Ok(want) => autoscale(&template, &mut procs, want).await,
-                    Err(e) => eprintln!("pdmesh: --autoscale: reading the planner: {e:#}"),
+                let metrics = procs
+                    .iter()
+                    .find(|p| p.name == "router")
+                    .and_then(|p| p.addrs.get(3))
+                    .cloned()
+                    .unwrap_or_default();
+                // Each model's pools follow that model's planner.
+                for (k, m) in a.models.iter().enumerate() {
+                    let model = pdmesh_router::config::default_model_id(m);
+                    match desired_nodes(&metrics, &model).await {
+                        Ok(want) => autoscale(&template, &mut procs, k, want).await,
+                        Err(e) => {
+                            eprintln!("pdmesh: --autoscale: reading {model}'s planner: {e:#}")
+                        }
+                    }
                 }
             }
             tokio::time::sleep(Duration::from_millis(200)).await;

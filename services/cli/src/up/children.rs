@@ -73,11 +73,23 @@ pub(super) fn router_config(a: &UpArgs, dir: Option<&Path>) -> pdmesh_router::Ro
         allow_anonymous: dir.is_none(),
         ..Default::default()
     };
+    if !a.tiers.is_empty() {
+        use pdmesh_router::config::Tiers;
+        // The router may run elsewhere than `up`'s directory: the file by its whole path.
+        let file = a.tier_classifier.as_ref().map(|f| std::path::absolute(f).unwrap_or(f.clone()));
+        c.tiers = Some(Tiers {
+            ladder: a.tiers.clone(),
+            policy: a.tier_policy,
+            min_mean_logprob: a.tier_min_logprob,
+            classifier: file,
+            min_p_correct: a.tier_min_p,
+        });
+    }
     let p = &mut c.planner;
     p.min_prefill = count(a.nodes("prefill", 0).max(1));
-    p.max_prefill = count(a.most("prefill").max(1));
+    p.max_prefill = count(a.most("prefill", 0).max(1));
     p.min_decode = count(a.nodes("decode", 0));
-    p.max_decode = count(a.most("decode"));
+    p.max_decode = count(a.most("decode", 0));
     set(&mut p.ttft_slo_ms, a.ttft_slo_ms);
     set(&mut p.itl_slo_ms, a.itl_slo_ms);
     set(&mut p.window_s, a.planner_window_s);
@@ -359,8 +371,29 @@ mod tests {
         };
         assert!(refused(&["--decode", "1,1,1"]).contains("--decode has 3 counts for 2"));
         assert!(refused(&["--decode", "1,0"]).contains("large.gguf has none"));
-        assert!(refused(&["--autoscale"]).contains("--autoscale follows the planner of one"));
+        let up = Up::try_parse_from(["up", "--model", &sa, "--model", &sb, "--autoscale"]);
+        up.expect("parses").a.check().expect("each model's pools scale on their own");
+        let e = refused(&["--autoscale", "--prefill", "1,0"]);
+        assert!(e.contains("--autoscale needs --prefill") && e.contains("large.gguf"), "{e}");
         let twice = Up::try_parse_from(["up", "--model", &sa, "--model", &sa]).expect("parses");
         assert!(twice.a.check().expect_err("refused").to_string().contains("\"small\""));
+
+        // `auto` along both, by either policy; a ladder or a file that does not fit is refused.
+        let argv = |args: &[&str]| {
+            let mut argv = vec!["up", "--model", &sa, "--model", &sb];
+            argv.extend(args);
+            Up::try_parse_from(argv).expect("parses")
+        };
+        let up = argv(&["--tiers", "small,large", "--tier-min-logprob", "-0.2"]);
+        up.a.check().expect("a cascade");
+        let t = router_config(&up.a, None).tiers.expect("tiers");
+        assert_eq!((t.ladder.len(), t.min_mean_logprob), (2, -0.2));
+        assert!(refused(&["--tiers", "small,huge"]).contains("\"huge\" is not served"));
+        let policy = ["--tiers", "small,large", "--tier-policy", "classifier"];
+        assert!(refused(&policy).contains("needs `classifier`"));
+        let missing = dir.path().join("none.json").display().to_string();
+        let e = refused(&[&policy[..], &["--tier-classifier", &missing]].concat());
+        assert!(e.contains("--tier-classifier") && e.contains("none.json"), "{e}");
+        assert!(Up::try_parse_from(["up", "--tier-policy", "classifier"]).is_err(), "no --tiers");
     }
 }

@@ -60,6 +60,7 @@ impl Launch {
             deaths: 0,
             due: None,
             role: None,
+            model: 0,
             retiring: false,
         };
         p.write()?;
@@ -81,12 +82,13 @@ pub(super) async fn start_node(
     let (settings, cpus) = node_settings(t, k, role == "prefill", &name);
     let mut node = t.launch.start(&name, cpus, settings, 1).await?;
     node.role = Some(if role == "prefill" { Role::Prefill } else { Role::Decode });
+    node.model = k;
     Ok(node)
 }
 
-/// The planner's `pdmesh_planner_desired_nodes` (prefill, decode), scraped from the router's
-/// metrics endpoint (`http://ADDR/metrics`).
-pub(super) async fn desired_nodes(endpoint: &str) -> anyhow::Result<(usize, usize)> {
+/// The planner's `pdmesh_planner_desired_nodes` (prefill, decode) of `model`'s pool, scraped
+/// from the router's metrics endpoint (`http://ADDR/metrics`).
+pub(super) async fn desired_nodes(endpoint: &str, model: &str) -> anyhow::Result<(usize, usize)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let addr = endpoint.trim_start_matches("http://").trim_end_matches("/metrics");
     let body = tokio::time::timeout(Duration::from_secs(2), async {
@@ -99,7 +101,7 @@ pub(super) async fn desired_nodes(endpoint: &str) -> anyhow::Result<(usize, usiz
     .await
     .context("the router's metrics did not answer in 2 s")??;
     let gauge = |role: &str| -> anyhow::Result<usize> {
-        let series = format!("pdmesh_planner_desired_nodes{{role=\"{role}\"}} ");
+        let series = format!("pdmesh_planner_desired_nodes{{role=\"{role}\",model=\"{model}\"}} ");
         let line = body
             .lines()
             .find_map(|l| l.strip_prefix(series.as_str()))
@@ -109,28 +111,31 @@ pub(super) async fn desired_nodes(endpoint: &str) -> anyhow::Result<(usize, usiz
     Ok((gauge("prefill")?, gauge("decode")?))
 }
 
-/// One step towards the planner's pools: a node started, or one drained, per role.
+/// One step towards model `k`'s planner's pools: a node of it started, or one drained, per
+/// role.
 pub(super) async fn autoscale(
     t: &NodeTemplate<'_>,
     procs: &mut Vec<Supervised>,
+    k: usize,
     (prefill, decode): (usize, usize),
 ) {
     let a = t.a;
     for (role, name, want) in
         [(Role::Prefill, "prefill", prefill), (Role::Decode, "decode", decode)]
     {
-        let want = want.clamp(a.nodes(name, 0), a.most(name));
+        let want = want.clamp(a.nodes(name, k), a.most(name, k));
         let serving: Vec<usize> = (0..procs.len())
-            .filter(|&i| procs[i].role == Some(role) && !procs[i].retiring)
+            .filter(|&i| procs[i].role == Some(role) && procs[i].model == k && !procs[i].retiring)
             .collect();
         if want > serving.len() {
             // The lowest free name, so names (and their certificates) are reused.
-            let taken = |i: usize| procs.iter().any(|p| p.name == format!("{name}-{i}"));
-            let Some(i) = (0..a.most(name)).find(|&i| !taken(i)) else { continue };
-            eprintln!("pdmesh: the planner wants {want} {name} nodes; starting {name}-{i}");
-            match start_node(t, 0, name, i).await {
-                Ok(node) => procs.push(node),
-                Err(e) => eprintln!("pdmesh: starting {name}-{i} failed: {e:#}"),
+            let node = |i: usize| super::UpArgs::node_name(k, name, i);
+            let taken = |i: usize| procs.iter().any(|p| p.name == node(i));
+            let Some(i) = (0..a.most(name, k)).find(|&i| !taken(i)) else { continue };
+            eprintln!("pdmesh: the planner wants {want} {name} nodes; starting {}", node(i));
+            match start_node(t, k, name, i).await {
+                Ok(started) => procs.push(started),
+                Err(e) => eprintln!("pdmesh: starting {} failed: {e:#}", node(i)),
             }
         } else if want < serving.len() {
             let newest = *serving.last().expect("more serving than wanted");
@@ -168,6 +173,8 @@ pub(super) struct Supervised {
     pub(super) due: Option<Instant>,
     /// A node's role (--autoscale counts them).
     pub(super) role: Option<Role>,
+    /// A node's model (its index among `--model`s).
+    pub(super) model: usize,
     /// Drained on purpose: not restarted when it exits.
     pub(super) retiring: bool,
 }
