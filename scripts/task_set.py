@@ -5,7 +5,6 @@ difficulty levels, built here with no network and no judge model.
   python3 scripts/task_set.py generate [--per-kind 12] [--seed 1] > tasks.jsonl
   python3 scripts/task_set.py check tasks.jsonl        # every reference passes, a wrong one fails
   python3 scripts/task_set.py score tasks.jsonl --model ID [--model ID ...] [--out FILE]
-  python3 scripts/task_set.py cascade report.json --small ID --large ID [--cost ID=C ...]
 
 Kinds (each at levels 1-3, harder with the level):
   arith    arithmetic: sums, products, then multi-step word problems; the answer is a number
@@ -19,7 +18,9 @@ its checkers are this file's, under the repository's licence; no outside dataset
 `score` asks an OpenAI-compatible endpoint (OPENAI_BASE_URL, OPENAI_API_KEY, SSL_CERT_FILE, as
 for the SDK) each task greedily through the official `openai` SDK, with the chat template when
 the model has one and as a raw "Question/Answer" prompt when it has none, and reports accuracy
-per model, kind and level, with tokens and client-side seconds. Code answers run as a Python
+per model, kind and level, with tokens, client-side seconds and time to first token (each
+answer is streamed); for `auto`, also per model that answered. `scripts/train_tiers.py` turns
+scored reports into the routing policies' quality-cost tables. Code answers run as a Python
 subprocess of this machine (time-limited, no input): run it only against models you serve.
 """
 
@@ -210,24 +211,39 @@ def check(tasks: list[dict]) -> None:
 # --- scoring --------------------------------------------------------------------------------
 
 def ask(client, model: str, task: dict, raw: bool):
-    """The model's greedy answer, its usage and the seconds it took."""
+    """The model's greedy answer, streamed: its text, usage, the seconds to its first token and
+    to its end, the mean log-probability of its tokens, and the model that answered (for
+    `auto`, the one the router kept)."""
     t0 = time.perf_counter()
+    common = dict(model=model, max_tokens=task["max_tokens"], temperature=0, stream=True,
+                  stream_options={"include_usage": True})
     if raw:
-        r = client.completions.create(
-            model=model, prompt=f"Question: {task['prompt']}\nAnswer:",
-            max_tokens=task["max_tokens"], temperature=0, stop=["\nQuestion:"], logprobs=0)
-        text = r.choices[0].text
-        lps = r.choices[0].logprobs.token_logprobs if r.choices[0].logprobs else []
+        stream = client.completions.create(
+            prompt=f"Question: {task['prompt']}\nAnswer:", stop=["\nQuestion:"], logprobs=0,
+            **common)
     else:
-        r = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": task["prompt"]}],
-            max_tokens=task["max_tokens"], temperature=0, logprobs=True)
-        text = r.choices[0].message.content or ""
-        content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
-        lps = [t.logprob for t in content or []]
+        stream = client.chat.completions.create(
+            messages=[{"role": "user", "content": task["prompt"]}], logprobs=True, **common)
+    text, lps, usage, ttft, answered = "", [], None, None, model
+    for chunk in stream:
+        answered = chunk.model or answered
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            piece = c.text if raw else (c.delta.content or "")
+            if piece and ttft is None:
+                ttft = time.perf_counter() - t0
+            text += piece
+            if c.logprobs is None:
+                continue
+            if raw:
+                lps += c.logprobs.token_logprobs or []
+            else:
+                lps += [t.logprob for t in c.logprobs.content or []]
+    secs = time.perf_counter() - t0
     # The cascade's confidence: the mean log-probability of the answer's tokens.
     confidence = sum(lps) / len(lps) if lps else float("-inf")
-    return text, r.usage, time.perf_counter() - t0, confidence
+    return text, usage, ttft if ttft is not None else secs, secs, confidence, answered
 
 
 def score(tasks: list[dict], models: list[str], out: str | None) -> None:
@@ -240,16 +256,17 @@ def score(tasks: list[dict], models: list[str], out: str | None) -> None:
         rows = []
         for t in tasks:
             try:
-                text, usage, secs, confidence = ask(client, model, t, raw)
+                text, usage, ttft, secs, confidence, answered = ask(client, model, t, raw)
             except openai.BadRequestError as e:
                 if raw or "chat template" not in str(e):
                     raise
                 raw = True  # the model has no chat template: ask it raw from now on
-                text, usage, secs, confidence = ask(client, model, t, raw)
+                text, usage, ttft, secs, confidence, answered = ask(client, model, t, raw)
             rows.append({"id": t["id"], "kind": t["kind"], "level": t["level"],
                          "ok": passes(t, text), "answer": text, "confidence": confidence,
-                         "prompt_tokens": usage.prompt_tokens,
-                         "completion_tokens": usage.completion_tokens, "seconds": secs})
+                         "model": answered, "prompt_tokens": usage.prompt_tokens,
+                         "completion_tokens": usage.completion_tokens, "ttft": ttft,
+                         "seconds": secs})
         report[model] = {"mode": "raw" if raw else "chat", "tasks": rows}
         summarize(model, rows, raw)
     if out:
@@ -263,7 +280,13 @@ def summarize(model: str, rows: list[dict], raw: bool) -> None:
     toks = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
     secs = sum(r["seconds"] for r in rows)
     print(f"{model} ({'raw' if raw else 'chat'}): {ok}/{n} = {ok / n:.3f}; "
-          f"{toks} tokens; {secs:.1f} s")
+          f"{toks} tokens; {secs:.1f} s; TTFT p50/p99 {ttfts([r['ttft'] for r in rows])}")
+    answered = sorted({r["model"] for r in rows})
+    if answered != [model]:  # `auto`: who answered, and how fast the client saw a token
+        for m in answered:
+            sel = [r for r in rows if r["model"] == m]
+            print(f"  answered by {m}: {len(sel)}, {sum(r['ok'] for r in sel)} right; TTFT "
+                  f"p50/p99 {ttfts([r['ttft'] for r in sel])}")
     for kind in KINDS:
         by_level = []
         for level in (1, 2, 3):
@@ -273,43 +296,17 @@ def summarize(model: str, rows: list[dict], raw: bool) -> None:
         print(f"  {kind:8} {'  '.join(by_level)}")
 
 
-def cascade(report: dict, small: str, large: str, costs: dict, thresholds: list[float]) -> None:
-    """The quality-cost table of a two-model cascade from both models' scored answers.
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation between order statistics."""
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
-    Greedy answers are deterministic, so what the router's `auto` would keep at a threshold is
-    the small model's answer where its confidence reaches it, else the large model's; the
-    compute is the small model's run for every task plus the large model's where it escalated.
-    Compute is tokens (prompt + completion) x the model's cost (`costs`, e.g. parameters in M)
-    and client-side seconds."""
-    a = {r["id"]: r for r in report[small]["tasks"]}
-    b = {r["id"]: r for r in report[large]["tasks"]}
-    ids = list(a)
-    tok = lambda r: r["prompt_tokens"] + r["completion_tokens"]  # noqa: E731
 
-    def row(name, chosen, compute, secs):
-        acc = sum(chosen) / len(ids)
-        return name, acc, compute, secs
-
-    rows = []
-    rows.append(row(f"{small} alone", [a[i]["ok"] for i in ids],
-                    sum(tok(a[i]) * costs[small] for i in ids), sum(a[i]["seconds"] for i in ids)))
-    rows.append(row(f"{large} alone", [b[i]["ok"] for i in ids],
-                    sum(tok(b[i]) * costs[large] for i in ids), sum(b[i]["seconds"] for i in ids)))
-    for t in thresholds:
-        keep = {i: a[i]["confidence"] >= t for i in ids}
-        chosen = [a[i]["ok"] if keep[i] else b[i]["ok"] for i in ids]
-        compute = sum(tok(a[i]) * costs[small] + (0 if keep[i] else tok(b[i]) * costs[large])
-                      for i in ids)
-        secs = sum(a[i]["seconds"] + (0 if keep[i] else b[i]["seconds"]) for i in ids)
-        name = f"cascade >= {t:g} ({sum(not k for k in keep.values())} escalated)"
-        rows.append(row(name, chosen, compute, secs))
-    big_acc, big_compute = rows[1][1], rows[1][2]
-    print(f"| policy | accuracy | / {large} | compute | / {large} | seconds |")
-    print("|---|---|---|---|---|---|")
-    for name, acc, compute, secs in rows:
-        rel = acc / big_acc if big_acc else float("nan")
-        print(f"| {name} | {acc:.3f} | {rel:.3f} | {compute:,.0f} | "
-              f"{compute / big_compute:.3f} | {secs:.1f} |")
+def ttfts(secs: list[float]) -> str:
+    return f"{percentile(secs, 50) * 1000:,.0f} / {percentile(secs, 99) * 1000:,.0f} ms"
 
 
 def main() -> None:
@@ -324,21 +321,7 @@ def main() -> None:
     s.add_argument("file")
     s.add_argument("--model", action="append", required=True, help="a served model's id")
     s.add_argument("--out", metavar="FILE", help="every answer, its confidence and cost, as JSON")
-    k = sub.add_parser("cascade", help="a cascade's quality-cost table from `score --out`")
-    k.add_argument("report", help="the JSON `score --out` wrote")
-    k.add_argument("--small", required=True)
-    k.add_argument("--large", required=True)
-    k.add_argument("--cost", action="append", default=[], metavar="MODEL=C",
-                   help="a model's cost per token (e.g. its parameters in millions)")
-    k.add_argument("--thresholds", default="-0.1,-0.2,-0.3,-0.5,-0.8,-1.2")
     a = p.parse_args()
-    if a.cmd == "cascade":
-        costs = {m: float(c) for m, c in (x.split("=", 1) for x in a.cost)}
-        for m in (a.small, a.large):
-            costs.setdefault(m, 1.0)
-        thresholds = [float(x) for x in a.thresholds.split(",")]
-        cascade(json.load(open(a.report)), a.small, a.large, costs, thresholds)
-        return
     if a.cmd == "generate":
         for t in generate(a.per_kind, a.seed):
             print(json.dumps(t))
