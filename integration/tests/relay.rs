@@ -718,11 +718,8 @@ async fn a_kv_policy_is_applied_named_and_checked() {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.toml");
     let tenant = |t: &str, p: Option<&str>| Tenant {
-        tenant: t.into(),
-        max_in_flight: None,
-        cache_group: None,
         kv_policy: p.map(|p| p.parse().unwrap()),
-        default_model: None,
+        ..Tenant::named(t)
     };
     let plain = add(&keys, tenant("plain", None)).unwrap();
     let streaming = add(&keys, tenant("streaming", Some("sinks:16"))).unwrap();

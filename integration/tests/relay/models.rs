@@ -189,11 +189,8 @@ async fn a_tenants_default_model_serves_its_requests_that_name_none() {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys.toml");
     let tenant = |t: &str, model: Option<&str>| Tenant {
-        tenant: t.into(),
-        max_in_flight: None,
-        cache_group: None,
-        kv_policy: None,
         default_model: model.map(String::from),
+        ..Tenant::named(t)
     };
     let plain = add(&keys, tenant("plain", None)).unwrap();
     let big = add(&keys, tenant("big", Some("other"))).unwrap();

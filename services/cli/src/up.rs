@@ -7,8 +7,9 @@
 //! process), killing any that do not stop in time.
 //!
 //! With `--autoscale` it follows the router's planner (`pdmesh_planner_desired_nodes`, one per
-//! model's pools): it starts a node of a model when its planner wants more, and drains one (SIGTERM: its streams move to the
-//! others with their KV) when it wants fewer, between the starting counts and `--max-*`.
+//! model's pools): it starts a node of a model when its planner wants more, and drains one
+//! (SIGTERM: its streams move to the others with their KV) when it wants fewer, between the
+//! starting counts and `--max-*`.
 //!
 //! The mesh runs as production does: mutual TLS between its processes under a throwaway CA,
 //! and an API key for the public API, all made now in a private directory named after the
@@ -231,7 +232,7 @@ impl UpArgs {
             }
             ids.push(id);
         }
-        if let Some(t) = router_config(self, None).tiers {
+        if let Some(t) = children::tiers(self) {
             t.check(&ids).map_err(|e| anyhow::anyhow!("--tiers and --tier-*: {e}"))?;
             if let Some(file) = &t.classifier {
                 pdmesh_router::classifier::Classifier::load(file, &t.ladder)

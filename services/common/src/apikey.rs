@@ -82,8 +82,13 @@ mod policy_text {
 impl Tenant {
     /// The caller of a mesh without API keys (`allow_anonymous`).
     pub fn anonymous() -> Self {
+        Self::named("anonymous")
+    }
+
+    /// A tenant called `tenant` with every setting at its default.
+    pub fn named(tenant: impl Into<String>) -> Self {
         Self {
-            tenant: "anonymous".into(),
+            tenant: tenant.into(),
             max_in_flight: None,
             cache_group: None,
             kv_policy: None,

@@ -95,15 +95,18 @@ impl AppState {
     }
 
     /// What a request for `asked` is prepared for: that model (for none, the tenant's
-    /// `default_model` or the router's default), or each model of the ladder for `auto`.
+    /// `default_model` or the router's default), or those `auto` may run, chosen by the
+    /// request's `words` (`Router::tier_models`).
     fn models_for(
         &self,
         asked: &str,
         tenant_default: Option<&str>,
+        words: &str,
+        span: &Span,
     ) -> Result<Vec<(String, Arc<pdmesh_model::ModelCard>)>, ApiError> {
         let asked = &self.router.resolve_model(asked, tenant_default)[..];
         if asked == AUTO_MODEL {
-            return self.router.ladder().ok_or_else(|| self.unknown(asked));
+            return self.router.tier_models(words, span).ok_or_else(|| self.unknown(asked));
         }
         Ok(vec![(asked.to_string(), self.pick(asked)?)])
     }
@@ -321,6 +324,7 @@ async fn start(
     let admitted = s.router.admit(tenant)?;
     let body = read_body(headers, body).await?;
     let state = s.clone();
+    let span = root.clone();
     // The body names the model, whose tokenizer and template check the rest;
     // `auto` is prepared for each model of its ladder, by that model's tokenizer and template.
     let plans = tokio::task::spawn_blocking(move || -> Result<Vec<Plan>, ApiError> {
@@ -331,7 +335,9 @@ async fn start(
                 let each = |(id, model): &(String, Arc<pdmesh_model::ModelCard>)| {
                     prepare::chat(model, id, &r, &common)
                 };
-                state.models_for(&r.model, tenant_model.as_deref())?.iter().map(each).collect()
+                let words = prepare::chat_words(&r);
+                let models = state.models_for(&r.model, tenant_model.as_deref(), &words, &span)?;
+                models.iter().map(each).collect()
             }
             Kind::Completion => {
                 let r: CompletionRequest = parse_body(&body)?;
@@ -339,7 +345,9 @@ async fn start(
                 let each = |(id, model): &(String, Arc<pdmesh_model::ModelCard>)| {
                     prepare::completion(model, id, &r, &common)
                 };
-                state.models_for(&r.model, tenant_model.as_deref())?.iter().map(each).collect()
+                let words = prepare::completion_words(&r);
+                let models = state.models_for(&r.model, tenant_model.as_deref(), &words, &span)?;
+                models.iter().map(each).collect()
             }
         }
     })
@@ -364,7 +372,7 @@ async fn start(
         trace::attr(&root, "user", u.clone());
     }
     let (request_id, mut events) = if auto {
-        s.router.generate_tiered(admitted, None, ladder, &plan.words, deadline, root.clone())?
+        s.router.generate_tiered(admitted, None, ladder, deadline, root.clone())?
     } else {
         s.router.generate_admitted(admitted, None, plan.prep.clone(), deadline, root.clone())?
     };

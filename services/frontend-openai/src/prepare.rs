@@ -8,7 +8,7 @@ use pdmesh_router::request::{self, Prepared, Unfit};
 
 use crate::error::ApiError;
 use crate::schema::{
-    ChatCompletionRequest, CommonParams, CompletionRequest, Content, Prompt, Stop,
+    ChatCompletionRequest, ChatMessage, CommonParams, CompletionRequest, Content, Prompt, Stop,
 };
 
 /// The most alternatives the legacy completions API reports per token.
@@ -24,8 +24,6 @@ pub struct Plan {
     pub logprobs: Option<u32>,
     pub return_token_ids: bool,
     pub user: Option<String>,
-    /// The words `auto`'s classifier reads: the last user message, or the prompt's text.
-    pub words: String,
 }
 
 /// Checks a chat request against `model`, served as `model_id` (the caller resolved the name
@@ -64,29 +62,7 @@ pub fn chat(
         let role = if m.role == "developer" { "system" } else { m.role.as_str() };
         request::check_role(role)
             .map_err(|e| ApiError::invalid(format!("messages[{i}].role"), e))?;
-        let text = match &m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t.clone(),
-            Some(Content::Parts(parts)) => {
-                let mut text = String::new();
-                for (j, p) in parts.iter().enumerate() {
-                    let at = format!("messages[{i}].content[{j}]");
-                    match (p.kind.as_str(), &p.text) {
-                        ("text", Some(t)) => text.push_str(t),
-                        ("text", None) => {
-                            return Err(ApiError::invalid(at, "a text part needs `text`"));
-                        }
-                        (other, _) => {
-                            return Err(ApiError::invalid(
-                                format!("{at}.type"),
-                                format!("only text parts are supported, not {other:?}"),
-                            ));
-                        }
-                    }
-                }
-                text
-            }
-        };
+        let text = content_text(i, m)?;
         msgs.push(Message::new(role, text));
     }
     let rendered =
@@ -114,9 +90,51 @@ pub fn chat(
     // The newer name wins; without either, the rest of the context.
     let max_tokens = r.max_completion_tokens.map(|m| ("max_completion_tokens", m));
     let max_tokens = max_tokens.or(common.max_tokens.map(|m| ("max_tokens", m)));
-    let mut p = plan((model, model_id), prompt, "messages", max_tokens, common, logprobs)?;
-    p.words = request::classified_words(&msgs);
-    Ok(p)
+    plan((model, model_id), prompt, "messages", max_tokens, common, logprobs)
+}
+
+/// Message `i`'s text: its string, or its text parts joined (other parts are refused).
+fn content_text(i: usize, m: &ChatMessage) -> Result<String, ApiError> {
+    Ok(match &m.content {
+        None => String::new(),
+        Some(Content::Text(t)) => t.clone(),
+        Some(Content::Parts(parts)) => {
+            let mut text = String::new();
+            for (j, p) in parts.iter().enumerate() {
+                let at = format!("messages[{i}].content[{j}]");
+                match (p.kind.as_str(), &p.text) {
+                    ("text", Some(t)) => text.push_str(t),
+                    ("text", None) => {
+                        return Err(ApiError::invalid(at, "a text part needs `text`"));
+                    }
+                    (other, _) => {
+                        return Err(ApiError::invalid(
+                            format!("{at}.type"),
+                            format!("only text parts are supported, not {other:?}"),
+                        ));
+                    }
+                }
+            }
+            text
+        }
+    })
+}
+
+/// The words of a chat `auto`'s classifier reads: its last user message (nothing where that
+/// is invalid: `chat` refuses it anyway).
+pub fn chat_words(r: &ChatCompletionRequest) -> String {
+    let last = request::classified_message(&r.messages, |m| &m.role);
+    last.and_then(|m| content_text(0, m).ok()).unwrap_or_default()
+}
+
+/// The words of a completions request `auto`'s classifier reads: its text prompt (token ids
+/// have none).
+pub fn completion_words(r: &CompletionRequest) -> String {
+    match &r.prompt {
+        Prompt::Text(t) => t.clone(),
+        Prompt::Texts(t) => t.first().cloned().unwrap_or_default(),
+        Prompt::Tokens(_) | Prompt::TokenBatch(_) => String::new(),
+    }
 }
 
 /// Checks a completions request against `model`, served as `model_id` (as `chat`).
@@ -171,13 +189,7 @@ pub fn completion(
     }
     // The API's default for completions is 16 tokens.
     let max_tokens = Some(("max_tokens", common.max_tokens.unwrap_or(16)));
-    let mut p = plan((model, model_id), prompt, "prompt", max_tokens, common, r.logprobs)?;
-    if let Prompt::Text(t) = &r.prompt {
-        p.words.clone_from(t);
-    } else if let Prompt::Texts(t) = &r.prompt {
-        p.words.clone_from(&t[0]);
-    }
-    Ok(p)
+    plan((model, model_id), prompt, "prompt", max_tokens, common, r.logprobs)
 }
 
 fn text_prompt(model: &ModelCard, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -300,7 +312,6 @@ fn plan(
         logprobs,
         return_token_ids: c.return_token_ids.unwrap_or(false),
         user: c.user.clone(),
-        words: String::new(),
     })
 }
 

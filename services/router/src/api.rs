@@ -15,7 +15,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, Span};
 
 use crate::classifier::Classifier;
-use crate::config::TierPolicy;
 use crate::error::RequestError;
 pub use crate::events::{Event, Finished, Timings, Usage};
 use crate::mesh::Mesh;
@@ -51,7 +50,8 @@ pub struct Router {
     tenants: Arc<Mutex<HashMap<String, TenantPlaces>>>,
     /// Cancels being asked of every decode node, by tenant.
     fanouts: Quota<String, String>,
-    /// `auto`'s classifier, under `[tiers] policy = "classifier"`.
+    /// `auto`'s classifier, loaded where `[tiers] policy = "classifier"` (the config allows a
+    /// file under no other policy).
     classifier: Option<Arc<Classifier>>,
 }
 
@@ -238,37 +238,42 @@ impl Router {
     }
 
     /// `generate_admitted` for a request for `auto`: `ladder` is the request prepared for each
-    /// model of the router's ladder in order (`Router::ladder`), run by the ladder's policy;
-    /// `text` is the request's words as the classifier reads them (the prompt, or the chat's
-    /// last user message).
+    /// model `Router::tier_models` gave, in order, run as a cascade (the classifier's choice
+    /// is a ladder of one, which simply runs).
     pub fn generate_tiered(
         &self,
         admitted: Admitted,
         request_id: Option<String>,
         ladder: Vec<Prepared>,
-        text: &str,
         deadline: Instant,
         span: Span,
     ) -> Result<(String, Events), RequestError> {
         let Some(tiers) = self.mesh.config.tiers.clone() else {
             return Err(RequestError::Invalid("this router declares no ladder for `auto`".into()));
         };
-        let policy = match (&self.classifier, tiers.policy) {
-            (Some(c), TierPolicy::Classifier) => {
-                let (k, chances) = c.choose(&tiers.ladder, text, f64::from(tiers.min_p_correct));
-                trace::attr(&span, "tier_chances", format!("{chances:.3?}"));
-                self.mesh.metrics.tier_chosen(&tiers.ladder[k]);
-                crate::tiers::Policy::Chosen(k)
-            }
-            (None, TierPolicy::Classifier) => {
-                let e = tonic::Status::internal("the tier classifier is not loaded");
-                return Err(RequestError::Node(e));
-            }
-            (_, TierPolicy::Cascade) => crate::tiers::Policy::Cascade(tiers.min_mean_logprob),
-        };
         self.start(admitted, request_id, span, move |mesh, id, tenant, tx, cancel| async move {
-            crate::tiers::run(&mesh, id, ladder, policy, &tenant, deadline, tx, cancel).await;
+            let threshold = tiers.min_mean_logprob;
+            crate::tiers::run(&mesh, id, ladder, threshold, &tenant, deadline, tx, cancel).await;
         })
+    }
+
+    /// The models a request for `auto` is prepared for, cheapest first: the whole ladder for
+    /// a cascade; under the classifier, the one model it chooses from `words` (the prompt, or
+    /// the chat's last user message), so no other model's tokenizer runs. None where the
+    /// router declares no ladder.
+    pub fn tier_models(
+        &self,
+        words: &str,
+        span: &Span,
+    ) -> Option<Vec<(String, Arc<pdmesh_model::ModelCard>)>> {
+        let ladder = self.ladder()?;
+        let (Some(c), Some(tiers)) = (&self.classifier, &self.mesh.config.tiers) else {
+            return Some(ladder);
+        };
+        let (k, chances) = c.choose(&tiers.ladder, words, f64::from(tiers.min_p_correct));
+        trace::attr(span, "tier_chances", format!("{chances:.3?}"));
+        self.mesh.metrics.tier_chosen(&tiers.ladder[k]);
+        ladder.into_iter().nth(k).map(|m| vec![m])
     }
 
     /// The ladder of `auto` (`[tiers]`): each model's id and card, cheapest first; None where

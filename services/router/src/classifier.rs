@@ -101,8 +101,13 @@ impl Classifier {
     /// The chance (0..1) that `model` answers `text` well; None for a model it has no
     /// weights for.
     pub fn p_correct(&self, model: &str, text: &str) -> Option<f64> {
+        self.score(model, &features(text))
+    }
+
+    /// `p_correct` of text whose features are `f`.
+    fn score(&self, model: &str, f: &BTreeSet<String>) -> Option<f64> {
         let w = self.models.get(model)?;
-        let z = w.bias + features(text).iter().filter_map(|f| w.weights.get(f)).sum::<f64>();
+        let z = w.bias + f.iter().filter_map(|f| w.weights.get(f)).sum::<f64>();
         Some(1.0 / (1.0 + (-z).exp()))
     }
 
@@ -110,9 +115,10 @@ impl Classifier {
     /// `min_p`, else the last; with each cheaper model's chance, for the trace.
     pub fn choose(&self, ladder: &[String], text: &str, min_p: f64) -> (usize, Vec<f64>) {
         let last = ladder.len().saturating_sub(1);
+        let f = features(text);
         let mut chances = Vec::with_capacity(last);
         for (k, model) in ladder[..last].iter().enumerate() {
-            let p = self.p_correct(model, text).unwrap_or(0.0);
+            let p = self.score(model, &f).unwrap_or(0.0);
             chances.push(p);
             if p >= min_p {
                 return (k, chances);

@@ -117,18 +117,15 @@ pub async fn run_with(
     }
     let drain = Duration::from_millis(config.drain_ms);
     let ttl = Duration::from_millis(u64::from(config.node_ttl_ms));
-    let classifier = match &config.tiers {
-        Some(t) => match &t.classifier {
-            Some(path) => {
-                let c = classifier::Classifier::load(path, &t.ladder)
-                    .map_err(|e| pdmesh_common::InvalidConfig::new("tiers.classifier", e))?;
-                tracing::info!(file = %path.display(), "tier classifier loaded");
-                Some(c)
-            }
-            None => None,
-        },
-        None => None,
-    };
+    let mut classifier = None;
+    if let Some(t) = &config.tiers
+        && let Some(path) = &t.classifier
+    {
+        let c = classifier::Classifier::load(path, &t.ladder)
+            .map_err(|e| pdmesh_common::InvalidConfig::new("tiers.classifier", e))?;
+        tracing::info!(file = %path.display(), "tier classifier loaded");
+        classifier = Some(c);
+    }
     let mesh = Arc::new(Mesh::new(config, models));
     let mut router = Router::new(Arc::clone(&mesh));
     if let Some(c) = classifier {

@@ -199,8 +199,8 @@ impl RouterMetrics {
         );
         m.register(
             "pdmesh_router_tier_choices",
-            "Requests for `auto` the tier classifier sent to each model of the ladder, before \
-             any model ran.",
+            "Choices the tier classifier made for requests for `auto`, by the model chosen (before \
+             any model ran).",
             self.tier_choices.clone(),
         );
         let max = mesh.config.max_in_flight;

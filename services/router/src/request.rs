@@ -23,10 +23,10 @@ pub struct Prepared {
     pub model: String,
 }
 
-/// What `auto`'s classifier reads of a chat: the last user message (the question asked
-/// now), or nothing when there is none.
-pub fn classified_words(msgs: &[Message]) -> String {
-    msgs.iter().rev().find(|m| m.role == "user").map(|m| m.content.clone()).unwrap_or_default()
+/// The message of a chat `auto`'s classifier reads: the last user message, the question
+/// asked now (`role` says each message's role).
+pub fn classified_message<M>(msgs: &[M], role: impl Fn(&M) -> &str) -> Option<&M> {
+    msgs.iter().rev().find(|m| role(m) == "user")
 }
 
 /// The message of an INVALID_ARGUMENT.

@@ -26,8 +26,8 @@ use pdmesh_common::trace;
 use crate::api::{Event, Router};
 use crate::config::AUTO_MODEL;
 use crate::mesh::Mesh;
-use crate::request::{Prepared, prepare, tokenize};
-use pdmesh_model::{Message, ModelCard};
+use crate::request::{Prepared, classified_message, prepare, tokenize};
+use pdmesh_model::ModelCard;
 
 #[derive(Debug, Clone)]
 pub struct RouterService {
@@ -143,17 +143,19 @@ impl RouterService {
             }
             ids.join(", ")
         };
-        // The models to prepare it for: the one it names (or its tenant's default), or
-        // `auto`'s whole ladder.
+        // The models to prepare it for: the one it names (or its tenant's default), or those
+        // `auto` may run.
         let asked = self.router.resolve_model(&r.model, tenant.default_model.as_deref());
         let models: Vec<(String, Arc<ModelCard>)> = match asked.as_str() {
-            AUTO_MODEL => self.router.ladder().ok_or_else(|| {
-                Status::not_found(format!(
-                    "model \"auto\" is not served here (the router declares no [tiers]); \
+            AUTO_MODEL => {
+                self.router.tier_models(&classified_words(&r), &root).ok_or_else(|| {
+                    Status::not_found(format!(
+                        "model \"auto\" is not served here (the router declares no [tiers]); \
                      served: {}",
-                    served()
-                ))
-            })?,
+                        served()
+                    ))
+                })?
+            }
             name => {
                 let pool = self.mesh().pool_named(name).ok_or_else(|| {
                     Status::not_found(format!(
@@ -181,15 +183,6 @@ impl RouterService {
             ));
         }
         let ids_only = matches!(r.input, Some(generate_request::Input::TokenIds(_))) && !auto;
-        let words = match &r.input {
-            Some(generate_request::Input::Prompt(p)) if auto => p.clone(),
-            Some(generate_request::Input::Chat(c)) if auto => {
-                let msgs: Vec<Message> =
-                    c.messages.iter().map(|m| Message::new(&m.role, &m.content)).collect();
-                crate::request::classified_words(&msgs)
-            }
-            _ => String::new(),
-        };
         let prepare_all = move || -> Result<Vec<Prepared>, String> {
             let prepare_for = |(id, model): &(String, Arc<ModelCard>)| {
                 let mut prep = prepare(model, &r).map_err(|e| match models.len() {
@@ -217,14 +210,7 @@ impl RouterService {
         trace::attr(&root, "max_tokens", preps[0].max_tokens as i64);
         Span::current().record("in_flight", self.router.in_flight() as i64);
         let (id, events) = if auto {
-            self.router.generate_tiered(
-                admitted,
-                request_id,
-                preps,
-                &words,
-                deadline,
-                root.clone(),
-            )?
+            self.router.generate_tiered(admitted, request_id, preps, deadline, root.clone())?
         } else {
             let prep = preps.swap_remove(0);
             self.router.generate_admitted(admitted, request_id, prep, deadline, root.clone())?
@@ -357,6 +343,17 @@ impl Generation for RouterService {
         } else {
             Err(Status::not_found(format!("request_id {id} is not running")))
         }
+    }
+}
+
+/// The words of `r` `auto`'s classifier reads: the prompt, or the chat's last user message.
+fn classified_words(r: &GenerateRequest) -> String {
+    match &r.input {
+        Some(generate_request::Input::Prompt(p)) => p.clone(),
+        Some(generate_request::Input::Chat(c)) => classified_message(&c.messages, |m| &m.role)
+            .map(|m| m.content.clone())
+            .unwrap_or_default(),
+        _ => String::new(),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Tiered routing: a request for the virtual model `auto` runs on the router's ladder of
 //! models (`[tiers]`), cheapest first, by one of two policies. The classifier's choice is made
-//! before this (`Router::generate_tiered`): the chosen model answers, streaming. In a cascade
-//! each model but the last answers in full, out of the client's sight; its answer is kept
+//! before the request is prepared (`Router::tier_models`): a ladder of one, which answers,
+//! streaming. In a cascade each model but the last answers in full, out of the client's sight; its answer is kept
 //! when its confidence — the mean log-probability of its tokens — reaches the threshold, and
 //! is otherwise dropped for a run on the next model. The last model's answer streams to the
 //! client as it comes. Either way the client sees one `Started`, one answer and a `Finished`
@@ -22,35 +22,23 @@ use crate::request::Prepared;
 
 type Out = mpsc::Sender<Result<Event, RequestError>>;
 
-/// How a request climbs the ladder.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Policy {
-    /// Each model in turn until one's mean token log-probability reaches this.
-    Cascade(f32),
-    /// This model of the ladder, chosen up front.
-    Chosen(usize),
-}
-
 /// Runs `ladder` (the request prepared for each model of the ladder, in order, each by its own
-/// tokenizer and template) by `policy`, sending the kept answer to `out`.
+/// tokenizer and template) as a cascade, sending the kept answer to `out`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn run(
     mesh: &Mesh,
     id: String,
     ladder: Vec<Prepared>,
-    policy: Policy,
+    min_mean_logprob: f32,
     tenant: &Tenant,
     deadline: Instant,
     out: Out,
     cancel: CancellationToken,
 ) {
     let t0 = Instant::now();
-    let (first, last, min_mean_logprob) = match policy {
-        Policy::Cascade(t) => (0, ladder.len().saturating_sub(1), t),
-        Policy::Chosen(k) => (k, k, f32::NEG_INFINITY),
-    };
+    let last = ladder.len().saturating_sub(1);
     let mut escalations = 0;
-    for (k, prep) in ladder.into_iter().enumerate().skip(first) {
+    for (k, prep) in ladder.into_iter().enumerate() {
         let (model, asked) = (prep.model.clone(), prep.sampling.logprobs);
         if k == last {
             let offset = ms(t0.elapsed());

@@ -73,18 +73,7 @@ pub(super) fn router_config(a: &UpArgs, dir: Option<&Path>) -> pdmesh_router::Ro
         allow_anonymous: dir.is_none(),
         ..Default::default()
     };
-    if !a.tiers.is_empty() {
-        use pdmesh_router::config::Tiers;
-        // The router may run elsewhere than `up`'s directory: the file by its whole path.
-        let file = a.tier_classifier.as_ref().map(|f| std::path::absolute(f).unwrap_or(f.clone()));
-        c.tiers = Some(Tiers {
-            ladder: a.tiers.clone(),
-            policy: a.tier_policy,
-            min_mean_logprob: a.tier_min_logprob,
-            classifier: file,
-            min_p_correct: a.tier_min_p,
-        });
-    }
+    c.tiers = tiers(a);
     let p = &mut c.planner;
     p.min_prefill = count(a.nodes("prefill", 0).max(1));
     p.max_prefill = count(a.most("prefill", 0).max(1));
@@ -96,6 +85,22 @@ pub(super) fn router_config(a: &UpArgs, dir: Option<&Path>) -> pdmesh_router::Ro
     set(&mut p.cooldown_s, a.planner_cooldown_s);
     set(&mut c.prefill_policy, a.prefill_policy);
     c
+}
+
+/// The router's `[tiers]` from `--tiers` and `--tier-*`; None without `--tiers`.
+pub(super) fn tiers(a: &UpArgs) -> Option<pdmesh_router::config::Tiers> {
+    if a.tiers.is_empty() {
+        return None;
+    }
+    // The router may run elsewhere than `up`'s directory: the file by its whole path.
+    let file = a.tier_classifier.as_ref().map(|f| std::path::absolute(f).unwrap_or(f.clone()));
+    Some(pdmesh_router::config::Tiers {
+        ladder: a.tiers.clone(),
+        policy: a.tier_policy,
+        min_mean_logprob: a.tier_min_logprob,
+        classifier: file,
+        min_p_correct: a.tier_min_p,
+    })
 }
 
 /// The KV-store's settings from `up`'s flags: the mesh's block size, dtype and transport.
